@@ -1,0 +1,48 @@
+"""allreduce-param: Spark-native AllReduce parameter sync for data-parallel training.
+
+Inside one barrier ``mapPartitions`` stage each partition owns a slice of the flattened
+parameter vector; gradients are reduce-scattered to the owners and weights all-gathered
+back through compressed blocks that the partitions serve to each other, without the driver.
+"""
+
+from .codec import CODECS
+from .errors import (
+    AllReduceError,
+    AuthenticationError,
+    CodecOverflowError,
+    ConfigurationError,
+    CorruptBlockError,
+    FetchTimeoutError,
+    InputError,
+    NonFiniteGradientError,
+    PeerLostError,
+    ProtocolError,
+    UsageError,
+)
+from .layout import SliceLayout
+from .parameter import AllReduceParameter, ConnectedParameter
+from .rendezvous import BarrierRendezvous, LocalRendezvous, Rendezvous, StaticRendezvous
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllReduceParameter",
+    "ConnectedParameter",
+    "CODECS",
+    "SliceLayout",
+    "Rendezvous",
+    "BarrierRendezvous",
+    "StaticRendezvous",
+    "LocalRendezvous",
+    "AllReduceError",
+    "AuthenticationError",
+    "CodecOverflowError",
+    "ConfigurationError",
+    "CorruptBlockError",
+    "FetchTimeoutError",
+    "InputError",
+    "NonFiniteGradientError",
+    "PeerLostError",
+    "ProtocolError",
+    "UsageError",
+]

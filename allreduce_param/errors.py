@@ -1,0 +1,51 @@
+"""The errors allreduce-param raises.
+
+Every error names what went wrong (the partition, the peer, the block, the version) and
+what to do about it, so that the one line a Spark driver shows is enough to act on.
+"""
+
+from __future__ import annotations
+
+
+class AllReduceError(RuntimeError):
+    """Base class of every error allreduce-param raises on purpose."""
+
+
+class ConfigurationError(AllReduceError, ValueError):
+    """A setting or an argument is wrong before any data moves (size, codec, partitions)."""
+
+
+class UsageError(AllReduceError):
+    """A call came out of order, e.g. ``get_weights`` before ``init``."""
+
+
+class CorruptBlockError(AllReduceError):
+    """A block's header or checksum does not match its bytes."""
+
+
+class CodecOverflowError(AllReduceError, OverflowError):
+    """A value cannot be represented by the chosen codec (fp16 holds at most 65504)."""
+
+
+class NonFiniteGradientError(AllReduceError, FloatingPointError):
+    """A gradient holds NaN or Inf and the parameter does not allow it."""
+
+
+class FetchTimeoutError(AllReduceError, TimeoutError):
+    """A peer did not publish the asked-for version of a block within the timeout."""
+
+
+class PeerLostError(AllReduceError, ConnectionError):
+    """A peer closed its connection or could not be reached: its task has most likely failed."""
+
+
+class AuthenticationError(AllReduceError, PermissionError):
+    """A connection could not prove it knows the parameter's secret."""
+
+
+class ProtocolError(AllReduceError):
+    """A frame on the wire was malformed or larger than its block can be."""
+
+
+class InputError(AllReduceError, ValueError):
+    """A vector handed to the engine has the wrong length, shape or dtype."""

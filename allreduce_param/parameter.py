@@ -1,0 +1,441 @@
+"""AllReduceParameter: a float32 vector kept in sync across the partitions of a barrier stage.
+
+Partition ``i`` of ``N`` owns slice ``i`` of the vector (``layout.SliceLayout``). Each step:
+
+1. ``get_weights``: all-gather. Fetch every owner's published weight slice.
+2. ``put_gradients``: cut the local gradient into N chunks and publish chunk ``j`` for owner ``j``.
+3. ``aggregate_gradient_partition``: reduce-scatter. The owner fetches its chunk from every
+   peer and sums them, in partition order, in fp32, divided by the summed sample counts.
+4. The optimizer updates ``weight_partition`` (the owned fp32 slice) in place.
+5. ``send_weight_partition``: publish the updated slice as the next version.
+
+Nothing here waits on Spark: a fetch of a version blocks until the peer publishes it. The
+driver makes the ``AllReduceParameter`` (its id and secret travel with the task closure);
+each task calls ``connect()``, which meets the peers once and returns a
+``ConnectedParameter``, to be closed (or used as a context manager) on every path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+import numpy as np
+
+from .codec import get_codec
+from .errors import (
+    AllReduceError,
+    ConfigurationError,
+    InputError,
+    NonFiniteGradientError,
+    UsageError,
+)
+from .layout import SliceLayout
+from .rendezvous import BarrierRendezvous, Rendezvous
+from .store import EVERY_PARTITION, BlockKey, BlockKind, BlockStore
+from .transport import BlockServer, PeerClient
+
+log = logging.getLogger(__name__)
+
+_next_param_id = itertools.count()
+
+
+class AllReduceParameter:
+    """The driver's description of one synchronised vector: its size, partitions, codec, secret.
+
+    Make it on the driver and use it inside ``rdd.barrier().mapPartitions(task)``: every
+    task calls ``connect()``. ``timeout`` bounds every wait for a peer, in seconds;
+    ``fetch_threads`` is how many peers are fetched from at once (default: all);
+    ``allow_nonfinite`` lets NaN/Inf gradients through instead of raising.
+    """
+
+    def __init__(
+        self,
+        partition_num: int,
+        size: int,
+        codec: str = "lz4",
+        *,
+        timeout: float = 120.0,
+        fetch_threads: int | None = None,
+        allow_nonfinite: bool = False,
+        param_id: int | None = None,
+    ) -> None:
+        self.layout = SliceLayout(size, partition_num)
+        get_codec(codec)  # an unknown codec fails here, on the driver, not in every task
+        if not timeout > 0:
+            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if fetch_threads is not None and fetch_threads < 1:
+            raise ConfigurationError(f"fetch_threads must be at least 1, got {fetch_threads!r}")
+        self.codec = codec
+        self.timeout = float(timeout)
+        self.fetch_threads = fetch_threads
+        self.allow_nonfinite = allow_nonfinite
+        self.param_id = next(_next_param_id) if param_id is None else int(param_id)
+        self.secret = secrets.token_bytes(32)
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    @property
+    def partition_num(self) -> int:
+        return self.layout.partition_num
+
+    def __repr__(self) -> str:
+        return (f"AllReduceParameter(partition_num={self.partition_num}, size={self.size}, "
+                f"codec={self.codec!r}, param_id={self.param_id})")
+
+    def connect(self, rendezvous: Rendezvous | None = None) -> ConnectedParameter:
+        """Inside a task: start serving, meet the peers, and return this partition's handle.
+
+        With no ``rendezvous`` the peers meet through the Spark barrier stage's
+        ``allGather`` (about one second, once). Close the handle on every path, best with
+        ``with param.connect() as p:``.
+        """
+        return ConnectedParameter(self, rendezvous or BarrierRendezvous())
+
+
+class ConnectedParameter:
+    """One partition's live side of an ``AllReduceParameter``; made by ``connect()``.
+
+    Every partition must make the same calls in the same order: the n-th call of a kind on
+    one partition meets the n-th call on the others (the version numbers count them).
+    """
+
+    def __init__(self, param: AllReduceParameter, rendezvous: Rendezvous) -> None:
+        if rendezvous.partition_num != param.partition_num:
+            raise ConfigurationError(
+                f"{param!r} was made for {param.partition_num} partitions but this stage has "
+                f"{rendezvous.partition_num} tasks: make it with partition_num=rdd.getNumPartitions(), "
+                f"or repartition the data to {param.partition_num} partitions"
+            )
+        self.partition_id = rendezvous.partition_id
+        self.partition_num = param.partition_num
+        self.layout = param.layout
+        self.slice_start = self.layout.start(self.partition_id)
+        self.slice_length = self.layout.length(self.partition_id)
+        self._param = param
+        self._codec = get_codec(param.codec)
+        self._versions = {BlockKind.WEIGHT: -1, BlockKind.GRADIENT: -1, BlockKind.REDUCE_INPUT: -1}
+        self._weight: np.ndarray | None = None
+        self._gradient = np.zeros(self.slice_length, dtype=np.float32)
+        self._gradient_pending = False
+        self._send_buffers: dict[BlockKey, list[bytearray]] = {}
+        self._closed = False
+        self._done_peers: set[int] = set()
+        self._done_changed = threading.Condition()
+
+        self._store = BlockStore(keep=1)
+        self._server = BlockServer(
+            self._store, param.secret, param.param_id, self.partition_id,
+            *rendezvous.bind_address(), partition_num=self.partition_num, on_done=self._peer_done,
+        )
+        self._peers: dict[int, PeerClient] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        try:
+            addresses = rendezvous.exchange(self._server.address)
+            peer_ids = [j for j in range(self.partition_num) if j != self.partition_id]
+            self._peers = {
+                j: PeerClient(addresses[j], param.secret, param.param_id, self.partition_id, j, param.timeout)
+                for j in peer_ids
+            }
+            if peer_ids:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=min(param.fetch_threads or len(peer_ids), len(peer_ids)),
+                    thread_name_prefix=f"allreduce-fetch-{self.partition_id}",
+                )
+        except BaseException:
+            self._shutdown()
+            raise
+        slice_bytes = self._codec.max_encoded_size(self.layout.max_length)
+        self._receive_buffers = {j: bytearray(slice_bytes) for j in self._peers}
+        self._scratch = {j: np.empty(self.layout.max_length, dtype=np.float32) for j in range(self.partition_num)}
+
+    # ---- the weights ---------------------------------------------------------------------
+
+    def init(self, weights: np.ndarray) -> None:
+        """Keep this partition's slice of ``weights`` (fp32) and publish it as version 0.
+
+        Call once, before anything else, with the same full vector on every partition.
+        """
+        if self._weight is not None:
+            raise UsageError(f"init() was called twice on partition {self.partition_id}")
+        vector = self._vector(weights, self.layout.size, "init(weights)")
+        self._weight = vector[self.layout.bounds(self.partition_id)].copy()
+        self._versions[BlockKind.WEIGHT] = 0
+        self._publish(BlockKind.WEIGHT, 0, self._weight)
+
+    @property
+    def weight_partition(self) -> np.ndarray:
+        """This partition's fp32 slice of the weights; an optimizer updates it in place."""
+        self._require_init("weight_partition")
+        return self._weight
+
+    def send_weight_partition(self) -> None:
+        """Publish ``weight_partition`` as the next version, for every peer's ``get_weights``.
+
+        Call after updating the slice from ``aggregate_gradient_partition``'s result.
+        """
+        self._require_init("send_weight_partition()")
+        self._versions[BlockKind.WEIGHT] += 1
+        self._publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
+
+    def get_weights(self, out: np.ndarray | None = None) -> np.ndarray:
+        """All-gather: fetch every owner's newest published slice into one full float32 vector.
+
+        Waits for slow owners up to the timeout. The own slice also goes through the codec,
+        so every partition gets bit-identical weights. ``out`` (float32, ``size``) is
+        filled and returned when given; a new array otherwise.
+        """
+        self._require_init("get_weights()")
+        out = self._output(out, self.layout.size)
+        self._gather(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self.layout, out)
+        return out
+
+    # ---- the gradients -------------------------------------------------------------------
+
+    def put_gradients(self, gradients: np.ndarray, count: float = 1.0) -> None:
+        """Publish the local gradient sum, cut into one chunk per owner, with its sample count.
+
+        ``gradients`` is the sum over this partition's ``count`` samples (count may be 0
+        for an empty partition), so the owners can divide by the total count. NaN/Inf raise
+        ``NonFiniteGradientError`` unless the parameter allows them. Each step, call it once,
+        then ``aggregate_gradient_partition``.
+        """
+        if self._gradient_pending:
+            raise UsageError(
+                f"put_gradients() was called twice on partition {self.partition_id} without "
+                "aggregate_gradient_partition() in between"
+            )
+        vector = self._vector(gradients, self.layout.size, "put_gradients(gradients)")
+        if not float(count) >= 0:
+            raise InputError(f"put_gradients(count={count!r}) on partition {self.partition_id}: "
+                             "the sample count must be a number >= 0")
+        version = self._versions[BlockKind.GRADIENT] + 1
+        if not self._param.allow_nonfinite:
+            self._check_finite(vector, version)
+        self._versions[BlockKind.GRADIENT] = version
+        self._scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count))
+        self._gradient_pending = True
+
+    def aggregate_gradient_partition(self, avg: float | None = None) -> np.ndarray:
+        """Reduce-scatter: sum this slice's chunk from every partition and divide.
+
+        Fetches chunk ``partition_id`` of the last ``put_gradients`` from every peer, sums in
+        partition order in fp32, then divides by ``avg`` when given, else by the summed
+        sample counts (the exact mean over all samples). Returns ``gradient_partition``,
+        which the next call overwrites.
+        """
+        if not self._gradient_pending:
+            raise UsageError(
+                f"aggregate_gradient_partition() on partition {self.partition_id} came before "
+                "put_gradients() for this step"
+            )
+        version = self._versions[BlockKind.GRADIENT]
+        total = self._reduce(BlockKind.GRADIENT, version, self.layout, self._gradient)
+        self._gradient_pending = False
+        divisor = total if avg is None else float(avg)
+        if not divisor > 0:
+            raise InputError(
+                f"step {version} has nothing to divide by: "
+                + ("every partition put count=0; pass avg= or put a positive count"
+                   if avg is None else f"avg={avg!r} must be positive")
+            )
+        self._gradient /= np.float32(divisor)
+        return self._gradient
+
+    @property
+    def gradient_partition(self) -> np.ndarray:
+        """The last result of ``aggregate_gradient_partition``: this slice's mean gradient."""
+        return self._gradient
+
+    # ---- any vector ----------------------------------------------------------------------
+
+    def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum") -> np.ndarray:
+        """Sum (or average over partitions) a float32 vector of any length across partitions.
+
+        A reduce-scatter then an all-gather, like a step, through the same codec. Every
+        partition must call it with a vector of the same length; all get the same result.
+        """
+        if op not in ("sum", "mean"):
+            raise InputError(f"allreduce(op={op!r}): op must be 'sum' or 'mean'")
+        vector = self._vector(values, None, "allreduce(values)")
+        layout = SliceLayout(vector.size, self.partition_num)
+        version = self._versions[BlockKind.REDUCE_INPUT] = self._versions[BlockKind.REDUCE_INPUT] + 1
+        self._scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0)
+        reduced = np.empty(layout.length(self.partition_id), dtype=np.float32)
+        self._reduce(BlockKind.REDUCE_INPUT, version, layout, reduced)
+        if op == "mean":
+            reduced /= np.float32(self.partition_num)
+        self._publish(BlockKind.REDUCE_OUTPUT, version, reduced)
+        out = np.empty(vector.size, dtype=np.float32)
+        self._gather(BlockKind.REDUCE_OUTPUT, version, layout, out)
+        return out
+
+    # ---- the four movements, written once --------------------------------------------------
+
+    def _publish(self, kind: int, version: int, values: np.ndarray, destination: int = EVERY_PARTITION,
+                 count: float = 0.0) -> None:
+        """Encode ``values`` and put them in the own store as ``version``.
+
+        Encodes into one of keep+1 rotating buffers, so the versions still kept are untouched.
+        """
+        key = BlockKey(kind, self.partition_id, destination)
+        buffers = self._send_buffers.setdefault(key, [bytearray() for _ in range(self._store.keep + 1)])
+        block = self._codec.encode(values, count=count, out=buffers[version % len(buffers)])
+        self._store.put(key, version, block)
+
+    def _scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float) -> None:
+        """Publish chunk ``j`` of ``vector`` for owner ``j``, for every partition ``j``."""
+        for owner in range(self.partition_num):
+            self._publish(kind, version, vector[layout.bounds(owner)], destination=owner, count=count)
+
+    def _reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray) -> float:
+        """Sum the own chunk of every partition into ``out``, in partition order; the summed counts."""
+        length = layout.length(self.partition_id)
+        pending = self._fetch_all(kind, version, layout, destination=self.partition_id, lengths=lambda j: length)
+        total = 0.0
+        for source in range(self.partition_num):
+            count, values = pending[source].result()
+            if source == 0:
+                np.copyto(out, values)
+            else:
+                np.add(out, values, out=out)
+            total += count
+        return total
+
+    def _gather(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray) -> None:
+        """Fetch every owner's slice ``version`` into its place in ``out``."""
+        pending = self._fetch_all(kind, version, layout, destination=EVERY_PARTITION, lengths=layout.length)
+        for owner in range(self.partition_num):
+            _, values = pending[owner].result()
+            np.copyto(out[layout.bounds(owner)], values)
+
+    def _fetch_all(self, kind, version, layout, destination, lengths) -> dict[int, Future]:
+        """Start fetching block ``(kind, j, destination)`` from every partition ``j``.
+
+        Peers are fetched on the pool, the own block is read from the own store at once;
+        each future gives ``(count, values)``, values being a view valid until the next fetch.
+        """
+        pending: dict[int, Future] = {}
+        for source in range(self.partition_num):
+            key = BlockKey(kind, source, destination)
+            if source == self.partition_id:
+                own: Future = Future()
+                own.set_result(self._decode(source, key, version, lengths(source),
+                                            self._store.get(key, version, self._param.timeout)))
+                pending[source] = own
+            else:
+                pending[source] = self._pool.submit(self._fetch_decoded, source, key, version, lengths(source))
+        return pending
+
+    def _fetch_decoded(self, source: int, key: BlockKey, version: int, length: int) -> tuple[float, np.ndarray]:
+        block = self._peers[source].fetch(
+            key, version, self._codec.max_encoded_size(length), self._receive_buffers[source]
+        )
+        return self._decode(source, key, version, length, block)
+
+    def _decode(self, source: int, key: BlockKey, version: int, length: int, block) -> tuple[float, np.ndarray]:
+        scratch = self._scratch[source]
+        if scratch.size < length:
+            scratch = self._scratch[source] = np.empty(length, dtype=np.float32)
+        header, values = self._codec.decode(block, length, scratch=scratch[:length], what=key.describe(version))
+        return header.count, values
+
+    # ---- checks --------------------------------------------------------------------------
+
+    def _vector(self, values, size: int | None, what: str) -> np.ndarray:
+        array = np.asarray(values)
+        if array.ndim != 1 or (size is not None and array.size != size) or array.size == 0:
+            expected = f"a 1-D vector of {size} elements" if size is not None else "a non-empty 1-D vector"
+            raise InputError(
+                f"{what} on partition {self.partition_id}: expected {expected}, got shape {array.shape}"
+            )
+        if not np.issubdtype(array.dtype, np.floating):
+            raise InputError(
+                f"{what} on partition {self.partition_id}: expected floating-point values, got dtype "
+                f"{array.dtype}; convert with .astype(np.float32)"
+            )
+        return np.ascontiguousarray(array, dtype=np.float32)
+
+    def _check_finite(self, vector: np.ndarray, version: int) -> None:
+        # One cheap pass: a sum is finite unless a value is NaN/Inf (or the sum overflows,
+        # which the exact check below then clears).
+        if np.isfinite(vector.sum()) or np.isfinite(vector).all():
+            return
+        bad = np.flatnonzero(~np.isfinite(vector))
+        raise NonFiniteGradientError(
+            f"the gradient of partition {self.partition_id} for step {version} holds {bad.size} "
+            f"NaN/Inf values (first at index {bad[0]}: {vector[bad[0]]}); the model diverged or the "
+            "data holds NaN. Lower the learning rate or clean the data, or pass "
+            "AllReduceParameter(allow_nonfinite=True) to let them through"
+        )
+
+    def _require_init(self, what: str) -> None:
+        if self._weight is None:
+            raise UsageError(f"{what} on partition {self.partition_id} came before init(weights)")
+
+    @staticmethod
+    def _output(out: np.ndarray | None, size: int) -> np.ndarray:
+        if out is None:
+            return np.empty(size, dtype=np.float32)
+        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (size,) \
+                or not out.flags.c_contiguous:
+            raise InputError(f"out must be a contiguous float32 array of shape ({size},)")
+        return out
+
+    # ---- closing -------------------------------------------------------------------------
+
+    def _peer_done(self, partition: int) -> None:
+        with self._done_changed:
+            self._done_peers.add(partition)
+            self._done_changed.notify_all()
+
+    def close(self) -> None:
+        """Finish cleanly: tell every peer we are done, wait until they are, then stop serving.
+
+        A partition that finishes first keeps serving its last blocks until every peer has
+        said it fetched them (or the timeout passes), so no peer loses a block it needs.
+        """
+        if self._closed:
+            return
+        try:
+            for client in self._peers.values():
+                try:
+                    client.done()
+                except AllReduceError as error:
+                    log.warning("partition %d: %s", self.partition_id, error)
+            with self._done_changed:
+                finished = self._done_changed.wait_for(
+                    lambda: len(self._done_peers) >= len(self._peers), timeout=self._param.timeout
+                )
+            if not finished:
+                missing = sorted(set(self._peers) - self._done_peers)
+                log.warning("partition %d closed before partitions %s said they were done",
+                            self.partition_id, missing)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Stop at once: cut the connections, stop the fetch threads and the server."""
+        self._closed = True
+        for client in self._peers.values():
+            client.abort()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._server.close()
+        for client in self._peers.values():
+            client.close()
+
+    def __enter__(self) -> ConnectedParameter:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._shutdown()

@@ -1,0 +1,85 @@
+"""Starting Spark on one machine for jobs, notebooks and tests: Java check, loopback, settings.
+
+A cluster user builds their own ``SparkSession``; this is for ``local[*]`` and
+``local-cluster[...]`` runs, where everything stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import ConfigurationError
+
+MIN_JAVA = 17
+
+_JAVA_HELP = (
+    "Install a Java runtime 17 or newer, then run the command again: "
+    "'sudo apt-get install openjdk-17-jre-headless' on Debian/Ubuntu, "
+    "'sudo dnf install java-17-openjdk-headless' on Fedora/RHEL, "
+    "'brew install openjdk@17' on macOS, or any JDK from https://adoptium.net; "
+    "if it is installed already, set JAVA_HOME to its folder."
+)
+
+
+def java_problem() -> str | None:
+    """Why Spark cannot start on this machine's Java, or None when Java 17+ is there."""
+    home = os.environ.get("JAVA_HOME")
+    java = str(Path(home) / "bin" / "java") if home else shutil.which("java")
+    if not java or not Path(java).exists():
+        where = f"JAVA_HOME={home} has no bin/java" if home else "no 'java' on the PATH"
+        return f"Spark needs Java {MIN_JAVA}+, and there is none here ({where}). {_JAVA_HELP}"
+    try:
+        report = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60).stderr
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"Spark needs Java {MIN_JAVA}+, but '{java} -version' failed: {error}. {_JAVA_HELP}"
+    found = re.search(r'version "(\d+)(?:\.(\d+))?', report)
+    if not found:
+        return None  # an unusual build; let Spark judge it
+    major = int(found.group(1))
+    if major == 1 and found.group(2):  # "1.8.0" style
+        major = int(found.group(2))
+    if major < MIN_JAVA:
+        return f"Spark 4 needs Java {MIN_JAVA}+, but {java} is Java {major}. {_JAVA_HELP}"
+    return None
+
+
+def prepare_local_environment(conf_dir: str | os.PathLike | None = None) -> None:
+    """Set what a one-machine Spark run needs before its JVM starts.
+
+    Loopback addresses (``SPARK_LOCAL_IP=127.0.0.1``), executors that run this very Python
+    (``PYSPARK_PYTHON``, which ``local-cluster`` executors start), and ``SPARK_CONF_DIR``
+    pointing at ``conf_dir`` so Spark reads its ``spark-defaults.conf`` and
+    ``log4j2.properties``. Values already set in the environment win.
+    """
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if conf_dir is not None:
+        conf_dir = Path(conf_dir).resolve()
+        if not (conf_dir / "spark-defaults.conf").is_file():
+            raise ConfigurationError(f"{conf_dir} has no spark-defaults.conf")
+        os.environ.setdefault("SPARK_CONF_DIR", str(conf_dir))
+
+
+def local_spark(master: str = "local[*]", app_name: str = "allreduce-param",
+                conf_dir: str | os.PathLike | None = None, **settings: str):
+    """A ``SparkSession`` on this machine only, after checking Java; stop it when done.
+
+    ``settings``: extra Spark settings by their full names, e.g.
+    ``**{"spark.task.maxFailures": "1"}``.
+    """
+    problem = java_problem()
+    if problem:
+        raise ConfigurationError(problem)
+    prepare_local_environment(conf_dir)
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()

@@ -1,0 +1,408 @@
+"""The wire between partitions: a block server, a peer client, and how they prove the secret.
+
+Each partition runs one ``BlockServer`` over its ``BlockStore`` and one ``PeerClient`` per
+peer. A client pulls blocks: it names a block and a version, and the server answers when
+that version is in its store (or with an error once the wait times out).
+
+Wire format (little-endian):
+
+* Handshake. Server: ``HELLO`` magic + 16-byte nonce. Client: magic, parameter id, own
+  partition id, 16-byte nonce, HMAC-SHA256(secret, "client" + both nonces + ids). Server:
+  one status byte, then its own HMAC(secret, "server" + ...) so the client knows it talks to
+  a holder of the secret too. A connection that fails this reads and writes nothing.
+* Request: op, block kind, source, destination, version, timeout in ms (fixed size).
+* Response: status, length; then ``length`` bytes (the encoded block, or an error text).
+
+Every length is checked against what the block can be before a byte of it is read; a
+malformed frame closes that connection with a logged reason, never the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+from typing import Callable
+
+from .errors import (
+    AllReduceError,
+    AuthenticationError,
+    FetchTimeoutError,
+    PeerLostError,
+    ProtocolError,
+)
+from .store import BlockKey, BlockKind, BlockStore, StaleVersionError, StoreClosedError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ARP1"
+NONCE_SIZE = 16
+MAC_SIZE = 32
+_CLIENT_HELLO = struct.Struct(f"<4sII{NONCE_SIZE}s{MAC_SIZE}s")  # magic, param, partition, nonce, mac
+_REQUEST = struct.Struct("<4sBBHIIQI")  # magic, op, kind, pad, source, destination, version, timeout ms
+_RESPONSE = struct.Struct("<BQ")  # status, length
+
+OP_GET = 1
+OP_DONE = 2  # "I have fetched everything I need from you": the closing handshake
+
+STATUS_OK = 0
+STATUS_TIMEOUT = 1
+STATUS_STALE = 2
+STATUS_CLOSING = 3
+STATUS_REFUSED = 4
+
+MAX_ERROR_TEXT = 64 * 1024
+HANDSHAKE_TIMEOUT = 10.0
+_SOCKET_BUFFER = 4 * 1024 * 1024
+
+
+def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, role + b"".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ``EOFError`` if the peer closes first."""
+    received = 0
+    total = view.nbytes
+    while received < total:
+        got = sock.recv_into(view[received:], total - received)
+        if got == 0:
+            raise EOFError(f"connection closed after {received} of {total} bytes")
+        received += got
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+
+
+class BlockServer:
+    """Serves one partition's ``BlockStore`` to the peers that prove the secret.
+
+    Binds ``host`` (the task's own address, never every interface) on ``port`` (0: any free
+    one), and runs one thread per connection so that a get waiting for a version never
+    holds up the others. ``on_done(partition)`` is called when a peer says it is done.
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        secret: bytes,
+        param_id: int,
+        partition_id: int,
+        host: str,
+        port: int = 0,
+        partition_num: int = 1,
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
+        self.store = store
+        self._secret = secret
+        self._param_id = param_id
+        self._partition_id = partition_id
+        self._partition_num = partition_num
+        self._on_done = on_done or (lambda partition: None)
+        self._listener = socket.create_server((host, port), backlog=max(16, 2 * partition_num))
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"allreduce-accept-{partition_id}", daemon=True
+        )
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # the listener was closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections.add(conn)
+                thread = threading.Thread(
+                    target=self._serve, args=(conn, peer), daemon=True,
+                    name=f"allreduce-serve-{self._partition_id}",
+                )
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        peer_text = f"{peer[0]}:{peer[1]}"
+        client_partition = None
+        try:
+            _tune(conn)
+            client_partition = self._handshake(conn, peer_text)
+            if client_partition is not None:
+                self._answer_requests(conn, client_partition, peer_text)
+        except (OSError, EOFError) as error:
+            if not self._closed:
+                log.debug("connection from %s ended: %s", peer_text, error)
+        finally:
+            if client_partition is not None:
+                # A peer whose connection ends fetches nothing more: as good as its "done".
+                self._on_done(client_partition)
+            with self._lock:
+                self._connections.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+    def _handshake(self, conn: socket.socket, peer_text: str) -> int | None:
+        """Check that the client knows the secret; its partition id, or None if it does not."""
+        conn.settimeout(HANDSHAKE_TIMEOUT)
+        server_nonce = os.urandom(NONCE_SIZE)
+        conn.sendall(MAGIC + server_nonce)
+        hello = bytearray(_CLIENT_HELLO.size)
+        _recv_exactly(conn, memoryview(hello))
+        magic, param_id, partition, client_nonce, mac = _CLIENT_HELLO.unpack(hello)
+        ids = struct.pack("<II", param_id, partition)
+        expected = _mac(self._secret, b"client", server_nonce, client_nonce, ids)
+        if magic != MAGIC:
+            reason = f"bad magic {bytes(magic)!r}, not an allreduce-param client"
+        elif not hmac.compare_digest(mac, expected):
+            reason = "it could not prove the parameter's secret"
+        elif param_id != self._param_id:
+            reason = f"it asked for parameter {param_id}, this server serves parameter {self._param_id}"
+        elif not 0 <= partition < self._partition_num:
+            reason = f"partition {partition} is outside 0..{self._partition_num - 1}"
+        else:
+            conn.sendall(bytes([STATUS_OK]) + _mac(self._secret, b"server", client_nonce, server_nonce, ids))
+            conn.settimeout(None)
+            return partition
+        log.warning("refused connection from %s: %s", peer_text, reason)
+        conn.sendall(bytes([STATUS_REFUSED]))
+        return None
+
+    def _answer_requests(self, conn: socket.socket, client_partition: int, peer_text: str) -> None:
+        request = bytearray(_REQUEST.size)
+        view = memoryview(request)
+        while True:
+            try:
+                _recv_exactly(conn, view)
+            except EOFError:
+                return
+            magic, op, kind, _, source, destination, version, timeout_ms = _REQUEST.unpack(request)
+            if magic != MAGIC or op not in (OP_GET, OP_DONE) or kind not in BlockKind.NAMES:
+                log.warning(
+                    "closed connection from partition %d at %s: malformed request frame %s",
+                    client_partition, peer_text, bytes(request[:16]).hex(),
+                )
+                return
+            if op == OP_DONE:
+                self._on_done(client_partition)
+                continue
+            key = BlockKey(kind, source, destination)
+            try:
+                block = self.store.get(key, version, timeout_ms / 1000.0)
+            except FetchTimeoutError as error:
+                self._send_error(conn, STATUS_TIMEOUT, str(error))
+            except StaleVersionError as error:
+                self._send_error(conn, STATUS_STALE, str(error))
+            except StoreClosedError as error:
+                self._send_error(conn, STATUS_CLOSING, str(error))
+                return
+            else:
+                conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes))
+                conn.sendall(block)
+
+    @staticmethod
+    def _send_error(conn: socket.socket, status: int, text: str) -> None:
+        data = text.encode("utf-8")[:MAX_ERROR_TEXT]
+        conn.sendall(_RESPONSE.pack(status, len(data)) + data)
+
+    def close(self) -> None:
+        """Stop accepting, close the store, cut every connection, and wait for the threads.
+
+        Closing the store first ends the gets that wait in it, so no thread outlives this.
+        """
+        self.store.close()
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+            threads = list(self._threads)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._acceptor.join()
+        for thread in threads:
+            thread.join()
+
+
+class PeerClient:
+    """One authenticated connection to one peer's ``BlockServer``, used by one thread at a time.
+
+    Connects on first use. Errors name the peer, the block and the version; any error on
+    the connection closes it, and the next use connects anew.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        secret: bytes,
+        param_id: int,
+        partition_id: int,
+        peer_partition: int,
+        timeout: float,
+    ) -> None:
+        self.address = address
+        self.peer_partition = peer_partition
+        self._secret = secret
+        self._param_id = param_id
+        self._partition_id = partition_id
+        self._timeout = timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def _peer_text(self) -> str:
+        return f"partition {self.peer_partition} at {self.address[0]}:{self.address[1]}"
+
+    def _lost(self, what: str, detail: str) -> PeerLostError:
+        """The one wording of 'this peer is gone', naming the peer, the block and the cause."""
+        return PeerLostError(
+            f"{self._peer_text} {detail} while we fetched {what}: its task has most likely "
+            "failed or ended early (see that task's error in the Spark driver log)"
+        )
+
+    def _connect(self, what: str) -> socket.socket:
+        try:
+            sock = socket.create_connection(self.address, timeout=HANDSHAKE_TIMEOUT)
+        except OSError as error:
+            raise self._lost(what, f"cannot be reached ({error})") from error
+        try:
+            _tune(sock)
+            greeting = bytearray(len(MAGIC) + NONCE_SIZE)
+            _recv_exactly(sock, memoryview(greeting))
+            if greeting[: len(MAGIC)] != MAGIC:
+                raise ProtocolError(f"{self._peer_text} is not an allreduce-param block server")
+            server_nonce = bytes(greeting[len(MAGIC):])
+            client_nonce = os.urandom(NONCE_SIZE)
+            ids = struct.pack("<II", self._param_id, self._partition_id)
+            mac = _mac(self._secret, b"client", server_nonce, client_nonce, ids)
+            sock.sendall(_CLIENT_HELLO.pack(MAGIC, self._param_id, self._partition_id, client_nonce, mac))
+            status = bytearray(1)
+            _recv_exactly(sock, memoryview(status))
+            if status[0] != STATUS_OK:
+                raise AuthenticationError(
+                    f"{self._peer_text} refused this connection: the secrets differ. Every "
+                    "partition must use the same AllReduceParameter object, made on the driver"
+                )
+            proof = bytearray(MAC_SIZE)
+            _recv_exactly(sock, memoryview(proof))
+            if not hmac.compare_digest(bytes(proof), _mac(self._secret, b"server", client_nonce, server_nonce, ids)):
+                raise AuthenticationError(f"{self._peer_text} could not prove the parameter's secret")
+            sock.settimeout(None)
+            return sock
+        except AllReduceError:  # first: some of ours are OSErrors too (timeouts, refusals)
+            sock.close()
+            raise
+        except (OSError, EOFError) as error:
+            sock.close()
+            raise self._lost(what, f"dropped the connection during the handshake ({error})") from error
+
+    def fetch(self, key: BlockKey, version: int, max_size: int, into: bytearray) -> memoryview:
+        """Fetch ``version`` of block ``key``, waiting on the peer up to the timeout.
+
+        The block lands in ``into`` (grown when too small, otherwise reused) and the returned
+        view covers exactly its bytes. A block longer than ``max_size`` is a protocol error.
+        """
+        what = key.describe(version)
+        with self._lock:
+            sock = self._sock or self._connect(what)
+            self._sock = sock
+            try:
+                # The server gives up waiting at the timeout and says so; the socket waits longer
+                # so that the server's answer, not a bare socket timeout, reaches the user.
+                sock.settimeout(self._timeout + HANDSHAKE_TIMEOUT)
+                sock.sendall(_REQUEST.pack(MAGIC, OP_GET, key.kind, 0, key.source, key.destination,
+                                           version, int(self._timeout * 1000)))
+                head = bytearray(_RESPONSE.size)
+                _recv_exactly(sock, memoryview(head))
+                status, length = _RESPONSE.unpack(head)
+                if status != STATUS_OK:
+                    self._raise_answer(status, length, sock, what)
+                if length > max_size:
+                    raise ProtocolError(
+                        f"{self._peer_text} sent {length} bytes for {what}; such a block has at "
+                        f"most {max_size}"
+                    )
+                if len(into) < length:
+                    into.extend(bytes(length - len(into)))
+                view = memoryview(into)[:length]
+                _recv_exactly(sock, view)
+                return view
+            except AllReduceError:  # first: some of ours are OSErrors too (timeouts, refusals)
+                self._drop()
+                raise
+            except socket.timeout as error:
+                self._drop()
+                raise FetchTimeoutError(
+                    f"{self._peer_text} did not answer for {what} within "
+                    f"{self._timeout + HANDSHAKE_TIMEOUT:g} s"
+                ) from error
+            except (OSError, EOFError) as error:
+                self._drop()
+                raise self._lost(what, f"closed the connection ({error})") from error
+
+    def _raise_answer(self, status: int, length: int, sock: socket.socket, what: str) -> None:
+        if length > MAX_ERROR_TEXT:
+            raise ProtocolError(f"{self._peer_text} sent an error text of {length} bytes for {what}")
+        text = bytearray(length)
+        _recv_exactly(sock, memoryview(text))
+        reason = text.decode("utf-8", "replace")
+        if status == STATUS_TIMEOUT:
+            raise FetchTimeoutError(
+                f"{self._peer_text} did not publish {what} in time: {reason}. The peer is stuck or "
+                "much slower; raise AllReduceParameter(timeout=...) if its steps are this slow"
+            )
+        if status == STATUS_CLOSING:
+            raise self._lost(what, "shut down")
+        if status == STATUS_STALE:
+            raise AllReduceError(f"{self._peer_text} no longer has {what}: {reason}")
+        raise ProtocolError(f"{self._peer_text} answered {what} with unknown status {status}")
+
+    def done(self) -> None:
+        """Tell the peer this partition will fetch nothing more from it (closing handshake)."""
+        what = "nothing more (saying we are done)"
+        with self._lock:
+            sock = self._sock or self._connect(what)
+            self._sock = sock
+            try:
+                sock.sendall(_REQUEST.pack(MAGIC, OP_DONE, BlockKind.WEIGHT, 0, 0, 0, 0, 0))
+            except OSError as error:
+                self._drop()
+                raise self._lost(what, f"closed the connection ({error})") from error
+
+    def abort(self) -> None:
+        """Cut the connection at once, waking a fetch blocked on it (for shutting down on errors)."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        """Close the connection, if any."""
+        with self._lock:
+            self._drop()

@@ -1,0 +1,557 @@
+"""Tests of allreduce_param.codec: round trips, rounding, adaptivity, corruption, buffers."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from allreduce_param.codec import (
+    CODECS,
+    HEADER_SIZE,
+    LZ4_CHUNK_BYTES,
+    BlockHeader,
+    get_codec,
+    parse_header,
+)
+from allreduce_param.errors import (
+    CodecOverflowError,
+    ConfigurationError,
+    CorruptBlockError,
+    UsageError,
+)
+
+LENGTHS = (0, 1, 7, 1_000_003)
+EXACT = ("raw", "lz4")
+BF16 = ("bf16", "bf16-lz4")
+
+
+def make(kind: str, n: int, seed: int = 0) -> np.ndarray:
+    """Test data of one kind: what gradients and weights look like, plus edge cases."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n).astype(np.float32)
+    if kind == "zeros":
+        x[:] = 0
+    elif kind == "sparse":  # ReLU-like gradient: 90 % zeros
+        x[rng.random(n) < 0.9] = 0
+    elif kind == "large":  # large magnitudes, still inside fp16's range
+        x *= 2e4
+        np.clip(x, -65000, 65000, out=x)
+    elif kind == "huge":  # float32 magnitudes far beyond fp16
+        x *= 1e30
+    elif kind == "tiny":  # fp16 subnormals and below
+        x *= 1e-6
+    elif kind == "nonfinite":
+        x[::5] = np.nan
+        x[1::7] = np.inf
+        x[2::11] = -np.inf
+    return x
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, dtype=np.float32).view(np.uint32)
+
+
+def reference_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 by picking the nearer neighbour in float64; ties to even.
+
+    Deliberately unlike the codec's carry trick: both candidates are formed and compared.
+    For finite inputs only.
+    """
+    b = bits(x)
+    low = b & np.uint32(0xFFFF0000)  # truncated towards zero
+    exponent = ((b >> 23) & 0xFF).astype(np.int64)
+    step = np.ldexp(1.0, np.maximum(exponent, 1) - 127 - 7)  # bf16 spacing at this exponent
+    low_val = np.abs(low.view(np.float32).astype(np.float64))
+    distance_low = np.abs(x.astype(np.float64)) - low_val
+    distance_high = low_val + step - np.abs(x.astype(np.float64))
+    even = ((low >> 16) & 1) == 0
+    up = (distance_high < distance_low) | ((distance_high == distance_low) & ~even)
+    return ((low >> 16) + up).astype(np.uint16)
+
+
+def reseal(block: bytearray) -> bytearray:
+    """Recompute the checksum after a deliberate change, so later checks are reached."""
+    digest = xxhash.xxh3_64(bytes(block[: HEADER_SIZE - 8]))
+    digest.update(bytes(block[HEADER_SIZE:]))
+    struct.pack_into("<Q", block, HEADER_SIZE - 8, digest.intdigest())
+    return block
+
+
+def encoded(name: str, x: np.ndarray, count: float = 0.0) -> bytearray:
+    return bytearray(get_codec(name).encode(x, count=count))
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("kind", ["normal", "zeros", "sparse", "large", "huge", "nonfinite"])
+@pytest.mark.parametrize("name", EXACT)
+def test_lossless_codecs_are_bit_exact(name, kind, n):
+    x = make(kind, n)
+    block = get_codec(name).encode(x, count=2.0)
+    assert len(block) <= get_codec(name).max_encoded_size(n)
+    header, y = get_codec(name).decode(bytes(block), n)
+    assert header.codec == name and header.length == n and header.count == 2.0
+    assert y.dtype == np.float32 and y.shape == (n,)
+    assert np.array_equal(bits(y), bits(x))
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("kind", ["normal", "zeros", "sparse", "large", "huge", "tiny"])
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_matches_round_to_nearest_even_reference(name, kind, n):
+    x = make(kind, n)
+    block = get_codec(name).encode(x)
+    assert len(block) <= get_codec(name).max_encoded_size(n)
+    _, y = get_codec(name).decode(bytes(block), n)
+    assert y.shape == (n,)
+    assert np.array_equal(bits(y) >> 16, reference_bf16(x))
+    assert not (bits(y) & 0xFFFF).any()
+    normal = np.abs(x) >= np.float32(2.0**-126)
+    assert np.all(np.abs(y[normal] - x[normal]) <= 2.0**-8 * np.abs(x[normal]))
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("kind", ["normal", "zeros", "sparse", "large", "tiny", "nonfinite"])
+def test_fp16_matches_numpy_and_its_error_bound(kind, n):
+    x = make(kind, n)
+    block = get_codec("fp16").encode(x)
+    assert len(block) == HEADER_SIZE + 2 * n
+    _, y = get_codec("fp16").decode(bytes(block), n)
+    expected = x.astype(np.float16).astype(np.float32)
+    assert np.array_equal(np.isnan(y), np.isnan(x))
+    finite_or_inf = ~np.isnan(x)
+    assert np.array_equal(bits(y[finite_or_inf]), bits(expected[finite_or_inf]))
+    normal = np.isfinite(x) & (np.abs(x) >= 2.0**-14)
+    assert np.all(np.abs(y[normal] - x[normal]) <= 2.0**-11 * np.abs(x[normal]))
+    sub = np.abs(x) < 2.0**-14
+    assert np.all(np.abs(y[sub] - x[sub]) <= 2.0**-25)
+
+
+def test_fp16_is_bit_identical_to_numpy_over_random_bit_patterns():
+    rng = np.random.default_rng(1)
+    patterns = rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32)
+    x = patterns.view(np.float32)
+    x = x[~np.isnan(x) & ~((np.abs(x) >= 65520) & np.isfinite(x))]
+    # every fp16 value, the midpoints between neighbours, and one float32 ulp either side
+    halves = np.arange(0x7C01, dtype=np.uint16).view(np.float16).astype(np.float64)
+    mids = ((halves[:-1] + halves[1:]) / 2).astype(np.float32)
+    edges = np.concatenate([mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf)])
+    x = np.concatenate([x, edges, -edges, halves[:-1].astype(np.float32)])
+    x = x[np.abs(x) < 65520]
+    _, y = get_codec("fp16").decode(get_codec("fp16").encode(x), x.size)
+    assert np.array_equal(bits(y), bits(x.astype(np.float16).astype(np.float32)))
+
+
+def test_fp16_decode_covers_every_half_bit_pattern():
+    every = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    block = bytearray(get_codec("fp16").encode(np.zeros(65536, np.float32)))
+    block[HEADER_SIZE:] = every.tobytes()
+    _, y = get_codec("fp16").decode(reseal(block), 65536)
+    expected = every.view(np.float16).astype(np.float32)
+    assert np.array_equal(np.isnan(y), np.isnan(expected))
+    keep = ~np.isnan(expected)
+    assert np.array_equal(bits(y[keep]), bits(expected[keep]))
+
+
+# --------------------------------------------------------------------------- bf16 rounding
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_known_roundings(name):
+    cases = {
+        1 + 2.0**-8: 1.0,  # exact tie, 1.0 is even
+        1 + 3 * 2.0**-8: 1 + 2.0**-6,  # exact tie, rounds up to the even neighbour
+        1 + 2.0**-8 + 2.0**-20: 1 + 2.0**-7,  # just above the tie
+        1 + 2.0**-8 - 2.0**-20: 1.0,  # just below it
+        -(1 + 2.0**-8): -1.0,
+        -(1 + 3 * 2.0**-8): -(1 + 2.0**-6),
+        3.0: 3.0,
+        2.0**-130: 2.0**-130,  # float32 subnormal that bf16 holds exactly
+        float(np.finfo(np.float32).max): np.inf,  # beyond bf16's largest finite value
+    }
+    x = np.array(list(cases), dtype=np.float32)
+    _, y = get_codec(name).decode(get_codec(name).encode(x), x.size)
+    assert y.tolist() == list(cases.values())
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_keeps_nan_nan_and_inf_inf(name):
+    patterns = np.array(
+        [
+            0x7F800001,  # NaN with only the lowest payload bit: naive rounding gives Inf
+            0x7F808000,  # NaN whose low half rounds up into the exponent
+            0x7FFFFFFF,  # NaN that carries into the sign bit naively
+            0xFFFFFFFF,  # -NaN that wraps to +0 naively
+            0xFF800001,
+            0x7FC00000,  # the canonical quiet NaN
+            0x7F800000,  # +Inf
+            0xFF800000,  # -Inf
+            0x80000000,  # -0.0
+        ],
+        dtype=np.uint32,
+    )
+    x = patterns.view(np.float32)
+    _, y = get_codec(name).decode(get_codec(name).encode(x), x.size)
+    assert np.isnan(y[:6]).all()
+    assert np.signbit(y[[3, 4]]).all() and not np.signbit(y[[0, 1, 2, 5]]).any()
+    assert y[6] == np.inf and y[7] == -np.inf
+    assert bits(y[8:]).tolist() == [0x80000000]
+
+
+# --------------------------------------------------------------------------- fp16 overflow
+
+
+def test_fp16_overflow_names_index_and_value():
+    x = make("normal", 100_000)
+    x[70_123] = 70_000.0
+    x[80_000] = 1e9
+    with pytest.raises(CodecOverflowError, match=r"index 70123") as info:
+        get_codec("fp16").encode(x)
+    assert "70000.0" in str(info.value) and "bf16" in str(info.value)
+
+
+@pytest.mark.parametrize("value, ok", [(65504.0, True), (65519.0, True), (65520.0, False),
+                                       (-65520.0, False), (-1e30, False)])
+def test_fp16_overflow_boundary(value, ok):
+    x = np.array([1.0, value], dtype=np.float32)
+    if ok:
+        _, y = get_codec("fp16").decode(get_codec("fp16").encode(x), 2)
+        assert y[1] == 65504.0
+    else:
+        with pytest.raises(CodecOverflowError, match="index 1"):
+            get_codec("fp16").encode(x)
+
+
+def test_fp16_passes_nan_and_inf_through():
+    x = np.array([np.nan, np.inf, -np.inf, -np.nan, 1.5], dtype=np.float32)
+    _, y = get_codec("fp16").decode(get_codec("fp16").encode(x), 5)
+    assert np.isnan(y[0]) and np.isnan(y[3]) and y[1] == np.inf and y[2] == -np.inf
+    assert y[4] == 1.5
+
+
+def test_fp16_overflow_leaves_out_buffer_growable():
+    out = bytearray(10)
+    x = np.array([1e6], dtype=np.float32)
+    with pytest.raises(CodecOverflowError):
+        get_codec("fp16").encode(x, out=out)
+    block = get_codec("fp16").encode(np.ones(1000, np.float32), out=out)  # grows `out`
+    assert block.obj is out and len(out) == get_codec("fp16").max_encoded_size(1000)
+
+
+# --------------------------------------------------------------------------- lz4 adaptivity
+
+
+@pytest.mark.parametrize("name", ["lz4", "bf16-lz4"])
+def test_lz4_compresses_zeros_and_sparse_data(name):
+    n = 1_000_003
+    zeros = get_codec(name).decode(encoded(name, make("zeros", n)), n)[0]
+    sparse = get_codec(name).decode(encoded(name, make("sparse", n)), n)[0]
+    assert not zeros.stored_raw and zeros.payload_size < 0.01 * 4 * n
+    assert not sparse.stored_raw and sparse.payload_size < 0.3 * 4 * n
+
+
+def test_lz4_stores_random_data_raw_and_decodes_zero_copy():
+    n = 1_000_003
+    x = make("normal", n)
+    block = encoded("lz4", x)
+    header, y = get_codec("lz4").decode(block, n)
+    assert header.stored_raw and header.payload_size == 4 * n
+    assert np.shares_memory(y, np.frombuffer(block, np.uint8))
+    assert np.array_equal(bits(y), bits(x))
+
+
+@pytest.mark.parametrize("name", ["lz4", "bf16-lz4"])
+@pytest.mark.parametrize("n", [3_000_001, 2 * LZ4_CHUNK_BYTES + 10])
+def test_lz4_mixed_block_compresses_the_compressible_chunks(name, n):
+    """First half zeros, second half noise: chunks of noise are kept raw, the rest shrink."""
+    x = make("normal", n)
+    x[: n // 2] = 0
+    block = encoded(name, x)
+    header, y = get_codec(name).decode(block, n)
+    stream = n * (4 if name == "lz4" else 2)
+    assert not header.stored_raw
+    assert header.payload_size < 0.8 * stream
+    if name == "lz4":
+        assert header.payload_size > 0.45 * stream  # the noise half is stored, not lost
+        assert np.array_equal(bits(y), bits(x))
+    else:
+        assert np.array_equal(bits(y) >> 16, reference_bf16(x))
+
+
+def test_bf16_lz4_is_smaller_than_bf16_on_gradient_like_data():
+    x = make("normal", 1_000_003) * np.float32(1e-3)
+    assert len(encoded("bf16-lz4", x)) < 0.9 * len(encoded("bf16", x))
+
+
+def test_lz4_encode_copies_values():
+    x = make("sparse", 100_000)
+    original = x.copy()
+    block = encoded("lz4", x)
+    x[:] = 7.0
+    _, y = get_codec("lz4").decode(block, x.size)
+    assert np.array_equal(bits(y), bits(original))
+
+
+# --------------------------------------------------------------------------- corruption
+
+WHAT = "gradient block from partition 2 to 0, version 7"
+
+
+def corrupt(block: bytes, match: str, length: int = 1000, name: str = "raw") -> str:
+    with pytest.raises(CorruptBlockError, match=match) as info:
+        get_codec(name).decode(block, length, what=WHAT)
+    assert str(info.value).startswith(WHAT + ": ")
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_flipped_payload_byte_fails_checksum(name):
+    block = encoded(name, make("sparse", 1000))
+    block[-1] ^= 0x01
+    corrupt(bytes(block), "checksum mismatch", name=name)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_flipped_count_fails_checksum(name):
+    block = encoded(name, make("normal", 1000), count=32.0)
+    block[24 + 3] ^= 0x10
+    corrupt(bytes(block), "checksum mismatch", name=name)
+
+
+def test_flipped_length_byte_names_both_lengths():
+    block = encoded("raw", make("normal", 1000))
+    block[8] ^= 0x01  # 1000 -> 1001 elements
+    corrupt(bytes(block), "expected 1000 elements, header says 1001")
+
+
+def test_length_that_cannot_hold_payload_is_caught_by_header_check():
+    block = encoded("raw", make("normal", 1000))
+    block[9] ^= 0x03  # 1000 = 0x3E8 -> 0x0E8 = 232 elements
+    corrupt(bytes(block), "more than the 928")
+
+
+def test_codec_id_byte():
+    block = encoded("raw", make("normal", 1000))
+    block[3] = CODECS.index("lz4")
+    corrupt(bytes(block), "encoded with codec 'lz4' but decoded as 'raw'")
+    block[3] = CODECS.index("bf16")  # a half-size codec cannot have 4000 payload bytes
+    corrupt(bytes(block), "more than the 2000 that 1000 elements can take with codec 'bf16'")
+    block[3] = 9
+    corrupt(bytes(block), "unknown codec id 9")
+
+
+def test_decode_with_the_wrong_codec():
+    block = encoded("lz4", make("sparse", 1000))
+    corrupt(bytes(block), "encoded with codec 'lz4' but decoded as 'bf16'", name="bf16")
+
+
+def test_wrong_expected_length():
+    block = encoded("bf16", make("normal", 1000))
+    corrupt(bytes(block), "expected 999 elements, header says 1000", length=999, name="bf16")
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_truncated_and_appended_blocks(name):
+    block = bytes(encoded(name, make("sparse", 1000)))
+    message = corrupt(block[:-3], "truncated", name=name)
+    assert "header says" in message
+    corrupt(block + b"\0\0", r"extra bytes", name=name)
+    corrupt(block[:HEADER_SIZE - 1], "shorter than the 40-byte header", name=name)
+    corrupt(b"", "truncated: 0 bytes", name=name)
+
+
+def test_wrong_magic_version_flags_and_reserved():
+    good = encoded("raw", make("normal", 1000))
+    for offset, value, match in [
+        (0, ord("X"), "bad magic"),
+        (2, 9, "format version 9"),
+        (4, 0x80, "unknown header flags"),
+        (4, 0x01, "stored_raw flag set on codec 'raw'"),
+        (6, 1, "reserved header bytes"),
+    ]:
+        block = bytearray(good)
+        block[offset] = value
+        corrupt(bytes(block), match)
+
+
+def test_parse_header_bounds_payload_size_by_length():
+    block = encoded("bf16", make("normal", 1000))
+    struct.pack_into("<Q", block, 16, 2001)
+    with pytest.raises(CorruptBlockError, match="2001 payload bytes, more than the 2000"):
+        parse_header(block, what=WHAT)
+    block += b"\0"
+    corrupt(bytes(reseal(block)), "more than the 2000", name="bf16")
+
+
+def test_uncompressed_payload_of_wrong_size():
+    block = encoded("lz4", make("normal", 1000))  # stored raw: 4000 bytes
+    struct.pack_into("<Q", block, 16, 3996)
+    corrupt(bytes(reseal(block[:-4])), "uncompressed payload of 3996 bytes", name="lz4")
+
+
+@pytest.mark.parametrize("name", ["lz4", "bf16-lz4"])
+def test_damaged_lz4_chunks_with_a_valid_checksum(name):
+    good = encoded(name, make("sparse", 300_000))
+    assert not parse_header(good).stored_raw
+    table_end = len(good) - 4
+    block = bytearray(good)  # chunk table no longer adds up
+    struct.pack_into("<I", block, table_end - 4, 5)
+    corrupt(bytes(reseal(block)), "chunk sizes add up", length=300_000, name=name)
+    block = bytearray(good)  # chunk size of zero
+    struct.pack_into("<I", block, table_end, 0)
+    corrupt(bytes(reseal(block)), "chunk size 0", length=300_000, name=name)
+    block = bytearray(good)  # garbage inside compressed data
+    block[HEADER_SIZE : HEADER_SIZE + 64] = b"\xff" * 64
+    corrupt(bytes(reseal(block)), "lz4 chunk 0", length=300_000, name=name)
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_encode_reuses_out_without_reallocating(name):
+    codec = get_codec(name)
+    n = 100_000
+    out = bytearray(codec.max_encoded_size(n) + 123)
+    size, ident = len(out), id(out)
+    for seed in range(3):
+        x = make("sparse", n, seed)
+        block = codec.encode(x, count=float(seed), out=out)
+        assert block.obj is out and id(out) == ident and len(out) == size
+        header, y = codec.decode(block, n)
+        assert header.count == float(seed)
+        if name in EXACT:
+            assert np.array_equal(bits(y), bits(x))
+        del y
+        block.release()
+
+
+def test_encode_grows_small_out_and_refuses_while_a_view_is_alive():
+    out = bytearray(8)
+    x = make("normal", 1000)
+    block = get_codec("raw").encode(x, out=out)
+    assert block.obj is out and len(out) == get_codec("raw").max_encoded_size(1000)
+    with pytest.raises(UsageError, match="release the memoryview"):
+        get_codec("raw").encode(make("normal", 2000), out=out)
+    block.release()
+    block = get_codec("raw").encode(make("normal", 2000), out=out)
+    assert block.obj is out and len(block) == HEADER_SIZE + 8000
+
+
+def test_raw_decode_is_a_read_only_zero_copy_view():
+    x = make("normal", 1000)
+    block = encoded("raw", x)
+    _, y = get_codec("raw").decode(block, 1000)
+    assert np.shares_memory(y, np.frombuffer(block, np.uint8))
+    assert not y.flags.writeable
+    with pytest.raises(ValueError):
+        y[0] = 1.0
+
+
+def test_decode_from_a_slice_of_a_larger_receive_buffer():
+    x = make("normal", 1000)
+    block = encoded("raw", x)
+    buffer = bytearray(3) + block + bytearray(5)  # unaligned, with trailing bytes
+    view = memoryview(buffer)[3 : 3 + len(block)]
+    _, y = get_codec("raw").decode(view, 1000)
+    assert np.shares_memory(y, np.frombuffer(buffer, np.uint8))
+    assert np.array_equal(bits(y), bits(x))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "bf16-lz4", "lz4"])
+def test_decode_into_scratch(name):
+    x = make("sparse", 1000)
+    scratch = np.full(1500, -1.0, dtype=np.float32)
+    _, y = get_codec(name).decode(encoded(name, x), 1000, scratch=scratch)
+    assert y.shape == (1000,) and np.shares_memory(y, scratch)
+    assert np.all(scratch[1000:] == -1.0)
+    assert np.allclose(y, x, rtol=2.0**-8, atol=0)
+
+
+@pytest.mark.parametrize("scratch", [np.empty(999, np.float32), np.empty(1000, np.float64),
+                                     np.empty((10, 100), np.float32)])
+def test_bad_scratch_is_a_configuration_error(scratch):
+    block = encoded("bf16", make("normal", 1000))
+    with pytest.raises(ConfigurationError, match="scratch must be"):
+        get_codec("bf16").decode(block, 1000, scratch=scratch)
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        (np.zeros(10, np.float64), "dtype float64"),
+        (np.zeros((2, 5), np.float32), r"shape \(2, 5\)"),
+        (np.zeros(20, np.float32)[::2], "not contiguous"),
+        ([1.0, 2.0], "type list"),
+    ],
+)
+def test_encode_rejects_values_that_are_not_flat_float32(values, match):
+    with pytest.raises(ConfigurationError, match=match):
+        get_codec("raw").encode(values)
+
+
+def test_count_round_trips_and_defaults_to_zero():
+    block = encoded("bf16-lz4", make("sparse", 1000), count=12345.5)
+    assert parse_header(block).count == 12345.5
+    assert get_codec("bf16-lz4").decode(block, 1000)[0].count == 12345.5
+    assert parse_header(encoded("raw", make("normal", 3))).count == 0.0
+
+
+def test_header_fields():
+    block = encoded("fp16", make("normal", 1000), count=4.0)
+    header = parse_header(block)
+    assert isinstance(header, BlockHeader)
+    assert (header.codec, header.length, header.payload_size, header.count) == ("fp16", 1000,
+                                                                                2000, 4.0)
+    assert header.encoded_size == len(block) == HEADER_SIZE + 2000
+    assert not header.stored_raw
+    with pytest.raises(AttributeError):
+        header.length = 3  # frozen
+
+
+def test_get_codec():
+    assert [get_codec(name).name for name in CODECS] == list(CODECS)
+    with pytest.raises(ConfigurationError, match="raw, lz4, bf16, fp16, bf16-lz4"):
+        get_codec("zstd")
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_max_encoded_size(name):
+    codec = get_codec(name)
+    per = 4 if name in EXACT else 2
+    assert codec.max_encoded_size(0) == HEADER_SIZE
+    assert codec.max_encoded_size(1000) == HEADER_SIZE + per * 1000
+    for kind in ("normal", "zeros", "nonfinite"):
+        assert len(codec.encode(make(kind, 5000))) <= codec.max_encoded_size(5000)
+
+
+def test_codecs_are_safe_to_share_between_threads():
+    """The parameter fetches and encodes blocks on a thread pool with one shared codec."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def round_trip(seed: int) -> bool:
+        name = CODECS[seed % len(CODECS)]
+        x = make("sparse" if seed % 2 else "normal", 300_001, seed)
+        out = bytearray()
+        scratch = np.empty(300_001, np.float32)
+        for _ in range(3):
+            block = get_codec(name).encode(x, count=float(seed), out=out)
+            header, y = get_codec(name).decode(block, x.size, scratch=scratch)
+            expected = reference_bf16(x) if name in BF16 else None
+            ok = header.count == seed and (
+                np.array_equal(bits(y) >> 16, expected) if expected is not None
+                else np.allclose(y, x, rtol=2.0**-11, atol=2.0**-24)
+            )
+            del y
+            block.release()
+            if not ok:
+                return False
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(round_trip, range(12)))

@@ -1,0 +1,348 @@
+"""AllReduceParameter across N partitions run as threads over real loopback sockets."""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from allreduce_param import (
+    CODECS,
+    AllReduceParameter,
+    ConfigurationError,
+    FetchTimeoutError,
+    InputError,
+    NonFiniteGradientError,
+    PeerLostError,
+    UsageError,
+)
+from conftest import raise_first, run_partitions
+
+LR = np.float32(0.125)
+
+
+def make_data(size: int, partitions: int, seed: int = 0, counts=None):
+    """Start weights, per-partition gradient sums and counts, all float32."""
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal(size).astype(np.float32)
+    grads = [rng.standard_normal(size).astype(np.float32) for _ in range(partitions)]
+    counts = counts or [float(10 + 3 * i) for i in range(partitions)]
+    return weights, grads, counts
+
+
+def reference_step(weights, grads, counts):
+    """What one BSP step must give: the exact mean gradient and the updated weights."""
+    mean = functools.reduce(np.add, grads) / np.float32(sum(counts))
+    return mean, weights - LR * mean
+
+
+def one_step(weights, grads, counts):
+    def body(p):
+        p.init(weights)
+        before = p.get_weights()
+        p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+        gradient = p.aggregate_gradient_partition().copy()
+        p.weight_partition[:] -= LR * gradient
+        p.send_weight_partition()
+        return before, gradient, p.get_weights()
+
+    return body
+
+
+@pytest.mark.parametrize("partitions", [2, 3, 4])
+@pytest.mark.parametrize("size_name", ["one", "partitions-1", "prime", "millions"])
+def test_raw_step_is_exact_and_identical_everywhere(partitions, size_name):
+    size = {"one": 1, "partitions-1": max(1, partitions - 1), "prime": 7919, "millions": 2_000_003}[size_name]
+    weights, grads, counts = make_data(size, partitions, seed=size)
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=30)
+    results = raise_first(run_partitions(param, one_step(weights, grads, counts)))
+    mean, updated = reference_step(weights, grads, counts)
+    layout = param.layout
+    for partition_id, (before, gradient, after) in enumerate(results):
+        assert np.array_equal(before, weights)
+        assert np.array_equal(gradient, mean[layout.bounds(partition_id)])
+        assert np.array_equal(after, updated)
+
+
+@pytest.mark.parametrize("codec", [c for c in CODECS if c != "raw"])
+def test_every_codec_within_its_bound_and_identical_everywhere(codec):
+    size, partitions = 50_021, 3
+    weights, grads, counts = make_data(size, partitions, seed=7)
+    param = AllReduceParameter(partitions, size, codec=codec, timeout=30)
+    results = raise_first(run_partitions(param, one_step(weights, grads, counts)))
+    mean, updated = reference_step(weights, grads, counts)
+    relative = {"lz4": 0.0, "bf16": 2.0**-8, "bf16-lz4": 2.0**-8, "fp16": 2.0**-11}[codec]
+    # each of the N chunks and the published weights are rounded once by the codec
+    gradient = np.concatenate([r[1] for r in results])
+    bound = relative * (functools.reduce(np.add, [np.abs(g) for g in grads]) / sum(counts)) + 1e-30
+    assert np.all(np.abs(gradient - mean) <= 1.01 * bound)
+    assert np.all(np.abs(results[0][2] - updated) <= relative * np.abs(updated) + LR * 1.01 * bound + 1e-30)
+    for _, _, after in results[1:]:
+        assert np.array_equal(after.view(np.uint32), results[0][2].view(np.uint32))
+    if codec == "lz4":
+        assert np.array_equal(results[0][2], updated)
+
+
+def test_uneven_counts_and_an_empty_partition_give_the_exact_mean():
+    size, partitions = 1001, 3
+    rng = np.random.default_rng(3)
+    samples = [rng.standard_normal((n, size)).astype(np.float32) for n in (5, 0, 17)]
+    grads = [s.sum(axis=0, dtype=np.float32) if len(s) else np.zeros(size, np.float32) for s in samples]
+    counts = [float(len(s)) for s in samples]
+    weights = np.zeros(size, np.float32)
+    results = raise_first(run_partitions(AllReduceParameter(partitions, size, "raw"), one_step(weights, grads, counts)))
+    mean = functools.reduce(np.add, grads) / np.float32(22)
+    assert np.array_equal(np.concatenate([r[1] for r in results]), mean)
+    exact = np.concatenate(samples).astype(np.float64).mean(axis=0)
+    assert np.allclose(mean, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_avg_divides_by_the_given_number():
+    weights, grads, counts = make_data(100, 2)
+
+    def body(p):
+        p.init(weights)
+        p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+        return p.aggregate_gradient_partition(avg=2).copy()
+
+    results = raise_first(run_partitions(AllReduceParameter(2, 100, "raw"), body))
+    assert np.array_equal(np.concatenate(results), (grads[0] + grads[1]) / np.float32(2))
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_allreduce_any_length(op):
+    partitions = 3
+    rng = np.random.default_rng(11)
+    vectors = {length: [rng.standard_normal(length).astype(np.float32) for _ in range(partitions)]
+               for length in (1, 2, 5, 10_007)}
+
+    def body(p):
+        return {length: p.allreduce(vs[p.partition_id], op=op) for length, vs in vectors.items()}
+
+    results = raise_first(run_partitions(AllReduceParameter(partitions, 10, "raw"), body))
+    for length, vs in vectors.items():
+        expected = functools.reduce(np.add, vs)
+        if op == "mean":
+            expected = expected / np.float32(partitions)
+        for result in results:
+            assert np.array_equal(result[length], expected)
+
+
+def test_many_steps_keep_only_the_versions_needed():
+    size, partitions, steps = 4099, 3, 25
+    weights, grads, counts = make_data(size, partitions)
+
+    def body(p):
+        p.init(weights)
+        held = []
+        for _ in range(steps):
+            p.get_weights()
+            p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+            p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
+            p.send_weight_partition()
+            held.append(p._store.nbytes)
+        return p.get_weights(), held
+
+    results = raise_first(run_partitions(AllReduceParameter(partitions, size, "raw"), body))
+    mean, _ = reference_step(weights, grads, counts)
+    expected = weights.copy()
+    for _ in range(steps):
+        expected = expected - LR * mean
+    for final, held in results:
+        assert np.array_equal(final, expected)
+        # one weight slice and N gradient chunks, one version each: no growth over the steps
+        assert held[-1] == held[0]
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+def expect_error(param, body, error_type, *fragments):
+    results = run_partitions(param, body)
+    errors = [r for r in results if isinstance(r, error_type)]
+    assert errors, f"expected {error_type.__name__}, got {results!r}"
+    for fragment in fragments:
+        assert fragment in str(errors[0]), f"{fragment!r} not in {errors[0]}"
+    return results
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (np.zeros(99, np.float32), "expected a 1-D vector of 100 elements, got shape (99,)"),
+    (np.zeros((10, 10), np.float32), "got shape (10, 10)"),
+    (np.zeros(100, np.int64), "expected floating-point values, got dtype int64"),
+])
+def test_wrong_vectors_are_refused(bad, fragment):
+    def body(p):
+        p.init(bad)
+
+    expect_error(AllReduceParameter(1, 100, "raw"), body, InputError, "init(weights) on partition 0", fragment)
+
+
+def test_float64_vectors_are_taken_as_float32():
+    weights = np.linspace(-1, 1, 100)
+
+    def body(p):
+        p.init(weights)
+        return p.get_weights()
+
+    (result,) = raise_first(run_partitions(AllReduceParameter(1, 100, "raw"), body))
+    assert result.dtype == np.float32 and np.array_equal(result, weights.astype(np.float32))
+
+
+def test_nan_gradient_names_partition_and_step():
+    weights, grads, counts = make_data(1000, 2)
+    poisoned = grads[1].copy()
+    poisoned[321] = np.nan
+
+    def body(p):
+        p.init(weights)
+        for step in range(2):
+            p.put_gradients(poisoned if (p.partition_id, step) == (1, 1) else grads[p.partition_id])
+            p.aggregate_gradient_partition()
+            p.send_weight_partition()
+            p.get_weights()
+
+    results = expect_error(AllReduceParameter(2, 1000, "raw", timeout=20), body, NonFiniteGradientError,
+                           "partition 1 for step 1", "index 321", "allow_nonfinite=True")
+    # the healthy partition is not left hanging: it fails as its peer went away
+    assert isinstance(results[0], PeerLostError)
+
+
+def test_nan_gradient_passes_when_allowed():
+    grads = [np.ones(10, np.float32), np.full(10, np.inf, np.float32)]
+
+    def body(p):
+        p.init(np.zeros(10))
+        p.put_gradients(grads[p.partition_id])
+        return p.aggregate_gradient_partition().copy()
+
+    results = raise_first(run_partitions(AllReduceParameter(2, 10, "raw", allow_nonfinite=True), body))
+    assert np.all(np.isinf(np.concatenate(results)))
+
+
+@pytest.mark.parametrize("calls, fragment", [
+    (["get_weights"], "get_weights() on partition 0 came before init(weights)"),
+    (["send_weight_partition"], "send_weight_partition() on partition 0 came before init(weights)"),
+    (["init", "aggregate"], "aggregate_gradient_partition() on partition 0 came before put_gradients()"),
+    (["init", "put", "put"], "put_gradients() was called twice on partition 0"),
+    (["init", "init"], "init() was called twice on partition 0"),
+])
+def test_calls_out_of_order_are_refused(calls, fragment):
+    def body(p):
+        for call in calls:
+            {"get_weights": p.get_weights, "send_weight_partition": p.send_weight_partition,
+             "init": lambda: p.init(np.zeros(8)), "put": lambda: p.put_gradients(np.zeros(8)),
+             "aggregate": p.aggregate_gradient_partition}[call]()
+
+    expect_error(AllReduceParameter(1, 8, "raw"), body, UsageError, fragment)
+
+
+def test_all_counts_zero_is_refused():
+    def body(p):
+        p.init(np.zeros(8))
+        p.put_gradients(np.zeros(8), count=0)
+        p.aggregate_gradient_partition()
+
+    expect_error(AllReduceParameter(2, 8, "raw"), body, InputError, "every partition put count=0")
+
+
+def test_settings_are_checked_on_the_driver():
+    with pytest.raises(ConfigurationError, match="unknown codec|'zstd'"):
+        AllReduceParameter(2, 10, codec="zstd")
+    with pytest.raises(ConfigurationError, match="size must be a positive"):
+        AllReduceParameter(2, 0)
+    with pytest.raises(ConfigurationError, match="partition_num must be a positive"):
+        AllReduceParameter(0, 10)
+
+
+def test_partition_count_mismatch_says_what_to_change():
+    from allreduce_param import LocalRendezvous
+
+    with pytest.raises(ConfigurationError, match="made for 3 partitions but this stage has 2 tasks"):
+        AllReduceParameter(3, 10).connect(LocalRendezvous(2).member(0))
+
+
+# ---- faults ----------------------------------------------------------------------------
+
+
+def test_a_silent_peer_times_out_naming_peer_block_and_version():
+    released = threading.Event()
+
+    def body(p):
+        p.init(np.zeros(10))
+        if p.partition_id == 1:
+            released.wait(60)  # alive but silent: never publishes version 1
+            return "never sent version 1"
+        try:
+            p.send_weight_partition()
+            p.get_weights()
+        finally:
+            released.set()
+
+    results = run_partitions(AllReduceParameter(2, 10, "raw", timeout=1.5), body)
+    error = results[0]
+    assert isinstance(error, FetchTimeoutError), results
+    assert "partition 1 at 127.0.0.1:" in str(error)
+    assert "weight block from partition 1 to all, version 1" in str(error)
+
+
+def test_a_peer_that_dies_mid_step_fails_the_others_promptly():
+    def body(p):
+        p.init(np.zeros(1000))
+        p.get_weights()
+        if p.partition_id == 2:
+            raise RuntimeError("partition 2 crashed")
+        p.put_gradients(np.ones(1000))
+        return p.aggregate_gradient_partition()
+
+    # a long timeout: the survivors must notice the lost peer, not wait it out
+    results = run_partitions(AllReduceParameter(3, 1000, "raw", timeout=600), body, timeout=60)
+    assert str(results[2]) == "partition 2 crashed"
+    survivors = results[:2]
+    assert all(isinstance(error, PeerLostError) for error in survivors), results
+    assert all("its task has most likely failed" in str(error) for error in survivors)
+    # failures cascade (a survivor may first meet the other survivor, already shutting down),
+    # but the first to notice names the crashed partition and the block it wanted
+    assert any(re.search(r"partition 2 at 127\.0\.0\.1:\d+ .* while we fetched (weight|gradient) block "
+                         r"from partition 2", str(error)) for error in survivors), survivors
+
+
+def test_a_partition_that_finishes_first_serves_until_its_peers_are_done():
+    closing = threading.Event()
+
+    def body(p):
+        p.init(np.arange(10.0))
+        if p.partition_id == 0:
+            p.weight_partition[:] += 1
+            p.send_weight_partition()
+            closing.set()  # leaves the with-block: close() must wait for partition 1
+            return None
+        p.send_weight_partition()
+        closing.wait(30)
+        return p.get_weights()
+
+    results = raise_first(run_partitions(AllReduceParameter(2, 10, "raw", timeout=30), body))
+    assert np.array_equal(results[1], np.arange(10.0, dtype=np.float32) + np.r_[np.ones(5), np.zeros(5)])
+
+
+def test_no_thread_outlives_the_handle_on_any_path():
+    before = threading.active_count()
+
+    def fine(p):
+        p.init(np.zeros(100))
+        return p.get_weights()
+
+    def failing(p):
+        p.init(np.zeros(100))
+        if p.partition_id == 0:
+            raise RuntimeError("stop")
+        p.put_gradients(np.zeros(100))
+        p.aggregate_gradient_partition()
+
+    raise_first(run_partitions(AllReduceParameter(3, 100, "raw"), fine))
+    assert threading.active_count() == before
+    run_partitions(AllReduceParameter(3, 100, "raw", timeout=30), failing)
+    assert threading.active_count() == before

@@ -1,0 +1,206 @@
+"""AllReduceParameter inside real Spark barrier stages, local[4] (four task slots on 2 cores)."""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+from pyspark import cloudpickle
+
+from allreduce_param import AllReduceParameter
+from allreduce_param.session import local_spark
+from conftest import CONF_DIR
+
+# the tasks below are defined in this module: ship them by value, workers cannot import tests/
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+LR = np.float32(0.5)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = local_spark("local[4]", "allreduce-param-tests", CONF_DIR)
+    yield session
+    session.stop()
+
+
+def digest(array: np.ndarray) -> str:
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array, np.float32).tobytes())
+
+
+def partition_data(size: int, seed: int, partition_id: int):
+    rng = np.random.default_rng([seed, partition_id])
+    return rng.standard_normal(size).astype(np.float32), float(rng.integers(1, 50))
+
+
+def start_weights(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng([seed, 999]).standard_normal(size).astype(np.float32)
+
+
+def step_task(params: list[AllReduceParameter], seed: int):
+    """A barrier task: one BSP step per parameter; digests of what each partition saw."""
+
+    def task(_rows):
+        report = []
+        for param in params:
+            with param.connect() as p:
+                weights = start_weights(param.size, seed)
+                gradient, count = partition_data(param.size, seed, p.partition_id)
+                p.init(weights)
+                before = p.get_weights()
+                p.put_gradients(gradient, count=count)
+                p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
+                p.send_weight_partition()
+                after = p.get_weights()
+                report.append((param.size, param.codec, p.partition_id, digest(before), digest(after),
+                               after if param.size < 100_000 else None))
+        yield report
+
+    return task
+
+
+def expected_after(size: int, seed: int, partitions: int) -> np.ndarray:
+    data = [partition_data(size, seed, i) for i in range(partitions)]
+    mean = functools.reduce(np.add, [g for g, _ in data]) / np.float32(sum(c for _, c in data))
+    return start_weights(size, seed) - LR * mean
+
+
+def run_stage(spark, partitions: int, task):
+    rdd = spark.sparkContext.parallelize(range(partitions), partitions)
+    return [entry for report in rdd.barrier().mapPartitions(task).collect() for entry in report]
+
+
+@pytest.mark.parametrize("partitions", [2, 3, 4])
+def test_raw_sync_is_exact_on_every_partition(spark, partitions):
+    sizes = sorted({1, max(1, partitions - 1), 7919, 3_000_017})
+    params = [AllReduceParameter(partitions, size, codec="raw", timeout=60) for size in sizes]
+    seed = 100 + partitions
+    report = run_stage(spark, partitions, step_task(params, seed))
+    assert len(report) == partitions * len(sizes)
+    for size in sizes:
+        rows = [row for row in report if row[0] == size]
+        assert sorted(row[2] for row in rows) == list(range(partitions))
+        assert {row[3] for row in rows} == {digest(start_weights(size, seed))}
+        assert {row[4] for row in rows} == {digest(expected_after(size, seed, partitions))}
+
+
+def test_every_codec_in_spark_is_bit_identical_across_partitions_and_within_bound(spark):
+    size, partitions, seed = 20_011, 2, 7
+    params = [AllReduceParameter(partitions, size, codec=codec, timeout=60)
+              for codec in ("lz4", "bf16", "fp16", "bf16-lz4")]
+    report = run_stage(spark, partitions, step_task(params, seed))
+    exact = expected_after(size, seed, partitions)
+    for codec, relative in (("lz4", 0.0), ("bf16", 2.0**-7), ("fp16", 2.0**-10), ("bf16-lz4", 2.0**-7)):
+        rows = [row for row in report if row[1] == codec]
+        assert len(rows) == partitions and len({row[4] for row in rows}) == 1, codec
+        # start weights and gradients are rounded by the codec: a few ulps of the codec apart
+        assert np.allclose(rows[0][5], exact, rtol=relative, atol=relative * 4), codec
+
+
+def test_uneven_partitions_and_an_empty_one_give_the_exact_mean(spark):
+    size = 513
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal(size).astype(np.float32) for _ in range(7)]
+    param = AllReduceParameter(3, size, codec="raw")
+
+    def task(partition_rows):
+        samples = list(partition_rows)
+        with param.connect() as p:
+            p.init(np.zeros(size, np.float32))
+            gradient = np.sum(samples, axis=0, dtype=np.float32) if samples else np.zeros(size, np.float32)
+            p.put_gradients(gradient, count=len(samples))
+            yield p.partition_id, len(samples), p.aggregate_gradient_partition().copy()
+
+    # 7 rows over 3 partitions, the first emptied: uneven counts and an empty partition
+    rdd = spark.sparkContext.parallelize(rows, 3).mapPartitionsWithIndex(
+        lambda index, it: iter(()) if index == 0 else it)
+    parts = rdd.glom().collect()
+    assert len(parts[0]) == 0 and len(parts[1]) != len(parts[2])
+    result = sorted(rdd.barrier().mapPartitions(task).collect(), key=lambda entry: entry[0])
+    assert [entry[1] for entry in result] == [len(part) for part in parts]
+    mean = np.concatenate([entry[2] for entry in result])
+    sums = [np.sum(part, axis=0, dtype=np.float32) for part in parts[1:]]
+    assert np.array_equal(mean, (sums[0] + sums[1]) / np.float32(sum(map(len, parts))))
+    kept = np.asarray([row for part in parts for row in part], np.float64)
+    assert np.allclose(mean, kept.mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_peer_that_crashes_fails_the_job_with_its_error(spark):
+    param = AllReduceParameter(2, 1000, codec="raw", timeout=600)
+
+    def task(_rows):
+        with param.connect() as p:
+            p.init(np.zeros(1000))
+            p.get_weights()
+            if p.partition_id == 1:
+                raise RuntimeError("partition 1 crashed on purpose")
+            p.put_gradients(np.ones(1000))
+            p.aggregate_gradient_partition()
+        yield 0
+
+    with pytest.raises(Exception) as failure:
+        spark.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(task).collect()
+    # Spark reports whichever task failure it handles first: the crash itself, or the
+    # survivor's PeerLostError naming the crashed partition. Either points at partition 1.
+    assert re.search(r"partition 1 crashed on purpose|PeerLostError: partition 1 at 127\.0\.0\.1:\d+ "
+                     r"closed the connection", str(failure.value))
+
+
+def test_a_hung_peer_fails_the_job_within_the_timeout_naming_it(spark):
+    param = AllReduceParameter(2, 1000, codec="raw", timeout=3)
+
+    def task(_rows):
+        with param.connect() as p:
+            p.init(np.zeros(1000))
+            if p.partition_id == 1:
+                threading.Event().wait(60)  # stuck, publishes nothing more (Spark kills it)
+            p.send_weight_partition()
+            p.get_weights()
+        yield 0
+
+    with pytest.raises(Exception) as failure:
+        spark.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(task).collect()
+    text = str(failure.value)
+    assert "FetchTimeoutError" in text
+    assert "weight block from partition 1 to all, version 1" in text
+    assert "raise AllReduceParameter(timeout=...)" in text
+
+
+def test_a_second_stage_in_the_same_session_starts_clean(spark):
+    def stage(param):
+        def task(_rows):
+            import os
+
+            before = threading.active_count()
+            with param.connect() as p:
+                p.init(np.ones(5000))
+                total = p.allreduce(np.full(10, p.partition_id + 1.0))
+            yield os.getpid(), before, threading.active_count(), total.tolist()
+
+        return task
+
+    rdd = spark.sparkContext.parallelize(range(2), 2)
+    for _ in range(2):
+        param = AllReduceParameter(2, 5000, codec="lz4")
+        for pid, before, after, total in rdd.barrier().mapPartitions(stage(param)).collect():
+            assert after == before, f"worker {pid} kept {after - before} threads"
+            assert total == [3.0] * 10
+
+
+def test_a_parameter_made_inside_the_task_is_refused_clearly(spark):
+    def task(_rows):
+        param = AllReduceParameter(2, 100)  # wrong: each task makes its own secret
+        with param.connect() as p:
+            p.init(np.ones(100))
+            p.get_weights()
+        yield 0
+
+    with pytest.raises(Exception) as failure:
+        spark.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(task).collect()
+    assert "the secrets differ. Every partition must use the same AllReduceParameter object, " \
+           "made on the driver" in str(failure.value)

@@ -1,0 +1,51 @@
+"""Across two executor JVMs (local-cluster[2,1,1024]): nothing may rely on sharing one executor."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from pyspark import cloudpickle
+
+from allreduce_param import AllReduceParameter
+from allreduce_param.session import local_spark
+from conftest import CONF_DIR
+
+import test_spark
+from test_spark import digest, expected_after, run_stage, start_weights, step_task
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(test_spark)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    session = local_spark("local-cluster[2,1,1024]", "allreduce-param-cluster-tests", CONF_DIR,
+                          **{"spark.executor.memory": "1g"})
+    yield session
+    session.stop()
+
+
+def test_two_executors_sync_exactly_and_bit_identically(cluster):
+    sizes = [1, 7919, 2_000_003]
+    seed = 42
+    params = [AllReduceParameter(2, size, codec=codec, timeout=60) for size in sizes for codec in ("raw", "lz4")]
+
+    def where(_rows):
+        from pyspark import BarrierTaskContext
+
+        context = BarrierTaskContext.get()
+        yield context.getTaskInfos()[context.partitionId()].address
+
+    rdd = cluster.sparkContext.parallelize(range(2), 2)
+    addresses = rdd.barrier().mapPartitions(where).collect()
+    assert len(set(addresses)) == 2, f"both tasks ran in one executor: {addresses}"
+
+    report = run_stage(cluster, 2, step_task(params, seed))
+    for size in sizes:
+        expected = digest(expected_after(size, seed, 2))
+        for codec in ("raw", "lz4"):
+            rows = [row for row in report if row[0] == size and row[1] == codec]
+            assert sorted(row[2] for row in rows) == [0, 1]
+            assert {row[3] for row in rows} == {digest(start_weights(size, seed))}
+            assert {row[4] for row in rows} == {expected}, (size, codec)

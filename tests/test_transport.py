@@ -1,0 +1,170 @@
+"""The wire: wrong secrets and garbage frames are refused while correct traffic goes on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from allreduce_param import AllReduceParameter, AuthenticationError, ProtocolError
+from allreduce_param.store import BlockKey, BlockKind, BlockStore
+from allreduce_param.transport import MAGIC, NONCE_SIZE, BlockServer, PeerClient
+from conftest import raise_first, run_partitions
+
+SECRET = b"s" * 32
+
+
+def assert_connection_closed(sock: socket.socket) -> None:
+    """The server closed ``sock``: reads end with EOF or a reset (after any refusal byte)."""
+    sock.settimeout(30)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(4096)
+        except ConnectionResetError:  # closed with our unread garbage still in its buffer
+            break
+        if not chunk:
+            break
+        data += chunk
+    assert len(data) <= 1  # at most the refusal status, never a block
+
+
+def probe(address, payload: bytes) -> socket.socket:
+    sock = socket.create_connection(address, timeout=30)
+    greeting = b""
+    while len(greeting) < len(MAGIC) + NONCE_SIZE:
+        greeting += sock.recv(64)
+    assert greeting.startswith(MAGIC)
+    sock.sendall(payload)
+    return sock
+
+
+@pytest.fixture
+def server():
+    store = BlockStore()
+    store.put(BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF), 0, b"w" * 1000)
+    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2)
+    yield served
+    served.close()
+
+
+def client(server, secret=SECRET, param_id=5, partition_id=1):
+    return PeerClient(server.address, secret, param_id, partition_id, peer_partition=0, timeout=5)
+
+
+KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
+
+
+def test_the_right_secret_fetches_a_block(server):
+    honest = client(server)
+    try:
+        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=bytearray(10))) == b"w" * 1000
+    finally:
+        honest.close()
+
+
+def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
+    honest = client(server)
+    intruder = client(server, secret=b"x" * 32)
+    try:
+        honest.fetch(KEY, 0, max_size=1000, into=bytearray(1000))
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
+            with pytest.raises(AuthenticationError, match="refused this connection: the secrets differ"):
+                intruder.fetch(KEY, 0, max_size=1000, into=bytearray(1000))
+        assert "could not prove the parameter's secret" in caplog.text
+        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=bytearray(1000))) == b"w" * 1000
+    finally:
+        honest.close()
+        intruder.close()
+
+
+def test_right_secret_for_another_parameter_is_refused(server, caplog):
+    other = client(server, param_id=6)
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
+        with pytest.raises(AuthenticationError):
+            other.fetch(KEY, 0, max_size=1000, into=bytearray(1000))
+    assert "it asked for parameter 6, this server serves parameter 5" in caplog.text
+    other.close()
+
+
+def test_a_server_that_cannot_prove_the_secret_is_not_trusted():
+    store = BlockStore()
+    impostor = BlockServer(store, b"i" * 32, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2)
+    try:
+        # the impostor refuses us, as its secret differs: the client learns nothing from it
+        with pytest.raises(AuthenticationError):
+            client(impostor).fetch(KEY, 0, max_size=1000, into=bytearray(1000))
+    finally:
+        impostor.close()
+
+
+@pytest.mark.parametrize("garbage", [
+    os.urandom(88),                # random bytes where the hello belongs
+    b"\x00" * 88,                  # zeros
+    b"GET / HTTP/1.1\r\n\r\n" * 5,  # someone else's protocol
+])
+def test_garbage_hello_closes_that_connection_only(server, caplog, garbage):
+    honest = client(server)
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
+        sock = probe(server.address, garbage)
+        assert_connection_closed(sock)
+        sock.close()
+    assert "refused connection from 127.0.0.1" in caplog.text
+    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=bytearray(1000))) == b"w" * 1000
+    honest.close()
+
+
+def test_a_malformed_request_after_a_good_handshake_closes_that_connection(server, caplog):
+    rogue = client(server)
+    rogue.fetch(KEY, 0, max_size=1000, into=bytearray(1000))  # authenticated
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
+        rogue._sock.sendall(b"\xff" * 32)
+        assert_connection_closed(rogue._sock)
+    assert "malformed request frame" in caplog.text
+    rogue.close()
+    honest = client(server)
+    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=bytearray(1000))) == b"w" * 1000
+    honest.close()
+
+
+def test_a_block_longer_than_it_can_be_is_refused_before_it_is_read(server):
+    greedy = client(server)
+    with pytest.raises(ProtocolError, match=r"sent 1000 bytes for weight block from partition 0 to all, "
+                                            r"version 0; such a block has at most 999"):
+        greedy.fetch(KEY, 0, max_size=999, into=bytearray(10))
+    greedy.close()
+
+
+def test_intruders_during_a_real_run_do_not_disturb_it():
+    """While partitions sync, wrong-secret clients and garbage hit a server; results stay exact."""
+    size, steps = 20_000, 5
+    grads = [np.full(size, i + 1, np.float32) for i in range(2)]
+    attacked = threading.Event()
+
+    def body(p):
+        p.init(np.zeros(size))
+        for step in range(steps):
+            p.get_weights()
+            p.put_gradients(grads[p.partition_id])
+            p.weight_partition[:] -= p.aggregate_gradient_partition()
+            p.send_weight_partition()
+            if p.partition_id == 0 and step == 1:
+                target = p._peers[1].address
+                intruder = PeerClient(target, b"x" * 32, 0, 0, 1, timeout=5)
+                with pytest.raises(AuthenticationError):
+                    intruder.fetch(BlockKey(BlockKind.WEIGHT, 1, 0xFFFFFFFF), step + 1, 10**6, bytearray())
+                intruder.close()
+                sock = probe(target, os.urandom(200))
+                assert_connection_closed(sock)
+                sock.close()
+                attacked.set()
+        return p.get_weights()
+
+    results = raise_first(run_partitions(AllReduceParameter(2, size, "raw", timeout=30), body))
+    assert attacked.is_set()
+    for weights in results:
+        assert np.array_equal(weights, np.full(size, -1.5 * steps, np.float32))
