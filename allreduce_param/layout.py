@@ -56,3 +56,16 @@ class SliceLayout:
             raise ConfigurationError(
                 f"partition {partition_id} is outside 0..{self.partition_num - 1}"
             )
+
+
+def split(length: int, part_length: int) -> list[tuple[int, int]]:
+    """Cut ``length`` elements into consecutive parts of at most ``part_length``.
+
+    Returns ``(start, length)`` pairs, always at least one (an empty slice is one empty
+    part, so that a block, with its sample count, still travels for it).
+    """
+    if part_length < 1:
+        raise ConfigurationError(f"part_length must be at least 1, got {part_length}")
+    if length == 0:
+        return [(0, 0)]
+    return [(start, min(part_length, length - start)) for start in range(0, length, part_length)]

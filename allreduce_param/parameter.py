@@ -17,12 +17,13 @@ each task calls ``connect()``, which meets the peers once and returns a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import secrets
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from .errors import (
     NonFiniteGradientError,
     UsageError,
 )
-from .layout import SliceLayout
+from .layout import SliceLayout, split
 from .rendezvous import BarrierRendezvous, Rendezvous
 from .store import EVERY_PARTITION, BlockKey, BlockKind, BlockStore
 from .transport import BlockServer, PeerClient
@@ -42,6 +43,10 @@ from .transport import BlockServer, PeerClient
 log = logging.getLogger(__name__)
 
 _next_param_id = itertools.count()
+
+#: Elements per part: blocks travel in parts of at most this many values (2 MiB of
+#: float32), so that encoding, the wire and summing overlap (see the movements below).
+PART_LENGTH = 1 << 19
 
 
 class AllReduceParameter:
@@ -151,9 +156,8 @@ class ConnectedParameter:
         except BaseException:
             self._shutdown()
             raise
-        slice_bytes = self._codec.max_encoded_size(self.layout.max_length)
-        self._receive_buffers = {j: bytearray(slice_bytes) for j in self._peers}
-        self._scratch = {j: np.empty(self.layout.max_length, dtype=np.float32) for j in range(self.partition_num)}
+        self._receive_buffers: dict[int, bytearray] = {}
+        self._scratch: dict[int, np.ndarray] = {}
 
     # ---- the weights ---------------------------------------------------------------------
 
@@ -215,11 +219,11 @@ class ConnectedParameter:
         if not float(count) >= 0:
             raise InputError(f"put_gradients(count={count!r}) on partition {self.partition_id}: "
                              "the sample count must be a number >= 0")
-        version = self._versions[BlockKind.GRADIENT] + 1
-        if not self._param.allow_nonfinite:
-            self._check_finite(vector, version)
-        self._versions[BlockKind.GRADIENT] = version
-        self._scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count))
+        version = self._versions[BlockKind.GRADIENT] = self._versions[BlockKind.GRADIENT] + 1
+        # Checked part by part as each is published, so the check overlaps the peers' fetches;
+        # a NaN found then fails this partition, and with it the step on every peer.
+        inspect = None if self._param.allow_nonfinite else functools.partial(self._check_finite, version)
+        self._scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count), inspect)
         self._gradient_pending = True
 
     def aggregate_gradient_partition(self, avg: float | None = None) -> np.ndarray:
@@ -277,74 +281,122 @@ class ConnectedParameter:
         return out
 
     # ---- the four movements, written once --------------------------------------------------
+    #
+    # A block of more than PART_LENGTH elements travels as several parts: a peer fetches
+    # part k while the owner still encodes part k+1, and the receiver sums part k while
+    # part k+1 is on the wire. Each element is still summed in partition order.
 
     def _publish(self, kind: int, version: int, values: np.ndarray, destination: int = EVERY_PARTITION,
-                 count: float = 0.0) -> None:
-        """Encode ``values`` and put them in the own store as ``version``.
+                 count: float = 0.0, inspect: Callable[[int, np.ndarray], None] | None = None,
+                 offset: int = 0) -> None:
+        """Encode ``values`` part by part and put each in the own store as ``version``.
 
-        Encodes into one of keep+1 rotating buffers, so the versions still kept are untouched.
+        Encodes into one of keep+1 rotating buffers per part, so kept versions stay intact.
+        ``inspect(index, part)``, if given, sees each part (``index`` counted from ``offset``)
+        just after it is published, while the peers may already be fetching it.
         """
-        key = BlockKey(kind, self.partition_id, destination)
-        buffers = self._send_buffers.setdefault(key, [bytearray() for _ in range(self._store.keep + 1)])
-        block = self._codec.encode(values, count=count, out=buffers[version % len(buffers)])
-        self._store.put(key, version, block)
+        for part, (start, length) in enumerate(split(values.size, PART_LENGTH)):
+            key = BlockKey(kind, self.partition_id, destination, part)
+            buffers = self._send_buffers.setdefault(key, [bytearray() for _ in range(self._store.keep + 1)])
+            block = self._codec.encode(values[start:start + length], count=count,
+                                       out=buffers[version % len(buffers)])
+            self._store.put(key, version, block)
+            del block  # the store holds its own view; ours would pin the buffer's size
+            if inspect is not None:
+                inspect(offset + start, values[start:start + length])
 
-    def _scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float) -> None:
-        """Publish chunk ``j`` of ``vector`` for owner ``j``, for every partition ``j``."""
-        for owner in range(self.partition_num):
-            self._publish(kind, version, vector[layout.bounds(owner)], destination=owner, count=count)
+    def _scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float,
+                 inspect: Callable[[int, np.ndarray], None] | None = None) -> None:
+        """Publish chunk ``j`` of ``vector`` for owner ``j``; the peers' first, the own last."""
+        for step in range(1, self.partition_num + 1):
+            owner = (self.partition_id + step) % self.partition_num
+            self._publish(kind, version, vector[layout.bounds(owner)], destination=owner, count=count,
+                          inspect=inspect, offset=layout.start(owner))
 
     def _reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray) -> float:
         """Sum the own chunk of every partition into ``out``, in partition order; the summed counts."""
-        length = layout.length(self.partition_id)
-        pending = self._fetch_all(kind, version, layout, destination=self.partition_id, lengths=lambda j: length)
+        pending = self._fetch_all(kind, version, layout, destination=self.partition_id)
         total = 0.0
-        for source in range(self.partition_num):
-            count, values = pending[source].result()
-            if source == 0:
-                np.copyto(out, values)
-            else:
-                np.add(out, values, out=out)
-            total += count
+        for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
+            target = out[start:start + length]
+            for source in range(self.partition_num):
+                count, values = pending[source][part].result()
+                if source == 0:
+                    np.copyto(target, values)
+                else:
+                    np.add(target, values, out=target)
+                if part == 0:
+                    total += count
         return total
 
     def _gather(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray) -> None:
         """Fetch every owner's slice ``version`` into its place in ``out``."""
-        pending = self._fetch_all(kind, version, layout, destination=EVERY_PARTITION, lengths=layout.length)
+        pending = self._fetch_all(kind, version, layout, destination=EVERY_PARTITION)
         for owner in range(self.partition_num):
-            _, values = pending[owner].result()
-            np.copyto(out[layout.bounds(owner)], values)
+            base = layout.start(owner)
+            for part, (start, length) in enumerate(split(layout.length(owner), PART_LENGTH)):
+                _, values = pending[owner][part].result()
+                np.copyto(out[base + start:base + start + length], values)
 
-    def _fetch_all(self, kind, version, layout, destination, lengths) -> dict[int, Future]:
-        """Start fetching block ``(kind, j, destination)`` from every partition ``j``.
+    def _fetch_all(self, kind: int, version: int, layout: SliceLayout, destination: int) -> list[list[Future]]:
+        """Start fetching every part of block ``(kind, j, destination)`` from every partition ``j``.
 
-        Peers are fetched on the pool, the own block is read from the own store at once;
-        each future gives ``(count, values)``, values being a view valid until the next fetch.
+        ``result[j][k]`` is a future of part k's ``(count, values)``; values stay valid until
+        the next movement. The own blocks are read from the own store at once; each peer's
+        parts are fetched in order by one pool thread over that peer's connection.
         """
-        pending: dict[int, Future] = {}
+        pending: list[list[Future]] = []
         for source in range(self.partition_num):
-            key = BlockKey(kind, source, destination)
+            slice_length = layout.length(source if destination == EVERY_PARTITION else destination)
+            parts = split(slice_length, PART_LENGTH)
+            futures = [Future() for _ in parts]
             if source == self.partition_id:
-                own: Future = Future()
-                own.set_result(self._decode(source, key, version, lengths(source),
-                                            self._store.get(key, version, self._param.timeout)))
-                pending[source] = own
+                self._fetch_parts(source, kind, version, destination, parts, futures)
             else:
-                pending[source] = self._pool.submit(self._fetch_decoded, source, key, version, lengths(source))
+                self._pool.submit(self._fetch_parts, source, kind, version, destination, parts, futures)
+            pending.append(futures)
         return pending
 
-    def _fetch_decoded(self, source: int, key: BlockKey, version: int, length: int) -> tuple[float, np.ndarray]:
-        block = self._peers[source].fetch(
-            key, version, self._codec.max_encoded_size(length), self._receive_buffers[source]
-        )
-        return self._decode(source, key, version, length, block)
+    def _fetch_parts(self, source: int, kind: int, version: int, destination: int,
+                     parts: list[tuple[int, int]], futures: list[Future]) -> None:
+        """Fetch and decode ``source``'s parts in order, resolving one future per part.
 
-    def _decode(self, source: int, key: BlockKey, version: int, length: int, block) -> tuple[float, np.ndarray]:
-        scratch = self._scratch[source]
-        if scratch.size < length:
+        A failure fails this part and every later one, so the caller sees it where it waits.
+        """
+        sizes = [self._codec.max_encoded_size(length) for _, length in parts]
+        receive = self._receive_buffer(source, sum(sizes)) if source != self.partition_id else None
+        offset = 0
+        for part, ((start, length), size) in enumerate(zip(parts, sizes)):
+            key = BlockKey(kind, source, destination, part)
+            try:
+                if receive is None:
+                    block = self._store.get(key, version, self._param.timeout)
+                else:
+                    block = self._peers[source].fetch(key, version, size, receive[offset:offset + size])
+                header, values = self._codec.decode(
+                    block, length, scratch=self._scratch_for(source, start + length)[start:start + length],
+                    what=key.describe(version),
+                )
+            except BaseException as error:
+                for future in futures[part:]:
+                    future.set_exception(error)
+                return
+            futures[part].set_result((header.count, values))
+            offset += size
+
+    def _receive_buffer(self, source: int, nbytes: int) -> memoryview:
+        """Where ``source``'s blocks land: reused, replaced by a larger one when too small."""
+        buffer = self._receive_buffers.get(source)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._receive_buffers[source] = bytearray(nbytes)
+        return memoryview(buffer)
+
+    def _scratch_for(self, source: int, length: int) -> np.ndarray:
+        """Float32 room to decode ``source``'s lossy blocks into, reused across steps."""
+        scratch = self._scratch.get(source)
+        if scratch is None or scratch.size < length:
             scratch = self._scratch[source] = np.empty(length, dtype=np.float32)
-        header, values = self._codec.decode(block, length, scratch=scratch[:length], what=key.describe(version))
-        return header.count, values
+        return scratch
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -362,15 +414,16 @@ class ConnectedParameter:
             )
         return np.ascontiguousarray(array, dtype=np.float32)
 
-    def _check_finite(self, vector: np.ndarray, version: int) -> None:
+    def _check_finite(self, version: int, offset: int, values: np.ndarray) -> None:
+        """Raise if ``values`` (the gradient from index ``offset`` on) holds NaN or Inf."""
         # One cheap pass: a sum is finite unless a value is NaN/Inf (or the sum overflows,
         # which the exact check below then clears).
-        if np.isfinite(vector.sum()) or np.isfinite(vector).all():
+        if np.isfinite(values.sum()) or np.isfinite(values).all():
             return
-        bad = np.flatnonzero(~np.isfinite(vector))
+        bad = np.flatnonzero(~np.isfinite(values))
         raise NonFiniteGradientError(
-            f"the gradient of partition {self.partition_id} for step {version} holds {bad.size} "
-            f"NaN/Inf values (first at index {bad[0]}: {vector[bad[0]]}); the model diverged or the "
+            f"the gradient of partition {self.partition_id} for step {version} holds NaN/Inf "
+            f"(first at index {offset + bad[0]}: {values[bad[0]]}); the model diverged or the "
             "data holds NaN. Lower the learning rate or clean the data, or pass "
             "AllReduceParameter(allow_nonfinite=True) to let them through"
         )

@@ -35,17 +35,24 @@ class BlockKind:
 
 
 class BlockKey(NamedTuple):
-    """Which block: its kind, the partition that made it and the one it is for."""
+    """Which block: its kind, the partition that made it, the one it is for, and which part.
+
+    A large slice travels as several parts, so that a peer can fetch the first while the
+    owner still encodes the next.
+    """
 
     kind: int
     source: int
     destination: int
+    part: int = 0
 
     def describe(self, version: int | None = None) -> str:
-        """A phrase for error messages: 'gradient block from partition 2 to 0, version 7'."""
+        """For error messages: 'gradient block from partition 2 to partition 0, version 7'."""
         kind = BlockKind.NAMES.get(self.kind, f"kind-{self.kind}")
         target = "all" if self.destination == EVERY_PARTITION else f"partition {self.destination}"
         text = f"{kind} block from partition {self.source} to {target}"
+        if self.part:
+            text += f" (part {self.part})"
         return text if version is None else f"{text}, version {version}"
 
 

@@ -10,7 +10,7 @@ Wire format (little-endian):
   partition id, 16-byte nonce, HMAC-SHA256(secret, "client" + both nonces + ids). Server:
   one status byte, then its own HMAC(secret, "server" + ...) so the client knows it talks to
   a holder of the secret too. A connection that fails this reads and writes nothing.
-* Request: op, block kind, source, destination, version, timeout in ms (fixed size).
+* Request: op, block kind, source, destination, part, version, timeout in ms (fixed size).
 * Response: status, length; then ``length`` bytes (the encoded block, or an error text).
 
 Every length is checked against what the block can be before a byte of it is read; a
@@ -43,7 +43,7 @@ MAGIC = b"ARP1"
 NONCE_SIZE = 16
 MAC_SIZE = 32
 _CLIENT_HELLO = struct.Struct(f"<4sII{NONCE_SIZE}s{MAC_SIZE}s")  # magic, param, partition, nonce, mac
-_REQUEST = struct.Struct("<4sBBHIIQI")  # magic, op, kind, pad, source, destination, version, timeout ms
+_REQUEST = struct.Struct("<4sBBIIIQI")  # magic, op, kind, source, destination, part, version, timeout ms
 _RESPONSE = struct.Struct("<BQ")  # status, length
 
 OP_GET = 1
@@ -189,7 +189,7 @@ class BlockServer:
                 _recv_exactly(conn, view)
             except EOFError:
                 return
-            magic, op, kind, _, source, destination, version, timeout_ms = _REQUEST.unpack(request)
+            magic, op, kind, source, destination, part, version, timeout_ms = _REQUEST.unpack(request)
             if magic != MAGIC or op not in (OP_GET, OP_DONE) or kind not in BlockKind.NAMES:
                 log.warning(
                     "closed connection from partition %d at %s: malformed request frame %s",
@@ -199,7 +199,7 @@ class BlockServer:
             if op == OP_DONE:
                 self._on_done(client_partition)
                 continue
-            key = BlockKey(kind, source, destination)
+            key = BlockKey(kind, source, destination, part)
             try:
                 block = self.store.get(key, version, timeout_ms / 1000.0)
             except FetchTimeoutError as error:
@@ -315,11 +315,12 @@ class PeerClient:
             sock.close()
             raise self._lost(what, f"dropped the connection during the handshake ({error})") from error
 
-    def fetch(self, key: BlockKey, version: int, max_size: int, into: bytearray) -> memoryview:
+    def fetch(self, key: BlockKey, version: int, max_size: int, into: memoryview) -> memoryview:
         """Fetch ``version`` of block ``key``, waiting on the peer up to the timeout.
 
-        The block lands in ``into`` (grown when too small, otherwise reused) and the returned
-        view covers exactly its bytes. A block longer than ``max_size`` is a protocol error.
+        The block lands at the start of ``into`` (at least ``max_size`` bytes, the most such
+        a block can be; a longer one is a protocol error) and the returned view covers
+        exactly its bytes.
         """
         what = key.describe(version)
         with self._lock:
@@ -329,7 +330,7 @@ class PeerClient:
                 # The server gives up waiting at the timeout and says so; the socket waits longer
                 # so that the server's answer, not a bare socket timeout, reaches the user.
                 sock.settimeout(self._timeout + HANDSHAKE_TIMEOUT)
-                sock.sendall(_REQUEST.pack(MAGIC, OP_GET, key.kind, 0, key.source, key.destination,
+                sock.sendall(_REQUEST.pack(MAGIC, OP_GET, key.kind, key.source, key.destination, key.part,
                                            version, int(self._timeout * 1000)))
                 head = bytearray(_RESPONSE.size)
                 _recv_exactly(sock, memoryview(head))
@@ -341,9 +342,7 @@ class PeerClient:
                         f"{self._peer_text} sent {length} bytes for {what}; such a block has at "
                         f"most {max_size}"
                     )
-                if len(into) < length:
-                    into.extend(bytes(length - len(into)))
-                view = memoryview(into)[:length]
+                view = into[:length]
                 _recv_exactly(sock, view)
                 return view
             except AllReduceError:  # first: some of ours are OSErrors too (timeouts, refusals)

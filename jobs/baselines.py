@@ -1,4 +1,4 @@
-"""The two syncs that the engine is measured against, for ``benchmark_allreduce.py``.
+"""The two syncs that the engine is measured against, for ``bench_allreduce.py``.
 
 * :func:`mllib_sync_ms` -- how Spark MLlib's gradient descent syncs once per iteration: the
   driver broadcasts the weights, every partition computes a gradient from them, and the driver
@@ -6,8 +6,8 @@
 * :func:`gloo_allreduce_ms` -- ``torch.distributed.all_reduce`` over gloo between processes on
   loopback: the bar a purpose-built collective sets on the same machine.
 
-Both return the median milliseconds of one sync of a float32 vector; run this file on its own
-(``python jobs/baselines.py``) to print both for 10K, 1M and 10M elements. The gloo baseline
+Both return the median milliseconds of one sync of a float32 vector; ``bench_allreduce.py``
+prints them beside the engine's figures. The gloo baseline
 needs torch; the CPU build is enough (``pip install torch==2.13.0`` on this machine).
 """
 
@@ -18,18 +18,13 @@ import importlib.util
 import os
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-SIZES: tuple[int, ...] = (10_000, 1_000_000, 10_000_000)
-"""The vector lengths (float32 elements) that the benchmark table compares."""
 
 _GLOO_TIMEOUT = datetime.timedelta(seconds=120)
 """How long a gloo rank waits for its peers (rendezvous or one collective) before it fails."""
@@ -230,57 +225,3 @@ def gloo_allreduce_ms(
         start_method="spawn",
     )
     return statistics.median(result_queue.get())
-
-
-# --------------------------------------------------------------------------------------------
-# Running this file on its own
-# --------------------------------------------------------------------------------------------
-
-
-def _label(size: int) -> str:
-    """``10_000`` -> ``'10K'``, ``10_000_000`` -> ``'10M'``."""
-    for factor, suffix in ((1_000_000, "M"), (1_000, "K")):
-        if size >= factor and size % factor == 0:
-            return f"{size // factor}{suffix}"
-    return str(size)
-
-
-def _ms(value: float | None) -> str:
-    """A table cell: milliseconds with one decimal, or why there is no figure."""
-    return "not installed" if value is None else f"{value:,.1f}"
-
-
-def main(partitions: int = 2) -> None:
-    """Measure both baselines for :data:`SIZES` and print them as a table.
-
-    gloo runs first, before Spark starts: a stopped SparkSession leaves its JVM running until
-    this process exits, and on 2 cores that can skew the gloo figures.
-    """
-    from pyspark.sql import SparkSession
-
-    repo = Path(__file__).resolve().parent.parent
-    os.environ.setdefault("SPARK_CONF_DIR", str(repo / "conf"))
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
-    gloo = {size: gloo_allreduce_ms(size, processes=partitions) for size in SIZES}
-    spark = (
-        SparkSession.builder.master(f"local[{partitions}]")
-        .appName("allreduce-param-baselines")
-        .getOrCreate()
-    )
-    try:
-        mllib = {size: mllib_sync_ms(spark, size, partitions=partitions) for size in SIZES}
-    finally:
-        spark.stop()
-
-    print(f"sync of float32 vectors, {partitions} partitions/processes, median ms per step")
-    header = f"{'elements':>10} | {'MLlib broadcast+treeAggregate':>29} | {'gloo all_reduce':>15}"
-    print(header)
-    print("-" * len(header))
-    for size in SIZES:
-        print(f"{_label(size):>10} | {_ms(mllib[size]):>29} | {_ms(gloo[size]):>15}")
-
-
-if __name__ == "__main__":
-    main()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
+import re
 import sys
 import time
 from pathlib import Path
@@ -85,7 +85,11 @@ def machine() -> str:
 
 
 def label(size: int) -> str:
-    return f"{size // 1_000_000}M" if size >= 1_000_000 else f"{size // 1000}K" if size >= 1000 else str(size)
+    """``10_000`` -> ``'10K'``, ``10_000_000`` -> ``'10M'``."""
+    for factor, suffix in ((1_000_000, "M"), (1_000, "K")):
+        if size >= factor and size % factor == 0:
+            return f"{size // factor}{suffix}"
+    return str(size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,43 +101,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed syncs first")
     parser.add_argument("--data", choices=("dense", "sparse"), default="dense",
                         help="gradients of random noise, or 90%% zeros")
+    parser.add_argument("--partitions", type=int, default=None,
+                        help="barrier tasks (default: the master's task slots)")
     parser.add_argument("--no-baselines", action="store_true", help="skip treeAggregate and gloo")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     codecs = args.codecs.split(",")
 
+    partitions = args.partitions or local_slots(args.master)
+    # gloo first, before Spark's JVM is up and competing for the cores
+    gloo = {size: None if args.no_baselines else baselines.gloo_allreduce_ms(
+        size, processes=partitions, steps=args.steps, warmup=args.warmup) for size in sizes}
     spark = local_spark(args.master, "allreduce-param-bench", CONF_DIR)
     try:
-        partitions = spark.sparkContext.defaultParallelism
         print(f"machine: {machine()}")
         print(f"{partitions} partitions on {args.master}; medians of {args.steps} steps after "
               f"{args.warmup} warm-up; {args.data} gradients", flush=True)
         params = [AllReduceParameter(partitions, size, codec=codec, timeout=300)
                   for size in sizes for codec in codecs]
         rdd = spark.sparkContext.parallelize(range(partitions), partitions)
-        report = [entry for part in
-                  rdd.barrier().mapPartitions(engine_task(params, args.steps, args.warmup,
-                                                          args.data == "sparse")).collect()
-                  for entry in part]
+        task = engine_task(params, args.steps, args.warmup, args.data == "sparse")
+        report = [entry for part in rdd.barrier().mapPartitions(task).collect() for entry in part]
         rows = []
         for size in sizes:
-            peers = {}
-            if not args.no_baselines:
-                peers["MLlib broadcast+treeAggregate"] = baselines.mllib_sync_ms(
-                    spark, size, partitions=partitions, steps=5, warmup=1)
-                peers["gloo all_reduce (torch)"] = baselines.gloo_allreduce_ms(
-                    size, processes=partitions, steps=args.steps, warmup=args.warmup)
-            gloo = peers.get("gloo all_reduce (torch)")
-            tree = peers.get("MLlib broadcast+treeAggregate")
+            tree = None if args.no_baselines else baselines.mllib_sync_ms(
+                spark, size, partitions=partitions, steps=5, warmup=1)
             for codec in codecs:
                 total, phases = engine_medians(report, size, codec)
-                rows.append((label(size), f"allreduce-param {codec}", total, phases, gloo, tree))
-            for name, value in peers.items():
-                rows.append((label(size), name, value, None, gloo, tree))
+                rows.append((label(size), f"allreduce-param {codec}", total, phases, gloo[size], tree))
+            if not args.no_baselines:
+                rows.append((label(size), "MLlib broadcast+treeAggregate", tree, None, gloo[size], tree))
+                rows.append((label(size), "gloo all_reduce (torch)", gloo[size], None, gloo[size], tree))
         print_table(rows)
     finally:
         spark.stop()
     return 0
+
+
+def local_slots(master: str) -> int:
+    """How many tasks run at once on a local master: local[4] -> 4, local[*] -> the cores."""
+    found = re.fullmatch(r"local\[(\d+|\*)(?:,\d+)?\]|local-cluster\[(\d+),(\d+),\d+\]|local", master)
+    if not found:
+        raise SystemExit(f"cannot tell the task slots of master {master!r}: pass --partitions")
+    if found.group(2):
+        return int(found.group(2)) * int(found.group(3))
+    if found.group(1) and found.group(1) != "*":
+        return int(found.group(1))
+    return 1 if master == "local" else os.cpu_count() or 1
 
 
 def print_table(rows: list) -> None:

@@ -195,7 +195,7 @@ def test_float64_vectors_are_taken_as_float32():
 def test_nan_gradient_names_partition_and_step():
     weights, grads, counts = make_data(1000, 2)
     poisoned = grads[1].copy()
-    poisoned[321] = np.nan
+    poisoned[777] = np.nan  # in owner 1's chunk (500..999): the index must count from 0
 
     def body(p):
         p.init(weights)
@@ -206,7 +206,7 @@ def test_nan_gradient_names_partition_and_step():
             p.get_weights()
 
     results = expect_error(AllReduceParameter(2, 1000, "raw", timeout=20), body, NonFiniteGradientError,
-                           "partition 1 for step 1", "index 321", "allow_nonfinite=True")
+                           "partition 1 for step 1", "index 777", "allow_nonfinite=True")
     # the healthy partition is not left hanging: it fails as its peer went away
     assert isinstance(results[0], PeerLostError)
 

@@ -62,7 +62,7 @@ KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
 def test_the_right_secret_fetches_a_block(server):
     honest = client(server)
     try:
-        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=bytearray(10))) == b"w" * 1000
+        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))) == b"w" * 1000
     finally:
         honest.close()
 
@@ -71,12 +71,12 @@ def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
     honest = client(server)
     intruder = client(server, secret=b"x" * 32)
     try:
-        honest.fetch(KEY, 0, max_size=1000, into=bytearray(1000))
+        honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
         with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
             with pytest.raises(AuthenticationError, match="refused this connection: the secrets differ"):
-                intruder.fetch(KEY, 0, max_size=1000, into=bytearray(1000))
+                intruder.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
         assert "could not prove the parameter's secret" in caplog.text
-        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=bytearray(1000))) == b"w" * 1000
+        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))) == b"w" * 1000
     finally:
         honest.close()
         intruder.close()
@@ -86,7 +86,7 @@ def test_right_secret_for_another_parameter_is_refused(server, caplog):
     other = client(server, param_id=6)
     with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
         with pytest.raises(AuthenticationError):
-            other.fetch(KEY, 0, max_size=1000, into=bytearray(1000))
+            other.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
     assert "it asked for parameter 6, this server serves parameter 5" in caplog.text
     other.close()
 
@@ -97,7 +97,7 @@ def test_a_server_that_cannot_prove_the_secret_is_not_trusted():
     try:
         # the impostor refuses us, as its secret differs: the client learns nothing from it
         with pytest.raises(AuthenticationError):
-            client(impostor).fetch(KEY, 0, max_size=1000, into=bytearray(1000))
+            client(impostor).fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
     finally:
         impostor.close()
 
@@ -114,20 +114,20 @@ def test_garbage_hello_closes_that_connection_only(server, caplog, garbage):
         assert_connection_closed(sock)
         sock.close()
     assert "refused connection from 127.0.0.1" in caplog.text
-    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=bytearray(1000))) == b"w" * 1000
+    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))) == b"w" * 1000
     honest.close()
 
 
 def test_a_malformed_request_after_a_good_handshake_closes_that_connection(server, caplog):
     rogue = client(server)
-    rogue.fetch(KEY, 0, max_size=1000, into=bytearray(1000))  # authenticated
+    rogue.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))  # authenticated
     with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
         rogue._sock.sendall(b"\xff" * 32)
         assert_connection_closed(rogue._sock)
     assert "malformed request frame" in caplog.text
     rogue.close()
     honest = client(server)
-    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=bytearray(1000))) == b"w" * 1000
+    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))) == b"w" * 1000
     honest.close()
 
 
@@ -135,7 +135,7 @@ def test_a_block_longer_than_it_can_be_is_refused_before_it_is_read(server):
     greedy = client(server)
     with pytest.raises(ProtocolError, match=r"sent 1000 bytes for weight block from partition 0 to all, "
                                             r"version 0; such a block has at most 999"):
-        greedy.fetch(KEY, 0, max_size=999, into=bytearray(10))
+        greedy.fetch(KEY, 0, max_size=999, into=memoryview(bytearray(1000)))
     greedy.close()
 
 
@@ -156,7 +156,7 @@ def test_intruders_during_a_real_run_do_not_disturb_it():
                 target = p._peers[1].address
                 intruder = PeerClient(target, b"x" * 32, 0, 0, 1, timeout=5)
                 with pytest.raises(AuthenticationError):
-                    intruder.fetch(BlockKey(BlockKind.WEIGHT, 1, 0xFFFFFFFF), step + 1, 10**6, bytearray())
+                    intruder.fetch(BlockKey(BlockKind.WEIGHT, 1, 0xFFFFFFFF), step + 1, 10**6, memoryview(bytearray(10**6)))
                 intruder.close()
                 sock = probe(target, os.urandom(200))
                 assert_connection_closed(sock)
