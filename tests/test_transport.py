@@ -168,3 +168,27 @@ def test_intruders_during_a_real_run_do_not_disturb_it():
     assert attacked.is_set()
     for weights in results:
         assert np.array_equal(weights, np.full(size, -1.5 * steps, np.float32))
+
+
+def test_a_peer_on_this_host_is_reached_over_its_unix_socket():
+    store = BlockStore()
+    store.put(KEY, 0, b"u" * 100)
+    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2, unix=True)
+    try:
+        assert served.local_name
+        local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
+        assert bytes(local.fetch(KEY, 0, 100, memoryview(bytearray(100)))) == b"u" * 100
+        assert local._sock.family == socket.AF_UNIX
+        local.close()
+        # a Unix socket that is not there (another network namespace): TCP instead
+        elsewhere = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name="no-such-socket")
+        assert bytes(elsewhere.fetch(KEY, 0, 100, memoryview(bytearray(100)))) == b"u" * 100
+        assert elsewhere._sock.family == socket.AF_INET
+        elsewhere.close()
+        # the Unix socket demands the secret as TCP does
+        intruder = PeerClient(served.address, b"x" * 32, 5, 1, 0, timeout=5, local_name=served.local_name)
+        with pytest.raises(AuthenticationError):
+            intruder.fetch(KEY, 0, 100, memoryview(bytearray(100)))
+        intruder.close()
+    finally:
+        served.close()
