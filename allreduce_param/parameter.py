@@ -147,20 +147,12 @@ class ConnectedParameter:
         self._peers: dict[int, PeerClient] = {}
         self._pool: ThreadPoolExecutor | None = None
         try:
-            own = (*self._server.address, self._server.local_name)
-            addresses = rendezvous.exchange(own if self._server.local_name else self._server.address)
-            peer_ids = [j for j in range(self.partition_num) if j != self.partition_id]
-            self._peers = {
-                j: PeerClient(
-                    tuple(addresses[j][:2]), param.secret, param.param_id, self.partition_id, j, param.timeout,
-                    # a peer on this host is reached through its Unix socket
-                    local_name=addresses[j][2] if len(addresses[j]) > 2 and addresses[j][0] == host else None,
-                )
-                for j in peer_ids
-            }
-            if peer_ids:
+            addresses = rendezvous.exchange(self._server.advertised_address)
+            self._peers = {j: self._peer_client(j, addresses[j], host)
+                           for j in range(self.partition_num) if j != self.partition_id}
+            if self._peers:
                 self._pool = ThreadPoolExecutor(
-                    max_workers=min(param.fetch_threads or len(peer_ids), len(peer_ids)),
+                    max_workers=min(param.fetch_threads or len(self._peers), len(self._peers)),
                     thread_name_prefix=f"allreduce-fetch-{self.partition_id}",
                 )
         except BaseException:
@@ -168,6 +160,14 @@ class ConnectedParameter:
             raise
         self._receive_buffers: dict[int, bytearray] = {}
         self._scratch: dict[int, np.ndarray] = {}
+
+    def _peer_client(self, peer: int, address: tuple, own_host: str) -> PeerClient:
+        host, port, *local = address
+        return PeerClient(
+            (host, port), self._param.secret, self._param.param_id, self.partition_id, peer,
+            self._param.timeout,
+            local_name=local[0] if local and host == own_host else None,  # same host: Unix socket
+        )
 
     # ---- the weights ---------------------------------------------------------------------
 

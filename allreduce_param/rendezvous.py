@@ -9,7 +9,9 @@ takes a fixed list of addresses (N plain processes, each told its id) and
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -79,10 +81,12 @@ class BarrierRendezvous(Rendezvous):
 class StaticRendezvous(Rendezvous):
     """A fixed address list: partition ``i`` serves on ``addresses[i]``.
 
-    For N plain processes (or hosts) that are each told their id and the whole list.
+    For N plain processes (or hosts) that are each told their id and the whole list. The
+    processes start at different moments, so ``exchange`` waits, up to ``timeout`` seconds,
+    until every peer accepts connections.
     """
 
-    def __init__(self, partition_id: int, addresses: Sequence[Address]) -> None:
+    def __init__(self, partition_id: int, addresses: Sequence[Address], timeout: float = 60.0) -> None:
         if not 0 <= partition_id < len(addresses):
             raise ConfigurationError(
                 f"partition_id {partition_id} is outside the {len(addresses)} addresses given"
@@ -90,12 +94,33 @@ class StaticRendezvous(Rendezvous):
         self.partition_id = partition_id
         self.partition_num = len(addresses)
         self._addresses = [(str(host), int(port)) for host, port in addresses]
+        self._timeout = timeout
 
     def bind_address(self) -> Address:
         return self._addresses[self.partition_id]
 
     def exchange(self, address: Address) -> list[Address]:
+        deadline = time.monotonic() + self._timeout
+        for peer, peer_address in enumerate(self._addresses):
+            if peer != self.partition_id:
+                self._wait_until_serving(peer, peer_address, deadline)
         return list(self._addresses)
+
+    def _wait_until_serving(self, peer: int, address: Address, deadline: float) -> None:
+        delay = 0.01
+        while True:
+            try:
+                with socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic())):
+                    return
+            except OSError as error:
+                if time.monotonic() + delay > deadline:
+                    raise UsageError(
+                        f"partition {peer} at {address[0]}:{address[1]} did not start serving within "
+                        f"{self._timeout:g} s ({error}): start all {self.partition_num} processes "
+                        "with the same address list"
+                    ) from error
+                time.sleep(delay)  # the peer process is still starting: poll with backoff
+                delay = min(2 * delay, 0.5)
 
 
 class LocalRendezvous:

@@ -138,6 +138,11 @@ class BlockServer:
         for acceptor in self._acceptors:
             acceptor.start()
 
+    @property
+    def advertised_address(self) -> tuple:
+        """What peers need to reach this server: ``(host, port)``, plus ``local_name`` if any."""
+        return (*self.address, self.local_name) if self.local_name else tuple(self.address)
+
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
