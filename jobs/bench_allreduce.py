@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from allreduce_param import CODECS, AllReduceParameter
-from allreduce_param.session import local_spark
+from allreduce_param.session import java_problem, local_spark
 
 import baselines  # jobs/baselines.py, beside this file
 
@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="barrier tasks (default: the master's task slots)")
     parser.add_argument("--no-baselines", action="store_true", help="skip treeAggregate and gloo")
     args = parser.parse_args(argv)
+    problem = java_problem()
+    if problem:  # before anything else: say so, no traceback
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     sizes = [int(s) for s in args.sizes.split(",")]
     codecs = args.codecs.split(",")
 

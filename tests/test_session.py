@@ -1,0 +1,60 @@
+"""The Java check that both README commands run before Spark starts."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from allreduce_param import ConfigurationError
+from allreduce_param.session import java_problem, local_spark
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_java(folder: Path, version_line: str) -> Path:
+    """A `java` that reports ``version_line``, as an old JDK would (we cannot install one here)."""
+    java = folder / "bin" / "java"
+    java.parent.mkdir(parents=True)
+    java.write_text(f"#!/bin/sh\necho '{version_line}' >&2\n")
+    java.chmod(java.stat().st_mode | stat.S_IXUSR)
+    return java
+
+
+def test_the_java_here_is_good_enough():
+    assert java_problem() is None
+
+
+def test_no_java_on_the_path_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    problem = java_problem()
+    assert "Spark needs Java 17+" in problem and "no 'java' on the PATH" in problem
+    assert "apt-get install openjdk-17-jre-headless" in problem and "JAVA_HOME" in problem
+
+
+def test_java_home_without_java(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path))
+    assert f"JAVA_HOME={tmp_path} has no bin/java" in java_problem()
+
+
+@pytest.mark.parametrize("line, major", [('openjdk version "11.0.2" 2019-01-15', 11),
+                                         ('java version "1.8.0_392"', 8)])
+def test_an_old_java_is_named(monkeypatch, tmp_path, line, major):
+    fake_java(tmp_path, line)
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path))
+    assert f"is Java {major}." in java_problem()
+    with pytest.raises(ConfigurationError, match=f"is Java {major}"):
+        local_spark()  # refuses before any JVM starts
+
+
+def test_the_main_job_says_so_and_exits_without_a_traceback(tmp_path):
+    environment = {**os.environ, "JAVA_HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
+    done = subprocess.run([sys.executable, str(REPO / "jobs" / "bench_allreduce.py")], env=environment,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "has no bin/java" in done.stderr and "Traceback" not in done.stderr
