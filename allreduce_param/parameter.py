@@ -30,9 +30,11 @@ import numpy as np
 from .codec import get_codec
 from .errors import (
     AllReduceError,
+    AuthenticationError,
     ConfigurationError,
     InputError,
     NonFiniteGradientError,
+    PeerLostError,
     UsageError,
 )
 from .layout import SliceLayout, split
@@ -47,6 +49,11 @@ _next_param_id = itertools.count()
 #: Elements per part: blocks travel in parts of at most this many values (2 MiB of
 #: float32), so that encoding, the wire and summing overlap (see the movements below).
 PART_LENGTH = 1 << 19
+
+#: How long, at most, a partition that failed keeps answering its peers with the reason
+#: before it stops: only for a clearer message (the root cause in every peer's error), so
+#: it is short, and it ends as soon as every peer has hung up.
+FAILURE_LINGER_SECONDS = 10.0
 
 
 class AllReduceParameter:
@@ -388,6 +395,8 @@ class ConnectedParameter:
                     what=key.describe(version),
                 )
             except BaseException as error:
+                if isinstance(error, (PeerLostError, AuthenticationError)):
+                    self._peer_done(source)  # gone, or not ours: it will fetch nothing from us either
                 for future in futures[part:]:
                     future.set_exception(error)
                 return
@@ -483,6 +492,21 @@ class ConnectedParameter:
         finally:
             self._shutdown()
 
+    def _fail(self, reason: str) -> None:
+        """Stop after an error, telling the peers why.
+
+        Every fetch a peer makes is answered with ``reason`` (so its error names the root
+        cause, whichever failure Spark reports first) until each peer has hung up, said it
+        is done, or is known to be gone, or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
+        """
+        self._store.close(reason)
+        for client in self._peers.values():
+            client.abort()
+        with self._done_changed:
+            self._done_changed.wait_for(lambda: len(self._done_peers) >= len(self._peers),
+                                        timeout=min(self._param.timeout, FAILURE_LINGER_SECONDS))
+        self._shutdown()
+
     def _shutdown(self) -> None:
         """Stop at once: cut the connections, stop the fetch threads and the server."""
         self._closed = True
@@ -501,4 +525,4 @@ class ConnectedParameter:
         if exc_type is None:
             self.close()
         else:
-            self._shutdown()
+            self._fail(f"partition {self.partition_id} failed: {exc_type.__name__}: {exc}")

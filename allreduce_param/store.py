@@ -78,6 +78,7 @@ class BlockStore:
         self._blocks: dict[BlockKey, OrderedDict[int, memoryview]] = {}
         self._bytes = 0
         self._closed = False
+        self._closing_reason = ""
         self._changed = threading.Condition()
 
     def put(self, key: BlockKey, version: int, block: bytes | bytearray | memoryview) -> None:
@@ -120,7 +121,7 @@ class BlockStore:
                 lambda: self._closed or self._newest(key) >= version, timeout=timeout
             )
             if self._closed:
-                raise StoreClosedError(f"{key.describe(version)} was asked for while the store closed")
+                raise StoreClosedError(self._closing_reason or f"{key.describe(version)} was asked for while the store closed")
             if not found:
                 raise FetchTimeoutError(
                     f"{key.describe(version)} was not published within {timeout:g} s "
@@ -145,10 +146,14 @@ class BlockStore:
         with self._changed:
             return self._bytes
 
-    def close(self) -> None:
-        """Drop every block and fail every waiting get with ``StoreClosedError``."""
+    def close(self, reason: str = "") -> None:
+        """Drop every block and fail every waiting (and later) get with ``StoreClosedError``.
+
+        ``reason``, when given, is that error's message: why this partition stops.
+        """
         with self._changed:
             self._closed = True
+            self._closing_reason = self._closing_reason or reason
             self._blocks.clear()
             self._bytes = 0
             self._changed.notify_all()

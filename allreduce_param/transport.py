@@ -303,12 +303,16 @@ class PeerClient:
     def _peer_text(self) -> str:
         return f"partition {self.peer_partition} at {self.address[0]}:{self.address[1]}"
 
-    def _lost(self, what: str, detail: str) -> PeerLostError:
-        """The one wording of 'this peer is gone', naming the peer, the block and the cause."""
-        return PeerLostError(
-            f"{self._peer_text} {detail} while we fetched {what}: its task has most likely "
-            "failed or ended early (see that task's error in the Spark driver log)"
-        )
+    def _lost(self, what: str, detail: str, said: str = "") -> PeerLostError:
+        """The one wording of 'this peer is gone', naming the peer, the block and the cause.
+
+        ``said`` is the reason the peer gave as it failed, when it could give one.
+        """
+        text = f"{self._peer_text} {detail} while we fetched {what}"
+        if said:
+            return PeerLostError(f"{text}; it said: {said}")
+        return PeerLostError(f"{text}: its task has most likely failed or ended early "
+                             "(see that task's error in the Spark driver log)")
 
     def _open(self) -> socket.socket:
         if self.local_name:
@@ -413,7 +417,7 @@ class PeerClient:
                 "much slower; raise AllReduceParameter(timeout=...) if its steps are this slow"
             )
         if status == STATUS_CLOSING:
-            raise self._lost(what, "shut down")
+            raise self._lost(what, "shut down", said=reason)
         if status == STATUS_STALE:
             raise AllReduceError(f"{self._peer_text} no longer has {what}: {reason}")
         raise ProtocolError(f"{self._peer_text} answered {what} with unknown status {status}")
