@@ -69,3 +69,108 @@ def split(length: int, part_length: int) -> list[tuple[int, int]]:
     if length == 0:
         return [(0, 0)]
     return [(start, min(part_length, length - start)) for start in range(0, length, part_length)]
+
+
+class TensorLayout:
+    """Several named tensors flattened, in order, into one vector.
+
+    The engine moves one flat vector; a model thinks in tensors (a weight matrix, a bias).
+    A ``TensorLayout`` maps between the two without copying: ``views(flat)`` gives, for each
+    name, a reshaped view into ``flat``, so that reading weights or writing gradients through
+    the views reads or writes the flat vector itself.
+
+    >>> layout = TensorLayout([("w1", (64, 128)), ("b1", (128,))])
+    >>> layout.size, layout.offset("b1"), layout.shape("w1")
+    (8320, 8192, (64, 128))
+
+    Tensors lie back to back in the given order, each in C order. A layout holds only names
+    and shapes, so it pickles small and is safe to share between threads.
+    """
+
+    __slots__ = ("_shapes", "_offsets", "_lengths", "_size")
+
+    def __init__(self, tensors: list[tuple[str, tuple[int, ...]]]) -> None:
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._offsets: dict[str, int] = {}
+        self._lengths: dict[str, int] = {}
+        offset = 0
+        for entry in tensors:
+            try:
+                name, shape = entry
+            except (TypeError, ValueError):
+                raise ConfigurationError(f"a tensor is a (name, shape) pair, got {entry!r}") from None
+            if not isinstance(name, str) or not name:
+                raise ConfigurationError(f"a tensor name must be a non-empty string, got {name!r}")
+            if name in self._shapes:
+                raise ConfigurationError(f"tensor name {name!r} appears twice")
+            shape = tuple(shape)
+            length = 1
+            for dim in shape:
+                if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+                    raise ConfigurationError(
+                        f"tensor {name!r}: dimensions must be whole numbers >= 0, got {shape!r}"
+                    )
+                length *= dim
+            self._shapes[name] = shape
+            self._offsets[name] = offset
+            self._lengths[name] = length
+            offset += length
+        self._size = offset
+
+    @property
+    def size(self) -> int:
+        """The total number of elements: the length of the flat vector."""
+        return self._size
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensor names, in their order in the flat vector."""
+        return tuple(self._shapes)
+
+    def offset(self, name: str) -> int:
+        """The index in the flat vector of the first element of tensor ``name``."""
+        self._require(name)
+        return self._offsets[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``."""
+        self._require(name)
+        return self._shapes[name]
+
+    def views(self, flat) -> dict:
+        """``name -> view`` into ``flat``, each reshaped to its tensor's shape; no copies.
+
+        ``flat`` must be a contiguous 1-D array of exactly ``size`` elements (any dtype), so
+        that every reshape is a view: a write through a view lands in ``flat``.
+        """
+        shape = getattr(flat, "shape", None)
+        if shape != (self._size,) or not flat.flags.c_contiguous:
+            from .errors import InputError
+
+            raise InputError(
+                f"TensorLayout.views needs a contiguous 1-D array of {self._size} elements, "
+                f"got {type(flat).__name__} of shape {shape}"
+            )
+        return {
+            name: flat[self._offsets[name]:self._offsets[name] + self._lengths[name]].reshape(shape)
+            for name, shape in self._shapes.items()
+        }
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorLayout):
+            return NotImplemented
+        return list(self._shapes.items()) == list(other._shapes.items())
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._shapes.items()))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"({name!r}, {shape!r})" for name, shape in self._shapes.items())
+        return f"TensorLayout([{inner}])"
+
+    def __reduce__(self):
+        return (TensorLayout, (list(self._shapes.items()),))
+
+    def _require(self, name: str) -> None:
+        if name not in self._shapes:
+            raise KeyError(f"no tensor named {name!r}; the layout has {list(self._shapes)}")

@@ -1,0 +1,17 @@
+"""Built-in numpy models for the trainer, and the ``Model`` protocol they follow.
+
+A model gives one flat float32 parameter vector (``init``) and, per batch, the loss and its
+gradient summed over the rows (``loss_and_grad``); see ``Model``. The built-ins are
+vectorised float32 numpy, picklable, stateless, and safe to call from several threads.
+
+- ``LinearRegression(n_features)``: squared error, regression.
+- ``LogisticRegression(n_features)``: binary log loss, labels 0/1.
+- ``SoftmaxRegression(n_features, n_classes)``: multinomial cross-entropy.
+- ``MLP(layers, activation="relu", task="classification")``: dense layers, ReLU or tanh.
+"""
+
+from .base import Model
+from .linear import LinearRegression, LogisticRegression, SoftmaxRegression
+from .mlp import MLP
+
+__all__ = ["Model", "LinearRegression", "LogisticRegression", "SoftmaxRegression", "MLP"]

@@ -1,0 +1,54 @@
+"""What the trainer needs from a model: the ``Model`` protocol.
+
+The trainer (``DistriOptimizer``) never looks inside a model. It asks for one flat float32
+parameter vector (``init``), and on every step for the loss and gradient *summed* over the
+rows of a local batch (``loss_and_grad``). Sums, not means: each partition sends its sums
+with its row count, the engine adds the sums over all partitions and divides by the total
+count, which gives the exact mean over the global batch however unevenly the rows fall.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+CLASSIFICATION = "classification"
+REGRESSION = "regression"
+TASKS = (CLASSIFICATION, REGRESSION)
+
+
+@runtime_checkable
+class Model(Protocol):
+    """Any object with these members can be trained; the built-in models are examples.
+
+    ``task`` is ``"classification"`` (the trainer reports accuracy; labels are class ids)
+    or ``"regression"`` (the trainer reports RMSE; labels are float targets).
+    Models travel to Spark tasks inside closures, so they must pickle, and should hold no
+    large state; they may be called from several threads at once.
+    """
+
+    task: str
+
+    def init(self, rng: np.random.Generator) -> np.ndarray:
+        """The initial parameters: one flat float32 vector, all tensors flattened into it.
+
+        Deterministic for a given generator state (``np.random.default_rng(seed)``).
+        """
+        ...
+
+    def loss_and_grad(
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
+    ) -> tuple[float, np.ndarray, int]:
+        """``(loss_sum, grad_sum, count)`` over the rows of ``X``.
+
+        ``loss_sum`` is the loss summed over the rows (not the mean), ``grad_sum`` the
+        gradient of that sum as a float32 vector of ``len(weights)``, ``count == len(X)``.
+        ``X`` is float32 of shape (rows, features); ``y`` holds class ids (classification)
+        or float32 targets (regression). Zero rows give ``(0.0, zeros, 0)``.
+        """
+        ...
+
+    def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """Class ids (int64) for classification, float32 values for regression."""
+        ...

@@ -1,0 +1,243 @@
+"""A stack of dense layers with a loss head: the one implementation behind every model.
+
+Linear, logistic and softmax regression are one dense layer with a squared-error, sigmoid
+or softmax head; an MLP is several layers with an activation between them. They share this
+code for validation, initialisation, the forward pass and the backward pass.
+
+Performance, because ``loss_and_grad`` runs on every step inside Spark tasks, possibly on
+several threads at once: everything is vectorised float32 numpy (BLAS matmuls and ufuncs,
+which release the GIL); the weight tensors are views into the flat vector, and the gradient
+tensors views into one flat float32 vector allocated per call, written in place with
+``out=``. The only other allocations are one activation array per layer and one delta array
+per hidden layer. A model holds no mutable state, so threads can share it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from ..errors import ConfigurationError, InputError
+from ..layout import TensorLayout
+
+
+class Activation(NamedTuple):
+    """A hidden-layer activation: in-place forward, in-place backward, and its init."""
+
+    forward: Callable[[np.ndarray], None]
+    """``z -> act(z)``, in place."""
+    backward: Callable[[np.ndarray, np.ndarray], None]
+    """``(delta, a)``: multiply ``delta`` in place by ``act'`` expressed through ``a = act(z)``."""
+    init: str
+    """The weight initialisation that suits it: ``"he"`` or ``"glorot"``."""
+
+
+def _relu(z: np.ndarray) -> None:
+    np.maximum(z, 0, out=z)
+
+
+def _relu_backward(delta: np.ndarray, a: np.ndarray) -> None:
+    np.multiply(delta, a > 0, out=delta)
+
+
+def _tanh(z: np.ndarray) -> None:
+    np.tanh(z, out=z)
+
+
+def _tanh_backward(delta: np.ndarray, a: np.ndarray) -> None:
+    slope = np.square(a)
+    np.subtract(1, slope, out=slope)
+    delta *= slope
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    "relu": Activation(_relu, _relu_backward, "he"),
+    "tanh": Activation(_tanh, _tanh_backward, "glorot"),
+}
+
+
+def positive_int(value, what: str, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum``, or a ConfigurationError (a ValueError) saying so."""
+    if isinstance(value, bool):
+        raise ConfigurationError(f"{what} must be a whole number >= {minimum}, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ConfigurationError(f"{what} must be a whole number >= {minimum}, got {value!r}") from None
+    if number < minimum:
+        raise ConfigurationError(f"{what} must be a whole number >= {minimum}, got {number}")
+    return number
+
+
+class DenseNetwork:
+    """Dense layers ``layers[0] -> layers[1] -> ... -> layers[-1]`` and a loss head.
+
+    Layer ``i`` (1-based) computes ``a_i = act(a_{i-1} @ w_i + b_i)``, with ``w_i`` of shape
+    (layers[i-1], layers[i]); the last layer has no activation: its output goes to the
+    head. Parameters lie in the flat vector as ``w1, b1, w2, b2, ...`` (see ``layout``).
+
+    Subclasses set the architecture in their constructor and name their constructor
+    arguments in ``_arguments`` (used by ``repr``, equality and pickling).
+    """
+
+    def __init__(self, layers: Sequence[int], activation: str | None, head) -> None:
+        head.check_outputs(layers[-1])
+        self._layers = tuple(layers)
+        self._activation = activation
+        self._head = head
+        self._names = tuple((f"w{i}", f"b{i}") for i in range(1, len(layers)))
+        tensors = []
+        for (weight, bias), fan_in, fan_out in zip(self._names, layers[:-1], layers[1:]):
+            tensors += [(weight, (fan_in, fan_out)), (bias, (fan_out,))]
+        self.layout = TensorLayout(tensors)
+
+    # -- what the trainer sees ------------------------------------------------------------
+
+    @property
+    def task(self) -> str:
+        """``"classification"`` or ``"regression"``, from the head."""
+        return self._head.task
+
+    @property
+    def size(self) -> int:
+        """The number of parameters: the length of the flat vector."""
+        return self.layout.size
+
+    @property
+    def n_features(self) -> int:
+        """The number of input columns that ``X`` must have."""
+        return self._layers[0]
+
+    def init(self, rng: np.random.Generator) -> np.ndarray:
+        """Random weights, zero biases, as one flat float32 vector; deterministic per rng.
+
+        Weights feeding a ReLU get He-normal init (std ``sqrt(2 / fan_in)``); the others
+        (tanh layers and the output layer) Glorot-uniform (``+-sqrt(6 / (fan_in + fan_out))``).
+        """
+        flat = np.zeros(self.size, dtype=np.float32)
+        tensors = self.layout.views(flat)
+        last = len(self._names) - 1
+        for index, (weight, _) in enumerate(self._names):
+            w = tensors[weight]
+            fan_in, fan_out = w.shape
+            if index < last and ACTIVATIONS[self._activation].init == "he":
+                rng.standard_normal(dtype=np.float32, out=w)
+                w *= np.float32(np.sqrt(2.0 / fan_in))
+            else:
+                limit = np.float32(np.sqrt(6.0 / (fan_in + fan_out)))
+                rng.random(dtype=np.float32, out=w)
+                w *= 2 * limit
+                w -= limit
+        return flat
+
+    def loss_and_grad(
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
+    ) -> tuple[float, np.ndarray, int]:
+        """``(loss_sum, grad_sum, count)`` over the rows of ``X``; see ``Model``."""
+        weights = self._check_weights(weights)
+        X = self._check_features(X)
+        rows = X.shape[0]
+        if rows == 0:  # an empty partition: any empty label array will do
+            if np.size(y) != 0:
+                raise InputError(f"{self!r}: X has 0 rows but there are {np.size(y)} labels")
+            return 0.0, np.zeros(self.size, dtype=np.float32), 0
+        targets = self._head.targets(y, rows, self._layers[-1])
+        params = self.layout.views(weights)
+        outputs = self._forward(params, X)
+        loss = self._head.loss_and_delta(outputs[-1], targets)
+        return loss, self._backward(params, outputs), rows
+
+    def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """Class ids (int64) for classification, float32 values for regression."""
+        weights = self._check_weights(weights)
+        X = self._check_features(X)
+        return self._head.predict(self._forward(self.layout.views(weights), X)[-1])
+
+    def tensors(self, weights: np.ndarray) -> dict[str, np.ndarray]:
+        """``name -> view`` of a flat parameter vector (``w1``, ``b1``, ...), for inspection."""
+        return self.layout.views(self._check_weights(weights))
+
+    # -- the math -------------------------------------------------------------------------
+
+    def _forward(self, params: dict[str, np.ndarray], X: np.ndarray) -> list[np.ndarray]:
+        """The input and every layer's output; the last is the pre-head output ``z``."""
+        outputs = [X]
+        last = len(self._names) - 1
+        for index, (weight, bias) in enumerate(self._names):
+            z = outputs[-1] @ params[weight]
+            z += params[bias]
+            if index < last:
+                ACTIVATIONS[self._activation].forward(z)
+            outputs.append(z)
+        return outputs
+
+    def _backward(self, params: dict[str, np.ndarray], outputs: list[np.ndarray]) -> np.ndarray:
+        """The flat gradient, given ``outputs[-1]`` already holding ``d loss / d z``.
+
+        Every tensor view of the result is written in full by a ``out=`` matmul or sum, so
+        the vector starts uninitialised.
+        """
+        grad = np.empty(self.size, dtype=np.float32)
+        grads = self.layout.views(grad)
+        delta = outputs[-1]
+        for index in range(len(self._names) - 1, -1, -1):
+            weight, bias = self._names[index]
+            below = outputs[index]
+            np.matmul(below.T, delta, out=grads[weight])
+            np.sum(delta, axis=0, out=grads[bias])
+            if index > 0:
+                delta = delta @ params[weight].T
+                ACTIVATIONS[self._activation].backward(delta, below)
+        return grad
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def _check_weights(self, weights) -> np.ndarray:
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        if weights.shape != (self.size,):
+            raise InputError(
+                f"{self!r}: weights must be a flat vector of {self.size} parameters, "
+                f"got shape {weights.shape}"
+            )
+        return weights
+
+    def _check_features(self, X) -> np.ndarray:
+        X = np.asarray(X, dtype=np.float32)
+        if X.ndim == 1 and X.size == 0:
+            return X.reshape(0, self.n_features)
+        if X.ndim != 2:
+            raise InputError(f"{self!r}: X must be 2-D (rows, features), got shape {X.shape}")
+        if X.shape[1] != self.n_features:
+            raise InputError(
+                f"{self!r}: X has {X.shape[1]} features, expected {self.n_features}"
+            )
+        return X
+
+    # -- identity -------------------------------------------------------------------------
+
+    def _arguments(self) -> dict:
+        """The constructor arguments that rebuild this model."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{name}={value!r}" for name, value in self._arguments().items())
+        return f"{type(self).__name__}({arguments})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._arguments() == other._arguments()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, repr(self)))
+
+    def __reduce__(self):
+        # Rebuild through the constructor: a pickle holds only the arguments, and the
+        # rebuilt model is validated like a new one.
+        return (_rebuild, (type(self), self._arguments()))
+
+
+def _rebuild(cls: type, arguments: dict) -> DenseNetwork:
+    return cls(**arguments)
