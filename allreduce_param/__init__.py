@@ -5,6 +5,7 @@ parameter vector; gradients are reduce-scattered to the owners and weights all-g
 back through compressed blocks that the partitions serve to each other, without the driver.
 """
 
+from . import models, optim
 from .codec import CODECS
 from .errors import (
     AllReduceError,
@@ -22,10 +23,17 @@ from .errors import (
 from .layout import SliceLayout
 from .parameter import AllReduceParameter, ConnectedParameter
 from .rendezvous import BarrierRendezvous, LocalRendezvous, Rendezvous, StaticRendezvous
+from .train import DistriOptimizer, History, TrainedModel, TrainingError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistriOptimizer",
+    "TrainedModel",
+    "History",
+    "TrainingError",
+    "models",
+    "optim",
     "AllReduceParameter",
     "ConnectedParameter",
     "CODECS",

@@ -1,0 +1,180 @@
+"""The ``allreduce-param`` command: ``allreduce-param train --conf conf/digits.toml``.
+
+A job file (TOML) names the Spark master, the data, the model, the optimizer and the
+training settings; see ``conf/digits.toml``. ``jobs/train.py`` runs the same with
+``spark-submit`` or plain ``python``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import models, optim
+from .errors import AllReduceError, ConfigurationError
+from .session import java_problem, local_spark
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+DATA_SOURCES = ("digits", "synthetic", "libsvm", "parquet")
+
+
+def load_job(path: str | Path) -> dict:
+    """Read a job file; a missing file or bad TOML is a ConfigurationError naming it."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigurationError(f"no job file at {path}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigurationError(f"{path} is not valid TOML: {error}") from None
+
+
+def build(namespace, section: dict, what: str) -> Any:
+    """``section['kind']`` looked up in ``namespace`` and called with the other keys."""
+    settings = dict(section)
+    kind = settings.pop("kind", None)
+    factory = getattr(namespace, str(kind), None)
+    if kind is None or factory is None or kind.startswith("_"):
+        choices = [name for name in getattr(namespace, "__all__", []) if name[0].isupper()]
+        raise ConfigurationError(f"[{what}] kind = {kind!r} is not one of {choices}")
+    schedule = settings.pop("schedule", None)
+    if schedule is not None:
+        settings["schedule"] = build(namespace, schedule, f"{what}.schedule")
+    try:
+        return factory(**settings)
+    except TypeError as error:
+        raise ConfigurationError(f"[{what}] {kind}: {error}") from None
+
+
+def load_data(spark, section: dict):
+    """(train, test) DataFrames with ``features`` and ``label`` columns, from the job's [data]."""
+    source = section.get("source", "digits")
+    seed = int(section.get("seed", 0))
+    test_fraction = float(section.get("test_fraction", 0.25))
+    if source == "digits":
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        X = (digits.data / 16.0).astype(np.float32)
+        X_train, X_test, y_train, y_test = train_test_split(
+            X, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target)
+        frame = lambda X, y: spark.createDataFrame(  # noqa: E731
+            [(row.tolist(), float(label)) for row, label in zip(X, y)], "features array<float>, label double")
+        return frame(X_train, y_train), frame(X_test, y_test)
+    if source == "synthetic":
+        frame = synthetic(spark, int(section.get("rows", 1_000_000)), int(section.get("features", 100)),
+                          int(section.get("classes", 10)), seed, int(section.get("partitions", 0)) or None)
+        return frame.randomSplit([1 - test_fraction, test_fraction], seed=seed)
+    if source in ("libsvm", "parquet"):
+        if "path" not in section:
+            raise ConfigurationError(f"[data] source = {source!r} needs a path")
+        frame = spark.read.format(source).load(section["path"])
+        if "features_col" in section or "label_col" in section:
+            frame = frame.withColumnRenamed(section.get("features_col", "features"), "features") \
+                         .withColumnRenamed(section.get("label_col", "label"), "label")
+        return frame.randomSplit([1 - test_fraction, test_fraction], seed=seed)
+    raise ConfigurationError(f"[data] source = {source!r} is not one of {DATA_SOURCES}")
+
+
+def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitions: int | None = None):
+    """A classification problem generated in the executors: Gaussian blobs, one per class."""
+    import pyarrow as pa
+
+    centres = np.random.default_rng(seed).standard_normal((classes, features)).astype(np.float32)
+
+    def generate(batches):
+        for batch in batches:
+            ids = batch.column(0).to_numpy()
+            if len(ids) == 0:
+                continue
+            rng = np.random.default_rng([seed, int(ids[0])])
+            labels = rng.integers(0, classes, len(ids))
+            X = centres[labels] + rng.standard_normal((len(ids), features)).astype(np.float32)
+            values = pa.array(X.reshape(-1), pa.float32())
+            offsets = pa.array(np.arange(0, X.size + 1, features, dtype=np.int32))
+            yield pa.RecordBatch.from_arrays(
+                [pa.ListArray.from_arrays(offsets, values), pa.array(labels.astype(np.float64))],
+                ["features", "label"])
+
+    numbers = spark.range(0, rows, numPartitions=partitions or spark.sparkContext.defaultParallelism)
+    return numbers.mapInArrow(generate, "features array<float>, label double")
+
+
+def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
+    """Run a training job file's fit and print the final table; the exit status."""
+    from .train import DistriOptimizer
+
+    spark_section = job.get("spark", {})
+    spark = local_spark(master or spark_section.get("master", "local[*]"),
+                        spark_section.get("app_name", "allreduce-param train"), conf_dir)
+    try:
+        train_df, test_df = load_data(spark, job.get("data", {}))
+        model = build(models, job.get("model", {"kind": "MLP", "layers": [64, 128, 10]}), "model")
+        optimizer = build(optim, job.get("optimizer", {"kind": "Adam", "lr": 1e-3}), "optimizer")
+        settings = job.get("train", {})
+        trainer = DistriOptimizer(model, optimizer, **settings)
+        print(f"training {model!r} with {optimizer!r}; {settings}", flush=True)
+        started = time.perf_counter()
+        result = trainer.fit(train_df, validation=test_df)
+        elapsed = time.perf_counter() - started
+        final = result.history.epochs[-1]
+        metric = "accuracy" if model.task == "classification" else "rmse"
+        print_table([
+            ("train " + metric, f"{final.get('train_' + metric, float('nan')):.4f}"),
+            ("test " + metric, f"{final.get('val_' + metric, float('nan')):.4f}"),
+            ("train loss", f"{final.get('train_loss', float('nan')):.4f}"),
+            ("epochs", str(len(result.history.epochs))),
+            ("steps", str(len(result.history.steps))),
+            ("time", f"{elapsed:.1f} s"),
+            ("samples/s", f"{result.history.samples_per_second:,.0f}"),
+        ])
+        path = job.get("output", {}).get("model_path")
+        if path:
+            result.save(path)
+            print(f"model written to {path}")
+    finally:
+        spark.stop()
+    return 0
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+    width = max(len(name) for name, _ in rows)
+    value_width = max(len(value) for _, value in rows)
+    print("+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+")
+    for name, value in rows:
+        print(f"| {name.ljust(width)} | {value.rjust(value_width)} |")
+    print("+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="allreduce-param", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    trainer = commands.add_parser("train", help="train a model from a job file")
+    trainer.add_argument("--conf", required=True, help="the job file (TOML), e.g. conf/digits.toml")
+    trainer.add_argument("--master", help="override the job's Spark master")
+    args = parser.parse_args(argv)
+    problem = java_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        job = load_job(args.conf)
+        conf_dir = Path(args.conf).resolve().parent
+        return train(job, conf_dir if (conf_dir / "spark-defaults.conf").is_file() else None, args.master)
+    except AllReduceError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

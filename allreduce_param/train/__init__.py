@@ -1,0 +1,7 @@
+"""Training on Spark: the driver's DistriOptimizer, the task's worker loop, and their result."""
+
+from .distri import DistriOptimizer
+from .result import History, TrainedModel
+from .worker import TrainingError
+
+__all__ = ["DistriOptimizer", "History", "TrainedModel", "TrainingError"]

@@ -1,0 +1,136 @@
+"""Training data: checked and shaped on the driver, turned into numpy arrays inside the task.
+
+On the driver, ``prepare`` checks the columns before any task starts (a missing column, a
+vector of the wrong length, NaN labels, ragged rows each get a clear error) and shapes the
+DataFrame into ``features: array<float>, label: double, split: int`` (0 train, 1
+validation). Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into
+one contiguous float32 matrix, once, with no per-row Python objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError
+
+TRAIN, VALIDATION = 0, 1
+#: The columns a prepared DataFrame has, and their Spark types.
+PREPARED_SCHEMA = "features array<float>, label double, split int"
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    """What the driver learnt about the data while checking it."""
+
+    rows: int
+    validation_rows: int
+    n_features: int
+    sample: tuple  # one training row as (X [1, n_features] float32, y [1]), to try the model on
+
+
+def prepare(df, features_col: str, label_col: str, validation=None):
+    """Check ``df`` (and ``validation``) and shape them for training; (DataFrame, DataSummary).
+
+    Runs one small Spark job per DataFrame (row count, vector lengths, missing labels).
+    """
+    from pyspark.sql import functions as F
+
+    parts, summaries = [], []
+    for name, frame, split in (("training", df, TRAIN), ("validation", validation, VALIDATION)):
+        if frame is None:
+            continue
+        shaped = _shape(frame, features_col, label_col, name).withColumn("split", F.lit(split))
+        stats = shaped.agg(
+            F.count(F.lit(1)).alias("rows"),
+            F.min(F.size("features")).alias("shortest"),
+            F.max(F.size("features")).alias("longest"),
+            F.sum(F.when(F.col("label").isNull() | F.isnan("label"), 1).otherwise(0)).alias("bad_labels"),
+            F.sum(F.when(F.col("features").isNull(), 1).otherwise(0)).alias("missing_features"),
+            F.first("features", ignorenulls=True).alias("first_features"),
+            F.first("label", ignorenulls=True).alias("first_label"),
+        ).first()
+        if stats["rows"] == 0:
+            raise InputError(f"the {name} data has no rows")
+        if stats["bad_labels"]:
+            raise InputError(
+                f"the {name} data has {stats['bad_labels']} rows whose label {label_col!r} is null or NaN; "
+                f"drop or fill them first, e.g. df.dropna(subset=[{label_col!r}])"
+            )
+        if stats["missing_features"]:
+            raise InputError(f"the {name} data has {stats['missing_features']} rows without {features_col!r}")
+        if stats["shortest"] != stats["longest"]:
+            raise InputError(
+                f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
+                f"{stats['longest']} elements; every row needs the same length"
+            )
+        parts.append(shaped)
+        summaries.append((stats["rows"], stats["longest"]))
+        if split == TRAIN:
+            sample = (np.asarray([stats["first_features"]], np.float32), np.asarray([stats["first_label"]]))
+    if len(summaries) == 2 and summaries[0][1] != summaries[1][1]:
+        raise InputError(
+            f"training vectors have {summaries[0][1]} elements but validation vectors {summaries[1][1]}"
+        )
+    prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
+    validation_rows = summaries[1][0] if len(summaries) == 2 else 0
+    return prepared, DataSummary(summaries[0][0], validation_rows, int(summaries[0][1]), sample)
+
+
+def _shape(frame, features_col: str, label_col: str, name: str):
+    """``features: array<float>, label: double`` from a vector or numeric-array column."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, NumericType
+
+    fields = {field.name: field.dataType for field in frame.schema.fields}
+    for column, role in ((features_col, "features_col"), (label_col, "label_col")):
+        if column not in fields:
+            raise InputError(
+                f"the {name} data has no column {column!r} ({role}); its columns are {sorted(fields)}"
+            )
+    kind = fields[features_col]
+    if isinstance(kind, VectorUDT):
+        features = vector_to_array(F.col(features_col), "float32")
+    elif isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
+        features = F.col(features_col).cast("array<float>")
+    else:
+        raise InputError(
+            f"the {name} column {features_col!r} is {kind.simpleString()}; it must be a vector "
+            "(pyspark.ml.linalg) or an array of numbers, e.g. from VectorAssembler"
+        )
+    if not isinstance(fields[label_col], NumericType):
+        raise InputError(
+            f"the {name} label column {label_col!r} is {fields[label_col].simpleString()}; it must "
+            "be numeric (use StringIndexer for string classes)"
+        )
+    return frame.select(features.alias("features"), F.col(label_col).cast("double").alias("label"))
+
+
+def arrays_from_arrow(batches, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The partition's prepared Arrow batches as ``(X float32 [rows, n_features], y, split)``."""
+    features, labels, splits = [], [], []
+    for batch in batches:
+        column = batch.column(batch.schema.get_field_index("features"))
+        flat = column.flatten().to_numpy(zero_copy_only=False)
+        features.append(flat.reshape(len(batch), n_features))
+        labels.append(batch.column(batch.schema.get_field_index("label")).to_numpy(zero_copy_only=False))
+        splits.append(batch.column(batch.schema.get_field_index("split")).to_numpy(zero_copy_only=False))
+    if not features:
+        return (np.zeros((0, n_features), np.float32), np.zeros(0, np.float64), np.zeros(0, np.int32))
+    return (np.ascontiguousarray(np.concatenate(features), dtype=np.float32),
+            np.concatenate(labels), np.concatenate(splits))
+
+
+def arrays_from_pairs(pairs, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A partition of an RDD of ``(features, label)`` pairs as ``(X, y, split)``, all training rows."""
+    rows = list(pairs)
+    if not rows:
+        return np.zeros((0, n_features), np.float32), np.zeros(0, np.float64), np.zeros(0, np.int32)
+    X = np.asarray([np.asarray(features, dtype=np.float32) for features, _ in rows], dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != n_features:
+        raise InputError(f"expected feature vectors of {n_features} elements, got an array of shape {X.shape}")
+    y = np.asarray([label for _, label in rows], dtype=np.float64)
+    return X, y, np.zeros(len(rows), np.int32)

@@ -1,0 +1,193 @@
+"""DistriOptimizer: fit a model on a Spark DataFrame in one barrier stage, driver out of the data path.
+
+What runs on the driver: checking the settings and the data (before any task starts),
+choosing the number of workers, one barrier stage, and assembling the result. What runs
+in the tasks: ``worker.train_partition``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import ConfigurationError, InputError
+from ..parameter import AllReduceParameter
+from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
+from .result import History, TrainedModel
+from .worker import STEP_FIELDS, TrainingError, TrainingJob, train_partition
+
+_OUTPUT_SCHEMA = "kind string, payload binary"
+
+
+class DistriOptimizer:
+    """Data-parallel training of ``model`` with ``optimizer``, synchronised by allreduce.
+
+    ``batch_size`` is the global batch of a step, split over the partitions by their share
+    of the rows. ``num_workers`` defaults to the data's partition count, capped by Spark's
+    free task slots. ``threads`` splits each partition's batch into sub-batches computed on
+    threads: a count, or a list of relative workloads. ``seed`` fixes the initial weights
+    and the shuffles, so a fit is reproducible.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        batch_size: int = 256,
+        epochs: int = 10,
+        codec: str = "lz4",
+        num_workers: int | None = None,
+        threads: int | Sequence[float] | None = None,
+        seed: int = 0,
+        timeout: float = 300.0,
+    ) -> None:
+        for name in ("init", "loss_and_grad", "predict"):
+            if not callable(getattr(model, name, None)):
+                raise ConfigurationError(
+                    f"the model {model!r} has no {name}() method; a model needs init(rng), "
+                    "loss_and_grad(weights, X, y) and predict(weights, X)"
+                )
+        if getattr(model, "task", None) not in ("classification", "regression"):
+            raise ConfigurationError(f"the model {model!r} must say task = 'classification' or 'regression'")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigurationError(f"batch_size must be a positive whole number, got {batch_size!r}")
+        if not isinstance(epochs, int) or epochs < 1:
+            raise ConfigurationError(f"epochs must be a positive whole number, got {epochs!r}")
+        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+            raise ConfigurationError(f"num_workers must be a positive whole number or None, got {num_workers!r}")
+        AllReduceParameter(1, 1, codec)  # an unknown codec fails here
+        self.model = model
+        self.optimizer = optimizer
+        self.batch_size = batch_size
+        self.epochs = epochs
+        self.codec = codec
+        self.num_workers = num_workers
+        self.threads = threads
+        self.seed = seed
+        self.timeout = timeout
+
+    def fit(self, data, features_col: str = "features", label_col: str = "label",
+            validation=None) -> TrainedModel:
+        """Train on ``data`` (a DataFrame, or an RDD of ``(features, label)`` numpy pairs).
+
+        ``validation`` (a DataFrame with the same columns) is evaluated after every epoch.
+        Bad data or settings raise before any task starts; a failing task raises
+        ``TrainingError`` naming its partition, epoch and step.
+        """
+        started = time.perf_counter()
+        if hasattr(data, "sparkSession"):
+            prepared, summary = prepare(data, features_col, label_col, validation)
+            n_features, rows, sample = summary.n_features, summary.rows, summary.sample
+            spark_context, source = data.sparkSession.sparkContext, prepared
+        elif hasattr(data, "mapPartitions"):
+            if validation is not None:
+                raise InputError("validation goes with DataFrame input; for an RDD, evaluate afterwards")
+            first = data.take(1)
+            if not first:
+                raise InputError("the training RDD has no rows")
+            sample = (np.asarray([first[0][0]], np.float32), np.asarray([first[0][1]], np.float64))
+            n_features, rows, spark_context, source = sample[0].shape[1], data.count(), data.context, data
+        else:
+            raise InputError(f"fit() takes a DataFrame or an RDD of (features, label) pairs, got {type(data).__name__}")
+        self._check_model_takes(sample, n_features)
+        workers = self._workers(source, spark_context)
+        if self.batch_size < workers:
+            raise InputError(
+                f"batch_size={self.batch_size} is smaller than the {workers} workers: every worker "
+                f"needs rows in each step; raise batch_size or pass num_workers<={self.batch_size}"
+            )
+        param = AllReduceParameter(workers, int(self.model.init(np.random.default_rng(self.seed)).size),
+                                   codec=self.codec, timeout=self.timeout)
+        job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
+                          self.threads, n_features, validation is not None)
+        records = self._run(job, source, workers)
+        history = History.from_records(records["steps"], records["epochs"], STEP_FIELDS,
+                                       seconds=time.perf_counter() - started)
+        return TrainedModel(self.model, records["weights"], history, n_features)
+
+    def _check_model_takes(self, sample, n_features: int) -> None:
+        """Run the model on one real row on the driver, so a shape mismatch fails here."""
+        weights = self.model.init(np.random.default_rng(self.seed))
+        if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.ndim != 1:
+            raise InputError(f"{self.model!r}.init(rng) must return a 1-D float32 vector")
+        try:
+            _, grad, _ = self.model.loss_and_grad(weights, *sample)
+        except Exception as error:
+            raise InputError(
+                f"the model {self.model!r} cannot take the data's feature vectors of {n_features} "
+                f"elements: {type(error).__name__}: {error}"
+            ) from error
+        if np.shape(grad) != weights.shape:
+            raise InputError(f"{self.model!r}.loss_and_grad returned a gradient of shape {np.shape(grad)}, "
+                             f"the weights have {weights.shape}")
+
+    def _workers(self, source, spark_context) -> int:
+        """How many barrier tasks: the requested count, or the data's partitions, within the slots."""
+        cpus_per_task = int(spark_context.getConf().get("spark.task.cpus", "1"))
+        slots = max(1, spark_context.defaultParallelism // cpus_per_task)
+        partitions = source.rdd.getNumPartitions() if hasattr(source, "rdd") else source.getNumPartitions()
+        workers = self.num_workers or min(partitions, slots)
+        if workers > slots:
+            raise ConfigurationError(
+                f"num_workers={workers}, but Spark has {slots} task slots; a barrier stage needs all "
+                "its tasks running at once: lower num_workers, or give Spark more cores "
+                "(local[N], spark.executor.instances x spark.executor.cores / spark.task.cpus)"
+            )
+        return workers
+
+    def _run(self, job: TrainingJob, source, workers: int) -> dict:
+        """The fit's one barrier stage; the records the partitions yielded."""
+        # A barrier stage may not read a union or a coalesce directly (SPARK-24820): one
+        # shuffle into exactly `workers` partitions gives it a clean boundary.
+        if hasattr(source, "mapInArrow"):
+            shaped = source.repartition(workers)
+
+            def task(batches):
+                import pyarrow as pa
+
+                for kind, payload in train_partition(job, *arrays_from_arrow(batches, job.n_features)):
+                    yield pa.RecordBatch.from_pydict({"kind": [kind], "payload": [payload]})
+
+            stage = lambda: [(row["kind"], row["payload"]) for row in  # noqa: E731
+                             shaped.mapInArrow(task, _OUTPUT_SCHEMA, barrier=True).collect()]
+        else:
+            shaped = source.repartition(workers)
+
+            def task(pairs):
+                yield from train_partition(job, *arrays_from_pairs(pairs, job.n_features))
+
+            stage = lambda: shaped.barrier().mapPartitions(task).collect()  # noqa: E731
+        try:
+            output = stage()
+        except Exception as error:
+            raise _task_error(error) from None
+        records: dict[str, Any] = {"steps": [], "epochs": [], "weights": None}
+        for kind, payload in output:
+            if kind == "steps":
+                records["steps"].append(np.frombuffer(payload, dtype=np.float64).reshape(-1, len(STEP_FIELDS)))
+            elif kind == "epochs":
+                records["epochs"] = json.loads(bytes(payload))
+            elif kind == "weights":
+                records["weights"] = np.frombuffer(bytes(payload), dtype=np.float32).copy()
+        return records
+
+
+_TASK_MESSAGE = re.compile(r"TrainingError: (partition [^\n]*)")
+
+
+def _task_error(error: Exception) -> Exception:
+    """One clear error from the wall of Java stack a failed barrier stage gives.
+
+    A partition that lost a failed peer quotes what that peer said; the innermost quote
+    is the root cause, whichever task's failure Spark reported.
+    """
+    text = str(error)
+    found = _TASK_MESSAGE.search(text)
+    if found:
+        return TrainingError(found.group(1).split("TrainingError: ")[-1])
+    spark_reason = re.search(r"org\.apache\.spark\.[\w.]*(?:Exception|Failed)[^\n]*", text)
+    return TrainingError(spark_reason.group(0) if spark_reason else text.splitlines()[0] if text else repr(error))

@@ -1,0 +1,126 @@
+"""What a fit gives back: the trained weights with their model, and the history of the fit."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+
+FORMAT = "allreduce-param-model/1"
+
+
+@dataclass
+class History:
+    """Every step (merged over partitions) and every epoch of a fit.
+
+    ``steps``: one dict per step with ``epoch``, ``step``, ``loss`` (mean over the global
+    batch), ``samples`` and the slowest partition's phase times in seconds. ``epochs``: one
+    dict per epoch with ``train_loss`` and the validation metrics (``val_loss``,
+    ``val_accuracy`` or ``val_rmse``); the last also has the training metrics.
+    """
+
+    steps: list[dict] = field(default_factory=list)
+    epochs: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @classmethod
+    def from_records(cls, step_records: list[np.ndarray], epochs: list[dict], fields: tuple[str, ...],
+                     seconds: float) -> History:
+        """Merge the partitions' step records: summed losses and samples, slowest phases."""
+        if not step_records:
+            return cls([], epochs, seconds)
+        stacked = np.stack(step_records)  # partitions x steps x fields
+        timing = list(fields).index("loss_sum") + 2
+        steps = []
+        for index in range(stacked.shape[1]):
+            rows = stacked[:, index, :]
+            loss_sum, samples = rows[:, 2].sum(), rows[:, 3].sum()
+            entry = {"epoch": int(rows[0, 0]), "step": int(rows[0, 1]),
+                     "loss": float(loss_sum / samples) if samples else float("nan"), "samples": int(samples)}
+            entry.update({name: float(rows[:, i].max()) for i, name in enumerate(fields) if i >= timing})
+            steps.append(entry)
+        for epoch in epochs:
+            in_epoch = [s for s in steps if s["epoch"] == epoch["epoch"]]
+            samples = sum(s["samples"] for s in in_epoch)
+            epoch["train_loss"] = sum(s["loss"] * s["samples"] for s in in_epoch) / samples if samples else None
+        return cls(steps, epochs, seconds)
+
+    @property
+    def samples_per_second(self) -> float:
+        """Training samples processed per second of the whole fit."""
+        return sum(s["samples"] for s in self.steps) / self.seconds if self.seconds else 0.0
+
+
+class TrainedModel:
+    """A model with trained weights: predict, save, load."""
+
+    def __init__(self, model: Any, weights: np.ndarray, history: History | None = None,
+                 n_features: int | None = None) -> None:
+        self.model = model
+        self.weights = weights
+        self.history = history or History()
+        self.n_features = n_features
+
+    def __repr__(self) -> str:
+        return f"TrainedModel({self.model!r}, {self.weights.size} weights)"
+
+    def predict_numpy(self, X: np.ndarray) -> np.ndarray:
+        """Predictions for the rows of a float32 matrix."""
+        return self.model.predict(self.weights, np.asarray(X, dtype=np.float32))
+
+    def predict(self, df, features_col: str = "features", prediction_col: str = "prediction"):
+        """``df`` with a ``prediction_col`` column added (computed in the executors)."""
+        import pandas as pd
+        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import functions as F
+
+        if features_col not in df.columns:
+            raise InputError(f"the data has no column {features_col!r}; its columns are {sorted(df.columns)}")
+        column = F.col(features_col)
+        if isinstance(df.schema[features_col].dataType, VectorUDT):
+            column = vector_to_array(column, "float32")
+        model, weights = self.model, df.sparkSession.sparkContext.broadcast(self.weights)
+
+        def predict(features):
+            X = np.stack(features.to_numpy()).astype(np.float32) if len(features) else np.zeros((0, 1), np.float32)
+            return pd.Series(np.asarray(model.predict(weights.value, X), dtype=np.float64))
+
+        # real types, not strings: this module postpones annotations, pandas_udf reads them
+        predict.__annotations__ = {"features": pd.Series, "return": pd.Series}
+        return df.withColumn(prediction_col, F.pandas_udf(predict, "double")(column))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the model, its weights and history to the folder ``path`` (made if missing)."""
+        from pyspark import cloudpickle
+
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / "weights.npy", self.weights)
+        (folder / "model.pkl").write_bytes(cloudpickle.dumps(self.model))
+        meta = {"format": FORMAT, "model": repr(self.model), "n_features": self.n_features,
+                "history": {"steps": self.history.steps, "epochs": self.history.epochs,
+                            "seconds": self.history.seconds}}
+        (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TrainedModel:
+        """Read a model written by ``save``."""
+        import pickle
+
+        folder = Path(path)
+        meta_file = folder / "meta.json"
+        if not meta_file.is_file():
+            raise InputError(f"{folder} holds no saved model (no meta.json)")
+        meta = json.loads(meta_file.read_text())
+        if meta.get("format") != FORMAT:
+            raise InputError(f"{folder} was saved in format {meta.get('format')!r}; this version reads {FORMAT}")
+        model = pickle.loads((folder / "model.pkl").read_bytes())
+        history = History(**meta["history"])
+        return cls(model, np.load(folder / "weights.npy"), history, meta.get("n_features"))

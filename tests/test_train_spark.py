@@ -1,0 +1,196 @@
+"""DistriOptimizer.fit on real Spark DataFrames (local[4]): results, the main job's model, errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyspark import cloudpickle
+
+from allreduce_param import (
+    ConfigurationError,
+    DistriOptimizer,
+    InputError,
+    TrainedModel,
+    TrainingError,
+    models,
+    optim,
+)
+from allreduce_param.cli import build, load_data, load_job
+from allreduce_param.session import local_spark
+from conftest import CONF_DIR
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = local_spark("local[4]", "allreduce-param-train-tests", CONF_DIR)
+    yield session
+    session.stop()
+
+
+def frame(spark, X, y, vectors=False):
+    if vectors:
+        from pyspark.ml.linalg import Vectors
+
+        return spark.createDataFrame([(Vectors.dense(row.tolist()), float(label)) for row, label in zip(X, y)],
+                                     ["features", "label"])
+    return spark.createDataFrame([(row.tolist(), float(label)) for row, label in zip(X, y)],
+                                 "features array<float>, label double")
+
+
+def regression_data(rows=120, features=5, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((rows, features)).astype(np.float32)
+    y = X @ np.arange(1, features + 1, dtype=np.float32) + 0.5
+    return X, y.astype(np.float64)
+
+
+def test_full_batch_bsp_equals_gradient_descent_on_all_rows(spark):
+    X, y = regression_data()
+    model, lr, epochs = models.LinearRegression(5), 0.1, 6
+    result = DistriOptimizer(model, optim.SGD(lr=lr), batch_size=len(X), epochs=epochs, codec="raw",
+                             num_workers=3).fit(frame(spark, X, y, vectors=True))
+    weights = model.init(np.random.default_rng(0))
+    for _ in range(epochs):  # one global batch of every row per epoch, wherever the rows landed
+        _, grad, count = model.loss_and_grad(weights, X, y)
+        weights = weights - np.float32(lr) * grad / np.float32(count)
+    np.testing.assert_allclose(result.weights, weights, rtol=1e-5, atol=1e-6)
+    assert len(result.history.steps) == epochs and all(s["samples"] == len(X) for s in result.history.steps)
+    assert result.history.steps[-1]["loss"] < result.history.steps[0]["loss"]
+
+
+def test_the_main_jobs_settings_reach_097_on_digits(spark):
+    job = load_job(CONF_DIR / "digits.toml")
+    train, test = load_data(spark, job["data"])
+    model = build(models, job["model"], "model")
+    trainer = DistriOptimizer(model, build(optim, job["optimizer"], "optimizer"), **job["train"])
+    result = trainer.fit(train, validation=test)
+    final = result.history.epochs[-1]
+    assert final["val_accuracy"] >= 0.97, final
+    assert final["train_accuracy"] >= final["val_accuracy"] - 0.05
+    assert [e["epoch"] for e in result.history.epochs] == list(range(job["train"]["epochs"]))
+    step = result.history.steps[0]
+    assert {"get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s"} <= set(step)
+
+
+def test_save_load_and_predict_round_trip(spark, tmp_path):
+    X, y = regression_data(rows=60)
+    data = frame(spark, X, y, vectors=True)
+    result = DistriOptimizer(models.LinearRegression(5), optim.Adam(lr=0.05), batch_size=20, epochs=3,
+                             codec="raw").fit(data)
+    result.save(tmp_path / "model")
+    loaded = TrainedModel.load(tmp_path / "model")
+    assert np.array_equal(loaded.weights, result.weights)
+    assert loaded.history.epochs == result.history.epochs
+    predicted = loaded.predict(data).select("prediction").collect()
+    assert np.allclose([row["prediction"] for row in predicted], result.predict_numpy(X), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match="holds no saved model"):
+        TrainedModel.load(tmp_path)
+
+
+class Ridge:
+    """A user model: linear regression with an L2 penalty, written against the protocol only."""
+
+    task = "regression"
+
+    def __init__(self, n_features, penalty=0.01):
+        self.n_features, self.penalty = n_features, penalty
+
+    def init(self, rng):
+        return np.zeros(self.n_features + 1, np.float32)
+
+    def loss_and_grad(self, weights, X, y):
+        if X.shape[1] != self.n_features:
+            raise ValueError(f"expected {self.n_features} features, got {X.shape[1]}")
+        error = X @ weights[:-1] + weights[-1] - y.astype(np.float32)
+        grad = np.concatenate([X.T @ error, [error.sum()]]).astype(np.float32)
+        grad[:-1] += self.penalty * len(X) * weights[:-1]
+        return float(0.5 * error @ error), grad, len(X)
+
+    def predict(self, weights, X):
+        return X @ weights[:-1] + weights[-1]
+
+
+def test_a_user_model_trains_from_an_rdd_of_numpy_pairs(spark):
+    X, y = regression_data(rows=200)
+    rdd = spark.sparkContext.parallelize(list(zip(X, y)), 4)
+    result = DistriOptimizer(Ridge(5), optim.SGD(lr=0.05, momentum=0.9), batch_size=40, epochs=15).fit(rdd)
+    assert np.allclose(result.weights[:-1], np.arange(1, 6), atol=0.1)
+
+
+def test_three_rows_on_four_workers_leave_one_partition_empty(spark):
+    X, y = regression_data(rows=3)
+    result = DistriOptimizer(models.LinearRegression(5), optim.SGD(lr=0.1), batch_size=4, epochs=2,
+                             codec="raw", num_workers=4).fit(frame(spark, X, y))
+    assert [s["samples"] for s in result.history.steps] == [3, 3]
+
+
+# ---- bad input: refused before any task starts ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(spark):
+    X, y = regression_data(rows=20)
+    return frame(spark, X, y, vectors=True)
+
+
+def fit(data, model=None, **settings):
+    defaults = dict(batch_size=8, epochs=1)
+    defaults.update(settings)
+    return DistriOptimizer(model or models.LinearRegression(5), optim.SGD(lr=0.1), **defaults).fit(data)
+
+
+def test_a_missing_column_lists_the_columns(small):
+    with pytest.raises(InputError, match=r"has no column 'pixels' \(features_col\); its columns are \['features', 'label'\]"):
+        DistriOptimizer(models.LinearRegression(5), optim.SGD(lr=0.1)).fit(small, features_col="pixels")
+
+
+def test_vectors_of_the_wrong_length_for_the_model(small):
+    with pytest.raises(InputError, match="cannot take the data's feature vectors of 5 elements: .*expected 7"):
+        fit(small, model=models.LinearRegression(7))
+
+
+def test_nan_labels_are_counted(spark):
+    X, y = regression_data(rows=10)
+    y[[2, 5]] = np.nan
+    with pytest.raises(InputError, match="has 2 rows whose label 'label' is null or NaN"):
+        fit(frame(spark, X, y))
+
+
+def test_ragged_vectors(spark):
+    ragged = spark.createDataFrame([([1.0, 2.0], 1.0), ([1.0], 0.0)], "features array<double>, label double")
+    with pytest.raises(InputError, match="holds vectors of 1 to 2 elements"):
+        fit(ragged, model=models.LinearRegression(2))
+
+
+def test_a_batch_smaller_than_the_workers(small):
+    with pytest.raises(InputError, match="batch_size=2 is smaller than the 3 workers"):
+        fit(small, batch_size=2, num_workers=3)
+
+
+def test_more_workers_than_slots_names_the_spark_settings(small):
+    with pytest.raises(ConfigurationError, match="num_workers=9, but Spark has 4 task slots.*local\\[N\\]"):
+        fit(small, num_workers=9)
+
+
+def test_a_string_label_says_to_index_it(spark):
+    data = spark.createDataFrame([([1.0], "cat")], "features array<double>, label string")
+    with pytest.raises(InputError, match="must be numeric \\(use StringIndexer"):
+        fit(data, model=models.LinearRegression(1))
+
+
+def test_an_error_inside_a_task_comes_back_as_one_line(spark):
+    class Exploding(models.LinearRegression):
+        def loss_and_grad(self, weights, X, y):
+            if len(X) and float(np.max(X)) > 50:
+                raise FloatingPointError("the model blew up")
+            return super().loss_and_grad(weights, X, y)
+
+    X, y = regression_data(rows=40)
+    X[-1, 0] = 99.0  # shows up in some step of the first epoch (not on the driver's check: first row)
+    with pytest.raises(TrainingError, match=r"^partition \d, epoch 0, step \d+: FloatingPointError: the model blew up$"):
+        DistriOptimizer(Exploding(5), optim.SGD(lr=0.01), batch_size=8, epochs=1).fit(frame(spark, X, y))
