@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -194,3 +195,20 @@ def test_an_error_inside_a_task_comes_back_as_one_line(spark):
     X[-1, 0] = 99.0  # shows up in some step of the first epoch (not on the driver's check: first row)
     with pytest.raises(TrainingError, match=r"^partition \d, epoch 0, step \d+: FloatingPointError: the model blew up$"):
         DistriOptimizer(Exploding(5), optim.SGD(lr=0.01), batch_size=8, epochs=1).fit(frame(spark, X, y))
+
+
+def test_a_listener_and_the_log_see_every_step_as_it_happens(spark, tmp_path):
+    X, y = regression_data(rows=64)
+    events = []
+    log_path = tmp_path / "fit.jsonl"
+    result = DistriOptimizer(models.LinearRegression(5), optim.SGD(lr=0.05), batch_size=16, epochs=2,
+                             progress=False, log_path=str(log_path),
+                             listener=lambda kind, fields: events.append((kind, fields))
+                             ).fit(frame(spark, X, y), validation=frame(spark, X[:8], y[:8]))
+    steps = [fields for kind, fields in events if kind == "step"]
+    assert sorted(steps, key=lambda s: (s["epoch"], s["step"])) == result.history.steps
+    assert [fields["epoch"] for kind, fields in events if kind == "epoch"] == [0, 1]
+    assert len([kind for kind, _ in events if kind == "start"]) == 4  # one per partition
+    logged = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [entry["kind"] for entry in logged].count("step") == len(result.history.steps)
+    assert result.history.epochs[1]["val_rmse"] < result.history.epochs[0]["val_rmse"]

@@ -7,18 +7,20 @@ in the tasks: ``worker.train_partition``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import ConfigurationError, InputError
 from ..parameter import AllReduceParameter
 from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
-from .result import History, TrainedModel
-from .worker import STEP_FIELDS, TrainingError, TrainingJob, train_partition
+from .progress import ProgressBar, ProgressServer
+from .result import STEP_FIELDS, History, TrainedModel, merge_step
+from .worker import TrainingError, TrainingJob, train_partition
 
 _OUTPUT_SCHEMA = "kind string, payload binary"
 
@@ -31,6 +33,10 @@ class DistriOptimizer:
     free task slots. ``threads`` splits each partition's batch into sub-batches computed on
     threads: a count, or a list of relative workloads. ``seed`` fixes the initial weights
     and the shuffles, so a fit is reproducible.
+
+    While it runs, every step comes to the driver: ``progress`` shows a bar (terminal or
+    notebook), ``log_path`` appends each step and epoch as a JSON line, and ``listener``,
+    a callable ``(kind, fields)``, gets ``"start"``, ``"step"`` and ``"epoch"`` events.
     """
 
     def __init__(
@@ -44,6 +50,9 @@ class DistriOptimizer:
         threads: int | Sequence[float] | None = None,
         seed: int = 0,
         timeout: float = 300.0,
+        progress: bool = True,
+        log_path: str | None = None,
+        listener: Callable[[str, dict], None] | None = None,
     ) -> None:
         for name in ("init", "loss_and_grad", "predict"):
             if not callable(getattr(model, name, None)):
@@ -69,6 +78,9 @@ class DistriOptimizer:
         self.threads = threads
         self.seed = seed
         self.timeout = timeout
+        self.progress = progress
+        self.log_path = log_path
+        self.listener = listener
 
     def fit(self, data, features_col: str = "features", label_col: str = "label",
             validation=None) -> TrainedModel:
@@ -102,12 +114,33 @@ class DistriOptimizer:
             )
         param = AllReduceParameter(workers, int(self.model.init(np.random.default_rng(self.seed)).size),
                                    codec=self.codec, timeout=self.timeout)
-        job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
-                          self.threads, n_features, validation is not None)
-        records = self._run(job, source, workers)
-        history = History.from_records(records["steps"], records["epochs"], STEP_FIELDS,
-                                       seconds=time.perf_counter() - started)
+        with self._progress(spark_context, workers) as server:
+            job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
+                              self.threads, n_features, validation is not None,
+                              server.reporter() if server else None)
+            records = self._run(job, source, workers)
+        history = History.from_records(records["steps"], records["epochs"], seconds=time.perf_counter() - started)
         return TrainedModel(self.model, records["weights"], history, n_features)
+
+    @contextlib.contextmanager
+    def _progress(self, spark_context, workers: int):
+        """The driver's progress server and its listeners, for the length of the fit."""
+        if not (self.progress or self.log_path or self.listener):
+            yield None
+            return
+        log_file = open(self.log_path, "a") if self.log_path else None
+        bar = ProgressBar(show=self.progress, log_file=log_file)
+        listeners = [bar] + ([self.listener] if self.listener else [])
+        host = spark_context.getConf().get("spark.driver.host", "127.0.0.1")
+        server = ProgressServer(host, workers, merge_step,
+                                lambda kind, fields: [listen(kind, dict(fields)) for listen in listeners])
+        try:
+            yield server
+        finally:
+            server.close()
+            bar.close()
+            if log_file is not None:
+                log_file.close()
 
     def _check_model_takes(self, sample, n_features: int) -> None:
         """Run the model on one real row on the driver, so a shape mismatch fails here."""

@@ -14,6 +14,20 @@ from ..errors import InputError
 
 FORMAT = "allreduce-param-model/1"
 
+#: The fields of a partition's per-step record (a float64 row).
+STEP_FIELDS = ("epoch", "step", "loss_sum", "samples",
+               "get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s")
+
+
+def merge_step(rows: np.ndarray) -> dict:
+    """One step's records from every partition (partitions x STEP_FIELDS) as one entry:
+    the mean loss over the global batch, the samples, and the slowest partition's phases."""
+    loss_sum, samples = rows[:, 2].sum(), rows[:, 3].sum()
+    entry = {"epoch": int(rows[0, 0]), "step": int(rows[0, 1]),
+             "loss": float(loss_sum / samples) if samples else float("nan"), "samples": int(samples)}
+    entry.update({name: float(rows[:, i].max()) for i, name in enumerate(STEP_FIELDS) if i >= 4})
+    return entry
+
 
 @dataclass
 class History:
@@ -21,8 +35,9 @@ class History:
 
     ``steps``: one dict per step with ``epoch``, ``step``, ``loss`` (mean over the global
     batch), ``samples`` and the slowest partition's phase times in seconds. ``epochs``: one
-    dict per epoch with ``train_loss`` and the validation metrics (``val_loss``,
-    ``val_accuracy`` or ``val_rmse``); the last also has the training metrics.
+    dict per epoch with ``loss`` (the mean over its steps, as they trained) and the validation
+    metrics (``val_loss``, ``val_accuracy`` or ``val_rmse``); the last also has the training
+    metrics of the final weights (``train_loss``, ``train_accuracy`` or ``train_rmse``).
     """
 
     steps: list[dict] = field(default_factory=list)
@@ -30,25 +45,16 @@ class History:
     seconds: float = 0.0
 
     @classmethod
-    def from_records(cls, step_records: list[np.ndarray], epochs: list[dict], fields: tuple[str, ...],
-                     seconds: float) -> History:
-        """Merge the partitions' step records: summed losses and samples, slowest phases."""
+    def from_records(cls, step_records: list[np.ndarray], epochs: list[dict], seconds: float) -> History:
+        """Merge the partitions' step records (each steps x STEP_FIELDS) step by step."""
         if not step_records:
             return cls([], epochs, seconds)
         stacked = np.stack(step_records)  # partitions x steps x fields
-        timing = list(fields).index("loss_sum") + 2
-        steps = []
-        for index in range(stacked.shape[1]):
-            rows = stacked[:, index, :]
-            loss_sum, samples = rows[:, 2].sum(), rows[:, 3].sum()
-            entry = {"epoch": int(rows[0, 0]), "step": int(rows[0, 1]),
-                     "loss": float(loss_sum / samples) if samples else float("nan"), "samples": int(samples)}
-            entry.update({name: float(rows[:, i].max()) for i, name in enumerate(fields) if i >= timing})
-            steps.append(entry)
+        steps = [merge_step(stacked[:, index, :]) for index in range(stacked.shape[1])]
         for epoch in epochs:
             in_epoch = [s for s in steps if s["epoch"] == epoch["epoch"]]
             samples = sum(s["samples"] for s in in_epoch)
-            epoch["train_loss"] = sum(s["loss"] * s["samples"] for s in in_epoch) / samples if samples else None
+            epoch["loss"] = sum(s["loss"] * s["samples"] for s in in_epoch) / samples if samples else None
         return cls(steps, epochs, seconds)
 
     @property

@@ -12,7 +12,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -22,10 +22,9 @@ from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import Rendezvous
 from .batching import epoch_order, share_bounds, steps_per_epoch
 from .data import TRAIN, VALIDATION
+from .progress import ProgressReporter
+from .result import STEP_FIELDS
 
-#: Columns of the per-step records each partition yields (float64 rows).
-STEP_FIELDS = ("epoch", "step", "loss_sum", "samples",
-               "get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s")
 #: A partition's row count travels as two float32 parts, each exact below 2**24.
 _COUNT_BASE = 4096
 EVAL_CHUNK = 8192
@@ -48,6 +47,7 @@ class TrainingJob:
     threads: int | Sequence[float] | None
     n_features: int
     has_validation: bool
+    reporter: ProgressReporter | None = None
 
 
 def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -108,7 +108,6 @@ def all_counts(p: ConnectedParameter, rows: int) -> list[int]:
 
 
 def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.ndarray,
-                    on_step: Callable[[np.ndarray], None] | None = None,
                     rendezvous: Rendezvous | None = None) -> Iterator[tuple[str, bytes]]:
     """Run the whole fit on this partition; yields ``(kind, payload)`` records for the driver.
 
@@ -123,7 +122,7 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
         with job.param.connect(rendezvous) as p:
             where = {"epoch": None, "step": None}
             try:
-                records, epochs = _fit(job, p, compute, where, X_train, y_train, X_valid, y_valid, on_step)
+                records, epochs = _fit(job, p, compute, where, X_train, y_train, X_valid, y_valid)
                 weights = p.get_weights()
             except Exception as error:
                 # raised inside the with-block, so the peers hear where it happened too
@@ -139,15 +138,19 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
         raise TrainingError(f"partition ?, connecting: {type(error).__name__}: {error}") from error
     finally:
         compute.close()
+        if job.reporter is not None:
+            job.reporter.close()
 
 
 def _fit(job: TrainingJob, p: ConnectedParameter, compute: SubBatches, where: dict,
-         X_train, y_train, X_valid, y_valid, on_step) -> tuple[list, list]:
+         X_train, y_train, X_valid, y_valid) -> tuple[list, list]:
     """Every epoch's steps and metrics; ``where`` tracks the epoch and step for errors."""
     counts = all_counts(p, len(X_train))
     steps = steps_per_epoch(sum(counts), job.batch_size)
     global_sizes = sum(np.diff(share_bounds(c, i, len(counts), steps)) for i, c in enumerate(counts))
     cuts = share_bounds(len(X_train), p.partition_id, p.partition_num, steps)
+    report = job.reporter.send if job.reporter is not None else (lambda kind, **fields: None)
+    report("start", partition=p.partition_id, steps=int(np.count_nonzero(global_sizes)), epochs=job.epochs)
     p.init(job.model.init(np.random.default_rng(job.seed)))
     state = job.optimizer.init_state(p.slice_length)
     weights = np.empty(job.param.size, dtype=np.float32)
@@ -163,12 +166,13 @@ def _fit(job: TrainingJob, p: ConnectedParameter, compute: SubBatches, where: di
             record = _step(job, p, compute, weights, X_train[rows], y_train[rows], state, global_step)
             record[:2] = epoch, step
             records.append(record)
-            if on_step is not None:
-                on_step(record)
+            report("step", record=record.tolist())
             global_step += 1
         where.update(step=None)
         epochs.append(_epoch_metrics(job, p, weights, epoch, X_valid, y_valid,
                                      X_train, y_train, last=epoch == job.epochs - 1))
+        if p.partition_id == 0:
+            report("epoch", **epochs[-1])
     where.update(epoch=None)
     return records, epochs
 
