@@ -38,6 +38,21 @@ def load_job(path: str | Path) -> dict:
         raise ConfigurationError(f"{path} is not valid TOML: {error}") from None
 
 
+def apply_overrides(job: dict, overrides: list[str]) -> dict:
+    """``section.key=value`` settings (the value in TOML syntax) laid over the job file."""
+    for override in overrides:
+        name, _, value = override.partition("=")
+        section, _, key = name.strip().rpartition(".")
+        if not section or not key or not value:
+            raise ConfigurationError(f"--set {override!r}: write SECTION.KEY=VALUE, e.g. train.epochs=5")
+        try:
+            parsed = tomllib.loads(f"value = {value}")["value"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare word: take it as text
+        job.setdefault(section, {})[key] = parsed
+    return job
+
+
 def build(namespace, section: dict, what: str) -> Any:
     """``section['kind']`` looked up in ``namespace`` and called with the other keys."""
     settings = dict(section)
@@ -162,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     trainer = commands.add_parser("train", help="train a model from a job file")
     trainer.add_argument("--conf", required=True, help="the job file (TOML), e.g. conf/digits.toml")
     trainer.add_argument("--master", help="override the job's Spark master")
+    trainer.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                         help="override one setting of the job file, e.g. train.epochs=5 (repeatable)")
     args = parser.parse_args(argv)
     problem = java_problem()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        job = load_job(args.conf)
+        job = apply_overrides(load_job(args.conf), args.set)
         conf_dir = Path(args.conf).resolve().parent
         return train(job, conf_dir if (conf_dir / "spark-defaults.conf").is_file() else None, args.master)
     except AllReduceError as error:

@@ -425,3 +425,14 @@ def test_tensor_layout_errors():
         TensorLayout([("w", (2,)), ("w", (3,))])
     with pytest.raises(ValueError, match="dimensions must be whole numbers"):
         TensorLayout([("w", (2, -1))])
+
+
+def test_torch_model_without_torch_says_how_to_get_it(monkeypatch):
+    import sys
+
+    from allreduce_param import ConfigurationError
+    from allreduce_param.models import TorchModel
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # as on a machine without PyTorch
+    with pytest.raises(ConfigurationError, match=r"TorchModel needs PyTorch: pip install 'allreduce-param\[torch\]'"):
+        TorchModel(lambda: None)

@@ -8,10 +8,12 @@ vectorised float32 numpy, picklable, stateless, and safe to call from several th
 - ``LogisticRegression(n_features)``: binary log loss, labels 0/1.
 - ``SoftmaxRegression(n_features, n_classes)``: multinomial cross-entropy.
 - ``MLP(layers, activation="relu", task="classification")``: dense layers, ReLU or tanh.
+- ``TorchModel(module, loss="cross_entropy")``: any ``torch.nn.Module`` (extra ``[torch]``).
 """
 
 from .base import Model
 from .linear import LinearRegression, LogisticRegression, SoftmaxRegression
 from .mlp import MLP
+from .torch_module import TorchModel
 
-__all__ = ["Model", "LinearRegression", "LogisticRegression", "SoftmaxRegression", "MLP"]
+__all__ = ["Model", "LinearRegression", "LogisticRegression", "SoftmaxRegression", "MLP", "TorchModel"]

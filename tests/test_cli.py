@@ -1,0 +1,44 @@
+"""The main job as a user runs it: jobs/train.py with a job file from conf/."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from allreduce_param import ConfigurationError, TrainedModel
+from allreduce_param.cli import apply_overrides, build, load_job
+from allreduce_param import optim
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_main_job_trains_prints_its_table_and_writes_the_model(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "train.py"), "--conf", str(REPO / "conf" / "digits.toml"),
+         "--master", "local[2]", "--set", "train.epochs=3", "--set", f"output.model_path='{tmp_path / 'm'}'"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| test accuracy  |" in done.stdout and "| samples/s      |" in done.stdout
+    assert "epoch 2: val_loss" in done.stdout + done.stderr  # the live progress, a line per epoch
+    model = TrainedModel.load(tmp_path / "m")
+    assert len(model.history.epochs) == 3 and model.history.epochs[-1]["val_accuracy"] > 0.8
+
+
+def test_job_file_errors_name_the_setting(tmp_path):
+    with pytest.raises(ConfigurationError, match="no job file at"):
+        load_job(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("[train\n")
+    with pytest.raises(ConfigurationError, match="is not valid TOML"):
+        load_job(tmp_path / "bad.toml")
+    with pytest.raises(ConfigurationError, match=r"\[optimizer\] kind = 'Adamm' is not one of \['Optimizer', .*'Adam'"):
+        build(optim, {"kind": "Adamm"}, "optimizer")
+    with pytest.raises(ConfigurationError, match=r"\[optimizer\] Adam: .*unexpected keyword argument 'learning_rate'"):
+        build(optim, {"kind": "Adam", "learning_rate": 0.1}, "optimizer")
+    with pytest.raises(ConfigurationError, match="write SECTION.KEY=VALUE"):
+        apply_overrides({}, ["epochs=5"])
+    assert apply_overrides({"train": {"epochs": 40}}, ["train.epochs=5", "spark.master=local[2]"]) == \
+        {"train": {"epochs": 5}, "spark": {"master": "local[2]"}}
