@@ -153,10 +153,12 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
             ("time", f"{elapsed:.1f} s"),
             ("samples/s", f"{result.history.samples_per_second:,.0f}"),
         ])
-        path = job.get("output", {}).get("model_path")
-        if path:
-            result.save(path)
-            print(f"model written to {path}")
+        output = job.get("output", {})
+        if output.get("model_path"):
+            result.save(output["model_path"])
+            print(f"model written to {output['model_path']}")
+        if output.get("loss_curve"):
+            print(f"loss curve written to {result.history.plot(output['loss_curve'])}")
     finally:
         spark.stop()
     return 0

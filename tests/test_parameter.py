@@ -333,12 +333,17 @@ def test_a_partition_that_finishes_first_serves_until_its_peers_are_done():
     assert np.array_equal(results[1], np.arange(10.0, dtype=np.float32) + np.r_[np.ones(5), np.zeros(5)])
 
 
+def ours() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("allreduce-"))
+
+
 def test_no_thread_outlives_the_handle_on_any_path():
-    before = threading.active_count()
+    assert ours() == []
 
     def fine(p):
         p.init(np.zeros(100))
-        return p.get_weights()
+        p.get_weights()
+        return ours()
 
     def failing(p):
         p.init(np.zeros(100))
@@ -347,7 +352,8 @@ def test_no_thread_outlives_the_handle_on_any_path():
         p.put_gradients(np.zeros(100))
         p.aggregate_gradient_partition()
 
-    raise_first(run_partitions(AllReduceParameter(3, 100, "raw"), fine))
-    assert threading.active_count() == before
+    during = raise_first(run_partitions(AllReduceParameter(3, 100, "raw"), fine))
+    assert all(any(name.startswith("allreduce-accept") for name in names) for names in during)
+    assert ours() == []
     run_partitions(AllReduceParameter(3, 100, "raw", timeout=30), failing)
-    assert threading.active_count() == before
+    assert ours() == []

@@ -116,3 +116,23 @@ def test_a_failing_step_names_partition_epoch_and_step():
     assert isinstance(outputs[1], TrainingError)
     assert str(outputs[1]) == "partition 1, epoch 0, step 0: ValueError: a poisoned row"
     assert isinstance(outputs[0], TrainingError) and "partition 0, epoch 0, step 0: PeerLostError" in str(outputs[0])
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"batch_size": 0}, "batch_size must be a positive whole number, got 0"),
+    ({"epochs": 1.5}, "epochs must be a positive whole number, got 1.5"),
+    ({"num_workers": 0}, "num_workers must be a positive whole number, got 0"),
+    ({"codec": "zip"}, "unknown codec 'zip'"),
+])
+def test_settings_are_checked_when_the_optimizer_is_made(settings, message):
+    from allreduce_param import ConfigurationError, DistriOptimizer
+
+    with pytest.raises(ConfigurationError, match=message):
+        DistriOptimizer(models.MLP([2, 3, 2]), optim.SGD(lr=0.1), **settings)
+
+
+def test_a_model_without_the_protocol_is_refused():
+    from allreduce_param import ConfigurationError, DistriOptimizer
+
+    with pytest.raises(ConfigurationError, match=r"has no init\(\) method; a model needs init\(rng\), loss_and_grad"):
+        DistriOptimizer(object(), optim.SGD(lr=0.1))

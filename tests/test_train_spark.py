@@ -212,3 +212,13 @@ def test_a_listener_and_the_log_see_every_step_as_it_happens(spark, tmp_path):
     logged = [json.loads(line) for line in log_path.read_text().splitlines()]
     assert [entry["kind"] for entry in logged].count("step") == len(result.history.steps)
     assert result.history.epochs[1]["val_rmse"] < result.history.epochs[0]["val_rmse"]
+    picture = result.history.plot(tmp_path / "loss.png")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 5000
+
+
+def test_plotting_without_matplotlib_says_how_to_get_it(monkeypatch):
+    from allreduce_param import History
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ConfigurationError, match=r"pip install 'allreduce-param\[plot\]'"):
+        History(steps=[{"epoch": 0, "step": 0, "loss": 1.0, "samples": 1}]).plot("unused.png")

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..codec import get_codec
 from ..errors import ConfigurationError, InputError
 from ..parameter import AllReduceParameter
 from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
@@ -62,13 +63,10 @@ class DistriOptimizer:
                 )
         if getattr(model, "task", None) not in ("classification", "regression"):
             raise ConfigurationError(f"the model {model!r} must say task = 'classification' or 'regression'")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigurationError(f"batch_size must be a positive whole number, got {batch_size!r}")
-        if not isinstance(epochs, int) or epochs < 1:
-            raise ConfigurationError(f"epochs must be a positive whole number, got {epochs!r}")
-        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
-            raise ConfigurationError(f"num_workers must be a positive whole number or None, got {num_workers!r}")
-        AllReduceParameter(1, 1, codec)  # an unknown codec fails here
+        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_workers", num_workers)):
+            if not (value is None and name == "num_workers") and (not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
+        get_codec(codec)  # an unknown codec fails here, naming the codecs there are
         self.model = model
         self.optimizer = optimizer
         self.batch_size = batch_size

@@ -82,7 +82,7 @@ class ProgressServer:
         self._listener = socket.create_server((host, 0))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._connections: list[socket.socket] = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True, name="progress-accept")]
+        self._threads = [threading.Thread(target=self._accept, daemon=True, name="allreduce-progress-accept")]
         self._threads[0].start()
 
     def reporter(self) -> ProgressReporter:
@@ -95,7 +95,7 @@ class ProgressServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            thread = threading.Thread(target=self._read, args=(conn,), daemon=True, name="progress-read")
+            thread = threading.Thread(target=self._read, args=(conn,), daemon=True, name="allreduce-progress-read")
             with self._lock:
                 self._connections.append(conn)
                 self._threads.append(thread)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import ConfigurationError, InputError
 
 FORMAT = "allreduce-param-model/1"
 
@@ -56,6 +56,32 @@ class History:
             samples = sum(s["samples"] for s in in_epoch)
             epoch["loss"] = sum(s["loss"] * s["samples"] for s in in_epoch) / samples if samples else None
         return cls(steps, epochs, seconds)
+
+    def plot(self, path: str | os.PathLike) -> Path:
+        """Write the loss curve (each step, each epoch's mean, validation) as a PNG.
+
+        Needs matplotlib (``pip install 'allreduce-param[plot]'``); uses no pyplot state,
+        so a notebook's own plotting is left alone.
+        """
+        try:
+            from matplotlib.figure import Figure
+        except ImportError:
+            raise ConfigurationError("History.plot needs matplotlib: pip install 'allreduce-param[plot]'") from None
+        figure = Figure(figsize=(7, 4), layout="tight")
+        axes = figure.add_subplot()
+        axes.plot([s["loss"] for s in self.steps], linewidth=0.7, alpha=0.5, label="step loss (train)")
+        ends = np.cumsum([sum(1 for s in self.steps if s["epoch"] == e["epoch"]) for e in self.epochs]) - 1
+        for key, label in (("loss", "epoch mean (train)"), ("val_loss", "validation")):
+            points = [(x, e[key]) for x, e in zip(ends, self.epochs) if e.get(key) is not None]
+            if points:
+                axes.plot(*zip(*points), marker="o", markersize=3, label=label)
+        if all(s["loss"] > 0 for s in self.steps):
+            axes.set_yscale("log")
+        axes.set_xlabel("step")
+        axes.set_ylabel("loss")
+        axes.legend()
+        figure.savefig(path, dpi=100)
+        return Path(path)
 
     @property
     def samples_per_second(self) -> float:

@@ -79,7 +79,7 @@ class SubBatches:
         if not weights or any(not w > 0 for w in weights):
             raise InputError(f"threads must be a positive count or a list of positive workloads, got {threads!r}")
         self._cuts = np.cumsum([0.0, *weights]) / sum(weights)
-        self._pool = ThreadPoolExecutor(len(weights), thread_name_prefix="subbatch") if len(weights) > 1 else None
+        self._pool = ThreadPoolExecutor(len(weights), thread_name_prefix="allreduce-subbatch") if len(weights) > 1 else None
 
     def __call__(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
         if self._pool is None or len(X) < len(self._cuts) - 1:
