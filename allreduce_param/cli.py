@@ -17,7 +17,7 @@ import numpy as np
 
 from . import models, optim
 from .errors import AllReduceError, ConfigurationError
-from .session import java_problem, local_spark
+from .session import java_problem, local_spark, under_spark_submit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -130,8 +130,9 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     from .train import DistriOptimizer
 
     spark_section = job.get("spark", {})
-    spark = local_spark(master or spark_section.get("master", "local[*]"),
-                        spark_section.get("app_name", "allreduce-param train"), conf_dir)
+    if not master and not under_spark_submit():  # under spark-submit, its --master wins
+        master = spark_section.get("master", "local[*]")
+    spark = local_spark(master, spark_section.get("app_name", "allreduce-param train"), conf_dir)
     try:
         train_df, test_df = load_data(spark, job.get("data", {}))
         model = build(models, job.get("model", {"kind": "MLP", "layers": [64, 128, 10]}), "model")

@@ -48,6 +48,11 @@ def java_problem() -> str | None:
     return None
 
 
+def under_spark_submit() -> bool:
+    """Whether this Python was started by ``spark-submit`` (its JVM is already running)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
 def prepare_local_environment(conf_dir: str | os.PathLike | None = None) -> None:
     """Set what a one-machine Spark run needs before its JVM starts.
 
@@ -66,9 +71,11 @@ def prepare_local_environment(conf_dir: str | os.PathLike | None = None) -> None
         os.environ.setdefault("SPARK_CONF_DIR", str(conf_dir))
 
 
-def local_spark(master: str = "local[*]", app_name: str = "allreduce-param",
+def local_spark(master: str | None = "local[*]", app_name: str = "allreduce-param",
                 conf_dir: str | os.PathLike | None = None, **settings: str):
     """A ``SparkSession`` on this machine only, after checking Java; stop it when done.
+
+    ``master=None`` leaves the master to whoever started the JVM (``spark-submit --master``).
 
     ``settings``: extra Spark settings by their full names, e.g.
     ``**{"spark.task.maxFailures": "1"}``.
@@ -79,7 +86,9 @@ def local_spark(master: str = "local[*]", app_name: str = "allreduce-param",
     prepare_local_environment(conf_dir)
     from pyspark.sql import SparkSession
 
-    builder = SparkSession.builder.master(master).appName(app_name)
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()

@@ -7,7 +7,7 @@ run: MLlib's way (broadcast the weights, treeAggregate the gradients) and, when 
 installed, gloo's all_reduce between processes on loopback.
 
     python jobs/bench_allreduce.py                      # local[*], 10K / 1M / 10M float32
-    spark-submit jobs/bench_allreduce.py --sizes 1000000 --codecs raw,lz4
+    python jobs/bench_allreduce.py --sizes 1000000 --codecs raw,lz4 --data sparse
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The main job: train a model described by a job file.
 
     python jobs/train.py --conf conf/digits.toml
-    spark-submit --properties-file conf/spark-defaults.conf jobs/train.py --conf conf/digits.toml
+    SPARK_CONF_DIR=conf spark-submit jobs/train.py --conf conf/digits.toml
 
 The same as the ``allreduce-param train`` command.
 """
