@@ -51,6 +51,7 @@ temporaries. Nothing loops over elements in Python.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -514,23 +515,27 @@ class Codec:
         return HEADER_SIZE + self._format.itemsize * length
 
     def encode(
-        self, values: np.ndarray, count: float = 0.0, out: bytearray | None = None
+        self, values: np.ndarray, count: float = 0.0, out: bytearray | mmap.mmap | None = None
     ) -> memoryview:
         """Encode ``values`` with ``count`` into ``out``; return a view of exactly the block.
 
         ``out`` is grown (never shrunk) to ``max_encoded_size(len(values))`` when too small
         and reused otherwise, so a caller that keeps one bytearray per block allocates
         nothing big in steady state. Growing fails while older views of ``out`` (such as
-        the view an earlier ``encode`` returned) are alive: release them first. ``values``
-        is not referenced after the call.
+        the view an earlier ``encode`` returned) are alive: release them first. ``out`` may
+        also be a writable ``mmap`` (shared memory), which cannot grow: it must be large
+        enough. ``values`` is not referenced after the call.
         """
         _check_values(values)
         length = values.size
         need = self.max_encoded_size(length)
         if out is None:
             out = bytearray(need)
+        elif isinstance(out, mmap.mmap):
+            if len(out) < need:
+                raise UsageError(f"the {len(out)}-byte shared buffer cannot take a block of up to {need} bytes")
         elif not isinstance(out, bytearray):
-            raise ConfigurationError(f"out must be a bytearray, got {type(out).__name__}")
+            raise ConfigurationError(f"out must be a bytearray or an mmap, got {type(out).__name__}")
         elif len(out) < need:
             try:
                 out += bytes(need - len(out))

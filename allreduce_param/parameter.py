@@ -30,7 +30,6 @@ import numpy as np
 from .codec import get_codec
 from .errors import (
     AllReduceError,
-    AuthenticationError,
     ConfigurationError,
     InputError,
     NonFiniteGradientError,
@@ -39,6 +38,7 @@ from .errors import (
 )
 from .layout import SliceLayout, split
 from .rendezvous import BarrierRendezvous, Rendezvous
+from .shm import SharedSegment, shared_memory_available
 from .store import EVERY_PARTITION, BlockKey, BlockKind, BlockStore
 from .transport import BlockServer, PeerClient
 
@@ -64,7 +64,8 @@ class AllReduceParameter:
     ``fetch_threads`` is how many peers are fetched from at once (default: all);
     ``allow_nonfinite`` lets NaN/Inf gradients through instead of raising;
     ``unix_sockets`` lets peers on the same host talk over Unix sockets (Linux), which are
-    faster than loopback TCP; cross-host peers always use TCP.
+    faster than loopback TCP; cross-host peers always use TCP. ``shared_memory`` (with
+    Unix sockets) lets such peers read each other's blocks in place from shared memory.
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class AllReduceParameter:
         fetch_threads: int | None = None,
         allow_nonfinite: bool = False,
         unix_sockets: bool = True,
+        shared_memory: bool = True,
         param_id: int | None = None,
     ) -> None:
         self.layout = SliceLayout(size, partition_num)
@@ -90,6 +92,7 @@ class AllReduceParameter:
         self.fetch_threads = fetch_threads
         self.allow_nonfinite = allow_nonfinite
         self.unix_sockets = unix_sockets
+        self.shared_memory = shared_memory
         self.param_id = next(_next_param_id) if param_id is None else int(param_id)
         self.secret = secrets.token_bytes(32)
 
@@ -143,13 +146,18 @@ class ConnectedParameter:
         self._send_buffers: dict[BlockKey, list[bytearray]] = {}
         self._closed = False
         self._done_peers: set[int] = set()
+        self._refused_peers: set[int] = set()  # handshakes refused in their name (unproven)
         self._done_changed = threading.Condition()
 
         self._store = BlockStore(keep=1)
+        # shared segments by id() of their mmap; None: blocks live in plain bytearrays
+        self._shared: dict[int, SharedSegment] | None = (
+            {} if param.unix_sockets and param.shared_memory and shared_memory_available() else None)
         host, port = rendezvous.bind_address()
         self._server = BlockServer(
             self._store, param.secret, param.param_id, self.partition_id, host, port,
             partition_num=self.partition_num, on_done=self._peer_done, unix=param.unix_sockets,
+            shared=self._shared, on_refused=self._peer_refused,
         )
         self._peers: dict[int, PeerClient] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -314,13 +322,23 @@ class ConnectedParameter:
         """
         for part, (start, length) in enumerate(split(values.size, PART_LENGTH)):
             key = BlockKey(kind, self.partition_id, destination, part)
-            buffers = self._send_buffers.setdefault(key, [bytearray() for _ in range(self._store.keep + 1)])
+            buffers = self._send_buffers.get(key)
+            if buffers is None:
+                buffers = self._send_buffers[key] = [self._send_buffer() for _ in range(self._store.keep + 1)]
             block = self._codec.encode(values[start:start + length], count=count,
                                        out=buffers[version % len(buffers)])
             self._store.put(key, version, block)
             del block  # the store holds its own view; ours would pin the buffer's size
             if inspect is not None:
                 inspect(offset + start, values[start:start + length])
+
+    def _send_buffer(self):
+        """Room to encode one part into: shared memory when peers may read it in place."""
+        if self._shared is None:
+            return bytearray()
+        segment = SharedSegment(self._codec.max_encoded_size(PART_LENGTH))
+        self._shared[id(segment.map)] = segment
+        return segment.map
 
     def _scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float,
                  inspect: Callable[[int, np.ndarray], None] | None = None) -> None:
@@ -381,22 +399,26 @@ class ConnectedParameter:
         A failure fails this part and every later one, so the caller sees it where it waits.
         """
         sizes = [self._codec.max_encoded_size(length) for _, length in parts]
-        receive = self._receive_buffer(source, sum(sizes)) if source != self.partition_id else None
+        local = source == self.partition_id
+        # a peer on this host with shared memory is read in place: no receive buffer
+        shared = not local and self._shared is not None and self._peers[source].local_name is not None
+        receive = None if local or shared else self._receive_buffer(source, sum(sizes))
         offset = 0
         for part, ((start, length), size) in enumerate(zip(parts, sizes)):
             key = BlockKey(kind, source, destination, part)
             try:
-                if receive is None:
+                if local:
                     block = self._store.get(key, version, self._param.timeout)
                 else:
-                    block = self._peers[source].fetch(key, version, size, receive[offset:offset + size])
+                    block = self._peers[source].fetch(
+                        key, version, size, None if receive is None else receive[offset:offset + size], shared)
                 header, values = self._codec.decode(
                     block, length, scratch=self._scratch_for(source, start + length)[start:start + length],
                     what=key.describe(version),
                 )
             except BaseException as error:
-                if isinstance(error, (PeerLostError, AuthenticationError)):
-                    self._peer_done(source)  # gone, or not ours: it will fetch nothing from us either
+                if isinstance(error, PeerLostError):
+                    self._peer_done(source)  # gone: it will fetch nothing more from us either
                 for future in futures[part:]:
                     future.set_exception(error)
                 return
@@ -467,6 +489,11 @@ class ConnectedParameter:
             self._done_peers.add(partition)
             self._done_changed.notify_all()
 
+    def _peer_refused(self, partition: int) -> None:
+        with self._done_changed:
+            self._refused_peers.add(partition)
+            self._done_changed.notify_all()
+
     def close(self) -> None:
         """Finish cleanly: tell every peer we are done, wait until they are, then stop serving.
 
@@ -497,13 +524,14 @@ class ConnectedParameter:
 
         Every fetch a peer makes is answered with ``reason`` (so its error names the root
         cause, whichever failure Spark reports first) until each peer has hung up, said it
-        is done, or is known to be gone, or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
+        is done, is known to be gone, or was refused for want of the secret (it has then
+        heard why), or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
         """
         self._store.close(reason)
         for client in self._peers.values():
             client.abort()
         with self._done_changed:
-            self._done_changed.wait_for(lambda: len(self._done_peers) >= len(self._peers),
+            self._done_changed.wait_for(lambda: len(self._done_peers | self._refused_peers) >= len(self._peers),
                                         timeout=min(self._param.timeout, FAILURE_LINGER_SECONDS))
         self._shutdown()
 
@@ -517,6 +545,9 @@ class ConnectedParameter:
         self._server.close()
         for client in self._peers.values():
             client.close()
+        self._send_buffers.clear()
+        for segment in (self._shared or {}).values():
+            segment.close()
 
     def __enter__(self) -> ConnectedParameter:
         return self

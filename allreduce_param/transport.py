@@ -36,6 +36,7 @@ from .errors import (
     PeerLostError,
     ProtocolError,
 )
+from .shm import SharedMappings, SharedSegment
 from .store import BlockKey, BlockKind, BlockStore, StaleVersionError, StoreClosedError
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,16 @@ _RESPONSE = struct.Struct("<BQ")  # status, length
 
 OP_GET = 1
 OP_DONE = 2  # "I have fetched everything I need from you": the closing handshake
+OP_GET_SHARED = 3  # as GET, but a block in shared memory is answered with where it lies
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
 STATUS_STALE = 2
 STATUS_CLOSING = 3
 STATUS_REFUSED = 4
+STATUS_SHARED = 5  # the block lies in a shared segment: its id follows (and, once, its fd)
+
+_SEGMENT = struct.Struct("<Q")  # a shared segment's id, after a STATUS_SHARED response
 
 MAX_ERROR_TEXT = 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0
@@ -109,6 +114,8 @@ class BlockServer:
         partition_num: int = 1,
         on_done: Callable[[int], None] | None = None,
         unix: bool = False,
+        shared: dict[int, SharedSegment] | None = None,
+        on_refused: Callable[[int], None] | None = None,
     ) -> None:
         self.store = store
         self._secret = secret
@@ -116,6 +123,9 @@ class BlockServer:
         self._partition_id = partition_id
         self._partition_num = partition_num
         self._on_done = on_done or (lambda partition: None)
+        self._on_refused = on_refused or (lambda partition: None)
+        # shared segments by id() of their mmap, filled in by the owner as it makes them
+        self._shared = shared if shared is not None else {}
         backlog = max(16, 2 * partition_num)
         self._listeners = [socket.create_server((host, port), backlog=backlog)]
         self.address: tuple[str, int] = self._listeners[0].getsockname()[:2]
@@ -205,18 +215,22 @@ class BlockServer:
             return partition
         log.warning("refused connection from %s: %s", peer_text, reason)
         conn.sendall(bytes([STATUS_REFUSED]))
+        if 0 <= partition < self._partition_num:
+            self._on_refused(partition)  # unproven, so it may only shorten a failure's linger
         return None
 
     def _answer_requests(self, conn: socket.socket, client_partition: int, peer_text: str) -> None:
         request = bytearray(_REQUEST.size)
         view = memoryview(request)
+        fds_passed: set[int] = set()  # segments whose descriptor this peer already has
+        local = conn.family == socket.AF_UNIX
         while True:
             try:
                 _recv_exactly(conn, view)
             except EOFError:
                 return
             magic, op, kind, source, destination, part, version, timeout_ms = _REQUEST.unpack(request)
-            if magic != MAGIC or op not in (OP_GET, OP_DONE) or kind not in BlockKind.NAMES:
+            if magic != MAGIC or op not in (OP_GET, OP_DONE, OP_GET_SHARED) or kind not in BlockKind.NAMES:
                 log.warning(
                     "closed connection from partition %d at %s: malformed request frame %s",
                     client_partition, peer_text, bytes(request[:16]).hex(),
@@ -236,8 +250,17 @@ class BlockServer:
                 self._send_error(conn, STATUS_CLOSING, str(error))
                 return
             else:
-                conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes))
-                conn.sendall(block)
+                segment = self._shared.get(id(block.obj)) if op == OP_GET_SHARED and local else None
+                if segment is None:
+                    conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes))
+                    conn.sendall(block)
+                    continue
+                answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes) + _SEGMENT.pack(segment.id)
+                if segment.id in fds_passed:
+                    conn.sendall(answer)
+                else:  # the descriptor rides with the answer, once per connection
+                    socket.send_fds(conn, [answer], [segment.fd])
+                    fds_passed.add(segment.id)
 
     @staticmethod
     def _send_error(conn: socket.socket, status: int, text: str) -> None:
@@ -298,6 +321,8 @@ class PeerClient:
         self._timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._mappings = SharedMappings()
+        self._pending_fds: list[int] = []  # descriptors that came with a response head
 
     @property
     def _peer_text(self) -> str:
@@ -362,12 +387,15 @@ class PeerClient:
             sock.close()
             raise self._lost(what, f"dropped the connection during the handshake ({error})") from error
 
-    def fetch(self, key: BlockKey, version: int, max_size: int, into: memoryview) -> memoryview:
+    def fetch(self, key: BlockKey, version: int, max_size: int, into: memoryview | None,
+              shared: bool = False) -> memoryview:
         """Fetch ``version`` of block ``key``, waiting on the peer up to the timeout.
 
         The block lands at the start of ``into`` (at least ``max_size`` bytes, the most such
-        a block can be; a longer one is a protocol error) and the returned view covers
-        exactly its bytes.
+        a block can be; a longer one is a protocol error; None: a new buffer) and the
+        returned view covers exactly its bytes. With ``shared``, a peer on this host that
+        keeps the block in shared memory answers with where it lies, and the view reads
+        it there, in place (valid while the peer keeps that version).
         """
         what = key.describe(version)
         with self._lock:
@@ -377,19 +405,20 @@ class PeerClient:
                 # The server gives up waiting at the timeout and says so; the socket waits longer
                 # so that the server's answer, not a bare socket timeout, reaches the user.
                 sock.settimeout(self._timeout + HANDSHAKE_TIMEOUT)
-                sock.sendall(_REQUEST.pack(MAGIC, OP_GET, key.kind, key.source, key.destination, key.part,
-                                           version, int(self._timeout * 1000)))
-                head = bytearray(_RESPONSE.size)
-                _recv_exactly(sock, memoryview(head))
-                status, length = _RESPONSE.unpack(head)
-                if status != STATUS_OK:
+                shared = shared and sock.family == socket.AF_UNIX
+                sock.sendall(_REQUEST.pack(MAGIC, OP_GET_SHARED if shared else OP_GET, key.kind, key.source,
+                                           key.destination, key.part, version, int(self._timeout * 1000)))
+                status, length = self._receive_head(sock, shared)
+                if status not in (STATUS_OK, STATUS_SHARED):
                     self._raise_answer(status, length, sock, what)
                 if length > max_size:
                     raise ProtocolError(
                         f"{self._peer_text} sent {length} bytes for {what}; such a block has at "
                         f"most {max_size}"
                     )
-                view = into[:length]
+                if status == STATUS_SHARED:
+                    return self._shared_view(sock, length, what)
+                view = (into if into is not None else memoryview(bytearray(length)))[:length]
                 _recv_exactly(sock, view)
                 return view
             except AllReduceError:  # first: some of ours are OSErrors too (timeouts, refusals)
@@ -404,6 +433,37 @@ class PeerClient:
             except (OSError, EOFError) as error:
                 self._drop()
                 raise self._lost(what, f"closed the connection ({error})") from error
+
+    def _receive_head(self, sock: socket.socket, shared: bool) -> tuple[int, int]:
+        """The response's status and length. A shared answer may carry a descriptor with its
+        first bytes, so those are read with recvmsg and the descriptor kept for the segment."""
+        head = bytearray(_RESPONSE.size + _SEGMENT.size)
+        if not shared:
+            _recv_exactly(sock, memoryview(head)[:_RESPONSE.size])
+            return _RESPONSE.unpack_from(head)
+        data, fds, _, _ = socket.recv_fds(sock, _RESPONSE.size, 1)
+        self._pending_fds = list(fds)
+        if not data:
+            raise EOFError("connection closed before the response")
+        head[:len(data)] = data
+        _recv_exactly(sock, memoryview(head)[len(data):_RESPONSE.size])
+        return _RESPONSE.unpack_from(head)
+
+    def _shared_view(self, sock: socket.socket, length: int, what: str) -> memoryview:
+        """After a shared answer: the segment id (and, the first time, its descriptor)."""
+        tail = bytearray(_SEGMENT.size)
+        _recv_exactly(sock, memoryview(tail))
+        (segment_id,) = _SEGMENT.unpack(tail)
+        fds, self._pending_fds = self._pending_fds, []
+        for fd in fds:
+            if segment_id in self._mappings:
+                os.close(fd)
+            else:
+                self._mappings.add(segment_id, fd)
+        if segment_id not in self._mappings:
+            raise ProtocolError(f"{self._peer_text} pointed at shared segment {segment_id} for {what} "
+                                "without ever passing it")
+        return self._mappings.view(segment_id, length)
 
     def _raise_answer(self, status: int, length: int, sock: socket.socket, what: str) -> None:
         if length > MAX_ERROR_TEXT:
@@ -444,11 +504,15 @@ class PeerClient:
                 pass
 
     def _drop(self) -> None:
+        for fd in self._pending_fds:
+            os.close(fd)
+        self._pending_fds = []
         if self._sock is not None:
             self._sock.close()
             self._sock = None
 
     def close(self) -> None:
-        """Close the connection, if any."""
+        """Close the connection, if any, and unmap the peer's shared segments."""
         with self._lock:
             self._drop()
+            self._mappings.close()

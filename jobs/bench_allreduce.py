@@ -29,6 +29,10 @@ import baselines  # jobs/baselines.py, beside this file
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ("put", "aggregate", "send", "get")
+#: How same-host partitions reach each other: AllReduceParameter settings per name.
+TRANSPORTS = {"shared": dict(unix_sockets=True, shared_memory=True),
+              "unix": dict(unix_sockets=True, shared_memory=False),
+              "tcp": dict(unix_sockets=False, shared_memory=False)}
 
 
 def engine_task(params: list[AllReduceParameter], steps: int, warmup: int, sparse: bool):
@@ -58,15 +62,20 @@ def engine_task(params: list[AllReduceParameter], steps: int, warmup: int, spars
                     p.get_weights(out=weights)
                     t5 = time.perf_counter()
                     timings[step] = (t1 - t0, t2 - t1, t4 - t3, t5 - t4)
-                report.append((param.size, param.codec, timings[warmup:] * 1000.0))
+                report.append((param.size, param.codec, transport_of(param), timings[warmup:] * 1000.0))
         yield report
 
     return task
 
 
-def engine_medians(report: list, size: int, codec: str) -> tuple[float, list[float]]:
+def transport_of(param: AllReduceParameter) -> str:
+    return next(name for name, settings in TRANSPORTS.items()
+                if all(getattr(param, key) == value for key, value in settings.items()))
+
+
+def engine_medians(report: list, size: int, codec: str, transport: str) -> tuple[float, list[float]]:
     """Median over steps of the slowest partition's sync, and of each phase likewise."""
-    per_partition = np.stack([timings for s, c, timings in report if (s, c) == (size, codec)])
+    per_partition = np.stack([timings for s, c, t, timings in report if (s, c, t) == (size, codec, transport)])
     slowest_sync = per_partition.sum(axis=2).max(axis=0)
     slowest_phase = per_partition.max(axis=0)
     return float(np.median(slowest_sync)), [float(x) for x in np.median(slowest_phase, axis=0)]
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed syncs first")
     parser.add_argument("--data", choices=("dense", "sparse"), default="dense",
                         help="gradients of random noise, or 90%% zeros")
+    parser.add_argument("--transports", default="shared",
+                        help="how partitions on this host meet, of shared, unix, tcp (comma-separated)")
     parser.add_argument("--partitions", type=int, default=None,
                         help="barrier tasks (default: the master's task slots)")
     parser.add_argument("--no-baselines", action="store_true", help="skip treeAggregate and gloo")
@@ -121,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {machine()}")
         print(f"{partitions} partitions on {args.master}; medians of {args.steps} steps after "
               f"{args.warmup} warm-up; {args.data} gradients", flush=True)
-        params = [AllReduceParameter(partitions, size, codec=codec, timeout=300)
-                  for size in sizes for codec in codecs]
+        transports = args.transports.split(",")
+        params = [AllReduceParameter(partitions, size, codec=codec, timeout=300, **TRANSPORTS[transport])
+                  for size in sizes for codec in codecs for transport in transports]
         rdd = spark.sparkContext.parallelize(range(partitions), partitions)
         task = engine_task(params, args.steps, args.warmup, args.data == "sparse")
         report = [entry for part in rdd.barrier().mapPartitions(task).collect() for entry in part]
@@ -131,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             tree = None if args.no_baselines else baselines.mllib_sync_ms(
                 spark, size, partitions=partitions, steps=5, warmup=1)
             for codec in codecs:
-                total, phases = engine_medians(report, size, codec)
-                rows.append((label(size), f"allreduce-param {codec}", total, phases, gloo[size], tree))
+                for transport in transports:
+                    total, phases = engine_medians(report, size, codec, transport)
+                    name = f"allreduce-param {codec}" + (f" ({transport})" if len(transports) > 1 else "")
+                    rows.append((label(size), name, total, phases, gloo[size], tree))
             if not args.no_baselines:
                 rows.append((label(size), "MLlib broadcast+treeAggregate", tree, None, gloo[size], tree))
                 rows.append((label(size), "gloo all_reduce (torch)", gloo[size], None, gloo[size], tree))

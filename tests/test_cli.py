@@ -19,11 +19,13 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_main_job_trains_prints_its_table_and_writes_the_model(tmp_path):
     done = subprocess.run(
         [sys.executable, str(REPO / "jobs" / "train.py"), "--conf", str(REPO / "conf" / "digits.toml"),
-         "--master", "local[2]", "--set", "train.epochs=3", "--set", f"output.model_path='{tmp_path / 'm'}'"],
+         "--master", "local[2]", "--set", "train.epochs=3", "--set", f"output.model_path='{tmp_path / 'm'}'",
+         "--set", f"output.loss_curve='{tmp_path / 'new folder' / 'loss.png'}'"],  # folders made as needed
         capture_output=True, text=True, timeout=300, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| test accuracy  |" in done.stdout and "| samples/s      |" in done.stdout
     assert "epoch 2: val_loss" in done.stdout + done.stderr  # the live progress, a line per epoch
+    assert (tmp_path / "new folder" / "loss.png").stat().st_size > 5000
     model = TrainedModel.load(tmp_path / "m")
     assert len(model.history.epochs) == 3 and model.history.epochs[-1]["val_accuracy"] > 0.8
 

@@ -58,6 +58,8 @@ def step_task(params: list[AllReduceParameter], seed: int):
                 p.send_weight_partition()
                 after = p.get_weights()
                 transports = sorted({client._sock.family.name for client in p._peers.values()})
+                if any(client._mappings._maps for client in p._peers.values()):
+                    transports.append("shared memory")
                 report.append((param.size, param.codec, p.partition_id, digest(before), digest(after),
                                after if param.size < 100_000 else None, transports))
         yield report
@@ -76,10 +78,16 @@ def run_stage(spark, partitions: int, task):
     return [entry for report in rdd.barrier().mapPartitions(task).collect() for entry in report]
 
 
-@pytest.mark.parametrize("partitions, unix_sockets", [(2, True), (3, False), (4, True)])
-def test_raw_sync_is_exact_on_every_partition(spark, partitions, unix_sockets):
+TRANSPORTS = {"shared memory": dict(unix_sockets=True, shared_memory=True),
+              "unix sockets": dict(unix_sockets=True, shared_memory=False),
+              "tcp": dict(unix_sockets=False, shared_memory=False)}
+SEEN = {"shared memory": ("AF_UNIX", "shared memory"), "unix sockets": ("AF_UNIX",), "tcp": ("AF_INET",)}
+
+
+@pytest.mark.parametrize("partitions, transport", [(2, "shared memory"), (3, "tcp"), (4, "unix sockets")])
+def test_raw_sync_is_exact_on_every_partition(spark, partitions, transport):
     sizes = sorted({1, max(1, partitions - 1), 7919, 3_000_017})
-    params = [AllReduceParameter(partitions, size, codec="raw", timeout=60, unix_sockets=unix_sockets)
+    params = [AllReduceParameter(partitions, size, codec="raw", timeout=60, **TRANSPORTS[transport])
               for size in sizes]
     seed = 100 + partitions
     report = run_stage(spark, partitions, step_task(params, seed))
@@ -89,8 +97,8 @@ def test_raw_sync_is_exact_on_every_partition(spark, partitions, unix_sockets):
         assert sorted(row[2] for row in rows) == list(range(partitions))
         assert {row[3] for row in rows} == {digest(start_weights(size, seed))}
         assert {row[4] for row in rows} == {digest(expected_after(size, seed, partitions))}
-        # peers on one host use Unix sockets unless told not to
-        assert {tuple(row[6]) for row in rows} == {("AF_UNIX",) if unix_sockets else ("AF_INET",)}
+        # peers on one host read shared memory, or use Unix sockets, unless told not to
+        assert {tuple(row[6]) for row in rows} == {SEEN[transport]}
 
 
 def test_every_codec_in_spark_is_bit_identical_across_partitions_and_within_bound(spark):

@@ -29,7 +29,7 @@ def cluster():
 def test_two_executors_sync_exactly_and_bit_identically(cluster):
     sizes = [1, 7919, 2_000_003]
     seed = 42
-    # raw over Unix sockets between the executors, lz4 over TCP
+    # raw through shared memory between the executors' workers, lz4 over TCP
     params = [AllReduceParameter(2, size, codec=codec, timeout=60, unix_sockets=codec == "raw")
               for size in sizes for codec in ("raw", "lz4")]
 
@@ -51,4 +51,4 @@ def test_two_executors_sync_exactly_and_bit_identically(cluster):
             assert sorted(row[2] for row in rows) == [0, 1]
             assert {row[3] for row in rows} == {digest(start_weights(size, seed))}
             assert {row[4] for row in rows} == {expected}, (size, codec)
-            assert {tuple(row[6]) for row in rows} == {("AF_UNIX",) if codec == "raw" else ("AF_INET",)}
+            assert {tuple(row[6]) for row in rows} == {("AF_UNIX", "shared memory") if codec == "raw" else ("AF_INET",)}

@@ -192,3 +192,32 @@ def test_a_peer_on_this_host_is_reached_over_its_unix_socket():
         intruder.close()
     finally:
         served.close()
+
+
+def test_a_peer_on_this_host_reads_shared_blocks_in_place():
+    from allreduce_param.shm import SharedSegment
+
+    segment = SharedSegment(4096)
+    segment.map[:5] = b"first"
+    store = BlockStore()
+    store.put(KEY, 0, memoryview(segment.map)[:5])
+    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2,
+                         unix=True, shared={id(segment.map): segment})
+    local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
+    tcp = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
+    try:
+        view = local.fetch(KEY, 0, 100, None, shared=True)
+        assert bytes(view) == b"first" and view.obj is not None and len(local._mappings._maps) == 1
+        segment.map[:5] = b"again"  # the owner writes its next version in place
+        store.put(KEY, 1, memoryview(segment.map)[:5])
+        assert bytes(local.fetch(KEY, 1, 100, None, shared=True)) == b"again"
+        assert len(local._mappings._maps) == 1  # the descriptor came once
+        # over TCP no descriptor can travel: the same request gets the bytes
+        assert bytes(tcp.fetch(KEY, 1, 100, memoryview(bytearray(100)), shared=True)) == b"again"
+        assert not tcp._mappings._maps
+        del view
+    finally:
+        local.close()
+        tcp.close()
+        served.close()
+        segment.close()

@@ -80,6 +80,7 @@ class History:
         axes.set_xlabel("step")
         axes.set_ylabel("loss")
         axes.legend()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path, dpi=100)
         return Path(path)
 
