@@ -138,7 +138,10 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
         model = build(models, job.get("model", {"kind": "MLP", "layers": [64, 128, 10]}), "model")
         optimizer = build(optim, job.get("optimizer", {"kind": "Adam", "lr": 1e-3}), "optimizer")
         settings = job.get("train", {})
-        trainer = DistriOptimizer(model, optimizer, **settings)
+        try:
+            trainer = DistriOptimizer(model, optimizer, **settings)
+        except TypeError as error:
+            raise ConfigurationError(f"[train] {error}") from None
         print(f"training {model!r} with {optimizer!r}; {settings}", flush=True)
         started = time.perf_counter()
         result = trainer.fit(train_df, validation=test_df)

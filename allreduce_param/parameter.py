@@ -55,6 +55,9 @@ PART_LENGTH = 1 << 19
 #: it is short, and it ends as soon as every peer has hung up.
 FAILURE_LINGER_SECONDS = 10.0
 
+#: The most a part can take encoded, whatever the codec: what a shared send buffer holds.
+_LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
+
 
 class AllReduceParameter:
     """The driver's description of one synchronised vector: its size, partitions, codec, secret.
@@ -98,10 +101,12 @@ class AllReduceParameter:
 
     @property
     def size(self) -> int:
+        """How many float32 elements the synchronised vector has."""
         return self.layout.size
 
     @property
     def partition_num(self) -> int:
+        """How many partitions (barrier tasks) share the vector."""
         return self.layout.partition_num
 
     def __repr__(self) -> str:
@@ -143,6 +148,8 @@ class ConnectedParameter:
         self._weight: np.ndarray | None = None
         self._gradient = np.zeros(self.slice_length, dtype=np.float32)
         self._gradient_pending = False
+        # sends since the last aggregate: a second one could rewrite a version a peer still reads
+        self._sends_since_aggregate = 0
         self._send_buffers: dict[BlockKey, list[bytearray]] = {}
         self._closed = False
         self._done_peers: set[int] = set()
@@ -207,9 +214,20 @@ class ConnectedParameter:
     def send_weight_partition(self) -> None:
         """Publish ``weight_partition`` as the next version, for every peer's ``get_weights``.
 
-        Call after updating the slice from ``aggregate_gradient_partition``'s result.
+        Call after updating the slice from ``aggregate_gradient_partition``'s result: at most
+        one send per aggregate (the first may follow ``init``). A peer reads version v only
+        before its own send of v+1, so the aggregate that follows our send of v+1 proves
+        every peer is past its read of v, and the buffer v lives in may take v+2.
         """
         self._require_init("send_weight_partition()")
+        if self._sends_since_aggregate >= 1:
+            raise UsageError(
+                f"send_weight_partition() was called twice on partition {self.partition_id} with no "
+                "aggregate_gradient_partition() in between: a peer may still be reading the version "
+                "it would overwrite. A step is get_weights, put_gradients, "
+                "aggregate_gradient_partition, update, send_weight_partition"
+            )
+        self._sends_since_aggregate += 1
         self._versions[BlockKind.WEIGHT] += 1
         self._publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
 
@@ -267,6 +285,7 @@ class ConnectedParameter:
         version = self._versions[BlockKind.GRADIENT]
         total = self._reduce(BlockKind.GRADIENT, version, self.layout, self._gradient)
         self._gradient_pending = False
+        self._sends_since_aggregate = 0
         divisor = total if avg is None else float(avg)
         if not divisor > 0:
             raise InputError(
@@ -284,25 +303,28 @@ class ConnectedParameter:
 
     # ---- any vector ----------------------------------------------------------------------
 
-    def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum") -> np.ndarray:
+    def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum",
+                  codec: str | None = None) -> np.ndarray:
         """Sum (or average over partitions) a float32 vector of any length across partitions.
 
-        A reduce-scatter then an all-gather, like a step, through the same codec. Every
+        A reduce-scatter then an all-gather, like a step, through the parameter's codec or
+        ``codec`` (``"raw"`` for counts and metrics that a lossy codec would round). Every
         partition must call it with a vector of the same length; all get the same result.
         """
         if op not in ("sum", "mean"):
             raise InputError(f"allreduce(op={op!r}): op must be 'sum' or 'mean'")
+        chosen = self._codec if codec is None else get_codec(codec)
         vector = self._vector(values, None, "allreduce(values)")
         layout = SliceLayout(vector.size, self.partition_num)
         version = self._versions[BlockKind.REDUCE_INPUT] = self._versions[BlockKind.REDUCE_INPUT] + 1
-        self._scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0)
+        self._scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0, codec=chosen)
         reduced = np.empty(layout.length(self.partition_id), dtype=np.float32)
-        self._reduce(BlockKind.REDUCE_INPUT, version, layout, reduced)
+        self._reduce(BlockKind.REDUCE_INPUT, version, layout, reduced, codec=chosen)
         if op == "mean":
             reduced /= np.float32(self.partition_num)
-        self._publish(BlockKind.REDUCE_OUTPUT, version, reduced)
+        self._publish(BlockKind.REDUCE_OUTPUT, version, reduced, codec=chosen)
         out = np.empty(vector.size, dtype=np.float32)
-        self._gather(BlockKind.REDUCE_OUTPUT, version, layout, out)
+        self._gather(BlockKind.REDUCE_OUTPUT, version, layout, out, codec=chosen)
         return out
 
     # ---- the four movements, written once --------------------------------------------------
@@ -313,7 +335,7 @@ class ConnectedParameter:
 
     def _publish(self, kind: int, version: int, values: np.ndarray, destination: int = EVERY_PARTITION,
                  count: float = 0.0, inspect: Callable[[int, np.ndarray], None] | None = None,
-                 offset: int = 0) -> None:
+                 offset: int = 0, codec=None) -> None:
         """Encode ``values`` part by part and put each in the own store as ``version``.
 
         Encodes into one of keep+1 rotating buffers per part, so kept versions stay intact.
@@ -325,7 +347,7 @@ class ConnectedParameter:
             buffers = self._send_buffers.get(key)
             if buffers is None:
                 buffers = self._send_buffers[key] = [self._send_buffer() for _ in range(self._store.keep + 1)]
-            block = self._codec.encode(values[start:start + length], count=count,
+            block = (codec or self._codec).encode(values[start:start + length], count=count,
                                        out=buffers[version % len(buffers)])
             self._store.put(key, version, block)
             del block  # the store holds its own view; ours would pin the buffer's size
@@ -336,21 +358,21 @@ class ConnectedParameter:
         """Room to encode one part into: shared memory when peers may read it in place."""
         if self._shared is None:
             return bytearray()
-        segment = SharedSegment(self._codec.max_encoded_size(PART_LENGTH))
+        segment = SharedSegment(_LARGEST_PART)
         self._shared[id(segment.map)] = segment
         return segment.map
 
     def _scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float,
-                 inspect: Callable[[int, np.ndarray], None] | None = None) -> None:
+                 inspect: Callable[[int, np.ndarray], None] | None = None, codec=None) -> None:
         """Publish chunk ``j`` of ``vector`` for owner ``j``; the peers' first, the own last."""
         for step in range(1, self.partition_num + 1):
             owner = (self.partition_id + step) % self.partition_num
             self._publish(kind, version, vector[layout.bounds(owner)], destination=owner, count=count,
-                          inspect=inspect, offset=layout.start(owner))
+                          inspect=inspect, offset=layout.start(owner), codec=codec)
 
-    def _reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray) -> float:
+    def _reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray, codec=None) -> float:
         """Sum the own chunk of every partition into ``out``, in partition order; the summed counts."""
-        pending = self._fetch_all(kind, version, layout, destination=self.partition_id)
+        pending = self._fetch_all(kind, version, layout, destination=self.partition_id, codec=codec)
         total = 0.0
         for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
             target = out[start:start + length]
@@ -364,16 +386,17 @@ class ConnectedParameter:
                     total += count
         return total
 
-    def _gather(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray) -> None:
+    def _gather(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray, codec=None) -> None:
         """Fetch every owner's slice ``version`` into its place in ``out``."""
-        pending = self._fetch_all(kind, version, layout, destination=EVERY_PARTITION)
+        pending = self._fetch_all(kind, version, layout, destination=EVERY_PARTITION, codec=codec)
         for owner in range(self.partition_num):
             base = layout.start(owner)
             for part, (start, length) in enumerate(split(layout.length(owner), PART_LENGTH)):
                 _, values = pending[owner][part].result()
                 np.copyto(out[base + start:base + start + length], values)
 
-    def _fetch_all(self, kind: int, version: int, layout: SliceLayout, destination: int) -> list[list[Future]]:
+    def _fetch_all(self, kind: int, version: int, layout: SliceLayout, destination: int,
+                   codec=None) -> list[list[Future]]:
         """Start fetching every part of block ``(kind, j, destination)`` from every partition ``j``.
 
         ``result[j][k]`` is a future of part k's ``(count, values)``; values stay valid until
@@ -386,19 +409,20 @@ class ConnectedParameter:
             parts = split(slice_length, PART_LENGTH)
             futures = [Future() for _ in parts]
             if source == self.partition_id:
-                self._fetch_parts(source, kind, version, destination, parts, futures)
+                self._fetch_parts(source, kind, version, destination, parts, futures, codec or self._codec)
             else:
-                self._pool.submit(self._fetch_parts, source, kind, version, destination, parts, futures)
+                self._pool.submit(self._fetch_parts, source, kind, version, destination, parts, futures,
+                                  codec or self._codec)
             pending.append(futures)
         return pending
 
     def _fetch_parts(self, source: int, kind: int, version: int, destination: int,
-                     parts: list[tuple[int, int]], futures: list[Future]) -> None:
+                     parts: list[tuple[int, int]], futures: list[Future], codec) -> None:
         """Fetch and decode ``source``'s parts in order, resolving one future per part.
 
         A failure fails this part and every later one, so the caller sees it where it waits.
         """
-        sizes = [self._codec.max_encoded_size(length) for _, length in parts]
+        sizes = [codec.max_encoded_size(length) for _, length in parts]
         local = source == self.partition_id
         # a peer on this host with shared memory is read in place: no receive buffer
         shared = not local and self._shared is not None and self._peers[source].local_name is not None
@@ -412,7 +436,7 @@ class ConnectedParameter:
                 else:
                     block = self._peers[source].fetch(
                         key, version, size, None if receive is None else receive[offset:offset + size], shared)
-                header, values = self._codec.decode(
+                header, values = codec.decode(
                     block, length, scratch=self._scratch_for(source, start + length)[start:start + length],
                     what=key.describe(version),
                 )
@@ -527,6 +551,8 @@ class ConnectedParameter:
         is done, is known to be gone, or was refused for want of the secret (it has then
         heard why), or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
         """
+        if self._closed:  # closed already (e.g. close() then an error): nothing left to say
+            return
         self._store.close(reason)
         for client in self._peers.values():
             client.abort()
@@ -536,7 +562,9 @@ class ConnectedParameter:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        """Stop at once: cut the connections, stop the fetch threads and the server."""
+        """Stop at once: cut the connections, stop the fetch threads and the server. Once."""
+        if self._closed:
+            return
         self._closed = True
         for client in self._peers.values():
             client.abort()
@@ -548,6 +576,8 @@ class ConnectedParameter:
         self._send_buffers.clear()
         for segment in (self._shared or {}).values():
             segment.close()
+        if self._shared:
+            self._shared.clear()
 
     def __enter__(self) -> ConnectedParameter:
         return self

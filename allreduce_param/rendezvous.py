@@ -64,11 +64,13 @@ class BarrierRendezvous(Rendezvous):
         self.partition_num = len(context.getTaskInfos())
 
     def bind_address(self) -> Address:
+        """The executor's own host (from Spark's task infos), any free port."""
         own = self._context.getTaskInfos()[self.partition_id].address
         host = own.rsplit(":", 1)[0]
         return host, 0
 
     def exchange(self, address: Address) -> list[Address]:
+        """One ``allGather`` of every task's address (about a second, once per connect)."""
         message = json.dumps({"partition": self.partition_id, "address": list(address)})
         replies = [json.loads(reply) for reply in self._context.allGather(message)]
         replies.sort(key=lambda reply: reply["partition"])
@@ -97,9 +99,11 @@ class StaticRendezvous(Rendezvous):
         self._timeout = timeout
 
     def bind_address(self) -> Address:
+        """This partition's entry of the list."""
         return self._addresses[self.partition_id]
 
     def exchange(self, address: Address) -> list[Address]:
+        """The list, once every peer accepts connections (waiting up to the timeout)."""
         deadline = time.monotonic() + self._timeout
         for peer, peer_address in enumerate(self._addresses):
             if peer != self.partition_id:

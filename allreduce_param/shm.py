@@ -41,12 +41,15 @@ class SharedSegment:
             raise
 
     def close(self) -> None:
-        """Unmap (once no view of it is left) and close the descriptor."""
+        """Unmap (once no view of it is left) and close the descriptor; a second call does nothing."""
+        if self.fd < 0:
+            return
         try:
             self.map.close()
         except BufferError:  # a view still exists; the mapping goes when it does
             pass
         os.close(self.fd)
+        self.fd = -1
 
 
 class SharedMappings:

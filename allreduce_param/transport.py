@@ -131,11 +131,17 @@ class BlockServer:
         self.address: tuple[str, int] = self._listeners[0].getsockname()[:2]
         self.local_name: str | None = None
         if unix and unix_sockets_available():
-            self.local_name = f"allreduce-param-{os.getpid()}-{os.urandom(8).hex()}"
+            name = f"allreduce-param-{os.getpid()}-{os.urandom(8).hex()}"
             local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            local.bind("\0" + self.local_name)  # abstract: no file to clean up
-            local.listen(backlog)
+            try:
+                local.bind("\0" + name)  # abstract: no file to clean up
+                local.listen(backlog)
+            except OSError:
+                local.close()
+                self._listeners[0].close()
+                raise
             self._listeners.append(local)
+            self.local_name = name
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
@@ -383,6 +389,10 @@ class PeerClient:
         except AllReduceError:  # first: some of ours are OSErrors too (timeouts, refusals)
             sock.close()
             raise
+        except socket.timeout as error:
+            sock.close()
+            raise FetchTimeoutError(f"{self._peer_text} did not finish the handshake within "
+                                    f"{HANDSHAKE_TIMEOUT:g} s while we fetched {what}") from error
         except (OSError, EOFError) as error:
             sock.close()
             raise self._lost(what, f"dropped the connection during the handshake ({error})") from error

@@ -229,6 +229,8 @@ def test_nan_gradient_passes_when_allowed():
     (["init", "aggregate"], "aggregate_gradient_partition() on partition 0 came before put_gradients()"),
     (["init", "put", "put"], "put_gradients() was called twice on partition 0"),
     (["init", "init"], "init() was called twice on partition 0"),
+    (["init", "send_weight_partition", "send_weight_partition"],
+     "send_weight_partition() was called twice on partition 0 with no aggregate_gradient_partition()"),
 ])
 def test_calls_out_of_order_are_refused(calls, fragment):
     def body(p):
@@ -356,4 +358,25 @@ def test_no_thread_outlives_the_handle_on_any_path():
     assert all(any(name.startswith("allreduce-accept") for name in names) for names in during)
     assert ours() == []
     run_partitions(AllReduceParameter(3, 100, "raw", timeout=30), failing)
+    assert ours() == []
+
+
+def test_counts_sent_raw_stay_exact_under_a_lossy_codec():
+    def body(p):
+        counts = np.array([4095.0, 1797.0, 16_000_001.0], np.float32)
+        return p.allreduce(counts, codec="raw"), p.allreduce(counts)
+
+    for exact, rounded in raise_first(run_partitions(AllReduceParameter(2, 10, codec="bf16"), body)):
+        assert exact.tolist() == [8190.0, 3594.0, 32_000_002.0]
+        assert rounded[0] != 8190.0  # what the fit's own codec would have made of it
+
+
+def test_close_then_an_error_surfaces_the_error_and_closes_once():
+    def body(p):
+        p.init(np.zeros(10))
+        p.close()
+        raise ValueError("the user's own error")
+
+    results = run_partitions(AllReduceParameter(2, 10, "raw"), body)
+    assert [str(r) for r in results] == ["the user's own error"] * 2
     assert ours() == []

@@ -123,6 +123,8 @@ def test_a_failing_step_names_partition_epoch_and_step():
     ({"epochs": 1.5}, "epochs must be a positive whole number, got 1.5"),
     ({"num_workers": 0}, "num_workers must be a positive whole number, got 0"),
     ({"codec": "zip"}, "unknown codec 'zip'"),
+    ({"threads": 0}, "threads must be a positive count or a list of positive workloads, got 0"),
+    ({"threads": [1.0, -2.0]}, r"threads must be .* got \[1.0, -2.0\]"),
 ])
 def test_settings_are_checked_when_the_optimizer_is_made(settings, message):
     from allreduce_param import ConfigurationError, DistriOptimizer

@@ -11,7 +11,7 @@ import contextlib
 import json
 import re
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -21,7 +21,11 @@ from ..parameter import AllReduceParameter
 from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
 from .progress import ProgressBar, ProgressServer
 from .result import STEP_FIELDS, History, TrainedModel, merge_step
-from .worker import TrainingError, TrainingJob, train_partition
+from .worker import TrainingError, TrainingJob, train_partition, workload_shares
+
+if TYPE_CHECKING:
+    from pyspark import RDD
+    from pyspark.sql import DataFrame
 
 _OUTPUT_SCHEMA = "kind string, payload binary"
 
@@ -67,6 +71,7 @@ class DistriOptimizer:
             if not (value is None and name == "num_workers") and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
         get_codec(codec)  # an unknown codec fails here, naming the codecs there are
+        workload_shares(threads)  # so does a bad threads setting, before any task starts
         self.model = model
         self.optimizer = optimizer
         self.batch_size = batch_size
@@ -80,8 +85,8 @@ class DistriOptimizer:
         self.log_path = log_path
         self.listener = listener
 
-    def fit(self, data, features_col: str = "features", label_col: str = "label",
-            validation=None) -> TrainedModel:
+    def fit(self, data: DataFrame | RDD, features_col: str = "features", label_col: str = "label",
+            validation: DataFrame | None = None) -> TrainedModel:
         """Train on ``data`` (a DataFrame, or an RDD of ``(features, label)`` numpy pairs).
 
         ``validation`` (a DataFrame with the same columns) is evaluated after every epoch.
@@ -91,7 +96,7 @@ class DistriOptimizer:
         started = time.perf_counter()
         if hasattr(data, "sparkSession"):
             prepared, summary = prepare(data, features_col, label_col, validation)
-            n_features, rows, sample = summary.n_features, summary.rows, summary.sample
+            n_features, sample = summary.n_features, summary.sample
             spark_context, source = data.sparkSession.sparkContext, prepared
         elif hasattr(data, "mapPartitions"):
             if validation is not None:
@@ -100,7 +105,7 @@ class DistriOptimizer:
             if not first:
                 raise InputError("the training RDD has no rows")
             sample = (np.asarray([first[0][0]], np.float32), np.asarray([first[0][1]], np.float64))
-            n_features, rows, spark_context, source = sample[0].shape[1], data.count(), data.context, data
+            n_features, spark_context, source = sample[0].shape[1], data.context, data
         else:
             raise InputError(f"fit() takes a DataFrame or an RDD of (features, label) pairs, got {type(data).__name__}")
         self._check_model_takes(sample, n_features)

@@ -6,11 +6,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ConfigurationError, InputError
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 FORMAT = "allreduce-param-model/1"
 
@@ -107,7 +110,7 @@ class TrainedModel:
         """Predictions for the rows of a float32 matrix."""
         return self.model.predict(self.weights, np.asarray(X, dtype=np.float32))
 
-    def predict(self, df, features_col: str = "features", prediction_col: str = "prediction"):
+    def predict(self, df: DataFrame, features_col: str = "features", prediction_col: str = "prediction") -> DataFrame:
         """``df`` with a ``prediction_col`` column added (computed in the executors)."""
         import pandas as pd
         from pyspark.ml.functions import vector_to_array

@@ -16,11 +16,11 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import AllReduceError, InputError
+from ..errors import AllReduceError, ConfigurationError
 from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import Rendezvous
-from .batching import epoch_order, share_bounds, steps_per_epoch
+from .batching import epoch_order, global_batch_sizes, share_bounds, steps_per_epoch
 from .data import TRAIN, VALIDATION
 from .progress import ProgressReporter
 from .result import STEP_FIELDS
@@ -66,6 +66,17 @@ def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.nda
     return total
 
 
+def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
+    """Each sub-batch's share of a batch (summing to 1), from a thread count or workloads."""
+    try:
+        weights = [1.0] * threads if isinstance(threads, int) else [float(w) for w in (threads or [1.0])]
+    except (TypeError, ValueError):
+        weights = []
+    if not weights or any(not w > 0 for w in weights):
+        raise ConfigurationError(f"threads must be a positive count or a list of positive workloads, got {threads!r}")
+    return [w / sum(weights) for w in weights]
+
+
 class SubBatches:
     """Computes a batch's loss and gradient as sub-batches on threads, then merges them.
 
@@ -75,11 +86,9 @@ class SubBatches:
 
     def __init__(self, model, threads: int | Sequence[float] | None) -> None:
         self.model = model
-        weights = [1.0] * threads if isinstance(threads, int) else list(threads or [1.0])
-        if not weights or any(not w > 0 for w in weights):
-            raise InputError(f"threads must be a positive count or a list of positive workloads, got {threads!r}")
-        self._cuts = np.cumsum([0.0, *weights]) / sum(weights)
-        self._pool = ThreadPoolExecutor(len(weights), thread_name_prefix="allreduce-subbatch") if len(weights) > 1 else None
+        shares = workload_shares(threads)
+        self._cuts = np.cumsum([0.0, *shares])
+        self._pool = ThreadPoolExecutor(len(shares), thread_name_prefix="allreduce-subbatch") if len(shares) > 1 else None
 
     def __call__(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
         if self._pool is None or len(X) < len(self._cuts) - 1:
@@ -103,7 +112,7 @@ def all_counts(p: ConnectedParameter, rows: int) -> list[int]:
     """Every partition's row count, learnt with one allreduce."""
     own = np.zeros(2 * p.partition_num, dtype=np.float32)
     own[2 * p.partition_id:2 * p.partition_id + 2] = divmod(rows, _COUNT_BASE)
-    summed = p.allreduce(own).astype(np.int64).reshape(-1, 2)
+    summed = p.allreduce(own, codec="raw").astype(np.int64).reshape(-1, 2)  # exact, whatever the fit's codec
     return [int(high * _COUNT_BASE + low) for high, low in summed]
 
 
@@ -147,7 +156,7 @@ def _fit(job: TrainingJob, p: ConnectedParameter, compute: SubBatches, where: di
     """Every epoch's steps and metrics; ``where`` tracks the epoch and step for errors."""
     counts = all_counts(p, len(X_train))
     steps = steps_per_epoch(sum(counts), job.batch_size)
-    global_sizes = sum(np.diff(share_bounds(c, i, len(counts), steps)) for i, c in enumerate(counts))
+    global_sizes = global_batch_sizes(counts, steps)
     cuts = share_bounds(len(X_train), p.partition_id, p.partition_num, steps)
     report = job.reporter.send if job.reporter is not None else (lambda kind, **fields: None)
     report("start", partition=p.partition_id, steps=int(np.count_nonzero(global_sizes)), epochs=job.epochs)
@@ -191,7 +200,7 @@ def _step(job: TrainingJob, p: ConnectedParameter, compute: SubBatches, weights:
     t4 = time.perf_counter()
     scale = 1.0
     if job.optimizer.clip_norm is not None:  # by the global norm: one scalar allreduce
-        squared = p.allreduce(np.array([squared_norm(gradient)], dtype=np.float32))[0]
+        squared = p.allreduce(np.array([squared_norm(gradient)], dtype=np.float32), codec="raw")[0]
         scale = clip_scale(float(squared), job.optimizer.clip_norm)
     job.optimizer.step(p.weight_partition, gradient, state, global_step, grad_scale=scale)
     t5 = time.perf_counter()
@@ -209,7 +218,7 @@ def _epoch_metrics(job: TrainingJob, p: ConnectedParameter, weights: np.ndarray,
     if last:
         splits.append(("train", X_train, y_train))
     for name, X, y in splits:
-        loss_sum, metric_sum, count = p.allreduce(evaluate(job.model, weights, X, y).astype(np.float32))
+        loss_sum, metric_sum, count = p.allreduce(evaluate(job.model, weights, X, y).astype(np.float32), codec="raw")
         metrics[f"{name}_loss"] = float(loss_sum / count)
         if job.model.task == "classification":
             metrics[f"{name}_accuracy"] = float(metric_sum / count)
