@@ -108,15 +108,14 @@ class DistriOptimizer:
             n_features, spark_context, source = sample[0].shape[1], data.context, data
         else:
             raise InputError(f"fit() takes a DataFrame or an RDD of (features, label) pairs, got {type(data).__name__}")
-        self._check_model_takes(sample, n_features)
+        size = self._check_model_takes(sample, n_features)
         workers = self._workers(source, spark_context)
         if self.batch_size < workers:
             raise InputError(
                 f"batch_size={self.batch_size} is smaller than the {workers} workers: every worker "
                 f"needs rows in each step; raise batch_size or pass num_workers<={self.batch_size}"
             )
-        param = AllReduceParameter(workers, int(self.model.init(np.random.default_rng(self.seed)).size),
-                                   codec=self.codec, timeout=self.timeout)
+        param = AllReduceParameter(workers, size, codec=self.codec, timeout=self.timeout)
         with self._progress(spark_context, workers) as server:
             job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
                               self.threads, n_features, validation is not None,
@@ -145,8 +144,8 @@ class DistriOptimizer:
             if log_file is not None:
                 log_file.close()
 
-    def _check_model_takes(self, sample, n_features: int) -> None:
-        """Run the model on one real row on the driver, so a shape mismatch fails here."""
+    def _check_model_takes(self, sample, n_features: int) -> int:
+        """Run the model on one real row on the driver, so a shape mismatch fails here; its size."""
         weights = self.model.init(np.random.default_rng(self.seed))
         if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.ndim != 1:
             raise InputError(f"{self.model!r}.init(rng) must return a 1-D float32 vector")
@@ -160,6 +159,7 @@ class DistriOptimizer:
         if np.shape(grad) != weights.shape:
             raise InputError(f"{self.model!r}.loss_and_grad returned a gradient of shape {np.shape(grad)}, "
                              f"the weights have {weights.shape}")
+        return int(weights.size)
 
     def _workers(self, source, spark_context) -> int:
         """How many barrier tasks: the requested count, or the data's partitions, within the slots."""
@@ -179,9 +179,8 @@ class DistriOptimizer:
         """The fit's one barrier stage; the records the partitions yielded."""
         # A barrier stage may not read a union or a coalesce directly (SPARK-24820): one
         # shuffle into exactly `workers` partitions gives it a clean boundary.
+        shaped = source.repartition(workers)
         if hasattr(source, "mapInArrow"):
-            shaped = source.repartition(workers)
-
             def task(batches):
                 import pyarrow as pa
 
@@ -191,8 +190,6 @@ class DistriOptimizer:
             stage = lambda: [(row["kind"], row["payload"]) for row in  # noqa: E731
                              shaped.mapInArrow(task, _OUTPUT_SCHEMA, barrier=True).collect()]
         else:
-            shaped = source.repartition(workers)
-
             def task(pairs):
                 yield from train_partition(job, *arrays_from_pairs(pairs, job.n_features))
 
