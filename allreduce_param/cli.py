@@ -17,7 +17,7 @@ import numpy as np
 
 from . import models, optim
 from .errors import AllReduceError, ConfigurationError
-from .session import java_problem, local_spark, under_spark_submit
+from .session import local_spark, under_spark_submit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -186,11 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                          help="override one setting of the job file, e.g. train.epochs=5 (repeatable)")
     args = parser.parse_args(argv)
-    problem = java_problem()
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    try:
+    try:  # no Java, bad settings, bad data: one line, no traceback (local_spark checks Java)
         job = apply_overrides(load_job(args.conf), args.set)
         conf_dir = Path(args.conf).resolve().parent
         return train(job, conf_dir if (conf_dir / "spark-defaults.conf").is_file() else None, args.master)

@@ -58,3 +58,11 @@ def test_the_main_job_says_so_and_exits_without_a_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "has no bin/java" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_train_command_says_so_and_exits_without_a_traceback(tmp_path):
+    environment = {**os.environ, "JAVA_HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
+    done = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py"), "--conf", str(REPO / "conf" / "digits.toml")],
+                          env=environment, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "has no bin/java" in done.stderr and "apt-get install" in done.stderr and "Traceback" not in done.stderr

@@ -24,8 +24,6 @@ PREPARED_SCHEMA = "features array<float>, label double, split int"
 class DataSummary:
     """What the driver learnt about the data while checking it."""
 
-    rows: int
-    validation_rows: int
     n_features: int
     sample: tuple  # one training row as (X [1, n_features] float32, y [1]), to try the model on
 
@@ -37,7 +35,7 @@ def prepare(df, features_col: str, label_col: str, validation=None):
     """
     from pyspark.sql import functions as F
 
-    parts, summaries = [], []
+    parts, lengths = [], []
     for name, frame, split in (("training", df, TRAIN), ("validation", validation, VALIDATION)):
         if frame is None:
             continue
@@ -66,16 +64,13 @@ def prepare(df, features_col: str, label_col: str, validation=None):
                 f"{stats['longest']} elements; every row needs the same length"
             )
         parts.append(shaped)
-        summaries.append((stats["rows"], stats["longest"]))
+        lengths.append(stats["longest"])
         if split == TRAIN:
             sample = (np.asarray([stats["first_features"]], np.float32), np.asarray([stats["first_label"]]))
-    if len(summaries) == 2 and summaries[0][1] != summaries[1][1]:
-        raise InputError(
-            f"training vectors have {summaries[0][1]} elements but validation vectors {summaries[1][1]}"
-        )
+    if len(lengths) == 2 and lengths[0] != lengths[1]:
+        raise InputError(f"training vectors have {lengths[0]} elements but validation vectors {lengths[1]}")
     prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
-    validation_rows = summaries[1][0] if len(summaries) == 2 else 0
-    return prepared, DataSummary(summaries[0][0], validation_rows, int(summaries[0][1]), sample)
+    return prepared, DataSummary(int(lengths[0]), sample)
 
 
 def _shape(frame, features_col: str, label_col: str, name: str):
