@@ -23,6 +23,7 @@ from .errors import (
 from .layout import SliceLayout
 from .parameter import AllReduceParameter, ConnectedParameter
 from .rendezvous import BarrierRendezvous, LocalRendezvous, Rendezvous, StaticRendezvous
+from .strategy import STRATEGIES, Strategy
 from .train import DistriOptimizer, History, TrainedModel, TrainingError
 
 __version__ = "0.1.0"
@@ -37,6 +38,8 @@ __all__ = [
     "AllReduceParameter",
     "ConnectedParameter",
     "CODECS",
+    "Strategy",
+    "STRATEGIES",
     "SliceLayout",
     "Rendezvous",
     "BarrierRendezvous",

@@ -9,6 +9,10 @@ Partition ``i`` of ``N`` owns slice ``i`` of the vector (``layout.SliceLayout``)
 4. The optimizer updates ``weight_partition`` (the owned fp32 slice) in place.
 5. ``send_weight_partition``: publish the updated slice as the next version.
 
+That is BSP, the default. Under the other strategies (``strategy.Strategy``: BSP with
+backup workers, SSP, ASP) steps 3-5 move to a background owner thread (``owner.py``) that
+``serve_updates`` starts, and each step is just ``get_weights`` and ``put_gradients``.
+
 Nothing here waits on Spark: a fetch of a version blocks until the peer publishes it. The
 driver makes the ``AllReduceParameter`` (its id and secret travel with the task closure);
 each task calls ``connect()``, which meets the peers once and returns a
@@ -17,6 +21,7 @@ each task calls ``connect()``, which meets the peers once and returns a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -40,6 +45,7 @@ from .layout import SliceLayout, split
 from .rendezvous import BarrierRendezvous, Rendezvous
 from .shm import SharedSegment, shared_memory_available
 from .store import EVERY_PARTITION, BlockKey, BlockKind, BlockStore
+from .strategy import Strategy, WeightRead
 from .transport import BlockServer, PeerClient
 
 log = logging.getLogger(__name__)
@@ -69,6 +75,7 @@ class AllReduceParameter:
     ``unix_sockets`` lets peers on the same host talk over Unix sockets (Linux), which are
     faster than loopback TCP; cross-host peers always use TCP. ``shared_memory`` (with
     Unix sockets) lets such peers read each other's blocks in place from shared memory.
+    ``strategy`` says how the partitions synchronise (``Strategy``; default BSP).
     """
 
     def __init__(
@@ -83,8 +90,11 @@ class AllReduceParameter:
         unix_sockets: bool = True,
         shared_memory: bool = True,
         param_id: int | None = None,
+        strategy: Strategy | None = None,
     ) -> None:
         self.layout = SliceLayout(size, partition_num)
+        self.strategy = strategy or Strategy()
+        self.strategy.check_partitions(partition_num)
         get_codec(codec)  # an unknown codec fails here, on the driver, not in every task
         if not timeout > 0:
             raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -111,7 +121,7 @@ class AllReduceParameter:
 
     def __repr__(self) -> str:
         return (f"AllReduceParameter(partition_num={self.partition_num}, size={self.size}, "
-                f"codec={self.codec!r}, param_id={self.param_id})")
+                f"codec={self.codec!r}, strategy={self.strategy.name!r}, param_id={self.param_id})")
 
     def connect(self, rendezvous: Rendezvous | None = None) -> ConnectedParameter:
         """Inside a task: start serving, meet the peers, and return this partition's handle.
@@ -121,6 +131,48 @@ class AllReduceParameter:
         ``with param.connect() as p:``.
         """
         return ConnectedParameter(self, rendezvous or BarrierRendezvous())
+
+
+class _Channel:
+    """One thread's way to the peers: its own connections, fetch threads and landing buffers.
+
+    The worker and a background owner each fetch through their own channel, so that an
+    owner waiting for a slow partition's gradient never holds up the worker's reads. A
+    fetched block stays valid (in a receive buffer, a scratch array, or a peer's shared
+    memory) until the channel fetches the same source's next one.
+    """
+
+    def __init__(self, clients: dict[int, PeerClient], threads: int, name: str) -> None:
+        self.clients = clients
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) if threads else None
+        self.reader = object()  # who reads the own store through this channel (for its holds)
+        self._receive: dict[int, bytearray] = {}
+        self._scratch: dict[int, np.ndarray] = {}
+
+    def receive_buffer(self, source: int, nbytes: int) -> memoryview:
+        """Where ``source``'s blocks land: reused, replaced by a larger one when too small."""
+        buffer = self._receive.get(source)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._receive[source] = bytearray(nbytes)
+        return memoryview(buffer)
+
+    def scratch(self, source: int, length: int) -> np.ndarray:
+        """Float32 room to decode ``source``'s lossy blocks into, reused across fetches."""
+        scratch = self._scratch.get(source)
+        if scratch is None or scratch.size < length:
+            scratch = self._scratch[source] = np.empty(length, dtype=np.float32)
+        return scratch
+
+    def abort(self) -> None:
+        for client in self.clients.values():
+            client.abort()
+
+    def close(self) -> None:
+        """Stop the fetch threads (after ``abort`` wakes any that wait) and the connections."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        for client in self.clients.values():
+            client.close()
 
 
 class ConnectedParameter:
@@ -140,6 +192,7 @@ class ConnectedParameter:
         self.partition_id = rendezvous.partition_id
         self.partition_num = param.partition_num
         self.layout = param.layout
+        self.strategy = param.strategy
         self.slice_start = self.layout.start(self.partition_id)
         self.slice_length = self.layout.length(self.partition_id)
         self._param = param
@@ -150,46 +203,53 @@ class ConnectedParameter:
         self._gradient_pending = False
         # sends since the last aggregate: a second one could rewrite a version a peer still reads
         self._sends_since_aggregate = 0
-        self._send_buffers: dict[BlockKey, list[bytearray]] = {}
+        self._last_read = -1  # the lowest weight version the last get_weights took
+        self._puts = 0  # gradients put so far
+        self._owner = None  # the background owner, under strategies other than plain BSP
+        self._finished = False
         self._closed = False
         self._done_peers: set[int] = set()
         self._refused_peers: set[int] = set()  # handshakes refused in their name (unproven)
         self._done_changed = threading.Condition()
 
-        self._store = BlockStore(keep=1)
         # shared segments by id() of their mmap; None: blocks live in plain bytearrays
         self._shared: dict[int, SharedSegment] | None = (
             {} if param.unix_sockets and param.shared_memory and shared_memory_available() else None)
+        self._store = BlockStore(keep=self.strategy.keep(), wait_for_readers=self.strategy.waits_for_readers(),
+                                 new_buffer=self._new_buffer)
         host, port = rendezvous.bind_address()
         self._server = BlockServer(
             self._store, param.secret, param.param_id, self.partition_id, host, port,
             partition_num=self.partition_num, on_done=self._peer_done, unix=param.unix_sockets,
             shared=self._shared, on_refused=self._peer_refused,
         )
-        self._peers: dict[int, PeerClient] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._addresses: list = []
+        self._own_host = host
+        self._channels: list[_Channel] = []
         try:
-            addresses = rendezvous.exchange(self._server.advertised_address)
-            self._peers = {j: self._peer_client(j, addresses[j], host)
-                           for j in range(self.partition_num) if j != self.partition_id}
-            if self._peers:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=min(param.fetch_threads or len(self._peers), len(self._peers)),
-                    thread_name_prefix=f"allreduce-fetch-{self.partition_id}",
-                )
+            self._addresses = rendezvous.exchange(self._server.advertised_address)
+            peers = self.partition_num - 1
+            self._worker = self._channel(min(param.fetch_threads or peers, peers), "fetch")
         except BaseException:
             self._shutdown()
             raise
-        self._receive_buffers: dict[int, bytearray] = {}
-        self._scratch: dict[int, np.ndarray] = {}
+        self._peers = self._worker.clients
 
-    def _peer_client(self, peer: int, address: tuple, own_host: str) -> PeerClient:
-        host, port, *local = address
-        return PeerClient(
-            (host, port), self._param.secret, self._param.param_id, self.partition_id, peer,
-            self._param.timeout,
-            local_name=local[0] if local and host == own_host else None,  # same host: Unix socket
-        )
+    def _channel(self, threads: int, role: str) -> _Channel:
+        """A new set of connections to every peer (each connects on first use)."""
+        clients = {}
+        for peer in range(self.partition_num):
+            if peer == self.partition_id:
+                continue
+            host, port, *local = self._addresses[peer]
+            clients[peer] = PeerClient(
+                (host, port), self._param.secret, self._param.param_id, self.partition_id, peer,
+                self._param.timeout,
+                local_name=local[0] if local and host == self._own_host else None,  # same host: Unix socket
+            )
+        channel = _Channel(clients, threads, f"allreduce-{role}-{self.partition_id}")
+        self._channels.append(channel)
+        return channel
 
     # ---- the weights ---------------------------------------------------------------------
 
@@ -217,9 +277,10 @@ class ConnectedParameter:
         Call after updating the slice from ``aggregate_gradient_partition``'s result: at most
         one send per aggregate (the first may follow ``init``). A peer reads version v only
         before its own send of v+1, so the aggregate that follows our send of v+1 proves
-        every peer is past its read of v, and the buffer v lives in may take v+2.
+        every peer is past its read of v.
         """
         self._require_init("send_weight_partition()")
+        self._require_inline("send_weight_partition()")
         if self._sends_since_aggregate >= 1:
             raise UsageError(
                 f"send_weight_partition() was called twice on partition {self.partition_id} with no "
@@ -232,16 +293,31 @@ class ConnectedParameter:
         self._publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
 
     def get_weights(self, out: np.ndarray | None = None) -> np.ndarray:
-        """All-gather: fetch every owner's newest published slice into one full float32 vector.
+        """All-gather: fetch every owner's published slice into one full float32 vector.
 
-        Waits for slow owners up to the timeout. The own slice also goes through the codec,
-        so every partition gets bit-identical weights. ``out`` (float32, ``size``) is
-        filled and returned when given; a new array otherwise.
+        Which version of each slice the strategy's rule gives this step: under BSP the one
+        of this step, under the others the newest allowed (``last_read_version`` tells
+        which); after ``finish_updates``, the final weights. Waits for slow owners up to the
+        timeout. The own slice also goes through the codec, so every partition gets
+        bit-identical weights. ``out`` (float32, ``size``) is filled and returned when
+        given; a new array otherwise.
         """
         self._require_init("get_weights()")
+        if self._finished:
+            read = self.strategy.final_read(self._owner.steps)
+        elif self.strategy.inline_owner:
+            read = WeightRead(self._versions[BlockKind.WEIGHT], exact=True)
+        else:
+            read = self.strategy.weight_read(self._puts, self._last_read)
         out = self._output(out, self.layout.size)
-        self._gather(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self.layout, out)
+        with self._owner_failure_first():
+            self._last_read = self._gather(BlockKind.WEIGHT, read, self.layout, out)
         return out
+
+    @property
+    def last_read_version(self) -> int:
+        """The lowest weight version (over the slices) the last ``get_weights`` took."""
+        return self._last_read
 
     # ---- the gradients -------------------------------------------------------------------
 
@@ -250,8 +326,9 @@ class ConnectedParameter:
 
         ``gradients`` is the sum over this partition's ``count`` samples (count may be 0
         for an empty partition), so the owners can divide by the total count. NaN/Inf raise
-        ``NonFiniteGradientError`` unless the parameter allows them. Each step, call it once,
-        then ``aggregate_gradient_partition``.
+        ``NonFiniteGradientError`` unless the parameter allows them. Under BSP call it once
+        per step, then ``aggregate_gradient_partition``; under the other strategies once
+        per ``get_weights`` (with backup workers the gradient belongs to the weights read).
         """
         if self._gradient_pending:
             raise UsageError(
@@ -262,12 +339,25 @@ class ConnectedParameter:
         if not float(count) >= 0:
             raise InputError(f"put_gradients(count={count!r}) on partition {self.partition_id}: "
                              "the sample count must be a number >= 0")
-        version = self._versions[BlockKind.GRADIENT] = self._versions[BlockKind.GRADIENT] + 1
+        if self.strategy.inline_owner:
+            version = self._versions[BlockKind.GRADIENT] + 1
+        elif self.strategy.asynchronous:
+            version = self._puts
+        else:  # backup workers: the step of the weights it was computed from
+            if self._last_read <= self._versions[BlockKind.GRADIENT]:
+                raise UsageError(
+                    f"put_gradients() on partition {self.partition_id} came without a get_weights() "
+                    "before it: with backup workers a gradient belongs to the weights it was computed from"
+                )
+            version = self._last_read
+        self._versions[BlockKind.GRADIENT] = version
         # Checked part by part as each is published, so the check overlaps the peers' fetches;
         # a NaN found then fails this partition, and with it the step on every peer.
         inspect = None if self._param.allow_nonfinite else functools.partial(self._check_finite, version)
-        self._scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count), inspect)
-        self._gradient_pending = True
+        with self._owner_failure_first():
+            self._scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count), inspect)
+        self._puts += 1
+        self._gradient_pending = self.strategy.inline_owner
 
     def aggregate_gradient_partition(self, avg: float | None = None) -> np.ndarray:
         """Reduce-scatter: sum this slice's chunk from every partition and divide.
@@ -275,8 +365,10 @@ class ConnectedParameter:
         Fetches chunk ``partition_id`` of the last ``put_gradients`` from every peer, sums in
         partition order in fp32, then divides by ``avg`` when given, else by the summed
         sample counts (the exact mean over all samples). Returns ``gradient_partition``,
-        which the next call overwrites.
+        which the next call overwrites. BSP only: under the other strategies the background
+        owner does this.
         """
+        self._require_inline("aggregate_gradient_partition()")
         if not self._gradient_pending:
             raise UsageError(
                 f"aggregate_gradient_partition() on partition {self.partition_id} came before "
@@ -301,6 +393,55 @@ class ConnectedParameter:
         """The last result of ``aggregate_gradient_partition``: this slice's mean gradient."""
         return self._gradient
 
+    # ---- the background owner (strategies other than plain BSP) ----------------------------
+
+    def serve_updates(self, update: Callable[[np.ndarray, np.ndarray, int], None], steps: int) -> None:
+        """Start the background owner: it takes the gradients of this slice as the strategy
+        allows, calls ``update(gradient, weight_partition, step)`` to change the slice in
+        place (``gradient``: the exact mean over the rows of the gradients taken; ``step``:
+        0-based, for learning-rate schedules), and publishes the slice after each update.
+
+        ``steps``: how many gradients every partition puts (with backup workers: how many
+        steps the fit has). Call once, after ``init``; ``update`` runs on the owner's thread.
+        """
+        from .owner import BackgroundOwner
+
+        self._require_init("serve_updates()")
+        if self.strategy.inline_owner:
+            raise UsageError("serve_updates() is for the strategies with a background owner; under plain "
+                             "BSP a step calls aggregate_gradient_partition and send_weight_partition itself")
+        if self._owner is not None:
+            raise UsageError(f"serve_updates() was called twice on partition {self.partition_id}")
+        self._owner = BackgroundOwner(self, self._channel(self.partition_num, "owner"), update, int(steps))
+
+    def finish_updates(self) -> None:
+        """Wait until every owner has applied every partition's gradients; afterwards
+        ``get_weights`` gives the final weights. Ends with one exact allreduce as a barrier.
+        """
+        if self._owner is None:
+            raise UsageError("finish_updates() came before serve_updates()")
+        self._owner.join()
+        with self._owner_failure_first():
+            self.allreduce(np.zeros(1, np.float32), codec="raw")  # every owner has published its last
+        self._finished = True
+
+    @contextlib.contextmanager
+    def _owner_failure_first(self):
+        """A call that fails after the background owner failed raises the owner's error: the
+        root cause, which the call's own error (a store closed, a peer gone) only follows from."""
+        try:
+            yield
+        except Exception as error:
+            failure = None if self._owner is None else self._owner.error
+            if failure is not None and failure is not error:
+                raise failure from error
+            raise
+
+    @property
+    def updates(self) -> list:
+        """The background owner's updates so far: which partitions' gradients each one took."""
+        return [] if self._owner is None else list(self._owner.updates)
+
     # ---- any vector ----------------------------------------------------------------------
 
     def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum",
@@ -324,7 +465,7 @@ class ConnectedParameter:
             reduced /= np.float32(self.partition_num)
         self._publish(BlockKind.REDUCE_OUTPUT, version, reduced, codec=chosen)
         out = np.empty(vector.size, dtype=np.float32)
-        self._gather(BlockKind.REDUCE_OUTPUT, version, layout, out, codec=chosen)
+        self._gather(BlockKind.REDUCE_OUTPUT, WeightRead(version, exact=True), layout, out, codec=chosen)
         return out
 
     # ---- the four movements, written once --------------------------------------------------
@@ -338,23 +479,20 @@ class ConnectedParameter:
                  offset: int = 0, codec=None) -> None:
         """Encode ``values`` part by part and put each in the own store as ``version``.
 
-        Encodes into one of keep+1 rotating buffers per part, so kept versions stay intact.
+        Each part is encoded into a buffer the store gives out, which no reader still uses.
         ``inspect(index, part)``, if given, sees each part (``index`` counted from ``offset``)
         just after it is published, while the peers may already be fetching it.
         """
         for part, (start, length) in enumerate(split(values.size, PART_LENGTH)):
             key = BlockKey(kind, self.partition_id, destination, part)
-            buffers = self._send_buffers.get(key)
-            if buffers is None:
-                buffers = self._send_buffers[key] = [self._send_buffer() for _ in range(self._store.keep + 1)]
-            block = (codec or self._codec).encode(values[start:start + length], count=count,
-                                       out=buffers[version % len(buffers)])
+            buffer = self._store.reserve(key, version, self._param.timeout)
+            block = (codec or self._codec).encode(values[start:start + length], count=count, out=buffer)
             self._store.put(key, version, block)
             del block  # the store holds its own view; ours would pin the buffer's size
             if inspect is not None:
                 inspect(offset + start, values[start:start + length])
 
-    def _send_buffer(self):
+    def _new_buffer(self):
         """Room to encode one part into: shared memory when peers may read it in place."""
         if self._shared is None:
             return bytearray()
@@ -372,13 +510,19 @@ class ConnectedParameter:
 
     def _reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray, codec=None) -> float:
         """Sum the own chunk of every partition into ``out``, in partition order; the summed counts."""
-        pending = self._fetch_all(kind, version, layout, destination=self.partition_id, codec=codec)
+        pending = self._fetch_all(self._worker, kind, WeightRead(version, exact=True), layout,
+                                  destination=self.partition_id, codec=codec)
+        return self._sum(pending, range(self.partition_num), out)
+
+    @staticmethod
+    def _sum(pending: dict[int, list[Future]], sources, out: np.ndarray) -> float:
+        """Sum the fetched chunks of ``sources`` into ``out``, in the order given; their counts."""
         total = 0.0
         for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
             target = out[start:start + length]
-            for source in range(self.partition_num):
-                count, values = pending[source][part].result()
-                if source == 0:
+            for index, source in enumerate(sources):
+                _, count, values = pending[source][part].result()
+                if index == 0:
                     np.copyto(target, values)
                 else:
                     np.add(target, values, out=target)
@@ -386,38 +530,44 @@ class ConnectedParameter:
                     total += count
         return total
 
-    def _gather(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray, codec=None) -> None:
-        """Fetch every owner's slice ``version`` into its place in ``out``."""
-        pending = self._fetch_all(kind, version, layout, destination=EVERY_PARTITION, codec=codec)
+    def _gather(self, kind: int, read: WeightRead, layout: SliceLayout, out: np.ndarray, codec=None) -> int:
+        """Fetch every owner's slice into its place in ``out``; the lowest version taken."""
+        pending = self._fetch_all(self._worker, kind, read, layout, destination=EVERY_PARTITION, codec=codec)
+        lowest = None
         for owner in range(self.partition_num):
             base = layout.start(owner)
             for part, (start, length) in enumerate(split(layout.length(owner), PART_LENGTH)):
-                _, values = pending[owner][part].result()
+                version, _, values = pending[owner][part].result()
                 np.copyto(out[base + start:base + start + length], values)
+                lowest = version if lowest is None else min(lowest, version)
+        return lowest
 
-    def _fetch_all(self, kind: int, version: int, layout: SliceLayout, destination: int,
-                   codec=None) -> list[list[Future]]:
-        """Start fetching every part of block ``(kind, j, destination)`` from every partition ``j``.
+    def _fetch_all(self, channel: _Channel, kind: int, read: WeightRead, layout: SliceLayout, destination: int,
+                   codec=None, sources=None, follow_first: bool = False) -> dict[int, list[Future]]:
+        """Start fetching every part of block ``(kind, j, destination)`` from each partition ``j``
+        of ``sources`` (default: all), as ``read`` says: each part on its own, or with
+        ``follow_first`` every part in the version the first part came in.
 
-        ``result[j][k]`` is a future of part k's ``(count, values)``; values stay valid until
-        the next movement. The own blocks are read from the own store at once; each peer's
-        parts are fetched in order by one pool thread over that peer's connection.
+        ``result[j][k]`` is a future of part k's ``(version, count, values)``; values stay valid
+        until the channel's next fetch from ``j``. With the worker's channel the own blocks
+        are read from the own store at once; otherwise, and for each peer, one pool thread
+        fetches the parts in order.
         """
-        pending: list[list[Future]] = []
-        for source in range(self.partition_num):
+        pending: dict[int, list[Future]] = {}
+        for source in range(self.partition_num) if sources is None else sources:
             slice_length = layout.length(source if destination == EVERY_PARTITION else destination)
             parts = split(slice_length, PART_LENGTH)
             futures = [Future() for _ in parts]
-            if source == self.partition_id:
-                self._fetch_parts(source, kind, version, destination, parts, futures, codec or self._codec)
+            arguments = (channel, source, kind, read, destination, parts, futures, codec or self._codec, follow_first)
+            if source == self.partition_id and channel is self._worker:
+                self._fetch_parts(*arguments)
             else:
-                self._pool.submit(self._fetch_parts, source, kind, version, destination, parts, futures,
-                                  codec or self._codec)
-            pending.append(futures)
+                channel.pool.submit(self._fetch_parts, *arguments)
+            pending[source] = futures
         return pending
 
-    def _fetch_parts(self, source: int, kind: int, version: int, destination: int,
-                     parts: list[tuple[int, int]], futures: list[Future], codec) -> None:
+    def _fetch_parts(self, channel: _Channel, source: int, kind: int, read: WeightRead, destination: int,
+                     parts: list[tuple[int, int]], futures: list[Future], codec, follow_first: bool) -> None:
         """Fetch and decode ``source``'s parts in order, resolving one future per part.
 
         A failure fails this part and every later one, so the caller sees it where it waits.
@@ -425,19 +575,21 @@ class ConnectedParameter:
         sizes = [codec.max_encoded_size(length) for _, length in parts]
         local = source == self.partition_id
         # a peer on this host with shared memory is read in place: no receive buffer
-        shared = not local and self._shared is not None and self._peers[source].local_name is not None
-        receive = None if local or shared else self._receive_buffer(source, sum(sizes))
+        shared = not local and self._shared is not None and channel.clients[source].local_name is not None
+        receive = None if local or shared else channel.receive_buffer(source, sum(sizes))
         offset = 0
         for part, ((start, length), size) in enumerate(zip(parts, sizes)):
             key = BlockKey(kind, source, destination, part)
             try:
                 if local:
-                    block = self._store.get(key, version, self._param.timeout)
+                    version, block = self._store.get(key, read.version, self._param.timeout,
+                                                     newest=not read.exact, reader=channel.reader)
                 else:
-                    block = self._peers[source].fetch(
-                        key, version, size, None if receive is None else receive[offset:offset + size], shared)
+                    version, block = channel.clients[source].fetch(
+                        key, read.version, size, None if receive is None else receive[offset:offset + size],
+                        shared, newest=not read.exact)
                 header, values = codec.decode(
-                    block, length, scratch=self._scratch_for(source, start + length)[start:start + length],
+                    block, length, scratch=channel.scratch(source, start + length)[start:start + length],
                     what=key.describe(version),
                 )
             except BaseException as error:
@@ -446,22 +598,10 @@ class ConnectedParameter:
                 for future in futures[part:]:
                     future.set_exception(error)
                 return
-            futures[part].set_result((header.count, values))
+            futures[part].set_result((version, header.count, values))
             offset += size
-
-    def _receive_buffer(self, source: int, nbytes: int) -> memoryview:
-        """Where ``source``'s blocks land: reused, replaced by a larger one when too small."""
-        buffer = self._receive_buffers.get(source)
-        if buffer is None or len(buffer) < nbytes:
-            buffer = self._receive_buffers[source] = bytearray(nbytes)
-        return memoryview(buffer)
-
-    def _scratch_for(self, source: int, length: int) -> np.ndarray:
-        """Float32 room to decode ``source``'s lossy blocks into, reused across steps."""
-        scratch = self._scratch.get(source)
-        if scratch is None or scratch.size < length:
-            scratch = self._scratch[source] = np.empty(length, dtype=np.float32)
-        return scratch
+            if follow_first:
+                read = WeightRead(version, exact=True)
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -496,6 +636,12 @@ class ConnectedParameter:
     def _require_init(self, what: str) -> None:
         if self._weight is None:
             raise UsageError(f"{what} on partition {self.partition_id} came before init(weights)")
+
+    def _require_inline(self, what: str) -> None:
+        if not self.strategy.inline_owner:
+            raise UsageError(f"{what} is BSP's; under {self.strategy.name!r}"
+                             f"{' with backup workers' if self.strategy.backup_workers else ''} the "
+                             "background owner that serve_updates() starts aggregates and publishes")
 
     @staticmethod
     def _output(out: np.ndarray | None, size: int) -> np.ndarray:
@@ -554,8 +700,8 @@ class ConnectedParameter:
         if self._closed:  # closed already (e.g. close() then an error): nothing left to say
             return
         self._store.close(reason)
-        for client in self._peers.values():
-            client.abort()
+        for channel in self._channels:
+            channel.abort()
         with self._done_changed:
             self._done_changed.wait_for(lambda: len(self._done_peers | self._refused_peers) >= len(self._peers),
                                         timeout=min(self._param.timeout, FAILURE_LINGER_SECONDS))
@@ -566,14 +712,13 @@ class ConnectedParameter:
         if self._closed:
             return
         self._closed = True
-        for client in self._peers.values():
-            client.abort()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        self._server.close()
-        for client in self._peers.values():
-            client.close()
-        self._send_buffers.clear()
+        for channel in self._channels:
+            channel.abort()
+        self._server.close()  # also closes the store, which ends a background owner's waits
+        if self._owner is not None:
+            self._owner.join(raise_error=False)
+        for channel in self._channels:
+            channel.close()
         for segment in (self._shared or {}).values():
             segment.close()
         if self._shared:

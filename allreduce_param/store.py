@@ -5,21 +5,30 @@ slice for everyone); the block server hands them out to peers that ask for a ver
 get for a version that is not there yet waits for it, so a fast partition simply blocks
 until a slow one publishes: this is how steps synchronise without a Spark ``barrier()``.
 
-Only the newest ``keep`` versions of each block are kept. Under BSP a peer has fetched
-version ``t`` before anyone can publish ``t + 1`` (see DESIGN.md), so ``keep=1`` suffices;
-SSP with staleness ``s`` needs ``s + 1``.
+How many versions of a block are kept, and whether a producer waits for its reader
+instead of dropping a version nobody took, follow from the update strategy
+(``strategy.Strategy.keep``): under BSP one version each.
+
+The store also owns the buffers blocks are encoded into. A reader may still be reading a
+version (in place, from shared memory, or while the server sends it) after a newer one
+replaced it, so a buffer is reused only when its version is neither kept nor *held*: a
+reader holds the version it was last served of a block until it asks for that block
+again or goes away.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
+from collections.abc import Callable, Collection, Hashable, Mapping
+from typing import NamedTuple, Union
 
 from .errors import AllReduceError, ConfigurationError, FetchTimeoutError, UsageError
 
 #: ``BlockKey.destination`` of a block meant for every peer (a weight slice).
 EVERY_PARTITION = 0xFFFFFFFF
+
+Buffer = Union[bytearray, "mmap.mmap"]  # noqa: F821 - what blocks are encoded into
 
 
 class BlockKind:
@@ -29,9 +38,10 @@ class BlockKind:
     GRADIENT = 2  # a partition's gradient chunk, for the chunk's owner
     REDUCE_INPUT = 3  # allreduce(): a chunk of the input, for the chunk's owner
     REDUCE_OUTPUT = 4  # allreduce(): an owner's reduced slice, for every partition
+    CHOICE = 5  # backup workers: which partitions' gradients a step takes, for every owner
 
     NAMES = {WEIGHT: "weight", GRADIENT: "gradient", REDUCE_INPUT: "allreduce input",
-             REDUCE_OUTPUT: "allreduce output"}
+             REDUCE_OUTPUT: "allreduce output", CHOICE: "step choice"}
 
 
 class BlockKey(NamedTuple):
@@ -64,40 +74,85 @@ class StaleVersionError(AllReduceError):
     """The asked-for version has already been replaced by newer ones."""
 
 
-class BlockStore:
-    """Versioned blocks in memory, at most ``keep`` versions per key and ``max_bytes`` in all.
+_RESERVED = -1  # a buffer handed out by reserve() and not yet put
 
-    Thread-safe: the partition's own thread puts, the server's connection threads get.
+
+class BlockStore:
+    """Versioned blocks in memory, ``keep`` versions per key and at most ``max_bytes`` in all.
+
+    ``keep`` is one number for every key or one per ``BlockKind``. For the kinds in
+    ``wait_for_readers`` a producer's ``reserve`` waits until the oldest kept version has
+    been asked past, rather than dropping it unread. ``new_buffer()`` makes a buffer to
+    encode a block into (a ``bytearray``, or shared memory that peers read in place).
+
+    Thread-safe: the partition's threads reserve and put, the server's connection threads get.
     """
 
-    def __init__(self, keep: int = 1, max_bytes: int | None = None) -> None:
-        if keep < 1:
+    def __init__(self, keep: int | Mapping[int, int] = 1, max_bytes: int | None = None,
+                 wait_for_readers: Collection[int] = (), new_buffer: Callable[[], Buffer] = bytearray) -> None:
+        self._keep = dict(keep) if isinstance(keep, Mapping) else None
+        self._default_keep = keep if isinstance(keep, int) else 1
+        if any(n < 1 for n in [self._default_keep, *(self._keep or {}).values()]):
             raise ConfigurationError(f"a block store must keep at least one version, got keep={keep}")
-        self.keep = keep
         self.max_bytes = max_bytes
+        self._wait_for_readers = frozenset(wait_for_readers)
+        self._new_buffer = new_buffer
         self._blocks: dict[BlockKey, OrderedDict[int, memoryview]] = {}
+        self._asked: dict[BlockKey, int] = {}  # the highest version any reader asked for
+        self._holds: dict[BlockKey, dict[Hashable, int]] = {}  # reader -> version last served
+        self._buffers: dict[BlockKey, list[Buffer]] = {}
+        self._buffer_versions: dict[int, int] = {}  # id(buffer) -> the version it holds
         self._bytes = 0
         self._closed = False
         self._closing_reason = ""
         self._changed = threading.Condition()
 
+    def keep(self, key: BlockKey) -> int:
+        """How many versions of ``key`` are kept."""
+        return self._default_keep if self._keep is None else self._keep.get(key.kind, self._default_keep)
+
+    def reserve(self, key: BlockKey, version: int, timeout: float) -> Buffer:
+        """A buffer to encode ``version`` of ``key`` into, then ``put``; no reader uses it.
+
+        For a kind that waits for its readers, first waits (up to ``timeout``) until
+        publishing ``version`` drops no version that was never asked past.
+        """
+        with self._changed:
+            if key.kind in self._wait_for_readers:
+                ready = self._changed.wait_for(lambda: self._closed or self._room(key), timeout=timeout)
+                self._raise_if_closed(key, version)
+                if not ready:
+                    reader = f"partition {key.destination}"
+                    raise FetchTimeoutError(
+                        f"{reader} did not take {key.describe(self._oldest(key))} within {timeout:g} s, so "
+                        f"{key.describe(version)} has no room: the owner is stuck or much slower"
+                    )
+            for buffer in self._buffers.setdefault(key, []):
+                if not self._in_use(key, buffer):
+                    break
+            else:
+                buffer = self._new_buffer()
+                self._buffers[key].append(buffer)
+            self._buffer_versions[id(buffer)] = _RESERVED
+            return buffer
+
     def put(self, key: BlockKey, version: int, block: bytes | bytearray | memoryview) -> None:
         """Publish ``block`` as ``version`` of ``key`` and wake the gets waiting for it.
 
         The store keeps a reference, not a copy: the caller must not change ``block`` while
-        the version is kept. Versions of a key must increase; the oldest beyond ``keep`` go.
+        the version is kept (a buffer from ``reserve`` is safe to write until it is put).
+        Versions of a key must increase; the oldest beyond ``keep`` go.
         """
         view = memoryview(block).cast("B")
         with self._changed:
-            if self._closed:
-                raise StoreClosedError(f"cannot publish {key.describe(version)}: the block store is closed")
+            self._raise_if_closed(key, version, "cannot publish")
             versions = self._blocks.setdefault(key, OrderedDict())
             if versions and version <= next(reversed(versions)):
                 raise UsageError(
                     f"{key.describe(version)} was published after version {next(reversed(versions))}: "
                     "versions must increase; every partition must make the same calls in the same order"
                 )
-            dropping = list(versions)[: max(0, len(versions) + 1 - self.keep)]
+            dropping = list(versions)[: max(0, len(versions) + 1 - self.keep(key))]
             after = self._bytes + view.nbytes - sum(versions[v].nbytes for v in dropping)
             if self.max_bytes is not None and after > self.max_bytes:
                 raise AllReduceError(
@@ -107,33 +162,53 @@ class BlockStore:
             for old in dropping:
                 del versions[old]
             versions[version] = view
+            if id(view.obj) in self._buffer_versions:
+                self._buffer_versions[id(view.obj)] = version
             self._bytes = after
             self._changed.notify_all()
 
-    def get(self, key: BlockKey, version: int, timeout: float) -> memoryview:
-        """Return ``version`` of ``key``, waiting up to ``timeout`` seconds for it to be put.
+    def get(self, key: BlockKey, version: int, timeout: float, *, newest: bool = False,
+            reader: Hashable | None = None) -> tuple[int, memoryview]:
+        """``(version, block)``: ``version`` of ``key``, or with ``newest`` the newest version at
+        or above it; waits up to ``timeout`` seconds for it to be put.
 
+        ``reader`` (a connection, a thread's role) then holds the version served until its
+        next get of ``key`` or ``release``, so its buffer is not rewritten while being read.
         Raises ``FetchTimeoutError`` when it does not come in time, ``StaleVersionError`` when
         it was already replaced, ``StoreClosedError`` when the store closes meanwhile.
         """
         with self._changed:
+            if version > self._asked.get(key, -1):
+                self._asked[key] = version
+                self._changed.notify_all()  # a producer may wait for this
+            if reader is not None:
+                self._holds.get(key, {}).pop(reader, None)
             found = self._changed.wait_for(
                 lambda: self._closed or self._newest(key) >= version, timeout=timeout
             )
-            if self._closed:
-                raise StoreClosedError(self._closing_reason or f"{key.describe(version)} was asked for while the store closed")
+            self._raise_if_closed(key, version)
             if not found:
                 raise FetchTimeoutError(
                     f"{key.describe(version)} was not published within {timeout:g} s "
                     f"(newest there: {self._newest(key) if key in self._blocks else 'none'})"
                 )
             versions = self._blocks[key]
-            if version not in versions:
+            if newest:
+                version = next(reversed(versions))
+            elif version not in versions:
                 raise StaleVersionError(
                     f"{key.describe(version)} is no longer kept (kept: {list(versions)}); "
                     "a peer fell behind further than the update strategy allows"
                 )
-            return versions[version]
+            if reader is not None:
+                self._holds.setdefault(key, {})[reader] = version
+            return version, versions[version]
+
+    def release(self, reader: Hashable) -> None:
+        """Drop every hold of ``reader`` (its connection ended, or it is done reading)."""
+        with self._changed:
+            for holders in self._holds.values():
+                holders.pop(reader, None)
 
     def newest(self, key: BlockKey) -> int:
         """The newest version of ``key`` in the store, or -1."""
@@ -146,6 +221,11 @@ class BlockStore:
         with self._changed:
             return self._bytes
 
+    def buffer_count(self, key: BlockKey) -> int:
+        """How many buffers ``key`` has needed so far (bounded by kept + held versions + 1)."""
+        with self._changed:
+            return len(self._buffers.get(key, ()))
+
     def close(self, reason: str = "") -> None:
         """Drop every block and fail every waiting (and later) get with ``StoreClosedError``.
 
@@ -155,9 +235,35 @@ class BlockStore:
             self._closed = True
             self._closing_reason = self._closing_reason or reason
             self._blocks.clear()
+            self._holds.clear()
+            self._buffers.clear()
+            self._buffer_versions.clear()
             self._bytes = 0
             self._changed.notify_all()
+
+    # ---- under the lock ------------------------------------------------------------------
 
     def _newest(self, key: BlockKey) -> int:
         versions = self._blocks.get(key)
         return next(reversed(versions)) if versions else -1
+
+    def _oldest(self, key: BlockKey) -> int:
+        versions = self._blocks.get(key)
+        return next(iter(versions)) if versions else -1
+
+    def _room(self, key: BlockKey) -> bool:
+        """Whether a new version of ``key`` would drop only versions a reader asked past."""
+        versions = self._blocks.get(key)
+        return not versions or len(versions) < self.keep(key) or self._oldest(key) < self._asked.get(key, -1)
+
+    def _in_use(self, key: BlockKey, buffer: Buffer) -> bool:
+        version = self._buffer_versions.get(id(buffer), _RESERVED)
+        return (version == _RESERVED or version in self._blocks.get(key, ())
+                or version in self._holds.get(key, {}).values())
+
+    def _raise_if_closed(self, key: BlockKey, version: int, doing: str = "") -> None:
+        if self._closed:
+            if doing:
+                raise StoreClosedError(f"{doing} {key.describe(version)}: "
+                                       f"{self._closing_reason or 'the block store is closed'}")
+            raise StoreClosedError(self._closing_reason or f"{key.describe(version)} was asked for while the store closed")

@@ -11,7 +11,9 @@ Wire format (little-endian):
   one status byte, then its own HMAC(secret, "server" + ...) so the client knows it talks to
   a holder of the secret too. A connection that fails this reads and writes nothing.
 * Request: op, block kind, source, destination, part, version, timeout in ms (fixed size).
-* Response: status, length; then ``length`` bytes (the encoded block, or an error text).
+  The op's ``FLAG_NEWEST`` bit asks for the newest version at or above ``version``.
+* Response: status, length, the version served; then ``length`` bytes (the encoded block,
+  or an error text).
 
 Every length is checked against what the block can be before a byte of it is read; a
 malformed frame closes that connection with a logged reason, never the server.
@@ -46,11 +48,13 @@ NONCE_SIZE = 16
 MAC_SIZE = 32
 _CLIENT_HELLO = struct.Struct(f"<4sII{NONCE_SIZE}s{MAC_SIZE}s")  # magic, param, partition, nonce, mac
 _REQUEST = struct.Struct("<4sBBIIIQI")  # magic, op, kind, source, destination, part, version, timeout ms
-_RESPONSE = struct.Struct("<BQ")  # status, length
+_RESPONSE = struct.Struct("<BQQ")  # status, length, version served
 
 OP_GET = 1
 OP_DONE = 2  # "I have fetched everything I need from you": the closing handshake
 OP_GET_SHARED = 3  # as GET, but a block in shared memory is answered with where it lies
+FLAG_NEWEST = 0x10  # with a get: the newest version at or above the one asked for
+_OPS = (OP_GET, OP_DONE, OP_GET_SHARED)
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
@@ -189,6 +193,7 @@ class BlockServer:
             if not self._closed:
                 log.debug("connection from %s ended: %s", peer_text, error)
         finally:
+            self.store.release(conn)
             if client_partition is not None:
                 # A peer whose connection ends fetches nothing more: as good as its "done".
                 self._on_done(client_partition)
@@ -236,7 +241,8 @@ class BlockServer:
             except EOFError:
                 return
             magic, op, kind, source, destination, part, version, timeout_ms = _REQUEST.unpack(request)
-            if magic != MAGIC or op not in (OP_GET, OP_DONE, OP_GET_SHARED) or kind not in BlockKind.NAMES:
+            newest, op = bool(op & FLAG_NEWEST), op & ~FLAG_NEWEST
+            if magic != MAGIC or op not in _OPS or kind not in BlockKind.NAMES:
                 log.warning(
                     "closed connection from partition %d at %s: malformed request frame %s",
                     client_partition, peer_text, bytes(request[:16]).hex(),
@@ -247,7 +253,7 @@ class BlockServer:
                 continue
             key = BlockKey(kind, source, destination, part)
             try:
-                block = self.store.get(key, version, timeout_ms / 1000.0)
+                version, block = self.store.get(key, version, timeout_ms / 1000.0, newest=newest, reader=conn)
             except FetchTimeoutError as error:
                 self._send_error(conn, STATUS_TIMEOUT, str(error))
             except StaleVersionError as error:
@@ -258,10 +264,10 @@ class BlockServer:
             else:
                 segment = self._shared.get(id(block.obj)) if op == OP_GET_SHARED and local else None
                 if segment is None:
-                    conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes))
+                    conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes, version))
                     conn.sendall(block)
                     continue
-                answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes) + _SEGMENT.pack(segment.id)
+                answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + _SEGMENT.pack(segment.id)
                 if segment.id in fds_passed:
                     conn.sendall(answer)
                 else:  # the descriptor rides with the answer, once per connection
@@ -271,7 +277,7 @@ class BlockServer:
     @staticmethod
     def _send_error(conn: socket.socket, status: int, text: str) -> None:
         data = text.encode("utf-8")[:MAX_ERROR_TEXT]
-        conn.sendall(_RESPONSE.pack(status, len(data)) + data)
+        conn.sendall(_RESPONSE.pack(status, len(data), 0) + data)
 
     def close(self) -> None:
         """Stop accepting, close the store, cut every connection, and wait for the threads.
@@ -398,16 +404,19 @@ class PeerClient:
             raise self._lost(what, f"dropped the connection during the handshake ({error})") from error
 
     def fetch(self, key: BlockKey, version: int, max_size: int, into: memoryview | None,
-              shared: bool = False) -> memoryview:
-        """Fetch ``version`` of block ``key``, waiting on the peer up to the timeout.
+              shared: bool = False, newest: bool = False) -> tuple[int, memoryview]:
+        """Fetch ``version`` of block ``key`` (with ``newest``: the newest version at or above
+        it), waiting on the peer up to the timeout; ``(version served, block)``.
 
         The block lands at the start of ``into`` (at least ``max_size`` bytes, the most such
         a block can be; a longer one is a protocol error; None: a new buffer) and the
         returned view covers exactly its bytes. With ``shared``, a peer on this host that
         keeps the block in shared memory answers with where it lies, and the view reads
-        it there, in place (valid while the peer keeps that version).
+        it there, in place: the peer keeps that buffer as it is until this client asks for
+        the same block again.
         """
         what = key.describe(version)
+        keep_connection = False
         with self._lock:
             sock = self._sock or self._connect(what)
             self._sock = sock
@@ -416,23 +425,30 @@ class PeerClient:
                 # so that the server's answer, not a bare socket timeout, reaches the user.
                 sock.settimeout(self._timeout + HANDSHAKE_TIMEOUT)
                 shared = shared and sock.family == socket.AF_UNIX
-                sock.sendall(_REQUEST.pack(MAGIC, OP_GET_SHARED if shared else OP_GET, key.kind, key.source,
-                                           key.destination, key.part, version, int(self._timeout * 1000)))
-                status, length = self._receive_head(sock, shared)
+                op = (OP_GET_SHARED if shared else OP_GET) | (FLAG_NEWEST if newest else 0)
+                sock.sendall(_REQUEST.pack(MAGIC, op, key.kind, key.source, key.destination, key.part,
+                                           version, int(self._timeout * 1000)))
+                status, length, served = self._receive_head(sock, shared)
                 if status not in (STATUS_OK, STATUS_SHARED):
-                    self._raise_answer(status, length, sock, what)
+                    error = self._answer_error(status, length, sock, what)
+                    # a peer that waited in vain or no longer keeps a version says so cleanly
+                    keep_connection = status in (STATUS_TIMEOUT, STATUS_STALE)
+                    raise error
                 if length > max_size:
                     raise ProtocolError(
                         f"{self._peer_text} sent {length} bytes for {what}; such a block has at "
                         f"most {max_size}"
                     )
+                if served < version or (served != version and not newest):
+                    raise ProtocolError(f"{self._peer_text} answered {what} with version {served}")
                 if status == STATUS_SHARED:
-                    return self._shared_view(sock, length, what)
+                    return served, self._shared_view(sock, length, what)
                 view = (into if into is not None else memoryview(bytearray(length)))[:length]
                 _recv_exactly(sock, view)
-                return view
+                return served, view
             except AllReduceError:  # first: some of ours are OSErrors too (timeouts, refusals)
-                self._drop()
+                if not keep_connection:
+                    self._drop()
                 raise
             except socket.timeout as error:
                 self._drop()
@@ -444,8 +460,8 @@ class PeerClient:
                 self._drop()
                 raise self._lost(what, f"closed the connection ({error})") from error
 
-    def _receive_head(self, sock: socket.socket, shared: bool) -> tuple[int, int]:
-        """The response's status and length. A shared answer may carry a descriptor with its
+    def _receive_head(self, sock: socket.socket, shared: bool) -> tuple[int, int, int]:
+        """The response's status, length and version. A shared answer may carry a descriptor with its
         first bytes, so those are read with recvmsg and the descriptor kept for the segment."""
         head = bytearray(_RESPONSE.size + _SEGMENT.size)
         if not shared:
@@ -475,22 +491,23 @@ class PeerClient:
                                 "without ever passing it")
         return self._mappings.view(segment_id, length)
 
-    def _raise_answer(self, status: int, length: int, sock: socket.socket, what: str) -> None:
+    def _answer_error(self, status: int, length: int, sock: socket.socket, what: str) -> AllReduceError:
+        """The error a non-OK answer stands for, its text read off the connection."""
         if length > MAX_ERROR_TEXT:
             raise ProtocolError(f"{self._peer_text} sent an error text of {length} bytes for {what}")
         text = bytearray(length)
         _recv_exactly(sock, memoryview(text))
         reason = text.decode("utf-8", "replace")
         if status == STATUS_TIMEOUT:
-            raise FetchTimeoutError(
+            return FetchTimeoutError(
                 f"{self._peer_text} did not publish {what} in time: {reason}. The peer is stuck or "
                 "much slower; raise AllReduceParameter(timeout=...) if its steps are this slow"
             )
         if status == STATUS_CLOSING:
-            raise self._lost(what, "shut down", said=reason)
+            return self._lost(what, "shut down", said=reason)
         if status == STATUS_STALE:
-            raise AllReduceError(f"{self._peer_text} no longer has {what}: {reason}")
-        raise ProtocolError(f"{self._peer_text} answered {what} with unknown status {status}")
+            return StaleVersionError(f"{self._peer_text} no longer has {what}: {reason}")
+        return ProtocolError(f"{self._peer_text} answered {what} with unknown status {status}")
 
     def done(self) -> None:
         """Tell the peer this partition will fetch nothing more from it (closing handshake)."""

@@ -46,7 +46,7 @@ def test_store_keeps_the_newest_versions_only():
     for version in range(5):
         store.put(KEY, version, bytes([version]) * 10)
     assert store.nbytes == 20 and store.newest(KEY) == 4
-    assert bytes(store.get(KEY, 3, timeout=0)) == b"\x03" * 10
+    assert bytes(store.get(KEY, 3, timeout=0)[1]) == b"\x03" * 10
     with pytest.raises(StaleVersionError, match=r"version 2 is no longer kept \(kept: \[3, 4\]\)"):
         store.get(KEY, 2, timeout=0)
     with pytest.raises(UsageError, match="versions must increase"):
@@ -56,7 +56,7 @@ def test_store_keeps_the_newest_versions_only():
 def test_store_get_waits_for_a_version_and_times_out_clearly():
     store = BlockStore()
     got = []
-    waiter = threading.Thread(target=lambda: got.append(bytes(store.get(KEY, 1, timeout=30))))
+    waiter = threading.Thread(target=lambda: got.append(bytes(store.get(KEY, 1, timeout=30)[1])))
     waiter.start()
     store.put(KEY, 0, b"old")
     store.put(KEY, 1, b"new")

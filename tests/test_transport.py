@@ -62,7 +62,7 @@ KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
 def test_the_right_secret_fetches_a_block(server):
     honest = client(server)
     try:
-        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))) == b"w" * 1000
+        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1]) == b"w" * 1000
     finally:
         honest.close()
 
@@ -76,7 +76,7 @@ def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
             with pytest.raises(AuthenticationError, match="refused this connection: the secrets differ"):
                 intruder.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
         assert "could not prove the parameter's secret" in caplog.text
-        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))) == b"w" * 1000
+        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1]) == b"w" * 1000
     finally:
         honest.close()
         intruder.close()
@@ -114,7 +114,7 @@ def test_garbage_hello_closes_that_connection_only(server, caplog, garbage):
         assert_connection_closed(sock)
         sock.close()
     assert "refused connection from 127.0.0.1" in caplog.text
-    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))) == b"w" * 1000
+    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1]) == b"w" * 1000
     honest.close()
 
 
@@ -127,7 +127,7 @@ def test_a_malformed_request_after_a_good_handshake_closes_that_connection(serve
     assert "malformed request frame" in caplog.text
     rogue.close()
     honest = client(server)
-    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))) == b"w" * 1000
+    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1]) == b"w" * 1000
     honest.close()
 
 
@@ -177,12 +177,12 @@ def test_a_peer_on_this_host_is_reached_over_its_unix_socket():
     try:
         assert served.local_name
         local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
-        assert bytes(local.fetch(KEY, 0, 100, memoryview(bytearray(100)))) == b"u" * 100
+        assert bytes(local.fetch(KEY, 0, 100, memoryview(bytearray(100)))[1]) == b"u" * 100
         assert local._sock.family == socket.AF_UNIX
         local.close()
         # a Unix socket that is not there (another network namespace): TCP instead
         elsewhere = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name="no-such-socket")
-        assert bytes(elsewhere.fetch(KEY, 0, 100, memoryview(bytearray(100)))) == b"u" * 100
+        assert bytes(elsewhere.fetch(KEY, 0, 100, memoryview(bytearray(100)))[1]) == b"u" * 100
         assert elsewhere._sock.family == socket.AF_INET
         elsewhere.close()
         # the Unix socket demands the secret as TCP does
@@ -206,14 +206,14 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
     local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
     tcp = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
     try:
-        view = local.fetch(KEY, 0, 100, None, shared=True)
+        _, view = local.fetch(KEY, 0, 100, None, shared=True)
         assert bytes(view) == b"first" and view.obj is not None and len(local._mappings._maps) == 1
         segment.map[:5] = b"again"  # the owner writes its next version in place
         store.put(KEY, 1, memoryview(segment.map)[:5])
-        assert bytes(local.fetch(KEY, 1, 100, None, shared=True)) == b"again"
+        assert bytes(local.fetch(KEY, 1, 100, None, shared=True)[1]) == b"again"
         assert len(local._mappings._maps) == 1  # the descriptor came once
         # over TCP no descriptor can travel: the same request gets the bytes
-        assert bytes(tcp.fetch(KEY, 1, 100, memoryview(bytearray(100)), shared=True)) == b"again"
+        assert bytes(tcp.fetch(KEY, 1, 100, memoryview(bytearray(100)), shared=True)[1]) == b"again"
         assert not tcp._mappings._maps
         del view
     finally:

@@ -1,0 +1,199 @@
+"""The background owner: a partition's slice kept up to date from every partition's
+gradients, in a thread of its own, under every strategy but plain BSP.
+
+A partition that computes slowly is still a prompt owner: its thread takes the peers'
+gradients for its slice as they come, whatever the partition's own loop is doing. What it
+waits for is the strategy's rule (``strategy.py``):
+
+- backup workers: step by step, the gradients of the first ``N - b`` partitions to finish
+  the step, as the owner of slice 0 sees them arrive and publishes (a choice block);
+- ssp and asp: every gradient of every partition, in order, as it arrives.
+
+It fetches through a channel of its own (its own connections and threads), at most one
+request per producer at a time, so a block it has fetched stays valid until it has summed
+it. After each update it publishes the slice. An error stops the owner and closes the
+partition's store with the reason, which the partition's next call then raises.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from .codec import get_codec
+from .errors import UsageError
+from .layout import SliceLayout
+from .store import EVERY_PARTITION, BlockKind
+from .strategy import Strategy, WeightRead
+
+if TYPE_CHECKING:
+    from .parameter import ConnectedParameter, _Channel
+
+
+@dataclass(frozen=True)
+class Update:
+    """One update of the owned slice: its step, whose gradients it took, and their rows."""
+
+    step: int
+    sources: tuple[int, ...]
+    count: float
+
+
+class BackgroundOwner:
+    """Runs the owner's side of ``handle`` until every partition's ``steps`` gradients are in.
+
+    Made by ``ConnectedParameter.serve_updates``; ``update(gradient, weights, step)`` changes
+    the owned slice in place.
+    """
+
+    def __init__(self, handle: ConnectedParameter, channel: _Channel,
+                 update: Callable[[np.ndarray, np.ndarray, int], None], steps: int) -> None:
+        self.steps = steps
+        self.updates: list[Update] = []
+        self._handle = handle
+        self._channel = channel
+        self._update = update
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"allreduce-owner-{handle.partition_id}")
+        self._thread.start()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the owner, if anything did: the root cause of its partition's failure."""
+        return self._error
+
+    def join(self, raise_error: bool = True) -> None:
+        """Wait for the owner to finish (every wait inside is bounded by the timeout, and
+        closing the partition's store ends them); raise its error, if it had one."""
+        self._thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        handle = self._handle
+        try:
+            if handle.strategy.backup_workers:
+                self._steps_with_backups()
+            else:
+                self._arrivals()
+        except BaseException as error:
+            self._error = error
+            handle._store.close(f"partition {handle.partition_id}'s owner failed: {type(error).__name__}: {error}")
+
+    def _fetch(self, source: int, version: int, exact: bool) -> list[Future]:
+        """Start fetching ``source``'s gradient for this slice: the part futures."""
+        handle = self._handle
+        pending = handle._fetch_all(self._channel, BlockKind.GRADIENT, WeightRead(version, exact), handle.layout,
+                                    destination=handle.partition_id, sources=[source], follow_first=True)
+        return pending[source]
+
+    def _apply(self, pending: dict[int, list[Future]], sources: list[int], step: int) -> float:
+        """Sum the fetched gradients of ``sources`` in their order, update the slice with their
+        mean; their rows (a zero total changes nothing)."""
+        handle = self._handle
+        gradient = handle._gradient
+        count = handle._sum(pending, sources, gradient)
+        if count > 0:
+            gradient /= np.float32(count)
+            self._update(gradient, handle._weight, step)
+        self.updates.append(Update(step, tuple(sources), count))
+        return count
+
+    def _arrivals(self) -> None:
+        """ssp, asp: apply every partition's gradients in order, as they arrive."""
+        handle = self._handle
+        partitions = handle.partition_num
+        taken = [0] * partitions
+        pending = {source: self._fetch(source, 0, exact=True) for source in range(partitions)} if self.steps else {}
+        while pending:
+            wait([futures[-1] for futures in pending.values()], return_when=FIRST_COMPLETED)
+            arrived = [source for source in sorted(pending) if pending[source][-1].done()]
+            self._apply(pending, arrived, sum(taken) // partitions)
+            for source in arrived:
+                taken[source] += 1
+                del pending[source]
+            version = handle.strategy.weight_version(min(taken), len(self.updates))
+            handle._publish(BlockKind.WEIGHT, version, handle._weight)
+            for source in arrived:
+                if taken[source] < self.steps:
+                    pending[source] = self._fetch(source, taken[source], exact=True)
+
+    def _steps_with_backups(self) -> None:
+        """bsp with backup workers: each step takes the first N - b of its gradients to arrive
+        at the chooser, which publishes its choice for the other owners."""
+        handle = self._handle
+        partitions = handle.partition_num
+        raw, choice = get_codec("raw"), np.zeros(partitions, np.float32)
+        chooser = handle.partition_id == Strategy.CHOOSER
+        # the choice travels on a connection of its own: the owner's channel may be waiting
+        # on a straggler's gradient from the chooser's partition
+        choices = None if chooser else handle._channel(1, "choice")
+        requests: dict[int, tuple[int, list[Future]]] = {}  # source -> (step asked at, parts)
+        for step in range(self.steps):
+            for source in range(partitions):
+                if source not in requests:
+                    requests[source] = (step, self._fetch(source, step, exact=False))
+            if chooser:
+                taken = self._first(requests, step, handle.strategy.gradients_per_update(partitions))
+                choice[:] = 0
+                choice[taken] = 1
+                handle._publish(BlockKind.CHOICE, step, choice, codec=raw)
+            else:
+                pending = handle._fetch_all(choices, BlockKind.CHOICE, WeightRead(step, exact=True),
+                                            SliceLayout(partitions, 1), EVERY_PARTITION, codec=raw,
+                                            sources=[Strategy.CHOOSER])
+                taken = [int(source) for source in np.flatnonzero(pending[Strategy.CHOOSER][0].result()[2])]
+                for source in taken:
+                    self._of_step(requests, source, step)
+            self._apply({source: requests[source][1] for source in taken}, taken, step)
+            for source in taken:
+                del requests[source]
+            handle._publish(BlockKind.WEIGHT, step + 1, handle._weight)
+
+    def _first(self, requests: dict[int, tuple[int, list[Future]]], step: int, need: int) -> list[int]:
+        """The chooser: the first ``need`` partitions whose gradient of ``step`` arrives."""
+        taken: list[int] = []
+        while len(taken) < need:
+            wait([parts[-1] for source, (_, parts) in requests.items() if source not in taken],
+                 return_when=FIRST_COMPLETED)
+            for source in sorted(requests):
+                if source in taken or not requests[source][1][-1].done():
+                    continue
+                version = self._of_step(requests, source, step, block=False)
+                if version == step and len(taken) < need:
+                    taken.append(source)
+                elif version == step:  # one more than the step needs: dropped
+                    del requests[source]
+        return sorted(taken)
+
+    def _of_step(self, requests: dict[int, tuple[int, list[Future]]], source: int, step: int,
+                 block: bool = True) -> int | None:
+        """``source``'s request, made ``step``'s if it was asked at an earlier step and brought
+        an older gradient (late: dropped); with ``block``, until it brings ``step``'s."""
+        while True:
+            asked, parts = requests[source]
+            version = self._version(parts, late=asked < step)
+            if version is not None and version > step:
+                raise UsageError(f"partition {source} published a gradient for step {version} while "
+                                 f"partition {self._handle.partition_id}'s owner is at step {step}")
+            if version == step:
+                return version
+            requests[source] = (step, self._fetch(source, step, exact=False))
+            if not block:
+                return None
+
+    @staticmethod
+    def _version(parts: list[Future], late: bool) -> int | None:
+        """The version a finished fetch brought; None for a failed one asked at an earlier step
+        (a late block may be replaced while it is read: it would be dropped anyway)."""
+        try:
+            return parts[-1].result()[0]
+        except Exception:
+            if late:
+                return None
+            raise
