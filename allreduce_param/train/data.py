@@ -10,6 +10,7 @@ one contiguous float32 matrix, once, with no per-row Python objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,36 +21,61 @@ TRAIN, VALIDATION = 0, 1
 PREPARED_SCHEMA = "features array<float>, label double, split int"
 
 
+class PartitionCount(NamedTuple):
+    """How many rows of one split one partition of the prepared DataFrame holds, and where.
+
+    ``partition`` is the partition's index in the prepared DataFrame (``spark_partition_id()``);
+    its rows of ``split`` are consecutive, from position ``start`` in the partition (a
+    partition can hold rows of both splits when Spark's union keeps its inputs' partitioning).
+    With these, a row's index in the data follows from its partition and position alone.
+    """
+
+    split: int
+    partition: int
+    rows: int
+    start: int
+
+
 @dataclass(frozen=True)
 class DataSummary:
-    """What the driver learnt about the data while checking it."""
+    """What the driver learnt about the data while checking it.
+
+    ``partition_counts``: one ``PartitionCount`` per (split, partition) of the prepared
+    DataFrame that holds rows of that split, sorted by split then partition; what
+    ``partitioning.place_rows`` needs to place rows by their index without a job of its own.
+    """
 
     n_features: int
     sample: tuple  # one training row as (X [1, n_features] float32, y [1]), to try the model on
+    partition_counts: tuple[PartitionCount, ...] = ()
+
+    def rows(self, split: int = TRAIN) -> int:
+        """How many rows of ``split`` (TRAIN or VALIDATION) the data has."""
+        return sum(count.rows for count in self.partition_counts if count.split == split)
+
+
+#: monotonically_increasing_id() holds the partition index above this many bits.
+_POSITION_BITS = 33
 
 
 def prepare(df, features_col: str, label_col: str, validation=None):
     """Check ``df`` (and ``validation``) and shape them for training; (DataFrame, DataSummary).
 
-    Runs one small Spark job per DataFrame (row count, vector lengths, missing labels).
+    Runs one small Spark job for both DataFrames (row counts per split and partition, vector
+    lengths, missing labels). Its counts are of the returned DataFrame's own partitions, so
+    ``partitioning.place_rows`` on that DataFrame can index its rows without counting again.
     """
     from pyspark.sql import functions as F
 
-    parts, lengths = [], []
-    for name, frame, split in (("training", df, TRAIN), ("validation", validation, VALIDATION)):
-        if frame is None:
-            continue
-        shaped = _shape(frame, features_col, label_col, name).withColumn("split", F.lit(split))
-        stats = shaped.agg(
-            F.count(F.lit(1)).alias("rows"),
-            F.min(F.size("features")).alias("shortest"),
-            F.max(F.size("features")).alias("longest"),
-            F.sum(F.when(F.col("label").isNull() | F.isnan("label"), 1).otherwise(0)).alias("bad_labels"),
-            F.sum(F.when(F.col("features").isNull(), 1).otherwise(0)).alias("missing_features"),
-            F.first("features", ignorenulls=True).alias("first_features"),
-            F.first("label", ignorenulls=True).alias("first_label"),
-        ).first()
-        if stats["rows"] == 0:
+    frames = [("training", df, TRAIN)] + ([("validation", validation, VALIDATION)] if validation is not None else [])
+    parts = [_shape(frame, features_col, label_col, name).withColumn("split", F.lit(split))
+             for name, frame, split in frames]
+    prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
+    stats_by_split = _statistics(prepared)
+    lengths, counts = [], []
+    for name, _, split in frames:
+        stats = stats_by_split.get(split)
+        if stats is None or stats["rows"] == 0:
             raise InputError(f"the {name} data has no rows")
         if stats["bad_labels"]:
             raise InputError(
@@ -63,14 +89,46 @@ def prepare(df, features_col: str, label_col: str, validation=None):
                 f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
                 f"{stats['longest']} elements; every row needs the same length"
             )
-        parts.append(shaped)
         lengths.append(stats["longest"])
+        counts.extend(PartitionCount(split, int(part["partition"]), int(part["rows"]),
+                                     int(part["first"]) & ((1 << _POSITION_BITS) - 1))
+                      for part in stats["partitions"])
         if split == TRAIN:
             sample = (np.asarray([stats["first_features"]], np.float32), np.asarray([stats["first_label"]]))
     if len(lengths) == 2 and lengths[0] != lengths[1]:
         raise InputError(f"training vectors have {lengths[0]} elements but validation vectors {lengths[1]}")
-    prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
-    return prepared, DataSummary(int(lengths[0]), sample)
+    return prepared, DataSummary(int(lengths[0]), sample, tuple(sorted(counts)))
+
+
+def _statistics(prepared) -> dict:
+    """One job over the prepared rows: per split, what ``prepare`` checks, and per partition
+    its row count and first row (``monotonically_increasing_id``, as ``place_rows`` reads it)."""
+    from pyspark.sql import functions as F
+
+    indexed = prepared.select("features", "label", "split", F.monotonically_increasing_id().alias("row"))
+    per_partition = indexed.groupBy(
+        "split", F.shiftright("row", _POSITION_BITS).cast("int").alias("partition")
+    ).agg(
+        F.count(F.lit(1)).alias("rows"),
+        F.min("row").alias("first"),
+        F.min(F.size("features")).alias("shortest"),
+        F.max(F.size("features")).alias("longest"),
+        F.sum(F.when(F.col("label").isNull() | F.isnan("label"), 1).otherwise(0)).alias("bad_labels"),
+        F.sum(F.when(F.col("features").isNull(), 1).otherwise(0)).alias("missing_features"),
+        F.min_by("features", "row").alias("first_features"),
+        F.min_by("label", "row").alias("first_label"),
+    )
+    per_split = per_partition.groupBy("split").agg(
+        F.sum("rows").alias("rows"),
+        F.min("shortest").alias("shortest"),
+        F.max("longest").alias("longest"),
+        F.sum("bad_labels").alias("bad_labels"),
+        F.sum("missing_features").alias("missing_features"),
+        F.min_by("first_features", "partition").alias("first_features"),
+        F.min_by("first_label", "partition").alias("first_label"),
+        F.collect_list(F.struct("partition", "rows", "first")).alias("partitions"),
+    )
+    return {row["split"]: row for row in per_split.collect()}
 
 
 def _shape(frame, features_col: str, label_col: str, name: str):

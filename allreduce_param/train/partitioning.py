@@ -1,0 +1,276 @@
+"""Which rows each worker trains on: the data-partition schemes, placed by Spark itself.
+
+The fit's barrier stage runs ``workers`` tasks, and task k trains on partition k of its
+input. These functions build that input: a DataFrame (or RDD) of exactly ``workers``
+partitions whose partition k holds the rows a scheme gives worker k, in a deterministic
+order, so that a fit is reproducible and a retried task sees the very same rows. The
+schemes follow SystemML's parameter server (DC, DRR, DR, OR), plus Spark's own round robin:
+
+- ``as_is``: Spark's ``repartition(workers)`` (round robin), as the trainer always did;
+- ``contiguous`` (DC): disjoint contiguous ranges of the training rows;
+- ``round_robin`` (DRR): training row i to worker ``i mod workers``;
+- ``random`` (DR): each training row to a worker chosen by a seeded hash;
+- ``overlap_reshuffle`` (OR): every training row to every worker, each in its own order.
+
+i is a row's index in the input's own order (partition by partition, row by row), counted
+separately for training and validation rows. Validation rows are never copied: outside
+``as_is``, validation row i goes to worker ``i mod workers``.
+
+Rows move with one Spark shuffle by a computed key; the driver sees only counts. The
+DataFrame path uses DataFrame functions only (it must also run under Spark Connect): a row's
+index comes from ``monotonically_increasing_id()`` and the per-partition counts ``prepare``
+took (``DataSummary.partition_counts``), and ``repartition(workers, key)`` sends it to
+partition ``pmod(murmur3(key), workers)``, so each worker gets a key computed here whose
+hash lands on it. Hashes of (seed, i) are Spark's ``xxhash64``, computed the same way in
+Python for RDDs, so both paths place rows alike.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from functools import lru_cache
+from itertools import accumulate
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+import mmh3
+import xxhash
+
+from ..errors import ConfigurationError
+from .data import TRAIN, VALIDATION, PartitionCount
+
+if TYPE_CHECKING:
+    from pyspark import RDD
+    from pyspark.sql import Column, DataFrame
+
+SCHEMES = ("as_is", "contiguous", "round_robin", "random", "overlap_reshuffle")
+
+#: The columns of a prepared DataFrame, in order (data.PREPARED_SCHEMA).
+_COLUMNS = ("features", "label", "split")
+#: monotonically_increasing_id() holds the partition index above this many bits, the row's
+#: position in its partition below.
+_POSITION_BITS = 33
+_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+
+
+def check_scheme(scheme: str) -> str:
+    """The scheme's name, or a ConfigurationError naming ``partition_scheme`` and the choices."""
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ConfigurationError(
+            f"partition_scheme={scheme!r} is not a data-partition scheme; choose one of "
+            f"{', '.join(SCHEMES)}"
+        )
+    return scheme
+
+
+def place_rows(prepared: DataFrame, workers: int, scheme: str, seed: int,
+               partition_counts: Sequence[PartitionCount]) -> DataFrame:
+    """The rows of ``prepared`` placed on ``workers`` partitions by ``scheme``.
+
+    ``prepared`` is the DataFrame ``data.prepare`` returned (``features array<float>,
+    label double, split int``) and ``partition_counts`` its ``DataSummary.partition_counts``,
+    counted by the same job that checked the data: pass that very DataFrame, not one derived
+    from it, since a row's index comes from its partition and position in it. If the rows
+    read now do not match those counts (a source that is not deterministic), the shuffle
+    fails with a message saying so.
+
+    The result has the three columns and exactly ``workers`` partitions (some empty when
+    there are fewer rows than workers); partition k holds worker k's rows, ordered by
+    (split, i), or for ``overlap_reshuffle`` the training rows by a seeded hash of
+    (seed, k, i). ``random`` gives each worker about, not exactly, ``n / workers`` rows;
+    ``overlap_reshuffle`` copies the training data ``workers`` times. The same input and
+    seed give the same partitions, rows and order. Runs no Spark job of its own.
+    """
+    from pyspark.sql import functions as F
+
+    scheme = check_scheme(scheme)
+    _check_workers(workers)
+    seed = _check_seed(seed)
+    columns = [F.col(name) for name in _COLUMNS]
+    indexed = prepared.select(*columns, F.monotonically_increasing_id().alias("_row"))
+    if scheme == "as_is":
+        # Spark's own round robin; the id makes the order inside a partition (split, i).
+        return (indexed.repartition(workers).sortWithinPartitions("split", "_row")
+                .select(*_COLUMNS))
+
+    table = _IndexTable(partition_counts)
+    split = F.col("split")
+    part = F.shiftright("_row", _POSITION_BITS).cast("int")
+    pos = F.col("_row").bitwiseAND(F.lit((1 << _POSITION_BITS) - 1))
+    start = F.when(split == TRAIN, table.lookup(TRAIN, "start", part)).otherwise(
+        table.lookup(VALIDATION, "start", part))
+    end = F.when(split == TRAIN, table.lookup(TRAIN, "end", part)).otherwise(
+        table.lookup(VALIDATION, "end", part))
+    base = F.when(split == TRAIN, table.lookup(TRAIN, "base", part)).otherwise(
+        table.lookup(VALIDATION, "base", part))
+    mismatch = F.format_string(
+        "row %d of partition %d of the prepared data is not among the rows prepare() counted "
+        "there: the data changed between the two reads (a source that is not deterministic); "
+        "make it deterministic first, e.g. df = df.localCheckpoint()", pos, part)
+    index = F.when(start.isNull() | (pos < start) | (pos >= end), F.raise_error(mismatch)).otherwise(pos + base)
+    with_index = indexed.select(*columns, index.cast("long").alias("_i"))
+
+    i = F.col("_i")
+    spread = F.pmod(i, F.lit(workers)).cast("int")  # validation rows: i mod workers
+    seed_column = F.lit(seed).cast("long")
+    if scheme == "overlap_reshuffle":  # every training row to every worker: explode makes the copies
+        targets = F.when(split == TRAIN, F.sequence(F.lit(0), F.lit(workers - 1))).otherwise(F.array(spread))
+        placed = with_index.select(*columns, "_i", F.explode(targets).alias("_worker"))
+        order = F.when(split == TRAIN, F.xxhash64(seed_column, F.col("_worker").cast("long"), i)).otherwise(i)
+    else:
+        if scheme == "contiguous":
+            scaled, n_train = i * F.lit(workers), F.lit(max(table.rows(TRAIN), 1)).cast("long")
+            target = ((scaled - F.pmod(scaled, n_train)) / n_train).cast("int")  # exact floor division
+        elif scheme == "round_robin":
+            target = spread
+        else:  # random
+            target = F.pmod(F.xxhash64(seed_column, i), F.lit(workers)).cast("int")
+        placed = with_index.select(*columns, "_i", F.when(split == TRAIN, target).otherwise(spread).alias("_worker"))
+        order = i
+    keys = _constant_array(partition_keys(workers), "int")
+    keyed = placed.select(*columns, "_i", order.alias("_order"),
+                          F.get(keys, F.col("_worker")).alias("_key"))
+    return (keyed.repartition(workers, "_key").sortWithinPartitions("split", "_order", "_i")
+            .select(*_COLUMNS))
+
+
+def place_pairs(rdd: RDD, workers: int, scheme: str, seed: int) -> RDD:
+    """An RDD of ``(features, label)`` pairs (all training rows) placed on ``workers`` partitions.
+
+    The same schemes and orders as ``place_rows``, with the same seeded hashes, so both
+    paths give a worker the same rows. ``as_is`` is ``rdd.repartition(workers)`` with the
+    order inside each partition by i; the other schemes count the rows of each input
+    partition (one small Spark job, as ``zipWithIndex`` runs) and shuffle the rows with an
+    exact partitioner. ``random`` gives each worker about, not exactly,
+    ``n / workers`` rows; ``overlap_reshuffle`` copies the data ``workers`` times.
+    """
+    scheme = check_scheme(scheme)
+    _check_workers(workers)
+    seed = _check_seed(seed)
+    if scheme == "as_is":
+        # (input partition, position) orders rows as i does, without a job to count them.
+        positioned = rdd.mapPartitionsWithIndex(_positioned)
+        return positioned.repartition(workers).mapPartitions(_sorted_values, preservesPartitioning=True)
+    counts = rdd.mapPartitions(_count).collect()  # one small job: rows per input partition
+    offsets, n = [0, *accumulate(counts)][:-1], sum(counts)
+
+    def keyed(partition: int, rows: Iterable) -> Iterator:
+        return _keyed(rows, offsets[partition], scheme, workers, seed, n)
+
+    placed = rdd.mapPartitionsWithIndex(keyed).repartitionAndSortWithinPartitions(
+        workers, partitionFunc=operator.itemgetter(0))
+    return placed.values()
+
+
+@lru_cache(maxsize=64)
+def partition_keys(workers: int) -> tuple[int, ...]:
+    """For each partition k < ``workers``, the smallest int whose Spark hash partitioning lands on k.
+
+    ``repartition(workers, key)`` sends a row to ``pmod(murmur3_32(key, seed 42), workers)``
+    (Spark's ``hash()``); computed here, so placing rows needs no Spark job.
+    """
+    _check_workers(workers)
+    keys: list[int | None] = [None] * workers
+    missing, value = workers, 0
+    while missing:
+        target = murmur3_int(value) % workers
+        if keys[target] is None:
+            keys[target] = value
+            missing -= 1
+        value += 1
+    return tuple(keys)  # type: ignore[arg-type]
+
+
+def murmur3_int(value: int, seed: int = 42) -> int:
+    """Spark's ``hash()`` of one int column (Murmur3_x86_32 of its 4 little-endian bytes), signed."""
+    return mmh3.hash((value & _MASK32).to_bytes(4, "little"), seed, signed=True)
+
+
+def xxhash64(*values: int) -> int:
+    """Spark's ``xxhash64()`` of long columns (seed 42): XXH64 of each value's 8 little-endian
+    bytes, seeded with the hash so far; as a signed 64-bit int."""
+    hashed = 42
+    for value in values:
+        hashed = xxhash.xxh64_intdigest((value & _MASK64).to_bytes(8, "little"), seed=hashed)
+    return hashed - (1 << 64) if hashed >= 1 << 63 else hashed
+
+
+def _check_workers(workers: int) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigurationError(f"num_workers must be a positive whole number, got {workers!r}")
+
+
+def _check_seed(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 63:
+        raise ConfigurationError(f"seed must be a whole number that fits in 64 bits, got {seed!r}")
+    return seed
+
+
+class _IndexTable:
+    """From the per-(split, partition) counts, per split and input partition: where its rows
+    start and end in the partition, and what to add to a row's position to get its index i."""
+
+    def __init__(self, partition_counts: Sequence[PartitionCount]) -> None:
+        counts = sorted(PartitionCount(*count) for count in partition_counts)
+        if not counts:
+            raise ConfigurationError(
+                "partition_counts is empty; pass the DataSummary.partition_counts that prepare() "
+                "returned with the prepared DataFrame")
+        size = max(count.partition for count in counts) + 1
+        self._rows = {TRAIN: 0, VALIDATION: 0}
+        self._arrays: dict[tuple[int, str], list] = {
+            (split, kind): [None] * size for split in (TRAIN, VALIDATION) for kind in ("start", "end", "base")}
+        for count in counts:  # sorted: by split, then partition, i.e. in the input's order
+            if count.split not in self._rows or count.partition < 0 or count.rows < 0:
+                raise ConfigurationError(f"partition_counts holds {count!r}, which prepare() does not make")
+            self._arrays[count.split, "start"][count.partition] = count.start
+            self._arrays[count.split, "end"][count.partition] = count.start + count.rows
+            self._arrays[count.split, "base"][count.partition] = self._rows[count.split] - count.start
+            self._rows[count.split] += count.rows
+
+    def rows(self, split: int) -> int:
+        return self._rows[split]
+
+    def lookup(self, split: int, kind: str, part: Column) -> Column:
+        """The value for the row's input partition; null where the split has no rows there."""
+        from pyspark.sql import functions as F
+
+        return F.get(_constant_array(self._arrays[split, kind], "bigint"), part)
+
+
+def _constant_array(values: Sequence[int | None], element: str) -> Column:
+    """An array literal, made as one JSON string that Spark folds into a constant: one
+    expression however long, where ``F.lit(list)`` makes one per element (slow to build)."""
+    from pyspark.sql import functions as F
+
+    return F.from_json(F.lit(json.dumps(list(values))), f"array<{element}>")
+
+
+def _positioned(partition: int, rows: Iterable) -> Iterator:
+    for position, row in enumerate(rows):
+        yield (partition, position), row
+
+
+def _sorted_values(pairs: Iterable) -> Iterator:
+    for _, row in sorted(pairs, key=operator.itemgetter(0)):
+        yield row
+
+
+def _count(rows: Iterable) -> Iterator[int]:
+    yield sum(1 for _ in rows)
+
+
+def _keyed(rows: Iterable, first: int, scheme: str, workers: int, seed: int, n: int) -> Iterator:
+    """``((worker, order, i), row)`` for each place a scheme gives row i; ``first`` is the
+    index of the partition's first row."""
+    for i, row in enumerate(rows, first):
+        if scheme == "contiguous":
+            yield (i * workers // n, i, i), row
+        elif scheme == "round_robin":
+            yield (i % workers, i, i), row
+        elif scheme == "random":
+            yield (xxhash64(seed, i) % workers, i, i), row
+        else:
+            for worker in range(workers):
+                yield (worker, xxhash64(seed, worker, i), i), row

@@ -1,0 +1,303 @@
+"""Data-partition schemes on real Spark (local[4]): which rows each worker gets, and in which order.
+
+Every input row carries its identity: a training row's label is its index i in the input's
+order (partition by partition, row by row), a validation row's label is 100 + i, and its
+first feature repeats the label (so features travel with their row). The expected placement
+is computed here from the schemes' definitions and compared with what Spark placed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from pyspark import cloudpickle
+
+from allreduce_param import ConfigurationError
+from allreduce_param.session import local_spark
+from allreduce_param.train.data import TRAIN, VALIDATION, PartitionCount, prepare
+from allreduce_param.train.partitioning import (
+    SCHEMES,
+    check_scheme,
+    murmur3_int,
+    partition_keys,
+    place_pairs,
+    place_rows,
+    xxhash64,
+)
+from conftest import CONF_DIR
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+INDEXED = ("contiguous", "round_robin", "random", "overlap_reshuffle")
+TRAIN_SIZES = [4, 0, 7, 2, 1]  # rows per input partition: uneven, one empty
+VALIDATION_SIZES = [2, 0, 3]
+WORKERS = 4  # the session's task slots, so a barrier stage can read every placement
+VALIDATION_BASE = 100
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = local_spark("local[4]", "allreduce-param-partitioning-tests", CONF_DIR)
+    yield session
+    session.stop()
+
+
+def frame(spark, sizes, base=0.0):
+    """A DataFrame with exactly ``sizes[p]`` rows in input partition p; row i's label is base + i."""
+    starts = [sum(sizes[:p]) for p in range(len(sizes))]
+
+    def rows(p):
+        return [([float(base + starts[p] + j), -1.0], float(base + starts[p] + j)) for j in range(sizes[p])]
+
+    rdd = spark.sparkContext.parallelize(range(len(sizes)), len(sizes)).flatMap(rows)
+    return spark.createDataFrame(rdd, "features array<float>, label double")
+
+
+def pairs(spark, sizes):
+    """An RDD of (features, label) pairs with exactly ``sizes[p]`` rows in partition p."""
+    starts = [sum(sizes[:p]) for p in range(len(sizes))]
+    return spark.sparkContext.parallelize(range(len(sizes)), len(sizes)).flatMap(
+        lambda p: [([float(starts[p] + j)], float(starts[p] + j)) for j in range(sizes[p])])
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    prepared, summary = prepare(frame(spark, TRAIN_SIZES), "features", "label",
+                                frame(spark, VALIDATION_SIZES, VALIDATION_BASE))
+    return prepared, summary
+
+
+def expected(scheme, workers, seed, n_train, n_validation=0):
+    """Per worker, the (split, label) of its rows in order, from the schemes' definitions."""
+    placed = [[] for _ in range(workers)]
+    for i in range(n_train):
+        if scheme == "contiguous":
+            placed[i * workers // n_train].append((i, i))
+        elif scheme == "round_robin":
+            placed[i % workers].append((i, i))
+        elif scheme == "random":
+            placed[xxhash64(seed, i) % workers].append((i, i))
+        else:
+            for worker in range(workers):
+                placed[worker].append((xxhash64(seed, worker, i), i))
+    for worker in placed:
+        worker.sort()
+    return [[(TRAIN, float(i)) for _, i in worker]
+            + [(VALIDATION, float(VALIDATION_BASE + i)) for i in range(worker_id, n_validation, workers)]
+            for worker_id, worker in enumerate(placed)]
+
+
+def glom(df):
+    """Per partition of ``df``, the (split, label) of its rows in order; checks features went along."""
+    parts = df.rdd.glom().map(lambda rows: [(r.split, r.label, r.features[0]) for r in rows]).collect()
+    assert all(label == first for part in parts for _, label, first in part)
+    return [[(split, label) for split, label, _ in part] for part in parts]
+
+
+def glom_pairs(rdd):
+    parts = rdd.glom().map(lambda rows: [(float(f[0]), float(label)) for f, label in rows]).collect()
+    assert all(label == first for part in parts for first, label in part)
+    return [[label for _, label in part] for part in parts]
+
+
+def read_in_barrier(df):
+    """What each task of a barrier stage over ``df`` reads, per partition id, in order."""
+
+    def task(batches):
+        import pyarrow as pa
+        from pyspark import BarrierTaskContext
+
+        partition = BarrierTaskContext.get().partitionId()
+        rows = [(split, label) for batch in batches
+                for split, label in zip(batch.column("split").to_pylist(), batch.column("label").to_pylist())]
+        yield pa.RecordBatch.from_pydict(
+            {"partition": [partition] * len(rows), "position": list(range(len(rows))),
+             "split": [s for s, _ in rows], "label": [x for _, x in rows]},
+            schema=pa.schema([("partition", pa.int64()), ("position", pa.int64()), ("split", pa.int64()),
+                              ("label", pa.float64())]))
+
+    out = df.mapInArrow(task, "partition long, position long, split long, label double", barrier=True).collect()
+    parts = [[] for _ in range(df.rdd.getNumPartitions())]
+    for row in sorted(out, key=lambda r: (r.partition, r.position)):
+        parts[row.partition].append((row.split, row.label))
+    return parts
+
+
+def read_pairs_in_barrier(rdd):
+    def task(rows):
+        from pyspark import BarrierTaskContext
+
+        yield BarrierTaskContext.get().partitionId(), [float(label) for _, label in rows]
+
+    parts = [None] * rdd.getNumPartitions()
+    for partition, labels in rdd.barrier().mapPartitions(task).collect():
+        parts[partition] = labels
+    return parts
+
+
+# ---- the scheme setting and the hashes ------------------------------------------------
+
+
+def test_an_unknown_scheme_names_the_setting_and_the_choices():
+    assert [check_scheme(scheme) for scheme in SCHEMES] == list(SCHEMES)
+    with pytest.raises(ConfigurationError, match=r"partition_scheme='bogus'.*as_is, contiguous, round_robin, "
+                                                 r"random, overlap_reshuffle"):
+        check_scheme("bogus")
+
+
+def test_bad_workers_and_seeds_are_refused(data):
+    prepared, summary = data
+    with pytest.raises(ConfigurationError, match="num_workers must be a positive whole number, got 0"):
+        place_rows(prepared, 0, "random", 0, summary.partition_counts)
+    with pytest.raises(ConfigurationError, match="seed must be a whole number"):
+        place_pairs(None, 2, "random", 1.5)
+    with pytest.raises(ConfigurationError, match="partition_counts is empty; pass the DataSummary"):
+        place_rows(prepared, 2, "random", 0, ())
+
+
+def test_the_hashes_are_sparks_and_each_key_lands_on_its_partition(spark):
+    from pyspark.sql import functions as F
+
+    ids = spark.range(-50, 50).select(
+        F.col("id"), F.hash(F.col("id").cast("int")).alias("murmur3"),
+        F.xxhash64(F.lit(-7).cast("long"), F.col("id")).alias("two"),
+        F.xxhash64(F.lit(3).cast("long"), F.lit(5).cast("long"), F.col("id")).alias("three")).collect()
+    assert [r.murmur3 for r in ids] == [murmur3_int(r.id) for r in ids]
+    assert [r.two for r in ids] == [xxhash64(-7, r.id) for r in ids]
+    assert [r.three for r in ids] == [xxhash64(3, 5, r.id) for r in ids]
+    keys = partition_keys(7)
+    landed = spark.createDataFrame([(key,) for key in keys], "key int").repartition(7, "key").rdd.glom().collect()
+    assert [[row.key for row in part] for part in landed] == [[key] for key in keys]
+
+
+# ---- prepare's counts ------------------------------------------------------------------
+
+
+def test_prepare_counts_the_rows_of_each_split_and_partition(data):
+    _, summary = data
+    train = [PartitionCount(TRAIN, p, rows, 0) for p, rows in enumerate(TRAIN_SIZES) if rows]
+    validation = [PartitionCount(VALIDATION, len(TRAIN_SIZES) + p, rows, 0)
+                  for p, rows in enumerate(VALIDATION_SIZES) if rows]
+    assert summary.partition_counts == tuple(train + validation)
+    assert (summary.rows(TRAIN), summary.rows(VALIDATION)) == (sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
+    assert summary.n_features == 2 and summary.sample[1].tolist() == [0.0]
+
+
+# ---- the DataFrame path ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", INDEXED)
+def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_reads_them(data, scheme):
+    prepared, summary = data
+    placed = place_rows(prepared, WORKERS, scheme, 5, summary.partition_counts)
+    assert placed.columns == ["features", "label", "split"]
+    parts = glom(placed)
+    assert parts == expected(scheme, WORKERS, 5, sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
+    # a second call, read by a barrier stage: the same partitions, rows and order
+    again = place_rows(prepared, WORKERS, scheme, 5, summary.partition_counts)
+    assert read_in_barrier(again) == parts
+
+
+def test_as_is_is_sparks_round_robin_in_index_order(data):
+    prepared, summary = data
+    parts = glom(place_rows(prepared, WORKERS, "as_is", 5, summary.partition_counts))
+    assert len(parts) == WORKERS
+    assert sorted(row for part in parts for row in part) == sorted(
+        row for part in expected("round_robin", WORKERS, 0, sum(TRAIN_SIZES), sum(VALIDATION_SIZES)) for row in part)
+    assert all(part == sorted(part) for part in parts)  # by (split, i)
+    starts = [sum(TRAIN_SIZES[:p]) for p in range(len(TRAIN_SIZES))]
+    for start, size in zip(starts, TRAIN_SIZES):  # each input partition spread evenly, round robin
+        shares = [sum(start <= label < start + size for split, label in part if split == TRAIN) for part in parts]
+        assert max(shares) - min(shares) <= 1
+    again = place_rows(prepared, WORKERS, "as_is", 5, summary.partition_counts)
+    assert read_in_barrier(again) == parts
+
+
+@pytest.mark.parametrize("scheme", ["random", "overlap_reshuffle"])
+def test_another_seed_gives_another_placement(data, scheme):
+    prepared, summary = data
+    parts = glom(place_rows(prepared, WORKERS, scheme, 6, summary.partition_counts))
+    assert parts == expected(scheme, WORKERS, 6, sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
+    assert parts != expected(scheme, WORKERS, 5, sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
+
+
+def test_more_workers_than_rows_leave_partitions_empty(spark):
+    prepared, summary = prepare(frame(spark, [0, 2, 0, 1]), "features", "label", frame(spark, [1], VALIDATION_BASE))
+    for scheme in SCHEMES:
+        parts = glom(place_rows(prepared, 7, scheme, 1, summary.partition_counts))
+        assert len(parts) == 7, scheme
+        if scheme != "as_is":
+            assert parts == expected(scheme, 7, 1, 3, 1), scheme
+        if scheme != "overlap_reshuffle":  # which copies the 3 training rows to every worker
+            assert sum(not part for part in parts) >= 3, scheme
+
+
+def test_a_barrier_stage_reads_empty_partitions(spark):
+    prepared, summary = prepare(frame(spark, [2, 1]), "features", "label")
+    placed = place_rows(prepared, WORKERS, "contiguous", 0, summary.partition_counts)
+    assert read_in_barrier(placed) == expected("contiguous", WORKERS, 0, 3) == [[(0, 0.0)], [(0, 1.0)], [(0, 2.0)], []]
+
+
+def test_partitions_holding_both_splits_keep_each_splits_order(spark):
+    # Spark's union keeps its inputs' partitioning when they share it: then one partition
+    # holds training rows, then validation rows. The input's order is what Spark reads.
+    train = frame(spark, [6, 5]).repartition(3, "label")
+    validation = frame(spark, [4], VALIDATION_BASE).repartition(3, "label")
+    prepared, summary = prepare(train, "features", "label", validation)
+    assert prepared.rdd.getNumPartitions() == 3 and any(count.start > 0 for count in summary.partition_counts)
+    order = {TRAIN: [], VALIDATION: []}
+    for part in glom(prepared):
+        for split, label in part:
+            order[split].append(label)
+    for scheme in ("contiguous", "random"):
+        parts = glom(place_rows(prepared, 3, scheme, 2, summary.partition_counts))
+        want = [[(split, order[split][int(label) % VALIDATION_BASE]) for split, label in part]
+                for part in expected(scheme, 3, 2, 11, 4)]
+        assert parts == want, scheme
+
+
+def test_a_local_relation_is_indexed_in_its_own_order(spark):
+    values = spark.sql("SELECT array(CAST(id AS FLOAT)) AS features, CAST(id AS DOUBLE) AS label "
+                       "FROM VALUES (0), (1), (2), (3), (4) AS t(id)")
+    prepared, summary = prepare(values, "features", "label")
+    assert glom(place_rows(prepared, 2, "contiguous", 0, summary.partition_counts)) == expected("contiguous", 2, 0, 5)
+
+
+def test_rows_that_do_not_match_the_counts_fail_the_shuffle(spark, data):
+    prepared, _ = data
+    _, other = prepare(frame(spark, [3]), "features", "label")
+    with pytest.raises(Exception, match="not among the rows prepare\\(\\) counted"):
+        place_rows(prepared, 2, "round_robin", 0, other.partition_counts).collect()
+
+
+# ---- the RDD path ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", INDEXED)
+def test_each_scheme_places_pairs_exactly_and_a_barrier_stage_reads_them(spark, scheme):
+    parts = glom_pairs(place_pairs(pairs(spark, TRAIN_SIZES), WORKERS, scheme, 5))
+    assert parts == [[label for _, label in part] for part in expected(scheme, WORKERS, 5, sum(TRAIN_SIZES))]
+    assert read_pairs_in_barrier(place_pairs(pairs(spark, TRAIN_SIZES), WORKERS, scheme, 5)) == parts
+
+
+def test_pairs_as_is_are_rdd_repartition_in_index_order(spark):
+    parts = glom_pairs(place_pairs(pairs(spark, TRAIN_SIZES), 3, "as_is", 5))
+    spark_placed = glom_pairs(pairs(spark, TRAIN_SIZES).repartition(3))
+    assert parts == [sorted(part) for part in spark_placed]
+    assert read_pairs_in_barrier(place_pairs(pairs(spark, TRAIN_SIZES), 3, "as_is", 5)) == parts
+
+
+@pytest.mark.parametrize("scheme", ["random", "overlap_reshuffle"])
+def test_pairs_follow_the_seed(spark, scheme):
+    parts = glom_pairs(place_pairs(pairs(spark, TRAIN_SIZES), WORKERS, scheme, 6))
+    assert parts == [[label for _, label in part] for part in expected(scheme, WORKERS, 6, sum(TRAIN_SIZES))]
+    assert parts != [[label for _, label in part] for part in expected(scheme, WORKERS, 5, sum(TRAIN_SIZES))]
+
+
+def test_more_workers_than_pairs_leave_partitions_empty(spark):
+    for scheme in SCHEMES:
+        parts = glom_pairs(place_pairs(pairs(spark, [0, 2, 1]), 7, scheme, 1))
+        assert len(parts) == 7, scheme
+        if scheme != "as_is":
+            assert parts == [[label for _, label in part] for part in expected(scheme, 7, 1, 3)], scheme
