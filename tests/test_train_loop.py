@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -31,7 +32,7 @@ def run_workers(job: TrainingJob, parts: list[tuple[np.ndarray, np.ndarray]]) ->
         except BaseException as error:
             outputs[i] = error
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(parts))]
+    threads = [threading.Thread(target=run, args=(i,), name=f"partition-{i}") for i in range(len(parts))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -138,3 +139,136 @@ def test_a_model_without_the_protocol_is_refused():
 
     with pytest.raises(ConfigurationError, match=r"has no init\(\) method; a model needs init\(rng\), loss_and_grad"):
         DistriOptimizer(object(), optim.SGD(lr=0.1))
+
+
+# ---- strategies and sync frequencies ---------------------------------------------------------
+
+from allreduce_param import Strategy  # noqa: E402
+from allreduce_param.train.result import History, merge_epoch  # noqa: E402
+from allreduce_param.train.result import UPDATE_FIELDS  # noqa: E402
+
+
+def reference_local_sgd(model, optimizer, parts, batch_size, epochs, seed, every, averaging) -> np.ndarray:
+    """Each partition steps its own model; at every sync (every ``every`` steps and at each
+    epoch's end) the models are averaged by rows, or the updates summed, in partition order."""
+    counts = [len(X) for X, _ in parts]
+    steps = steps_per_epoch(sum(counts), batch_size)
+    sizes = global_batch_sizes(counts, steps)
+    plan = [(epoch, step) for epoch in range(epochs) for step in range(steps) if sizes[step]]
+    synced = model.init(np.random.default_rng(seed))
+    local = [synced.copy() for _ in parts]
+    states = [optimizer.init_state(synced.size) for _ in parts]
+    rows, since = [0] * len(parts), 0
+    for index, (epoch, step) in enumerate(plan):
+        for i, (X, y) in enumerate(parts):
+            order = epoch_order(len(X), seed, epoch, i)
+            cuts = share_bounds(len(X), i, len(parts), steps)
+            take = order[cuts[step]:cuts[step + 1]]
+            _, grad, count = model.loss_and_grad(local[i], X[take], y[take])
+            if count:
+                optimizer.step(local[i], grad, states[i], index, grad_scale=1.0 / count)
+            rows[i] += count
+        since += 1
+        if since == every or index + 1 == len(plan) or plan[index + 1][0] != epoch:
+            total = np.zeros_like(synced)
+            for i in range(len(parts)):
+                total += local[i] * np.float32(rows[i]) if averaging else local[i] - synced
+            synced = total / np.float32(sum(rows)) if averaging else synced + total
+            local = [synced.copy() for _ in parts]
+            rows, since = [0] * len(parts), 0
+    return synced
+
+
+@pytest.mark.parametrize("every, averaging", [(4, True), ("epoch", True), (3, False)])
+def test_local_sgd_equals_its_single_process_reference(every, averaging):
+    counts = [30, 0, 47]
+    X, y = blobs(sum(counts), 5, 3, seed=3)
+    bounds = np.cumsum([0, *counts])
+    parts = [(X[a:b], y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    model, optimizer = models.MLP([5, 8, 3]), optim.Adam(lr=0.01)
+    param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
+    job = TrainingJob(model, optimizer, param, batch_size=16, epochs=2, seed=4, threads=None, n_features=5,
+                      has_validation=False, sync_every=every, model_averaging=averaging)
+    outputs = run_workers(job, parts)
+    for output in outputs:
+        assert isinstance(output, dict), output
+    expected = reference_local_sgd(model, optimizer, parts, 16, 2, 4, every, averaging)
+    np.testing.assert_allclose(np.frombuffer(outputs[0]["weights"], np.float32), expected, rtol=1e-5, atol=1e-6)
+
+
+class StepListener:
+    """A reporter for ``TrainingJob``: keeps which steps each partition has reported."""
+
+    def __init__(self):
+        self.changed = threading.Condition()
+        self.steps: dict[int, int] = {}
+
+    def send(self, kind, **fields):
+        if kind == "step":
+            with self.changed:
+                self.steps[fields["record"][-1]] = self.steps.get(fields["record"][-1], 0) + 1
+                self.changed.notify_all()
+
+    def close(self):
+        pass
+
+
+class Straggler(models.SoftmaxRegression):
+    """Partition 2 (its thread's name says so) stops at its first step until the listener has
+    seen ``ahead`` steps of the others: a slow executor, made by the test, not by timing."""
+
+    listener: StepListener | None = None
+    ahead = 0
+
+    def loss_and_grad(self, weights, X, y):
+        listener = Straggler.listener
+        if threading.current_thread().name == "partition-2" and listener is not None:
+            with listener.changed:
+                assert listener.changed.wait_for(lambda: sum(listener.steps.values()) >= Straggler.ahead, 60)
+            Straggler.listener = None
+        return super().loss_and_grad(weights, X, y)
+
+
+def merged_history(outputs, partitions: int) -> History:
+    steps = [np.frombuffer(o["steps"], np.float64).reshape(-1, len(STEP_FIELDS)) for o in outputs]
+    shares = [share for o in outputs for share in json.loads(o["epochs"])]
+    updates = [np.frombuffer(o["updates"], np.float64).reshape(-1, len(UPDATE_FIELDS) + partitions)
+               for o in outputs if "updates" in o]
+    return History.from_records(steps, shares, 1.0, updates)
+
+
+def test_backup_workers_leave_out_a_straggler_and_count_it():
+    X, y = blobs(180, 4, 3, seed=5)
+    parts = [(X[i::3], y[i::3]) for i in range(3)]
+    Straggler.listener, Straggler.ahead = StepListener(), 8  # the others' records of 4 steps each
+    model = Straggler(4, 3)
+    param = AllReduceParameter(3, model.size, codec="raw", timeout=60, strategy=Strategy("bsp", backup_workers=1))
+    job = TrainingJob(model, optim.SGD(lr=0.2), param, batch_size=30, epochs=3, seed=0, threads=None,
+                      n_features=4, has_validation=False, reporter=Straggler.listener)
+    outputs = run_workers(job, parts)
+    for output in outputs:
+        assert isinstance(output, dict), output
+    history = merged_history(outputs, 3)
+    assert len(history.steps) == 18  # every step recorded by every partition, computed or skipped
+    # one partition left out of every step, the same for every slice; the straggler most
+    assert all(step["dropped"] == 1 for step in history.steps) and history.dropped.get(2, 0) >= 4
+    assert history.steps[1]["samples"] < 30  # partition 2 skipped the steps it missed
+    assert history.epochs[-1]["train_accuracy"] >= 0.9
+
+
+@pytest.mark.parametrize("strategy", [Strategy("ssp", staleness=2), Strategy("asp")])
+def test_asynchronous_strategies_train_and_record_their_staleness(strategy):
+    X, y = blobs(240, 4, 3, seed=6)
+    parts = [(X[:100], y[:100]), (X[100:], y[100:])]
+    model = models.MLP([4, 8, 3])
+    param = AllReduceParameter(2, model.size, codec="raw", timeout=60, strategy=strategy)
+    job = TrainingJob(model, optim.Adam(lr=0.02), param, batch_size=24, epochs=4, seed=0, threads=2,
+                      n_features=4, has_validation=False)
+    outputs = run_workers(job, parts)
+    for output in outputs:
+        assert isinstance(output, dict), output
+    history = merged_history(outputs, 2)
+    assert len(history.steps) == 40 and sum(s["samples"] for s in history.steps) == 4 * 240
+    if strategy.name == "ssp":
+        assert max(step["staleness"] for step in history.steps) <= 2
+    assert history.epochs[-1]["train_accuracy"] >= 0.9

@@ -18,9 +18,11 @@ import numpy as np
 from ..codec import get_codec
 from ..errors import ConfigurationError, InputError
 from ..parameter import AllReduceParameter
+from ..strategy import Strategy
 from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
+from .partitioning import check_scheme, place_pairs, place_rows
 from .progress import ProgressBar, ProgressServer
-from .result import STEP_FIELDS, History, TrainedModel, merge_step
+from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, merge_epoch, merge_step
 from .worker import TrainingError, TrainingJob, train_partition, workload_shares
 
 if TYPE_CHECKING:
@@ -38,6 +40,19 @@ class DistriOptimizer:
     free task slots. ``threads`` splits each partition's batch into sub-batches computed on
     threads: a count, or a list of relative workloads. ``seed`` fixes the initial weights
     and the shuffles, so a fit is reproducible.
+
+    How the partitions synchronise: ``strategy`` ``"bsp"`` (every step waits for every
+    partition; with ``backup_workers=b`` it goes on with the first N-b), ``"ssp"`` (with
+    ``staleness=s``: no partition more than s steps ahead of the slowest) or ``"asp"``
+    (nobody waits); see ``allreduce_param.strategy``. ``sync_every=k`` (or ``"epoch"``)
+    lets each partition train a copy of its own for k steps between syncs (local SGD, BSP
+    only), at which the models are averaged (``model_averaging=True``, the default) or
+    their updates summed. ``partition_scheme`` says which rows each partition trains on:
+    ``"as_is"``, ``"contiguous"``, ``"round_robin"``, ``"random"`` or ``"overlap_reshuffle"``
+    (see ``train.partitioning``). An optimizer's ``clip_norm`` clips by the global norm of
+    each step's gradient under plain BSP; under the other strategies and with local SGD,
+    where no step sees every partition's gradient at once, each partition's gradient is
+    clipped by its own norm.
 
     While it runs, every step comes to the driver: ``progress`` shows a bar (terminal or
     notebook), ``log_path`` appends each step and epoch as a JSON line, and ``listener``,
@@ -58,6 +73,12 @@ class DistriOptimizer:
         progress: bool = True,
         log_path: str | None = None,
         listener: Callable[[str, dict], None] | None = None,
+        strategy: str = "bsp",
+        staleness: int | None = None,
+        backup_workers: int = 0,
+        sync_every: int | str = 1,
+        model_averaging: bool | None = None,
+        partition_scheme: str = "as_is",
     ) -> None:
         for name in ("init", "loss_and_grad", "predict"):
             if not callable(getattr(model, name, None)):
@@ -72,6 +93,22 @@ class DistriOptimizer:
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
         get_codec(codec)  # an unknown codec fails here, naming the codecs there are
         workload_shares(threads)  # so does a bad threads setting, before any task starts
+        self.strategy = Strategy(strategy, staleness, backup_workers)
+        if sync_every != "epoch" and (isinstance(sync_every, bool) or not isinstance(sync_every, int)
+                                      or sync_every < 1):
+            raise ConfigurationError(f"sync_every must be a positive whole number of steps or 'epoch', "
+                                     f"got {sync_every!r}")
+        if sync_every != 1 and not self.strategy.inline_owner:
+            raise ConfigurationError(
+                f"sync_every={sync_every!r} (local SGD) goes with strategy='bsp' and no backup workers, "
+                f"not with strategy={strategy!r}{f', backup_workers={backup_workers}' if backup_workers else ''}"
+            )
+        if model_averaging is not None and sync_every == 1:
+            raise ConfigurationError("model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
+                                     "sync_every=1 every step averages the gradients")
+        self.partition_scheme = check_scheme(partition_scheme)
+        self.sync_every = sync_every
+        self.model_averaging = True if model_averaging is None else bool(model_averaging)
         self.model = model
         self.optimizer = optimizer
         self.batch_size = batch_size
@@ -115,13 +152,19 @@ class DistriOptimizer:
                 f"batch_size={self.batch_size} is smaller than the {workers} workers: every worker "
                 f"needs rows in each step; raise batch_size or pass num_workers<={self.batch_size}"
             )
-        param = AllReduceParameter(workers, size, codec=self.codec, timeout=self.timeout)
+        self.strategy.check_partitions(workers)
+        param = AllReduceParameter(workers, size, codec=self.codec, timeout=self.timeout, strategy=self.strategy)
         with self._progress(spark_context, workers) as server:
             job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
                               self.threads, n_features, validation is not None,
-                              server.reporter() if server else None)
-            records = self._run(job, source, workers)
-        history = History.from_records(records["steps"], records["epochs"], seconds=time.perf_counter() - started)
+                              server.reporter() if server else None, self.sync_every, self.model_averaging)
+            if hasattr(source, "mapInArrow"):
+                placed = place_rows(source, workers, self.partition_scheme, self.seed, summary.partition_counts)
+            else:
+                placed = place_pairs(source, workers, self.partition_scheme, self.seed)
+            records = self._run(job, placed, workers)
+        history = History.from_records(records["steps"], records["epochs"], time.perf_counter() - started,
+                                       records["updates"])
         return TrainedModel(self.model, records["weights"], history, n_features)
 
     @contextlib.contextmanager
@@ -135,7 +178,8 @@ class DistriOptimizer:
         listeners = [bar] + ([self.listener] if self.listener else [])
         host = spark_context.getConf().get("spark.driver.host", "127.0.0.1")
         server = ProgressServer(host, workers, merge_step,
-                                lambda kind, fields: [listen(kind, dict(fields)) for listen in listeners])
+                                lambda kind, fields: [listen(kind, dict(fields)) for listen in listeners],
+                                merge_epoch=merge_epoch)
         try:
             yield server
         finally:
@@ -175,12 +219,11 @@ class DistriOptimizer:
             )
         return workers
 
-    def _run(self, job: TrainingJob, source, workers: int) -> dict:
-        """The fit's one barrier stage; the records the partitions yielded."""
-        # A barrier stage may not read a union or a coalesce directly (SPARK-24820): one
-        # shuffle into exactly `workers` partitions gives it a clean boundary.
-        shaped = source.repartition(workers)
-        if hasattr(source, "mapInArrow"):
+    def _run(self, job: TrainingJob, shaped, workers: int) -> dict:
+        """The fit's one barrier stage over the placed rows (exactly ``workers`` partitions,
+        after a shuffle: a barrier stage may not read a union or a coalesce directly,
+        SPARK-24820); the records the partitions yielded."""
+        if hasattr(shaped, "mapInArrow"):
             def task(batches):
                 import pyarrow as pa
 
@@ -198,18 +241,23 @@ class DistriOptimizer:
             output = stage()
         except Exception as error:
             raise _task_error(error) from None
-        records: dict[str, Any] = {"steps": [], "epochs": [], "weights": None}
+        records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "weights": None}
         for kind, payload in output:
             if kind == "steps":
                 records["steps"].append(np.frombuffer(payload, dtype=np.float64).reshape(-1, len(STEP_FIELDS)))
             elif kind == "epochs":
-                records["epochs"] = json.loads(bytes(payload))
+                records["epochs"].extend(json.loads(bytes(payload)))
+            elif kind == "updates":
+                records["updates"].append(
+                    np.frombuffer(payload, dtype=np.float64).reshape(-1, len(UPDATE_FIELDS) + workers))
             elif kind == "weights":
                 records["weights"] = np.frombuffer(bytes(payload), dtype=np.float32).copy()
         return records
 
 
 _TASK_MESSAGE = re.compile(r"TrainingError: (partition [^\n]*)")
+#: placing the rows found data that changed since prepare() counted it (partitioning.py)
+_PLACEMENT_MESSAGE = re.compile(r"row \d+ of partition \d+ of the prepared data is not among[^\n]*")
 
 
 def _task_error(error: Exception) -> Exception:
@@ -222,5 +270,8 @@ def _task_error(error: Exception) -> Exception:
     found = _TASK_MESSAGE.search(text)
     if found:
         return TrainingError(found.group(1).split("TrainingError: ")[-1])
+    placement = _PLACEMENT_MESSAGE.search(text)
+    if placement:
+        return TrainingError(placement.group(0))
     spark_reason = re.search(r"org\.apache\.spark\.[\w.]*(?:Exception|Failed)[^\n]*", text)
     return TrainingError(spark_reason.group(0) if spark_reason else text.splitlines()[0] if text else repr(error))

@@ -1,6 +1,6 @@
 """Live progress of a fit: each task reports its steps to a small server on the driver.
 
-The tasks send one frame per step (and partition 0 one per epoch); the driver merges a step
+The tasks send one frame per step and one per epoch; the driver merges a step (an epoch)
 once every partition has reported it and hands it to a listener: a progress bar, a
 JSON-lines log, or a user's callback. Frames are JSON with an HMAC tag under a secret made
 for the fit; a frame that is too long or wrongly tagged closes its connection. Reporting is
@@ -68,16 +68,20 @@ class ProgressServer:
     """The driver's end: receives the tasks' frames and merges each step over the partitions.
 
     ``on_event(kind, fields)`` gets ``("start", {...})`` once per partition, ``("step", merged)``
-    when every partition reported a step, and ``("epoch", metrics)`` from partition 0.
+    when every partition reported a step (``merge`` of their records), and ``("epoch",
+    metrics)`` when every partition reported an epoch (``merge_epoch`` of their frames; with
+    no ``merge_epoch`` each epoch frame passes as it is).
     """
 
     def __init__(self, host: str, partitions: int, merge: Callable[[np.ndarray], dict],
-                 on_event: Callable[[str, dict], None]) -> None:
+                 on_event: Callable[[str, dict], None],
+                 merge_epoch: Callable[[list[dict]], dict] | None = None) -> None:
         self.secret = os.urandom(32)
         self._partitions = partitions
         self._merge = merge
+        self._merge_epoch = merge_epoch
         self._on_event = on_event
-        self._pending: dict[tuple[int, int], list] = {}
+        self._pending: dict[tuple, list] = {}
         self._lock = threading.Lock()
         self._listener = socket.create_server((host, 0))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
@@ -123,17 +127,23 @@ class ProgressServer:
 
     def _dispatch(self, frame: dict) -> None:
         kind = frame.pop("kind")
-        if kind != "step":
+        if kind == "step":
+            key, item = ("step", int(frame["record"][0]), int(frame["record"][1])), frame["record"]
+        elif kind == "epoch" and self._merge_epoch is not None:
+            key, item = ("epoch", int(frame["epoch"])), frame
+        else:
             self._on_event(kind, frame)
             return
-        key = (int(frame["record"][0]), int(frame["record"][1]))
         with self._lock:
-            rows = self._pending.setdefault(key, [])
-            rows.append(frame["record"])
-            if len(rows) < self._partitions:
+            items = self._pending.setdefault(key, [])
+            items.append(item)
+            if len(items) < self._partitions:
                 return
             del self._pending[key]
-        self._on_event("step", self._merge(np.asarray(rows, dtype=np.float64)))
+        if kind == "step":
+            self._on_event("step", self._merge(np.asarray(items, dtype=np.float64)))
+        else:
+            self._on_event("epoch", self._merge_epoch(items))
 
     def close(self) -> None:
         """Stop listening and wait for the readers."""

@@ -17,48 +17,93 @@ if TYPE_CHECKING:
 
 FORMAT = "allreduce-param-model/1"
 
-#: The fields of a partition's per-step record (a float64 row).
+#: The fields of a partition's per-step record (a float64 row). ``staleness``: how many
+#: steps older than the step the weights it computed on were (0 under BSP).
 STEP_FIELDS = ("epoch", "step", "loss_sum", "samples",
-               "get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s")
+               "get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s", "staleness")
+
+#: The fields of a background owner's update record (with backup workers), followed by
+#: one 0/1 column per partition: whether the update took that partition's gradient.
+UPDATE_FIELDS = ("owner", "step", "count")
 
 
 def merge_step(rows: np.ndarray) -> dict:
     """One step's records from every partition (partitions x STEP_FIELDS) as one entry:
-    the mean loss over the global batch, the samples, and the slowest partition's phases."""
+    the mean loss over the rows computed, the samples, and the slowest partition's phases
+    and the largest staleness."""
     loss_sum, samples = rows[:, 2].sum(), rows[:, 3].sum()
     entry = {"epoch": int(rows[0, 0]), "step": int(rows[0, 1]),
              "loss": float(loss_sum / samples) if samples else float("nan"), "samples": int(samples)}
     entry.update({name: float(rows[:, i].max()) for i, name in enumerate(STEP_FIELDS) if i >= 4})
+    entry["staleness"] = int(entry["staleness"])
     return entry
+
+
+def merge_epoch(shares: list[dict]) -> dict:
+    """One epoch's metrics from every partition's share (sums of loss, metric and rows over
+    its validation rows, ``val``, and after the last epoch its training rows, ``train``)."""
+    merged: dict = {"epoch": shares[0]["epoch"]}
+    metric = "accuracy" if shares[0].get("task") == "classification" else "rmse"
+    for name in ("val", "train"):
+        sums = [share[name] for share in shares if name in share]
+        if not sums:
+            continue
+        loss_sum, metric_sum, count = np.sum(sums, axis=0)
+        merged[f"{name}_loss"] = float(loss_sum / count) if count else None
+        value = metric_sum / count if count else None
+        merged[f"{name}_{metric}"] = None if value is None else float(value if metric == "accuracy"
+                                                                      else np.sqrt(value))
+    return merged
 
 
 @dataclass
 class History:
     """Every step (merged over partitions) and every epoch of a fit.
 
-    ``steps``: one dict per step with ``epoch``, ``step``, ``loss`` (mean over the global
-    batch), ``samples`` and the slowest partition's phase times in seconds. ``epochs``: one
-    dict per epoch with ``loss`` (the mean over its steps, as they trained) and the validation
-    metrics (``val_loss``, ``val_accuracy`` or ``val_rmse``); the last also has the training
+    ``steps``: one dict per step with ``epoch``, ``step``, ``loss`` (mean over the rows
+    computed), ``samples``, the slowest partition's phase times in seconds and the largest
+    ``staleness`` (steps; under SSP at most its bound), and with backup workers ``dropped``
+    (how many partitions' gradients an owner left out). ``epochs``: one dict per epoch with
+    ``loss`` (the mean over its steps, as they trained) and the validation metrics
+    (``val_loss``, ``val_accuracy`` or ``val_rmse``); the last also has the training
     metrics of the final weights (``train_loss``, ``train_accuracy`` or ``train_rmse``).
+    ``dropped``: with backup workers, for each partition, the steps whose update left out
+    its gradient (it came too late, or it skipped the step).
     """
 
     steps: list[dict] = field(default_factory=list)
     epochs: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    dropped: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def from_records(cls, step_records: list[np.ndarray], epochs: list[dict], seconds: float) -> History:
-        """Merge the partitions' step records (each steps x STEP_FIELDS) step by step."""
+    def from_records(cls, step_records: list[np.ndarray], epoch_shares: list[dict], seconds: float,
+                     update_records: list[np.ndarray] | None = None) -> History:
+        """Merge the partitions' step records (each steps x STEP_FIELDS) step by step, their
+        shares of each epoch's metrics epoch by epoch, and the owners' update records."""
+        by_epoch: dict[int, list[dict]] = {}
+        for share in epoch_shares:
+            by_epoch.setdefault(share["epoch"], []).append(share)
+        epochs = [merge_epoch(by_epoch[epoch]) for epoch in sorted(by_epoch)]
         if not step_records:
             return cls([], epochs, seconds)
         stacked = np.stack(step_records)  # partitions x steps x fields
         steps = [merge_step(stacked[:, index, :]) for index in range(stacked.shape[1])]
+        dropped: dict[int, int] = {}
+        if update_records:
+            updates = np.concatenate(update_records)
+            taken = updates[:, len(UPDATE_FIELDS):].astype(bool)
+            for index, entry in enumerate(steps):  # the updates of global step `index`
+                by_all = taken[updates[:, 1] == index].all(axis=0)
+                entry["dropped"] = int((~by_all).sum())
+                for partition in np.flatnonzero(~by_all):
+                    dropped[int(partition)] = dropped.get(int(partition), 0) + 1
         for epoch in epochs:
             in_epoch = [s for s in steps if s["epoch"] == epoch["epoch"]]
             samples = sum(s["samples"] for s in in_epoch)
-            epoch["loss"] = sum(s["loss"] * s["samples"] for s in in_epoch) / samples if samples else None
-        return cls(steps, epochs, seconds)
+            epoch["loss"] = sum(s["loss"] * s["samples"] for s in in_epoch if s["samples"]) / samples \
+                if samples else None
+        return cls(steps, epochs, seconds, dropped)
 
     def plot(self, path: str | os.PathLike) -> Path:
         """Write the loss curve (each step, each epoch's mean, validation) as a PNG.
@@ -142,6 +187,7 @@ class TrainedModel:
         (folder / "model.pkl").write_bytes(cloudpickle.dumps(self.model))
         meta = {"format": FORMAT, "model": repr(self.model), "n_features": self.n_features,
                 "history": {"steps": self.history.steps, "epochs": self.history.epochs,
+                            "dropped": {str(k): v for k, v in self.history.dropped.items()},
                             "seconds": self.history.seconds}}
         (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
@@ -158,5 +204,7 @@ class TrainedModel:
         if meta.get("format") != FORMAT:
             raise InputError(f"{folder} was saved in format {meta.get('format')!r}; this version reads {FORMAT}")
         model = pickle.loads((folder / "model.pkl").read_bytes())
-        history = History(**meta["history"])
+        saved = meta["history"]
+        history = History(saved["steps"], saved["epochs"], saved["seconds"],
+                          {int(k): v for k, v in saved.get("dropped", {}).items()})
         return cls(model, np.load(folder / "weights.npy"), history, meta.get("n_features"))

@@ -1,9 +1,19 @@
 """The training loop one partition runs inside the fit's barrier task.
 
-Per step (BSP): fetch the weights, compute the loss and gradient of the partition's share
-of the global batch (split into sub-batches on threads), put the gradient, aggregate the
-own slice, clip, let the optimizer update the own slice (its state lives here: 1/N of it),
-publish the slice. The driver is not in this path; it only receives the records yielded.
+A fit is a plan of global steps (``batching``): every partition knows, for each step, which
+of its rows are its share of the step's global batch. How a step synchronises follows from
+the settings:
+
+- plain BSP, ``sync_every=1``: fetch the weights, compute the loss and gradient of the
+  share (split into sub-batches on threads), put the gradient, aggregate the own slice,
+  clip, let the optimizer update the own slice (its state lives here: 1/N of it), publish
+  the slice;
+- BSP with backup workers, SSP, ASP: fetch the weights the strategy allows, compute, put;
+  a background owner (``AllReduceParameter.serve_updates``) updates the own slice;
+- ``sync_every=k`` or ``"epoch"`` (local SGD, BSP): each partition steps a copy of its own
+  for k steps, then the partitions average their models (or sum their updates).
+
+The driver is not in this path; it only receives the records yielded.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from ..rendezvous import Rendezvous
 from .batching import epoch_order, global_batch_sizes, share_bounds, steps_per_epoch
 from .data import TRAIN, VALIDATION
 from .progress import ProgressReporter
-from .result import STEP_FIELDS
+from .result import STEP_FIELDS, UPDATE_FIELDS
 
 #: A partition's row count travels as two float32 parts, each exact below 2**24.
 _COUNT_BASE = 4096
@@ -36,7 +46,12 @@ class TrainingError(AllReduceError):
 
 @dataclass(frozen=True)
 class TrainingJob:
-    """Everything a task needs, made on the driver and shipped in the closure."""
+    """Everything a task needs, made on the driver and shipped in the closure.
+
+    The strategy is ``param.strategy``. ``sync_every``: steps between syncs (1: every
+    step), or ``"epoch"``; ``model_averaging``: with ``sync_every`` other than 1, whether a
+    sync averages the models (weighted by rows) or sums the partitions' updates.
+    """
 
     model: Any
     optimizer: Any
@@ -48,9 +63,11 @@ class TrainingJob:
     n_features: int
     has_validation: bool
     reporter: ProgressReporter | None = None
+    sync_every: int | str = 1
+    model_averaging: bool = True
 
 
-def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
     """``[loss_sum, metric_sum, count]`` over the rows: metric is correct answers
     (classification) or the squared error (regression)."""
     total = np.zeros(3, dtype=np.float64)
@@ -63,7 +80,7 @@ def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.nda
         else:
             metric = float(np.sum((np.asarray(predicted, np.float64) - labels) ** 2))
         total += (loss_sum, metric, count)
-    return total
+    return total.tolist()
 
 
 def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
@@ -120,27 +137,30 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
                     rendezvous: Rendezvous | None = None) -> Iterator[tuple[str, bytes]]:
     """Run the whole fit on this partition; yields ``(kind, payload)`` records for the driver.
 
-    Kinds: ``steps`` (this partition's step records, float64), and from partition 0 only
-    ``epochs`` (JSON of the merged per-epoch metrics) and ``weights`` (the final float32 vector).
-    ``rendezvous`` defaults to the Spark barrier stage's.
+    Kinds: ``steps`` (this partition's record of every global step, float64), ``epochs``
+    (JSON: this partition's share of each epoch's metrics), ``updates`` (with backup
+    workers: which partitions' gradients each of this owner's updates took), and from
+    partition 0 ``weights`` (the final float32 vector). ``rendezvous`` defaults to the
+    Spark barrier stage's.
     """
     X_train, y_train = X[split == TRAIN], y[split == TRAIN]
     X_valid, y_valid = X[split == VALIDATION], y[split == VALIDATION]
     compute = SubBatches(job.model, job.threads)
     try:
         with job.param.connect(rendezvous) as p:
-            where = {"epoch": None, "step": None}
+            fit = _Fit(job, p, compute, X_train, y_train, X_valid, y_valid)
             try:
-                records, epochs = _fit(job, p, compute, where, X_train, y_train, X_valid, y_valid)
-                weights = p.get_weights()
+                fit.run()
             except Exception as error:
                 # raised inside the with-block, so the peers hear where it happened too
-                place = "".join(f", {k} {v}" for k, v in where.items() if v is not None)
+                place = "".join(f", {k} {v}" for k, v in fit.where.items() if v is not None)
                 raise TrainingError(f"partition {p.partition_id}{place}: {type(error).__name__}: {error}") from error
-        yield "steps", np.asarray(records, dtype=np.float64).reshape(-1, len(STEP_FIELDS)).tobytes()
+        yield "steps", np.asarray(fit.records, dtype=np.float64).reshape(-1, len(STEP_FIELDS)).tobytes()
+        yield "epochs", json.dumps(fit.epochs).encode()
+        if job.param.strategy.backup_workers:
+            yield "updates", _updates_table(p.updates, p.partition_id, p.partition_num).tobytes()
         if p.partition_id == 0:
-            yield "epochs", json.dumps(epochs).encode()
-            yield "weights", weights.tobytes()
+            yield "weights", fit.weights.tobytes()
     except TrainingError:
         raise
     except Exception as error:  # meeting the peers failed
@@ -151,77 +171,239 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
             job.reporter.close()
 
 
-def _fit(job: TrainingJob, p: ConnectedParameter, compute: SubBatches, where: dict,
-         X_train, y_train, X_valid, y_valid) -> tuple[list, list]:
-    """Every epoch's steps and metrics; ``where`` tracks the epoch and step for errors."""
-    counts = all_counts(p, len(X_train))
-    steps = steps_per_epoch(sum(counts), job.batch_size)
-    global_sizes = global_batch_sizes(counts, steps)
-    cuts = share_bounds(len(X_train), p.partition_id, p.partition_num, steps)
-    report = job.reporter.send if job.reporter is not None else (lambda kind, **fields: None)
-    report("start", partition=p.partition_id, steps=int(np.count_nonzero(global_sizes)), epochs=job.epochs)
-    p.init(job.model.init(np.random.default_rng(job.seed)))
-    state = job.optimizer.init_state(p.slice_length)
-    weights = np.empty(job.param.size, dtype=np.float32)
-    records, epochs = [], []
-    global_step = 0
-    for epoch in range(job.epochs):
-        order = epoch_order(len(X_train), job.seed, epoch, p.partition_id)
-        for step in range(steps):
-            where.update(epoch=epoch, step=step)
-            if global_sizes[step] == 0:
-                continue  # every partition sees the same: nobody has rows for it
-            rows = order[cuts[step]:cuts[step + 1]]
-            record = _step(job, p, compute, weights, X_train[rows], y_train[rows], state, global_step)
-            record[:2] = epoch, step
-            records.append(record)
-            report("step", record=record.tolist())
-            global_step += 1
-        where.update(step=None)
-        epochs.append(_epoch_metrics(job, p, weights, epoch, X_valid, y_valid,
-                                     X_train, y_train, last=epoch == job.epochs - 1))
-        if p.partition_id == 0:
-            report("epoch", **epochs[-1])
-    where.update(epoch=None)
-    return records, epochs
+def _updates_table(updates, owner: int, partitions: int) -> np.ndarray:
+    """An owner's updates as rows of ``UPDATE_FIELDS`` then one 0/1 column per partition."""
+    table = np.zeros((len(updates), len(UPDATE_FIELDS) + partitions), dtype=np.float64)
+    for row, update in zip(table, updates):
+        row[:len(UPDATE_FIELDS)] = owner, update.step, update.count
+        row[len(UPDATE_FIELDS) + np.asarray(update.sources, dtype=np.int64)] = 1
+    return table
 
 
-def _step(job: TrainingJob, p: ConnectedParameter, compute: SubBatches, weights: np.ndarray,
-          X: np.ndarray, y: np.ndarray, state, global_step: int) -> np.ndarray:
-    """One BSP step; its record with the phase timings."""
-    t0 = time.perf_counter()
-    p.get_weights(out=weights)
-    t1 = time.perf_counter()
-    loss_sum, grad_sum, count = compute(weights, X, y)
-    t2 = time.perf_counter()
-    p.put_gradients(grad_sum, count=count)
-    t3 = time.perf_counter()
-    gradient = p.aggregate_gradient_partition()
-    t4 = time.perf_counter()
-    scale = 1.0
-    if job.optimizer.clip_norm is not None:  # by the global norm: one scalar allreduce
-        squared = p.allreduce(np.array([squared_norm(gradient)], dtype=np.float32), codec="raw")[0]
-        scale = clip_scale(float(squared), job.optimizer.clip_norm)
-    job.optimizer.step(p.weight_partition, gradient, state, global_step, grad_scale=scale)
-    t5 = time.perf_counter()
-    p.send_weight_partition()
-    t6 = time.perf_counter()
-    return np.array([0, 0, loss_sum, count, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5])
+class _Fit:
+    """One partition's fit: the plan of global steps, the loop the settings call for, the
+    records. ``where`` tracks the epoch and step for error messages."""
 
+    def __init__(self, job: TrainingJob, p: ConnectedParameter, compute: SubBatches,
+                 X_train, y_train, X_valid, y_valid) -> None:
+        self.job, self.p, self.compute = job, p, compute
+        self.X_train, self.y_train, self.X_valid, self.y_valid = X_train, y_train, X_valid, y_valid
+        self.where: dict[str, int | None] = {"epoch": None, "step": None}
+        self.records: list[np.ndarray] = []
+        self.epochs: list[dict] = []
+        self.weights = np.empty(job.param.size, dtype=np.float32)
+        self._report = job.reporter.send if job.reporter is not None else (lambda kind, **fields: None)
+        self._order_epoch, self._order = -1, np.empty(0, np.int64)
 
-def _epoch_metrics(job: TrainingJob, p: ConnectedParameter, weights: np.ndarray, epoch: int,
-                   X_valid, y_valid, X_train, y_train, last: bool) -> dict:
-    """The epoch's validation metrics (and, after the last epoch, the training ones), merged."""
-    p.get_weights(out=weights)
-    metrics: dict[str, float] = {"epoch": epoch}
-    splits = [("val", X_valid, y_valid)] if job.has_validation else []
-    if last:
-        splits.append(("train", X_train, y_train))
-    for name, X, y in splits:
-        loss_sum, metric_sum, count = p.allreduce(evaluate(job.model, weights, X, y).astype(np.float32), codec="raw")
-        metrics[f"{name}_loss"] = float(loss_sum / count)
-        if job.model.task == "classification":
-            metrics[f"{name}_accuracy"] = float(metric_sum / count)
+    # ---- the plan ------------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        """Every global step as (epoch, step in the epoch); this partition's cuts of its rows."""
+        p, job = self.p, self.job
+        counts = all_counts(p, len(self.X_train))
+        steps = steps_per_epoch(sum(counts), job.batch_size)
+        sizes = global_batch_sizes(counts, steps)
+        self.cuts = share_bounds(len(self.X_train), p.partition_id, p.partition_num, steps)
+        self.plan = [(epoch, step) for epoch in range(job.epochs) for step in range(steps) if sizes[step]]
+        self._report("start", partition=p.partition_id, steps=int(np.count_nonzero(sizes)), epochs=job.epochs)
+
+    def _batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """This partition's rows of global step ``index`` (shuffled anew each epoch)."""
+        epoch, step = self._at(index)
+        if epoch != self._order_epoch:
+            self._order_epoch, self._order = epoch, epoch_order(len(self.X_train), self.job.seed, epoch,
+                                                                  self.p.partition_id)
+        rows = self._order[self.cuts[step]:self.cuts[step + 1]]
+        return self.X_train[rows], self.y_train[rows]
+
+    def _at(self, index: int) -> tuple[int, int]:
+        """Global step ``index`` as (epoch, step), which errors from here on name."""
+        epoch, step = self.plan[min(index, len(self.plan) - 1)]
+        self.where.update(epoch=epoch, step=step)
+        return epoch, step
+
+    def _record(self, index: int, loss_sum: float, count: float, phases: Sequence[float], staleness: int = 0) -> None:
+        epoch, step = self.plan[index]
+        record = np.array([epoch, step, loss_sum, count, *phases, staleness], dtype=np.float64)
+        self.records.append(record)
+        self._report("step", record=record.tolist())
+
+    def _epoch_done(self, epoch: int, last: bool = False) -> None:
+        """This partition's share of ``epoch``'s metrics, with the weights just read."""
+        self.where.update(epoch=epoch, step=None)
+        metrics: dict[str, Any] = {"epoch": epoch, "partition": self.p.partition_id, "task": self.job.model.task}
+        if self.job.has_validation:
+            metrics["val"] = evaluate(self.job.model, self.weights, self.X_valid, self.y_valid)
+        if last:
+            metrics["train"] = evaluate(self.job.model, self.weights, self.X_train, self.y_train)
+        self.epochs.append(metrics)
+        self._report("epoch", **metrics)
+
+    def _epochs_before(self, index: int) -> None:
+        """Evaluate every epoch that ended before global step ``index`` and is not yet done."""
+        while len(self.epochs) < self.job.epochs - 1 and (index >= len(self.plan)
+                                                          or self.plan[index][0] > len(self.epochs)):
+            self._epoch_done(len(self.epochs))
+
+    def _gradient(self, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
+        loss_sum, grad_sum, count = self.compute(self.weights, X, y)
+        return loss_sum, grad_sum, count
+
+    def _clip_own(self, grad_sum: np.ndarray, count: int) -> None:
+        """Clip a gradient by its own norm (where the global norm would need every partition)."""
+        clip = self.job.optimizer.clip_norm
+        if clip is not None and count:
+            grad_sum *= np.float32(clip_scale(squared_norm(grad_sum) / float(count) ** 2, clip))
+
+    # ---- the loops -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        job, p = self.job, self.p
+        self._plan()
+        p.init(job.model.init(np.random.default_rng(job.seed)))
+        if job.sync_every != 1:
+            self._local_sgd()
+        elif p.strategy.inline_owner:
+            self._bsp()
+        elif p.strategy.backup_workers:
+            self._with_backups()
         else:
-            metrics[f"{name}_rmse"] = float(np.sqrt(metric_sum / count))
-    return metrics
+            self._asynchronous()
+        self.where.update(epoch=None, step=None)
+
+    def _bsp(self) -> None:
+        job, p = self.job, self.p
+        state = job.optimizer.init_state(p.slice_length)
+        for index in range(len(self.plan)):
+            self._at(index)
+            t0 = time.perf_counter()
+            p.get_weights(out=self.weights)
+            self._epochs_before(index)
+            X, y = self._batch(index)
+            t1 = time.perf_counter()
+            loss_sum, grad_sum, count = self._gradient(X, y)
+            t2 = time.perf_counter()
+            p.put_gradients(grad_sum, count=count)
+            t3 = time.perf_counter()
+            gradient = p.aggregate_gradient_partition()
+            t4 = time.perf_counter()
+            scale = 1.0
+            if job.optimizer.clip_norm is not None:  # by the global norm: one scalar allreduce
+                squared = p.allreduce(np.array([squared_norm(gradient)], dtype=np.float32), codec="raw")[0]
+                scale = clip_scale(float(squared), job.optimizer.clip_norm)
+            job.optimizer.step(p.weight_partition, gradient, state, index, grad_scale=scale)
+            t5 = time.perf_counter()
+            p.send_weight_partition()
+            t6 = time.perf_counter()
+            self._record(index, loss_sum, count, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
+        self._finish()
+
+    def _serve(self) -> None:
+        """Start the background owner: it updates the own slice with the optimizer."""
+        optimizer, state = self.job.optimizer, self.job.optimizer.init_state(self.p.slice_length)
+        self.p.serve_updates(lambda gradient, weights, step: optimizer.step(weights, gradient, state, step),
+                             len(self.plan))
+
+    def _asynchronous(self) -> None:
+        """SSP, ASP: read what the strategy allows, compute, put; the owner does the rest."""
+        p = self.p
+        self._serve()
+        for index in range(len(self.plan)):
+            self._at(index)
+            t0 = time.perf_counter()
+            p.get_weights(out=self.weights)
+            self._epochs_before(index)
+            X, y = self._batch(index)
+            t1 = time.perf_counter()
+            loss_sum, grad_sum, count = self._gradient(X, y)
+            self._clip_own(grad_sum, count)
+            t2 = time.perf_counter()
+            p.put_gradients(grad_sum, count=count)
+            t3 = time.perf_counter()
+            staleness = index - p.strategy.clock(p.last_read_version)
+            self._record(index, loss_sum, count, (t1 - t0, t2 - t1, t3 - t2, 0.0, 0.0, 0.0), staleness)
+        self._finish()
+
+    def _with_backups(self) -> None:
+        """BSP with backup workers: each read takes the newest step; steps missed are skipped."""
+        p = self.p
+        self._serve()
+        index = 0  # the first global step not yet recorded
+        while True:
+            self._at(index)
+            t0 = time.perf_counter()
+            p.get_weights(out=self.weights)
+            version = min(p.last_read_version, len(self.plan))
+            for skipped in range(index, version):  # the others went on without us
+                self._record(skipped, 0.0, 0, (0.0,) * 6)
+            self._epochs_before(version)
+            if version == len(self.plan):
+                break
+            X, y = self._batch(version)
+            t1 = time.perf_counter()
+            loss_sum, grad_sum, count = self._gradient(X, y)
+            self._clip_own(grad_sum, count)
+            t2 = time.perf_counter()
+            p.put_gradients(grad_sum, count=count)
+            t3 = time.perf_counter()
+            self._record(version, loss_sum, count, (t1 - t0, t2 - t1, t3 - t2, 0.0, 0.0, 0.0))
+            index = version + 1
+        self._finish()
+
+    def _local_sgd(self) -> None:
+        """Each partition steps its own copy of the model; every ``sync_every`` steps and at the
+        end of every epoch the partitions average their models (weighted by the rows each
+        trained on since the last sync) or sum their updates."""
+        job, p = self.job, self.p
+        p.get_weights(out=self.weights)
+        synced = self.weights.copy()
+        state = job.optimizer.init_state(self.weights.size)  # a whole model's: each trains its own
+        every = len(self.plan) if job.sync_every == "epoch" else int(job.sync_every)
+        rows = since = 0
+        for index in range(len(self.plan)):
+            X, y = self._batch(index)
+            t0 = time.perf_counter()
+            loss_sum, grad_sum, count = self._gradient(X, y)
+            t1 = time.perf_counter()
+            if count:
+                self._clip_own(grad_sum, count)
+                job.optimizer.step(self.weights, grad_sum, state, index, grad_scale=1.0 / count)
+            t2 = time.perf_counter()
+            rows, since = rows + count, since + 1
+            epoch_ends = index + 1 == len(self.plan) or self.plan[index + 1][0] != self.plan[index][0]
+            phases = [0.0, t1 - t0, 0.0, 0.0, t2 - t1, 0.0]
+            if since == every or epoch_ends:
+                phases[2], phases[3], phases[5], phases[0] = self._sync(synced, rows)
+                rows = since = 0
+            self._record(index, loss_sum, count, phases)
+            if epoch_ends and self.plan[index][0] < job.epochs - 1:
+                self._epoch_done(self.plan[index][0])
+        self._epoch_done(job.epochs - 1, last=True)
+
+    def _sync(self, synced: np.ndarray, rows: int) -> tuple[float, float, float, float]:
+        """Local SGD's sync; the put, aggregate, send and get times."""
+        p = self.p
+        t0 = time.perf_counter()
+        if self.job.model_averaging:
+            p.put_gradients(self.weights * np.float32(rows), count=rows)
+        else:
+            p.put_gradients(self.weights - synced, count=1)
+        t1 = time.perf_counter()
+        if self.job.model_averaging:
+            p.weight_partition[:] = p.aggregate_gradient_partition()
+        else:
+            p.weight_partition[:] += p.aggregate_gradient_partition(avg=1)
+        t2 = time.perf_counter()
+        p.send_weight_partition()
+        t3 = time.perf_counter()
+        p.get_weights(out=self.weights)
+        synced[:] = self.weights
+        return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3
+
+    def _finish(self) -> None:
+        """The final weights, on every partition, and the last epoch's metrics with them."""
+        if not self.p.strategy.inline_owner:
+            self.p.finish_updates()
+        self.p.get_weights(out=self.weights)
+        self._epochs_before(len(self.plan))
+        self._epoch_done(self.job.epochs - 1, last=True)
