@@ -245,9 +245,24 @@ class _Fit:
                                                           or self.plan[index][0] > len(self.epochs)):
             self._epoch_done(len(self.epochs))
 
-    def _gradient(self, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
+    def _read(self, index: int) -> float:
+        """Fetch the weights the strategy allows before global step ``index``; its seconds."""
+        self._at(index)
+        started = time.perf_counter()
+        self.p.get_weights(out=self.weights)
+        return time.perf_counter() - started
+
+    def _compute_and_put(self, index: int, clip_own: bool) -> tuple[float, int, float, float]:
+        """This partition's share of step ``index``: compute it, put the gradient; the loss sum,
+        the rows, and the seconds of each."""
+        X, y = self._batch(index)
+        started = time.perf_counter()
         loss_sum, grad_sum, count = self.compute(self.weights, X, y)
-        return loss_sum, grad_sum, count
+        if clip_own:
+            self._clip_own(grad_sum, count)
+        computed = time.perf_counter()
+        self.p.put_gradients(grad_sum, count=count)
+        return loss_sum, count, computed - started, time.perf_counter() - computed
 
     def _clip_own(self, grad_sum: np.ndarray, count: int) -> None:
         """Clip a gradient by its own norm (where the global norm would need every partition)."""
@@ -275,27 +290,21 @@ class _Fit:
         job, p = self.job, self.p
         state = job.optimizer.init_state(p.slice_length)
         for index in range(len(self.plan)):
-            self._at(index)
-            t0 = time.perf_counter()
-            p.get_weights(out=self.weights)
+            read_s = self._read(index)
             self._epochs_before(index)
-            X, y = self._batch(index)
-            t1 = time.perf_counter()
-            loss_sum, grad_sum, count = self._gradient(X, y)
-            t2 = time.perf_counter()
-            p.put_gradients(grad_sum, count=count)
-            t3 = time.perf_counter()
+            loss_sum, count, compute_s, put_s = self._compute_and_put(index, clip_own=False)
+            t0 = time.perf_counter()
             gradient = p.aggregate_gradient_partition()
-            t4 = time.perf_counter()
+            t1 = time.perf_counter()
             scale = 1.0
             if job.optimizer.clip_norm is not None:  # by the global norm: one scalar allreduce
                 squared = p.allreduce(np.array([squared_norm(gradient)], dtype=np.float32), codec="raw")[0]
                 scale = clip_scale(float(squared), job.optimizer.clip_norm)
             job.optimizer.step(p.weight_partition, gradient, state, index, grad_scale=scale)
-            t5 = time.perf_counter()
+            t2 = time.perf_counter()
             p.send_weight_partition()
-            t6 = time.perf_counter()
-            self._record(index, loss_sum, count, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
+            t3 = time.perf_counter()
+            self._record(index, loss_sum, count, (read_s, compute_s, put_s, t1 - t0, t2 - t1, t3 - t2))
         self._finish()
 
     def _serve(self) -> None:
@@ -309,19 +318,11 @@ class _Fit:
         p = self.p
         self._serve()
         for index in range(len(self.plan)):
-            self._at(index)
-            t0 = time.perf_counter()
-            p.get_weights(out=self.weights)
+            read_s = self._read(index)
             self._epochs_before(index)
-            X, y = self._batch(index)
-            t1 = time.perf_counter()
-            loss_sum, grad_sum, count = self._gradient(X, y)
-            self._clip_own(grad_sum, count)
-            t2 = time.perf_counter()
-            p.put_gradients(grad_sum, count=count)
-            t3 = time.perf_counter()
+            loss_sum, count, compute_s, put_s = self._compute_and_put(index, clip_own=True)
             staleness = index - p.strategy.clock(p.last_read_version)
-            self._record(index, loss_sum, count, (t1 - t0, t2 - t1, t3 - t2, 0.0, 0.0, 0.0), staleness)
+            self._record(index, loss_sum, count, (read_s, compute_s, put_s, 0.0, 0.0, 0.0), staleness)
         self._finish()
 
     def _with_backups(self) -> None:
@@ -330,23 +331,15 @@ class _Fit:
         self._serve()
         index = 0  # the first global step not yet recorded
         while True:
-            self._at(index)
-            t0 = time.perf_counter()
-            p.get_weights(out=self.weights)
+            read_s = self._read(index)
             version = min(p.last_read_version, len(self.plan))
             for skipped in range(index, version):  # the others went on without us
                 self._record(skipped, 0.0, 0, (0.0,) * 6)
             self._epochs_before(version)
             if version == len(self.plan):
                 break
-            X, y = self._batch(version)
-            t1 = time.perf_counter()
-            loss_sum, grad_sum, count = self._gradient(X, y)
-            self._clip_own(grad_sum, count)
-            t2 = time.perf_counter()
-            p.put_gradients(grad_sum, count=count)
-            t3 = time.perf_counter()
-            self._record(version, loss_sum, count, (t1 - t0, t2 - t1, t3 - t2, 0.0, 0.0, 0.0))
+            loss_sum, count, compute_s, put_s = self._compute_and_put(version, clip_own=True)
+            self._record(version, loss_sum, count, (read_s, compute_s, put_s, 0.0, 0.0, 0.0))
             index = version + 1
         self._finish()
 
@@ -363,7 +356,7 @@ class _Fit:
         for index in range(len(self.plan)):
             X, y = self._batch(index)
             t0 = time.perf_counter()
-            loss_sum, grad_sum, count = self._gradient(X, y)
+            loss_sum, grad_sum, count = self.compute(self.weights, X, y)
             t1 = time.perf_counter()
             if count:
                 self._clip_own(grad_sum, count)
