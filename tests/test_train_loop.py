@@ -214,15 +214,17 @@ class StepListener:
 
 
 class Straggler(models.SoftmaxRegression):
-    """Partition 2 (its thread's name says so) stops at its first step until the listener has
-    seen ``ahead`` steps of the others: a slow executor, made by the test, not by timing."""
+    """The last partition (its thread's name says so) stops at its first step until the
+    listener has seen ``ahead`` steps of the others: a slow executor, made by the test, not
+    by timing."""
 
     listener: StepListener | None = None
     ahead = 0
+    slow = "partition-2"
 
     def loss_and_grad(self, weights, X, y):
         listener = Straggler.listener
-        if threading.current_thread().name == "partition-2" and listener is not None:
+        if threading.current_thread().name == Straggler.slow and listener is not None:
             with listener.changed:
                 assert listener.changed.wait_for(lambda: sum(listener.steps.values()) >= Straggler.ahead, 60)
             Straggler.listener = None
@@ -240,7 +242,7 @@ def merged_history(outputs, partitions: int) -> History:
 def test_backup_workers_leave_out_a_straggler_and_count_it():
     X, y = blobs(180, 4, 3, seed=5)
     parts = [(X[i::3], y[i::3]) for i in range(3)]
-    Straggler.listener, Straggler.ahead = StepListener(), 8  # the others' records of 4 steps each
+    Straggler.listener, Straggler.ahead, Straggler.slow = StepListener(), 8, "partition-2"  # 4 steps each
     model = Straggler(4, 3)
     param = AllReduceParameter(3, model.size, codec="raw", timeout=60, strategy=Strategy("bsp", backup_workers=1))
     job = TrainingJob(model, optim.SGD(lr=0.2), param, batch_size=30, epochs=3, seed=0, threads=None,
@@ -271,4 +273,23 @@ def test_asynchronous_strategies_train_and_record_their_staleness(strategy):
     assert len(history.steps) == 40 and sum(s["samples"] for s in history.steps) == 4 * 240
     if strategy.name == "ssp":
         assert max(step["staleness"] for step in history.steps) <= 2
+    assert history.epochs[-1]["train_accuracy"] >= 0.9
+
+
+def test_asp_keeps_the_others_stepping_while_one_partition_is_stuck_and_still_converges():
+    X, y = blobs(200, 4, 3, seed=8)
+    parts = [(X[:100], y[:100]), (X[100:], y[100:])]
+    steps = 3 * steps_per_epoch(200, 20)
+    # partition 1 computes nothing until partition 0 has reported every one of its steps
+    Straggler.listener, Straggler.ahead, Straggler.slow = StepListener(), steps, "partition-1"
+    model = Straggler(4, 3)
+    param = AllReduceParameter(2, model.size, codec="raw", timeout=60, strategy=Strategy("asp"))
+    job = TrainingJob(model, optim.SGD(lr=0.1), param, batch_size=20, epochs=3, seed=0, threads=None,
+                      n_features=4, has_validation=False, reporter=Straggler.listener)
+    outputs = run_workers(job, parts)
+    for output in outputs:
+        assert isinstance(output, dict), output
+    history = merged_history(outputs, 2)
+    # partition 0 stepped on to its last step with weights that held none of partition 1's steps
+    assert max(step["staleness"] for step in history.steps) == steps - 1
     assert history.epochs[-1]["train_accuracy"] >= 0.9
