@@ -47,15 +47,17 @@ class BackgroundOwner:
     """Runs the owner's side of ``handle`` until every partition's ``steps`` gradients are in.
 
     Made by ``ConnectedParameter.serve_updates``; ``update(gradient, weights, step)`` changes
-    the owned slice in place.
+    the owned slice in place. ``channel`` fetches the gradients; ``choices``, with backup
+    workers on every owner but the chooser, fetches the chooser's choices.
     """
 
-    def __init__(self, handle: ConnectedParameter, channel: _Channel,
+    def __init__(self, handle: ConnectedParameter, channel: _Channel, choices: _Channel | None,
                  update: Callable[[np.ndarray, np.ndarray, int], None], steps: int) -> None:
         self.steps = steps
         self.updates: list[Update] = []
         self._handle = handle
         self._channel = channel
+        self._choices = choices  # backup workers, but the chooser: where each step's choice comes from
         self._update = update
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -129,22 +131,18 @@ class BackgroundOwner:
         handle = self._handle
         partitions = handle.partition_num
         raw, choice = get_codec("raw"), np.zeros(partitions, np.float32)
-        chooser = handle.partition_id == Strategy.CHOOSER
-        # the choice travels on a connection of its own: the owner's channel may be waiting
-        # on a straggler's gradient from the chooser's partition
-        choices = None if chooser else handle._channel(1, "choice")
         requests: dict[int, tuple[int, list[Future]]] = {}  # source -> (step asked at, parts)
         for step in range(self.steps):
             for source in range(partitions):
                 if source not in requests:
                     requests[source] = (step, self._fetch(source, step, exact=False))
-            if chooser:
+            if self._choices is None:  # this owner chooses
                 taken = self._first(requests, step, handle.strategy.gradients_per_update(partitions))
                 choice[:] = 0
                 choice[taken] = 1
                 handle._publish(BlockKind.CHOICE, step, choice, codec=raw)
             else:
-                pending = handle._fetch_all(choices, BlockKind.CHOICE, WeightRead(step, exact=True),
+                pending = handle._fetch_all(self._choices, BlockKind.CHOICE, WeightRead(step, exact=True),
                                             SliceLayout(partitions, 1), EVERY_PARTITION, codec=raw,
                                             sources=[Strategy.CHOOSER])
                 taken = [int(source) for source in np.flatnonzero(pending[Strategy.CHOOSER][0].result()[2])]

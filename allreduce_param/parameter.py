@@ -412,7 +412,11 @@ class ConnectedParameter:
                              "BSP a step calls aggregate_gradient_partition and send_weight_partition itself")
         if self._owner is not None:
             raise UsageError(f"serve_updates() was called twice on partition {self.partition_id}")
-        self._owner = BackgroundOwner(self, self._channel(self.partition_num, "owner"), update, int(steps))
+        # with backup workers the step's choice travels on a connection of its own: the owner's
+        # may be waiting for a straggler's gradient from the chooser's partition
+        choices = self._channel(1, "choice") if self.strategy.backup_workers \
+            and self.partition_id != self.strategy.CHOOSER else None
+        self._owner = BackgroundOwner(self, self._channel(self.partition_num, "owner"), choices, update, int(steps))
 
     def finish_updates(self) -> None:
         """Wait until every owner has applied every partition's gradients; afterwards
