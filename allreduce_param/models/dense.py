@@ -233,9 +233,12 @@ class DenseNetwork:
     def __hash__(self) -> int:
         return hash((type(self).__name__, repr(self)))
 
-    def __reduce__(self):
+    def __reduce_ex__(self, protocol):
         # Rebuild through the constructor: a pickle holds only the arguments, and the
-        # rebuilt model is validated like a new one.
+        # rebuilt model is validated like a new one. A user's subclass with a constructor
+        # of its own pickles as any object does (its constructor takes other arguments).
+        if not type(self).__init__.__module__.startswith(__name__.rsplit(".", 1)[0]):
+            return object.__reduce_ex__(self, protocol)
         return (_rebuild, (type(self), self._arguments()))
 
 
