@@ -47,18 +47,21 @@ class BackgroundOwner:
     """Runs the owner's side of ``handle`` until every partition's ``steps`` gradients are in.
 
     Made by ``ConnectedParameter.serve_updates``; ``update(gradient, weights, step)`` changes
-    the owned slice in place. ``channel`` fetches the gradients; ``choices``, with backup
-    workers on every owner but the chooser, fetches the chooser's choices.
+    the owned slice in place. ``channel`` fetches the gradients; ``control``, with backup
+    workers on every owner but the chooser, the chooser's choices. ``on_steps_done(k)``
+    follows each update after which the slice holds every partition's steps before k.
     """
 
-    def __init__(self, handle: ConnectedParameter, channel: _Channel, choices: _Channel | None,
-                 update: Callable[[np.ndarray, np.ndarray, int], None], steps: int) -> None:
+    def __init__(self, handle: ConnectedParameter, channel: _Channel, control: _Channel,
+                 update: Callable[[np.ndarray, np.ndarray, int], None], steps: int,
+                 on_steps_done: Callable[[int], None] | None = None) -> None:
         self.steps = steps
         self.updates: list[Update] = []
         self._handle = handle
         self._channel = channel
-        self._choices = choices  # backup workers, but the chooser: where each step's choice comes from
+        self._control = control  # backup workers: where the chooser's choices come from
         self._update = update
+        self._on_steps_done = on_steps_done or (lambda steps_done: None)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"allreduce-owner-{handle.partition_id}")
@@ -109,18 +112,22 @@ class BackgroundOwner:
     def _arrivals(self) -> None:
         """ssp, asp: apply every partition's gradients in order, as they arrive."""
         handle = self._handle
-        partitions = handle.partition_num
-        taken = [0] * partitions
-        pending = {source: self._fetch(source, 0, exact=True) for source in range(partitions)} if self.steps else {}
+        partitions, start = handle.partition_num, handle._start
+        taken = [start] * partitions
+        pending = {source: self._fetch(source, start, exact=True) for source in range(partitions)} \
+            if start < self.steps else {}
         while pending:
             wait([futures[-1] for futures in pending.values()], return_when=FIRST_COMPLETED)
             arrived = [source for source in sorted(pending) if pending[source][-1].done()]
             self._apply(pending, arrived, sum(taken) // partitions)
+            clock = min(taken)
             for source in arrived:
                 taken[source] += 1
                 del pending[source]
             version = handle.strategy.weight_version(min(taken), len(self.updates))
             handle._publish(BlockKind.WEIGHT, version, handle._weight)
+            for steps_done in range(clock + 1, min(taken) + 1):
+                self._on_steps_done(steps_done)
             for source in arrived:
                 if taken[source] < self.steps:
                     pending[source] = self._fetch(source, taken[source], exact=True)
@@ -132,17 +139,17 @@ class BackgroundOwner:
         partitions = handle.partition_num
         raw, choice = get_codec("raw"), np.zeros(partitions, np.float32)
         requests: dict[int, tuple[int, list[Future]]] = {}  # source -> (step asked at, parts)
-        for step in range(self.steps):
+        for step in range(handle._start, self.steps):
             for source in range(partitions):
                 if source not in requests:
                     requests[source] = (step, self._fetch(source, step, exact=False))
-            if self._choices is None:  # this owner chooses
+            if handle.partition_id == Strategy.CHOOSER:
                 taken = self._first(requests, step, handle.strategy.gradients_per_update(partitions))
                 choice[:] = 0
                 choice[taken] = 1
                 handle._publish(BlockKind.CHOICE, step, choice, codec=raw)
             else:
-                pending = handle._fetch_all(self._choices, BlockKind.CHOICE, WeightRead(step, exact=True),
+                pending = handle._fetch_all(self._control, BlockKind.CHOICE, WeightRead(step, exact=True),
                                             SliceLayout(partitions, 1), EVERY_PARTITION, codec=raw,
                                             sources=[Strategy.CHOOSER])
                 taken = [int(source) for source in np.flatnonzero(pending[Strategy.CHOOSER][0].result()[2])]
@@ -152,6 +159,7 @@ class BackgroundOwner:
             for source in taken:
                 del requests[source]
             handle._publish(BlockKind.WEIGHT, step + 1, handle._weight)
+            self._on_steps_done(step + 1)
 
     def _first(self, requests: dict[int, tuple[int, list[Future]]], step: int, need: int) -> list[int]:
         """The chooser: the first ``need`` partitions whose gradient of ``step`` arrives."""

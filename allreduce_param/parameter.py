@@ -203,8 +203,9 @@ class ConnectedParameter:
         self._gradient_pending = False
         # sends since the last aggregate: a second one could rewrite a version a peer still reads
         self._sends_since_aggregate = 0
+        self._start = 0  # the global step the fit starts at (past a checkpoint when resumed)
         self._last_read = -1  # the lowest weight version the last get_weights took
-        self._puts = 0  # gradients put so far
+        self._puts = 0  # gradients put so far, counted from the first step
         self._owner = None  # the background owner, under strategies other than plain BSP
         self._finished = False
         self._closed = False
@@ -230,6 +231,9 @@ class ConnectedParameter:
             self._addresses = rendezvous.exchange(self._server.advertised_address)
             peers = self.partition_num - 1
             self._worker = self._channel(min(param.fetch_threads or peers, peers), "fetch")
+            # small blocks (choices, signals) on connections of their own, made at first use:
+            # a background owner's channel may be waiting for a straggler's gradient meanwhile
+            self._control = self._channel(1, "control")
         except BaseException:
             self._shutdown()
             raise
@@ -253,17 +257,24 @@ class ConnectedParameter:
 
     # ---- the weights ---------------------------------------------------------------------
 
-    def init(self, weights: np.ndarray) -> None:
-        """Keep this partition's slice of ``weights`` (fp32) and publish it as version 0.
+    def init(self, weights: np.ndarray, step: int = 0) -> None:
+        """Keep this partition's slice of ``weights`` (fp32) and publish it as the weights of
+        ``step``, the global step the fit starts at (0, or the step after a checkpoint).
 
-        Call once, before anything else, with the same full vector on every partition.
+        Call once, before anything else, with the same full vector on every partition, or
+        with this partition's own slice (what a checkpoint holds for it), and the same step.
         """
         if self._weight is not None:
             raise UsageError(f"init() was called twice on partition {self.partition_id}")
-        vector = self._vector(weights, self.layout.size, "init(weights)")
-        self._weight = vector[self.layout.bounds(self.partition_id)].copy()
-        self._versions[BlockKind.WEIGHT] = 0
-        self._publish(BlockKind.WEIGHT, 0, self._weight)
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise InputError(f"init(step={step!r}) on partition {self.partition_id}: a whole number >= 0")
+        own = np.asarray(weights).size == self.slice_length
+        vector = self._vector(weights, self.slice_length if own else self.layout.size, "init(weights)")
+        self._weight = (vector if own else vector[self.layout.bounds(self.partition_id)]).copy()
+        self._start = self._puts = int(step)
+        self._last_read = self._versions[BlockKind.GRADIENT] = self._start - 1
+        self._versions[BlockKind.WEIGHT] = self.strategy.weight_version(self._start, 0)
+        self._publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
 
     @property
     def weight_partition(self) -> np.ndarray:
@@ -395,14 +406,18 @@ class ConnectedParameter:
 
     # ---- the background owner (strategies other than plain BSP) ----------------------------
 
-    def serve_updates(self, update: Callable[[np.ndarray, np.ndarray, int], None], steps: int) -> None:
+    def serve_updates(self, update: Callable[[np.ndarray, np.ndarray, int], None], steps: int,
+                      on_steps_done: Callable[[int], None] | None = None) -> None:
         """Start the background owner: it takes the gradients of this slice as the strategy
         allows, calls ``update(gradient, weight_partition, step)`` to change the slice in
         place (``gradient``: the exact mean over the rows of the gradients taken; ``step``:
         0-based, for learning-rate schedules), and publishes the slice after each update.
 
-        ``steps``: how many gradients every partition puts (with backup workers: how many
-        steps the fit has). Call once, after ``init``; ``update`` runs on the owner's thread.
+        ``steps``: the fit's global steps, the first being ``init``'s. Every partition puts
+        a gradient for each (with backup workers, for those it does not skip).
+        ``on_steps_done(k)``, if given, is called once the slice holds every partition's
+        gradients of the steps before k (ssp, asp: its clock reached k), for each k.
+        Call once, after ``init``; both callables run on the owner's thread.
         """
         from .owner import BackgroundOwner
 
@@ -412,11 +427,8 @@ class ConnectedParameter:
                              "BSP a step calls aggregate_gradient_partition and send_weight_partition itself")
         if self._owner is not None:
             raise UsageError(f"serve_updates() was called twice on partition {self.partition_id}")
-        # with backup workers the step's choice travels on a connection of its own: the owner's
-        # may be waiting for a straggler's gradient from the chooser's partition
-        choices = self._channel(1, "choice") if self.strategy.backup_workers \
-            and self.partition_id != self.strategy.CHOOSER else None
-        self._owner = BackgroundOwner(self, self._channel(self.partition_num, "owner"), choices, update, int(steps))
+        self._owner = BackgroundOwner(self, self._channel(self.partition_num, "owner"), self._control, update,
+                                      int(steps), on_steps_done)
 
     def finish_updates(self) -> None:
         """Wait until every owner has applied every partition's gradients; afterwards
@@ -428,6 +440,20 @@ class ConnectedParameter:
         with self._owner_failure_first():
             self.allreduce(np.zeros(1, np.float32), codec="raw")  # every owner has published its last
         self._finished = True
+
+    # ---- signals ---------------------------------------------------------------------------
+
+    def signal(self, version: int) -> None:
+        """Tell every partition this one has done ``version`` of something (e.g. written a
+        checkpoint); see ``wait_for_signals``. Versions must increase."""
+        self._publish(BlockKind.SIGNAL, version, np.ones(1, np.float32), codec=get_codec("raw"))
+
+    def wait_for_signals(self, version: int) -> None:
+        """Wait until every partition has signalled ``version`` (or a later one)."""
+        pending = self._fetch_all(self._control, BlockKind.SIGNAL, WeightRead(version, exact=False), None,
+                                  EVERY_PARTITION, codec=get_codec("raw"), lengths=1)
+        for futures in pending.values():
+            futures[-1].result()
 
     @contextlib.contextmanager
     def _owner_failure_first(self):
@@ -546,11 +572,13 @@ class ConnectedParameter:
                 lowest = version if lowest is None else min(lowest, version)
         return lowest
 
-    def _fetch_all(self, channel: _Channel, kind: int, read: WeightRead, layout: SliceLayout, destination: int,
-                   codec=None, sources=None, follow_first: bool = False) -> dict[int, list[Future]]:
+    def _fetch_all(self, channel: _Channel, kind: int, read: WeightRead, layout: SliceLayout | None,
+                   destination: int, codec=None, sources=None, follow_first: bool = False,
+                   lengths: int | None = None) -> dict[int, list[Future]]:
         """Start fetching every part of block ``(kind, j, destination)`` from each partition ``j``
         of ``sources`` (default: all), as ``read`` says: each part on its own, or with
-        ``follow_first`` every part in the version the first part came in.
+        ``follow_first`` every part in the version the first part came in. ``lengths``: the
+        one length every source's block has (a control block), instead of ``layout``'s.
 
         ``result[j][k]`` is a future of part k's ``(version, count, values)``; values stay valid
         until the channel's next fetch from ``j``. With the worker's channel the own blocks
@@ -559,7 +587,8 @@ class ConnectedParameter:
         """
         pending: dict[int, list[Future]] = {}
         for source in range(self.partition_num) if sources is None else sources:
-            slice_length = layout.length(source if destination == EVERY_PARTITION else destination)
+            slice_length = lengths if lengths is not None else \
+                layout.length(source if destination == EVERY_PARTITION else destination)
             parts = split(slice_length, PART_LENGTH)
             futures = [Future() for _ in parts]
             arguments = (channel, source, kind, read, destination, parts, futures, codec or self._codec, follow_first)

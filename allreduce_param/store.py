@@ -39,9 +39,10 @@ class BlockKind:
     REDUCE_INPUT = 3  # allreduce(): a chunk of the input, for the chunk's owner
     REDUCE_OUTPUT = 4  # allreduce(): an owner's reduced slice, for every partition
     CHOICE = 5  # backup workers: which partitions' gradients a step takes, for every owner
+    SIGNAL = 6  # "I have done v" (a checkpoint written), for whoever waits for everyone's
 
     NAMES = {WEIGHT: "weight", GRADIENT: "gradient", REDUCE_INPUT: "allreduce input",
-             REDUCE_OUTPUT: "allreduce output", CHOICE: "step choice"}
+             REDUCE_OUTPUT: "allreduce output", CHOICE: "step choice", SIGNAL: "signal"}
 
 
 class BlockKey(NamedTuple):

@@ -121,8 +121,9 @@ class Strategy:
     # ---- versions ----------------------------------------------------------------------
 
     def weight_version(self, clock: int, updates: int) -> int:
-        """The version an owner publishes after ``updates`` updates, at ``clock``."""
-        return (clock << CLOCK_SHIFT) | updates if self.asynchronous else updates
+        """The version an owner publishes after ``updates`` updates, at ``clock`` (the steps of
+        every partition its slice holds; under BSP the two are the same)."""
+        return (clock << CLOCK_SHIFT) | updates if self.asynchronous else clock
 
     def clock(self, weight_version: int) -> int:
         """How many steps of every partition a slice of ``weight_version`` includes."""
@@ -149,7 +150,8 @@ class Strategy:
         """Versions each kind of block keeps: exactly those a reader can still ask for."""
         gradients = GRADIENT_BACKLOG if self.asynchronous else 1
         return {BlockKind.WEIGHT: 1, BlockKind.GRADIENT: gradients,
-                BlockKind.REDUCE_INPUT: 1, BlockKind.REDUCE_OUTPUT: 1, BlockKind.CHOICE: 1}
+                BlockKind.REDUCE_INPUT: 1, BlockKind.REDUCE_OUTPUT: 1, BlockKind.CHOICE: 1,
+                BlockKind.SIGNAL: 1}
 
     def waits_for_readers(self) -> frozenset[int]:
         """Kinds whose producer waits for room instead of dropping a version nobody took."""

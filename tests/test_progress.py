@@ -73,3 +73,25 @@ def test_a_reporter_whose_driver_is_gone_keeps_quiet():
     for _ in range(3):  # no exception: training goes on without progress
         reporter.send("step", record=record(0, 0, 1.0, 1, 0.1))
     assert reporter._broken
+
+
+def test_a_resumed_attempt_drops_what_the_failed_one_left_half_reported():
+    events = Events(expected=2)
+    started = Events(expected=1)
+    server = ProgressServer("127.0.0.1", 2, merge_step,
+                            lambda kind, fields: (events(kind, fields), kind == "start" and started(kind, fields)))
+    reporters = [server.reporter() for _ in range(2)]
+    try:
+        # the failed attempt: only partition 0 reported step 3
+        reporters[0].send("step", partition=0, record=record(0, 3, 9.0, 2, 0.1))
+        reporters[0].send("start", partition=0, steps=4, epochs=1, resumed=[0, 3], done=3)
+        assert started.done.wait(30)
+        reporters[1].send("step", partition=1, record=record(0, 3, 4.0, 2, 0.3))  # the new attempt's
+        reporters[0].send("step", partition=0, record=record(0, 3, 2.0, 2, 0.2))
+        assert events.done.wait(30)
+    finally:
+        for reporter in reporters:
+            reporter.close()
+        server.close()
+    kind, merged = events.items[-1]
+    assert kind == "step" and merged["loss"] == 1.5  # (4 + 2) / 4: the new attempt's two records

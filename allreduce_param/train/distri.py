@@ -19,6 +19,7 @@ from ..codec import get_codec
 from ..errors import ConfigurationError, InputError
 from ..parameter import AllReduceParameter
 from ..strategy import Strategy
+from .checkpoint import CheckpointSettings, Manifest, newest
 from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
 from .partitioning import check_scheme, place_pairs, place_rows
 from .progress import ProgressBar, ProgressServer
@@ -54,6 +55,14 @@ class DistriOptimizer:
     where no step sees every partition's gradient at once, each partition's gradient is
     clipped by its own norm.
 
+    ``checkpoint_dir`` (a local path, or a URL such as ``hdfs://`` or ``s3://`` that fsspec
+    opens; on a cluster, storage every executor sees) makes the fit write checkpoints into
+    a folder of its own there, ``checkpoint_every`` steps (or each ``"epoch"``, the default)
+    and after the last step, keeping the newest ``checkpoint_keep``. When a task fails and
+    Spark retries the stage (``spark.stage.maxConsecutiveAttempts``, 4 by default), the fit
+    resumes from the newest one instead of starting over; ``fit(resume_from=...)``
+    continues a stopped or finished fit from one.
+
     While it runs, every step comes to the driver: ``progress`` shows a bar (terminal or
     notebook), ``log_path`` appends each step and epoch as a JSON line, and ``listener``,
     a callable ``(kind, fields)``, gets ``"start"``, ``"step"`` and ``"epoch"`` events.
@@ -79,6 +88,9 @@ class DistriOptimizer:
         sync_every: int | str = 1,
         model_averaging: bool | None = None,
         partition_scheme: str = "as_is",
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | str | None = None,
+        checkpoint_keep: int = 2,
     ) -> None:
         for name in ("init", "loss_and_grad", "predict"):
             if not callable(getattr(model, name, None)):
@@ -107,6 +119,14 @@ class DistriOptimizer:
             raise ConfigurationError("model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
                                      "sync_every=1 every step averages the gradients")
         self.partition_scheme = check_scheme(partition_scheme)
+        if checkpoint_dir is None and checkpoint_every is not None:
+            raise ConfigurationError(f"checkpoint_every={checkpoint_every!r} goes with checkpoint_dir, the "
+                                     "storage to write the checkpoints to")
+        if checkpoint_dir is not None:  # the settings are checked now, before any data moves
+            CheckpointSettings.for_new_fit(str(checkpoint_dir), checkpoint_every, checkpoint_keep)
+        self.checkpoint_dir = None if checkpoint_dir is None else str(checkpoint_dir)
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_keep = checkpoint_keep
         self.sync_every = sync_every
         self.model_averaging = True if model_averaging is None else bool(model_averaging)
         self.model = model
@@ -123,14 +143,17 @@ class DistriOptimizer:
         self.listener = listener
 
     def fit(self, data: DataFrame | RDD, features_col: str = "features", label_col: str = "label",
-            validation: DataFrame | None = None) -> TrainedModel:
+            validation: DataFrame | None = None, resume_from: str | None = None) -> TrainedModel:
         """Train on ``data`` (a DataFrame, or an RDD of ``(features, label)`` numpy pairs).
 
         ``validation`` (a DataFrame with the same columns) is evaluated after every epoch.
-        Bad data or settings raise before any task starts; a failing task raises
-        ``TrainingError`` naming its partition, epoch and step.
+        ``resume_from``: a checkpoint (its folder, or a fit's folder: its newest) to continue
+        from, optimizer state included, on any number of workers. Bad data or settings raise
+        before any task starts; a failing task raises ``TrainingError`` naming its
+        partition, epoch and step.
         """
         started = time.perf_counter()
+        resume = self._resume_point(resume_from) if resume_from is not None else None
         if hasattr(data, "sparkSession"):
             prepared, summary = prepare(data, features_col, label_col, validation)
             n_features, sample = summary.n_features, summary.sample
@@ -153,19 +176,72 @@ class DistriOptimizer:
                 f"needs rows in each step; raise batch_size or pass num_workers<={self.batch_size}"
             )
         self.strategy.check_partitions(workers)
+        if resume is not None:
+            self._check_resume(resume, size, workers)
         param = AllReduceParameter(workers, size, codec=self.codec, timeout=self.timeout, strategy=self.strategy)
+        checkpoints = None if self.checkpoint_dir is None else CheckpointSettings.for_new_fit(
+            self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)
         with self._progress(spark_context, workers) as server:
             job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
                               self.threads, n_features, validation is not None,
-                              server.reporter() if server else None, self.sync_every, self.model_averaging)
+                              server.reporter() if server else None, self.sync_every, self.model_averaging,
+                              checkpoints, resume, self._settings())
             if hasattr(source, "mapInArrow"):
                 placed = place_rows(source, workers, self.partition_scheme, self.seed, summary.partition_counts)
             else:
                 placed = place_pairs(source, workers, self.partition_scheme, self.seed)
-            records = self._run(job, placed, workers)
+            try:
+                records = self._run(job, placed, workers)
+            except TrainingError as error:
+                if checkpoints is None:
+                    raise
+                raise self._with_checkpoint_advice(error, checkpoints, spark_context) from error.__cause__
         history = History.from_records(records["steps"], records["epochs"], time.perf_counter() - started,
                                        records["updates"])
+        history.resumed = records["resumed"]
+        history.checkpoints = None if checkpoints is None else checkpoints.directory
         return TrainedModel(self.model, records["weights"], history, n_features)
+
+    def _settings(self) -> dict:
+        """What a checkpoint's manifest records of this fit's settings."""
+        return {"strategy": self.strategy.name, "staleness": self.strategy.staleness,
+                "backup_workers": self.strategy.backup_workers, "sync_every": self.sync_every,
+                "batch_size": self.batch_size, "epochs": self.epochs, "seed": self.seed,
+                "partition_scheme": self.partition_scheme, "codec": self.codec,
+                "model": repr(self.model), "optimizer": repr(self.optimizer)}
+
+    def _resume_point(self, location: str) -> Manifest:
+        found = newest(str(location))
+        if found is None:
+            raise InputError(f"resume_from={str(location)!r} holds no complete checkpoint (no manifest.json "
+                             "there, nor in a step-... folder of it)")
+        return found
+
+    def _check_resume(self, resume: Manifest, size: int, workers: int) -> None:
+        """A checkpoint this fit can continue from: the same model size and optimizer state."""
+        if resume.size != size:
+            raise InputError(f"the checkpoint {resume.folder} holds {resume.size} weights, this model has {size}: "
+                             "resume with the model the checkpoint was made with")
+        if set(resume.state_names) != set(self.optimizer.state_names):
+            raise InputError(f"the checkpoint {resume.folder} holds optimizer state {list(resume.state_names)}, "
+                             f"{self.optimizer!r} needs {list(self.optimizer.state_names)}: resume with the "
+                             "optimizer the checkpoint was made with")
+
+    @staticmethod
+    def _with_checkpoint_advice(error: TrainingError, checkpoints: CheckpointSettings,
+                                spark_context) -> TrainingError:
+        """The failure, with what the fit's checkpoints make possible now."""
+        attempts = spark_context.getConf().get("spark.stage.maxConsecutiveAttempts", "4")
+        found = newest(checkpoints.directory)
+        if found is None:
+            advice = f"The fit wrote no complete checkpoint to {checkpoints.directory} before it failed"
+        else:
+            advice = f"Its newest checkpoint, of step {found.step}, is {found.folder}: " \
+                     f"fit(..., resume_from={found.folder!r}) continues from it"
+            if attempts == "1":
+                advice += ("; Spark did not retry the stage (spark.stage.maxConsecutiveAttempts=1): with 2 or "
+                           "more it resumes from the checkpoint on its own")
+        return TrainingError(f"{error}. {advice}")
 
     @contextlib.contextmanager
     def _progress(self, spark_context, workers: int):
@@ -230,18 +306,20 @@ class DistriOptimizer:
                 for kind, payload in train_partition(job, *arrays_from_arrow(batches, job.n_features)):
                     yield pa.RecordBatch.from_pydict({"kind": [kind], "payload": [payload]})
 
+            # A shuffle after the barrier stage makes it a map stage, which Spark retries
+            # when a task fails (a failed barrier result stage it never retries).
             stage = lambda: [(row["kind"], row["payload"]) for row in  # noqa: E731
-                             shaped.mapInArrow(task, _OUTPUT_SCHEMA, barrier=True).collect()]
+                             shaped.mapInArrow(task, _OUTPUT_SCHEMA, barrier=True).repartition(1).collect()]
         else:
             def task(pairs):
                 yield from train_partition(job, *arrays_from_pairs(pairs, job.n_features))
 
-            stage = lambda: shaped.barrier().mapPartitions(task).collect()  # noqa: E731
+            stage = lambda: shaped.barrier().mapPartitions(task).repartition(1).collect()  # noqa: E731
         try:
             output = stage()
         except Exception as error:
             raise _task_error(error) from None
-        records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "weights": None}
+        records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "resumed": [], "weights": None}
         for kind, payload in output:
             if kind == "steps":
                 records["steps"].append(np.frombuffer(payload, dtype=np.float64).reshape(-1, len(STEP_FIELDS)))
@@ -250,6 +328,8 @@ class DistriOptimizer:
             elif kind == "updates":
                 records["updates"].append(
                     np.frombuffer(payload, dtype=np.float64).reshape(-1, len(UPDATE_FIELDS) + workers))
+            elif kind == "resumed":
+                records["resumed"] = json.loads(bytes(payload))
             elif kind == "weights":
                 records["weights"] = np.frombuffer(bytes(payload), dtype=np.float32).copy()
         return records

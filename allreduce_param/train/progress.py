@@ -70,7 +70,9 @@ class ProgressServer:
     ``on_event(kind, fields)`` gets ``("start", {...})`` once per partition, ``("step", merged)``
     when every partition reported a step (``merge`` of their records), and ``("epoch",
     metrics)`` when every partition reported an epoch (``merge_epoch`` of their frames; with
-    no ``merge_epoch`` each epoch frame passes as it is).
+    no ``merge_epoch`` each epoch frame passes as it is). A ``start`` that says the fit
+    resumed at ``[epoch, step]`` (Spark retried the stage) drops what the failed attempt left
+    half-reported from there on, so no step is merged from two attempts.
     """
 
     def __init__(self, host: str, partitions: int, merge: Callable[[np.ndarray], dict],
@@ -127,6 +129,12 @@ class ProgressServer:
 
     def _dispatch(self, frame: dict) -> None:
         kind = frame.pop("kind")
+        if kind == "start" and frame.get("resumed"):
+            first = ("step", *frame["resumed"])
+            with self._lock:  # what this partition's failed attempt reported from there on
+                for key, items in self._pending.items():
+                    if key[0] == "step" and key >= first:
+                        items.pop(frame.get("partition"), None)
         if kind == "step":
             key, item = ("step", int(frame["record"][0]), int(frame["record"][1])), frame["record"]
         elif kind == "epoch" and self._merge_epoch is not None:
@@ -135,15 +143,15 @@ class ProgressServer:
             self._on_event(kind, frame)
             return
         with self._lock:
-            items = self._pending.setdefault(key, [])
-            items.append(item)
+            items = self._pending.setdefault(key, {})
+            items[frame.get("partition", len(items))] = item  # a partition's own again: the newer
             if len(items) < self._partitions:
                 return
             del self._pending[key]
         if kind == "step":
-            self._on_event("step", self._merge(np.asarray(items, dtype=np.float64)))
+            self._on_event("step", self._merge(np.asarray(list(items.values()), dtype=np.float64)))
         else:
-            self._on_event("epoch", self._merge_epoch(items))
+            self._on_event("epoch", self._merge_epoch(list(items.values())))
 
     def close(self) -> None:
         """Stop listening and wait for the readers."""
@@ -171,6 +179,7 @@ class ProgressBar:
         self._show = show
         self._log = log_file
         self._bar = None
+        self._resumed = 0  # the step the fit last resumed at, shown once
         self._lock = threading.Lock()
 
     def __call__(self, kind: str, fields: dict) -> None:
@@ -184,6 +193,11 @@ class ProgressBar:
                 from tqdm.auto import tqdm
 
                 self._bar = tqdm(total=fields["steps"] * fields["epochs"], unit="step", dynamic_ncols=True)
+            if kind == "start" and fields.get("done") and self._resumed != fields["done"]:
+                self._resumed = fields["done"]
+                self._bar.n = fields["done"]
+                self._bar.write(f"resumed from the checkpoint after step {fields['done']}")
+                self._bar.refresh()
             elif kind == "step" and self._bar is not None:
                 seconds = sum(v for k, v in fields.items() if k.endswith("_s"))
                 self._bar.set_postfix(epoch=fields["epoch"], loss=f"{fields['loss']:.4f}",

@@ -68,13 +68,17 @@ class History:
     (``val_loss``, ``val_accuracy`` or ``val_rmse``); the last also has the training
     metrics of the final weights (``train_loss``, ``train_accuracy`` or ``train_rmse``).
     ``dropped``: with backup workers, for each partition, the steps whose update left out
-    its gradient (it came too late, or it skipped the step).
+    its gradient (it came too late, or it skipped the step). ``resumed``: the global steps
+    the fit resumed at from a checkpoint (after a retried stage, or ``resume_from``).
+    ``checkpoints``: the folder the fit wrote its checkpoints to, if any.
     """
 
     steps: list[dict] = field(default_factory=list)
     epochs: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     dropped: dict[int, int] = field(default_factory=dict)
+    resumed: list[int] = field(default_factory=list)
+    checkpoints: str | None = None
 
     @classmethod
     def from_records(cls, step_records: list[np.ndarray], epoch_shares: list[dict], seconds: float,
@@ -188,6 +192,7 @@ class TrainedModel:
         meta = {"format": FORMAT, "model": repr(self.model), "n_features": self.n_features,
                 "history": {"steps": self.history.steps, "epochs": self.history.epochs,
                             "dropped": {str(k): v for k, v in self.history.dropped.items()},
+                            "resumed": self.history.resumed, "checkpoints": self.history.checkpoints,
                             "seconds": self.history.seconds}}
         (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
@@ -206,5 +211,6 @@ class TrainedModel:
         model = pickle.loads((folder / "model.pkl").read_bytes())
         saved = meta["history"]
         history = History(saved["steps"], saved["epochs"], saved["seconds"],
-                          {int(k): v for k, v in saved.get("dropped", {}).items()})
+                          {int(k): v for k, v in saved.get("dropped", {}).items()},
+                          saved.get("resumed", []), saved.get("checkpoints"))
         return cls(model, np.load(folder / "weights.npy"), history, meta.get("n_features"))

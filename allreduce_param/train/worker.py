@@ -31,6 +31,7 @@ from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import Rendezvous
 from .batching import epoch_order, global_batch_sizes, share_bounds, steps_per_epoch
+from .checkpoint import CheckpointSettings, CheckpointWriter, Manifest, load_part, newest
 from .data import TRAIN, VALIDATION
 from .progress import ProgressReporter
 from .result import STEP_FIELDS, UPDATE_FIELDS
@@ -51,6 +52,10 @@ class TrainingJob:
     The strategy is ``param.strategy``. ``sync_every``: steps between syncs (1: every
     step), or ``"epoch"``; ``model_averaging``: with ``sync_every`` other than 1, whether a
     sync averages the models (weighted by rows) or sums the partitions' updates.
+    ``checkpoints``: where and how often to write checkpoints (None: never); a task that
+    finds one there (Spark retried the stage) resumes from the newest. ``resume``: the
+    checkpoint to start from otherwise (``fit(resume_from=...)``). ``settings``: what the
+    manifest records of the fit's settings.
     """
 
     model: Any
@@ -65,6 +70,9 @@ class TrainingJob:
     reporter: ProgressReporter | None = None
     sync_every: int | str = 1
     model_averaging: bool = True
+    checkpoints: CheckpointSettings | None = None
+    resume: Manifest | None = None
+    settings: dict | None = None
 
 
 def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
@@ -158,8 +166,9 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
         yield "steps", np.asarray(fit.records, dtype=np.float64).reshape(-1, len(STEP_FIELDS)).tobytes()
         yield "epochs", json.dumps(fit.epochs).encode()
         if job.param.strategy.backup_workers:
-            yield "updates", _updates_table(p.updates, p.partition_id, p.partition_num).tobytes()
+            yield "updates", fit.updates_table().tobytes()
         if p.partition_id == 0:
+            yield "resumed", json.dumps(fit.resumed).encode()
             yield "weights", fit.weights.tobytes()
     except TrainingError:
         raise
@@ -169,15 +178,6 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
         compute.close()
         if job.reporter is not None:
             job.reporter.close()
-
-
-def _updates_table(updates, owner: int, partitions: int) -> np.ndarray:
-    """An owner's updates as rows of ``UPDATE_FIELDS`` then one 0/1 column per partition."""
-    table = np.zeros((len(updates), len(UPDATE_FIELDS) + partitions), dtype=np.float64)
-    for row, update in zip(table, updates):
-        row[:len(UPDATE_FIELDS)] = owner, update.step, update.count
-        row[len(UPDATE_FIELDS) + np.asarray(update.sources, dtype=np.int64)] = 1
-    return table
 
 
 class _Fit:
@@ -191,7 +191,11 @@ class _Fit:
         self.where: dict[str, int | None] = {"epoch": None, "step": None}
         self.records: list[np.ndarray] = []
         self.epochs: list[dict] = []
+        self.resumed: list[int] = []  # the steps this fit resumed at, from checkpoints
+        self._earlier_updates: list[list[float]] = []  # backup workers: the owner's, before a resume
         self.weights = np.empty(job.param.size, dtype=np.float32)
+        self.state: dict[str, np.ndarray] = {}  # the optimizer's: of the own slice, or with local SGD the whole model's
+        self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
         self._report = job.reporter.send if job.reporter is not None else (lambda kind, **fields: None)
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
 
@@ -205,7 +209,7 @@ class _Fit:
         sizes = global_batch_sizes(counts, steps)
         self.cuts = share_bounds(len(self.X_train), p.partition_id, p.partition_num, steps)
         self.plan = [(epoch, step) for epoch in range(job.epochs) for step in range(steps) if sizes[step]]
-        self._report("start", partition=p.partition_id, steps=int(np.count_nonzero(sizes)), epochs=job.epochs)
+        self._steps_per_epoch = int(np.count_nonzero(sizes))
 
     def _batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """This partition's rows of global step ``index`` (shuffled anew each epoch)."""
@@ -222,11 +226,16 @@ class _Fit:
         self.where.update(epoch=epoch, step=step)
         return epoch, step
 
-    def _record(self, index: int, loss_sum: float, count: float, phases: Sequence[float], staleness: int = 0) -> None:
+    def _record(self, index: int, loss_sum: float, count: float, phases: Sequence[float],
+                staleness: int = 0) -> np.ndarray:
+        """Keep the record of global step ``index``; the caller reports it once it is whole."""
         epoch, step = self.plan[index]
         record = np.array([epoch, step, loss_sum, count, *phases, staleness], dtype=np.float64)
         self.records.append(record)
-        self._report("step", record=record.tolist())
+        return record
+
+    def _report_step(self, record: np.ndarray) -> None:
+        self._report("step", partition=self.p.partition_id, record=record.tolist())
 
     def _epoch_done(self, epoch: int, last: bool = False) -> None:
         """This partition's share of ``epoch``'s metrics, with the weights just read."""
@@ -252,17 +261,20 @@ class _Fit:
         self.p.get_weights(out=self.weights)
         return time.perf_counter() - started
 
-    def _compute_and_put(self, index: int, clip_own: bool) -> tuple[float, int, float, float]:
-        """This partition's share of step ``index``: compute it, put the gradient; the loss sum,
-        the rows, and the seconds of each."""
+    def _compute_and_put(self, index: int, read_s: float, clip_own: bool, staleness: int = 0) -> np.ndarray:
+        """This partition's share of step ``index``: compute it and put the gradient; the step's
+        record, kept before the put (a checkpoint a background owner writes once the gradient
+        is in then already holds it), its put time filled in after."""
         X, y = self._batch(index)
         started = time.perf_counter()
         loss_sum, grad_sum, count = self.compute(self.weights, X, y)
         if clip_own:
             self._clip_own(grad_sum, count)
         computed = time.perf_counter()
+        record = self._record(index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0), staleness)
         self.p.put_gradients(grad_sum, count=count)
-        return loss_sum, count, computed - started, time.perf_counter() - computed
+        record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
+        return record
 
     def _clip_own(self, grad_sum: np.ndarray, count: int) -> None:
         """Clip a gradient by its own norm (where the global norm would need every partition)."""
@@ -275,7 +287,7 @@ class _Fit:
     def run(self) -> None:
         job, p = self.job, self.p
         self._plan()
-        p.init(job.model.init(np.random.default_rng(job.seed)))
+        self.start = self._begin()
         if job.sync_every != 1:
             self._local_sgd()
         elif p.strategy.inline_owner:
@@ -286,13 +298,95 @@ class _Fit:
             self._asynchronous()
         self.where.update(epoch=None, step=None)
 
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def _begin(self) -> int:
+        """Initialise the weights and the optimizer state, from the newest checkpoint of this
+        fit (Spark retried the stage), else the one to resume from, else the model; the
+        global step to start at."""
+        job, p = self.job, self.p
+        local = job.sync_every != 1
+        found = newest(job.checkpoints.directory) if job.checkpoints is not None else None
+        manifest = found or job.resume
+        names = job.optimizer.state_names
+        if manifest is None:
+            self._report_start(0)
+            p.init(job.model.init(np.random.default_rng(job.seed)))
+            self.state = job.optimizer.init_state(p.layout.size if local else p.slice_length)
+            return 0
+        arrays, records = load_part(manifest, p.partition_id, p.layout)
+        if not local:
+            self.state = {name: arrays[f"state/{name}"] for name in names}
+        elif all(f"local/{name}" in arrays for name in names):
+            self.state = {name: arrays[f"local/{name}"] for name in names}
+        else:  # no whole state of this partition's own there (not local SGD, or other workers)
+            self.state = job.optimizer.init_state(p.layout.size)
+        self.records = [np.asarray(row, dtype=np.float64) for row in records.get("steps", [])]
+        self.epochs = records.get("epochs", [])
+        self._earlier_updates = records.get("updates", [])
+        self.resumed = records.get("resumed", []) + [manifest.step]
+        self._report_start(manifest.step)  # before init: no peer can report a step before it
+        p.init(arrays["weights"], step=manifest.step)
+        return manifest.step
+
+    def _report_start(self, start: int) -> None:
+        resumed = {"resumed": list(self.plan[start]) if start < len(self.plan) else None, "done": start} \
+            if start else {}
+        self._report("start", partition=self.p.partition_id, steps=self._steps_per_epoch, epochs=self.job.epochs,
+                     **resumed)
+
+    def _checkpoint_due(self, index: int) -> bool:
+        return self._writer is not None and self._writer.settings.due(index, self.plan)
+
+    def _checkpoint(self, steps_done: int) -> None:
+        """Write this partition's part of the checkpoint after ``steps_done`` global steps; on
+        partition 0, once every part is written, the manifest. Runs on the thread that owns
+        the optimizer state (a background owner's, under its strategies)."""
+        job, p = self.job, self.p
+        local = job.sync_every != 1
+        arrays = {"weights": p.weight_partition.copy()}
+        arrays.update({f"{'local' if local else 'state'}/{name}": self.state[name].copy() for name in self.state})
+        if local:  # the owners' slices of the state are not kept: cut them from the own whole one
+            arrays.update({f"state/{name}": self.state[name][p.layout.bounds(p.partition_id)].copy()
+                           for name in self.state})
+        end_epoch = self.plan[steps_done][0] if steps_done < len(self.plan) else job.epochs - 1
+        steps = [row.tolist() for row in self.records[:steps_done]]
+        for index in range(len(steps), steps_done):  # a straggler's steps the others went on without
+            steps.append([*self.plan[index], 0.0, 0.0] + [0.0] * (len(STEP_FIELDS) - 4))
+        records = {"steps": steps,
+                   "epochs": [share for share in self.epochs if share["epoch"] < end_epoch],
+                   "updates": self.updates_table(before=steps_done).tolist(), "resumed": self.resumed}
+        self._writer.write_part(steps_done, p.partition_id, p.partition_num, arrays, records)
+        p.signal(steps_done)
+        if p.partition_id == 0:
+            p.wait_for_signals(steps_done)
+            self._writer.write_manifest(steps_done, p.partition_num, p.layout.size, tuple(self.state),
+                                        local, job.settings or {})
+
+    def updates_table(self, before: int | None = None) -> np.ndarray:
+        """With backup workers: the own owner's updates (those of steps before ``before``), as
+        rows of ``UPDATE_FIELDS`` then one 0/1 column per partition, earlier ones included."""
+        p = self.p
+        table = np.zeros((0, len(UPDATE_FIELDS) + p.partition_num), dtype=np.float64)
+        if not p.strategy.backup_workers:
+            return table
+        updates = [update for update in p.updates if before is None or update.step < before]
+        table = np.zeros((len(updates), len(UPDATE_FIELDS) + p.partition_num), dtype=np.float64)
+        for row, update in zip(table, updates):
+            row[:len(UPDATE_FIELDS)] = p.partition_id, update.step, update.count
+            row[len(UPDATE_FIELDS) + np.asarray(update.sources, dtype=np.int64)] = 1
+        earlier = np.asarray(self._earlier_updates, dtype=np.float64).reshape(-1, table.shape[1])
+        return np.concatenate([earlier, table])
+
+    # ---- the loops -----------------------------------------------------------------------
+
     def _bsp(self) -> None:
         job, p = self.job, self.p
-        state = job.optimizer.init_state(p.slice_length)
-        for index in range(len(self.plan)):
+        state = self.state
+        for index in range(self.start, len(self.plan)):
             read_s = self._read(index)
             self._epochs_before(index)
-            loss_sum, count, compute_s, put_s = self._compute_and_put(index, clip_own=False)
+            record = self._compute_and_put(index, read_s, clip_own=False)
             t0 = time.perf_counter()
             gradient = p.aggregate_gradient_partition()
             t1 = time.perf_counter()
@@ -304,42 +398,49 @@ class _Fit:
             t2 = time.perf_counter()
             p.send_weight_partition()
             t3 = time.perf_counter()
-            self._record(index, loss_sum, count, (read_s, compute_s, put_s, t1 - t0, t2 - t1, t3 - t2))
+            record[STEP_FIELDS.index("aggregate_s"):STEP_FIELDS.index("send_s") + 1] = t1 - t0, t2 - t1, t3 - t2
+            self._report_step(record)
+            if self._checkpoint_due(index):
+                self._checkpoint(index + 1)
         self._finish()
 
     def _serve(self) -> None:
-        """Start the background owner: it updates the own slice with the optimizer."""
-        optimizer, state = self.job.optimizer, self.job.optimizer.init_state(self.p.slice_length)
+        """Start the background owner: it updates the own slice with the optimizer, and writes
+        the checkpoints (it owns the optimizer state)."""
+        optimizer, state = self.job.optimizer, self.state
+
+        def steps_done(done: int) -> None:
+            if self._checkpoint_due(done - 1):
+                self._checkpoint(done)
+
         self.p.serve_updates(lambda gradient, weights, step: optimizer.step(weights, gradient, state, step),
-                             len(self.plan))
+                             len(self.plan), steps_done)
 
     def _asynchronous(self) -> None:
         """SSP, ASP: read what the strategy allows, compute, put; the owner does the rest."""
         p = self.p
         self._serve()
-        for index in range(len(self.plan)):
+        for index in range(self.start, len(self.plan)):
             read_s = self._read(index)
             self._epochs_before(index)
-            loss_sum, count, compute_s, put_s = self._compute_and_put(index, clip_own=True)
             staleness = index - p.strategy.clock(p.last_read_version)
-            self._record(index, loss_sum, count, (read_s, compute_s, put_s, 0.0, 0.0, 0.0), staleness)
+            self._report_step(self._compute_and_put(index, read_s, clip_own=True, staleness=staleness))
         self._finish()
 
     def _with_backups(self) -> None:
         """BSP with backup workers: each read takes the newest step; steps missed are skipped."""
         p = self.p
         self._serve()
-        index = 0  # the first global step not yet recorded
+        index = self.start  # the first global step not yet recorded
         while True:
             read_s = self._read(index)
             version = min(p.last_read_version, len(self.plan))
             for skipped in range(index, version):  # the others went on without us
-                self._record(skipped, 0.0, 0, (0.0,) * 6)
+                self._report_step(self._record(skipped, 0.0, 0, (0.0,) * 6))
             self._epochs_before(version)
             if version == len(self.plan):
                 break
-            loss_sum, count, compute_s, put_s = self._compute_and_put(version, clip_own=True)
-            self._record(version, loss_sum, count, (read_s, compute_s, put_s, 0.0, 0.0, 0.0))
+            self._report_step(self._compute_and_put(version, read_s, clip_own=True))
             index = version + 1
         self._finish()
 
@@ -350,10 +451,11 @@ class _Fit:
         job, p = self.job, self.p
         p.get_weights(out=self.weights)
         synced = self.weights.copy()
-        state = job.optimizer.init_state(self.weights.size)  # a whole model's: each trains its own
+        state = self.state  # a whole model's: each partition trains its own
         every = len(self.plan) if job.sync_every == "epoch" else int(job.sync_every)
         rows = since = 0
-        for index in range(len(self.plan)):
+        checkpoint_due = False  # a checkpoint waits for the next sync, where every copy is the same
+        for index in range(self.start, len(self.plan)):
             X, y = self._batch(index)
             t0 = time.perf_counter()
             loss_sum, grad_sum, count = self.compute(self.weights, X, y)
@@ -365,12 +467,17 @@ class _Fit:
             rows, since = rows + count, since + 1
             epoch_ends = index + 1 == len(self.plan) or self.plan[index + 1][0] != self.plan[index][0]
             phases = [0.0, t1 - t0, 0.0, 0.0, t2 - t1, 0.0]
-            if since == every or epoch_ends:
+            checkpoint_due = checkpoint_due or self._checkpoint_due(index)
+            synced_now = since == every or epoch_ends
+            if synced_now:
                 phases[2], phases[3], phases[5], phases[0] = self._sync(synced, rows)
                 rows = since = 0
-            self._record(index, loss_sum, count, phases)
+            self._report_step(self._record(index, loss_sum, count, phases))
             if epoch_ends and self.plan[index][0] < job.epochs - 1:
                 self._epoch_done(self.plan[index][0])
+            if synced_now and checkpoint_due:
+                self._checkpoint(index + 1)
+                checkpoint_due = False
         self._epoch_done(job.epochs - 1, last=True)
 
     def _sync(self, synced: np.ndarray, rows: int) -> tuple[float, float, float, float]:

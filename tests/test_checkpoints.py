@@ -1,0 +1,183 @@
+"""Checkpoints on partitions run as threads, into real folders: complete or absent, pruned,
+and a fit resumed from one ends where the uninterrupted fit ends."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from allreduce_param import AllReduceParameter, ConfigurationError, InputError, SliceLayout, Strategy, models, optim
+from allreduce_param.train.checkpoint import MANIFEST, CheckpointSettings, load_part, newest
+from allreduce_param.train.result import STEP_FIELDS
+from allreduce_param.train.worker import TrainingJob, train_partition
+
+
+def blobs(rows: int, features: int, classes: int, seed: int):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, rows)
+    centres = rng.standard_normal((classes, features)).astype(np.float32) * 3
+    return (centres[labels] + rng.standard_normal((rows, features)).astype(np.float32)), labels.astype(np.float64)
+
+
+def parts_of(rows: int, partitions: int, seed: int = 1):
+    X, y = blobs(rows, 5, 3, seed)
+    return [(X[i::partitions], y[i::partitions]) for i in range(partitions)]
+
+
+def run(job: TrainingJob, parts) -> list[dict]:
+    from allreduce_param import LocalRendezvous
+
+    group = LocalRendezvous(len(parts))
+    outputs: list = [None] * len(parts)
+
+    def partition(i):
+        X, y = parts[i]
+        try:
+            outputs[i] = dict(train_partition(job, X, y, np.zeros(len(X), np.int32), rendezvous=group.member(i)))
+        except BaseException as error:
+            outputs[i] = error
+
+    threads = [threading.Thread(target=partition, args=(i,), name=f"partition-{i}") for i in range(len(parts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for output in outputs:
+        assert isinstance(output, dict), output
+    return outputs
+
+
+def job_for(parts, directory=None, every="epoch", keep=2, resume=None, strategy=None, epochs=3, **settings):
+    model = models.MLP([5, 8, 3])
+    optimizer = settings.pop("optimizer", optim.Adam(lr=0.01))
+    param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60, strategy=strategy)
+    checkpoints = None if directory is None else CheckpointSettings(str(directory), every, keep)
+    return TrainingJob(model, optimizer, param, batch_size=18, epochs=epochs, seed=3, threads=None, n_features=5,
+                       has_validation=False, checkpoints=checkpoints, resume=resume, **settings)
+
+
+def weights(outputs) -> np.ndarray:
+    return np.frombuffer(outputs[0]["weights"], np.float32)
+
+
+def losses(outputs, partition: int = 0) -> np.ndarray:
+    return np.frombuffer(outputs[partition]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))[:, 2]
+
+
+def folders(directory) -> dict[int, bool]:
+    """step -> whether the checkpoint folder of that step is complete."""
+    return {int(f.name.split("-")[1]): (f / MANIFEST).exists() for f in directory.iterdir()}
+
+
+def test_a_fit_keeps_its_newest_complete_checkpoints(tmp_path):
+    parts = parts_of(90, 3)  # 30 rows a partition, 5 steps an epoch, 15 in all
+    run(job_for(parts, tmp_path, every=4, keep=2), parts)
+    assert folders(tmp_path) == {12: True, 15: True}  # 4, 8, 12 and the last step; two kept
+    manifest = newest(str(tmp_path))
+    assert manifest.step == 15 and manifest.partitions == 3
+    assert sorted(p.name for p in (tmp_path / "step-0000000015").iterdir()) == \
+        [MANIFEST] + [f"part-{i:05d}-of-00003.npz" for i in range(3)]
+    assert json.loads((tmp_path / "step-0000000015" / MANIFEST).read_text())["state_names"] == \
+        ["exp_avg", "exp_avg_sq"]
+
+
+def test_each_epoch_by_default(tmp_path):
+    parts = parts_of(90, 3)
+    run(job_for(parts, tmp_path, every="epoch", keep=5), parts)
+    assert folders(tmp_path) == {5: True, 10: True, 15: True}
+
+
+def test_a_fit_resumed_from_a_checkpoint_ends_as_the_uninterrupted_one(tmp_path):
+    parts = parts_of(90, 3)
+    whole = run(job_for(parts, tmp_path / "whole", every=4, keep=10), parts)
+    middle = newest(str(tmp_path / "whole" / "step-0000000008"))
+    assert middle.step == 8
+    resumed = run(job_for(parts, tmp_path / "resumed", every=4, resume=middle), parts)
+    assert np.array_equal(weights(resumed), weights(whole))
+    # the history before the checkpoint came along, and what came after is the same
+    for partition in range(3):
+        assert np.array_equal(losses(resumed, partition), losses(whole, partition))
+    assert json.loads(resumed[0]["resumed"]) == [8] and json.loads(whole[0]["resumed"]) == []
+
+
+def test_a_task_that_finds_its_fits_checkpoint_resumes_from_it(tmp_path):
+    """What a retried Spark stage does: the same job, the same folder, a newer checkpoint there."""
+    parts = parts_of(90, 3)
+    whole = run(job_for(parts, tmp_path / "whole", every=5, keep=1), parts)
+    job = job_for(parts, tmp_path / "retried", every=5, keep=3)
+    run(job, parts)  # the "first attempt" leaves checkpoints behind; drop the ones after step 5
+    for step, _ in folders(tmp_path / "retried").items():
+        if step > 5:
+            for file in (tmp_path / "retried" / f"step-{step:010d}").iterdir():
+                file.unlink()
+            (tmp_path / "retried" / f"step-{step:010d}").rmdir()
+    (tmp_path / "retried" / "step-0000000010").mkdir()  # a checkpoint that never completed
+    (tmp_path / "retried" / "step-0000000010" / "part-00000-of-00003.npz").write_bytes(b"half")
+    again = run(job, parts)
+    assert json.loads(again[0]["resumed"]) == [5]
+    assert np.array_equal(weights(again), weights(whole))
+
+
+def test_a_checkpoint_loads_on_another_number_of_workers(tmp_path):
+    parts = parts_of(90, 3)
+    run(job_for(parts, tmp_path, every="epoch", keep=1, epochs=2), parts)
+    manifest = newest(str(tmp_path))
+    full = {name: np.concatenate([load_part(manifest, i, SliceLayout(manifest.size, 3))[0][name] for i in range(3)])
+            for name in ("weights", "state/exp_avg", "state/exp_avg_sq")}
+    for workers in (1, 2, 5):
+        layout = SliceLayout(manifest.size, workers)
+        for i in range(workers):
+            arrays, records = load_part(manifest, i, layout)
+            for name, whole in full.items():
+                assert np.array_equal(arrays[name], whole[layout.bounds(i)])
+            assert records == {}  # another cut: the earlier history does not map onto it
+    two = parts_of(90, 2)
+    resumed = run(job_for(two, tmp_path / "on-two", epochs=3, resume=manifest), two)
+    assert json.loads(resumed[0]["resumed"]) == [manifest.step]
+    assert len(losses(resumed)) == 5  # the third epoch only
+
+
+@pytest.mark.parametrize("strategy", [Strategy("bsp", backup_workers=1), Strategy("ssp", 2), Strategy("asp")],
+                         ids=["backup workers", "ssp", "asp"])
+def test_the_background_owners_write_checkpoints_a_fit_continues_from(tmp_path, strategy):
+    parts = parts_of(90, 3)
+    first = run(job_for(parts, tmp_path, every="epoch", keep=5, strategy=strategy, epochs=2), parts)
+    assert folders(tmp_path) == {5: True, 10: True}
+    manifest = newest(str(tmp_path))
+    loaded = np.concatenate([load_part(manifest, i, SliceLayout(manifest.size, 3))[0]["weights"] for i in range(3)])
+    assert np.array_equal(loaded, weights(first))  # the last checkpoint holds the final weights
+    more = run(job_for(parts, tmp_path / "more", strategy=strategy, epochs=4, resume=manifest), parts)
+    steps = np.frombuffer(more[0]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))
+    assert len(steps) == 20 and list(steps[10:, 0]) == [2] * 5 + [3] * 5
+
+
+def test_local_sgd_checkpoints_at_syncs_and_resumes_exactly(tmp_path):
+    parts = parts_of(90, 3)
+    whole = run(job_for(parts, tmp_path / "whole", every=3, keep=10, sync_every=2), parts)
+    # syncs after 2, 4, 5 steps in each 5-step epoch (every 2, and at its end); checkpoints
+    # due after 3, 6, 9, 12 and 15 steps are written at the syncs that follow
+    assert folders(tmp_path / "whole") == {4: True, 7: True, 9: True, 12: True, 15: True}
+    middle = newest(str(tmp_path / "whole" / "step-0000000007"))
+    assert middle.local_state
+    resumed = run(job_for(parts, tmp_path / "resumed", resume=middle, sync_every=2), parts)
+    assert np.array_equal(weights(resumed), weights(whole))
+
+
+def test_settings_and_bad_checkpoints_are_refused_clearly(tmp_path):
+    with pytest.raises(ConfigurationError, match="checkpoint_every must be a positive whole number of steps or 'epoch'"):
+        CheckpointSettings.for_new_fit(str(tmp_path), 0, 2)
+    with pytest.raises(ConfigurationError, match="checkpoint_keep must be a whole number >= 1, got 0"):
+        CheckpointSettings.for_new_fit(str(tmp_path), "epoch", 0)
+    assert newest(str(tmp_path)) is None
+    (tmp_path / "step-0000000003").mkdir()
+    (tmp_path / "step-0000000003" / MANIFEST).write_text("{\"format\": \"something-else/9\"}")
+    with pytest.raises(InputError, match="holds a checkpoint in format 'something-else/9'"):
+        newest(str(tmp_path))
+    parts = parts_of(30, 1)
+    run(job_for(parts, tmp_path / "one", every="epoch", keep=1), parts)
+    manifest = newest(str(tmp_path / "one"))
+    with pytest.raises(InputError, match=f"holds {manifest.size} weights; this model has 7"):
+        load_part(manifest, 0, SliceLayout(7, 1))

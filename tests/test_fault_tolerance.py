@@ -1,0 +1,96 @@
+"""A fit survives a lost task (local[2], as Spark runs it): the stage is retried, the new
+attempt resumes from the newest checkpoint, and ends with the uninterrupted fit's weights."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from pyspark import cloudpickle
+
+from allreduce_param import DistriOptimizer, models, optim
+from allreduce_param.session import local_spark
+from conftest import CONF_DIR
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = local_spark("local[2]", "allreduce-param-fault-tests", CONF_DIR)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 3, 240)
+    X = np.eye(3, 6, dtype=np.float32)[labels] * 3 + rng.standard_normal((240, 6)).astype(np.float32)
+    frame = spark.createDataFrame([(row.tolist(), float(label)) for row, label in zip(X, labels)],
+                                  "features array<float>, label double").repartition(3).cache()
+    frame.count()
+    yield frame
+    frame.unpersist()
+
+
+class FailsOnce(models.MLP):
+    """Partition 1 fails once, at its ``at``-th gradient: it raises, or its Python worker
+    process dies on the spot. A file counts the calls and marks the failure as done, so the
+    retried attempt (maybe in a new process) goes through."""
+
+    def __init__(self, folder: str, at: int, kill: bool) -> None:
+        super().__init__([6, 8, 3])
+        self.folder, self.at, self.kill = folder, at, kill
+
+    def loss_and_grad(self, weights, X, y):
+        from pyspark import TaskContext
+
+        context = TaskContext.get()  # None on the driver, which tries the model on one row
+        done = os.path.join(self.folder, "failed")
+        if context is not None and context.partitionId() == 1 and not os.path.exists(done):
+            with open(os.path.join(self.folder, "calls"), "ab") as calls:
+                calls.write(b".")
+                count = calls.tell()
+            if count == self.at:
+                open(done, "w").close()
+                if self.kill:
+                    os._exit(1)
+                raise ValueError(f"a fault injected at call {count}")
+        return super().loss_and_grad(weights, X, y)
+
+
+def fit(data, model, folder, **settings):
+    return DistriOptimizer(model, optim.Adam(lr=0.01), batch_size=40, epochs=4, codec="raw", seed=1,
+                           progress=False, num_workers=2, checkpoint_dir=str(folder), checkpoint_every=4,
+                           **settings).fit(data)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    return fit(data, models.MLP([6, 8, 3]), tmp_path_factory.mktemp("whole"))
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["a step raises", "the worker process dies"])
+def test_a_lost_task_is_retried_and_resumes_from_the_newest_checkpoint(data, uninterrupted, tmp_path, kill):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    result = fit(data, FailsOnce(str(marks), at=11, kill=kill), tmp_path / "checkpoints")
+    assert (marks / "failed").exists()  # the fault did happen
+    # 6 steps an epoch; checkpoints after 4 and 8 steps; call 11 of partition 1 is step 10
+    assert result.history.resumed == [8]
+    assert np.array_equal(result.weights, uninterrupted.weights)
+    assert len(result.history.steps) == len(uninterrupted.history.steps) == 24
+    assert [s["loss"] for s in result.history.steps] == [s["loss"] for s in uninterrupted.history.steps]
+    assert result.history.checkpoints.startswith(str(tmp_path / "checkpoints"))
+
+
+def test_a_finished_fit_continues_from_its_last_checkpoint(data, uninterrupted, tmp_path):
+    longer = DistriOptimizer(models.MLP([6, 8, 3]), optim.Adam(lr=0.01), batch_size=40, epochs=6, codec="raw",
+                             seed=1, progress=False, num_workers=2)
+    continued = longer.fit(data, resume_from=uninterrupted.history.checkpoints)
+    straight = longer.fit(data)
+    assert continued.history.resumed == [24]
+    assert np.array_equal(continued.weights, straight.weights)

@@ -1,0 +1,54 @@
+"""With Spark's stage retries off, a failed fit says where its newest checkpoint is, how to
+continue from it, and which setting would have let Spark resume on its own."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from pyspark import cloudpickle
+
+from allreduce_param import DistriOptimizer, TrainingError, optim
+from allreduce_param.session import local_spark
+from conftest import CONF_DIR
+from test_fault_tolerance import FailsOnce
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(sys.modules["test_fault_tolerance"])
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = local_spark("local[2]", "allreduce-param-no-retry-tests", CONF_DIR,
+                          **{"spark.stage.maxConsecutiveAttempts": "1"})
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    labels = rng.integers(0, 3, 120)
+    X = rng.standard_normal((120, 6)).astype(np.float32)
+    return spark.createDataFrame([(row.tolist(), float(label)) for row, label in zip(X, labels)],
+                                 "features array<float>, label double")
+
+
+def test_the_error_says_a_retry_would_resume_and_which_setting_allows_it(data, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    trainer = DistriOptimizer(FailsOnce(str(marks), at=7, kill=False), optim.SGD(lr=0.1), batch_size=40, epochs=3,
+                              progress=False, num_workers=2, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2)
+    with pytest.raises(TrainingError) as failure:
+        trainer.fit(data)
+    message = str(failure.value)
+    assert message.startswith("partition 1, epoch 2, step 0: ValueError: a fault injected at call 7.")
+    found = re.search(r"Its newest checkpoint, of step 6, is (\S+): fit\(\.\.\., resume_from='(\S+)'\) "
+                      r"continues from it; Spark did not retry the stage \(spark.stage.maxConsecutiveAttempts=1\): "
+                      r"with 2 or more it resumes from the checkpoint on its own", message)
+    assert found, message
+    resumed = trainer.fit(data, resume_from=found.group(2))
+    assert resumed.history.resumed == [6] and len(resumed.history.steps) == 9
