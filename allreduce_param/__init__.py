@@ -18,13 +18,16 @@ from .errors import (
     NonFiniteGradientError,
     PeerLostError,
     ProtocolError,
+    StaleVersionError,
+    StoreClosedError,
+    TrainingError,
     UsageError,
 )
 from .layout import SliceLayout
 from .parameter import AllReduceParameter, ConnectedParameter
 from .rendezvous import BarrierRendezvous, LocalRendezvous, Rendezvous, StaticRendezvous
 from .strategy import STRATEGIES, Strategy
-from .train import DistriOptimizer, History, TrainedModel, TrainingError
+from .train import DistriOptimizer, History, TrainedModel
 
 __version__ = "0.1.0"
 
@@ -55,5 +58,7 @@ __all__ = [
     "NonFiniteGradientError",
     "PeerLostError",
     "ProtocolError",
+    "StaleVersionError",
+    "StoreClosedError",
     "UsageError",
 ]

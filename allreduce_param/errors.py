@@ -1,7 +1,9 @@
-"""The errors allreduce-param raises.
+"""The errors allreduce-param raises, all of them, here.
 
 Every error names what went wrong (the partition, the peer, the block, the version) and
-what to do about it, so that the one line a Spark driver shows is enough to act on.
+what to do about it, so that the one line a Spark driver shows is enough to act on. None
+is an ``OSError``: code that catches socket errors never catches ours by mistake. Each
+answer a block server can give has its own type.
 """
 
 from __future__ import annotations
@@ -31,16 +33,28 @@ class NonFiniteGradientError(AllReduceError, FloatingPointError):
     """A gradient holds NaN or Inf and the parameter does not allow it."""
 
 
-class FetchTimeoutError(AllReduceError, TimeoutError):
+class FetchTimeoutError(AllReduceError):
     """A peer did not publish the asked-for version of a block within the timeout."""
 
 
-class PeerLostError(AllReduceError, ConnectionError):
-    """A peer closed its connection or could not be reached: its task has most likely failed."""
+class PeerLostError(AllReduceError):
+    """A peer closed its connection, shut down, or could not be reached: its task failed or ended."""
 
 
-class AuthenticationError(AllReduceError, PermissionError):
+class AuthenticationError(AllReduceError):
     """A connection could not prove it knows the parameter's secret."""
+
+
+class StaleVersionError(AllReduceError):
+    """The asked-for version of a block has already been replaced by newer ones."""
+
+
+class StoreClosedError(AllReduceError):
+    """The block store was closed while a get waited on it: the partition is shutting down."""
+
+
+class TrainingError(AllReduceError):
+    """A task of the fit failed; the message names the partition, epoch and step."""
 
 
 class ProtocolError(AllReduceError):

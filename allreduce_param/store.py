@@ -23,7 +23,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import NamedTuple, Union
 
-from .errors import AllReduceError, ConfigurationError, FetchTimeoutError, UsageError
+from .errors import (
+    AllReduceError,
+    ConfigurationError,
+    FetchTimeoutError,
+    StaleVersionError,
+    StoreClosedError,
+    UsageError,
+)
 
 #: ``BlockKey.destination`` of a block meant for every peer (a weight slice).
 EVERY_PARTITION = 0xFFFFFFFF
@@ -65,14 +72,6 @@ class BlockKey(NamedTuple):
         if self.part:
             text += f" (part {self.part})"
         return text if version is None else f"{text}, version {version}"
-
-
-class StoreClosedError(AllReduceError):
-    """The store was closed while a get waited on it: the partition is shutting down."""
-
-
-class StaleVersionError(AllReduceError):
-    """The asked-for version has already been replaced by newer ones."""
 
 
 _RESERVED = -1  # a buffer handed out by reserve() and not yet put

@@ -37,9 +37,11 @@ from .errors import (
     FetchTimeoutError,
     PeerLostError,
     ProtocolError,
+    StaleVersionError,
+    StoreClosedError,
 )
 from .shm import SharedMappings, SharedSegment
-from .store import BlockKey, BlockKind, BlockStore, StaleVersionError, StoreClosedError
+from .store import BlockKey, BlockKind, BlockStore
 
 log = logging.getLogger(__name__)
 
@@ -348,8 +350,9 @@ class PeerClient:
         text = f"{self._peer_text} {detail} while we fetched {what}"
         if said:
             return PeerLostError(f"{text}; it said: {said}")
-        return PeerLostError(f"{text}: its task has most likely failed or ended early "
-                             "(see that task's error in the Spark driver log)")
+        return PeerLostError(f"{text}, without a word: its task failed or its executor was lost, "
+                             "often killed for using too much memory (see that executor's log; raise "
+                             "spark.executor.memory or spark.executor.memoryOverhead)")
 
     def _open(self) -> socket.socket:
         if self.local_name:
@@ -392,7 +395,7 @@ class PeerClient:
                 raise AuthenticationError(f"{self._peer_text} could not prove the parameter's secret")
             sock.settimeout(None)
             return sock
-        except AllReduceError:  # first: some of ours are OSErrors too (timeouts, refusals)
+        except AllReduceError:
             sock.close()
             raise
         except socket.timeout as error:
@@ -446,7 +449,7 @@ class PeerClient:
                 view = (into if into is not None else memoryview(bytearray(length)))[:length]
                 _recv_exactly(sock, view)
                 return served, view
-            except AllReduceError:  # first: some of ours are OSErrors too (timeouts, refusals)
+            except AllReduceError:
                 if not keep_connection:
                     self._drop()
                 raise

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from allreduce_param import ConfigurationError, FetchTimeoutError, SliceLayout, UsageError
-from allreduce_param.store import BlockKey, BlockKind, BlockStore, StaleVersionError, StoreClosedError
+from allreduce_param.errors import StaleVersionError, StoreClosedError
+from allreduce_param.store import BlockKey, BlockKind, BlockStore
 
 
 @pytest.mark.parametrize("partitions", range(1, 9))

@@ -64,3 +64,41 @@ def test_a_process_that_never_starts_is_named_after_the_timeout():
     with pytest.raises(UsageError, match=rf"partition 1 at 127.0.0.1:{absent} did not start serving within "
                                          r"0.3 s .*start all 2 processes with the same address list"):
         param.connect(StaticRendezvous(0, [("127.0.0.1", own), ("127.0.0.1", absent)], timeout=0.3))
+
+
+def vanish(param: AllReduceParameter, addresses: list, partition_id: int, results) -> None:
+    """Partition 1 meets partition 0 (it reads its weights), then its process ends at once, as a
+    killed executor's does."""
+    import os
+
+    try:
+        with param.connect(StaticRendezvous(partition_id, addresses)) as p:
+            p.init(np.zeros(param.size, np.float32))
+            if partition_id == 1:
+                p.get_weights()  # partition 0 is serving: it has met us
+                os._exit(1)
+            p.put_gradients(np.ones(param.size, np.float32), count=1.0)
+            p.aggregate_gradient_partition()
+        results.put((partition_id, "finished"))
+    except BaseException as error:
+        results.put((partition_id, f"{type(error).__name__}: {error}"))
+
+
+def test_a_peer_lost_without_a_word_points_at_executor_memory():
+    param = AllReduceParameter(2, 1000, codec="raw", timeout=60)
+    addresses = [("127.0.0.1", port) for port in free_loopback_ports(2)]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=vanish, args=(param, addresses, i, results)) for i in range(2)]
+    for process in processes:
+        process.start()
+    try:
+        partition_id, outcome = results.get(timeout=120)
+    finally:
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+    assert partition_id == 0 and outcome.startswith("PeerLostError: partition 1 at 127.0.0.1"), outcome
+    assert "without a word: its task failed or its executor was lost, often killed for using too much memory" \
+        in outcome and "spark.executor.memory" in outcome

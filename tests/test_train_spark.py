@@ -193,8 +193,10 @@ def test_an_error_inside_a_task_comes_back_as_one_line(spark):
 
     X, y = regression_data(rows=40)
     X[-1, 0] = 99.0  # shows up in some step of the first epoch (not on the driver's check: first row)
-    with pytest.raises(TrainingError, match=r"^partition \d, epoch 0, step \d+: FloatingPointError: the model blew up$"):
+    with pytest.raises(TrainingError, match=r"^partition \d, epoch 0, step \d+: FloatingPointError: the model blew up$") \
+            as failure:
         DistriOptimizer(Exploding(5), optim.SGD(lr=0.01), batch_size=8, epochs=1).fit(frame(spark, X, y))
+    assert "org.apache.spark" in str(failure.value.__cause__)  # Spark's own report stays on it
 
 
 def test_a_listener_and_the_log_see_every_step_as_it_happens(spark, tmp_path):

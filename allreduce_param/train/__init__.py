@@ -2,6 +2,6 @@
 
 from .distri import DistriOptimizer
 from .result import History, TrainedModel
-from .worker import TrainingError
+from ..errors import TrainingError
 
 __all__ = ["DistriOptimizer", "History", "TrainedModel", "TrainingError"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..codec import get_codec
-from ..errors import ConfigurationError, InputError
+from ..errors import ConfigurationError, InputError, TrainingError
 from ..parameter import AllReduceParameter
 from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
@@ -24,7 +24,7 @@ from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
 from .partitioning import check_scheme, place_pairs, place_rows
 from .progress import ProgressBar, ProgressServer
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, merge_epoch, merge_step
-from .worker import TrainingError, TrainingJob, train_partition, workload_shares
+from .worker import TrainingJob, train_partition, workload_shares
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -318,7 +318,7 @@ class DistriOptimizer:
         try:
             output = stage()
         except Exception as error:
-            raise _task_error(error) from None
+            raise _task_error(error) from error  # Spark's own report stays on it, as the cause
         records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "resumed": [], "weights": None}
         for kind, payload in output:
             if kind == "steps":

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import AllReduceError, ConfigurationError
+from ..errors import ConfigurationError, TrainingError
 from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import Rendezvous
@@ -39,10 +39,6 @@ from .result import STEP_FIELDS, UPDATE_FIELDS
 #: A partition's row count travels as two float32 parts, each exact below 2**24.
 _COUNT_BASE = 4096
 EVAL_CHUNK = 8192
-
-
-class TrainingError(AllReduceError):
-    """A task of the fit failed; the message names the partition, epoch and step."""
 
 
 @dataclass(frozen=True)
@@ -173,11 +169,24 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
     except TrainingError:
         raise
     except Exception as error:  # meeting the peers failed
-        raise TrainingError(f"partition ?, connecting: {type(error).__name__}: {error}") from error
+        raise TrainingError(f"partition {_partition_of(rendezvous)}, meeting its peers: "
+                            f"{type(error).__name__}: {error}") from error
     finally:
         compute.close()
         if job.reporter is not None:
             job.reporter.close()
+
+
+def _partition_of(rendezvous: Rendezvous | None) -> int | str:
+    """This task's partition, for an error before the handle that knows it exists."""
+    if rendezvous is not None:
+        return rendezvous.partition_id
+    try:
+        from pyspark import TaskContext
+
+        return TaskContext.get().partitionId()
+    except Exception:  # not in a task: say so rather than guess
+        return "(outside a Spark task)"
 
 
 class _Fit:
