@@ -35,6 +35,7 @@ import numpy as np
 from .codec import get_codec
 from .errors import (
     AllReduceError,
+    AuthenticationError,
     ConfigurationError,
     InputError,
     NonFiniteGradientError,
@@ -210,7 +211,6 @@ class ConnectedParameter:
         self._finished = False
         self._closed = False
         self._done_peers: set[int] = set()
-        self._refused_peers: set[int] = set()  # handshakes refused in their name (unproven)
         self._done_changed = threading.Condition()
 
         # shared segments by id() of their mmap; None: blocks live in plain bytearrays
@@ -222,7 +222,7 @@ class ConnectedParameter:
         self._server = BlockServer(
             self._store, param.secret, param.param_id, self.partition_id, host, port,
             partition_num=self.partition_num, on_done=self._peer_done, unix=param.unix_sockets,
-            shared=self._shared, on_refused=self._peer_refused,
+            shared=self._shared,
         )
         self._addresses: list = []
         self._own_host = host
@@ -626,8 +626,8 @@ class ConnectedParameter:
                     what=key.describe(version),
                 )
             except BaseException as error:
-                if isinstance(error, PeerLostError):
-                    self._peer_done(source)  # gone: it will fetch nothing more from us either
+                if isinstance(error, (PeerLostError, AuthenticationError)):
+                    self._peer_done(source)  # gone, or not of this parameter: it fetches nothing from us
                 for future in futures[part:]:
                     future.set_exception(error)
                 return
@@ -692,11 +692,6 @@ class ConnectedParameter:
             self._done_peers.add(partition)
             self._done_changed.notify_all()
 
-    def _peer_refused(self, partition: int) -> None:
-        with self._done_changed:
-            self._refused_peers.add(partition)
-            self._done_changed.notify_all()
-
     def close(self) -> None:
         """Finish cleanly: tell every peer we are done, wait until they are, then stop serving.
 
@@ -727,8 +722,8 @@ class ConnectedParameter:
 
         Every fetch a peer makes is answered with ``reason`` (so its error names the root
         cause, whichever failure Spark reports first) until each peer has hung up, said it
-        is done, is known to be gone, or was refused for want of the secret (it has then
-        heard why), or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
+        is done, is known to be gone, or refused us for want of our secret (then it is not
+        of this parameter), or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
         """
         if self._closed:  # closed already (e.g. close() then an error): nothing left to say
             return
@@ -736,7 +731,7 @@ class ConnectedParameter:
         for channel in self._channels:
             channel.abort()
         with self._done_changed:
-            self._done_changed.wait_for(lambda: len(self._done_peers | self._refused_peers) >= len(self._peers),
+            self._done_changed.wait_for(lambda: len(self._done_peers) >= len(self._peers),
                                         timeout=min(self._param.timeout, FAILURE_LINGER_SECONDS))
         self._shutdown()
 

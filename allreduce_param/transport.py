@@ -25,10 +25,12 @@ import hashlib
 import hmac
 import logging
 import os
+import selectors
 import socket
 import struct
 import sys
 import threading
+import time
 from typing import Callable
 
 from .errors import (
@@ -69,6 +71,12 @@ _SEGMENT = struct.Struct("<Q")  # a shared segment's id, after a STATUS_SHARED r
 
 MAX_ERROR_TEXT = 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0
+#: Connections that may be in their handshake at once; one more pushes out the oldest.
+MAX_UNPROVEN = 64
+#: How long accepting pauses after accept() failed (e.g. out of file descriptors).
+ACCEPT_PAUSE = 0.2
+#: How long closing waits for each server thread before it names the late ones in the log.
+CLOSE_TIMEOUT = 10.0
 
 
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -98,15 +106,32 @@ def unix_sockets_available() -> bool:
     return sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
 
 
+class _Unproven:
+    """A connection in its handshake: what it has sent so far, and until when it may try."""
+
+    __slots__ = ("sock", "peer_text", "nonce", "hello", "deadline")
+
+    def __init__(self, sock: socket.socket, peer_text: str, nonce: bytes, deadline: float) -> None:
+        self.sock, self.peer_text, self.nonce, self.deadline = sock, peer_text, nonce, deadline
+        self.hello = bytearray()
+
+
 class BlockServer:
     """Serves one partition's ``BlockStore`` to the peers that prove the secret.
 
     Binds ``host`` (the task's own address, never every interface) on ``port`` (0: any free
-    one) and, with ``unix``, also an abstract Unix socket named ``local_name``, which peers on
-    the same host use instead: on this 2-core machine it moves 20 MB each way in 4.6 ms
-    where loopback TCP takes 7.2 ms. It runs one thread per connection, so that a get
-    waiting for a version never holds up the others. ``on_done(partition)`` is called when
-    a peer says it is done.
+    one) and, with ``unix``, also an abstract Unix socket named ``local_name``, which peers
+    on the same host use instead (faster than loopback TCP).
+
+    One thread accepts and runs every handshake at once, each connection a small state in
+    a selector: a connection that has not proven the secret costs no thread, gets
+    ``HANDSHAKE_TIMEOUT`` seconds, and at most ``MAX_UNPROVEN`` wait at a time (a new one
+    pushes out the oldest), so a flood of idle or garbage connections neither exhausts the
+    process nor keeps peers out; an error from ``accept`` (out of file descriptors) pauses
+    accepting briefly and never ends it. A peer that proves the secret gets a thread of
+    its own, so that a get waiting for a version never holds up the others. A partition id
+    is taken from a connection only once it has proven the secret. ``on_done(partition)``
+    is called when a proven peer says it is done, or its connection ends.
     """
 
     def __init__(
@@ -121,7 +146,6 @@ class BlockServer:
         on_done: Callable[[int], None] | None = None,
         unix: bool = False,
         shared: dict[int, SharedSegment] | None = None,
-        on_refused: Callable[[int], None] | None = None,
     ) -> None:
         self.store = store
         self._secret = secret
@@ -129,7 +153,6 @@ class BlockServer:
         self._partition_id = partition_id
         self._partition_num = partition_num
         self._on_done = on_done or (lambda partition: None)
-        self._on_refused = on_refused or (lambda partition: None)
         # shared segments by id() of their mmap, filled in by the owner as it makes them
         self._shared = shared if shared is not None else {}
         backlog = max(16, 2 * partition_num)
@@ -152,68 +175,129 @@ class BlockServer:
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._closed = False
-        self._acceptors = [
-            threading.Thread(target=self._accept_loop, args=(listener,), daemon=True,
-                             name=f"allreduce-accept-{partition_id}")
-            for listener in self._listeners
-        ]
-        for acceptor in self._acceptors:
-            acceptor.start()
+        self._unproven: dict[socket.socket, _Unproven] = {}  # oldest first
+        self._paused_until = 0.0  # accept() failed: try again from then on
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        for listener in self._listeners:
+            listener.setblocking(False)
+            self._selector.register(listener, selectors.EVENT_READ, "listener")
+        self._acceptor = threading.Thread(target=self._admit, daemon=True, name=f"allreduce-accept-{partition_id}")
+        self._acceptor.start()
 
     @property
     def advertised_address(self) -> tuple:
         """What peers need to reach this server: ``(host, port)``, plus ``local_name`` if any."""
         return (*self.address, self.local_name) if self.local_name else tuple(self.address)
 
-    def _accept_loop(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, peer = listener.accept()
-            except OSError:
-                return  # the listener was closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._connections.add(conn)
-                thread = threading.Thread(
-                    target=self._serve, args=(conn, peer), daemon=True,
-                    name=f"allreduce-serve-{self._partition_id}",
-                )
-                self._threads.add(thread)
-            thread.start()
+    # ---- admitting: accept and handshake, on one thread -----------------------------------
 
-    def _serve(self, conn: socket.socket, peer) -> None:
-        peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "a local socket"
-        client_partition = None
+    def _admit(self) -> None:
         try:
-            _tune(conn)
-            client_partition = self._handshake(conn, peer_text)
-            if client_partition is not None:
-                self._answer_requests(conn, client_partition, peer_text)
-        except (OSError, EOFError) as error:
-            if not self._closed:
-                log.debug("connection from %s ended: %s", peer_text, error)
+            while not self._closed:
+                now = time.monotonic()
+                deadlines = [pending.deadline for pending in self._unproven.values()]
+                if self._paused_until:
+                    deadlines.append(self._paused_until)
+                wait = max(0.0, min(deadlines) - now) if deadlines else None
+                for key, _ in self._selector.select(wait):
+                    if key.data is None:
+                        self._wake_read.recv(64)
+                    elif key.data == "listener":
+                        self._accept(key.fileobj)
+                    else:
+                        self._read_hello(key.data)
+                now = time.monotonic()
+                for pending in [p for p in self._unproven.values() if p.deadline <= now]:
+                    self._drop(pending, f"no handshake within {HANDSHAKE_TIMEOUT:g} s")
+                if self._paused_until and now >= self._paused_until:
+                    self._paused_until = 0.0
+                    for listener in self._listeners:
+                        self._selector.register(listener, selectors.EVENT_READ, "listener")
+        except Exception:  # a bug here must not pass silently: the server would stop admitting
+            log.exception("partition %d: the block server stopped admitting connections", self._partition_id)
         finally:
-            self.store.release(conn)
-            if client_partition is not None:
-                # A peer whose connection ends fetches nothing more: as good as its "done".
-                self._on_done(client_partition)
-            with self._lock:
-                self._connections.discard(conn)
-                self._threads.discard(threading.current_thread())
-            conn.close()
+            for pending in list(self._unproven.values()):
+                self._drop(pending, "shutting down")
 
-    def _handshake(self, conn: socket.socket, peer_text: str) -> int | None:
-        """Check that the client knows the secret; its partition id, or None if it does not."""
-        conn.settimeout(HANDSHAKE_TIMEOUT)
-        server_nonce = os.urandom(NONCE_SIZE)
-        conn.sendall(MAGIC + server_nonce)
-        hello = bytearray(_CLIENT_HELLO.size)
-        _recv_exactly(conn, memoryview(hello))
-        magic, param_id, partition, client_nonce, mac = _CLIENT_HELLO.unpack(hello)
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, peer = listener.accept()
+        except BlockingIOError:
+            return
+        except OSError as error:  # out of file descriptors, buffers...: pause, never give up
+            if self._closed:
+                return
+            log.warning("partition %d: accept failed (%s); pausing new connections briefly",
+                        self._partition_id, error)
+            self._paused_until = time.monotonic() + ACCEPT_PAUSE
+            for other in self._listeners:
+                self._selector.unregister(other)
+            return
+        if len(self._unproven) >= MAX_UNPROVEN:
+            oldest = next(iter(self._unproven.values()))
+            self._drop(oldest, f"more than {MAX_UNPROVEN} connections in their handshake")
+        peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and peer else "a local socket"
+        nonce = os.urandom(NONCE_SIZE)
+        try:
+            conn.setblocking(False)
+            _tune(conn)
+            if conn.send(MAGIC + nonce) != len(MAGIC) + NONCE_SIZE:  # a fresh socket takes 20 bytes
+                raise OSError("the greeting did not fit the socket buffer")
+        except OSError as error:
+            log.debug("connection from %s ended at once: %s", peer_text, error)
+            conn.close()
+            return
+        pending = _Unproven(conn, peer_text, nonce, time.monotonic() + HANDSHAKE_TIMEOUT)
+        self._unproven[conn] = pending
+        self._selector.register(conn, selectors.EVENT_READ, pending)
+
+    def _read_hello(self, pending: _Unproven) -> None:
+        try:
+            chunk = pending.sock.recv(_CLIENT_HELLO.size - len(pending.hello))
+        except BlockingIOError:
+            return
+        except OSError as error:
+            self._drop(pending, str(error), quiet=True)
+            return
+        if not chunk:
+            self._drop(pending, "closed during the handshake", quiet=True)
+            return
+        pending.hello += chunk
+        if len(pending.hello) < _CLIENT_HELLO.size:
+            return
+        self._selector.unregister(pending.sock)
+        del self._unproven[pending.sock]
+        partition, reason, answer = self._check_hello(pending)
+        conn = pending.sock
+        try:
+            conn.setblocking(True)
+            conn.settimeout(HANDSHAKE_TIMEOUT)
+            conn.sendall(answer)
+            conn.settimeout(None)
+        except OSError as error:
+            reason = reason or f"the answer to its handshake failed: {error}"
+            partition = None
+        if partition is None:
+            log.warning("refused connection from %s: %s", pending.peer_text, reason)
+            conn.close()
+            return
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._connections.add(conn)
+            thread = threading.Thread(target=self._serve, args=(conn, partition, pending.peer_text), daemon=True,
+                                      name=f"allreduce-serve-{self._partition_id}")
+            self._threads.add(thread)
+        thread.start()
+
+    def _check_hello(self, pending: _Unproven) -> tuple[int | None, str, bytes]:
+        """(the client's partition or None, why it was refused, the answer to send)."""
+        magic, param_id, partition, client_nonce, mac = _CLIENT_HELLO.unpack(pending.hello)
         ids = struct.pack("<II", param_id, partition)
-        expected = _mac(self._secret, b"client", server_nonce, client_nonce, ids)
+        expected = _mac(self._secret, b"client", pending.nonce, client_nonce, ids)
         if magic != MAGIC:
             reason = f"bad magic {bytes(magic)!r}, not an allreduce-param client"
         elif not hmac.compare_digest(mac, expected):
@@ -223,14 +307,32 @@ class BlockServer:
         elif not 0 <= partition < self._partition_num:
             reason = f"partition {partition} is outside 0..{self._partition_num - 1}"
         else:
-            conn.sendall(bytes([STATUS_OK]) + _mac(self._secret, b"server", client_nonce, server_nonce, ids))
-            conn.settimeout(None)
-            return partition
-        log.warning("refused connection from %s: %s", peer_text, reason)
-        conn.sendall(bytes([STATUS_REFUSED]))
-        if 0 <= partition < self._partition_num:
-            self._on_refused(partition)  # unproven, so it may only shorten a failure's linger
-        return None
+            return partition, "", bytes([STATUS_OK]) + _mac(self._secret, b"server", client_nonce, pending.nonce, ids)
+        return None, reason, bytes([STATUS_REFUSED])
+
+    def _drop(self, pending: _Unproven, reason: str, quiet: bool = False) -> None:
+        """Close a connection that never proved the secret."""
+        if self._unproven.pop(pending.sock, None) is not None:
+            self._selector.unregister(pending.sock)
+        (log.debug if quiet else log.info)("dropped an unproven connection from %s: %s", pending.peer_text, reason)
+        pending.sock.close()
+
+    # ---- serving a proven peer, on a thread of its own -----------------------------------
+
+    def _serve(self, conn: socket.socket, client_partition: int, peer_text: str) -> None:
+        try:
+            self._answer_requests(conn, client_partition, peer_text)
+        except (OSError, EOFError) as error:
+            if not self._closed:
+                log.debug("connection from %s ended: %s", peer_text, error)
+        finally:
+            self.store.release(conn)
+            # A peer whose connection ends fetches nothing more: as good as its "done".
+            self._on_done(client_partition)
+            with self._lock:
+                self._connections.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
 
     def _answer_requests(self, conn: socket.socket, client_partition: int, peer_text: str) -> None:
         request = bytearray(_REQUEST.size)
@@ -284,28 +386,35 @@ class BlockServer:
     def close(self) -> None:
         """Stop accepting, close the store, cut every connection, and wait for the threads.
 
-        Closing the store first ends the gets that wait in it, so no thread outlives this.
+        Closing the store first ends the gets that wait in it, so no thread outlives this;
+        each wait for a thread is bounded, and one that overruns is named in the log.
         """
         self.store.close()
         with self._lock:
             self._closed = True
             connections = list(self._connections)
             threads = list(self._threads)
+        try:
+            self._wake_write.send(b"x")
+        except OSError:
+            pass
+        self._acceptor.join(CLOSE_TIMEOUT)
         for listener in self._listeners:
-            try:
-                listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             listener.close()
         for conn in connections:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for acceptor in self._acceptors:
-            acceptor.join()
         for thread in threads:
-            thread.join()
+            thread.join(CLOSE_TIMEOUT)
+        late = [thread.name for thread in [self._acceptor, *threads] if thread.is_alive()]
+        if late:
+            log.warning("partition %d: %d server threads still running %g s after close: %s",
+                        self._partition_id, len(late), CLOSE_TIMEOUT, late)
+        self._selector.close()
+        self._wake_read.close()
+        self._wake_write.close()
 
 
 class PeerClient:
