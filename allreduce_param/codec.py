@@ -1,18 +1,30 @@
 """Codecs that turn a float32 block (a slice of a parameter or gradient vector) into bytes.
 
-Every encoded block is a fixed 40-byte header followed by a payload::
+Every encoded block is a fixed 64-byte header followed by a payload::
 
     offset  size  field
          0     2  magic b"AR"
-         2     1  format version (1)
+         2     1  format version (2)
          3     1  codec id: the index of the codec's name in ``CODECS`` (append only)
          4     1  flags: bit 0 = stored_raw (lz4 codecs: compression did not pay)
-         5     3  reserved, zero
+         5     1  block kind (the store's ``BlockKind``; 0 when not given)
+         6     2  reserved, zero
          8     8  length: float32 elements the block decodes to
         16     8  payload_size: bytes after the header
         24     8  count: a float64 the caller attaches (a gradient's sample count)
-        32     8  checksum: xxh3_64 over bytes 0..31 and the payload
-        40        payload
+        32     4  source: the partition that made the block
+        36     4  destination: the partition it is for (0xFFFFFFFF: every partition)
+        40     4  part: which part of its slice
+        44     4  reserved, zero
+        48     8  version
+        56     8  checksum: xxh3_64 over bytes 0..55 and the payload
+        64        payload
+
+The header names its block, so a reader checks that the block it got is the one it asked
+for: a protocol slip (an answer for another block or version) is an error, never data.
+Encoding first marks the version field of the buffer as being rewritten, so a reader that
+reads a block in place (shared memory) can tell afterwards whether it was rewritten
+meanwhile (``Codec.unchanged``).
 
 All integers are little-endian; the payload is little-endian too (the host must be one,
 as every x86 and ARM machine Spark runs on is). xxh3 hashes 40 MB in about 1 ms and
@@ -77,12 +89,18 @@ BytesLike = Union[bytes, bytearray, memoryview]
 CODECS: tuple[str, ...] = ("raw", "lz4", "bf16", "fp16", "bf16-lz4")
 
 MAGIC = b"AR"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<2sBBB3sQQdQ")
-HEADER_SIZE: int = _HEADER.size  # 40: a multiple of 8, so payload views stay aligned
+FORMAT_VERSION = 2
+_HEADER = struct.Struct("<2sBBBB2sQQdIIIIQQ")
+HEADER_SIZE: int = _HEADER.size  # 64: a multiple of 8, so payload views stay aligned
 _CHECKED_HEADER_BYTES = HEADER_SIZE - 8  # every header byte but the checksum
 _CHECKSUM = struct.Struct("<Q")
-_RESERVED = b"\0\0\0"
+_VERSION = struct.Struct("<Q")
+_VERSION_OFFSET = 48
+_REWRITING = 0xFFFFFFFFFFFFFFFF  # the version field while a buffer is being encoded into
+_RESERVED = b"\0\0"
+
+#: Which block a header names: (kind, source, destination, part, version).
+BlockIds = tuple
 _FLAG_STORED_RAW = 0x01
 
 LZ4_CHUNK_BYTES = 1 << 20  # independent lz4 chunk size (a multiple of 4)
@@ -117,6 +135,7 @@ class BlockHeader:
     checksum: int
     count: float = 0.0
     stored_raw: bool = False
+    ids: BlockIds = (0, 0, 0, 0, 0)  # kind, source, destination, part, version
 
     @property
     def encoded_size(self) -> int:
@@ -137,9 +156,8 @@ def parse_header(buf: BytesLike, what: str = "block") -> BlockHeader:
         raise CorruptBlockError(
             f"{what}: truncated: {len(buf)} bytes, shorter than the {HEADER_SIZE}-byte header"
         )
-    magic, version, codec_id, flags, reserved, length, payload_size, count, checksum = (
-        _HEADER.unpack_from(buf, 0)
-    )
+    (magic, version, codec_id, flags, kind, reserved, length, payload_size, count, source, destination,
+     part, reserved_too, block_version, checksum) = _HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise CorruptBlockError(
             f"{what}: bad magic {magic!r}, expected {MAGIC!r}: not an allreduce-param block, "
@@ -161,15 +179,16 @@ def parse_header(buf: BytesLike, what: str = "block") -> BlockHeader:
         raise CorruptBlockError(
             f"{what}: stored_raw flag set on codec {codec.name!r}, which never compresses"
         )
-    if reserved != _RESERVED:
-        raise CorruptBlockError(f"{what}: reserved header bytes are {reserved!r}, not zero")
+    if reserved != _RESERVED or reserved_too:
+        raise CorruptBlockError(f"{what}: reserved header bytes are {reserved!r}, {reserved_too}, not zero")
     limit = codec.max_encoded_size(length) - HEADER_SIZE
     if payload_size > limit:
         raise CorruptBlockError(
             f"{what}: header says {payload_size} payload bytes, more than the {limit} that "
             f"{length} elements can take with codec {codec.name!r}"
         )
-    return BlockHeader(codec.name, length, payload_size, checksum, count, stored_raw)
+    return BlockHeader(codec.name, length, payload_size, checksum, count, stored_raw,
+                       (kind, source, destination, part, block_version))
 
 
 # --------------------------------------------------------------------------- value formats
@@ -515,9 +534,12 @@ class Codec:
         return HEADER_SIZE + self._format.itemsize * length
 
     def encode(
-        self, values: np.ndarray, count: float = 0.0, out: bytearray | mmap.mmap | None = None
+        self, values: np.ndarray, count: float = 0.0, out: bytearray | mmap.mmap | None = None,
+        ids: BlockIds = (0, 0, 0, 0, 0),
     ) -> memoryview:
-        """Encode ``values`` with ``count`` into ``out``; return a view of exactly the block.
+        """Encode ``values`` with ``count`` into ``out``, as the block ``ids`` names ((kind,
+        source, destination, part, version), written into the header); return a view of
+        exactly the block.
 
         ``out`` is grown (never shrunk) to ``max_encoded_size(len(values))`` when too small
         and reused otherwise, so a caller that keeps one bytearray per block allocates
@@ -545,14 +567,16 @@ class Codec:
                     "of it are alive: release the memoryview of the previous block first"
                 ) from None
         with memoryview(out) as block:
+            _VERSION.pack_into(block, _VERSION_OFFSET, _REWRITING)  # in-place readers can tell
             try:
                 payload_size, stored_raw = self._encode_payload(values, out, block)
             except CodecOverflowError as exc:
                 raise exc.with_traceback(None) from None  # drop frames holding views of out
             flags = _FLAG_STORED_RAW if stored_raw else 0
+            kind, source, destination, part, version = ids
             _HEADER.pack_into(
-                block, 0, MAGIC, FORMAT_VERSION, self.codec_id, flags, _RESERVED,
-                length, payload_size, float(count), 0,
+                block, 0, MAGIC, FORMAT_VERSION, self.codec_id, flags, kind, _RESERVED,
+                length, payload_size, float(count), source, destination, part, 0, version, 0,
             )
             _CHECKSUM.pack_into(block, _CHECKED_HEADER_BYTES, _checksum(block, payload_size))
         return memoryview(out)[: HEADER_SIZE + payload_size]
@@ -582,13 +606,14 @@ class Codec:
         length: int,
         scratch: np.ndarray | None = None,
         what: str = "block",
+        expect: BlockIds | None = None,
     ) -> tuple[BlockHeader, np.ndarray]:
         """Validate one encoded block and decode it to ``length`` float32 values.
 
-        Checks the header (``parse_header``), that it was encoded with this codec, that it
-        holds ``length`` elements, that ``block`` holds exactly header and payload, and the
-        checksum; any mismatch raises ``CorruptBlockError`` whose message starts with
-        ``what`` and names the failed check.
+        Checks the header (``parse_header``), that it names the block ``expect`` names (when
+        given), that it was encoded with this codec, that it holds ``length`` elements, that
+        ``block`` holds exactly header and payload, and the checksum; any mismatch raises
+        ``CorruptBlockError`` whose message starts with ``what`` and names the failed check.
 
         ``raw`` blocks and stored-raw ``lz4`` blocks decode to a read-only zero-copy view of
         ``block``; the others decode into ``scratch[:length]`` (a float32 array of at least
@@ -599,6 +624,13 @@ class Codec:
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         header = parse_header(view, what)
+        if expect is not None and tuple(header.ids) != tuple(expect):
+            kind, source, destination, part, version = header.ids
+            raise CorruptBlockError(
+                f"{what}: its header names another block (kind {kind}, from partition {source} to "
+                f"{'all' if destination == 0xFFFFFFFF else f'partition {destination}'}, part {part}, version "
+                f"{version}): a protocol slip; every partition must run the same allreduce-param"
+            )
         if header.codec != self.name:
             raise CorruptBlockError(
                 f"{what}: encoded with codec {header.codec!r} but decoded as {self.name!r}: "
@@ -641,6 +673,15 @@ class Codec:
                 payload, nbytes, lambda pos, piece: self._format.unpack(pos, piece, result), what
             )
         return header, result
+
+    @staticmethod
+    def unchanged(block: BytesLike, header: BlockHeader) -> bool:
+        """Whether ``block``, decoded earlier with ``header``, still holds that very block: a
+        reader of a buffer in place (shared memory) asks after using what it decoded."""
+        view = memoryview(block)
+        version, = _VERSION.unpack_from(view, _VERSION_OFFSET)
+        checksum, = _CHECKSUM.unpack_from(view, _CHECKED_HEADER_BYTES)
+        return version == header.ids[4] and checksum == header.checksum
 
     @staticmethod
     def _result(length: int, scratch: np.ndarray | None) -> np.ndarray:

@@ -50,7 +50,8 @@ class StaleVersionError(AllReduceError):
 
 
 class StoreClosedError(AllReduceError):
-    """The block store was closed while a get waited on it: the partition is shutting down."""
+    """This partition is shutting down: its block store closed, or its connections were cut,
+    while a call waited or before it began."""
 
 
 class TrainingError(AllReduceError):

@@ -152,7 +152,10 @@ class BackgroundOwner:
                 pending = handle._fetch_all(self._control, BlockKind.CHOICE, WeightRead(step, exact=True),
                                             SliceLayout(partitions, 1), EVERY_PARTITION, codec=raw,
                                             sources=[Strategy.CHOOSER])
-                taken = [int(source) for source in np.flatnonzero(pending[Strategy.CHOOSER][0].result()[2])]
+                _, _, chosen, recheck = pending[Strategy.CHOOSER][0].result()
+                taken = [int(source) for source in np.flatnonzero(chosen)]
+                if recheck is not None:
+                    recheck()
                 for source in taken:
                     self._of_step(requests, source, step)
             self._apply({source: requests[source][1] for source in taken}, taken, step)

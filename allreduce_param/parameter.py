@@ -32,11 +32,12 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from .codec import get_codec
+from .codec import Codec, get_codec
 from .errors import (
     AllReduceError,
     AuthenticationError,
     ConfigurationError,
+    CorruptBlockError,
     InputError,
     NonFiniteGradientError,
     PeerLostError,
@@ -134,6 +135,39 @@ class AllReduceParameter:
         return ConnectedParameter(self, rendezvous or BarrierRendezvous())
 
 
+def _call(method):
+    """A public call of a handle: refused once the handle failed or closed; one that fails
+    partway (anything but a refusal of its arguments or order) marks the handle failed."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        what = f"{method.__name__}() on partition {self.partition_id}"
+        if self._failure is not None:
+            raise UsageError(
+                f"{what}: this handle failed in an earlier call ({type(self._failure).__name__}: "
+                f"{self._failure}); its blocks and versions are in an unknown state, so it takes no more "
+                "calls: leave its with-block (or close it) and connect again"
+            )
+        if self._closed:
+            raise UsageError(f"{what}: the handle is closed")
+        try:
+            return method(self, *args, **kwargs)
+        except (InputError, UsageError):
+            raise  # refused before it changed anything
+        except BaseException as error:
+            self._failure = error
+            raise
+
+    return call
+
+
+def _recheck(block: memoryview, header, what: str) -> None:
+    """Raise if a block read in place was rewritten while it was read."""
+    if not Codec.unchanged(block, header):
+        raise CorruptBlockError(f"{what} was rewritten while it was read in place: a protocol slip (its owner "
+                                "reused the buffer of a version still being read)")
+
+
 class _Channel:
     """One thread's way to the peers: its own connections, fetch threads and landing buffers.
 
@@ -210,6 +244,7 @@ class ConnectedParameter:
         self._owner = None  # the background owner, under strategies other than plain BSP
         self._finished = False
         self._closed = False
+        self._failure: BaseException | None = None  # what made a call fail partway
         self._done_peers: set[int] = set()
         self._done_changed = threading.Condition()
 
@@ -257,6 +292,7 @@ class ConnectedParameter:
 
     # ---- the weights ---------------------------------------------------------------------
 
+    @_call
     def init(self, weights: np.ndarray, step: int = 0) -> None:
         """Keep this partition's slice of ``weights`` (fp32) and publish it as the weights of
         ``step``, the global step the fit starts at (0, or the step after a checkpoint).
@@ -282,6 +318,7 @@ class ConnectedParameter:
         self._require_init("weight_partition")
         return self._weight
 
+    @_call
     def send_weight_partition(self) -> None:
         """Publish ``weight_partition`` as the next version, for every peer's ``get_weights``.
 
@@ -303,6 +340,7 @@ class ConnectedParameter:
         self._versions[BlockKind.WEIGHT] += 1
         self._publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
 
+    @_call
     def get_weights(self, out: np.ndarray | None = None) -> np.ndarray:
         """All-gather: fetch every owner's published slice into one full float32 vector.
 
@@ -332,6 +370,7 @@ class ConnectedParameter:
 
     # ---- the gradients -------------------------------------------------------------------
 
+    @_call
     def put_gradients(self, gradients: np.ndarray, count: float = 1.0) -> None:
         """Publish the local gradient sum, cut into one chunk per owner, with its sample count.
 
@@ -370,6 +409,7 @@ class ConnectedParameter:
         self._puts += 1
         self._gradient_pending = self.strategy.inline_owner
 
+    @_call
     def aggregate_gradient_partition(self, avg: float | None = None) -> np.ndarray:
         """Reduce-scatter: sum this slice's chunk from every partition and divide.
 
@@ -406,6 +446,7 @@ class ConnectedParameter:
 
     # ---- the background owner (strategies other than plain BSP) ----------------------------
 
+    @_call
     def serve_updates(self, update: Callable[[np.ndarray, np.ndarray, int], None], steps: int,
                       on_steps_done: Callable[[int], None] | None = None) -> None:
         """Start the background owner: it takes the gradients of this slice as the strategy
@@ -430,6 +471,7 @@ class ConnectedParameter:
         self._owner = BackgroundOwner(self, self._channel(self.partition_num, "owner"), self._control, update,
                                       int(steps), on_steps_done)
 
+    @_call
     def finish_updates(self) -> None:
         """Wait until every owner has applied every partition's gradients; afterwards
         ``get_weights`` gives the final weights. Ends with one exact allreduce as a barrier.
@@ -443,11 +485,13 @@ class ConnectedParameter:
 
     # ---- signals ---------------------------------------------------------------------------
 
+    @_call
     def signal(self, version: int) -> None:
         """Tell every partition this one has done ``version`` of something (e.g. written a
         checkpoint); see ``wait_for_signals``. Versions must increase."""
         self._publish(BlockKind.SIGNAL, version, np.ones(1, np.float32), codec=get_codec("raw"))
 
+    @_call
     def wait_for_signals(self, version: int) -> None:
         """Wait until every partition has signalled ``version`` (or a later one)."""
         pending = self._fetch_all(self._control, BlockKind.SIGNAL, WeightRead(version, exact=False), None,
@@ -474,6 +518,7 @@ class ConnectedParameter:
 
     # ---- any vector ----------------------------------------------------------------------
 
+    @_call
     def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum",
                   codec: str | None = None) -> np.ndarray:
         """Sum (or average over partitions) a float32 vector of any length across partitions.
@@ -516,7 +561,8 @@ class ConnectedParameter:
         for part, (start, length) in enumerate(split(values.size, PART_LENGTH)):
             key = BlockKey(kind, self.partition_id, destination, part)
             buffer = self._store.reserve(key, version, self._param.timeout)
-            block = (codec or self._codec).encode(values[start:start + length], count=count, out=buffer)
+            block = (codec or self._codec).encode(values[start:start + length], count=count, out=buffer,
+                                                  ids=(kind, self.partition_id, destination, part, version))
             self._store.put(key, version, block)
             del block  # the store holds its own view; ours would pin the buffer's size
             if inspect is not None:
@@ -551,11 +597,13 @@ class ConnectedParameter:
         for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
             target = out[start:start + length]
             for index, source in enumerate(sources):
-                _, count, values = pending[source][part].result()
+                _, count, values, recheck = pending[source][part].result()
                 if index == 0:
                     np.copyto(target, values)
                 else:
                     np.add(target, values, out=target)
+                if recheck is not None:
+                    recheck()
                 if part == 0:
                     total += count
         return total
@@ -567,8 +615,10 @@ class ConnectedParameter:
         for owner in range(self.partition_num):
             base = layout.start(owner)
             for part, (start, length) in enumerate(split(layout.length(owner), PART_LENGTH)):
-                version, _, values = pending[owner][part].result()
+                version, _, values, recheck = pending[owner][part].result()
                 np.copyto(out[base + start:base + start + length], values)
+                if recheck is not None:
+                    recheck()
                 lowest = version if lowest is None else min(lowest, version)
         return lowest
 
@@ -580,8 +630,10 @@ class ConnectedParameter:
         ``follow_first`` every part in the version the first part came in. ``lengths``: the
         one length every source's block has (a control block), instead of ``layout``'s.
 
-        ``result[j][k]`` is a future of part k's ``(version, count, values)``; values stay valid
-        until the channel's next fetch from ``j``. With the worker's channel the own blocks
+        ``result[j][k]`` is a future of part k's ``(version, count, values, recheck)``; values
+        stay valid until the channel's next fetch from ``j``. ``recheck``, for a block read in
+        place (the own store, a peer's shared memory), raises if the block was rewritten
+        while it was read: call it after using the values. With the worker's channel the own blocks
         are read from the own store at once; otherwise, and for each peer, one pool thread
         fetches the parts in order.
         """
@@ -623,7 +675,7 @@ class ConnectedParameter:
                         shared, newest=not read.exact)
                 header, values = codec.decode(
                     block, length, scratch=channel.scratch(source, start + length)[start:start + length],
-                    what=key.describe(version),
+                    what=key.describe(version), expect=(kind, source, destination, part, version),
                 )
             except BaseException as error:
                 if isinstance(error, (PeerLostError, AuthenticationError)):
@@ -631,7 +683,8 @@ class ConnectedParameter:
                 for future in futures[part:]:
                     future.set_exception(error)
                 return
-            futures[part].set_result((version, header.count, values))
+            recheck = functools.partial(_recheck, block, header, key.describe(version)) if local or shared else None
+            futures[part].set_result((version, header.count, values, recheck))
             offset += size
             if follow_first:
                 read = WeightRead(version, exact=True)

@@ -271,16 +271,18 @@ class BlockServer:
         del self._unproven[pending.sock]
         partition, reason, answer = self._check_hello(pending)
         conn = pending.sock
+        if partition is None:  # said here first: the refused client hears it next
+            log.warning("refused connection from %s: %s", pending.peer_text, reason)
         try:
             conn.setblocking(True)
             conn.settimeout(HANDSHAKE_TIMEOUT)
             conn.sendall(answer)
             conn.settimeout(None)
         except OSError as error:
-            reason = reason or f"the answer to its handshake failed: {error}"
+            if partition is not None:
+                log.debug("connection from %s ended in its handshake: %s", pending.peer_text, error)
             partition = None
         if partition is None:
-            log.warning("refused connection from %s: %s", pending.peer_text, reason)
             conn.close()
             return
         with self._lock:
@@ -446,6 +448,7 @@ class PeerClient:
         self._lock = threading.Lock()
         self._mappings = SharedMappings()
         self._pending_fds: list[int] = []  # descriptors that came with a response head
+        self._aborted = False  # this partition is shutting down: no new connection
 
     @property
     def _peer_text(self) -> str:
@@ -476,6 +479,9 @@ class PeerClient:
         return socket.create_connection(self.address, timeout=HANDSHAKE_TIMEOUT)
 
     def _connect(self, what: str) -> socket.socket:
+        if self._aborted:
+            raise StoreClosedError(f"this partition is shutting down: no new connection to {self._peer_text} "
+                                   f"for {what}")
         try:
             sock = self._open()
         except OSError as error:
@@ -634,7 +640,9 @@ class PeerClient:
                 raise self._lost(what, f"closed the connection ({error})") from error
 
     def abort(self) -> None:
-        """Cut the connection at once, waking a fetch blocked on it (for shutting down on errors)."""
+        """Cut the connection at once, waking a fetch blocked on it, and open none after
+        (for shutting down)."""
+        self._aborted = True
         sock = self._sock
         if sock is not None:
             try:

@@ -361,7 +361,7 @@ def test_truncated_and_appended_blocks(name):
     message = corrupt(block[:-3], "truncated", name=name)
     assert "header says" in message
     corrupt(block + b"\0\0", r"extra bytes", name=name)
-    corrupt(block[:HEADER_SIZE - 1], "shorter than the 40-byte header", name=name)
+    corrupt(block[:HEADER_SIZE - 1], f"shorter than the {HEADER_SIZE}-byte header", name=name)
     corrupt(b"", "truncated: 0 bytes", name=name)
 
 
@@ -555,3 +555,29 @@ def test_codecs_are_safe_to_share_between_threads():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(round_trip, range(12)))
+
+
+def test_a_header_names_its_block_and_a_read_of_another_block_is_refused():
+    codec = get_codec("raw")
+    values = make("normal", 100)
+    block = codec.encode(values, count=3.0, ids=(2, 1, 0, 4, 9))
+    header, decoded = codec.decode(block, 100, expect=(2, 1, 0, 4, 9))
+    assert header.ids == (2, 1, 0, 4, 9) and np.array_equal(decoded, values)
+    with pytest.raises(CorruptBlockError, match=r"gradient v8: its header names another block \(kind 2, from "
+                                                r"partition 1 to partition 0, part 4, version 9\): a protocol slip"):
+        codec.decode(block, 100, what="gradient v8", expect=(2, 1, 0, 4, 8))
+
+
+def test_a_buffer_read_in_place_tells_whether_it_was_rewritten():
+    codec = get_codec("raw")
+    out = bytearray()
+    block = codec.encode(make("normal", 100), out=out, ids=(1, 0, 0xFFFFFFFF, 0, 5))
+    header, _ = codec.decode(block, 100)
+    assert codec.unchanged(out, header)
+    del block
+    codec.encode(make("normal", 100), out=out, ids=(1, 0, 0xFFFFFFFF, 0, 6))  # the owner's next version
+    assert not codec.unchanged(out, header)
+    again, _ = codec.decode(memoryview(out)[:HEADER_SIZE + 400], 100)
+    rewriting = bytearray(out)
+    struct.pack_into("<Q", rewriting, 48, 0xFFFFFFFFFFFFFFFF)  # an encode that has begun
+    assert codec.unchanged(out, again) and not codec.unchanged(rewriting, again)

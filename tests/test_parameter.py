@@ -380,3 +380,25 @@ def test_close_then_an_error_surfaces_the_error_and_closes_once():
     results = run_partitions(AllReduceParameter(2, 10, "raw"), body)
     assert [str(r) for r in results] == ["the user's own error"] * 2
     assert ours() == []
+
+
+def test_a_handle_that_failed_partway_takes_no_more_calls():
+    size = 1000
+
+    def body(p):
+        p.init(np.zeros(size))
+        p.get_weights()
+        bad = np.zeros(size, np.float32)
+        bad[size - 1] = np.nan  # found after some parts were published: the step is half done
+        if p.partition_id == 0:
+            with pytest.raises(NonFiniteGradientError):
+                p.put_gradients(bad)
+            with pytest.raises(UsageError, match=r"get_weights\(\) on partition 0: this handle failed in an earlier "
+                                                 r"call \(NonFiniteGradientError: .*\); .* connect again"):
+                p.get_weights()
+            return "refused"
+        p.put_gradients(np.ones(size, np.float32))
+        p.aggregate_gradient_partition()  # partition 0 published its chunk for us before it checked its own
+        return "stepped"
+
+    assert run_partitions(AllReduceParameter(2, size, "raw", timeout=30), body) == ["refused", "stepped"]

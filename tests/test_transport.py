@@ -221,3 +221,20 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
         tcp.close()
         served.close()
         segment.close()
+
+
+def test_a_client_cut_off_for_shutting_down_opens_no_new_connection():
+    from allreduce_param import StoreClosedError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    shutting = PeerClient(listener.getsockname()[:2], SECRET, 5, 1, 0, timeout=5)
+    try:
+        shutting.abort()
+        with pytest.raises(StoreClosedError, match="this partition is shutting down: no new connection to partition 0"):
+            shutting.fetch(KEY, 0, 100, None)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody came
+    finally:
+        shutting.close()
+        listener.close()
