@@ -257,7 +257,7 @@ class ConnectedParameter:
         self._server = BlockServer(
             self._store, param.secret, param.param_id, self.partition_id, host, port,
             partition_num=self.partition_num, on_done=self._peer_done, unix=param.unix_sockets,
-            shared=self._shared,
+            shared=self._shared, max_wait=param.timeout,
         )
         self._addresses: list = []
         self._own_host = host

@@ -131,7 +131,8 @@ class BlockServer:
     accepting briefly and never ends it. A peer that proves the secret gets a thread of
     its own, so that a get waiting for a version never holds up the others. A partition id
     is taken from a connection only once it has proven the secret. ``on_done(partition)``
-    is called when a proven peer says it is done, or its connection ends.
+    is called when a proven peer says it is done, or its connection ends. A get waits for
+    a version at most ``max_wait`` seconds, whatever the request asks.
     """
 
     def __init__(
@@ -146,8 +147,10 @@ class BlockServer:
         on_done: Callable[[int], None] | None = None,
         unix: bool = False,
         shared: dict[int, SharedSegment] | None = None,
+        max_wait: float = 3600.0,
     ) -> None:
         self.store = store
+        self._max_wait = max_wait
         self._secret = secret
         self._param_id = param_id
         self._partition_id = partition_id
@@ -359,7 +362,8 @@ class BlockServer:
                 continue
             key = BlockKey(kind, source, destination, part)
             try:
-                version, block = self.store.get(key, version, timeout_ms / 1000.0, newest=newest, reader=conn)
+                version, block = self.store.get(key, version, min(timeout_ms / 1000.0, self._max_wait),
+                                                newest=newest, reader=conn)
             except FetchTimeoutError as error:
                 self._send_error(conn, STATUS_TIMEOUT, str(error))
             except StaleVersionError as error:
