@@ -24,6 +24,14 @@ class Model(Protocol):
 
     ``task`` is ``"classification"`` (the trainer reports accuracy; labels are class ids)
     or ``"regression"`` (the trainer reports RMSE; labels are float targets).
+
+    Optional: ``num_classes``, an int, for a classifier whose labels must be class ids
+    ``0..num_classes-1`` (the built-in classifiers have it; ``None`` means not known). The
+    trainer checks every label against it on the driver before any task starts, so a label
+    the model has no output for fails there, not at some step. Without it a classifier's
+    labels are checked to be whole numbers >= 0 only. (It is not a member of this
+    protocol, so ``isinstance(model, Model)`` holds without it.)
+
     Models travel to Spark tasks inside closures, so they must pickle, and should hold no
     large state; they may be called from several threads at once.
     """

@@ -101,6 +101,13 @@ class DenseNetwork:
         return self._head.task
 
     @property
+    def num_classes(self) -> int | None:
+        """How many classes the labels may name (ids ``0..num_classes-1``), from the head: the
+        outputs of a softmax head, 2 for the logistic head; None for regression. The trainer
+        checks the labels against it on the driver, before any task starts."""
+        return self._head.classes(self._layers[-1])
+
+    @property
     def size(self) -> int:
         """The number of parameters: the length of the flat vector."""
         return self.layout.size

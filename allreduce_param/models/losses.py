@@ -52,6 +52,10 @@ class SquaredError:
     def check_outputs(self, n_outputs: int) -> None:
         """Any number of outputs >= 1 is fine (one target per output)."""
 
+    def classes(self, n_outputs: int) -> None:
+        """Regression has no classes."""
+        return None
+
     def targets(self, y, rows: int, n_outputs: int) -> np.ndarray:
         """``y`` as float32 of shape (rows, n_outputs); a vector is fine for one output."""
         y = np.asarray(y, dtype=np.float32)
@@ -87,6 +91,10 @@ class SigmoidCrossEntropy:
         """The logistic head has exactly one output."""
         if n_outputs != 1:
             raise ConfigurationError(f"the logistic head needs exactly 1 output, got {n_outputs}")
+
+    def classes(self, n_outputs: int) -> int:
+        """Two classes, 0 and 1, on its one output."""
+        return 2
 
     def targets(self, y, rows: int, n_outputs: int) -> np.ndarray:
         """The signs ``s = 1 - 2y`` as float32, from labels 0/1."""
@@ -126,6 +134,10 @@ class SoftmaxCrossEntropy:
             raise ConfigurationError(
                 f"softmax cross-entropy needs at least 2 outputs (one per class), got {n_outputs}"
             )
+
+    def classes(self, n_outputs: int) -> int:
+        """One class per output."""
+        return n_outputs
 
     def targets(self, y, rows: int, n_outputs: int) -> np.ndarray:
         """Class ids in ``0..n_outputs-1``."""

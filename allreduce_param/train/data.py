@@ -1,20 +1,25 @@
 """Training data: checked and shaped on the driver, turned into numpy arrays inside the task.
 
 On the driver, ``prepare`` checks the columns before any task starts (a missing column, a
-vector of the wrong length, NaN labels, ragged rows each get a clear error) and shapes the
-DataFrame into ``features: array<float>, label: double, split: int`` (0 train, 1
-validation). Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into
-one contiguous float32 matrix, once, with no per-row Python objects.
+vector of the wrong length, NaN labels, ragged rows, NaN or Inf features, and for a
+classifier labels that are no class id each get a clear error) and shapes the DataFrame
+into ``features: array<float>, label: double, split: int`` (0 train, 1 validation). Every
+row check is part of its one aggregate job, so a bad row fails the fit there, in seconds,
+not as a NonFiniteGradientError or a label error at some step of the barrier stage.
+Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into one
+contiguous float32 matrix, once, with no per-row Python objects.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import ConfigurationError, InputError
 
 TRAIN, VALIDATION = 0, 1
 #: The columns a prepared DataFrame has, and their Spark types.
@@ -58,20 +63,29 @@ class DataSummary:
 _POSITION_BITS = 33
 
 
-def prepare(df, features_col: str, label_col: str, validation=None):
+def prepare(df, features_col: str, label_col: str, validation=None, *, task: str | None = None,
+            num_classes: int | None = None):
     """Check ``df`` (and ``validation``) and shape them for training; (DataFrame, DataSummary).
 
     Runs one small Spark job for both DataFrames (row counts per split and partition, vector
-    lengths, missing labels). Its counts are of the returned DataFrame's own partitions, so
-    ``partitioning.place_rows`` on that DataFrame can index its rows without counting again.
+    lengths, missing labels, non-finite features, and the labels a classifier cannot take).
+    Its counts are of the returned DataFrame's own partitions, so ``partitioning.place_rows``
+    on that DataFrame can index its rows without counting again.
+
+    ``task`` is the model's (``"classification"`` or ``"regression"``); for classification
+    every label must be a whole number >= 0, and below ``num_classes`` when the model says
+    how many classes it has (``Model.num_classes``). Each error names the data, the column,
+    how many rows are bad and the first of them (its index from 0 in the DataFrame's order).
     """
     from pyspark.sql import functions as F
 
+    classes = _class_count(num_classes) if task == "classification" else None
     frames = [("training", df, TRAIN)] + ([("validation", validation, VALIDATION)] if validation is not None else [])
     parts = [_shape(frame, features_col, label_col, name).withColumn("split", F.lit(split))
              for name, frame, split in frames]
     prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
-    stats_by_split = _statistics(prepared)
+    checks = _row_checks(task == "classification", classes)
+    stats_by_split = _statistics(prepared, checks)
     lengths, counts = [], []
     for name, _, split in frames:
         stats = stats_by_split.get(split)
@@ -89,6 +103,9 @@ def prepare(df, features_col: str, label_col: str, validation=None):
                 f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
                 f"{stats['longest']} elements; every row needs the same length"
             )
+        for check in checks:
+            if stats[check.name]:
+                raise InputError(check.message(name, features_col, label_col, classes, stats))
         lengths.append(stats["longest"])
         counts.extend(PartitionCount(split, int(part["partition"]), int(part["rows"]),
                                      int(part["first"]) & ((1 << _POSITION_BITS) - 1))
@@ -100,12 +117,170 @@ def prepare(df, features_col: str, label_col: str, validation=None):
     return prepared, DataSummary(int(lengths[0]), sample, tuple(sorted(counts)))
 
 
-def _statistics(prepared) -> dict:
-    """One job over the prepared rows: per split, what ``prepare`` checks, and per partition
-    its row count and first row (``monotonically_increasing_id``, as ``place_rows`` reads it)."""
+def _class_count(num_classes) -> int | None:
+    """The model's ``num_classes`` as an int >= 1, or None when it does not say."""
+    if num_classes is None:
+        return None
+    try:
+        count = None if isinstance(num_classes, bool) else operator.index(num_classes)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ConfigurationError(f"the model's num_classes must be a whole number >= 1 (or None), "
+                                 f"got {num_classes!r}")
+    return count
+
+
+class _RowCheck(NamedTuple):
+    """A condition no row may meet: its name (the count's column), the condition on a prepared
+    row, what to show of the first row that meets it, and the message's wording."""
+
+    name: str
+    condition: object  # a Column over features and label
+    example: object    # a Column: what the message quotes of the first bad row
+    message: object    # (data name, features_col, label_col, classes, stats) -> str
+
+
+def _row_checks(classification: bool, classes: int | None) -> list[_RowCheck]:
+    """The row conditions ``prepare`` refuses, in the order it reports them.
+
+    Features: NaN, +/-Inf or null elements (a double beyond float32's range became Inf when
+    the column was cast). Labels: +/-Inf (null and NaN are counted apart, as before); for a
+    classifier also fractional, negative, and (when the model says) >= its class count.
+    """
     from pyspark.sql import functions as F
 
-    indexed = prepared.select("features", "label", "split", F.monotonically_increasing_id().alias("row"))
+    infinity = F.lit(float("inf"))
+
+    def non_finite(x):
+        return x.isNull() | F.isnan(x) | (F.abs(x) == infinity)
+
+    features, label = F.col("features"), F.col("label")
+    bad_element = F.exists(features, non_finite)
+    # the first bad element: its index and value (computed for the bad rows only)
+    element = F.array_min(F.transform(features, lambda x, i: F.when(non_finite(x), i)))
+    checks = [
+        _RowCheck("nonfinite_features", bad_element,
+                  F.struct(element.alias("index"), F.element_at(features, element + 1).alias("value")),
+                  _nonfinite_features),
+        _RowCheck("infinite_labels", F.abs(label) == infinity, label, _infinite_labels),
+    ]
+    if classification:
+        whole = F.abs(label) < infinity
+        checks += [
+            _RowCheck("fractional_labels", whole & (label != F.round(label)), label, _fractional_labels),
+            _RowCheck("negative_labels", whole & (label < 0), label, _negative_labels),
+        ]
+        if classes is not None:
+            checks.append(_RowCheck("too_large_labels", whole & (label >= classes), label, _too_large_labels))
+    return checks
+
+
+def _nonfinite_features(name, features_col, label_col, classes, stats) -> str:
+    example = stats["nonfinite_features_first"]["value"]
+    return (
+        f"the {name} column {features_col!r} holds NaN, Inf or null in {stats['nonfinite_features']} rows "
+        f"(e.g. row {_first_bad_row(stats, 'nonfinite_features')}: {_number(example['value'])} at element "
+        f"{example['index']}); drop or fill them before training: df.na.drop() or "
+        "pyspark.ml.feature.Imputer on the input columns (before VectorAssembler) for NaN and null, and "
+        "filter out or replace infinite values (a number beyond float32's +-3.4e38 becomes Inf too)"
+    )
+
+
+def _infinite_labels(name, features_col, label_col, classes, stats) -> str:
+    return (
+        f"the {name} data has {stats['infinite_labels']} rows whose label {label_col!r} is infinite "
+        f"({_example(stats, 'infinite_labels')}); drop or fix them first, e.g. "
+        f"df.filter(F.abs({label_col!r}) < float('inf'))"
+    )
+
+
+def _fractional_labels(name, features_col, label_col, classes, stats) -> str:
+    return (
+        f"the {name} data has {stats['fractional_labels']} rows whose label {label_col!r} is not a whole "
+        f"number ({_example(stats, 'fractional_labels')}), but a classification model takes class ids "
+        "0, 1, 2, ...: index the classes with pyspark.ml.feature.StringIndexer, or fit a regression model"
+    )
+
+
+def _negative_labels(name, features_col, label_col, classes, stats) -> str:
+    return (
+        f"the {name} data has {stats['negative_labels']} rows whose label {label_col!r} is negative "
+        f"({_example(stats, 'negative_labels')}), but a classification model takes class ids 0, 1, 2, ...: "
+        "re-index the classes with pyspark.ml.feature.StringIndexer"
+    )
+
+
+def _too_large_labels(name, features_col, label_col, classes, stats) -> str:
+    largest = int(stats["too_large_labels_largest"])
+    return (
+        f"the {name} data has {stats['too_large_labels']} rows whose label {label_col!r} is {classes} or "
+        f"more ({_example(stats, 'too_large_labels')}; the largest is {largest}), but the model has "
+        f"{classes} classes (ids 0..{classes - 1}): use a model with {largest + 1} outputs (e.g. "
+        f"MLP([..., {largest + 1}]) or SoftmaxRegression(n_features, {largest + 1})), or re-index the "
+        "classes with pyspark.ml.feature.StringIndexer"
+    )
+
+
+def _example(stats: dict, check: str) -> str:
+    return f"e.g. {_number(stats[check + '_first']['value'])} at row {_first_bad_row(stats, check)}"
+
+
+def _number(value) -> str:
+    """A value as a message shows it: NaN, Inf, -Inf, null, whole numbers without '.0'."""
+    if value is None:
+        return "null"
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Inf" if value > 0 else "-Inf"
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def _first_bad_row(stats: dict, check: str) -> int:
+    """The index (from 0, in the DataFrame's order) of the first row that failed ``check``.
+
+    Its ``monotonically_increasing_id`` holds its partition and its position there; the rows
+    of the split's earlier partitions come before it.
+    """
+    row = int(stats[check + "_first"]["row"])
+    partition, position = row >> _POSITION_BITS, row & ((1 << _POSITION_BITS) - 1)
+    before, start = 0, position
+    for part in stats["partitions"]:
+        if part["partition"] < partition:
+            before += int(part["rows"])
+        elif part["partition"] == partition:
+            start = int(part["first"]) & ((1 << _POSITION_BITS) - 1)
+    return before + position - start
+
+
+def _statistics(prepared, checks: Sequence[_RowCheck] = ()) -> dict:
+    """One job over the prepared rows: per split, what ``prepare`` checks, and per partition
+    its row count and first row (``monotonically_increasing_id``, as ``place_rows`` reads it).
+
+    For each row check: how many rows fail it and the first of them (``row``: its id,
+    ``value``: what the message quotes of it); for the class-count check also the largest label.
+    """
+    from pyspark.sql import functions as F
+
+    # each condition once per row, here; the aggregates read its result
+    indexed = prepared.select(
+        "features", "label", "split", F.monotonically_increasing_id().alias("row"),
+        *[check.condition.alias(check.name + "_bad") for check in checks],
+    )
+    partition_checks, split_checks = [], []
+    for check in checks:
+        bad = F.col(check.name + "_bad")
+        partition_checks += [  # how many, and the first: its id and what the message quotes
+            F.count(F.when(bad, True)).alias(check.name),
+            F.min(F.when(bad, F.struct(F.col("row").alias("row"), check.example.alias("value"))))
+             .alias(check.name + "_first"),
+        ]
+        split_checks += [F.sum(check.name).alias(check.name), F.min(check.name + "_first").alias(check.name + "_first")]
+        if check.name == "too_large_labels":
+            partition_checks.append(F.max(F.when(bad, F.col("label"))).alias(check.name + "_largest"))
+            split_checks.append(F.max(check.name + "_largest").alias(check.name + "_largest"))
     per_partition = indexed.groupBy(
         "split", F.shiftright("row", _POSITION_BITS).cast("int").alias("partition")
     ).agg(
@@ -117,6 +292,7 @@ def _statistics(prepared) -> dict:
         F.sum(F.when(F.col("features").isNull(), 1).otherwise(0)).alias("missing_features"),
         F.min_by("features", "row").alias("first_features"),
         F.min_by("label", "row").alias("first_label"),
+        *partition_checks,
     )
     per_split = per_partition.groupBy("split").agg(
         F.sum("rows").alias("rows"),
@@ -127,8 +303,9 @@ def _statistics(prepared) -> dict:
         F.min_by("first_features", "partition").alias("first_features"),
         F.min_by("first_label", "partition").alias("first_label"),
         F.collect_list(F.struct("partition", "rows", "first")).alias("partitions"),
+        *split_checks,
     )
-    return {row["split"]: row for row in per_split.collect()}
+    return {row["split"]: row.asDict() for row in per_split.collect()}
 
 
 def _shape(frame, features_col: str, label_col: str, name: str):

@@ -23,6 +23,7 @@ from .checkpoint import CheckpointSettings, Manifest, newest
 from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
 from .partitioning import check_scheme, place_pairs, place_rows
 from .progress import ProgressBar, ProgressServer
+from .slots import check_no_dynamic_allocation, task_slots
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, merge_epoch, merge_step
 from .worker import TrainingJob, train_partition, workload_shares
 
@@ -153,9 +154,12 @@ class DistriOptimizer:
         partition, epoch and step.
         """
         started = time.perf_counter()
+        check_no_dynamic_allocation(data.sparkSession.sparkContext if hasattr(data, "sparkSession") else
+                                    getattr(data, "context", None))
         resume = self._resume_point(resume_from) if resume_from is not None else None
         if hasattr(data, "sparkSession"):
-            prepared, summary = prepare(data, features_col, label_col, validation)
+            prepared, summary = prepare(data, features_col, label_col, validation, task=self.model.task,
+                                        num_classes=getattr(self.model, "num_classes", None))
             n_features, sample = summary.n_features, summary.sample
             spark_context, source = data.sparkSession.sparkContext, prepared
         elif hasattr(data, "mapPartitions"):
@@ -282,15 +286,18 @@ class DistriOptimizer:
         return int(weights.size)
 
     def _workers(self, source, spark_context) -> int:
-        """How many barrier tasks: the requested count, or the data's partitions, within the slots."""
-        cpus_per_task = int(spark_context.getConf().get("spark.task.cpus", "1"))
-        slots = max(1, spark_context.defaultParallelism // cpus_per_task)
+        """How many barrier tasks: the requested count, or the data's partitions, within the slots.
+
+        Refuses more tasks than Spark can run at once before the stage is submitted, where
+        Spark would refuse them only then.
+        """
+        slots, counted = task_slots(spark_context, needed=self.num_workers or 1)
         partitions = source.rdd.getNumPartitions() if hasattr(source, "rdd") else source.getNumPartitions()
-        workers = self.num_workers or min(partitions, slots)
+        workers = self.num_workers or max(1, min(partitions, slots))
         if workers > slots:
             raise ConfigurationError(
-                f"num_workers={workers}, but Spark has {slots} task slots; a barrier stage needs all "
-                "its tasks running at once: lower num_workers, or give Spark more cores "
+                f"num_workers={workers}, but Spark has {slots} task slots ({counted}); a barrier stage "
+                "needs all its tasks running at once: lower num_workers, or give Spark more cores "
                 "(local[N], spark.executor.instances x spark.executor.cores / spark.task.cpus)"
             )
         return workers

@@ -1,0 +1,289 @@
+"""What the driver refuses before the fit's barrier stage starts (real Spark, local[4]).
+
+Bad rows (NaN or Inf features, labels a classifier has no class for) are found by
+``prepare``'s one check job; dynamic allocation and too few task slots by
+``DistriOptimizer._workers``. Each refusal must come before any task of the fit runs: the
+models here leave a marker file when ``loss_and_grad`` runs inside a Spark task.
+
+The module's session is local[4]. The last tests need settings a running SparkContext
+cannot take (spark.task.cpus, dynamic allocation): they stop it and start their own, so
+they stay at the end of the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import pickle
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyspark import cloudpickle
+
+from allreduce_param import ConfigurationError, DistriOptimizer, InputError, models, optim
+from allreduce_param.session import local_spark
+from allreduce_param.train.data import prepare
+from conftest import CONF_DIR
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+FEATURES, CLASSES = 4, 3
+
+
+@pytest.fixture(scope="module")
+def spark():
+    session = local_spark("local[4]", "allreduce-param-driver-check-tests", CONF_DIR)
+    yield session
+    session.stop()
+
+
+class Marked(models.MLP):
+    """An MLP that leaves a file in ``folder`` whenever ``loss_and_grad`` runs in a Spark task."""
+
+    def __init__(self, layers, folder, task="classification"):
+        super().__init__(layers, task=task)
+        self.folder = str(folder)
+
+    def loss_and_grad(self, weights, X, y):
+        from pyspark import TaskContext
+
+        if TaskContext.get() is not None:
+            Path(self.folder, f"partition-{TaskContext.get().partitionId()}").touch()
+        return super().loss_and_grad(weights, X, y)
+
+
+class Unsized:
+    """A user's classifier that does not say how many classes it has (no ``num_classes``)."""
+
+    task = "classification"
+
+    def __init__(self, folder):
+        self.inner = Marked([FEATURES, 8, CLASSES], folder)
+
+    def init(self, rng):
+        return self.inner.init(rng)
+
+    def loss_and_grad(self, weights, X, y):
+        return self.inner.loss_and_grad(weights, X, y)
+
+    def predict(self, weights, X):
+        return self.inner.predict(weights, X)
+
+
+def blobs(rows=48, seed=0):
+    """Three well-separated classes of ``FEATURES`` features; labels 0.0, 1.0, 2.0."""
+    rng = np.random.default_rng(seed)
+    y = np.arange(rows) % CLASSES
+    X = rng.normal(0, 0.3, (rows, FEATURES)) + np.eye(CLASSES, FEATURES)[y] * 3
+    return X, y.astype(np.float64)
+
+
+def frame(spark, X, y, vectors=False, kind="array<double>"):
+    """Rows in the order given (row i of the DataFrame is X[i], y[i]), over 4 partitions."""
+    if vectors:
+        from pyspark.ml.linalg import Vectors
+
+        return spark.createDataFrame([(Vectors.dense(row), float(label)) for row, label in zip(X, y)],
+                                     ["features", "label"])
+    rows = [([None if v is None else float(v) for v in row], float(label)) for row, label in zip(X, y)]
+    return spark.createDataFrame(rows, f"features {kind}, label double")
+
+
+def trainer(model, lr=1e-2, **settings):
+    defaults = dict(batch_size=16, epochs=1, progress=False)
+    defaults.update(settings)
+    return DistriOptimizer(model, optim.Adam(lr=lr), **defaults)
+
+
+def refused(tmp_path, fit, match):
+    """``fit()`` raises InputError matching ``match``, and no task ran the model."""
+    with pytest.raises(InputError, match=match) as failure:
+        fit()
+    assert list(tmp_path.iterdir()) == [], "a task of the fit ran before the data was refused"
+    return failure.value
+
+
+# ---- features --------------------------------------------------------------------------
+
+
+def test_nan_and_inf_in_a_vector_column_fail_on_the_driver(spark, tmp_path):
+    X, y = blobs()
+    X[7, 2], X[19, 0], X[40, 3] = np.nan, np.inf, -np.inf
+    data = frame(spark, X, y, vectors=True)
+    refused(tmp_path, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data),
+            r"^the training column 'features' holds NaN, Inf or null in 3 rows \(e\.g\. row 7: NaN at "
+            r"element 2\); drop or fill them before training: df\.na\.drop\(\) or pyspark\.ml\.feature\.Imputer")
+
+
+def test_null_and_overflowing_elements_of_an_array_column_count_too(spark, tmp_path):
+    X, y = blobs()
+    rows = X.astype(object)
+    rows[30, 1] = None  # a null element: NaN to the task's numpy matrix
+    rows[33, 0] = 1e39  # beyond float32: Inf once the column is cast to array<float>
+    data = frame(spark, rows, y)
+    refused(tmp_path, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data),
+            r"holds NaN, Inf or null in 2 rows \(e\.g\. row 30: null at element 1\).*"
+            r"a number beyond float32's \+-3\.4e38 becomes Inf too")
+
+
+def test_bad_validation_features_name_the_validation_data(spark, tmp_path):
+    X, y = blobs()
+    X_val, y_val = blobs(rows=12, seed=1)
+    X_val[5, 1] = np.inf
+    fit = lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(  # noqa: E731
+        frame(spark, X, y), validation=frame(spark, X_val, y_val))
+    refused(tmp_path, fit, r"^the validation column 'features' holds NaN, Inf or null in 1 rows "
+                           r"\(e\.g\. row 5: Inf at element 1\)")
+
+
+def test_the_first_bad_row_is_counted_across_uneven_partitions(spark):
+    sizes = [4, 0, 7, 2, 1]  # rows per partition; one empty
+    starts = [sum(sizes[:p]) for p in range(len(sizes))]
+
+    def rows(p):
+        return [([math.nan if starts[p] + j in (12, 13) else 1.0], 0.0) for j in range(sizes[p])]
+
+    rdd = spark.sparkContext.parallelize(range(len(sizes)), len(sizes)).flatMap(rows)
+    data = spark.createDataFrame(rdd, "features array<float>, label double")
+    with pytest.raises(InputError, match=r"in 2 rows \(e\.g\. row 12: NaN at element 0\)"):
+        prepare(data, "features", "label")
+
+
+def test_refusing_runs_the_check_job_only(spark, tmp_path):
+    """The failing fit submits exactly the jobs of prepare's one check query: no second pass
+    over the data, no placement shuffle, no barrier stage."""
+    X, y = blobs()
+    X[3, 0] = np.nan
+    data = frame(spark, X, y)
+    prepare_jobs = jobs_while(spark, lambda: prepare(data, "features", "label"))
+    fit_jobs = jobs_while(spark, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data))
+    assert 0 < len(fit_jobs) == len(prepare_jobs)
+
+
+def jobs_while(spark, call) -> list[int]:
+    """The Spark jobs ``call()`` submitted (it must raise InputError)."""
+    context, group = spark.sparkContext, f"driver-checks-{uuid.uuid4().hex}"
+    context.setJobGroup(group, "driver checks")
+    try:
+        with pytest.raises(InputError):
+            call()
+    finally:
+        context.setLocalProperty("spark.jobGroup.id", None)
+    return list(context.statusTracker().getJobIdsForGroup(group))
+
+
+# ---- labels ----------------------------------------------------------------------------
+
+
+def test_labels_beyond_the_models_classes(spark, tmp_path):
+    X, y = blobs(rows=60)
+    y = np.arange(60) % 11.0  # 0..10 for a 10-output MLP: 5 rows of label 10, the first at row 10
+    refused(tmp_path, lambda: trainer(Marked([FEATURES, 8, 10], tmp_path)).fit(frame(spark, X, y)),
+            r"^the training data has 5 rows whose label 'label' is 10 or more \(e\.g\. 10 at row 10; the "
+            r"largest is 10\), but the model has 10 classes \(ids 0\.\.9\): use a model with 11 outputs "
+            r"\(e\.g\. MLP\(\[\.\.\., 11\]\)")
+
+
+def test_logistic_regression_takes_two_classes(spark, tmp_path):
+    X, y = blobs()
+    y_val = np.zeros(12)
+    y_val[[4, 9]] = 2.0
+    fit = lambda: trainer(models.LogisticRegression(FEATURES)).fit(  # noqa: E731
+        frame(spark, X, (y > 0).astype(float)), validation=frame(spark, X[:12], y_val))
+    refused(tmp_path, fit, r"^the validation data has 2 rows whose label 'label' is 2 or more \(e\.g\. 2 at "
+                           r"row 4; the largest is 2\), but the model has 2 classes \(ids 0\.\.1\)")
+
+
+def test_fractional_labels(spark, tmp_path):
+    X, y = blobs()
+    y[[9, 25]] = [1.5, 0.25]
+    refused(tmp_path, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(frame(spark, X, y)),
+            r"^the training data has 2 rows whose label 'label' is not a whole number \(e\.g\. 1\.5 at row 9\), "
+            r"but a classification model takes class ids 0, 1, 2, \.\.\.: index the classes with "
+            r"pyspark\.ml\.feature\.StringIndexer")
+
+
+def test_a_model_without_num_classes_gets_the_whole_number_and_sign_checks(spark, tmp_path):
+    X, y = blobs()
+    y[[5, 6, 44]] = -1.0
+    refused(tmp_path, lambda: trainer(Unsized(tmp_path)).fit(frame(spark, X, y)),
+            r"^the training data has 3 rows whose label 'label' is negative \(e\.g\. -1 at row 5\), but a "
+            r"classification model takes class ids 0, 1, 2, \.\.\.: re-index")
+    y[[5, 6, 44]] = 7.0  # a class it may have: not the driver's to judge
+    prepare(frame(spark, X, y), "features", "label", task="classification", num_classes=None)
+
+
+def test_infinite_regression_targets(spark, tmp_path):
+    X, y = blobs()
+    y[17] = -np.inf
+    model = Marked([FEATURES, 1], tmp_path, task="regression")
+    refused(tmp_path, lambda: trainer(model).fit(frame(spark, X, y)),
+            r"^the training data has 1 rows whose label 'label' is infinite \(e\.g\. -Inf at row 17\)")
+    y[17] = 0.5  # fractional targets are a regression model's own
+    prepare(frame(spark, X, y), "features", "label", task="regression")
+
+
+def test_the_built_in_classifiers_say_how_many_classes():
+    assert models.MLP([4, 8, 10]).num_classes == 10
+    assert models.SoftmaxRegression(4, 3).num_classes == 3
+    assert models.LogisticRegression(4).num_classes == 2
+    assert models.MLP([4, 8, 2], task="regression").num_classes is None
+    assert models.LinearRegression(4).num_classes is None
+    assert pickle.loads(pickle.dumps(models.MLP([4, 10]))).num_classes == 10
+    with pytest.raises(AttributeError):
+        models.MLP([4, 10]).num_classes = 11
+
+
+# ---- settings that need a session of their own (last: they stop the module's) ----------
+
+
+@contextlib.contextmanager
+def session_with(spark, master="local[4]", **settings):
+    """A session with ``settings``, after stopping ``spark``: a JVM holds one SparkContext."""
+    spark.stop()
+    session = local_spark(master, "allreduce-param-driver-check-settings", CONF_DIR, **settings)
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+def test_slots_count_spark_task_cpus_and_good_data_trains_with_dynamic_allocation_on_locally(spark, tmp_path):
+    """local[4] with spark.task.cpus=2 has 2 slots. Spark ignores dynamic allocation in local
+    mode and runs barrier stages there, so a fit is not refused for it: the one fit of this
+    module with good data (a vector column, validation) runs here, on the 2 slots."""
+    settings = {"spark.task.cpus": "2", "spark.dynamicAllocation.enabled": "true"}
+    X, y = blobs(rows=96)
+    X_val, y_val = blobs(rows=24, seed=1)
+    with session_with(spark, **settings) as session:
+        data = frame(session, X, y, vectors=True)
+        with pytest.raises(ConfigurationError, match=r"^num_workers=3, but Spark has 2 task slots \(the cores of "
+                                                     r"local\[4\] / spark\.task\.cpus=2\); a barrier stage"):
+            trainer(Marked([FEATURES, 8, CLASSES], tmp_path), num_workers=3).fit(data)
+        assert list(tmp_path.iterdir()) == []
+        result = trainer(Marked([FEATURES, 8, CLASSES], tmp_path), lr=0.05).fit(
+            data, validation=frame(session, X_val, y_val))
+    assert result.history.epochs[-1]["val_accuracy"] >= 0.9
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["partition-0", "partition-1"]  # the marker works
+
+
+def test_dynamic_allocation_is_refused_where_spark_would_refuse_the_stage(spark, tmp_path):
+    """Where Spark applies dynamic allocation, as on a cluster (checked by hand on
+    local-cluster[1,1,1024], a slower session). In local mode Spark applies it only with
+    spark.dynamicAllocation.testing=true: the same rule, Utils.isDynamicAllocationEnabled."""
+    settings = {"spark.dynamicAllocation.enabled": "true", "spark.dynamicAllocation.testing": "true"}
+    X, y = blobs()
+    with session_with(spark, **settings) as session:
+        data = frame(session, X, y)
+        with pytest.raises(ConfigurationError, match=r"^spark\.dynamicAllocation\.enabled=true, but a barrier stage "
+                                                     r"\(the fit\) cannot run under dynamic allocation.*"
+                                                     r"spark\.dynamicAllocation\.enabled=false.*"
+                                                     r"spark\.executor\.instances=N"):
+            trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data)
+        assert list(tmp_path.iterdir()) == []
+        # what the check spares the user: Spark's own refusal, once the stage is submitted
+        with pytest.raises(Exception, match="BarrierJobRunWithDynamicAllocationException"):
+            session.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(lambda rows: rows).collect()
