@@ -199,6 +199,25 @@ def test_an_error_inside_a_task_comes_back_as_one_line(spark):
     assert "org.apache.spark" in str(failure.value.__cause__)  # Spark's own report stays on it
 
 
+def refuse():
+    raise RuntimeError("this model cannot be rebuilt here")
+
+
+class Unbuildable(models.LinearRegression):
+    """Pickles on the driver; cannot be rebuilt in a task (a missing module, a wrong version...)."""
+
+    def __reduce_ex__(self, protocol):
+        return (refuse, ())
+
+
+def test_an_error_before_the_training_loop_names_the_python_error(spark):
+    X, y = regression_data(rows=20)
+    with pytest.raises(TrainingError, match="^a task of the fit failed outside its training loop: RuntimeError: "
+                                            "this model cannot be rebuilt here$"):
+        DistriOptimizer(Unbuildable(5), optim.SGD(lr=0.1), batch_size=8, epochs=1, num_workers=2).fit(
+            frame(spark, X, y))
+
+
 def test_a_listener_and_the_log_see_every_step_as_it_happens(spark, tmp_path):
     X, y = regression_data(rows=64)
     events = []

@@ -343,6 +343,8 @@ class DistriOptimizer:
 
 
 _TASK_MESSAGE = re.compile(r"TrainingError: (partition [^\n]*)")
+#: a Python error outside the training loop (e.g. the task's closure failed to unpickle)
+_PYTHON_ERROR = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*([A-Za-z_][\w.]*: [^\n]*)")
 #: placing the rows found data that changed since prepare() counted it (partitioning.py)
 _PLACEMENT_MESSAGE = re.compile(r"row \d+ of partition \d+ of the prepared data is not among[^\n]*")
 
@@ -360,5 +362,8 @@ def _task_error(error: Exception) -> Exception:
     placement = _PLACEMENT_MESSAGE.search(text)
     if placement:
         return TrainingError(placement.group(0))
+    python = _PYTHON_ERROR.search(text)
+    if python:
+        return TrainingError(f"a task of the fit failed outside its training loop: {python.group(1)}")
     spark_reason = re.search(r"org\.apache\.spark\.[\w.]*(?:Exception|Failed)[^\n]*", text)
     return TrainingError(spark_reason.group(0) if spark_reason else text.splitlines()[0] if text else repr(error))
