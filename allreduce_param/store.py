@@ -18,6 +18,7 @@ again or goes away.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping
@@ -35,7 +36,7 @@ from .errors import (
 #: ``BlockKey.destination`` of a block meant for every peer (a weight slice).
 EVERY_PARTITION = 0xFFFFFFFF
 
-Buffer = Union[bytearray, "mmap.mmap"]  # noqa: F821 - what blocks are encoded into
+Buffer = Union[bytearray, mmap.mmap]  # what blocks are encoded into
 
 
 class BlockKind:

@@ -1,7 +1,8 @@
 """Shared test set-up: loopback only, the project's Spark settings, and partition groups.
 
 Engine tests run N partitions as N threads of this process (real sockets on 127.0.0.1,
-``LocalRendezvous``); Spark tests use one session per module, stopped at its end.
+``LocalRendezvous``); Spark tests use one session per module (the ``spark`` fixture:
+``local[4]``, or the module's ``SPARK_MASTER`` and ``SPARK_SETTINGS``), stopped at its end.
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ from allreduce_param.session import java_problem, prepare_local_environment
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 prepare_local_environment(CONF_DIR)
+
+
+@pytest.fixture(scope="module")
+def spark(request):
+    """The module's SparkSession: ``local[4]`` unless the module sets ``SPARK_MASTER``, with its
+    ``SPARK_SETTINGS``; stopped when the module's tests are done."""
+    from allreduce_param.session import local_spark
+
+    master = getattr(request.module, "SPARK_MASTER", "local[4]")
+    session = local_spark(master, f"allreduce-param {request.module.__name__}", CONF_DIR,
+                          **getattr(request.module, "SPARK_SETTINGS", {}))
+    yield session
+    session.stop()
 
 
 def pytest_sessionstart(session):
@@ -48,6 +62,42 @@ def run_partitions(param: AllReduceParameter, body: Callable, timeout: float = 1
         thread.join(timeout)
         assert not thread.is_alive(), f"a partition is still running after {timeout} s"
     return results
+
+
+def train_on_threads(job, parts: list) -> list:
+    """``train_partition(job, X, y)`` for each ``(X, y)`` of ``parts``, one thread each (named
+    ``partition-<i>``), all training rows; each partition's records by kind, or its error."""
+    import numpy as np
+
+    from allreduce_param.train.worker import train_partition
+
+    group = LocalRendezvous(len(parts))
+    outputs: list = [None] * len(parts)
+
+    def run(i):
+        X, y = parts[i]
+        try:
+            outputs[i] = dict(train_partition(job, X, y, np.zeros(len(X), np.int32), rendezvous=group.member(i)))
+        except BaseException as error:  # the test inspects it
+            outputs[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"partition-{i}") for i in range(len(parts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a partition is still training after 120 s"
+    return outputs
+
+
+def blobs(rows: int, features: int, classes: int, seed: int):
+    """A classification problem: Gaussian blobs around random centres; (X float32, y float64)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, rows)
+    centres = rng.standard_normal((classes, features)).astype(np.float32) * 3
+    return (centres[labels] + rng.standard_normal((rows, features)).astype(np.float32)), labels.astype(np.float64)
 
 
 def raise_first(results: list) -> list:

@@ -4,7 +4,6 @@ and a fit resumed from one ends where the uninterrupted fit ends."""
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import pytest
@@ -12,14 +11,8 @@ import pytest
 from allreduce_param import AllReduceParameter, ConfigurationError, InputError, SliceLayout, Strategy, models, optim
 from allreduce_param.train.checkpoint import MANIFEST, CheckpointSettings, load_part, newest
 from allreduce_param.train.result import STEP_FIELDS
-from allreduce_param.train.worker import TrainingJob, train_partition
-
-
-def blobs(rows: int, features: int, classes: int, seed: int):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, classes, rows)
-    centres = rng.standard_normal((classes, features)).astype(np.float32) * 3
-    return (centres[labels] + rng.standard_normal((rows, features)).astype(np.float32)), labels.astype(np.float64)
+from allreduce_param.train.worker import TrainingJob
+from conftest import blobs, train_on_threads
 
 
 def parts_of(rows: int, partitions: int, seed: int = 1):
@@ -28,23 +21,7 @@ def parts_of(rows: int, partitions: int, seed: int = 1):
 
 
 def run(job: TrainingJob, parts) -> list[dict]:
-    from allreduce_param import LocalRendezvous
-
-    group = LocalRendezvous(len(parts))
-    outputs: list = [None] * len(parts)
-
-    def partition(i):
-        X, y = parts[i]
-        try:
-            outputs[i] = dict(train_partition(job, X, y, np.zeros(len(X), np.int32), rendezvous=group.member(i)))
-        except BaseException as error:
-            outputs[i] = error
-
-    threads = [threading.Thread(target=partition, args=(i,), name=f"partition-{i}") for i in range(len(parts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    outputs = train_on_threads(job, parts)
     for output in outputs:
         assert isinstance(output, dict), output
     return outputs

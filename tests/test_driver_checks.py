@@ -33,11 +33,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 FEATURES, CLASSES = 4, 3
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = local_spark("local[4]", "allreduce-param-driver-check-tests", CONF_DIR)
-    yield session
-    session.stop()
 
 
 class Marked(models.MLP):

@@ -11,17 +11,11 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import DistriOptimizer, models, optim
-from allreduce_param.session import local_spark
-from conftest import CONF_DIR
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = local_spark("local[2]", "allreduce-param-fault-tests", CONF_DIR)
-    yield session
-    session.stop()
+SPARK_MASTER = "local[2]"
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,14 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import DistriOptimizer, TrainingError, optim
-from allreduce_param.session import local_spark
-from conftest import CONF_DIR
 from test_fault_tolerance import FailsOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(sys.modules["test_fault_tolerance"])
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = local_spark("local[2]", "allreduce-param-no-retry-tests", CONF_DIR,
-                          **{"spark.stage.maxConsecutiveAttempts": "1"})
-    yield session
-    session.stop()
+SPARK_MASTER = "local[2]"
+SPARK_SETTINGS = {"spark.stage.maxConsecutiveAttempts": "1"}
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import ConfigurationError
-from allreduce_param.session import local_spark
 from allreduce_param.train.data import TRAIN, VALIDATION, PartitionCount, prepare
 from allreduce_param.train.partitioning import (
     SCHEMES,
@@ -25,7 +24,6 @@ from allreduce_param.train.partitioning import (
     place_rows,
     xxhash64,
 )
-from conftest import CONF_DIR
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -36,11 +34,6 @@ WORKERS = 4  # the session's task slots, so a barrier stage can read every place
 VALIDATION_BASE = 100
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = local_spark("local[4]", "allreduce-param-partitioning-tests", CONF_DIR)
-    yield session
-    session.stop()
 
 
 def frame(spark, sizes, base=0.0):

@@ -6,8 +6,6 @@ import logging
 import socket
 import threading
 
-import numpy as np
-
 from allreduce_param.train.progress import MAX_FRAME, ProgressReporter, ProgressServer
 from allreduce_param.train.result import STEP_FIELDS, merge_step
 

@@ -13,8 +13,6 @@ import xxhash
 from pyspark import cloudpickle
 
 from allreduce_param import AllReduceParameter, Strategy
-from allreduce_param.session import local_spark
-from conftest import CONF_DIR
 
 # the tasks below are defined in this module: ship them by value, workers cannot import tests/
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -22,11 +20,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 LR = np.float32(0.5)
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = local_spark("local[4]", "allreduce-param-tests", CONF_DIR)
-    yield session
-    session.stop()
 
 
 def digest(array: np.ndarray) -> str:

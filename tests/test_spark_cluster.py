@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import sys
 
-import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import AllReduceParameter
-from allreduce_param.session import local_spark
-from conftest import CONF_DIR
 
 import test_spark
 from test_spark import digest, expected_after, run_stage, start_weights, step_task
@@ -17,16 +14,11 @@ from test_spark import digest, expected_after, run_stage, start_weights, step_ta
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(test_spark)
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    session = local_spark("local-cluster[2,1,1024]", "allreduce-param-cluster-tests", CONF_DIR,
-                          **{"spark.executor.memory": "1g"})
-    yield session
-    session.stop()
+SPARK_MASTER = "local-cluster[2,1,1024]"
+SPARK_SETTINGS = {"spark.executor.memory": "1g"}
 
 
-def test_two_executors_sync_exactly_and_bit_identically(cluster):
+def test_two_executors_sync_exactly_and_bit_identically(spark):
     sizes = [1, 7919, 2_000_003]
     seed = 42
     # raw through shared memory between the executors' workers, lz4 over TCP
@@ -39,11 +31,11 @@ def test_two_executors_sync_exactly_and_bit_identically(cluster):
         context = BarrierTaskContext.get()
         yield context.getTaskInfos()[context.partitionId()].address
 
-    rdd = cluster.sparkContext.parallelize(range(2), 2)
+    rdd = spark.sparkContext.parallelize(range(2), 2)
     addresses = rdd.barrier().mapPartitions(where).collect()
     assert len(set(addresses)) == 2, f"both tasks ran in one executor: {addresses}"
 
-    report = run_stage(cluster, 2, step_task(params, seed))
+    report = run_stage(spark, 2, step_task(params, seed))
     for size in sizes:
         expected = digest(expected_after(size, seed, 2))
         for codec in ("raw", "lz4"):

@@ -8,36 +8,13 @@ import threading
 import numpy as np
 import pytest
 
-from allreduce_param import AllReduceParameter, LocalRendezvous, TrainingError, models, optim
+from allreduce_param import AllReduceParameter, TrainingError, models, optim
 from allreduce_param.train.batching import epoch_order, global_batch_sizes, share_bounds, steps_per_epoch
-from allreduce_param.train.worker import STEP_FIELDS, TrainingJob, train_partition
+from allreduce_param.train.worker import STEP_FIELDS, TrainingJob
+from conftest import blobs, train_on_threads
 
 
-def blobs(rows: int, features: int, classes: int, seed: int):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, classes, rows)
-    centres = rng.standard_normal((classes, features)).astype(np.float32) * 3
-    return (centres[labels] + rng.standard_normal((rows, features)).astype(np.float32)), labels.astype(np.float64)
-
-
-def run_workers(job: TrainingJob, parts: list[tuple[np.ndarray, np.ndarray]]) -> list[dict]:
-    """``train_partition`` on one thread per partition; each partition's records by kind."""
-    group = LocalRendezvous(len(parts))
-    outputs: list = [None] * len(parts)
-
-    def run(i):
-        X, y = parts[i]
-        try:
-            outputs[i] = dict(train_partition(job, X, y, np.zeros(len(X), np.int32), rendezvous=group.member(i)))
-        except BaseException as error:
-            outputs[i] = error
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"partition-{i}") for i in range(len(parts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return outputs
+run_workers = train_on_threads
 
 
 def reference_fit(model, optimizer, parts, batch_size: int, epochs: int, seed: int) -> np.ndarray:
@@ -144,7 +121,7 @@ def test_a_model_without_the_protocol_is_refused():
 # ---- strategies and sync frequencies ---------------------------------------------------------
 
 from allreduce_param import Strategy  # noqa: E402
-from allreduce_param.train.result import History, merge_epoch  # noqa: E402
+from allreduce_param.train.result import History  # noqa: E402
 from allreduce_param.train.result import UPDATE_FIELDS  # noqa: E402
 
 

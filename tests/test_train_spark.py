@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,17 +19,11 @@ from allreduce_param import (
     optim,
 )
 from allreduce_param.cli import build, load_data, load_job
-from allreduce_param.session import local_spark
 from conftest import CONF_DIR
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = local_spark("local[4]", "allreduce-param-train-tests", CONF_DIR)
-    yield session
-    session.stop()
 
 
 def frame(spark, X, y, vectors=False):

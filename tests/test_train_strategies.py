@@ -9,17 +9,11 @@ import pytest
 
 from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
 from allreduce_param.cli import load_data
-from allreduce_param.session import local_spark
-from conftest import CONF_DIR
 
 EPOCHS = 20
 
 
-@pytest.fixture(scope="module")
-def spark():
-    session = local_spark("local[2]", "allreduce-param-strategy-tests", CONF_DIR)
-    yield session
-    session.stop()
+SPARK_MASTER = "local[2]"
 
 
 @pytest.fixture(scope="module")

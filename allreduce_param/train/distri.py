@@ -20,7 +20,7 @@ from ..errors import ConfigurationError, InputError, TrainingError
 from ..parameter import AllReduceParameter
 from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
-from .data import PREPARED_SCHEMA, arrays_from_arrow, arrays_from_pairs, prepare
+from .data import arrays_from_arrow, arrays_from_pairs, prepare
 from .partitioning import check_scheme, place_pairs, place_rows
 from .progress import ProgressBar, ProgressServer
 from .slots import check_no_dynamic_allocation, task_slots
