@@ -534,7 +534,7 @@ class Codec:
         return HEADER_SIZE + self._format.itemsize * length
 
     def encode(
-        self, values: np.ndarray, count: float = 0.0, out: bytearray | mmap.mmap | None = None,
+        self, values: np.ndarray, count: float = 0.0, out: bytearray | mmap.mmap | memoryview | None = None,
         ids: BlockIds = (0, 0, 0, 0, 0),
     ) -> memoryview:
         """Encode ``values`` with ``count`` into ``out``, as the block ``ids`` names ((kind,
@@ -545,19 +545,22 @@ class Codec:
         and reused otherwise, so a caller that keeps one bytearray per block allocates
         nothing big in steady state. Growing fails while older views of ``out`` (such as
         the view an earlier ``encode`` returned) are alive: release them first. ``out`` may
-        also be a writable ``mmap`` (shared memory), which cannot grow: it must be large
-        enough. ``values`` is not referenced after the call.
+        also be a writable ``mmap`` or a writable byte ``memoryview`` (shared memory, a piece
+        of it), which cannot grow: it must be large enough. ``values`` is not referenced
+        after the call.
         """
         _check_values(values)
         length = values.size
         need = self.max_encoded_size(length)
         if out is None:
             out = bytearray(need)
-        elif isinstance(out, mmap.mmap):
+        elif isinstance(out, (mmap.mmap, memoryview)):
+            if isinstance(out, memoryview) and (out.readonly or out.format != "B" or not out.c_contiguous):
+                raise ConfigurationError("out must be a writable, contiguous memoryview of bytes")
             if len(out) < need:
                 raise UsageError(f"the {len(out)}-byte shared buffer cannot take a block of up to {need} bytes")
         elif not isinstance(out, bytearray):
-            raise ConfigurationError(f"out must be a bytearray or an mmap, got {type(out).__name__}")
+            raise ConfigurationError(f"out must be a bytearray, an mmap or a memoryview, got {type(out).__name__}")
         elif len(out) < need:
             try:
                 out += bytes(need - len(out))

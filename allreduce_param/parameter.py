@@ -45,7 +45,7 @@ from .errors import (
 )
 from .layout import SliceLayout, split
 from .rendezvous import BarrierRendezvous, Rendezvous
-from .shm import SharedSegment, shared_memory_available
+from .shm import SharedArenas, shared_memory_available
 from .store import EVERY_PARTITION, BlockKey, BlockKind, BlockStore
 from .strategy import Strategy, WeightRead
 from .transport import BlockServer, PeerClient
@@ -248,11 +248,11 @@ class ConnectedParameter:
         self._done_peers: set[int] = set()
         self._done_changed = threading.Condition()
 
-        # shared segments by id() of their mmap; None: blocks live in plain bytearrays
-        self._shared: dict[int, SharedSegment] | None = (
-            {} if param.unix_sockets and param.shared_memory and shared_memory_available() else None)
+        # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
+        self._shared = SharedArenas() if param.unix_sockets and param.shared_memory \
+            and shared_memory_available() else None
         self._store = BlockStore(keep=self.strategy.keep(), wait_for_readers=self.strategy.waits_for_readers(),
-                                 new_buffer=self._new_buffer)
+                                 reuse_at_once=self.strategy.read_before_next(), new_buffer=self._new_buffer)
         host, port = rendezvous.bind_address()
         self._server = BlockServer(
             self._store, param.secret, param.param_id, self.partition_id, host, port,
@@ -563,18 +563,14 @@ class ConnectedParameter:
             buffer = self._store.reserve(key, version, self._param.timeout)
             block = (codec or self._codec).encode(values[start:start + length], count=count, out=buffer,
                                                   ids=(kind, self.partition_id, destination, part, version))
-            self._store.put(key, version, block)
+            self._store.put(key, version, block, buffer=buffer)
             del block  # the store holds its own view; ours would pin the buffer's size
             if inspect is not None:
                 inspect(offset + start, values[start:start + length])
 
     def _new_buffer(self):
         """Room to encode one part into: shared memory when peers may read it in place."""
-        if self._shared is None:
-            return bytearray()
-        segment = SharedSegment(_LARGEST_PART)
-        self._shared[id(segment.map)] = segment
-        return segment.map
+        return bytearray() if self._shared is None else self._shared.buffer(_LARGEST_PART)
 
     def _scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float,
                  inspect: Callable[[int, np.ndarray], None] | None = None, codec=None) -> None:
@@ -800,10 +796,8 @@ class ConnectedParameter:
             self._owner.join(raise_error=False)
         for channel in self._channels:
             channel.close()
-        for segment in (self._shared or {}).values():
-            segment.close()
-        if self._shared:
-            self._shared.clear()
+        if self._shared is not None:
+            self._shared.close()
 
     def __enter__(self) -> ConnectedParameter:
         return self

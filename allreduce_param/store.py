@@ -36,7 +36,7 @@ from .errors import (
 #: ``BlockKey.destination`` of a block meant for every peer (a weight slice).
 EVERY_PARTITION = 0xFFFFFFFF
 
-Buffer = Union[bytearray, mmap.mmap]  # what blocks are encoded into
+Buffer = Union[bytearray, mmap.mmap, memoryview]  # what blocks are encoded into
 
 
 class BlockKind:
@@ -83,20 +83,26 @@ class BlockStore:
 
     ``keep`` is one number for every key or one per ``BlockKind``. For the kinds in
     ``wait_for_readers`` a producer's ``reserve`` waits until the oldest kept version has
-    been asked past, rather than dropping it unread. ``new_buffer()`` makes a buffer to
-    encode a block into (a ``bytearray``, or shared memory that peers read in place).
+    been asked past, rather than dropping it unread. For the kinds in ``reuse_at_once`` the
+    update strategy guarantees that every reader is done with a version before the next is
+    published, so the next takes its buffer at once: one buffer per block, whatever readers
+    still hold (were the guarantee broken, the readers' check after use would say so).
+    ``new_buffer()`` makes a buffer to encode a block into (a ``bytearray``, or shared
+    memory that peers read in place).
 
     Thread-safe: the partition's threads reserve and put, the server's connection threads get.
     """
 
     def __init__(self, keep: int | Mapping[int, int] = 1, max_bytes: int | None = None,
-                 wait_for_readers: Collection[int] = (), new_buffer: Callable[[], Buffer] = bytearray) -> None:
+                 wait_for_readers: Collection[int] = (), reuse_at_once: Collection[int] = (),
+                 new_buffer: Callable[[], Buffer] = bytearray) -> None:
         self._keep = dict(keep) if isinstance(keep, Mapping) else None
         self._default_keep = keep if isinstance(keep, int) else 1
         if any(n < 1 for n in [self._default_keep, *(self._keep or {}).values()]):
             raise ConfigurationError(f"a block store must keep at least one version, got keep={keep}")
         self.max_bytes = max_bytes
         self._wait_for_readers = frozenset(wait_for_readers)
+        self._reuse_at_once = frozenset(reuse_at_once)
         self._new_buffer = new_buffer
         self._blocks: dict[BlockKey, OrderedDict[int, memoryview]] = {}
         self._asked: dict[BlockKey, int] = {}  # the highest version any reader asked for
@@ -129,7 +135,7 @@ class BlockStore:
                         f"{key.describe(version)} has no room: the owner is stuck or much slower"
                     )
             for buffer in self._buffers.setdefault(key, []):
-                if not self._in_use(key, buffer):
+                if key.kind in self._reuse_at_once or not self._in_use(key, buffer):
                     break
             else:
                 buffer = self._new_buffer()
@@ -137,12 +143,14 @@ class BlockStore:
             self._buffer_versions[id(buffer)] = _RESERVED
             return buffer
 
-    def put(self, key: BlockKey, version: int, block: bytes | bytearray | memoryview) -> None:
+    def put(self, key: BlockKey, version: int, block: bytes | bytearray | memoryview,
+            buffer: Buffer | memoryview | None = None) -> None:
         """Publish ``block`` as ``version`` of ``key`` and wake the gets waiting for it.
 
         The store keeps a reference, not a copy: the caller must not change ``block`` while
-        the version is kept (a buffer from ``reserve`` is safe to write until it is put).
-        Versions of a key must increase; the oldest beyond ``keep`` go.
+        the version is kept (a buffer from ``reserve`` is safe to write until it is put;
+        pass it as ``buffer`` when ``block`` lies in it). Versions of a key must increase;
+        the oldest beyond ``keep`` go.
         """
         view = memoryview(block).cast("B")
         with self._changed:
@@ -163,8 +171,9 @@ class BlockStore:
             for old in dropping:
                 del versions[old]
             versions[version] = view
-            if id(view.obj) in self._buffer_versions:
-                self._buffer_versions[id(view.obj)] = version
+            owner = id(buffer if buffer is not None else view.obj)
+            if owner in self._buffer_versions:
+                self._buffer_versions[owner] = version
             self._bytes = after
             self._changed.notify_all()
 

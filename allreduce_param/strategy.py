@@ -153,6 +153,16 @@ class Strategy:
                 BlockKind.REDUCE_INPUT: 1, BlockKind.REDUCE_OUTPUT: 1, BlockKind.CHOICE: 1,
                 BlockKind.SIGNAL: 1}
 
+    def read_before_next(self) -> frozenset[int]:
+        """Kinds whose every reader is done with a version before the next is published, by
+        the order of the calls: under plain BSP weights and gradients (a peer reads weights
+        t before its gradient t, which the owner sums before it publishes weights t+1), and
+        allreduce's blocks under every strategy (all partitions go through it together)."""
+        kinds = {BlockKind.REDUCE_INPUT, BlockKind.REDUCE_OUTPUT}
+        if self.inline_owner:
+            kinds |= {BlockKind.WEIGHT, BlockKind.GRADIENT}
+        return frozenset(kinds)
+
     def waits_for_readers(self) -> frozenset[int]:
         """Kinds whose producer waits for room instead of dropping a version nobody took."""
         return frozenset({BlockKind.GRADIENT}) if self.asynchronous else frozenset()

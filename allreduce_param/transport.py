@@ -42,7 +42,7 @@ from .errors import (
     StaleVersionError,
     StoreClosedError,
 )
-from .shm import SharedMappings, SharedSegment
+from .shm import SharedArenas, SharedMappings
 from .store import BlockKey, BlockKind, BlockStore
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ STATUS_CLOSING = 3
 STATUS_REFUSED = 4
 STATUS_SHARED = 5  # the block lies in a shared segment: its id follows (and, once, its fd)
 
-_SEGMENT = struct.Struct("<Q")  # a shared segment's id, after a STATUS_SHARED response
+_SEGMENT = struct.Struct("<QQ")  # a shared segment's id and the block's offset in it, after STATUS_SHARED
 
 MAX_ERROR_TEXT = 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0
@@ -146,7 +146,7 @@ class BlockServer:
         partition_num: int = 1,
         on_done: Callable[[int], None] | None = None,
         unix: bool = False,
-        shared: dict[int, SharedSegment] | None = None,
+        shared: SharedArenas | None = None,
         max_wait: float = 3600.0,
     ) -> None:
         self.store = store
@@ -156,8 +156,8 @@ class BlockServer:
         self._partition_id = partition_id
         self._partition_num = partition_num
         self._on_done = on_done or (lambda partition: None)
-        # shared segments by id() of their mmap, filled in by the owner as it makes them
-        self._shared = shared if shared is not None else {}
+        # where the owner's blocks lie in shared memory, if they do
+        self._shared = shared
         backlog = max(16, 2 * partition_num)
         self._listeners = [socket.create_server((host, port), backlog=backlog)]
         self.address: tuple[str, int] = self._listeners[0].getsockname()[:2]
@@ -372,12 +372,13 @@ class BlockServer:
                 self._send_error(conn, STATUS_CLOSING, str(error))
                 return
             else:
-                segment = self._shared.get(id(block.obj)) if op == OP_GET_SHARED and local else None
-                if segment is None:
+                found = self._shared.locate(block) if op == OP_GET_SHARED and local and self._shared else None
+                if found is None:
                     conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes, version))
                     conn.sendall(block)
                     continue
-                answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + _SEGMENT.pack(segment.id)
+                segment, offset = found
+                answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + _SEGMENT.pack(segment.id, offset)
                 if segment.id in fds_passed:
                     conn.sendall(answer)
                 else:  # the descriptor rides with the answer, once per connection
@@ -598,10 +599,10 @@ class PeerClient:
         return _RESPONSE.unpack_from(head)
 
     def _shared_view(self, sock: socket.socket, length: int, what: str) -> memoryview:
-        """After a shared answer: the segment id (and, the first time, its descriptor)."""
+        """After a shared answer: the segment id and offset (and, the first time, its descriptor)."""
         tail = bytearray(_SEGMENT.size)
         _recv_exactly(sock, memoryview(tail))
-        (segment_id,) = _SEGMENT.unpack(tail)
+        segment_id, offset = _SEGMENT.unpack(tail)
         fds, self._pending_fds = self._pending_fds, []
         for fd in fds:
             if segment_id in self._mappings:
@@ -611,7 +612,11 @@ class PeerClient:
         if segment_id not in self._mappings:
             raise ProtocolError(f"{self._peer_text} pointed at shared segment {segment_id} for {what} "
                                 "without ever passing it")
-        return self._mappings.view(segment_id, length)
+        view = self._mappings.view(segment_id, offset, length)
+        if view is None:
+            raise ProtocolError(f"{self._peer_text} placed {what} at bytes {offset}..{offset + length} of shared "
+                                f"segment {segment_id}, which is not that long")
+        return view
 
     def _answer_error(self, status: int, length: int, sock: socket.socket, what: str) -> AllReduceError:
         """The error a non-OK answer stands for, its text read off the connection."""

@@ -402,3 +402,25 @@ def test_a_handle_that_failed_partway_takes_no_more_calls():
         return "stepped"
 
     assert run_partitions(AllReduceParameter(2, size, "raw", timeout=30), body) == ["refused", "stepped"]
+
+
+def test_descriptors_and_buffers_do_not_grow_with_the_model():
+    """A 100x larger vector takes no more shared-memory descriptors, and under BSP each block
+    part has one buffer (every reader is done with a version before the next is made)."""
+    from allreduce_param.store import BlockKey, BlockKind
+
+    def body(p):
+        grads = np.full(p.layout.size, 1.0, np.float32)
+        p.init(np.zeros(p.layout.size))
+        for _ in range(3):
+            p.get_weights()
+            p.put_gradients(grads)
+            p.weight_partition[:] -= p.aggregate_gradient_partition()
+            p.send_weight_partition()
+        buffers = {p._store.buffer_count(BlockKey(kind, p.partition_id, destination, 0))
+                   for kind, destination in ((BlockKind.WEIGHT, 0xFFFFFFFF), (BlockKind.GRADIENT, 1 - p.partition_id))}
+        return p._shared.count, buffers
+
+    for size in (100_000, 10_000_000):
+        results = raise_first(run_partitions(AllReduceParameter(2, size, "raw", timeout=60), body))
+        assert all(segments == 1 and buffers == {1} for segments, buffers in results), (size, results)

@@ -195,23 +195,27 @@ def test_a_peer_on_this_host_is_reached_over_its_unix_socket():
 
 
 def test_a_peer_on_this_host_reads_shared_blocks_in_place():
-    from allreduce_param.shm import SharedSegment
+    from allreduce_param.shm import SharedArenas
 
-    segment = SharedSegment(4096)
-    segment.map[:5] = b"first"
+    arenas = SharedArenas(arena_size=4096)
+    first, second = arenas.buffer(100), arenas.buffer(100)  # two blocks in one segment
+    first[:5], second[:6] = b"first", b"second"
     store = BlockStore()
-    store.put(KEY, 0, memoryview(segment.map)[:5])
+    store.put(KEY, 0, first[:5])
+    other = BlockKey(BlockKind.GRADIENT, 0, 1)
+    store.put(other, 0, second[:6])
     served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2,
-                         unix=True, shared={id(segment.map): segment})
+                         unix=True, shared=arenas)
     local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
     tcp = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
     try:
         _, view = local.fetch(KEY, 0, 100, None, shared=True)
-        assert bytes(view) == b"first" and view.obj is not None and len(local._mappings._maps) == 1
-        segment.map[:5] = b"again"  # the owner writes its next version in place
-        store.put(KEY, 1, memoryview(segment.map)[:5])
+        assert bytes(view) == b"first" and len(local._mappings._maps) == 1
+        assert bytes(local.fetch(other, 0, 100, None, shared=True)[1]) == b"second"  # at its offset
+        first[:5] = b"again"  # the owner writes its next version in place
+        store.put(KEY, 1, first[:5])
         assert bytes(local.fetch(KEY, 1, 100, None, shared=True)[1]) == b"again"
-        assert len(local._mappings._maps) == 1  # the descriptor came once
+        assert len(local._mappings._maps) == 1 and arenas.count == 1  # one descriptor, passed once
         # over TCP no descriptor can travel: the same request gets the bytes
         assert bytes(tcp.fetch(KEY, 1, 100, memoryview(bytearray(100)), shared=True)[1]) == b"again"
         assert not tcp._mappings._maps
@@ -220,7 +224,7 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
         local.close()
         tcp.close()
         served.close()
-        segment.close()
+        arenas.close()
 
 
 def test_a_client_cut_off_for_shutting_down_opens_no_new_connection():
