@@ -17,7 +17,7 @@ Every encoded block is a fixed 64-byte header followed by a payload::
         40     4  part: which part of its slice
         44     4  reserved, zero
         48     8  version
-        56     8  checksum: xxh3_64 over bytes 0..55 and the payload
+        56     8  checksum: xxh3_64 over bytes 0..55 and the payload (0: not yet sealed)
         64        payload
 
 The header names its block, so a reader checks that the block it got is the one it asked
@@ -27,8 +27,10 @@ reads a block in place (shared memory) can tell afterwards whether it was rewrit
 meanwhile (``Codec.unchanged``).
 
 All integers are little-endian; the payload is little-endian too (the host must be one,
-as every x86 and ARM machine Spark runs on is). xxh3 hashes 40 MB in about 1 ms and
-releases the GIL, so every codec checks every block.
+as every x86 and ARM machine Spark runs on is). Every block carries its checksum (xxh3,
+which releases the GIL); a reader verifies it wherever the bytes crossed a socket. A block
+read in place never left this host's memory, so there the version check after use stands
+in for the checksum's extra pass over the bytes.
 
 The payload is a *stream* of ``length`` encoded values, optionally lz4-compressed:
 
@@ -70,6 +72,7 @@ from dataclasses import dataclass
 from typing import Union
 
 import lz4.block
+import ml_dtypes
 import numpy as np
 import xxhash
 
@@ -94,6 +97,8 @@ _HEADER = struct.Struct("<2sBBBB2sQQdIIIIQQ")
 HEADER_SIZE: int = _HEADER.size  # 64: a multiple of 8, so payload views stay aligned
 _CHECKED_HEADER_BYTES = HEADER_SIZE - 8  # every header byte but the checksum
 _CHECKSUM = struct.Struct("<Q")
+_UNSEALED = 0  # the checksum field of a block encoded without one (see Codec.seal)
+_PAYLOAD_SIZE = struct.Struct("<QQ")  # length and payload_size, at offset 8
 _VERSION = struct.Struct("<Q")
 _VERSION_OFFSET = 48
 _REWRITING = 0xFFFFFFFFFFFFFFFF  # the version field while a buffer is being encoded into
@@ -112,8 +117,8 @@ _U8 = np.dtype(np.uint8)
 _U16 = np.dtype("<u2")
 _U32 = np.dtype("<u4")
 _F32 = np.dtype("<f4")
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
-_BF16_QUIET_BIT = 0x0040
 _F32_ABS_MASK = 0x7FFFFFFF
 _F32_INF_BITS = 0x7F800000
 _F16_ABS_MASK = 0x7FFF
@@ -220,24 +225,12 @@ def _pieces(length: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + _PIECE, length)
 
 
-def _bf16_bits(bits: np.ndarray, tmp: np.ndarray, tmp2: np.ndarray) -> np.ndarray:
-    """bfloat16 bits (in a uint32 array) of the float32 ``bits``, rounded to nearest even.
-
-    Adds 0x7FFF plus the lowest kept bit, then drops the low 16 bits. That carry would turn
-    a NaN whose payload sits in the low bits into Inf (or wrap -NaN to +0), so NaNs are
-    redone afterwards as their truncated bits with the quiet bit set. Finite values beyond
-    the largest bfloat16 round to Inf, as in every bfloat16 implementation.
-    """
-    np.right_shift(bits, 16, out=tmp)
-    tmp &= 1
-    tmp += 0x7FFF
-    tmp += bits  # wraps for large negative NaNs only; fixed below
-    tmp >>= 16
-    np.bitwise_and(bits, _F32_ABS_MASK, out=tmp2)
-    if tmp2.max(initial=0) > _F32_INF_BITS:
-        nan = tmp2 > _F32_INF_BITS
-        tmp[nan] = (bits[nan] >> 16) | _BF16_QUIET_BIT
-    return tmp
+def _to_bf16(values: np.ndarray, out: np.ndarray) -> None:
+    """bfloat16 of the float32 ``values`` into ``out`` (as wide, 16-bit), rounded to nearest
+    even by ml_dtypes' C cast; a NaN becomes the quiet NaN of its sign, values beyond the
+    largest bfloat16 become Inf, as in every bfloat16 implementation."""
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and overflow are meant, not warned
+        np.copyto(out.view(_BF16), values, casting="unsafe")
 
 
 class _Float32(_Format):
@@ -261,21 +254,11 @@ class _BFloat16(_Format):
     itemsize = 2
 
     def pack(self, values: np.ndarray, dst: np.ndarray) -> None:
-        bits = values.view(_U32)
-        dst16 = dst.view(_U16)
-        tmp, tmp2 = np.empty((2, min(_PIECE, values.size)), _U32)
-        for start, stop in _pieces(values.size):
-            k = stop - start
-            rounded = _bf16_bits(bits[start:stop], tmp[:k], tmp2[:k])
-            np.copyto(dst16[start:stop], rounded, casting="unsafe")
+        _to_bf16(values, dst.view(_U16))
 
     def unpack(self, pos: int, piece: BytesLike, out: np.ndarray) -> None:
-        src = np.frombuffer(piece, _U16)
-        first = pos // 2
-        for start, stop in _pieces(src.size):
-            dst = out.view(_U32)[first + start : first + stop]
-            np.copyto(dst, src[start:stop])
-            dst <<= 16
+        src = np.frombuffer(piece, _BF16)
+        np.copyto(out[pos // 2 : pos // 2 + src.size], src, casting="unsafe")
 
 
 class _Float16(_Format):
@@ -366,15 +349,14 @@ class _ShuffledBFloat16(_Format):
 
     def pack(self, values: np.ndarray, dst: np.ndarray) -> None:
         n = values.size
-        bits = values.view(_U32)
         high, low = dst[:n], dst[n:]
-        tmp, tmp2 = np.empty((2, min(_PIECE, n)), _U32)
+        rounded, shifted = np.empty((2, min(_PIECE, n)), _U16)
         for start, stop in _pieces(n):
             k = stop - start
-            rounded = _bf16_bits(bits[start:stop], tmp[:k], tmp2[:k])
-            np.copyto(low[start:stop], rounded, casting="unsafe")  # keeps the low byte
-            np.right_shift(rounded, 8, out=tmp2[:k])
-            np.copyto(high[start:stop], tmp2[:k], casting="unsafe")
+            _to_bf16(values[start:stop], rounded[:k])
+            np.copyto(low[start:stop], rounded[:k], casting="unsafe")  # keeps the low byte
+            np.right_shift(rounded[:k], 8, out=shifted[:k])
+            np.copyto(high[start:stop], shifted[:k], casting="unsafe")
 
     def unpack(self, pos: int, piece: BytesLike, out: np.ndarray) -> None:
         n = out.size
@@ -535,7 +517,7 @@ class Codec:
 
     def encode(
         self, values: np.ndarray, count: float = 0.0, out: bytearray | mmap.mmap | memoryview | None = None,
-        ids: BlockIds = (0, 0, 0, 0, 0),
+        ids: BlockIds = (0, 0, 0, 0, 0), checksum: bool = True,
     ) -> memoryview:
         """Encode ``values`` with ``count`` into ``out``, as the block ``ids`` names ((kind,
         source, destination, part, version), written into the header); return a view of
@@ -547,7 +529,8 @@ class Codec:
         the view an earlier ``encode`` returned) are alive: release them first. ``out`` may
         also be a writable ``mmap`` or a writable byte ``memoryview`` (shared memory, a piece
         of it), which cannot grow: it must be large enough. ``values`` is not referenced
-        after the call.
+        after the call. ``checksum=False`` leaves the checksum to ``seal``, for a block that
+        may never leave this host's memory.
         """
         _check_values(values)
         length = values.size
@@ -581,8 +564,22 @@ class Codec:
                 block, 0, MAGIC, FORMAT_VERSION, self.codec_id, flags, kind, _RESERVED,
                 length, payload_size, float(count), source, destination, part, 0, version, 0,
             )
-            _CHECKSUM.pack_into(block, _CHECKED_HEADER_BYTES, _checksum(block, payload_size))
+            if checksum:
+                _CHECKSUM.pack_into(block, _CHECKED_HEADER_BYTES, _checksum(block, payload_size))
         return memoryview(out)[: HEADER_SIZE + payload_size]
+
+    @staticmethod
+    def seal(block: memoryview) -> None:
+        """Write the checksum of a block ``encode`` left without one (a no-op otherwise):
+        before its bytes first leave this host's memory. Sealing the same block from several
+        threads at once is safe; each writes the same eight bytes. Bytes that are not a block
+        are left as they are, for the reader's ``decode`` to name what is wrong with them."""
+        if len(block) < HEADER_SIZE or bytes(block[:2]) != MAGIC:
+            return
+        checksum, = _CHECKSUM.unpack_from(block, _CHECKED_HEADER_BYTES)
+        if checksum == _UNSEALED:
+            _, payload_size = _PAYLOAD_SIZE.unpack_from(block, 8)
+            _CHECKSUM.pack_into(block, _CHECKED_HEADER_BYTES, _checksum(block, payload_size))
 
     def _encode_payload(
         self, values: np.ndarray, out: bytearray, block: memoryview
@@ -610,6 +607,7 @@ class Codec:
         scratch: np.ndarray | None = None,
         what: str = "block",
         expect: BlockIds | None = None,
+        checksum: bool = True,
     ) -> tuple[BlockHeader, np.ndarray]:
         """Validate one encoded block and decode it to ``length`` float32 values.
 
@@ -617,6 +615,8 @@ class Codec:
         given), that it was encoded with this codec, that it holds ``length`` elements, that
         ``block`` holds exactly header and payload, and the checksum; any mismatch raises
         ``CorruptBlockError`` whose message starts with ``what`` and names the failed check.
+        ``checksum=False`` skips the one pass over the bytes, for a block read in place
+        that never left this host's memory (its reader asks ``unchanged`` after use).
 
         ``raw`` blocks and stored-raw ``lz4`` blocks decode to a read-only zero-copy view of
         ``block``; the others decode into ``scratch[:length]`` (a float32 array of at least
@@ -656,7 +656,7 @@ class Codec:
                 f"{what}: uncompressed payload of {header.payload_size} bytes, "
                 f"{length} elements need {nbytes}"
             )
-        actual = _checksum(view, header.payload_size)
+        actual = _checksum(view, header.payload_size) if checksum else header.checksum
         if actual != header.checksum:
             raise CorruptBlockError(
                 f"{what}: checksum mismatch (header {header.checksum:#018x}, bytes hash to "
@@ -681,10 +681,8 @@ class Codec:
     def unchanged(block: BytesLike, header: BlockHeader) -> bool:
         """Whether ``block``, decoded earlier with ``header``, still holds that very block: a
         reader of a buffer in place (shared memory) asks after using what it decoded."""
-        view = memoryview(block)
-        version, = _VERSION.unpack_from(view, _VERSION_OFFSET)
-        checksum, = _CHECKSUM.unpack_from(view, _CHECKED_HEADER_BYTES)
-        return version == header.ids[4] and checksum == header.checksum
+        version, = _VERSION.unpack_from(memoryview(block), _VERSION_OFFSET)
+        return version == header.ids[4]  # encode marks it first, and a key's versions only grow
 
     @staticmethod
     def _result(length: int, scratch: np.ndarray | None) -> np.ndarray:

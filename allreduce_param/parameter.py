@@ -48,7 +48,7 @@ from .rendezvous import BarrierRendezvous, Rendezvous
 from .shm import SharedArenas, shared_memory_available
 from .store import EVERY_PARTITION, BlockKey, BlockKind, BlockStore
 from .strategy import Strategy, WeightRead
-from .transport import BlockServer, PeerClient
+from .transport import BlockServer, PeerClient, local_scope
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,7 @@ class ConnectedParameter:
         self._versions = {BlockKind.WEIGHT: -1, BlockKind.GRADIENT: -1, BlockKind.REDUCE_INPUT: -1}
         self._weight: np.ndarray | None = None
         self._gradient = np.zeros(self.slice_length, dtype=np.float32)
+        self._weights_out: np.ndarray | None = None  # what get_weights() fills when given no out
         self._gradient_pending = False
         # sends since the last aggregate: a second one could rewrite a version a peer still reads
         self._sends_since_aggregate = 0
@@ -260,7 +261,6 @@ class ConnectedParameter:
             shared=self._shared, max_wait=param.timeout,
         )
         self._addresses: list = []
-        self._own_host = host
         self._channels: list[_Channel] = []
         try:
             self._addresses = rendezvous.exchange(self._server.advertised_address)
@@ -281,10 +281,11 @@ class ConnectedParameter:
             if peer == self.partition_id:
                 continue
             host, port, *local = self._addresses[peer]
+            same_scope = len(local) == 2 and local[1] == local_scope()  # the same machine and network namespace
             clients[peer] = PeerClient(
                 (host, port), self._param.secret, self._param.param_id, self.partition_id, peer,
                 self._param.timeout,
-                local_name=local[0] if local and host == self._own_host else None,  # same host: Unix socket
+                local_name=local[0] if same_scope else None,  # a Unix socket, and shared memory if on
             )
         channel = _Channel(clients, threads, f"allreduce-{role}-{self.partition_id}")
         self._channels.append(channel)
@@ -349,7 +350,8 @@ class ConnectedParameter:
         which); after ``finish_updates``, the final weights. Waits for slow owners up to the
         timeout. The own slice also goes through the codec, so every partition gets
         bit-identical weights. ``out`` (float32, ``size``) is filled and returned when
-        given; a new array otherwise.
+        given; otherwise one array the handle keeps, which the next ``get_weights()`` without
+        ``out`` fills again: copy it to keep a version past that call.
         """
         self._require_init("get_weights()")
         if self._finished:
@@ -358,6 +360,10 @@ class ConnectedParameter:
             read = WeightRead(self._versions[BlockKind.WEIGHT], exact=True)
         else:
             read = self.strategy.weight_read(self._puts, self._last_read)
+        if out is None:
+            if self._weights_out is None:
+                self._weights_out = np.empty(self.layout.size, dtype=np.float32)
+            out = self._weights_out
         out = self._output(out, self.layout.size)
         with self._owner_failure_first():
             self._last_read = self._gather(BlockKind.WEIGHT, read, self.layout, out)
@@ -562,7 +568,8 @@ class ConnectedParameter:
             key = BlockKey(kind, self.partition_id, destination, part)
             buffer = self._store.reserve(key, version, self._param.timeout)
             block = (codec or self._codec).encode(values[start:start + length], count=count, out=buffer,
-                                                  ids=(kind, self.partition_id, destination, part, version))
+                                                  ids=(kind, self.partition_id, destination, part, version),
+                                                  checksum=False)  # sealed if it is ever sent
             self._store.put(key, version, block, buffer=buffer)
             del block  # the store holds its own view; ours would pin the buffer's size
             if inspect is not None:
@@ -592,10 +599,18 @@ class ConnectedParameter:
         total = 0.0
         for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
             target = out[start:start + length]
+            first = None  # the first source's values, added to the second's in one pass
             for index, source in enumerate(sources):
                 _, count, values, recheck = pending[source][part].result()
-                if index == 0:
+                if index == 0 and len(sources) > 1:
+                    first = values, recheck
+                    recheck = None  # until its values are used
+                elif index == 0:
                     np.copyto(target, values)
+                elif index == 1:
+                    np.add(first[0], values, out=target)
+                    if first[1] is not None:
+                        first[1]()
                 else:
                     np.add(target, values, out=target)
                 if recheck is not None:
@@ -672,6 +687,7 @@ class ConnectedParameter:
                 header, values = codec.decode(
                     block, length, scratch=channel.scratch(source, start + length)[start:start + length],
                     what=key.describe(version), expect=(kind, source, destination, part, version),
+                    checksum=not (local or shared),  # in place: never left this host's memory
                 )
             except BaseException as error:
                 if isinstance(error, (PeerLostError, AuthenticationError)):

@@ -17,8 +17,8 @@ from typing import Sequence
 
 from .errors import ConfigurationError, UsageError
 
-#: Where a partition's block server listens: ``(host, port)``, or ``(host, port, local_name)``
-#: when it also serves on an abstract Unix socket for peers on the same host.
+#: Where a partition's block server listens: ``(host, port)``, or ``(host, port, local_name,
+#: local_scope)`` when it also serves on an abstract Unix socket, for peers of the same scope.
 Address = tuple
 
 

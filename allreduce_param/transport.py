@@ -21,6 +21,7 @@ malformed frame closes that connection with a logged reason, never the server.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -33,6 +34,7 @@ import threading
 import time
 from typing import Callable
 
+from .codec import Codec
 from .errors import (
     AllReduceError,
     AuthenticationError,
@@ -104,6 +106,18 @@ def _tune(sock: socket.socket) -> None:
 def unix_sockets_available() -> bool:
     """Whether this platform has abstract Unix sockets (Linux): the same-host fast path."""
     return sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+
+
+@functools.lru_cache(maxsize=1)
+def local_scope() -> str:
+    """Which abstract Unix sockets this process can reach: its machine (the kernel's boot id)
+    and network namespace. Peers with the same scope meet over Unix sockets and shared
+    memory, whatever host names or addresses Spark gave them; others over TCP."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return f"{boot.read().strip()}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return f"{socket.gethostname()}/unknown"
 
 
 class _Unproven:
@@ -191,8 +205,9 @@ class BlockServer:
 
     @property
     def advertised_address(self) -> tuple:
-        """What peers need to reach this server: ``(host, port)``, plus ``local_name`` if any."""
-        return (*self.address, self.local_name) if self.local_name else tuple(self.address)
+        """What peers need to reach this server: ``(host, port)``, plus ``local_name`` and
+        ``local_scope()`` if it serves a Unix socket too."""
+        return (*self.address, self.local_name, local_scope()) if self.local_name else tuple(self.address)
 
     # ---- admitting: accept and handshake, on one thread -----------------------------------
 
@@ -374,6 +389,7 @@ class BlockServer:
             else:
                 found = self._shared.locate(block) if op == OP_GET_SHARED and local and self._shared else None
                 if found is None:
+                    Codec.seal(block)  # its bytes leave this host's memory: they need their checksum
                     conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes, version))
                     conn.sendall(block)
                     continue

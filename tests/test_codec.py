@@ -13,6 +13,7 @@ from allreduce_param.codec import (
     HEADER_SIZE,
     LZ4_CHUNK_BYTES,
     BlockHeader,
+    Codec,
     get_codec,
     parse_header,
 )
@@ -314,6 +315,32 @@ def test_flipped_payload_byte_fails_checksum(name):
     block = encoded(name, make("sparse", 1000))
     block[-1] ^= 0x01
     corrupt(bytes(block), "checksum mismatch", name=name)
+
+
+def test_a_block_read_in_place_skips_only_the_checksum():
+    """checksum=False (a block that never left shared memory) skips the pass over the bytes,
+    and nothing else: a header naming another block still fails."""
+    values = make("normal", 1000)
+    block = encoded("raw", values)
+    block[-1] ^= 0x01
+    _, decoded = get_codec("raw").decode(bytes(block), 1000, what=WHAT, checksum=False)
+    assert np.array_equal(decoded[:-1], values[:-1]) and decoded[-1] != values[-1]
+    with pytest.raises(CorruptBlockError, match="expected 999 elements"):
+        get_codec("raw").decode(bytes(block), 999, what=WHAT, checksum=False)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_a_block_encoded_unsealed_needs_its_seal_to_cross_a_socket(name):
+    """encode(checksum=False) leaves the checksum to seal(): unsealed, a reader that checks
+    refuses it; sealed (twice is harmless), it decodes to the same values."""
+    values = make("normal", 1000)
+    codec = get_codec(name)
+    block = codec.encode(values, out=bytearray(), checksum=False)
+    corrupt(bytes(block), "checksum mismatch", name=name)
+    Codec.seal(block)
+    Codec.seal(block)
+    assert bytes(block) == bytes(codec.encode(values, out=bytearray()))
+    Codec.seal(memoryview(b"not a block"))  # left alone, for decode to name
 
 
 @pytest.mark.parametrize("name", CODECS)

@@ -79,7 +79,7 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
             p.put_gradients(grads, count=1.0)
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
-            results.append(p.get_weights())
+            results.append(p.get_weights().copy())
         return results
 
     def flood():

@@ -42,7 +42,7 @@ def reference_step(weights, grads, counts):
 def one_step(weights, grads, counts):
     def body(p):
         p.init(weights)
-        before = p.get_weights()
+        before = p.get_weights().copy()
         p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
         gradient = p.aggregate_gradient_partition().copy()
         p.weight_partition[:] -= LR * gradient
@@ -424,3 +424,62 @@ def test_descriptors_and_buffers_do_not_grow_with_the_model():
     for size in (100_000, 10_000_000):
         results = raise_first(run_partitions(AllReduceParameter(2, size, "raw", timeout=60), body))
         assert all(segments == 1 and buffers == {1} for segments, buffers in results), (size, results)
+
+
+def test_get_weights_without_out_refills_one_array():
+    """The README's ``w = p.get_weights()`` costs no new 40 MB a step: the handle fills one
+    array again, and the values are each step's weights."""
+    def body(p):
+        p.init(np.zeros(p.layout.size, np.float32))
+        first = p.get_weights()
+        seen = []
+        for step in range(3):
+            w = p.get_weights()
+            seen.append((w is first, float(w[0])))
+            p.put_gradients(np.ones(p.layout.size, np.float32))
+            p.weight_partition[:] -= p.aggregate_gradient_partition()
+            p.send_weight_partition()
+        return seen
+
+    for seen in raise_first(run_partitions(AllReduceParameter(2, 1000, "raw", timeout=60), body)):
+        assert seen == [(True, 0.0), (True, -1.0), (True, -2.0)]
+
+
+@pytest.mark.parametrize("peer_scope, family", [(None, "AF_UNIX"), ("another-machine/1", "AF_INET")])
+def test_peers_meet_by_scope_not_by_host_name(peer_scope, family):
+    """Spark may name a task's host "localhost" while its server reports 127.0.0.1: peers of
+    one machine and network namespace still meet over Unix sockets and shared memory; a peer
+    that says it is elsewhere is reached over TCP."""
+    from allreduce_param import LocalRendezvous
+    from allreduce_param.rendezvous import Rendezvous
+
+    group = LocalRendezvous(2)
+
+    class NamedHost(Rendezvous):
+        def __init__(self, partition_id):
+            self.partition_id, self.partition_num = partition_id, 2
+            self._member = group.member(partition_id)
+
+        def bind_address(self):
+            return "localhost", 0
+
+        def exchange(self, address):
+            if peer_scope is not None and self.partition_id == 1:
+                address = (*address[:3], peer_scope)
+            return self._member.exchange(address)
+
+    param = AllReduceParameter(2, 10_000, "raw", timeout=30)
+    families = [None, None]
+
+    def partition(i):
+        with param.connect(NamedHost(i)) as p:
+            p.init(np.zeros(10_000, np.float32))
+            p.get_weights()
+            families[i] = {client._sock.family.name for client in p._peers.values()}
+
+    threads = [threading.Thread(target=partition, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert families[0] == {family}, families

@@ -45,7 +45,7 @@ def step_task(params: list[AllReduceParameter], seed: int):
                 weights = start_weights(param.size, seed)
                 gradient, count = partition_data(param.size, seed, p.partition_id)
                 p.init(weights)
-                before = p.get_weights()
+                before = p.get_weights().copy()
                 p.put_gradients(gradient, count=count)
                 p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
                 p.send_weight_partition()
