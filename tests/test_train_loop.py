@@ -208,6 +208,20 @@ class Straggler(models.SoftmaxRegression):
         return super().loss_and_grad(weights, X, y)
 
 
+def train_with_straggler(parts, strategy: Strategy, ahead: int, lr: float, batch_size: int) -> History:
+    """Three epochs of SGD on ``parts``, one partition each, the last of them held back at
+    its first step until the others have reported ``ahead`` steps; the merged history."""
+    Straggler.listener, Straggler.ahead, Straggler.slow = StepListener(), ahead, f"partition-{len(parts) - 1}"
+    model = Straggler(4, 3)
+    param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60, strategy=strategy)
+    job = TrainingJob(model, optim.SGD(lr=lr), param, batch_size=batch_size, epochs=3, seed=0, threads=None,
+                      n_features=4, has_validation=False, reporter=Straggler.listener)
+    outputs = run_workers(job, parts)
+    for output in outputs:
+        assert isinstance(output, dict), output
+    return merged_history(outputs, len(parts))
+
+
 def merged_history(outputs, partitions: int) -> History:
     steps = [np.frombuffer(o["steps"], np.float64).reshape(-1, len(STEP_FIELDS)) for o in outputs]
     shares = [share for o in outputs for share in json.loads(o["epochs"])]
@@ -219,15 +233,7 @@ def merged_history(outputs, partitions: int) -> History:
 def test_backup_workers_leave_out_a_straggler_and_count_it():
     X, y = blobs(180, 4, 3, seed=5)
     parts = [(X[i::3], y[i::3]) for i in range(3)]
-    Straggler.listener, Straggler.ahead, Straggler.slow = StepListener(), 8, "partition-2"  # 4 steps each
-    model = Straggler(4, 3)
-    param = AllReduceParameter(3, model.size, codec="raw", timeout=60, strategy=Strategy("bsp", backup_workers=1))
-    job = TrainingJob(model, optim.SGD(lr=0.2), param, batch_size=30, epochs=3, seed=0, threads=None,
-                      n_features=4, has_validation=False, reporter=Straggler.listener)
-    outputs = run_workers(job, parts)
-    for output in outputs:
-        assert isinstance(output, dict), output
-    history = merged_history(outputs, 3)
+    history = train_with_straggler(parts, Strategy("bsp", backup_workers=1), ahead=8, lr=0.2, batch_size=30)
     assert len(history.steps) == 18  # every step recorded by every partition, computed or skipped
     # one partition left out of every step, the same for every slice; the straggler most
     assert all(step["dropped"] == 1 for step in history.steps) and history.dropped.get(2, 0) >= 4
@@ -258,15 +264,7 @@ def test_asp_keeps_the_others_stepping_while_one_partition_is_stuck_and_still_co
     parts = [(X[:100], y[:100]), (X[100:], y[100:])]
     steps = 3 * steps_per_epoch(200, 20)
     # partition 1 computes nothing until partition 0 has reported every one of its steps
-    Straggler.listener, Straggler.ahead, Straggler.slow = StepListener(), steps, "partition-1"
-    model = Straggler(4, 3)
-    param = AllReduceParameter(2, model.size, codec="raw", timeout=60, strategy=Strategy("asp"))
-    job = TrainingJob(model, optim.SGD(lr=0.1), param, batch_size=20, epochs=3, seed=0, threads=None,
-                      n_features=4, has_validation=False, reporter=Straggler.listener)
-    outputs = run_workers(job, parts)
-    for output in outputs:
-        assert isinstance(output, dict), output
-    history = merged_history(outputs, 2)
+    history = train_with_straggler(parts, Strategy("asp"), ahead=steps, lr=0.1, batch_size=20)
     # partition 0 stepped on to its last step with weights that held none of partition 1's steps
     assert max(step["staleness"] for step in history.steps) == steps - 1
     assert history.epochs[-1]["train_accuracy"] >= 0.9
