@@ -96,11 +96,11 @@ FORMAT_VERSION = 2
 _HEADER = struct.Struct("<2sBBBB2sQQdIIIIQQ")
 HEADER_SIZE: int = _HEADER.size  # 64: a multiple of 8, so payload views stay aligned
 _CHECKED_HEADER_BYTES = HEADER_SIZE - 8  # every header byte but the checksum
-_CHECKSUM = struct.Struct("<Q")
-_UNSEALED = 0  # the checksum field of a block encoded without one (see Codec.seal)
-_PAYLOAD_SIZE = struct.Struct("<QQ")  # length and payload_size, at offset 8
-_VERSION = struct.Struct("<Q")
+_FIELD = struct.Struct("<Q")  # one 8-byte header field, read or written alone:
+_PAYLOAD_SIZE_OFFSET = 16
 _VERSION_OFFSET = 48
+_CHECKSUM_OFFSET = _CHECKED_HEADER_BYTES
+_UNSEALED = 0  # the checksum field of a block encoded without one (see Codec.seal)
 _REWRITING = 0xFFFFFFFFFFFFFFFF  # the version field while a buffer is being encoded into
 _RESERVED = b"\0\0"
 
@@ -553,7 +553,7 @@ class Codec:
                     "of it are alive: release the memoryview of the previous block first"
                 ) from None
         with memoryview(out) as block:
-            _VERSION.pack_into(block, _VERSION_OFFSET, _REWRITING)  # in-place readers can tell
+            _FIELD.pack_into(block, _VERSION_OFFSET, _REWRITING)  # in-place readers can tell
             try:
                 payload_size, stored_raw = self._encode_payload(values, out, block)
             except CodecOverflowError as exc:
@@ -565,7 +565,7 @@ class Codec:
                 length, payload_size, float(count), source, destination, part, 0, version, 0,
             )
             if checksum:
-                _CHECKSUM.pack_into(block, _CHECKED_HEADER_BYTES, _checksum(block, payload_size))
+                _FIELD.pack_into(block, _CHECKSUM_OFFSET, _checksum(block, payload_size))
         return memoryview(out)[: HEADER_SIZE + payload_size]
 
     @staticmethod
@@ -576,10 +576,10 @@ class Codec:
         are left as they are, for the reader's ``decode`` to name what is wrong with them."""
         if len(block) < HEADER_SIZE or bytes(block[:2]) != MAGIC:
             return
-        checksum, = _CHECKSUM.unpack_from(block, _CHECKED_HEADER_BYTES)
+        checksum, = _FIELD.unpack_from(block, _CHECKSUM_OFFSET)
         if checksum == _UNSEALED:
-            _, payload_size = _PAYLOAD_SIZE.unpack_from(block, 8)
-            _CHECKSUM.pack_into(block, _CHECKED_HEADER_BYTES, _checksum(block, payload_size))
+            payload_size, = _FIELD.unpack_from(block, _PAYLOAD_SIZE_OFFSET)
+            _FIELD.pack_into(block, _CHECKSUM_OFFSET, _checksum(block, payload_size))
 
     def _encode_payload(
         self, values: np.ndarray, out: bytearray, block: memoryview
@@ -681,7 +681,7 @@ class Codec:
     def unchanged(block: BytesLike, header: BlockHeader) -> bool:
         """Whether ``block``, decoded earlier with ``header``, still holds that very block: a
         reader of a buffer in place (shared memory) asks after using what it decoded."""
-        version, = _VERSION.unpack_from(memoryview(block), _VERSION_OFFSET)
+        version, = _FIELD.unpack_from(memoryview(block), _VERSION_OFFSET)
         return version == header.ids[4]  # encode marks it first, and a key's versions only grow
 
     @staticmethod

@@ -599,24 +599,23 @@ class ConnectedParameter:
         total = 0.0
         for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
             target = out[start:start + length]
-            first = None  # the first source's values, added to the second's in one pass
-            for index, source in enumerate(sources):
+            partial = None  # the sum so far: the first source's own values, then target
+            rechecks = []  # for values read in place, once they are used
+            for source in sources:
                 _, count, values, recheck = pending[source][part].result()
-                if index == 0 and len(sources) > 1:
-                    first = values, recheck
-                    recheck = None  # until its values are used
-                elif index == 0:
-                    np.copyto(target, values)
-                elif index == 1:
-                    np.add(first[0], values, out=target)
-                    if first[1] is not None:
-                        first[1]()
-                else:
-                    np.add(target, values, out=target)
+                if partial is None:
+                    partial = values
+                else:  # the first two are added in one pass, not copied and then added
+                    np.add(partial, values, out=target)
+                    partial = target
                 if recheck is not None:
-                    recheck()
+                    rechecks.append(recheck)
                 if part == 0:
                     total += count
+            if partial is not None and partial is not target:  # a single source
+                np.copyto(target, partial)
+            for recheck in rechecks:
+                recheck()
         return total
 
     def _gather(self, kind: int, read: WeightRead, layout: SliceLayout, out: np.ndarray, codec=None) -> int:

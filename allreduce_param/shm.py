@@ -16,6 +16,8 @@ import mmap
 import os
 import socket
 
+import numpy as np
+
 _ids = itertools.count(1)
 
 
@@ -55,8 +57,6 @@ class SharedSegment:
 
 def address(buffer) -> int:
     """Where ``buffer`` (a bytes-like object) starts in this process's memory."""
-    import numpy as np
-
     return np.frombuffer(buffer, np.uint8).ctypes.data
 
 

@@ -190,6 +190,11 @@ def _gloo_rank(
         dist.destroy_process_group()
 
 
+def gloo_available() -> bool:
+    """Whether torch, and with it gloo, is installed."""
+    return importlib.util.find_spec("torch") is not None
+
+
 def gloo_allreduce_ms(
     size: int, processes: int = 2, steps: int = 10, warmup: int = 2
 ) -> float | None:
@@ -204,7 +209,7 @@ def gloo_allreduce_ms(
     Returns ``None`` when torch is not installed. Raises if a rank fails; every process is
     joined (the others terminated) before this returns or raises.
     """
-    if importlib.util.find_spec("torch") is None:
+    if not gloo_available():
         return None
     if size < 1 or processes < 1 or steps < 1 or warmup < 0:
         raise ValueError(

@@ -18,7 +18,6 @@ treeAggregate the gradients) runs once per size.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import re
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if set(chosen) - set(known):
             parser.error(f"unknown {name} {sorted(set(chosen) - set(known))}: choose of {', '.join(known)}")
     partitions = args.partitions or local_slots(args.master)
-    gloo_installed = not args.no_baselines and importlib.util.find_spec("torch") is not None
+    gloo_installed = not args.no_baselines and baselines.gloo_available()
 
     spark = local_spark(args.master, "allreduce-param-bench", CONF_DIR)
     try:
