@@ -34,12 +34,14 @@ def data(spark):
 def test_the_error_says_a_retry_would_resume_and_which_setting_allows_it(data, tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()
-    trainer = DistriOptimizer(FailsOnce(str(marks), at=7, kill=False), optim.SGD(lr=0.1), batch_size=40, epochs=3,
+    # at step 7: partition 1 needs partition 0's weights of step 7 for it, which partition 0
+    # sends only after the manifest of step 6 (a fault at step 6 could beat that manifest)
+    trainer = DistriOptimizer(FailsOnce(str(marks), at=8, kill=False), optim.SGD(lr=0.1), batch_size=40, epochs=3,
                               progress=False, num_workers=2, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2)
     with pytest.raises(TrainingError) as failure:
         trainer.fit(data)
     message = str(failure.value)
-    assert message.startswith("partition 1, epoch 2, step 0: ValueError: a fault injected at call 7.")
+    assert message.startswith("partition 1, epoch 2, step 1: ValueError: a fault injected at call 8.")
     found = re.search(r"Its newest checkpoint, of step 6, is (\S+): fit\(\.\.\., resume_from='(\S+)'\) "
                       r"continues from it; Spark did not retry the stage \(spark.stage.maxConsecutiveAttempts=1\): "
                       r"with 2 or more it resumes from the checkpoint on its own", message)
