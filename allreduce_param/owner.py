@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .codec import get_codec
 from .errors import UsageError
 from .layout import SliceLayout
 from .store import EVERY_PARTITION, BlockKind
 from .strategy import Strategy, WeightRead
 
 if TYPE_CHECKING:
-    from .parameter import ConnectedParameter, _Channel
+    from .movements import Movements, NonFiniteSum
+    from .peers import Channel
 
 
 @dataclass(frozen=True)
@@ -44,27 +44,41 @@ class Update:
 
 
 class BackgroundOwner:
-    """Runs the owner's side of ``handle`` until every partition's ``steps`` gradients are in.
+    """Runs the owner's side of one partition's slice until every partition's ``steps``
+    gradients are in.
 
-    Made by ``ConnectedParameter.serve_updates``; ``update(gradient, weights, step)`` changes
-    the owned slice in place. ``channel`` fetches the gradients; ``control``, with backup
-    workers on every owner but the chooser, the chooser's choices. ``on_steps_done(k)``
-    follows each update after which the slice holds every partition's steps before k.
+    Made by ``ConnectedParameter.serve_updates``: ``weight`` and ``gradient`` are the
+    handle's owned slice and its gradient room, ``start`` the fit's first step.
+    ``update(gradient, weights, step)`` changes the owned slice in place. ``channel``
+    fetches the gradients; the peer group's control channel, with backup workers on every
+    owner but the chooser, the chooser's choices. ``on_steps_done(k)`` follows each update
+    after which the slice holds every partition's steps before k. ``check(version)`` gives
+    what checks a summed gradient for NaN/Inf (None: they are allowed).
     """
 
-    def __init__(self, handle: ConnectedParameter, channel: _Channel, control: _Channel,
+    def __init__(self, moves: Movements, channel: Channel, strategy: Strategy, layout: SliceLayout,
+                 weight: np.ndarray, gradient: np.ndarray, start: int,
                  update: Callable[[np.ndarray, np.ndarray, int], None], steps: int,
-                 on_steps_done: Callable[[int], None] | None = None) -> None:
+                 on_steps_done: Callable[[int], None] | None = None,
+                 check: Callable[[int], NonFiniteSum | None] = lambda version: None) -> None:
         self.steps = steps
         self.updates: list[Update] = []
-        self._handle = handle
+        self._moves = moves
+        self._partition_id = moves.partition_id
+        self._partition_num = moves.partition_num
+        self._strategy = strategy
+        self._layout = layout
+        self._weight = weight
+        self._gradient = gradient
+        self._start = start
         self._channel = channel
-        self._control = control  # backup workers: where the chooser's choices come from
+        self._control = moves.peers.control  # backup workers: where the chooser's choices come from
         self._update = update
         self._on_steps_done = on_steps_done or (lambda steps_done: None)
+        self._check = check
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"allreduce-owner-{handle.partition_id}")
+                                        name=f"allreduce-owner-{self._partition_id}")
         self._thread.start()
 
     @property
@@ -80,39 +94,36 @@ class BackgroundOwner:
             raise self._error
 
     def _run(self) -> None:
-        handle = self._handle
         try:
-            if handle.strategy.backup_workers:
+            if self._strategy.backup_workers:
                 self._steps_with_backups()
             else:
                 self._arrivals()
         except BaseException as error:
             self._error = error
-            handle._store.close(f"partition {handle.partition_id}'s owner failed: {type(error).__name__}: {error}")
+            self._moves.peers.store.close(
+                f"partition {self._partition_id}'s owner failed: {type(error).__name__}: {error}")
 
     def _fetch(self, source: int, version: int, exact: bool) -> list[Future]:
         """Start fetching ``source``'s gradient for this slice: the part futures."""
-        handle = self._handle
-        pending = handle._fetch_all(self._channel, BlockKind.GRADIENT, WeightRead(version, exact), handle.layout,
-                                    destination=handle.partition_id, sources=[source], follow_first=True)
+        pending = self._moves.fetch_all(self._channel, BlockKind.GRADIENT, WeightRead(version, exact), self._layout,
+                                        destination=self._partition_id, sources=[source], follow_first=True)
         return pending[source]
 
     def _apply(self, pending: dict[int, list[Future]], sources: list[int], step: int) -> float:
         """Sum the fetched gradients of ``sources`` in their order, update the slice with their
         mean; their rows (a zero total changes nothing)."""
-        handle = self._handle
-        gradient = handle._gradient
-        count = handle._sum(pending, sources, gradient)
+        gradient = self._gradient
+        count = self._moves.sum(pending, sources, gradient, divisor=lambda total: total if total > 0 else None,
+                                check=self._check(step))
         if count > 0:
-            gradient /= np.float32(count)
-            self._update(gradient, handle._weight, step)
+            self._update(gradient, self._weight, step)
         self.updates.append(Update(step, tuple(sources), count))
         return count
 
     def _arrivals(self) -> None:
         """ssp, asp: apply every partition's gradients in order, as they arrive."""
-        handle = self._handle
-        partitions, start = handle.partition_num, handle._start
+        partitions, start = self._partition_num, self._start
         taken = [start] * partitions
         pending = {source: self._fetch(source, start, exact=True) for source in range(partitions)} \
             if start < self.steps else {}
@@ -124,8 +135,8 @@ class BackgroundOwner:
             for source in arrived:
                 taken[source] += 1
                 del pending[source]
-            version = handle.strategy.weight_version(min(taken), len(self.updates))
-            handle._publish(BlockKind.WEIGHT, version, handle._weight)
+            version = self._strategy.weight_version(min(taken), len(self.updates))
+            self._moves.publish(BlockKind.WEIGHT, version, self._weight)
             for steps_done in range(clock + 1, min(taken) + 1):
                 self._on_steps_done(steps_done)
             for source in arrived:
@@ -135,23 +146,22 @@ class BackgroundOwner:
     def _steps_with_backups(self) -> None:
         """bsp with backup workers: each step takes the first N - b of its gradients to arrive
         at the chooser, which publishes its choice for the other owners."""
-        handle = self._handle
-        partitions = handle.partition_num
-        raw, choice = get_codec("raw"), np.zeros(partitions, np.float32)
+        partitions = self._partition_num
+        choice = np.zeros(partitions, np.float32)
         requests: dict[int, tuple[int, list[Future]]] = {}  # source -> (step asked at, parts)
-        for step in range(handle._start, self.steps):
+        for step in range(self._start, self.steps):
             for source in range(partitions):
                 if source not in requests:
                     requests[source] = (step, self._fetch(source, step, exact=False))
-            if handle.partition_id == Strategy.CHOOSER:
-                taken = self._first(requests, step, handle.strategy.gradients_per_update(partitions))
+            if self._partition_id == Strategy.CHOOSER:
+                taken = self._first(requests, step, self._strategy.gradients_per_update(partitions))
                 choice[:] = 0
                 choice[taken] = 1
-                handle._publish(BlockKind.CHOICE, step, choice, codec=raw)
+                self._moves.publish(BlockKind.CHOICE, step, choice)
             else:
-                pending = handle._fetch_all(self._control, BlockKind.CHOICE, WeightRead(step, exact=True),
-                                            SliceLayout(partitions, 1), EVERY_PARTITION, codec=raw,
-                                            sources=[Strategy.CHOOSER])
+                pending = self._moves.fetch_all(self._control, BlockKind.CHOICE, WeightRead(step, exact=True),
+                                                SliceLayout(partitions, 1), EVERY_PARTITION,
+                                                sources=[Strategy.CHOOSER])
                 _, _, chosen, recheck = pending[Strategy.CHOOSER][0].result()
                 taken = [int(source) for source in np.flatnonzero(chosen)]
                 if recheck is not None:
@@ -161,7 +171,7 @@ class BackgroundOwner:
             self._apply({source: requests[source][1] for source in taken}, taken, step)
             for source in taken:
                 del requests[source]
-            handle._publish(BlockKind.WEIGHT, step + 1, handle._weight)
+            self._moves.publish(BlockKind.WEIGHT, step + 1, self._weight)
             self._on_steps_done(step + 1)
 
     def _first(self, requests: dict[int, tuple[int, list[Future]]], step: int, need: int) -> list[int]:
@@ -189,7 +199,7 @@ class BackgroundOwner:
             version = self._version(parts, late=asked < step)
             if version is not None and version > step:
                 raise UsageError(f"partition {source} published a gradient for step {version} while "
-                                 f"partition {self._handle.partition_id}'s owner is at step {step}")
+                                 f"partition {self._partition_id}'s owner is at step {step}")
             if version == step:
                 return version
             requests[source] = (step, self._fetch(source, step, exact=False))

@@ -24,48 +24,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import logging
 import secrets
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Literal
 
 import numpy as np
 
-from .codec import Codec, get_codec
-from .errors import (
-    AllReduceError,
-    AuthenticationError,
-    ConfigurationError,
-    CorruptBlockError,
-    InputError,
-    NonFiniteGradientError,
-    PeerLostError,
-    UsageError,
-)
-from .layout import SliceLayout, split
+from .codec import get_codec
+from .errors import ConfigurationError, InputError, UsageError
+from .layout import SliceLayout
+from .movements import Movements, NonFiniteSum
+from .peers import PeerGroup
 from .rendezvous import BarrierRendezvous, Rendezvous
-from .shm import SharedArenas, shared_memory_available
-from .store import EVERY_PARTITION, BlockKey, BlockKind, BlockStore
+from .store import EVERY_PARTITION, BlockKind
 from .strategy import Strategy, WeightRead
-from .transport import BlockServer, PeerClient, local_scope
-
-log = logging.getLogger(__name__)
 
 _next_param_id = itertools.count()
-
-#: Elements per part: blocks travel in parts of at most this many values (2 MiB of
-#: float32), so that encoding, the wire and summing overlap (see the movements below).
-PART_LENGTH = 1 << 19
-
-#: How long, at most, a partition that failed keeps answering its peers with the reason
-#: before it stops: only for a clearer message (the root cause in every peer's error), so
-#: it is short, and it ends as soon as every peer has hung up.
-FAILURE_LINGER_SECONDS = 10.0
-
-#: The most a part can take encoded, whatever the codec: what a shared send buffer holds.
-_LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
-
 
 class AllReduceParameter:
     """The driver's description of one synchronised vector: its size, partitions, codec, secret.
@@ -161,60 +134,12 @@ def _call(method):
     return call
 
 
-def _recheck(block: memoryview, header, what: str) -> None:
-    """Raise if a block read in place was rewritten while it was read."""
-    if not Codec.unchanged(block, header):
-        raise CorruptBlockError(f"{what} was rewritten while it was read in place: a protocol slip (its owner "
-                                "reused the buffer of a version still being read)")
-
-
-class _Channel:
-    """One thread's way to the peers: its own connections, fetch threads and landing buffers.
-
-    The worker and a background owner each fetch through their own channel, so that an
-    owner waiting for a slow partition's gradient never holds up the worker's reads. A
-    fetched block stays valid (in a receive buffer, a scratch array, or a peer's shared
-    memory) until the channel fetches the same source's next one.
-    """
-
-    def __init__(self, clients: dict[int, PeerClient], threads: int, name: str) -> None:
-        self.clients = clients
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) if threads else None
-        self.reader = object()  # who reads the own store through this channel (for its holds)
-        self._receive: dict[int, bytearray] = {}
-        self._scratch: dict[int, np.ndarray] = {}
-
-    def receive_buffer(self, source: int, nbytes: int) -> memoryview:
-        """Where ``source``'s blocks land: reused, replaced by a larger one when too small."""
-        buffer = self._receive.get(source)
-        if buffer is None or len(buffer) < nbytes:
-            buffer = self._receive[source] = bytearray(nbytes)
-        return memoryview(buffer)
-
-    def scratch(self, source: int, length: int) -> np.ndarray:
-        """Float32 room to decode ``source``'s lossy blocks into, reused across fetches."""
-        scratch = self._scratch.get(source)
-        if scratch is None or scratch.size < length:
-            scratch = self._scratch[source] = np.empty(length, dtype=np.float32)
-        return scratch
-
-    def abort(self) -> None:
-        for client in self.clients.values():
-            client.abort()
-
-    def close(self) -> None:
-        """Stop the fetch threads (after ``abort`` wakes any that wait) and the connections."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        for client in self.clients.values():
-            client.close()
-
-
 class ConnectedParameter:
     """One partition's live side of an ``AllReduceParameter``; made by ``connect()``.
 
     Every partition must make the same calls in the same order: the n-th call of a kind on
-    one partition meets the n-th call on the others (the version numbers count them).
+    one partition meets the n-th call on the others (the version numbers count them). The
+    peers are reached through a ``peers.PeerGroup``; blocks move through ``movements``.
     """
 
     def __init__(self, param: AllReduceParameter, rendezvous: Rendezvous) -> None:
@@ -230,9 +155,8 @@ class ConnectedParameter:
         self.strategy = param.strategy
         self.slice_start = self.layout.start(self.partition_id)
         self.slice_length = self.layout.length(self.partition_id)
-        self._param = param
-        self._codec = get_codec(param.codec)
-        self._versions = {BlockKind.WEIGHT: -1, BlockKind.GRADIENT: -1, BlockKind.REDUCE_INPUT: -1}
+        self._allow_nonfinite = param.allow_nonfinite
+        self._versions = {kind: -1 for kind in BlockKind.NAMES}
         self._weight: np.ndarray | None = None
         self._gradient = np.zeros(self.slice_length, dtype=np.float32)
         self._weights_out: np.ndarray | None = None  # what get_weights() fills when given no out
@@ -244,52 +168,13 @@ class ConnectedParameter:
         self._puts = 0  # gradients put so far, counted from the first step
         self._owner = None  # the background owner, under strategies other than plain BSP
         self._finished = False
-        self._closed = False
         self._failure: BaseException | None = None  # what made a call fail partway
-        self._done_peers: set[int] = set()
-        self._done_changed = threading.Condition()
+        self._peers = PeerGroup(param, rendezvous)
+        self._moves = Movements(self._peers, get_codec(param.codec))
 
-        # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
-        self._shared = SharedArenas() if param.unix_sockets and param.shared_memory \
-            and shared_memory_available() else None
-        self._store = BlockStore(keep=self.strategy.keep(), wait_for_readers=self.strategy.waits_for_readers(),
-                                 reuse_at_once=self.strategy.read_before_next(), new_buffer=self._new_buffer)
-        host, port = rendezvous.bind_address()
-        self._server = BlockServer(
-            self._store, param.secret, param.param_id, self.partition_id, host, port,
-            partition_num=self.partition_num, on_done=self._peer_done, unix=param.unix_sockets,
-            shared=self._shared, max_wait=param.timeout,
-        )
-        self._addresses: list = []
-        self._channels: list[_Channel] = []
-        try:
-            self._addresses = rendezvous.exchange(self._server.advertised_address)
-            peers = self.partition_num - 1
-            self._worker = self._channel(min(param.fetch_threads or peers, peers), "fetch")
-            # small blocks (choices, signals) on connections of their own, made at first use:
-            # a background owner's channel may be waiting for a straggler's gradient meanwhile
-            self._control = self._channel(1, "control")
-        except BaseException:
-            self._shutdown()
-            raise
-        self._peers = self._worker.clients
-
-    def _channel(self, threads: int, role: str) -> _Channel:
-        """A new set of connections to every peer (each connects on first use)."""
-        clients = {}
-        for peer in range(self.partition_num):
-            if peer == self.partition_id:
-                continue
-            host, port, *local = self._addresses[peer]
-            same_scope = len(local) == 2 and local[1] == local_scope()  # the same machine and network namespace
-            clients[peer] = PeerClient(
-                (host, port), self._param.secret, self._param.param_id, self.partition_id, peer,
-                self._param.timeout,
-                local_name=local[0] if same_scope else None,  # a Unix socket, and shared memory if on
-            )
-        channel = _Channel(clients, threads, f"allreduce-{role}-{self.partition_id}")
-        self._channels.append(channel)
-        return channel
+    @property
+    def _closed(self) -> bool:
+        return self._peers.closed
 
     # ---- the weights ---------------------------------------------------------------------
 
@@ -311,7 +196,7 @@ class ConnectedParameter:
         self._start = self._puts = int(step)
         self._last_read = self._versions[BlockKind.GRADIENT] = self._start - 1
         self._versions[BlockKind.WEIGHT] = self.strategy.weight_version(self._start, 0)
-        self._publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
+        self._moves.publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
 
     @property
     def weight_partition(self) -> np.ndarray:
@@ -339,7 +224,7 @@ class ConnectedParameter:
             )
         self._sends_since_aggregate += 1
         self._versions[BlockKind.WEIGHT] += 1
-        self._publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
+        self._moves.publish(BlockKind.WEIGHT, self._versions[BlockKind.WEIGHT], self._weight)
 
     @_call
     def get_weights(self, out: np.ndarray | None = None) -> np.ndarray:
@@ -366,7 +251,7 @@ class ConnectedParameter:
             out = self._weights_out
         out = self._output(out, self.layout.size)
         with self._owner_failure_first():
-            self._last_read = self._gather(BlockKind.WEIGHT, read, self.layout, out)
+            self._last_read = self._moves.gather(BlockKind.WEIGHT, read, self.layout, out)
         return out
 
     @property
@@ -381,10 +266,12 @@ class ConnectedParameter:
         """Publish the local gradient sum, cut into one chunk per owner, with its sample count.
 
         ``gradients`` is the sum over this partition's ``count`` samples (count may be 0
-        for an empty partition), so the owners can divide by the total count. NaN/Inf raise
-        ``NonFiniteGradientError`` unless the parameter allows them. Under BSP call it once
-        per step, then ``aggregate_gradient_partition``; under the other strategies once
-        per ``get_weights`` (with backup workers the gradient belongs to the weights read).
+        for an empty partition), so the owners can divide by the total count. Under BSP
+        call it once per step, then ``aggregate_gradient_partition``; under the other
+        strategies once per ``get_weights`` (with backup workers the gradient belongs to
+        the weights read). NaN/Inf are found by the owners as they sum (one pass fewer
+        than checking here): the owner's call raises ``NonFiniteGradientError`` naming
+        this partition, the step and the index, unless the parameter allows them.
         """
         if self._gradient_pending:
             raise UsageError(
@@ -407,11 +294,8 @@ class ConnectedParameter:
                 )
             version = self._last_read
         self._versions[BlockKind.GRADIENT] = version
-        # Checked part by part as each is published, so the check overlaps the peers' fetches;
-        # a NaN found then fails this partition, and with it the step on every peer.
-        inspect = None if self._param.allow_nonfinite else functools.partial(self._check_finite, version)
         with self._owner_failure_first():
-            self._scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count), inspect)
+            self._moves.scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count))
         self._puts += 1
         self._gradient_pending = self.strategy.inline_owner
 
@@ -431,24 +315,29 @@ class ConnectedParameter:
                 f"aggregate_gradient_partition() on partition {self.partition_id} came before "
                 "put_gradients() for this step"
             )
+        if avg is not None and not float(avg) > 0:
+            raise InputError(f"aggregate_gradient_partition(avg={avg!r}) on partition {self.partition_id}: "
+                             "avg must be a positive number")
         version = self._versions[BlockKind.GRADIENT]
-        total = self._reduce(BlockKind.GRADIENT, version, self.layout, self._gradient)
+        total = self._moves.reduce(
+            BlockKind.GRADIENT, version, self.layout, self._gradient,
+            divisor=lambda total: (total if total > 0 else None) if avg is None else float(avg),
+            check=self._nonfinite_check(version))
         self._gradient_pending = False
         self._sends_since_aggregate = 0
-        divisor = total if avg is None else float(avg)
-        if not divisor > 0:
-            raise InputError(
-                f"step {version} has nothing to divide by: "
-                + ("every partition put count=0; pass avg= or put a positive count"
-                   if avg is None else f"avg={avg!r} must be positive")
-            )
-        self._gradient /= np.float32(divisor)
+        if avg is None and not total > 0:
+            raise InputError(f"step {version} has nothing to divide by: every partition put count=0; "
+                             "pass avg= or put a positive count")
         return self._gradient
 
     @property
     def gradient_partition(self) -> np.ndarray:
         """The last result of ``aggregate_gradient_partition``: this slice's mean gradient."""
         return self._gradient
+
+    def _nonfinite_check(self, version: int) -> NonFiniteSum | None:
+        """What checks this slice's summed gradients of ``version`` for NaN/Inf, unless allowed."""
+        return None if self._allow_nonfinite else NonFiniteSum(version, self.slice_start)
 
     # ---- the background owner (strategies other than plain BSP) ----------------------------
 
@@ -474,8 +363,10 @@ class ConnectedParameter:
                              "BSP a step calls aggregate_gradient_partition and send_weight_partition itself")
         if self._owner is not None:
             raise UsageError(f"serve_updates() was called twice on partition {self.partition_id}")
-        self._owner = BackgroundOwner(self, self._channel(self.partition_num, "owner"), self._control, update,
-                                      int(steps), on_steps_done)
+        self._owner = BackgroundOwner(
+            self._moves, self._peers.channel(self.partition_num, "owner"), self.strategy, self.layout,
+            self._weight, self._gradient, self._start, update, int(steps), on_steps_done,
+            check=self._nonfinite_check)
 
     @_call
     def finish_updates(self) -> None:
@@ -486,24 +377,8 @@ class ConnectedParameter:
             raise UsageError("finish_updates() came before serve_updates()")
         self._owner.join()
         with self._owner_failure_first():
-            self.allreduce(np.zeros(1, np.float32), codec="raw")  # every owner has published its last
+            self.allreduce_exact(np.zeros(1))  # every owner has published its last
         self._finished = True
-
-    # ---- signals ---------------------------------------------------------------------------
-
-    @_call
-    def signal(self, version: int) -> None:
-        """Tell every partition this one has done ``version`` of something (e.g. written a
-        checkpoint); see ``wait_for_signals``. Versions must increase."""
-        self._publish(BlockKind.SIGNAL, version, np.ones(1, np.float32), codec=get_codec("raw"))
-
-    @_call
-    def wait_for_signals(self, version: int) -> None:
-        """Wait until every partition has signalled ``version`` (or a later one)."""
-        pending = self._fetch_all(self._control, BlockKind.SIGNAL, WeightRead(version, exact=False), None,
-                                  EVERY_PARTITION, codec=get_codec("raw"), lengths=1)
-        for futures in pending.values():
-            futures[-1].result()
 
     @contextlib.contextmanager
     def _owner_failure_first(self):
@@ -522,183 +397,72 @@ class ConnectedParameter:
         """The background owner's updates so far: which partitions' gradients each one took."""
         return [] if self._owner is None else list(self._owner.updates)
 
+    # ---- signals ---------------------------------------------------------------------------
+
+    @_call
+    def signal(self, version: int) -> None:
+        """Tell every partition this one has done ``version`` of something (e.g. written a
+        checkpoint); see ``wait_for_signals``. Versions must increase."""
+        self._moves.publish(BlockKind.SIGNAL, version, np.ones(1, np.float32))
+
+    @_call
+    def wait_for_signals(self, version: int) -> None:
+        """Wait until every partition has signalled ``version`` (or a later one)."""
+        ones = SliceLayout(self.partition_num, self.partition_num)  # one value from each
+        pending = self._moves.fetch_all(self._peers.control, BlockKind.SIGNAL, WeightRead(version, exact=False),
+                                        ones, EVERY_PARTITION)
+        for futures in pending.values():
+            futures[-1].result()
+
     # ---- any vector ----------------------------------------------------------------------
 
     @_call
-    def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum",
-                  codec: str | None = None) -> np.ndarray:
+    def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum") -> np.ndarray:
         """Sum (or average over partitions) a float32 vector of any length across partitions.
 
-        A reduce-scatter then an all-gather, like a step, through the parameter's codec or
-        ``codec`` (``"raw"`` for counts and metrics that a lossy codec would round). Every
-        partition must call it with a vector of the same length; all get the same result.
+        A reduce-scatter then an all-gather, like a step, through the parameter's codec.
+        Every partition must call it with a vector of the same length; all get the same
+        result. For counts, norms and metrics that a lossy codec would round, use
+        ``allreduce_exact``.
         """
         if op not in ("sum", "mean"):
             raise InputError(f"allreduce(op={op!r}): op must be 'sum' or 'mean'")
-        chosen = self._codec if codec is None else get_codec(codec)
         vector = self._vector(values, None, "allreduce(values)")
         layout = SliceLayout(vector.size, self.partition_num)
         version = self._versions[BlockKind.REDUCE_INPUT] = self._versions[BlockKind.REDUCE_INPUT] + 1
-        self._scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0, codec=chosen)
+        self._moves.scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0)
         reduced = np.empty(layout.length(self.partition_id), dtype=np.float32)
-        self._reduce(BlockKind.REDUCE_INPUT, version, layout, reduced, codec=chosen)
-        if op == "mean":
-            reduced /= np.float32(self.partition_num)
-        self._publish(BlockKind.REDUCE_OUTPUT, version, reduced, codec=chosen)
+        self._moves.reduce(BlockKind.REDUCE_INPUT, version, layout, reduced,
+                           divisor=(lambda total: self.partition_num) if op == "mean" else None)
+        self._moves.publish(BlockKind.REDUCE_OUTPUT, version, reduced)
         out = np.empty(vector.size, dtype=np.float32)
-        self._gather(BlockKind.REDUCE_OUTPUT, WeightRead(version, exact=True), layout, out, codec=chosen)
+        self._moves.gather(BlockKind.REDUCE_OUTPUT, WeightRead(version, exact=True), layout, out)
         return out
 
-    # ---- the four movements, written once --------------------------------------------------
-    #
-    # A block of more than PART_LENGTH elements travels as several parts: a peer fetches
-    # part k while the owner still encodes part k+1, and the receiver sums part k while
-    # part k+1 is on the wire. Each element is still summed in partition order.
+    @_call
+    def allreduce_exact(self, values) -> np.ndarray:
+        """Sum small float64 vectors (row counts, norms, metrics) across partitions, exactly.
 
-    def _publish(self, kind: int, version: int, values: np.ndarray, destination: int = EVERY_PARTITION,
-                 count: float = 0.0, inspect: Callable[[int, np.ndarray], None] | None = None,
-                 offset: int = 0, codec=None) -> None:
-        """Encode ``values`` part by part and put each in the own store as ``version``.
-
-        Each part is encoded into a buffer the store gives out, which no reader still uses.
-        ``inspect(index, part)``, if given, sees each part (``index`` counted from ``offset``)
-        just after it is published, while the peers may already be fetching it.
+        Every partition's vector reaches every partition unrounded, whatever the codec, and
+        each sums them in partition order in float64: all get the same bits, and whole
+        numbers up to 2**53 stay exact. Every partition must call it with a vector of the
+        same length. For large vectors use ``allreduce``: this moves N copies of each.
         """
-        for part, (start, length) in enumerate(split(values.size, PART_LENGTH)):
-            key = BlockKey(kind, self.partition_id, destination, part)
-            buffer = self._store.reserve(key, version, self._param.timeout)
-            block = (codec or self._codec).encode(values[start:start + length], count=count, out=buffer,
-                                                  ids=(kind, self.partition_id, destination, part, version),
-                                                  checksum=False)  # sealed if it is ever sent
-            self._store.put(key, version, block, buffer=buffer)
-            del block  # the store holds its own view; ours would pin the buffer's size
-            if inspect is not None:
-                inspect(offset + start, values[start:start + length])
-
-    def _new_buffer(self):
-        """Room to encode one part into: shared memory when peers may read it in place."""
-        return bytearray() if self._shared is None else self._shared.buffer(_LARGEST_PART)
-
-    def _scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float,
-                 inspect: Callable[[int, np.ndarray], None] | None = None, codec=None) -> None:
-        """Publish chunk ``j`` of ``vector`` for owner ``j``; the peers' first, the own last."""
-        for step in range(1, self.partition_num + 1):
-            owner = (self.partition_id + step) % self.partition_num
-            self._publish(kind, version, vector[layout.bounds(owner)], destination=owner, count=count,
-                          inspect=inspect, offset=layout.start(owner), codec=codec)
-
-    def _reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray, codec=None) -> float:
-        """Sum the own chunk of every partition into ``out``, in partition order; the summed counts."""
-        pending = self._fetch_all(self._worker, kind, WeightRead(version, exact=True), layout,
-                                  destination=self.partition_id, codec=codec)
-        return self._sum(pending, range(self.partition_num), out)
-
-    @staticmethod
-    def _sum(pending: dict[int, list[Future]], sources, out: np.ndarray) -> float:
-        """Sum the fetched chunks of ``sources`` into ``out``, in the order given; their counts."""
-        total = 0.0
-        for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
-            target = out[start:start + length]
-            partial = None  # the sum so far: the first source's own values, then target
-            rechecks = []  # for values read in place, once they are used
-            for source in sources:
-                _, count, values, recheck = pending[source][part].result()
-                if partial is None:
-                    partial = values
-                else:  # the first two are added in one pass, not copied and then added
-                    np.add(partial, values, out=target)
-                    partial = target
-                if recheck is not None:
-                    rechecks.append(recheck)
-                if part == 0:
-                    total += count
-            if partial is not None and partial is not target:  # a single source
-                np.copyto(target, partial)
-            for recheck in rechecks:
-                recheck()
+        vector = np.ascontiguousarray(values, dtype=np.float64)
+        if vector.ndim != 1 or vector.size == 0:
+            raise InputError(f"allreduce_exact(values) on partition {self.partition_id}: expected a "
+                             f"non-empty 1-D vector, got shape {vector.shape}")
+        version = self._versions[BlockKind.METADATA] = self._versions[BlockKind.METADATA] + 1
+        bits = vector.view(np.float32)  # carried as its bytes: the raw codec copies, never rounds
+        self._moves.publish(BlockKind.METADATA, version, bits)
+        everyone = SliceLayout(bits.size * self.partition_num, self.partition_num)
+        gathered = np.empty(everyone.size, dtype=np.float32)
+        self._moves.gather(BlockKind.METADATA, WeightRead(version, exact=True), everyone, gathered)
+        rows = gathered.view(np.float64).reshape(self.partition_num, vector.size)
+        total = rows[0].copy()
+        for row in rows[1:]:
+            total += row
         return total
-
-    def _gather(self, kind: int, read: WeightRead, layout: SliceLayout, out: np.ndarray, codec=None) -> int:
-        """Fetch every owner's slice into its place in ``out``; the lowest version taken."""
-        pending = self._fetch_all(self._worker, kind, read, layout, destination=EVERY_PARTITION, codec=codec)
-        lowest = None
-        for owner in range(self.partition_num):
-            base = layout.start(owner)
-            for part, (start, length) in enumerate(split(layout.length(owner), PART_LENGTH)):
-                version, _, values, recheck = pending[owner][part].result()
-                np.copyto(out[base + start:base + start + length], values)
-                if recheck is not None:
-                    recheck()
-                lowest = version if lowest is None else min(lowest, version)
-        return lowest
-
-    def _fetch_all(self, channel: _Channel, kind: int, read: WeightRead, layout: SliceLayout | None,
-                   destination: int, codec=None, sources=None, follow_first: bool = False,
-                   lengths: int | None = None) -> dict[int, list[Future]]:
-        """Start fetching every part of block ``(kind, j, destination)`` from each partition ``j``
-        of ``sources`` (default: all), as ``read`` says: each part on its own, or with
-        ``follow_first`` every part in the version the first part came in. ``lengths``: the
-        one length every source's block has (a control block), instead of ``layout``'s.
-
-        ``result[j][k]`` is a future of part k's ``(version, count, values, recheck)``; values
-        stay valid until the channel's next fetch from ``j``. ``recheck``, for a block read in
-        place (the own store, a peer's shared memory), raises if the block was rewritten
-        while it was read: call it after using the values. With the worker's channel the own blocks
-        are read from the own store at once; otherwise, and for each peer, one pool thread
-        fetches the parts in order.
-        """
-        pending: dict[int, list[Future]] = {}
-        for source in range(self.partition_num) if sources is None else sources:
-            slice_length = lengths if lengths is not None else \
-                layout.length(source if destination == EVERY_PARTITION else destination)
-            parts = split(slice_length, PART_LENGTH)
-            futures = [Future() for _ in parts]
-            arguments = (channel, source, kind, read, destination, parts, futures, codec or self._codec, follow_first)
-            if source == self.partition_id and channel is self._worker:
-                self._fetch_parts(*arguments)
-            else:
-                channel.pool.submit(self._fetch_parts, *arguments)
-            pending[source] = futures
-        return pending
-
-    def _fetch_parts(self, channel: _Channel, source: int, kind: int, read: WeightRead, destination: int,
-                     parts: list[tuple[int, int]], futures: list[Future], codec, follow_first: bool) -> None:
-        """Fetch and decode ``source``'s parts in order, resolving one future per part.
-
-        A failure fails this part and every later one, so the caller sees it where it waits.
-        """
-        sizes = [codec.max_encoded_size(length) for _, length in parts]
-        local = source == self.partition_id
-        # a peer on this host with shared memory is read in place: no receive buffer
-        shared = not local and self._shared is not None and channel.clients[source].local_name is not None
-        receive = None if local or shared else channel.receive_buffer(source, sum(sizes))
-        offset = 0
-        for part, ((start, length), size) in enumerate(zip(parts, sizes)):
-            key = BlockKey(kind, source, destination, part)
-            try:
-                if local:
-                    version, block = self._store.get(key, read.version, self._param.timeout,
-                                                     newest=not read.exact, reader=channel.reader)
-                else:
-                    version, block = channel.clients[source].fetch(
-                        key, read.version, size, None if receive is None else receive[offset:offset + size],
-                        shared, newest=not read.exact)
-                header, values = codec.decode(
-                    block, length, scratch=channel.scratch(source, start + length)[start:start + length],
-                    what=key.describe(version), expect=(kind, source, destination, part, version),
-                    checksum=not (local or shared),  # in place: never left this host's memory
-                )
-            except BaseException as error:
-                if isinstance(error, (PeerLostError, AuthenticationError)):
-                    self._peer_done(source)  # gone, or not of this parameter: it fetches nothing from us
-                for future in futures[part:]:
-                    future.set_exception(error)
-                return
-            recheck = functools.partial(_recheck, block, header, key.describe(version)) if local or shared else None
-            futures[part].set_result((version, header.count, values, recheck))
-            offset += size
-            if follow_first:
-                read = WeightRead(version, exact=True)
 
     # ---- checks --------------------------------------------------------------------------
 
@@ -716,20 +480,6 @@ class ConnectedParameter:
             )
         return np.ascontiguousarray(array, dtype=np.float32)
 
-    def _check_finite(self, version: int, offset: int, values: np.ndarray) -> None:
-        """Raise if ``values`` (the gradient from index ``offset`` on) holds NaN or Inf."""
-        # One cheap pass: a sum is finite unless a value is NaN/Inf (or the sum overflows,
-        # which the exact check below then clears).
-        if np.isfinite(values.sum()) or np.isfinite(values).all():
-            return
-        bad = np.flatnonzero(~np.isfinite(values))
-        raise NonFiniteGradientError(
-            f"the gradient of partition {self.partition_id} for step {version} holds NaN/Inf "
-            f"(first at index {offset + bad[0]}: {values[bad[0]]}); the model diverged or the "
-            "data holds NaN. Lower the learning rate or clean the data, or pass "
-            "AllReduceParameter(allow_nonfinite=True) to let them through"
-        )
-
     def _require_init(self, what: str) -> None:
         if self._weight is None:
             raise UsageError(f"{what} on partition {self.partition_id} came before init(weights)")
@@ -741,9 +491,7 @@ class ConnectedParameter:
                              "background owner that serve_updates() starts aggregates and publishes")
 
     @staticmethod
-    def _output(out: np.ndarray | None, size: int) -> np.ndarray:
-        if out is None:
-            return np.empty(size, dtype=np.float32)
+    def _output(out: np.ndarray, size: int) -> np.ndarray:
         if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (size,) \
                 or not out.flags.c_contiguous:
             raise InputError(f"out must be a contiguous float32 array of shape ({size},)")
@@ -751,68 +499,17 @@ class ConnectedParameter:
 
     # ---- closing -------------------------------------------------------------------------
 
-    def _peer_done(self, partition: int) -> None:
-        with self._done_changed:
-            self._done_peers.add(partition)
-            self._done_changed.notify_all()
-
     def close(self) -> None:
         """Finish cleanly: tell every peer we are done, wait until they are, then stop serving.
 
         A partition that finishes first keeps serving its last blocks until every peer has
         said it fetched them (or the timeout passes), so no peer loses a block it needs.
         """
-        if self._closed:
-            return
-        try:
-            for client in self._peers.values():
-                try:
-                    client.done()
-                except AllReduceError as error:
-                    log.warning("partition %d: %s", self.partition_id, error)
-            with self._done_changed:
-                finished = self._done_changed.wait_for(
-                    lambda: len(self._done_peers) >= len(self._peers), timeout=self._param.timeout
-                )
-            if not finished:
-                missing = sorted(set(self._peers) - self._done_peers)
-                log.warning("partition %d closed before partitions %s said they were done",
-                            self.partition_id, missing)
-        finally:
-            self._shutdown()
+        self._peers.close(join=self._join_owner)
 
-    def _fail(self, reason: str) -> None:
-        """Stop after an error, telling the peers why.
-
-        Every fetch a peer makes is answered with ``reason`` (so its error names the root
-        cause, whichever failure Spark reports first) until each peer has hung up, said it
-        is done, is known to be gone, or refused us for want of our secret (then it is not
-        of this parameter), or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
-        """
-        if self._closed:  # closed already (e.g. close() then an error): nothing left to say
-            return
-        self._store.close(reason)
-        for channel in self._channels:
-            channel.abort()
-        with self._done_changed:
-            self._done_changed.wait_for(lambda: len(self._done_peers) >= len(self._peers),
-                                        timeout=min(self._param.timeout, FAILURE_LINGER_SECONDS))
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        """Stop at once: cut the connections, stop the fetch threads and the server. Once."""
-        if self._closed:
-            return
-        self._closed = True
-        for channel in self._channels:
-            channel.abort()
-        self._server.close()  # also closes the store, which ends a background owner's waits
+    def _join_owner(self) -> None:
         if self._owner is not None:
             self._owner.join(raise_error=False)
-        for channel in self._channels:
-            channel.close()
-        if self._shared is not None:
-            self._shared.close()
 
     def __enter__(self) -> ConnectedParameter:
         return self
@@ -821,4 +518,5 @@ class ConnectedParameter:
         if exc_type is None:
             self.close()
         else:
-            self._fail(f"partition {self.partition_id} failed: {exc_type.__name__}: {exc}")
+            self._peers.fail(f"partition {self.partition_id} failed: {exc_type.__name__}: {exc}",
+                             join=self._join_owner)

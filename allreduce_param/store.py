@@ -48,9 +48,11 @@ class BlockKind:
     REDUCE_OUTPUT = 4  # allreduce(): an owner's reduced slice, for every partition
     CHOICE = 5  # backup workers: which partitions' gradients a step takes, for every owner
     SIGNAL = 6  # "I have done v" (a checkpoint written), for whoever waits for everyone's
+    METADATA = 7  # allreduce_exact(): a partition's float64 values (counts, norms), for every partition
 
     NAMES = {WEIGHT: "weight", GRADIENT: "gradient", REDUCE_INPUT: "allreduce input",
-             REDUCE_OUTPUT: "allreduce output", CHOICE: "step choice", SIGNAL: "signal"}
+             REDUCE_OUTPUT: "allreduce output", CHOICE: "step choice", SIGNAL: "signal",
+             METADATA: "metadata"}
 
 
 class BlockKey(NamedTuple):

@@ -151,7 +151,9 @@ class Strategy:
         gradients = GRADIENT_BACKLOG if self.asynchronous else 1
         return {BlockKind.WEIGHT: 1, BlockKind.GRADIENT: gradients,
                 BlockKind.REDUCE_INPUT: 1, BlockKind.REDUCE_OUTPUT: 1, BlockKind.CHOICE: 1,
-                BlockKind.SIGNAL: 1}
+                BlockKind.SIGNAL: 1,
+                # all-gathered with no reduce between: a peer may still read v while we publish v+1
+                BlockKind.METADATA: 2}
 
     def read_before_next(self) -> frozenset[int]:
         """Kinds whose every reader is done with a version before the next is published, by

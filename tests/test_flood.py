@@ -70,7 +70,7 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
         grads = np.full(size, p.partition_id + 1.0, np.float32)
         p.init(np.zeros(size))
         if p.partition_id == 0:
-            address["tcp"] = p._server.address
+            address["tcp"] = p._peers._server.address
             served.set()
         assert flooded.wait(120)
         results = []

@@ -143,7 +143,7 @@ def test_many_steps_keep_only_the_versions_needed():
             p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
             p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
             p.send_weight_partition()
-            held.append(p._store.nbytes)
+            held.append(p._peers.store.nbytes)
         return p.get_weights(), held
 
     results = raise_first(run_partitions(AllReduceParameter(partitions, size, "raw"), body))
@@ -361,14 +361,24 @@ def test_no_thread_outlives_the_handle_on_any_path():
     assert ours() == []
 
 
-def test_counts_sent_raw_stay_exact_under_a_lossy_codec():
+def test_exact_allreduce_keeps_counts_whole_under_a_lossy_codec():
     def body(p):
-        counts = np.array([4095.0, 1797.0, 16_000_001.0], np.float32)
-        return p.allreduce(counts, codec="raw"), p.allreduce(counts)
+        counts = np.array([4095.0, 1797.0, 16_000_001.0, 2.0 ** 51 + p.partition_id])
+        return p.allreduce_exact(counts), p.allreduce_exact(counts * 2), p.allreduce(counts.astype(np.float32))
 
-    for exact, rounded in raise_first(run_partitions(AllReduceParameter(2, 10, codec="bf16"), body)):
-        assert exact.tolist() == [8190.0, 3594.0, 32_000_002.0]
-        assert rounded[0] != 8190.0  # what the fit's own codec would have made of it
+    for exact, again, rounded in raise_first(run_partitions(AllReduceParameter(3, 10, codec="bf16"), body)):
+        assert exact.dtype == np.float64
+        assert exact.tolist() == [3 * 4095.0, 3 * 1797.0, 48_000_003.0, 3 * 2.0 ** 51 + 3]
+        assert again.tolist() == (2 * exact).tolist()  # a second call reads its own version
+        assert rounded[0] != 3 * 4095.0  # what the fit's own codec would have made of it
+
+
+def test_exact_allreduce_refuses_what_is_not_a_vector():
+    def body(p):
+        p.allreduce_exact(np.zeros((2, 2)))
+
+    expect_error(AllReduceParameter(1, 10), body, InputError,
+                 "allreduce_exact(values) on partition 0: expected a non-empty 1-D vector, got shape (2, 2)")
 
 
 def test_close_then_an_error_surfaces_the_error_and_closes_once():
@@ -389,16 +399,16 @@ def test_a_handle_that_failed_partway_takes_no_more_calls():
         p.init(np.zeros(size))
         p.get_weights()
         bad = np.zeros(size, np.float32)
-        bad[size - 1] = np.nan  # found after some parts were published: the step is half done
+        bad[0] = np.nan  # in partition 0's chunk: its owner finds it as it sums
+        p.put_gradients(bad if p.partition_id == 1 else np.ones(size, np.float32))
         if p.partition_id == 0:
-            with pytest.raises(NonFiniteGradientError):
-                p.put_gradients(bad)
+            with pytest.raises(NonFiniteGradientError, match="the gradient of partition 1 for step 0 .* index 0"):
+                p.aggregate_gradient_partition()
             with pytest.raises(UsageError, match=r"get_weights\(\) on partition 0: this handle failed in an earlier "
                                                  r"call \(NonFiniteGradientError: .*\); .* connect again"):
                 p.get_weights()
             return "refused"
-        p.put_gradients(np.ones(size, np.float32))
-        p.aggregate_gradient_partition()  # partition 0 published its chunk for us before it checked its own
+        p.aggregate_gradient_partition()  # its own chunk is finite: the step is half done
         return "stepped"
 
     assert run_partitions(AllReduceParameter(2, size, "raw", timeout=30), body) == ["refused", "stepped"]
@@ -417,9 +427,9 @@ def test_descriptors_and_buffers_do_not_grow_with_the_model():
             p.put_gradients(grads)
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
-        buffers = {p._store.buffer_count(BlockKey(kind, p.partition_id, destination, 0))
+        buffers = {p._peers.store.buffer_count(BlockKey(kind, p.partition_id, destination, 0))
                    for kind, destination in ((BlockKind.WEIGHT, 0xFFFFFFFF), (BlockKind.GRADIENT, 1 - p.partition_id))}
-        return p._shared.count, buffers
+        return p._peers.shared.count, buffers
 
     for size in (100_000, 10_000_000):
         results = raise_first(run_partitions(AllReduceParameter(2, size, "raw", timeout=60), body))
@@ -475,7 +485,7 @@ def test_peers_meet_by_scope_not_by_host_name(peer_scope, family):
         with param.connect(NamedHost(i)) as p:
             p.init(np.zeros(10_000, np.float32))
             p.get_weights()
-            families[i] = {client._sock.family.name for client in p._peers.values()}
+            families[i] = {client._sock.family.name for client in p._peers.peers.values()}
 
     threads = [threading.Thread(target=partition, args=(i,)) for i in range(2)]
     for thread in threads:

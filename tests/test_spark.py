@@ -50,8 +50,8 @@ def step_task(params: list[AllReduceParameter], seed: int):
                 p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
                 p.send_weight_partition()
                 after = p.get_weights()
-                transports = sorted({client._sock.family.name for client in p._peers.values()})
-                if any(client._mappings._maps for client in p._peers.values()):
+                transports = sorted({client._sock.family.name for client in p._peers.peers.values()})
+                if any(client._mappings._maps for client in p._peers.peers.values()):
                     transports.append("shared memory")
                 report.append((param.size, param.codec, p.partition_id, digest(before), digest(after),
                                after if param.size < 100_000 else None, transports))

@@ -153,7 +153,7 @@ def test_intruders_during_a_real_run_do_not_disturb_it():
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
             if p.partition_id == 0 and step == 1:
-                target = p._peers[1].address
+                target = p._peers.peers[1].address
                 intruder = PeerClient(target, b"x" * 32, 0, 0, 1, timeout=5)
                 with pytest.raises(AuthenticationError):
                     intruder.fetch(BlockKey(BlockKind.WEIGHT, 1, 0xFFFFFFFF), step + 1, 10**6, memoryview(bytearray(10**6)))

@@ -36,8 +36,6 @@ from .data import TRAIN, VALIDATION
 from .progress import ProgressReporter
 from .result import STEP_FIELDS, UPDATE_FIELDS
 
-#: A partition's row count travels as two float32 parts, each exact below 2**24.
-_COUNT_BASE = 4096
 EVAL_CHUNK = 8192
 
 
@@ -130,11 +128,10 @@ class SubBatches:
 
 
 def all_counts(p: ConnectedParameter, rows: int) -> list[int]:
-    """Every partition's row count, learnt with one allreduce."""
-    own = np.zeros(2 * p.partition_num, dtype=np.float32)
-    own[2 * p.partition_id:2 * p.partition_id + 2] = divmod(rows, _COUNT_BASE)
-    summed = p.allreduce(own, codec="raw").astype(np.int64).reshape(-1, 2)  # exact, whatever the fit's codec
-    return [int(high * _COUNT_BASE + low) for high, low in summed]
+    """Every partition's row count, learnt with one exact allreduce."""
+    own = np.zeros(p.partition_num)
+    own[p.partition_id] = rows
+    return [int(count) for count in p.allreduce_exact(own)]
 
 
 def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.ndarray,
@@ -401,7 +398,7 @@ class _Fit:
             t1 = time.perf_counter()
             scale = 1.0
             if job.optimizer.clip_norm is not None:  # by the global norm: one scalar allreduce
-                squared = p.allreduce(np.array([squared_norm(gradient)], dtype=np.float32), codec="raw")[0]
+                squared = p.allreduce_exact([squared_norm(gradient)])[0]
                 scale = clip_scale(float(squared), job.optimizer.clip_norm)
             job.optimizer.step(p.weight_partition, gradient, state, index, grad_scale=scale)
             t2 = time.perf_counter()

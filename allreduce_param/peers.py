@@ -1,0 +1,237 @@
+"""The peer group: one partition's server, its connections to every peer, and how they end.
+
+A ``PeerGroup`` is what a partition needs to reach the others, made once per ``connect()``:
+
+- the own ``BlockStore`` (where its published blocks wait for the peers), its encode
+  buffers (in shared memory when same-host peers may read them in place), and the
+  ``BlockServer`` that serves it;
+- the address exchange: what this partition advertises, and how it reads a peer's
+  (``(host, port)``, plus a Unix socket name and the kernel scope it lives in; a peer in
+  the same scope, i.e. this machine and network namespace, is reached over the Unix
+  socket, and its blocks in shared memory are read in place);
+- ``Channel``\\ s: each thread that fetches (the worker, a background owner, the control
+  blocks) has connections and fetch threads of its own;
+- the end: ``close`` (say done, wait until every peer is, stop), ``fail`` (answer every
+  peer with the reason for a short while, then stop), ``shutdown`` (stop at once).
+
+It moves no data itself: ``movements.py`` does, through the store and the channels here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from .codec import get_codec
+from .errors import AllReduceError
+from .rendezvous import Rendezvous
+from .shm import SharedArenas, shared_memory_available
+from .store import BlockStore
+from .transport import BlockServer, PeerClient, local_scope
+
+if TYPE_CHECKING:
+    from .parameter import AllReduceParameter
+
+log = logging.getLogger(__name__)
+
+#: How long, at most, a partition that failed keeps answering its peers with the reason
+#: before it stops: only for a clearer message (the root cause in every peer's error), so
+#: it is short, and it ends as soon as every peer has hung up.
+FAILURE_LINGER_SECONDS = 10.0
+
+#: Elements per part: blocks travel in parts of at most this many values (2 MiB of
+#: float32), so that encoding, the wire and summing overlap (see ``movements.py``).
+PART_LENGTH = 1 << 19
+
+#: The most a part can take encoded, whatever the codec: what a shared send buffer holds.
+LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
+
+
+class Channel:
+    """One thread's way to the peers: its own connections, fetch threads and landing buffers.
+
+    The worker and a background owner each fetch through their own channel, so that an
+    owner waiting for a slow partition's gradient never holds up the worker's reads. A
+    fetched block stays valid (in a receive buffer, a scratch array, or a peer's shared
+    memory) until the channel fetches the same source's next one.
+    """
+
+    def __init__(self, clients: dict[int, PeerClient], threads: int, name: str) -> None:
+        self.clients = clients
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) if threads else None
+        self.reader = object()  # who reads the own store through this channel (for its holds)
+        self._receive: dict[int, bytearray] = {}
+        self._scratch: dict[int, np.ndarray] = {}
+
+    def receive_buffer(self, source: int, nbytes: int) -> memoryview:
+        """Where ``source``'s blocks land: reused, replaced by a larger one when too small."""
+        buffer = self._receive.get(source)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._receive[source] = bytearray(nbytes)
+        return memoryview(buffer)
+
+    def scratch(self, source: int, length: int) -> np.ndarray:
+        """Float32 room to decode ``source``'s lossy blocks into, reused across fetches."""
+        scratch = self._scratch.get(source)
+        if scratch is None or scratch.size < length:
+            scratch = self._scratch[source] = np.empty(length, dtype=np.float32)
+        return scratch
+
+    def abort(self) -> None:
+        """Wake every fetch that waits on a peer; no new connection is made."""
+        for client in self.clients.values():
+            client.abort()
+
+    def close(self) -> None:
+        """Stop the fetch threads (after ``abort`` wakes any that wait) and the connections."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        for client in self.clients.values():
+            client.close()
+
+
+class PeerGroup:
+    """This partition's server and its connections to the peers of one parameter.
+
+    Starts serving, meets the peers through ``rendezvous`` (once), and makes the worker's
+    channel (one fetch thread per peer unless the parameter says fewer) and the control
+    channel (one thread, for small blocks while an owner's channel may be waiting).
+    """
+
+    def __init__(self, param: AllReduceParameter, rendezvous: Rendezvous) -> None:
+        self.partition_id = rendezvous.partition_id
+        self.partition_num = param.partition_num
+        self.timeout = param.timeout
+        self._param = param
+        self._closed = False
+        self._done_peers: set[int] = set()
+        self._done_changed = threading.Condition()
+        self._channels: list[Channel] = []
+        strategy = param.strategy
+        # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
+        self.shared = SharedArenas() if param.unix_sockets and param.shared_memory \
+            and shared_memory_available() else None
+        self.store = BlockStore(keep=strategy.keep(), wait_for_readers=strategy.waits_for_readers(),
+                                reuse_at_once=strategy.read_before_next(), new_buffer=self._new_buffer)
+        host, port = rendezvous.bind_address()
+        self._server = BlockServer(
+            self.store, param.secret, param.param_id, self.partition_id, host, port,
+            partition_num=self.partition_num, on_done=self.peer_done, unix=param.unix_sockets,
+            shared=self.shared, max_wait=param.timeout,
+        )
+        self._addresses: list = []
+        try:
+            self._addresses = rendezvous.exchange(self._server.advertised_address)
+            peers = self.partition_num - 1
+            self.worker = self.channel(min(param.fetch_threads or peers, peers), "fetch")
+            # small blocks (choices, signals) on connections of their own, made at first use:
+            # a background owner's channel may be waiting for a straggler's gradient meanwhile
+            self.control = self.channel(1, "control")
+        except BaseException:
+            self.shutdown()
+            raise
+        self.peers = self.worker.clients
+
+    def channel(self, threads: int, role: str) -> Channel:
+        """A new set of connections to every peer (each connects on first use), with
+        ``threads`` fetch threads; closed with the group."""
+        clients = {}
+        for peer in range(self.partition_num):
+            if peer == self.partition_id:
+                continue
+            host, port, *local = self._addresses[peer]
+            same_scope = len(local) == 2 and local[1] == local_scope()  # the same machine and network namespace
+            clients[peer] = PeerClient(
+                (host, port), self._param.secret, self._param.param_id, self.partition_id, peer,
+                self.timeout,
+                local_name=local[0] if same_scope else None,  # a Unix socket, and shared memory if on
+            )
+        channel = Channel(clients, threads, f"allreduce-{role}-{self.partition_id}")
+        self._channels.append(channel)
+        return channel
+
+    def reads_in_place(self, channel: Channel, source: int) -> bool:
+        """Whether ``source``'s blocks are read where they lie: the own store, or a peer's
+        shared memory on this host. Such bytes never crossed a socket."""
+        if source == self.partition_id:
+            return True
+        return self.shared is not None and channel.clients[source].local_name is not None
+
+    def _new_buffer(self):
+        """Room to encode one part into: shared memory when peers may read it in place."""
+        return bytearray() if self.shared is None else self.shared.buffer(LARGEST_PART)
+
+    # ---- the end -------------------------------------------------------------------------
+
+    def peer_done(self, partition: int) -> None:
+        """``partition`` fetches nothing more from us: it said so, hung up, or is gone."""
+        with self._done_changed:
+            self._done_peers.add(partition)
+            self._done_changed.notify_all()
+
+    def close(self, join: Callable[[], None] = lambda: None) -> None:
+        """Finish cleanly: tell every peer we are done, wait until they are, then stop.
+
+        A partition that finishes first keeps serving its last blocks until every peer has
+        said it fetched them (or the timeout passes), so no peer loses a block it needs.
+        ``join`` is as for ``shutdown``.
+        """
+        if self._closed:
+            return
+        try:
+            for client in self.peers.values():
+                try:
+                    client.done()
+                except AllReduceError as error:
+                    log.warning("partition %d: %s", self.partition_id, error)
+            if not self._wait_for_peers(self.timeout):
+                missing = sorted(set(self.peers) - self._done_peers)
+                log.warning("partition %d closed before partitions %s said they were done",
+                            self.partition_id, missing)
+        finally:
+            self.shutdown(join)
+
+    def fail(self, reason: str, join: Callable[[], None] = lambda: None) -> None:
+        """Stop after an error, telling the peers why.
+
+        Every fetch a peer makes is answered with ``reason`` (so its error names the root
+        cause, whichever failure Spark reports first) until each peer has hung up, said it
+        is done, is known to be gone, or refused us for want of our secret (then it is not
+        of this parameter), or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
+        """
+        if self._closed:  # closed already (e.g. close() then an error): nothing left to say
+            return
+        self.store.close(reason)
+        for channel in self._channels:
+            channel.abort()
+        self._wait_for_peers(min(self.timeout, FAILURE_LINGER_SECONDS))
+        self.shutdown(join)
+
+    def _wait_for_peers(self, timeout: float) -> bool:
+        with self._done_changed:
+            return self._done_changed.wait_for(lambda: len(self._done_peers) >= len(self.peers),
+                                               timeout=timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def shutdown(self, join: Callable[[], None] = lambda: None) -> None:
+        """Stop at once: cut the connections, stop the server (which closes the store), then
+        call ``join`` (where a thread that waits on the store ends), then stop the fetch
+        threads and free the shared memory. Once."""
+        if self._closed:
+            return
+        self._closed = True
+        for channel in self._channels:
+            channel.abort()
+        self._server.close()
+        join()
+        for channel in self._channels:
+            channel.close()
+        if self.shared is not None:
+            self.shared.close()
