@@ -40,6 +40,10 @@ The payload is a *stream* of ``length`` encoded values, optionally lz4-compresse
 ``fp16``      IEEE half: half the bytes, relative error <= 2**-11, but only |x| <= 65504.
 ``bf16-lz4``  bfloat16 byte-shuffled (all high bytes, then all low bytes: sign and exponent
               bytes compress well even where mantissas do not), then adaptive lz4.
+``int8``      a float32 scale per block (its largest magnitude / 127), then one int8 per
+              value, round to nearest: a quarter of the bytes, each value off by at most
+              scale / 2. For links where bytes cost more than rounding; the trainer adds
+              error feedback (what was rounded off is sent with the next step's gradient).
 
 Adaptive lz4. The stream is cut into independent 1 MiB chunks, each compressed with
 ``lz4.block`` (fast mode, acceleration 1) and kept raw where it does not shrink to 90 %.
@@ -89,7 +93,7 @@ __all__ = [
 
 BytesLike = Union[bytes, bytearray, memoryview]
 
-CODECS: tuple[str, ...] = ("raw", "lz4", "bf16", "fp16", "bf16-lz4")
+CODECS: tuple[str, ...] = ("raw", "lz4", "bf16", "fp16", "bf16-lz4", "int8")
 
 MAGIC = b"AR"
 FORMAT_VERSION = 2
@@ -206,7 +210,12 @@ def parse_header(buf: BytesLike, what: str = "block") -> BlockHeader:
 
 class _Format:
     itemsize: int
+    prefix = 0  # bytes the stream starts with before the values (a per-block scale)
     passthrough = False  # the stream is the float32 bytes themselves
+
+    def stream_size(self, length: int) -> int:
+        """Bytes of the uncompressed stream of ``length`` values (none for none)."""
+        return self.prefix + self.itemsize * length if length else 0
 
     def pack(self, values: np.ndarray, dst: np.ndarray) -> None:
         raise NotImplementedError
@@ -379,6 +388,51 @@ class _ShuffledBFloat16(_Format):
 # --------------------------------------------------------------------------- adaptive lz4
 
 
+class _ScaledInt8(_Format):
+    """One float32 scale per block (its largest magnitude / 127), then each value as the
+    int8 nearest to value / scale (ties to even). A value is off by at most scale / 2.
+
+    A block holding NaN or Inf has no finite scale: it is sent with a NaN scale and
+    zeros, so it decodes to NaN everywhere (the owner's NaN check then names it), never to
+    finite garbage.
+    """
+
+    itemsize = 1
+    prefix = 4
+    _LEVELS = np.float32(127)
+
+    def pack(self, values: np.ndarray, dst: np.ndarray) -> None:
+        scale_bytes, codes = dst[:4], dst[4:].view(np.int8)
+        room = np.empty(min(_PIECE, values.size), _F32)
+        largest = np.float32(0)
+        for start, stop in _pieces(values.size):
+            magnitude = np.abs(values[start:stop], out=room[:stop - start])
+            largest = np.maximum(largest, magnitude.max())  # NaN wins, as it must
+        if not np.isfinite(largest):
+            scale_bytes.view(_F32)[0] = np.nan
+            codes[:] = 0
+            return
+        scale_bytes.view(_F32)[0] = scale = largest / self._LEVELS
+        if scale == 0:
+            codes[:] = 0
+            return
+        inverse = self._LEVELS / largest
+        for start, stop in _pieces(values.size):
+            scaled = np.multiply(values[start:stop], inverse, out=room[:stop - start])
+            np.rint(scaled, out=scaled)
+            np.clip(scaled, -self._LEVELS, self._LEVELS, out=scaled)
+            np.copyto(codes[start:stop], scaled, casting="unsafe")
+
+    def unpack(self, pos: int, piece: BytesLike, out: np.ndarray) -> None:
+        stream = np.frombuffer(piece, _U8)
+        if stream.size == 0:
+            return
+        scale = stream[:4].view(_F32)[0]
+        codes = stream[4:].view(np.int8)
+        for start, stop in _pieces(codes.size):
+            np.multiply(codes[start:stop], scale, out=out[start:stop], dtype=_F32)
+
+
 def _lz4_pack(src: memoryview, block: memoryview, in_place: bool) -> tuple[int, bool]:
     """Write ``src`` (the stream) adaptively lz4-compressed as the payload of ``block``.
 
@@ -506,6 +560,11 @@ class Codec:
     def __repr__(self) -> str:
         return f"Codec({self.name!r})"
 
+    @property
+    def lossy(self) -> bool:
+        """Whether decoding may give other values than were encoded (it rounds)."""
+        return self._format.itemsize < 4
+
     def max_encoded_size(self, length: int) -> int:
         """Upper bound of ``HEADER_SIZE`` + payload for ``length`` elements.
 
@@ -513,7 +572,7 @@ class Codec:
         stream (they fall back to storing it raw), so the bound is the same. ``encode``
         needs this much room in ``out``.
         """
-        return HEADER_SIZE + self._format.itemsize * length
+        return HEADER_SIZE + self._format.stream_size(length)
 
     def encode(
         self, values: np.ndarray, count: float = 0.0, out: bytearray | mmap.mmap | memoryview | None = None,
@@ -589,8 +648,8 @@ class Codec:
         Numpy views are taken of ``out`` itself, never of ``block``, so that releasing
         ``block`` cannot fail on a view that an exception's traceback still holds.
         """
-        nbytes = self._format.itemsize * values.size
-        if nbytes == 0:
+        nbytes = self._format.stream_size(values.size)
+        if values.size == 0:
             return 0, self.compressed
         if self.compressed and self._format.passthrough:
             # compress straight from the caller's array: no copy unless stored raw
@@ -650,7 +709,7 @@ class Codec:
                 f"{what}: header says {header.payload_size} payload bytes but the block holds "
                 f"{held} ({problem})"
             )
-        nbytes = self._format.itemsize * length
+        nbytes = self._format.stream_size(length)
         if (not self.compressed or header.stored_raw) and header.payload_size != nbytes:
             raise CorruptBlockError(
                 f"{what}: uncompressed payload of {header.payload_size} bytes, "
@@ -710,6 +769,7 @@ _REGISTRY: dict[str, Codec] = {
     "bf16": Codec("bf16", _BFloat16(), compressed=False),
     "fp16": Codec("fp16", _Float16(), compressed=False),
     "bf16-lz4": Codec("bf16-lz4", _ShuffledBFloat16(), compressed=True),
+    "int8": Codec("int8", _ScaledInt8(), compressed=False),
 }
 
 

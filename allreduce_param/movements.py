@@ -95,35 +95,60 @@ class Movements:
         self.partition_num = peers.partition_num
         raw = get_codec("raw")
         self.codecs = {kind: raw if kind in EXACT_KINDS else codec for kind in BlockKind.NAMES}
+        self._rounded = np.empty(PART_LENGTH, dtype=np.float32)  # error feedback: a part as sent
 
     def publish(self, kind: int, version: int, values: np.ndarray, destination: int = EVERY_PARTITION,
-                count: float = 0.0) -> None:
+                count: float = 0.0, residual: np.ndarray | None = None) -> None:
         """Encode ``values`` part by part and put each in the own store as ``version``.
 
         Each part is encoded into a buffer the store gives out, which no reader still uses.
+        ``residual`` (as long as ``values``), for error feedback: what the codec's rounding
+        lost before is added to the values first, and it is then replaced by what this
+        rounding lost, so over the steps nothing is lost.
         """
         store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
         for part, (start, length) in enumerate(split(values.size, PART_LENGTH)):
             key = BlockKey(kind, self.partition_id, destination, part)
+            chunk = values[start:start + length]
+            if residual is not None:  # the residual's room holds what is sent: values + residual
+                chunk = np.add(residual[start:start + length], chunk, out=residual[start:start + length])
             buffer = store.reserve(key, version, timeout)
-            block = codec.encode(values[start:start + length], count=count, out=buffer,
+            block = codec.encode(chunk, count=count, out=buffer,
                                  ids=(kind, self.partition_id, destination, part, version),
                                  checksum=False)  # sealed if it is ever sent
+            if residual is not None:
+                _, sent = codec.decode(block, length, scratch=self._rounded[:length], checksum=False)
+                chunk -= sent
             store.put(key, version, block, buffer=buffer)
             del block  # the store holds its own view; ours would pin the buffer's size
 
-    def scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float) -> None:
-        """Publish chunk ``j`` of ``vector`` for owner ``j``; the peers' first, the own last."""
-        for step in range(1, self.partition_num + 1):
+    def scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float,
+                residual: np.ndarray | None = None, own: bool = True) -> None:
+        """Publish chunk ``j`` of ``vector`` (and of ``residual``, see ``publish``) for owner
+        ``j``; the peers' first, the own last, unless not ``own`` (``reduce`` then takes it
+        from ``vector`` itself)."""
+        for step in range(1, self.partition_num + (1 if own else 0)):
             owner = (self.partition_id + step) % self.partition_num
-            self.publish(kind, version, vector[layout.bounds(owner)], destination=owner, count=count)
+            bounds = layout.bounds(owner)
+            self.publish(kind, version, vector[bounds], destination=owner, count=count,
+                         residual=None if residual is None else residual[bounds])
 
     def reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray,
-               divisor: Callable[[float], float | None] | None = None, check: NonFiniteSum | None = None) -> float:
+               divisor: Callable[[float], float | None] | None = None, check: NonFiniteSum | None = None,
+               own: tuple[np.ndarray, float] | None = None) -> float:
         """Sum the own chunk of ``version`` from every partition into ``out``, in partition
-        order; returns the summed counts. ``divisor`` and ``check`` are as for ``sum``."""
+        order; returns the summed counts. ``divisor`` and ``check`` are as for ``sum``.
+        ``own``: this partition's chunk and count as they are, when ``scatter`` did not
+        publish them (an exact codec would give the same bits)."""
+        sources = [j for j in range(self.partition_num) if own is None or j != self.partition_id]
         pending = self.fetch_all(self.peers.worker, kind, WeightRead(version, exact=True), layout,
-                                 destination=self.partition_id)
+                                 destination=self.partition_id, sources=sources)
+        if own is not None:
+            values, count = own
+            pending[self.partition_id] = futures = []
+            for start, length in part_plan(layout)[self.partition_id]:
+                futures.append(Future())
+                futures[-1].set_result((version, count, values[start:start + length], None))
         return self.sum(pending, range(self.partition_num), out, divisor, check)
 
     @staticmethod

@@ -161,6 +161,7 @@ class ConnectedParameter:
         self._gradient = np.zeros(self.slice_length, dtype=np.float32)
         self._weights_out: np.ndarray | None = None  # what get_weights() fills when given no out
         self._gradient_pending = False
+        self._own_gradient: tuple[np.ndarray, float] | None = None  # BSP, exact codec: see put_gradients
         # sends since the last aggregate: a second one could rewrite a version a peer still reads
         self._sends_since_aggregate = 0
         self._start = 0  # the global step the fit starts at (past a checkpoint when resumed)
@@ -262,16 +263,24 @@ class ConnectedParameter:
     # ---- the gradients -------------------------------------------------------------------
 
     @_call
-    def put_gradients(self, gradients: np.ndarray, count: float = 1.0) -> None:
+    def put_gradients(self, gradients: np.ndarray, count: float = 1.0, residual: np.ndarray | None = None) -> None:
         """Publish the local gradient sum, cut into one chunk per owner, with its sample count.
 
         ``gradients`` is the sum over this partition's ``count`` samples (count may be 0
         for an empty partition), so the owners can divide by the total count. Under BSP
         call it once per step, then ``aggregate_gradient_partition``; under the other
         strategies once per ``get_weights`` (with backup workers the gradient belongs to
-        the weights read). NaN/Inf are found by the owners as they sum (one pass fewer
+        the weights read). Under BSP keep ``gradients`` unchanged until
+        ``aggregate_gradient_partition`` returns, as with any asynchronous collective: with
+        an exact codec the own chunk is summed from it there, not from a copy. NaN/Inf are
+        found by the owners as they sum (one pass fewer
         than checking here): the owner's call raises ``NonFiniteGradientError`` naming
         this partition, the step and the index, unless the parameter allows them.
+
+        ``residual``: error feedback for a lossy codec. A float32 vector of ``size``,
+        zeros at first, that the caller keeps across steps and does not touch: what the
+        codec's rounding took from this partition's gradients is added back at the next
+        put, so the rounding errors do not add up over the steps.
         """
         if self._gradient_pending:
             raise UsageError(
@@ -282,6 +291,8 @@ class ConnectedParameter:
         if not float(count) >= 0:
             raise InputError(f"put_gradients(count={count!r}) on partition {self.partition_id}: "
                              "the sample count must be a number >= 0")
+        if residual is not None:
+            self._output(residual, self.layout.size, "put_gradients(residual=)")
         if self.strategy.inline_owner:
             version = self._versions[BlockKind.GRADIENT] + 1
         elif self.strategy.asynchronous:
@@ -294,8 +305,12 @@ class ConnectedParameter:
                 )
             version = self._last_read
         self._versions[BlockKind.GRADIENT] = version
+        # BSP with an exact codec: the own chunk is summed straight from the caller's vector
+        keep_own = self.strategy.inline_owner and not self._moves.codecs[BlockKind.GRADIENT].lossy
+        self._own_gradient = (vector[self.layout.bounds(self.partition_id)], float(count)) if keep_own else None
         with self._owner_failure_first():
-            self._moves.scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count))
+            self._moves.scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count), residual,
+                                own=not keep_own)
         self._puts += 1
         self._gradient_pending = self.strategy.inline_owner
 
@@ -322,8 +337,8 @@ class ConnectedParameter:
         total = self._moves.reduce(
             BlockKind.GRADIENT, version, self.layout, self._gradient,
             divisor=lambda total: (total if total > 0 else None) if avg is None else float(avg),
-            check=self._nonfinite_check(version))
-        self._gradient_pending = False
+            check=self._nonfinite_check(version), own=self._own_gradient)
+        self._gradient_pending, self._own_gradient = False, None
         self._sends_since_aggregate = 0
         if avg is None and not total > 0:
             raise InputError(f"step {version} has nothing to divide by: every partition put count=0; "
@@ -490,11 +505,14 @@ class ConnectedParameter:
                              f"{' with backup workers' if self.strategy.backup_workers else ''} the "
                              "background owner that serve_updates() starts aggregates and publishes")
 
-    @staticmethod
-    def _output(out: np.ndarray, size: int) -> np.ndarray:
+    def _output(self, out: np.ndarray, size: int, what: str = "get_weights(out=)") -> np.ndarray:
+        """``out``, if it is an array the engine may write ``size`` float32 values into."""
         if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (size,) \
-                or not out.flags.c_contiguous:
-            raise InputError(f"out must be a contiguous float32 array of shape ({size},)")
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            described = f"dtype {out.dtype}, shape {out.shape}" if isinstance(out, np.ndarray) \
+                else f"a {type(out).__name__}"
+            raise InputError(f"{what} on partition {self.partition_id}: expected a writeable contiguous "
+                             f"float32 array of shape ({size},), got {described}")
         return out
 
     # ---- closing -------------------------------------------------------------------------

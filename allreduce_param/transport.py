@@ -308,6 +308,7 @@ class BlockServer:
                 conn.close()
                 return
             self._connections.add(conn)
+            self._threads = {thread for thread in self._threads if thread.is_alive()}  # the ended ones need no join
             thread = threading.Thread(target=self._serve, args=(conn, partition, pending.peer_text), daemon=True,
                                       name=f"allreduce-serve-{self._partition_id}")
             self._threads.add(thread)
@@ -351,8 +352,7 @@ class BlockServer:
             self._on_done(client_partition)
             with self._lock:
                 self._connections.discard(conn)
-                self._threads.discard(threading.current_thread())
-            conn.close()
+            conn.close()  # the thread stays listed until it has ended, so close() joins it
 
     def _answer_requests(self, conn: socket.socket, client_partition: int, peer_text: str) -> None:
         request = bytearray(_REQUEST.size)

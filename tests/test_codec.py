@@ -543,16 +543,16 @@ def test_header_fields():
 
 def test_get_codec():
     assert [get_codec(name).name for name in CODECS] == list(CODECS)
-    with pytest.raises(ConfigurationError, match="raw, lz4, bf16, fp16, bf16-lz4"):
+    with pytest.raises(ConfigurationError, match="raw, lz4, bf16, fp16, bf16-lz4, int8"):
         get_codec("zstd")
 
 
 @pytest.mark.parametrize("name", CODECS)
 def test_max_encoded_size(name):
     codec = get_codec(name)
-    per = 4 if name in EXACT else 2
+    per, prefix = (4, 0) if name in EXACT else (1, 4) if name == "int8" else (2, 0)
     assert codec.max_encoded_size(0) == HEADER_SIZE
-    assert codec.max_encoded_size(1000) == HEADER_SIZE + per * 1000
+    assert codec.max_encoded_size(1000) == HEADER_SIZE + prefix + per * 1000
     for kind in ("normal", "zeros", "nonfinite"):
         assert len(codec.encode(make(kind, 5000))) <= codec.max_encoded_size(5000)
 
@@ -572,6 +572,7 @@ def test_codecs_are_safe_to_share_between_threads():
             expected = reference_bf16(x) if name in BF16 else None
             ok = header.count == seed and (
                 np.array_equal(bits(y) >> 16, expected) if expected is not None
+                else np.abs(y - x).max() <= np.abs(x).max() / 254 * (1 + 1e-5) if name == "int8"
                 else np.allclose(y, x, rtol=2.0**-11, atol=2.0**-24)
             )
             del y
@@ -608,3 +609,44 @@ def test_a_buffer_read_in_place_tells_whether_it_was_rewritten():
     rewriting = bytearray(out)
     struct.pack_into("<Q", rewriting, 48, 0xFFFFFFFFFFFFFFFF)  # an encode that has begun
     assert codec.unchanged(out, again) and not codec.unchanged(rewriting, again)
+
+
+# ---- int8: a scale per block ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["normal", "sparse", "zeros"])
+@pytest.mark.parametrize("n", [1, 7, 1000, 300_001])
+def test_int8_is_off_by_at_most_half_a_step(kind, n):
+    x = make(kind, n)
+    header, y = get_codec("int8").decode(get_codec("int8").encode(x), n)
+    step = np.abs(x).max() / 127
+    assert header.codec == "int8" and header.payload_size == 4 + n
+    assert np.abs(y - x).max() <= step / 2 * (1 + 1e-5)
+    if step:
+        assert np.abs(y).max() == pytest.approx(np.abs(x).max(), rel=1e-6)  # the largest is exact
+
+
+def test_int8_codes_span_minus_to_plus_127_and_ties_go_to_even():
+    x = np.array([-254.0, 254.0, 1.0, 3.0, -1.0, 0.0], np.float32)  # a step of 2: 1 and 3 are ties
+    block = get_codec("int8").encode(x)
+    codes = np.frombuffer(block, np.int8, 6, HEADER_SIZE + 4)
+    assert codes.tolist() == [-127, 127, 0, 2, 0, 0]
+    assert np.frombuffer(block, np.float32, 1, HEADER_SIZE)[0] == 2.0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_int8_block_with_nan_or_inf_decodes_to_nan_everywhere(bad):
+    x = np.array([1.0, bad, 2.0, 0.0], np.float32)
+    _, y = get_codec("int8").decode(get_codec("int8").encode(x), 4)
+    assert np.isnan(y).all()
+
+
+def test_int8_is_lossy_and_the_exact_codecs_are_not():
+    assert {name: get_codec(name).lossy for name in CODECS} == {
+        "raw": False, "lz4": False, "bf16": True, "fp16": True, "bf16-lz4": True, "int8": True}
+
+
+def test_int8_truncated_block_is_refused():
+    block = get_codec("int8").encode(make("normal", 100))
+    with pytest.raises(CorruptBlockError, match=r"header says 104 payload bytes but the block holds 103 \(truncated\)"):
+        get_codec("int8").decode(block[:-1], 100)

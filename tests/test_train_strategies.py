@@ -93,3 +93,13 @@ def test_more_backup_workers_than_the_fit_has_fails_before_any_task(digits):
     train, _ = digits
     with pytest.raises(ConfigurationError, match="backup_workers=2 needs more than 2 workers, this fit has 2"):
         trainer(backup_workers=2).fit(train)
+
+
+def test_lossy_codecs_with_error_feedback_train_digits_as_well_as_raw(digits):
+    """The issue's bar: int8 (and bf16) within half a point of raw on the held-out digits."""
+    train, test = digits
+    accuracy = {codec: trainer(codec=codec).fit(train, validation=test).history.epochs[-1]["val_accuracy"]
+                for codec in ("raw", "bf16", "int8")}
+    assert accuracy["raw"] >= 0.95, accuracy
+    assert accuracy["bf16"] >= accuracy["raw"] - 0.005, accuracy
+    assert accuracy["int8"] >= accuracy["raw"] - 0.005, accuracy

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..codec import get_codec
 from ..errors import ConfigurationError, TrainingError
 from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
@@ -200,6 +201,8 @@ class _Fit:
         self.resumed: list[int] = []  # the steps this fit resumed at, from checkpoints
         self._earlier_updates: list[list[float]] = []  # backup workers: the owner's, before a resume
         self.weights = np.empty(job.param.size, dtype=np.float32)
+        # error feedback: what a lossy codec rounded off this partition's gradients, sent next time
+        self._residual = np.zeros(job.param.size, dtype=np.float32) if get_codec(job.param.codec).lossy else None
         self.state: dict[str, np.ndarray] = {}  # the optimizer's: of the own slice, or with local SGD the whole model's
         self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
         self._report = job.reporter.send if job.reporter is not None else (lambda kind, **fields: None)
@@ -278,7 +281,7 @@ class _Fit:
             self._clip_own(grad_sum, count)
         computed = time.perf_counter()
         record = self._record(index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0), staleness)
-        self.p.put_gradients(grad_sum, count=count)
+        self.p.put_gradients(grad_sum, count=count, residual=self._residual)
         record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
         return record
 
