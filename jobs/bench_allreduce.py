@@ -13,16 +13,38 @@ treeAggregate the gradients) runs once per size.
     python jobs/bench_allreduce.py                      # local[*], 10K / 1M / 10M float32
     python jobs/bench_allreduce.py --sizes 10000000 --codecs raw,bf16 --loops readme,tuned
     python jobs/bench_allreduce.py --sizes 1000000 --codecs raw,lz4 --data sparse
+    python jobs/bench_allreduce.py --sizes 10000000 --codecs raw,bf16 --link host,1gbit,10gbit
+
+``--link RATE,...`` simulates hosts joined by a link of that rate: for each rate the
+benchmark runs itself again (same arguments, ``--inside-link RATE`` instead of ``--link``)
+in a private network namespace (``unshare -n``, root needed) whose loopback is brought up
+and limited with ``tc qdisc add dev lo root tbf rate RATE burst 256kb latency 50ms``
+(``--link-burst``; tc accepts 256kb although lo's MTU is 64 KiB: a burst must only exceed
+one packet). There the engine takes the cross-host path (TCP: no Unix sockets, no shared
+memory), gloo crosses the same loopback, and MLlib's treeAggregate is left out (in local
+mode its blocks never leave the JVM). ``host`` in the list is a run without a namespace.
+Each run prints its table; then one table of them all, with a ``link`` column, the ring
+allreduce's bound ``2(N-1)/N x bytes / rate`` (what each of N partitions must send at
+least, on a link of its own) and each sync's ratio to it. All N partitions here share the
+one shaped loopback, so the floor of this simulation is N times the ring bound: gloo near
+``x bound`` = N runs at the link's rate. Nothing leaves the namespace.
+
+The functions here (``alternate``, ``engine_task``, ``render``, ``machine``, ...) are also
+what ``bench_growth.py`` measures with.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +54,11 @@ from allreduce_param import CODECS, AllReduceParameter
 from allreduce_param.session import java_problem, local_spark
 
 import baselines  # jobs/baselines.py, beside this file
+
+if __name__ != "__main__":  # imported (bench_growth.py): the executors cannot import jobs/,
+    from pyspark import cloudpickle  # so the barrier task must travel with this module's code
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ("get", "put", "aggregate", "update", "send")
@@ -43,6 +70,14 @@ TRANSPORTS = {"shared": dict(unix_sockets=True, shared_memory=True),
 #: p.get_weights()``, ``p.weight_partition[:] -= 0.1 * g``); ``tuned`` fills a buffer of
 #: its own (``get_weights(out=w)``) and updates in place without a temporary.
 LOOPS = ("readme", "tuned")
+#: The link of a run outside any namespace.
+HOST = "host"
+#: tbf's settings besides the rate; the burst must exceed one packet (lo's MTU is 64 KiB).
+LINK_BURST, LINK_LATENCY = "256kb", "50ms"
+#: lo's MTU on Linux: a tbf burst below it lets no full-size packet through.
+LOOPBACK_MTU = 65536
+#: Bursts to try when tc refuses the one asked for.
+LARGER_BURSTS = ("512kb", "1mb", "2mb")
 
 
 def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, warmup: int, sparse: bool):
@@ -53,13 +88,17 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
         for param in params:
             with param.connect() as p:
                 rng = np.random.default_rng(p.partition_id)
-                gradient = rng.standard_normal(param.size).astype(np.float32)
+                # float32 straight from the generator: no float64 vector twice the size at 200M
+                gradient = rng.standard_normal(param.size, dtype=np.float32)
                 if sparse:  # as after a ReLU or for sparse features: 90% zeros
-                    gradient[rng.random(param.size) < 0.9] = 0.0
-                p.init(rng.standard_normal(param.size).astype(np.float32) * np.float32(1e-3))
+                    gradient[rng.random(param.size, dtype=np.float32) < 0.9] = 0.0
+                weights = rng.standard_normal(param.size, dtype=np.float32)
+                weights *= np.float32(1e-3)
+                p.init(weights)
+                del weights
                 for loop in loops:
                     timings = np.zeros((warmup + steps, len(PHASES)))
-                    weights = np.empty(param.size, np.float32)
+                    weights = np.empty(param.size, np.float32) if loop == "tuned" else None
                     for step in range(warmup + steps):
                         t0 = time.perf_counter()
                         if loop == "readme":
@@ -80,8 +119,9 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
                         p.send_weight_partition()
                         t5 = time.perf_counter()
                         timings[step] = np.diff((t0, t1, t2, t3, t4, t5))
-                    del w
+                    del w, weights
                     report.append((param.size, param.codec, transport_of(param), loop, timings[warmup:] * 1000.0))
+                del gradient
         yield report
 
     return task
@@ -98,6 +138,134 @@ def engine_medians(report: list, config: tuple) -> tuple[float, list[float]]:
     slowest_step = per_partition.sum(axis=2).max(axis=0)
     slowest_phase = per_partition.max(axis=0)
     return float(np.median(slowest_step)), [float(x) for x in np.median(slowest_phase, axis=0)]
+
+
+def alternate(spark, partitions: int, params: list[AllReduceParameter], loops: list[str], *, rounds: int,
+              steps: int, warmup: int, sparse: bool = False, gloo: bool = True) -> tuple[dict, dict]:
+    """``rounds`` rounds of: one barrier stage of ``partitions`` tasks timing every parameter
+    and loop (:func:`engine_task`), then gloo's ``all_reduce`` between ``partitions``
+    processes at each parameter's size (when ``gloo``).
+
+    Returns ``engine``: ``(size, codec, transport, loop)`` -> one ``(median ms, [phase
+    medians])`` per round, and ``gloo_ms``: size -> one median ms per round (empty lists
+    without gloo), for :func:`engine_row` and :func:`gloo_row`.
+    """
+    configs = [(param.size, param.codec, transport_of(param), loop) for param in params for loop in loops]
+    rdd = spark.sparkContext.parallelize(range(partitions), partitions)
+    task = engine_task(params, loops, steps, warmup, sparse)
+    engine = {config: [] for config in configs}
+    gloo_ms = {param.size: [] for param in params}
+    for _ in range(rounds):
+        report = [entry for part in rdd.barrier().mapPartitions(task).collect() for entry in part]
+        for config in configs:
+            engine[config].append(engine_medians(report, config))
+        for size in gloo_ms if gloo else ():
+            gloo_ms[size].append(baselines.gloo_allreduce_ms(size, processes=partitions, steps=steps, warmup=warmup))
+    return engine, gloo_ms
+
+
+# ---- rows and tables -----------------------------------------------------------------------
+# A row is a dict that json can carry from a run in a namespace to the run that started it:
+# link, size, partitions, sync (its name), kind (engine | mllib | gloo), rounds (the
+# engine's (median, phases) per round), gloo (gloo's ms per round), tree (treeAggregate's ms).
+
+
+def engine_row(link: str, size: int, partitions: int, name: str, rounds: list, gloo: list, tree=None) -> dict:
+    return dict(link=link, size=size, partitions=partitions, sync=name, kind="engine",
+                rounds=[[total, list(phases)] for total, phases in rounds], gloo=list(gloo), tree=tree)
+
+
+def gloo_row(link: str, size: int, partitions: int, gloo: list, tree=None) -> dict:
+    return dict(link=link, size=size, partitions=partitions, sync="gloo all_reduce (torch)", kind="gloo",
+                rounds=None, gloo=list(gloo), tree=tree)
+
+
+def mllib_row(link: str, size: int, partitions: int, gloo: list, tree: float) -> dict:
+    return dict(link=link, size=size, partitions=partitions, sync="MLlib broadcast+treeAggregate",
+                kind="mllib", rounds=None, gloo=list(gloo), tree=tree)
+
+
+def row_totals(row: dict) -> list[float] | None:
+    """The row's figure per round (None when it has none: gloo not installed)."""
+    if row["kind"] == "engine":
+        return [total for total, _ in row["rounds"]]
+    if row["kind"] == "gloo":
+        return row["gloo"] or None
+    return [row["tree"]] * max(1, len(row["gloo"]))
+
+
+def row_phases(row: dict) -> list[str]:
+    """The median over the rounds of each phase's figure, as text ('' but for the engine)."""
+    if row["kind"] != "engine":
+        return [""] * len(PHASES)
+    return [f"{statistics.median(phases[i] for _, phases in row['rounds']):,.1f}" for i in range(len(PHASES))]
+
+
+def ratio_text(ours: list[float], gloo: list[float]) -> str:
+    """The median of the per-round ratios ours/gloo, with their range ('' without gloo)."""
+    if not gloo or len(gloo) != len(ours):
+        return ""
+    ratios = [a / b for a, b in zip(ours, gloo)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def ring_bound_ms(size_bytes: float, partitions: int, bytes_per_second: float) -> float:
+    """The ring allreduce's bound: each of N partitions sends (and receives) at least
+    2(N-1)/N x the vector's bytes (nccl-tests' bus bandwidth), here at ``bytes_per_second``."""
+    return 2 * (partitions - 1) / partitions * size_bytes / bytes_per_second * 1e3
+
+
+def ms_text(ms: float) -> str:
+    """Milliseconds as a table shows them: one decimal from 10 ms, two from 1 ms, else three digits."""
+    return f"{ms:,.1f}" if ms >= 10 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3g}"
+
+
+def render(header: tuple, lines: list, left: int = 2) -> str:
+    """A markdown table; the first ``left`` columns flush left, the others right."""
+    widths = [max(len(str(line[i])) for line in [header, *lines]) for i in range(len(header))]
+
+    def show(line):
+        return "| " + " | ".join(str(cell).ljust(width) if i < left else str(cell).rjust(width)
+                                 for i, (cell, width) in enumerate(zip(line, widths))) + " |"
+    return "\n".join([show(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(show, lines)])
+
+
+def print_table(rows: list[dict], with_link: bool = False) -> None:
+    """One line a sync: medians over the rounds, and the median of the per-round ratios to gloo
+    (with their range), so that the machine's drift between rounds cancels out. With
+    ``with_link``, a ``link`` column first and, for shaped links, the ring bound and the ratio
+    to it."""
+    links = [row for row in rows if row["link"] != HOST]
+    trees = any(row["tree"] for row in rows) or not links  # no treeAggregate in a namespace: no column
+    header = (*(("link",) if with_link else ()), "size", "sync", "median ms", *(f"{p} ms" for p in PHASES),
+              "x gloo (range)", *(("faster than treeAgg",) if trees else ()),
+              *(("ring bound ms", "x bound") if links else ()))
+    lines = []
+    for row in rows:
+        start = (row["link"],) if with_link else ()
+        totals = row_totals(row)
+        if totals is None:
+            lines.append((*start, label(row["size"]), row["sync"], "not installed", *row_phases(row), "",
+                          *(("",) if trees else ()), *(("", "") if links else ())))
+            continue
+        value = statistics.median(totals)
+        tree = row["tree"]
+        bound = ()
+        if links:
+            bound = ("", "")
+            if row["link"] != HOST:
+                ms = ring_bound_ms(4 * row["size"], row["partitions"], bits_per_second(row["link"]) / 8)
+                bound = (ms_text(ms), f"{value / ms:.2f}")
+        lines.append((*start, label(row["size"]), row["sync"], f"{value:,.1f}", *row_phases(row),
+                      ratio_text(totals, row["gloo"]), *((f"{tree / value:.1f}x" if tree else "",) if trees else ()),
+                      *bound))
+    print(render(header, lines, left=3 if with_link else 2))
+    if links:
+        counts = sorted({row["partitions"] for row in links})
+        print(f"ring bound: 2(N-1)/N x fp32 bytes / link rate (N = {', '.join(map(str, counts))}), what each "
+              "partition sends on a link of its own; here all N partitions share the one shaped loopback, "
+              "so nothing goes below N x the bound (x bound = N is the link's full rate).")
+    sys.stdout.flush()
 
 
 def machine() -> str:
@@ -120,10 +288,22 @@ def label(size: int) -> str:
     return str(size)
 
 
+def parse_sizes(text: str) -> list[int]:
+    """``'10K,1M,10000000'`` -> ``[10000, 1000000, 10000000]`` (K and M as :func:`label` prints them)."""
+    sizes = []
+    for part in text.split(","):
+        found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", part)
+        if not found:
+            raise SystemExit(f"cannot read size {part!r}: write float32 elements, e.g. 10000, 10K, 1M")
+        sizes.append(int(float(found.group(1)) * {"": 1, "k": 1_000, "m": 1_000_000}[found.group(2).lower()]))
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
-    parser.add_argument("--sizes", default="10000,1000000,10000000", help="float32 elements, comma-separated")
+    parser.add_argument("--sizes", default="10000,1000000,10000000",
+                        help="float32 elements, comma-separated (10K, 1M accepted)")
     parser.add_argument("--codecs", default=",".join(CODECS), help=f"of {', '.join(CODECS)}")
     parser.add_argument("--loops", default="readme", help=f"the user's step, of {', '.join(LOOPS)}")
     parser.add_argument("--rounds", type=int, default=5,
@@ -137,16 +317,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=None,
                         help="barrier tasks (default: the master's task slots)")
     parser.add_argument("--no-baselines", action="store_true", help="skip treeAggregate and gloo")
+    parser.add_argument("--link", default=None,
+                        help="run once per link rate, each in a network namespace whose loopback tc limits "
+                             "to it (e.g. host,1gbit,10gbit; 'host' = no namespace); root, unshare, ip and tc "
+                             "needed")
+    parser.add_argument("--link-burst", default=LINK_BURST,
+                        help=f"tc tbf burst for --link (default {LINK_BURST}; larger ones are tried if tc refuses)")
+    parser.add_argument("--inside-link", default=None, help=argparse.SUPPRESS)  # the run in a namespace: its rate
+    parser.add_argument("--results", default=None, help=argparse.SUPPRESS)  # where that run leaves its rows (json)
     args = parser.parse_args(argv)
+    if args.link:
+        return run_in_links(args.link.split(","), sys.argv[1:] if argv is None else argv, args.link_burst)
     problem = java_problem()
     if problem:  # before anything else: say so, no traceback
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     codecs, loops, transports = args.codecs.split(","), args.loops.split(","), args.transports.split(",")
     for name, chosen, known in (("loop", loops, LOOPS), ("codec", codecs, CODECS), ("transport", transports, TRANSPORTS)):
         if set(chosen) - set(known):
             parser.error(f"unknown {name} {sorted(set(chosen) - set(known))}: choose of {', '.join(known)}")
+    link = args.inside_link or HOST
+    if args.inside_link:
+        bits_per_second(link)
+        transports = ["tcp"]  # what peers on other hosts use
     partitions = args.partitions or local_slots(args.master)
     gloo_installed = not args.no_baselines and baselines.gloo_available()
 
@@ -155,39 +349,143 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {machine()}")
         print(f"{partitions} partitions on {args.master}; {args.rounds} rounds alternating engine and gloo; "
               f"each the median of {args.steps} steps after {args.warmup} warm-up; {args.data} gradients", flush=True)
+        if args.inside_link:
+            print(f"link: {link} (tc tbf rate {link} burst {args.link_burst} latency {LINK_LATENCY} on the loopback "
+                  "of a private network namespace); the engine over TCP, gloo over the same link; no treeAggregate",
+                  flush=True)
+        elif args.results:
+            print("link: host (no namespace, no limit)", flush=True)
         params = [AllReduceParameter(partitions, size, codec=codec, timeout=300, **TRANSPORTS[transport])
                   for size in sizes for codec in codecs for transport in transports]
-        configs = [(size, codec, transport, loop) for size in sizes for codec in codecs
-                   for transport in transports for loop in loops]
-        rdd = spark.sparkContext.parallelize(range(partitions), partitions)
-        task = engine_task(params, loops, args.steps, args.warmup, args.data == "sparse")
-        engine = {config: [] for config in configs}  # per round: (median ms, phase medians)
-        gloo = {size: [] for size in sizes}  # per round: median ms
-        for _ in range(args.rounds):
-            report = [entry for part in rdd.barrier().mapPartitions(task).collect() for entry in part]
-            for config in configs:
-                engine[config].append(engine_medians(report, config))
-            for size in sizes if gloo_installed else ():
-                gloo[size].append(baselines.gloo_allreduce_ms(
-                    size, processes=partitions, steps=args.steps, warmup=args.warmup))
+        engine, gloo = alternate(spark, partitions, params, loops, rounds=args.rounds, steps=args.steps,
+                                 warmup=args.warmup, sparse=args.data == "sparse", gloo=gloo_installed)
         rows = []
         for size in sizes:
-            tree = None if args.no_baselines else baselines.mllib_sync_ms(
+            tree = None if args.no_baselines or args.inside_link else baselines.mllib_sync_ms(
                 spark, size, partitions=partitions, steps=5, warmup=1)
-            for config in configs:
-                if config[0] != size:
+            for (config_size, codec, transport, loop), rounds in engine.items():
+                if config_size != size:
                     continue
-                _, codec, transport, loop = config
-                name = f"{codec}" + (f" ({transport})" if len(transports) > 1 else "") \
+                name = f"{codec}" + (f" ({transport})" if len(transports) > 1 or args.results else "") \
                     + (f", {loop} loop" if len(loops) > 1 else "")
-                rows.append((label(size), f"allreduce-param {name}", engine[config], gloo[size], tree))
+                rows.append(engine_row(link, size, partitions, f"allreduce-param {name}", rounds, gloo[size], tree))
+            if tree is not None:
+                rows.append(mllib_row(link, size, partitions, gloo[size], tree))
             if not args.no_baselines:
-                rows.append((label(size), "MLlib broadcast+treeAggregate", None, gloo[size], tree))
-                rows.append((label(size), "gloo all_reduce (torch)", None, gloo[size], tree))
-        print_table(rows, gloo_installed)
+                rows.append(gloo_row(link, size, partitions, gloo[size], tree))
+        print_table(rows, with_link=bool(args.inside_link or args.results))
+        if args.results:
+            Path(args.results).write_text(json.dumps(rows))
     finally:
         spark.stop()
     return 0
+
+
+def bits_per_second(rate: str) -> float:
+    """``1gbit`` -> 1e9, as tc reads rates (k, m, g: powers of 1000)."""
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if not found:
+        raise SystemExit(f"cannot read link rate {rate!r}: write it as tc does, e.g. 100mbit, 1gbit, 10gbit "
+                         f"(or '{HOST}' for no limit)")
+    return float(found.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[found.group(2)]
+
+
+def link_setup(rate: str, burst: str) -> str:
+    """The shell commands that make a namespace's loopback a link of ``rate``; exit status 91
+    when ``ip`` fails, 92 when ``tc`` does."""
+    return (f"ip link set lo up || exit 91; "
+            f"tc qdisc add dev lo root tbf rate {rate} burst {burst} latency {LINK_LATENCY} || exit 92; ")
+
+
+def link_problem(rate: str, burst: str) -> tuple[str | None, str]:
+    """Try the namespace and the shaping once, running nothing in it: ``(None, burst)`` with
+    the burst tc took (``burst`` or, if tc refuses it, a larger one), else ``(why, '')``."""
+    missing = [tool for tool in ("unshare", "ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return (f"--link needs the tools unshare (util-linux), ip and tc (iproute2); missing: {', '.join(missing)}"
+                " (apt-get install util-linux iproute2)"), ""
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)(b|k|kb|m|mb)?", burst.strip().lower())
+    if not found:
+        return f"--link-burst {burst!r}: write it as tc does, e.g. 256kb, 1mb", ""
+    if float(found.group(1)) * {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 2**20, "mb": 2**20}[found.group(2)] \
+            < LOOPBACK_MTU:
+        # tc takes it, but tbf then drops every full-size packet on lo and the run hangs
+        return f"--link-burst {burst} is below the loopback's MTU ({LOOPBACK_MTU} bytes): take 256kb or more", ""
+    refused = []
+    for candidate in dict.fromkeys((burst, *LARGER_BURSTS)):
+        done = subprocess.run(["unshare", "-n", "sh", "-c", link_setup(rate, candidate)],
+                              capture_output=True, text=True)
+        said = done.stderr.strip().replace("\n", "; ")
+        if done.returncode == 0:
+            if refused:
+                print(f"note: tc refused burst {burst} ({refused[0]}); using burst {candidate}", file=sys.stderr)
+            return None, candidate
+        if done.returncode == 91:
+            return f"--link: 'ip link set lo up' failed inside the namespace: {said}", ""
+        if done.returncode != 92:
+            why = "not running as root" if os.geteuid() != 0 else "root without CAP_SYS_ADMIN (a container?)"
+            return f"--link: 'unshare -n' is not permitted here ({why}): {said}", ""
+        refused.append(f"burst {candidate}: {said}")
+    return f"--link: tc refused 'tbf rate {rate} latency {LINK_LATENCY}' with every burst tried: " \
+           + "; ".join(refused), ""
+
+
+def without_link(argv: list[str]) -> list[str]:
+    """The command line without ``--link RATES`` / ``--link=RATES``."""
+    rest, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--link":
+            skip = True
+        elif not arg.startswith("--link="):
+            rest.append(arg)
+    return rest
+
+
+def run_in_links(rates: list[str], argv: list[str], burst: str) -> int:
+    """Run this benchmark again once per rate, each inside a private network namespace with its
+    loopback limited to the rate (``host``: as it is, no namespace); then print one table of
+    them all. The exit status is that of the first run that failed, else 0."""
+    rates = [rate.strip() for rate in rates if rate.strip()]
+    for rate in rates:
+        if rate != HOST:
+            bits_per_second(rate)  # a bad rate fails before anything starts
+    bursts = {}
+    for rate in rates:
+        if rate != HOST:
+            problem, bursts[rate] = link_problem(rate, burst)
+            if problem:
+                print(f"error: {problem}", file=sys.stderr)
+                return 2
+    rest = without_link(argv)
+    script = os.path.abspath(__file__)
+    status, rows = 0, []
+    with tempfile.TemporaryDirectory(prefix="bench-link-") as scratch:
+        for number, rate in enumerate(rates):
+            results = os.path.join(scratch, f"{number}.json")
+            if rate == HOST:
+                command = [sys.executable, script, *rest, "--results", results]
+                environment = None
+            else:
+                command = ["unshare", "-n", "sh", "-c", link_setup(rate, bursts[rate]) + 'exec "$0" "$@"',
+                           sys.executable, script, *rest, "--link-burst", bursts[rate], "--inside-link", rate,
+                           "--results", results]
+                # c10d's reverse lookups of 127.0.0.1 fail without a resolver in the namespace: harmless
+                environment = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+            print(f"== link {rate}" + ("" if rate == HOST else f" (tc tbf burst {bursts[rate]})"), flush=True)
+            done = subprocess.run(command, env=environment)
+            if done.returncode:
+                print(f"error: the run on link {rate} failed (exit status {done.returncode})", file=sys.stderr)
+            status = status or done.returncode
+            if os.path.exists(results):
+                rows += json.loads(Path(results).read_text())
+    if len(rates) > 1 and rows:
+        order = {rate: i for i, rate in enumerate(rates)}
+        rows.sort(key=lambda row: (row["size"], order[row["link"]]))  # stable: each run's order within
+        print(f"\n== all links ({', '.join(rates)})")
+        print_table(rows, with_link=True)
+    return status
 
 
 def local_slots(master: str) -> int:
@@ -200,41 +498,6 @@ def local_slots(master: str) -> int:
     if found.group(1) and found.group(1) != "*":
         return int(found.group(1))
     return 1 if master == "local" else os.cpu_count() or 1
-
-
-def print_table(rows: list, gloo_installed: bool) -> None:
-    """One line a sync: medians over the rounds, and the median of the per-round ratios to gloo
-    (with their range), so that the machine's drift between rounds cancels out."""
-    header = ("size", "sync", "median ms", *(f"{p} ms" for p in PHASES), "x gloo (range)", "faster than treeAgg")
-    lines = []
-    for size, name, rounds, gloo, tree in rows:
-        phases = [""] * len(PHASES)
-        if rounds is not None:  # the engine, one (median, phases) per round
-            totals = [total for total, _ in rounds]
-            value = statistics.median(totals)
-            phases = [f"{statistics.median(p[i] for _, p in rounds):,.1f}" for i in range(len(PHASES))]
-        elif name.startswith("gloo"):
-            totals = gloo
-            value = statistics.median(gloo) if gloo_installed else None
-        else:
-            totals, value = [tree] * len(gloo), tree
-        if value is None:
-            lines.append((size, name, "not installed", *phases, "", ""))
-            continue
-        ratio = ""
-        if gloo_installed and len(gloo) == len(totals):
-            ratios = [ours / theirs for ours, theirs in zip(totals, gloo)]
-            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-        lines.append((size, name, f"{value:,.1f}", *phases, ratio, f"{tree / value:.1f}x" if tree else ""))
-    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
-
-    def show(row):
-        return "| " + " | ".join(str(cell).rjust(width) if i > 1 else str(cell).ljust(width)
-                                 for i, (cell, width) in enumerate(zip(row, widths))) + " |"
-    print(show(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for line in lines:
-        print(show(line))
 
 
 if __name__ == "__main__":
