@@ -40,21 +40,22 @@ The payload is a *stream* of ``length`` encoded values, optionally lz4-compresse
 ``fp16``      IEEE half: half the bytes, relative error <= 2**-11, but only |x| <= 65504.
 ``bf16-lz4``  bfloat16 byte-shuffled (all high bytes, then all low bytes: sign and exponent
               bytes compress well even where mantissas do not), then adaptive lz4.
-``int8``      a float32 scale per block (its largest magnitude / 127), then one int8 per
-              value, round to nearest: a quarter of the bytes, each value off by at most
-              scale / 2. For links where bytes cost more than rounding; the trainer adds
-              error feedback (what was rounded off is sent with the next step's gradient).
+``int8``      a float32 scale per part (its largest magnitude / 127, rounded up), then one
+              int8 per value, round to nearest even: a quarter of the bytes (4 + length),
+              each value off by at most scale / 2 = max|x| / 254 (up to float32 rounding).
+              For links where bytes cost more than rounding; the trainer adds error
+              feedback (what was rounded off is sent with the next step's gradient). A part
+              holding NaN or Inf decodes to NaN everywhere (its scale is NaN).
 
 Adaptive lz4. The stream is cut into independent 1 MiB chunks, each compressed with
 ``lz4.block`` (fast mode, acceleration 1) and kept raw where it does not shrink to 90 %.
 If no chunk pays, the block is stored raw (``stored_raw``; for ``lz4`` this decodes
-zero-copy like ``raw``). Measured on 10M float32 (40 MB): one ``lz4.block.compress`` of
-the whole buffer takes about 44 ms even on random data, mostly allocating and copying
-40 MB output buffers; in 1 MiB chunks the same random data costs about 4 ms (lz4 skips
-ahead quickly on incompressible input and the allocator recycles the chunk buffers), so
-no sampling probe is needed. 64 KiB or 4 MiB chunks, or a 64 KiB probe per chunk, were
-no faster. Acceleration buys time with ratio (ReLU-like data: 16 gives 38 ms at ratio
-0.84, 1 gives 72 ms at 0.67); 1 is kept, as bytes on the wire are what lz4 is chosen for.
+zero-copy like ``raw``). Why chunks: one ``lz4.block.compress`` of a whole 40 MB block
+spends most of its time allocating and copying full-size output buffers, even on random
+data; in 1 MiB chunks lz4 skips ahead quickly on incompressible input and the allocator
+recycles the chunk buffers, so no sampling probe is needed (64 KiB or 4 MiB chunks, or a
+probe per chunk, were no faster). Higher acceleration buys time with ratio; 1 is kept, as
+bytes on the wire are what lz4 is chosen for.
 Chunks also keep temporaries small and let a block that is half zeros, half noise
 compress its zero half. A chunked payload ends with a table: one u32 stored size per
 chunk (equal to the chunk's raw size when the chunk is stored raw) and the u32 chunk size.
@@ -63,7 +64,7 @@ Payloads never exceed the uncompressed stream, so ``max_encoded_size`` is exact 
 uncompressed codecs and a tight bound for the lz4 ones.
 
 Numpy transforms run over cache-sized pieces (256K elements) with preallocated
-temporaries: about three times faster than whole-array expressions, and no full-size
+temporaries: several times faster than whole-array expressions, and no full-size
 temporaries. Nothing loops over elements in Python.
 """
 
@@ -132,6 +133,8 @@ _F32_FP16_OVERFLOW_BITS = 0x477FF000  # 65520: rounds to Inf in fp16 (the tie go
 _F32_FP16_NORMAL_BITS = 0x38800000  # 2**-14, the smallest normal fp16
 _F32_HALF_BITS = 0x3F000000  # 0.5
 _F32_TO_F16_REBIAS_AND_HALF = (((15 - 127) << 23) + 0xFFF) % (1 << 32)
+# the largest int8 scale whose 127 * scale stays finite in float32: one below float32 max / 127
+_INT8_LARGEST_SCALE = np.nextafter(np.float32(np.finfo(np.float32).max) / np.float32(127), np.float32(0))
 
 
 @dataclass(frozen=True)
@@ -273,9 +276,9 @@ class _BFloat16(_Format):
 class _Float16(_Format):
     """IEEE half precision by bit arithmetic, bit-identical to numpy's ``astype(float16)``.
 
-    numpy's float32<->float16 casts are scalar and branchy here: 25-55 ms per 10M values
-    each way, 650 ms when many values are tiny. This takes 16 ms to encode and 7-11 ms to
-    decode. NaN encodes as the canonical quiet NaN (sign kept); Inf stays Inf.
+    numpy's float32<->float16 casts are scalar and branchy, and far slower still when many
+    values are tiny; this vectorised form is several times faster either way. NaN encodes
+    as the canonical quiet NaN (sign kept); Inf stays Inf.
     """
 
     itemsize = 2
@@ -385,43 +388,63 @@ class _ShuffledBFloat16(_Format):
             words[low_first + start : low_first + stop] |= t
 
 
-# --------------------------------------------------------------------------- adaptive lz4
-
-
 class _ScaledInt8(_Format):
-    """One float32 scale per block (its largest magnitude / 127), then each value as the
-    int8 nearest to value / scale (ties to even). A value is off by at most scale / 2.
+    """One float32 scale per block, then each value as the int8 nearest to value / scale.
 
-    A block holding NaN or Inf has no finite scale: it is sent with a NaN scale and
-    zeros, so it decodes to NaN everywhere (the owner's NaN check then names it), never to
-    finite garbage.
+    The scale is the block's largest magnitude / 127, rounded up to float32, so no
+    value / scale exceeds 127 and the codes lie in [-127, 127] without a clipping pass;
+    the block's extremes become -127 and +127. Rounding is to nearest, ties to even
+    (``np.rint``); a value decodes to code * scale, off by at most scale / 2, which is
+    largest / 254 up to float32 rounding. Rounding the scale up, rather than to nearest,
+    keeps that bound where the scale is a coarse float32 subnormal (blocks whose largest
+    magnitude is below 127 * 2**-126, about 1.5e-36); there the extremes' codes may fall
+    short of 127. Dividing by the scale, rather than multiplying by 127 / largest, cannot
+    overflow for such tiny blocks. The scale is capped below the one whose 127 * scale
+    overflows, so a block holding float32's largest value still decodes to finite values.
+    A block of zeros has scale 0.
+
+    A block holding NaN or Inf has no finite scale: it is written with a NaN scale and
+    zero codes, so it decodes to NaN everywhere and the owner's NaN check names it, never
+    to finite garbage. (The engine refuses non-finite values before encoding unless told
+    to allow them.)
+
+    The stream has a prefix, so it is never cut into lz4 chunks: ``unpack`` always gets
+    the whole stream (``pos`` 0).
     """
 
     itemsize = 1
     prefix = 4
-    _LEVELS = np.float32(127)
+    _LEVELS = 127
 
     def pack(self, values: np.ndarray, dst: np.ndarray) -> None:
         scale_bytes, codes = dst[:4], dst[4:].view(np.int8)
+        scale = self.scale(values)
+        scale_bytes.view(_F32)[0] = scale
+        if not scale > 0:  # zeros, or NaN for a block holding NaN or Inf
+            codes[:] = 0
+            return
         room = np.empty(min(_PIECE, values.size), _F32)
-        largest = np.float32(0)
         for start, stop in _pieces(values.size):
-            magnitude = np.abs(values[start:stop], out=room[:stop - start])
-            largest = np.maximum(largest, magnitude.max())  # NaN wins, as it must
+            # dividing (not multiplying by 1 / scale) keeps |quotient| <= 127 exactly
+            quotient = np.divide(values[start:stop], scale, out=room[: stop - start])
+            np.rint(quotient, out=quotient)
+            np.copyto(codes[start:stop], quotient, casting="unsafe")
+
+    @classmethod
+    def scale(cls, values: np.ndarray) -> np.float32:
+        """The block's scale (see the class): NaN when ``values`` hold NaN or Inf."""
+        highest = lowest = np.float32(0)
+        for start, stop in _pieces(values.size):  # max and min of a piece while it is in cache
+            piece = values[start:stop]
+            highest = np.maximum(highest, piece.max())  # np.maximum keeps a NaN, max() would not
+            lowest = np.minimum(lowest, piece.min())
+        largest = float(np.maximum(highest, -lowest))
         if not np.isfinite(largest):
-            scale_bytes.view(_F32)[0] = np.nan
-            codes[:] = 0
-            return
-        scale_bytes.view(_F32)[0] = scale = largest / self._LEVELS
-        if scale == 0:
-            codes[:] = 0
-            return
-        inverse = self._LEVELS / largest
-        for start, stop in _pieces(values.size):
-            scaled = np.multiply(values[start:stop], inverse, out=room[:stop - start])
-            np.rint(scaled, out=scaled)
-            np.clip(scaled, -self._LEVELS, self._LEVELS, out=scaled)
-            np.copyto(codes[start:stop], scaled, casting="unsafe")
+            return np.float32(np.nan)
+        scale = np.float32(largest / cls._LEVELS)  # to nearest: may be just below
+        if float(scale) * cls._LEVELS < largest:  # exact in float64 (24-bit times 7-bit)
+            scale = np.nextafter(scale, np.float32(np.inf))
+        return min(scale, _INT8_LARGEST_SCALE)
 
     def unpack(self, pos: int, piece: BytesLike, out: np.ndarray) -> None:
         stream = np.frombuffer(piece, _U8)
@@ -430,7 +453,14 @@ class _ScaledInt8(_Format):
         scale = stream[:4].view(_F32)[0]
         codes = stream[4:].view(np.int8)
         for start, stop in _pieces(codes.size):
-            np.multiply(codes[start:stop], scale, out=out[start:stop], dtype=_F32)
+            # widen, then scale while the piece is in cache: faster than one mixed-type
+            # multiply, which converts through numpy's small cast buffers
+            result = out[start:stop]
+            np.copyto(result, codes[start:stop])
+            result *= scale
+
+
+# --------------------------------------------------------------------------- adaptive lz4
 
 
 def _lz4_pack(src: memoryview, block: memoryview, in_place: bool) -> tuple[int, bool]:
@@ -438,7 +468,7 @@ def _lz4_pack(src: memoryview, block: memoryview, in_place: bool) -> tuple[int, 
 
     Returns ``(payload_size, stored_raw)``. Each chunk goes straight to its final place:
     holding the compressed chunks until the end, to decide on the whole block first, cost
-    12 ms more per 40 MB in page faults. A chunk is kept compressed only when it shrinks
+    page faults on fresh memory. A chunk is kept compressed only when it shrinks
     to 90 % and saves at least the size of the chunk table, so a chunked payload is always
     smaller than the stream; when no chunk pays, the raw chunks written so far already are
     the whole stream, which is then the payload (``stored_raw``).

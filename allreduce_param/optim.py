@@ -63,10 +63,9 @@ _F32 = np.dtype(np.float32)
 
 # Elements per piece that ``Optimizer.step`` updates at a time (as the codecs' pieces). An
 # update makes several passes over each piece (weights, gradient, one to three state arrays,
-# temporaries), which then come from cache. Measured on 4M elements (2-core x86_64, 2 MiB
-# L2): Adam with weight decay 7.7 ms per step in 256K pieces, 8.3 ms in 64K, 18.8 ms in 4K
-# (Python overhead per piece), 10.9 ms over whole arrays with preallocated temporaries and
-# 40.6 ms as plain numpy expressions with full-size temporaries. Scratch: 4 MiB per thread.
+# temporaries), which then come from cache. 256K pieces were the fastest tried: much smaller
+# ones pay Python's overhead per piece, whole arrays miss the cache, and plain numpy
+# expressions also allocate full-size temporaries. Scratch: 4 MiB per thread.
 _PIECE = 1 << 18
 _TEMPORARIES = 4  # per-thread scratch arrays: three for the updates, one for grad_scale
 _scratch = threading.local()

@@ -204,6 +204,62 @@ def test_bf16_keeps_nan_nan_and_inf_inf(name):
     assert bits(y[8:]).tolist() == [0x80000000]
 
 
+def bf16_by_carry(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bits of float32 ``x`` by the carry formula, every input class included.
+
+    (bits + 0x7FFF + lowest kept bit) >> 16 rounds to nearest even, carrying into the
+    exponent (and to Inf past bfloat16's largest value); a NaN becomes the quiet NaN of its
+    sign. A second, independent statement of what the codec's encode must give, bit for bit.
+    """
+    wide = bits(x).astype(np.uint64)  # no wrap-around for -NaN patterns
+    result = ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    result[nan] = np.where(np.signbit(x[nan]), 0xFFC0, 0x7FC0)
+    return result
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_encode_is_bit_identical_to_the_carry_formula_over_every_input_class(name):
+    """Random bit patterns (NaNs, Infs, subnormals, normals of every exponent), exact ties
+    with even and odd kept bits, subnormals, and the values around the overflow to Inf."""
+    rng = np.random.default_rng(7)
+    patterns = rng.integers(0, 2**32, 1_000_003, dtype=np.uint64).astype(np.uint32)
+    kept = rng.integers(0, 2**16, 20_000, dtype=np.uint64).astype(np.uint32) << 16
+    ties = kept | 0x8000  # exactly halfway: even kept bits stay, odd ones round up
+    near_ties = np.concatenate([kept | 0x7FFF, kept | 0x8001])
+    subnormals = rng.integers(1, 0x800000, 20_000, dtype=np.uint64).astype(np.uint32)
+    specials = np.array([0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000,
+                         0x7FFFFFFF, 0x00008000, 0x00018000, 0x0000FFFF, 0x80000000, 0x00000000], np.uint32)
+    every = np.concatenate([patterns, ties, near_ties, subnormals, subnormals | 0x80000000, specials,
+                            specials | 0x80000000])
+    x = every.view(np.float32)
+    block = get_codec(name).encode(x)
+    _, y = get_codec(name).decode(block, x.size)
+    assert np.array_equal(bits(y) >> 16, bf16_by_carry(x))
+    if name == "bf16":  # the stream itself holds the same codes
+        assert np.array_equal(np.frombuffer(block, np.uint16, x.size, HEADER_SIZE), bf16_by_carry(x))
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_decode_covers_every_bfloat16_bit_pattern(name):
+    """Decoding is the code moved into float32's high half, NaN payloads included."""
+    every = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    values = (every.astype(np.uint32) << 16).view(np.float32)
+    scratch = np.full(65536, -1.0, np.float32)
+    with np.errstate(invalid="ignore"):
+        block = get_codec(name).encode(values)
+    if name == "bf16":  # NaN payloads survive only when the stream is written by hand
+        block = bytearray(block)
+        block[HEADER_SIZE:] = every.tobytes()
+        block = reseal(block)
+    _, y = get_codec(name).decode(block, 65536, scratch=scratch)
+    assert np.shares_memory(y, scratch)
+    expected = every.astype(np.uint32) << 16
+    if name == "bf16-lz4":  # encoded through the codec: NaNs became the quiet NaN of their sign
+        expected = bf16_by_carry(values).astype(np.uint32) << 16
+    assert np.array_equal(bits(y), expected)
+
+
 # --------------------------------------------------------------------------- fp16 overflow
 
 
@@ -650,3 +706,127 @@ def test_int8_truncated_block_is_refused():
     block = get_codec("int8").encode(make("normal", 100))
     with pytest.raises(CorruptBlockError, match=r"header says 104 payload bytes but the block holds 103 \(truncated\)"):
         get_codec("int8").decode(block[:-1], 100)
+
+
+INT8_MAGNITUDES = [1e-45, 1e-42, 1e-40, 1e-38, 1e-37, 1e-30, 1e-3, 1.0, 1e3, 1e30, 3e38]
+
+
+def int8_parts(block: bytes | bytearray | memoryview, n: int) -> tuple[np.float32, np.ndarray]:
+    """The scale and the codes of an int8 block."""
+    return (np.frombuffer(block, np.float32, 1, HEADER_SIZE)[0],
+            np.frombuffer(block, np.int8, n, HEADER_SIZE + 4))
+
+
+@pytest.mark.parametrize("magnitude", INT8_MAGNITUDES)
+@pytest.mark.parametrize("n", [1, 13, 1001, 262_145])  # none a multiple of 8; 262_145 spans two pieces
+def test_int8_bound_holds_at_every_magnitude(magnitude, n):
+    """Off by at most largest / 254 (plus float32 rounding) from float32 subnormals, where the
+    scale is coarse, up to float32's largest values. The extremes are the codes -127 and 127
+    wherever the scale is a normal float32 (it is rounded up: a subnormal one can be far above
+    largest / 127, and the extremes' codes then fall short of 127 to keep the bound)."""
+    rng = np.random.default_rng(n)
+    x = (rng.uniform(-1, 1, n) * magnitude).astype(np.float32)
+    x[rng.integers(n)] = -np.float32(magnitude)
+    largest = float(np.abs(x).max())
+    block = get_codec("int8").encode(x)
+    scale, codes = int8_parts(block, n)
+    _, y = get_codec("int8").decode(block, n)
+    # float32 slack: the quotient and the decoding product are each rounded (2**-24 of up to
+    # largest each), a subnormal product by up to 2**-150
+    assert np.abs(y.astype(np.float64) - x).max() <= largest / 254 + largest * 2.0**-22 + 2.0**-149
+    assert codes.min() >= -127 and codes.max() <= 127
+    if scale >= np.finfo(np.float32).tiny:
+        extremes = x[np.abs(x) == largest]
+        assert codes[np.abs(x) == largest].tolist() == [127 if v > 0 else -127 for v in extremes]
+    assert float(scale) * 127 >= largest > float(np.nextafter(scale, np.float32(0))) * 127  # rounded up
+
+
+def test_int8_block_holding_float32_largest_value_decodes_finite():
+    top = np.finfo(np.float32).max
+    x = np.array([top, -top, 1e38, 0.0], np.float32)
+    block = get_codec("int8").encode(x)
+    scale, codes = int8_parts(block, 4)
+    _, y = get_codec("int8").decode(block, 4)
+    with np.errstate(over="ignore"):  # the next scale up would overflow: this one is the cap
+        assert np.isfinite(y).all() and np.isinf(np.float32(127) * np.nextafter(scale, np.float32(np.inf)))
+    assert codes.tolist()[:2] == [127, -127]
+    assert np.abs(y.astype(np.float64) - x).max() <= float(top) / 254 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("value", [-3.5, 1e-30, 1e20, 0.0, -0.0])
+def test_int8_single_value(value):
+    x = np.array([value], np.float32)
+    block = get_codec("int8").encode(x)
+    scale, codes = int8_parts(block, 1)
+    _, y = get_codec("int8").decode(block, 1)
+    assert len(block) == HEADER_SIZE + 5
+    if value == 0:
+        assert scale == 0 and codes.tolist() == [0] and y.tolist() == [0.0]
+    else:
+        assert codes.tolist() == [127 if value > 0 else -127]
+        assert y[0] == pytest.approx(value, rel=1e-6)
+
+
+def test_int8_block_of_zeros_has_scale_zero_and_decodes_to_zeros():
+    x = np.zeros(1001, np.float32)
+    x[::3] = -0.0
+    block = get_codec("int8").encode(x)
+    scale, codes = int8_parts(block, 1001)
+    _, y = get_codec("int8").decode(block, 1001)
+    assert scale == 0 and not codes.any() and not y.any()
+
+
+@pytest.mark.parametrize("where", [0, 262_143, 262_144, -1])  # first and last of each piece
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_int8_nan_or_inf_anywhere_in_a_long_block_makes_a_nan_scale(where, bad):
+    x = make("normal", 300_001)
+    x[where] = bad
+    block = get_codec("int8").encode(x)
+    scale, codes = int8_parts(block, x.size)
+    _, y = get_codec("int8").decode(block, x.size, scratch=np.empty(x.size, np.float32))
+    assert np.isnan(scale) and not codes.any() and np.isnan(y).all()
+
+
+def test_int8_residual_of_an_unsealed_block_read_unchecked():
+    """Error feedback: the engine encodes without a checksum and decodes it back unchecked to
+    learn what was rounded off; the residual is what the bound allows, and decoding writes
+    into the caller's scratch."""
+    x = make("sparse", 100_001)
+    codec = get_codec("int8")
+    assert codec.lossy
+    block = codec.encode(x, out=bytearray(), checksum=False)
+    scratch = np.full(100_010, 7.0, np.float32)
+    _, y = codec.decode(block, x.size, scratch=scratch, checksum=False)
+    residual = x - y
+    assert np.shares_memory(y, scratch) and (scratch[x.size:] == 7.0).all()
+    assert np.abs(residual).max() <= np.abs(x).max() / 254 * (1 + 1e-5)
+    corrupt(bytes(block), "checksum mismatch", length=x.size, name="int8")  # unsealed: not for a socket
+
+
+def test_int8_codec_id_is_appended_and_round_trips_through_the_header():
+    assert CODECS[:5] == ("raw", "lz4", "bf16", "fp16", "bf16-lz4")  # ids are append-only
+    block = encoded("int8", make("normal", 100), count=3.0)
+    assert block[3] == CODECS.index("int8") == 5
+    header = parse_header(block)
+    assert (header.codec, header.length, header.payload_size, header.count, header.stored_raw) == (
+        "int8", 100, 104, 3.0, False)
+    assert get_codec("int8").max_encoded_size(100) == header.encoded_size == len(block)
+
+
+def test_int8_malformed_blocks_name_what_is_wrong():
+    good = encoded("int8", make("normal", 100))
+    corrupt(bytes(good), "encoded with codec 'int8' but decoded as 'bf16'", length=100, name="bf16")
+    fp16 = encoded("fp16", make("normal", 100))  # 200 payload bytes cannot be 100 int8 values
+    fp16[3] = CODECS.index("int8")
+    corrupt(bytes(reseal(fp16)), "200 payload bytes, more than the 104 that 100 elements can take "
+            "with codec 'int8'", length=100, name="int8")
+    short = bytearray(good[:-1])  # a consistent header, one value missing
+    struct.pack_into("<Q", short, 16, 103)
+    corrupt(bytes(reseal(short)), "uncompressed payload of 103 bytes, 100 elements need 104", length=100,
+            name="int8")
+    corrupt(bytes(good[:HEADER_SIZE + 4]), r"header says 104 payload bytes but the block holds 4 \(truncated\)",
+            length=100, name="int8")
+    flipped = bytearray(good)
+    flipped[HEADER_SIZE] ^= 0x40  # the scale
+    corrupt(bytes(flipped), "checksum mismatch", length=100, name="int8")
+    corrupt(bytes(good), "expected 99 elements, header says 100", length=99, name="int8")
