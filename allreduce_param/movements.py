@@ -33,9 +33,6 @@ from .strategy import WeightRead
 #: The block kinds that always travel raw: small, and wanted exact.
 EXACT_KINDS = (BlockKind.CHOICE, BlockKind.SIGNAL, BlockKind.METADATA)
 
-#: ``(version, count, values, recheck)``: what a fetched part resolves to (see ``fetch_all``).
-FetchedPart = tuple
-
 
 @functools.lru_cache(maxsize=64)
 def part_plan(layout: SliceLayout) -> tuple[tuple[tuple[int, int], ...], ...]:

@@ -218,6 +218,7 @@ class PeerGroup:
 
     @property
     def closed(self) -> bool:
+        """Whether the group has stopped (closed, failed or shut down)."""
         return self._closed
 
     def shutdown(self, join: Callable[[], None] = lambda: None) -> None:
