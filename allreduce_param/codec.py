@@ -549,10 +549,17 @@ def _lz4_unpack(
 # --------------------------------------------------------------------------- codecs
 
 
-def _checksum(block: memoryview, payload_size: int) -> int:
-    """xxh3_64 over the header (all but the checksum field) and the payload."""
+def _bytes_view(data: BytesLike) -> memoryview:
+    """``data`` as a flat memoryview of bytes."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _checksum(block: memoryview, payload_size: int, payload: BytesLike | None = None) -> int:
+    """xxh3_64 over the header (all but the checksum field) and the payload (``payload``
+    when it lies apart from the header)."""
     digest = xxhash.xxh3_64(block[:_CHECKED_HEADER_BYTES])
-    digest.update(block[HEADER_SIZE : HEADER_SIZE + payload_size])
+    digest.update(block[HEADER_SIZE : HEADER_SIZE + payload_size] if payload is None else payload)
     return digest.intdigest()
 
 
@@ -623,24 +630,7 @@ class Codec:
         """
         _check_values(values)
         length = values.size
-        need = self.max_encoded_size(length)
-        if out is None:
-            out = bytearray(need)
-        elif isinstance(out, (mmap.mmap, memoryview)):
-            if isinstance(out, memoryview) and (out.readonly or out.format != "B" or not out.c_contiguous):
-                raise ConfigurationError("out must be a writable, contiguous memoryview of bytes")
-            if len(out) < need:
-                raise UsageError(f"the {len(out)}-byte shared buffer cannot take a block of up to {need} bytes")
-        elif not isinstance(out, bytearray):
-            raise ConfigurationError(f"out must be a bytearray, an mmap or a memoryview, got {type(out).__name__}")
-        elif len(out) < need:
-            try:
-                out += bytes(need - len(out))
-            except BufferError:
-                raise UsageError(
-                    f"cannot grow the {len(out)}-byte out buffer to {need} bytes while views "
-                    "of it are alive: release the memoryview of the previous block first"
-                ) from None
+        out = self._room(out, self.max_encoded_size(length))
         with memoryview(out) as block:
             _FIELD.pack_into(block, _VERSION_OFFSET, _REWRITING)  # in-place readers can tell
             try:
@@ -657,18 +647,63 @@ class Codec:
                 _FIELD.pack_into(block, _CHECKSUM_OFFSET, _checksum(block, payload_size))
         return memoryview(out)[: HEADER_SIZE + payload_size]
 
+    def encode_header(self, length: int, count: float = 0.0, out: bytearray | memoryview | None = None,
+                      ids: BlockIds = (0, 0, 0, 0, 0)) -> memoryview:
+        """The header of a block whose payload, ``length`` float32 values, lies elsewhere
+        (``publishes_in_place`` codecs only): published where it lies, it is not copied.
+        Written into ``out`` (grown if a bytearray) as ``encode`` would write it, unsealed:
+        ``seal(header, payload)`` before it leaves this host's memory."""
+        if not self.publishes_in_place:
+            raise UsageError(f"codec {self.name!r} encodes its values: only raw blocks can be published in place")
+        out = self._room(out, HEADER_SIZE)
+        kind, source, destination, part, version = ids
+        _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, self.codec_id, 0, kind, _RESERVED,
+                          length, self._format.stream_size(length), float(count), source, destination,
+                          part, 0, version, _UNSEALED)
+        return memoryview(out)[:HEADER_SIZE]
+
+    @property
+    def publishes_in_place(self) -> bool:
+        """Whether a block's payload is the float32 values as they are, so that a vector can
+        be published where it lies with only a header written (``encode_header``)."""
+        return self._format.passthrough and not self.compressed
+
     @staticmethod
-    def seal(block: memoryview) -> None:
+    def _room(out: bytearray | mmap.mmap | memoryview | None, need: int) -> bytearray | mmap.mmap | memoryview:
+        """``out`` if it can take ``need`` bytes (a bytearray grown to it), or a new bytearray."""
+        if out is None:
+            return bytearray(need)
+        if isinstance(out, (mmap.mmap, memoryview)):
+            if isinstance(out, memoryview) and (out.readonly or out.format != "B" or not out.c_contiguous):
+                raise ConfigurationError("out must be a writable, contiguous memoryview of bytes")
+            if len(out) < need:
+                raise UsageError(f"the {len(out)}-byte shared buffer cannot take a block of up to {need} bytes")
+        elif not isinstance(out, bytearray):
+            raise ConfigurationError(f"out must be a bytearray, an mmap or a memoryview, got {type(out).__name__}")
+        elif len(out) < need:
+            try:
+                out += bytes(need - len(out))
+            except BufferError:
+                raise UsageError(
+                    f"cannot grow the {len(out)}-byte out buffer to {need} bytes while views "
+                    "of it are alive: release the memoryview of the previous block first"
+                ) from None
+        return out
+
+    @staticmethod
+    def seal(block: memoryview, payload: BytesLike | None = None) -> None:
         """Write the checksum of a block ``encode`` left without one (a no-op otherwise):
-        before its bytes first leave this host's memory. Sealing the same block from several
-        threads at once is safe; each writes the same eight bytes. Bytes that are not a block
-        are left as they are, for the reader's ``decode`` to name what is wrong with them."""
+        before its bytes first leave this host's memory. ``payload``: where it lies, when
+        apart from the header (``block`` is then the header alone). Sealing the same block
+        from several threads at once is safe; each writes the same eight bytes. Bytes that
+        are not a block are left as they are, for the reader's ``decode`` to name what is
+        wrong with them."""
         if len(block) < HEADER_SIZE or bytes(block[:2]) != MAGIC:
             return
         checksum, = _FIELD.unpack_from(block, _CHECKSUM_OFFSET)
         if checksum == _UNSEALED:
             payload_size, = _FIELD.unpack_from(block, _PAYLOAD_SIZE_OFFSET)
-            _FIELD.pack_into(block, _CHECKSUM_OFFSET, _checksum(block, payload_size))
+            _FIELD.pack_into(block, _CHECKSUM_OFFSET, _checksum(block, payload_size, payload))
 
     def _encode_payload(
         self, values: np.ndarray, out: bytearray, block: memoryview
@@ -697,6 +732,7 @@ class Codec:
         what: str = "block",
         expect: BlockIds | None = None,
         checksum: bool = True,
+        payload: BytesLike | None = None,
     ) -> tuple[BlockHeader, np.ndarray]:
         """Validate one encoded block and decode it to ``length`` float32 values.
 
@@ -710,11 +746,10 @@ class Codec:
         ``raw`` blocks and stored-raw ``lz4`` blocks decode to a read-only zero-copy view of
         ``block``; the others decode into ``scratch[:length]`` (a float32 array of at least
         ``length`` elements) when given, else into a new array. Use the result before
-        reusing ``block`` or ``scratch``.
+        reusing ``block`` or ``scratch``. ``payload``: where the payload lies when apart from
+        the header (a block published in place); ``block`` is then the header alone.
         """
-        view = memoryview(block)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = _bytes_view(block)
         header = parse_header(view, what)
         if expect is not None and tuple(header.ids) != tuple(expect):
             kind, source, destination, part, version = header.ids
@@ -732,7 +767,13 @@ class Codec:
             raise CorruptBlockError(
                 f"{what}: expected {length} elements, header says {header.length}"
             )
-        held = len(view) - HEADER_SIZE
+        if payload is None:
+            payload = view[HEADER_SIZE:]
+        elif len(view) != HEADER_SIZE:
+            raise CorruptBlockError(f"{what}: a header of {len(view)} bytes, expected {HEADER_SIZE}")
+        else:
+            payload = _bytes_view(payload)
+        held = len(payload)
         if held != header.payload_size:
             problem = "truncated" if held < header.payload_size else "extra bytes"
             raise CorruptBlockError(
@@ -745,13 +786,12 @@ class Codec:
                 f"{what}: uncompressed payload of {header.payload_size} bytes, "
                 f"{length} elements need {nbytes}"
             )
-        actual = _checksum(view, header.payload_size) if checksum else header.checksum
+        actual = _checksum(view, header.payload_size, payload) if checksum else header.checksum
         if actual != header.checksum:
             raise CorruptBlockError(
                 f"{what}: checksum mismatch (header {header.checksum:#018x}, bytes hash to "
                 f"{actual:#018x}): the block was damaged in memory or on the wire"
             )
-        payload = view[HEADER_SIZE:]
         uncompressed = not self.compressed or header.stored_raw
         if uncompressed:
             direct = self._format.view(payload, length)

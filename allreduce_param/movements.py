@@ -27,7 +27,7 @@ from .codec import Codec, get_codec
 from .errors import AuthenticationError, CorruptBlockError, NonFiniteGradientError, PeerLostError
 from .layout import SliceLayout, split
 from .peers import PART_LENGTH, Channel, PeerGroup
-from .store import EVERY_PARTITION, BlockKey, BlockKind
+from .store import EVERY_PARTITION, BlockKey, BlockKind, SplitBlock
 from .strategy import WeightRead
 
 #: The block kinds that always travel raw: small, and wanted exact.
@@ -39,6 +39,11 @@ def part_plan(layout: SliceLayout) -> tuple[tuple[tuple[int, int], ...], ...]:
     """``plan[j]``: the parts ``(start, length)`` of slice ``j`` of ``layout``, counted from
     the slice's start."""
     return tuple(tuple(split(layout.length(j), PART_LENGTH)) for j in range(layout.partition_num))
+
+
+def _header_and_payload(block) -> tuple[memoryview, memoryview | None]:
+    """A block as ``Codec.decode`` takes it: its bytes, or a split block's two parts."""
+    return (block.header, block.payload) if isinstance(block, SplitBlock) else (block, None)
 
 
 def _recheck(block: memoryview, header, what: str) -> None:
@@ -119,16 +124,38 @@ class Movements:
             store.put(key, version, block, buffer=buffer)
             del block  # the store holds its own view; ours would pin the buffer's size
 
+    def publish_in_place(self, kind: int, version: int, values: memoryview, destination: int,
+                         count: float) -> None:
+        """Publish the float32 bytes ``values`` where they lie, part by part, as ``version``:
+        only each part's header is written (raw codec), into a buffer the store gives out.
+
+        The caller must leave ``values`` unchanged until every reader is past this version
+        (under BSP: until its next ``get_weights``). Bytes in shared memory are then read by
+        same-host peers in place, and sent from there to the others.
+        """
+        store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
+        for part, (start, length) in enumerate(split(values.nbytes // 4, PART_LENGTH)):
+            key = BlockKey(kind, self.partition_id, destination, part)
+            buffer = store.reserve(key, version, timeout)
+            header = codec.encode_header(length, count=count, out=buffer,
+                                         ids=(kind, self.partition_id, destination, part, version))
+            store.put(key, version, SplitBlock(header, values[4 * start:4 * (start + length)]), buffer=buffer)
+            del header
+
     def scatter(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float,
-                residual: np.ndarray | None = None, own: bool = True) -> None:
+                residual: np.ndarray | None = None, own: bool = True, in_place: memoryview | None = None) -> None:
         """Publish chunk ``j`` of ``vector`` (and of ``residual``, see ``publish``) for owner
         ``j``; the peers' first, the own last, unless not ``own`` (``reduce`` then takes it
-        from ``vector`` itself)."""
+        from ``vector`` itself). ``in_place``: ``vector``'s own bytes, to publish where they
+        lie (``publish_in_place``; a raw codec and no residual) rather than copied."""
         for step in range(1, self.partition_num + (1 if own else 0)):
             owner = (self.partition_id + step) % self.partition_num
             bounds = layout.bounds(owner)
-            self.publish(kind, version, vector[bounds], destination=owner, count=count,
-                         residual=None if residual is None else residual[bounds])
+            if in_place is not None:
+                self.publish_in_place(kind, version, in_place[4 * bounds.start:4 * bounds.stop], owner, count)
+            else:
+                self.publish(kind, version, vector[bounds], destination=owner, count=count,
+                             residual=None if residual is None else residual[bounds])
 
     def reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray,
                divisor: Callable[[float], float | None] | None = None, check: NonFiniteSum | None = None,
@@ -264,9 +291,10 @@ class Movements:
                     version, block = channel.clients[source].fetch(
                         key, read.version, size, None if receive is None else receive[offset:offset + size],
                         in_place, newest=not read.exact)
+                block, payload = _header_and_payload(block)
                 header, values = codec.decode(
                     block, length, scratch=room[start:start + length], what=key.describe(version),
-                    expect=(kind, source, destination, part, version), checksum=not in_place,
+                    expect=(kind, source, destination, part, version), checksum=not in_place, payload=payload,
                 )
             except BaseException as error:
                 if isinstance(error, (PeerLostError, AuthenticationError)):

@@ -160,6 +160,7 @@ class ConnectedParameter:
         self._weight: np.ndarray | None = None
         self._gradient = np.zeros(self.slice_length, dtype=np.float32)
         self._weights_out: np.ndarray | None = None  # what get_weights() fills when given no out
+        self._handed: tuple[np.ndarray, memoryview] | None = None  # gradient_buffer(), and its bytes
         self._gradient_pending = False
         self._own_gradient: tuple[np.ndarray, float] | None = None  # BSP, exact codec: see put_gradients
         # sends since the last aggregate: a second one could rewrite a version a peer still reads
@@ -253,6 +254,8 @@ class ConnectedParameter:
         out = self._output(out, self.layout.size)
         with self._owner_failure_first():
             self._last_read = self._moves.gather(BlockKind.WEIGHT, read, self.layout, out)
+        if self._handed is not None:  # every peer has summed the last gradient published in place
+            self._handed[0].flags.writeable = True
         return out
 
     @property
@@ -261,6 +264,22 @@ class ConnectedParameter:
         return self._last_read
 
     # ---- the gradients -------------------------------------------------------------------
+
+    @_call
+    def gradient_buffer(self) -> np.ndarray:
+        """A float32 vector of ``size`` (zeros at first) to compute the gradient into: the
+        same array on every call, valid until the handle closes.
+
+        Under BSP with the raw codec, ``put_gradients`` of this array publishes it where it
+        lies (shared memory that same-host peers read in place) instead of copying it, and
+        makes it read-only until the next ``get_weights`` returns, when every peer has summed
+        it; a step writes its gradient after ``get_weights`` anyway. Under other codecs
+        and strategies it is copied at put like any vector.
+        """
+        if self._handed is None:
+            room = self._peers.room(4 * self.layout.size)
+            self._handed = (np.frombuffer(room, dtype=np.float32), room)
+        return self._handed[0]
 
     @_call
     def put_gradients(self, gradients: np.ndarray, count: float = 1.0, residual: np.ndarray | None = None) -> None:
@@ -272,7 +291,8 @@ class ConnectedParameter:
         strategies once per ``get_weights`` (with backup workers the gradient belongs to
         the weights read). Under BSP keep ``gradients`` unchanged until
         ``aggregate_gradient_partition`` returns, as with any asynchronous collective: with
-        an exact codec the own chunk is summed from it there, not from a copy. NaN/Inf are
+        an exact codec the own chunk is summed from it there, not from a copy (and the
+        ``gradient_buffer()`` is not copied at all). NaN/Inf are
         found by the owners as they sum (one pass fewer
         than checking here): the owner's call raises ``NonFiniteGradientError`` naming
         this partition, the step and the index, unless the parameter allows them.
@@ -306,11 +326,16 @@ class ConnectedParameter:
             version = self._last_read
         self._versions[BlockKind.GRADIENT] = version
         # BSP with an exact codec: the own chunk is summed straight from the caller's vector
-        keep_own = self.strategy.inline_owner and not self._moves.codecs[BlockKind.GRADIENT].lossy
+        codec = self._moves.codecs[BlockKind.GRADIENT]
+        keep_own = self.strategy.inline_owner and not codec.lossy
         self._own_gradient = (vector[self.layout.bounds(self.partition_id)], float(count)) if keep_own else None
+        handed = self._handed is not None and vector.ctypes.data == self._handed[0].ctypes.data
+        in_place = handed and self.strategy.inline_owner and codec.publishes_in_place and residual is None
         with self._owner_failure_first():
             self._moves.scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count), residual,
-                                own=not keep_own)
+                                own=not keep_own, in_place=self._handed[1] if in_place else None)
+        if in_place:
+            self._handed[0].flags.writeable = False  # peers read it until our next get_weights
         self._puts += 1
         self._gradient_pending = self.strategy.inline_owner
 

@@ -161,6 +161,11 @@ class PeerGroup:
             return True
         return self.shared is not None and channel.clients[source].local_name is not None
 
+    def room(self, nbytes: int) -> memoryview:
+        """``nbytes`` of writable memory whose contents can be published where they lie: in
+        shared memory when same-host peers may read it in place; freed with the group."""
+        return memoryview(bytearray(nbytes)) if self.shared is None else self.shared.buffer(nbytes)
+
     def _new_buffer(self):
         """Room to encode one part into: shared memory when peers may read it in place."""
         return bytearray() if self.shared is None else self.shared.buffer(LARGEST_PART)

@@ -39,6 +39,21 @@ EVERY_PARTITION = 0xFFFFFFFF
 Buffer = Union[bytearray, mmap.mmap, memoryview]  # what blocks are encoded into
 
 
+class SplitBlock(NamedTuple):
+    """A block whose header and payload lie in different buffers: a vector published where
+    it lies (the payload is the caller's memory; only the header was written)."""
+
+    header: memoryview
+    payload: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.nbytes + self.payload.nbytes
+
+
+Block = Union[memoryview, SplitBlock]  # what the store keeps and serves
+
+
 class BlockKind:
     """What a block holds; the numbers go on the wire."""
 
@@ -106,7 +121,7 @@ class BlockStore:
         self._wait_for_readers = frozenset(wait_for_readers)
         self._reuse_at_once = frozenset(reuse_at_once)
         self._new_buffer = new_buffer
-        self._blocks: dict[BlockKey, OrderedDict[int, memoryview]] = {}
+        self._blocks: dict[BlockKey, OrderedDict[int, Block]] = {}
         self._asked: dict[BlockKey, int] = {}  # the highest version any reader asked for
         self._holds: dict[BlockKey, dict[Hashable, int]] = {}  # reader -> version last served
         self._buffers: dict[BlockKey, list[Buffer]] = {}
@@ -145,16 +160,16 @@ class BlockStore:
             self._buffer_versions[id(buffer)] = _RESERVED
             return buffer
 
-    def put(self, key: BlockKey, version: int, block: bytes | bytearray | memoryview,
+    def put(self, key: BlockKey, version: int, block: bytes | bytearray | memoryview | SplitBlock,
             buffer: Buffer | memoryview | None = None) -> None:
         """Publish ``block`` as ``version`` of ``key`` and wake the gets waiting for it.
 
         The store keeps a reference, not a copy: the caller must not change ``block`` while
         the version is kept (a buffer from ``reserve`` is safe to write until it is put;
-        pass it as ``buffer`` when ``block`` lies in it). Versions of a key must increase;
-        the oldest beyond ``keep`` go.
+        pass it as ``buffer`` when ``block``, or a split block's header, lies in it).
+        Versions of a key must increase; the oldest beyond ``keep`` go.
         """
-        view = memoryview(block).cast("B")
+        view = block if isinstance(block, SplitBlock) else memoryview(block).cast("B")
         with self._changed:
             self._raise_if_closed(key, version, "cannot publish")
             versions = self._blocks.setdefault(key, OrderedDict())
@@ -173,14 +188,16 @@ class BlockStore:
             for old in dropping:
                 del versions[old]
             versions[version] = view
-            owner = id(buffer if buffer is not None else view.obj)
+            if buffer is None:
+                buffer = (view.header if isinstance(view, SplitBlock) else view).obj
+            owner = id(buffer)
             if owner in self._buffer_versions:
                 self._buffer_versions[owner] = version
             self._bytes = after
             self._changed.notify_all()
 
     def get(self, key: BlockKey, version: int, timeout: float, *, newest: bool = False,
-            reader: Hashable | None = None) -> tuple[int, memoryview]:
+            reader: Hashable | None = None) -> tuple[int, Block]:
         """``(version, block)``: ``version`` of ``key``, or with ``newest`` the newest version at
         or above it; waits up to ``timeout`` seconds for it to be put.
 

@@ -13,7 +13,10 @@ Wire format (little-endian):
 * Request: op, block kind, source, destination, part, version, timeout in ms (fixed size).
   The op's ``FLAG_NEWEST`` bit asks for the newest version at or above ``version``.
 * Response: status, length, the version served; then ``length`` bytes (the encoded block,
-  or an error text).
+  or an error text). A peer on this host that asked for shared answers gets, for a block
+  in shared memory, where its header and its payload lie instead (segment ids, offsets,
+  the header's length; with the descriptor of a segment it has not been passed yet): the
+  two may lie apart, when a vector was published where it lies (``store.SplitBlock``).
 
 Every length is checked against what the block can be before a byte of it is read; a
 malformed frame closes that connection with a logged reason, never the server.
@@ -34,7 +37,7 @@ import threading
 import time
 from typing import Callable
 
-from .codec import Codec
+from .codec import HEADER_SIZE, Codec
 from .errors import (
     AllReduceError,
     AuthenticationError,
@@ -45,7 +48,7 @@ from .errors import (
     StoreClosedError,
 )
 from .shm import SharedArenas, SharedMappings
-from .store import BlockKey, BlockKind, BlockStore
+from .store import BlockKey, BlockKind, BlockStore, SplitBlock
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +70,11 @@ STATUS_TIMEOUT = 1
 STATUS_STALE = 2
 STATUS_CLOSING = 3
 STATUS_REFUSED = 4
-STATUS_SHARED = 5  # the block lies in a shared segment: its id follows (and, once, its fd)
+STATUS_SHARED = 5  # the block lies in shared segments: where follows (and, once each, their fds)
 
-_SEGMENT = struct.Struct("<QQ")  # a shared segment's id and the block's offset in it, after STATUS_SHARED
+#: After STATUS_SHARED: the header's segment id, offset and length, the payload's segment id
+#: and offset (the payload's length is the response's length less the header's).
+_SHARED_PLACE = struct.Struct("<QQQQQ")
 
 MAX_ERROR_TEXT = 64 * 1024
 HANDSHAKE_TIMEOUT = 10.0
@@ -387,19 +392,24 @@ class BlockServer:
                 self._send_error(conn, STATUS_CLOSING, str(error))
                 return
             else:
-                found = self._shared.locate(block) if op == OP_GET_SHARED and local and self._shared else None
-                if found is None:
-                    Codec.seal(block)  # its bytes leave this host's memory: they need their checksum
-                    conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes, version))
-                    conn.sendall(block)
+                header, payload = block if isinstance(block, SplitBlock) else (block[:HEADER_SIZE],
+                                                                               block[HEADER_SIZE:])
+                places = [self._shared.locate(header), self._shared.locate(payload)] \
+                    if op == OP_GET_SHARED and local and self._shared else [None]
+                if None in places:
+                    Codec.seal(header, payload)  # its bytes leave this host's memory: they need their checksum
+                    conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes, version) + header)
+                    conn.sendall(payload)
                     continue
-                segment, offset = found
-                answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + _SEGMENT.pack(segment.id, offset)
-                if segment.id in fds_passed:
+                (header_segment, header_offset), (payload_segment, payload_offset) = places
+                answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + _SHARED_PLACE.pack(
+                    header_segment.id, header_offset, header.nbytes, payload_segment.id, payload_offset)
+                new = {segment.id: segment.fd for segment, _ in places if segment.id not in fds_passed}
+                if new:  # the descriptors ride with the answer, once per connection
+                    socket.send_fds(conn, [answer], list(new.values()))
+                    fds_passed.update(new)
+                else:
                     conn.sendall(answer)
-                else:  # the descriptor rides with the answer, once per connection
-                    socket.send_fds(conn, [answer], [segment.fd])
-                    fds_passed.add(segment.id)
 
     @staticmethod
     def _send_error(conn: socket.socket, status: int, text: str) -> None:
@@ -543,16 +553,16 @@ class PeerClient:
             raise self._lost(what, f"dropped the connection during the handshake ({error})") from error
 
     def fetch(self, key: BlockKey, version: int, max_size: int, into: memoryview | None,
-              shared: bool = False, newest: bool = False) -> tuple[int, memoryview]:
+              shared: bool = False, newest: bool = False) -> tuple[int, memoryview | SplitBlock]:
         """Fetch ``version`` of block ``key`` (with ``newest``: the newest version at or above
         it), waiting on the peer up to the timeout; ``(version served, block)``.
 
         The block lands at the start of ``into`` (at least ``max_size`` bytes, the most such
         a block can be; a longer one is a protocol error; None: a new buffer) and the
         returned view covers exactly its bytes. With ``shared``, a peer on this host that
-        keeps the block in shared memory answers with where it lies, and the view reads
-        it there, in place: the peer keeps that buffer as it is until this client asks for
-        the same block again.
+        keeps the block in shared memory answers with where it lies, and a ``SplitBlock``
+        of views reads it there, in place: the peer keeps it as it is until this client
+        asks for the same block again.
         """
         what = key.describe(version)
         keep_connection = False
@@ -602,11 +612,11 @@ class PeerClient:
     def _receive_head(self, sock: socket.socket, shared: bool) -> tuple[int, int, int]:
         """The response's status, length and version. A shared answer may carry a descriptor with its
         first bytes, so those are read with recvmsg and the descriptor kept for the segment."""
-        head = bytearray(_RESPONSE.size + _SEGMENT.size)
+        head = bytearray(_RESPONSE.size)
         if not shared:
-            _recv_exactly(sock, memoryview(head)[:_RESPONSE.size])
+            _recv_exactly(sock, memoryview(head))
             return _RESPONSE.unpack_from(head)
-        data, fds, _, _ = socket.recv_fds(sock, _RESPONSE.size, 1)
+        data, fds, _, _ = socket.recv_fds(sock, _RESPONSE.size, 2)
         self._pending_fds = list(fds)
         if not data:
             raise EOFError("connection closed before the response")
@@ -614,25 +624,40 @@ class PeerClient:
         _recv_exactly(sock, memoryview(head)[len(data):_RESPONSE.size])
         return _RESPONSE.unpack_from(head)
 
-    def _shared_view(self, sock: socket.socket, length: int, what: str) -> memoryview:
-        """After a shared answer: the segment id and offset (and, the first time, its descriptor)."""
-        tail = bytearray(_SEGMENT.size)
+    def _shared_view(self, sock: socket.socket, length: int, what: str) -> SplitBlock:
+        """After a shared answer: views of where the block's header and payload lie (the
+        descriptors of segments not seen before came with the answer's first bytes)."""
+        tail = bytearray(_SHARED_PLACE.size)
         _recv_exactly(sock, memoryview(tail))
-        segment_id, offset = _SEGMENT.unpack(tail)
+        header_segment, header_offset, header_length, payload_segment, payload_offset = _SHARED_PLACE.unpack(tail)
         fds, self._pending_fds = self._pending_fds, []
-        for fd in fds:
-            if segment_id in self._mappings:
+        segments = list(dict.fromkeys((header_segment, payload_segment)))
+        # the server passes, in this order, those it has not passed on this connection; an
+        # earlier connection may have passed one already
+        missing = [segment for segment in segments if segment not in self._mappings]
+        passed = segments if len(fds) == len(segments) else missing[:len(fds)]
+        for segment, fd in zip(passed, fds):
+            if segment in self._mappings:
                 os.close(fd)
             else:
-                self._mappings.add(segment_id, fd)
-        if segment_id not in self._mappings:
-            raise ProtocolError(f"{self._peer_text} pointed at shared segment {segment_id} for {what} "
-                                "without ever passing it")
-        view = self._mappings.view(segment_id, offset, length)
-        if view is None:
-            raise ProtocolError(f"{self._peer_text} placed {what} at bytes {offset}..{offset + length} of shared "
-                                f"segment {segment_id}, which is not that long")
-        return view
+                self._mappings.add(segment, fd)
+        for fd in fds[len(passed):]:
+            os.close(fd)
+        if any(segment not in self._mappings for segment in segments):
+            raise ProtocolError(f"{self._peer_text} pointed at shared segments {segments} for {what} "
+                                "without ever passing them")
+        if header_length > length:
+            raise ProtocolError(f"{self._peer_text} said {what} has a {header_length}-byte header "
+                                f"in a {length}-byte block")
+        views = []
+        for segment, offset, size in ((header_segment, header_offset, header_length),
+                                      (payload_segment, payload_offset, length - header_length)):
+            view = self._mappings.view(segment, offset, size)
+            if view is None:
+                raise ProtocolError(f"{self._peer_text} placed part of {what} at bytes {offset}..{offset + size} "
+                                    f"of shared segment {segment}, which is not that long")
+            views.append(view)
+        return SplitBlock(*views)
 
     def _answer_error(self, status: int, length: int, sock: socket.socket, what: str) -> AllReduceError:
         """The error a non-OK answer stands for, its text read off the connection."""

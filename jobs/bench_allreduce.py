@@ -88,8 +88,11 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
         for param in params:
             with param.connect() as p:
                 rng = np.random.default_rng(p.partition_id)
-                # float32 straight from the generator: no float64 vector twice the size at 200M
-                gradient = rng.standard_normal(param.size, dtype=np.float32)
+                # as the README's loop computes it: into the engine's buffer, which a raw put
+                # publishes where it lies (float32 straight from the generator: no float64
+                # vector twice the size at 200M)
+                gradient = p.gradient_buffer()
+                gradient[:] = rng.standard_normal(param.size, dtype=np.float32)
                 if sparse:  # as after a ReLU or for sparse features: 90% zeros
                     gradient[rng.random(param.size, dtype=np.float32) < 0.9] = 0.0
                 weights = rng.standard_normal(param.size, dtype=np.float32)

@@ -532,3 +532,100 @@ def test_a_residual_of_the_wrong_shape_is_refused():
     expect_error(AllReduceParameter(1, 10, "bf16"), body, InputError,
                  "put_gradients(residual=) on partition 0: expected a writeable contiguous float32 array "
                  "of shape (10,), got dtype float32, shape (9,)")
+
+
+def in_place_steps(grads, counts, steps: int = 3):
+    """A body that computes each step's gradient into ``gradient_buffer()`` (step ``s``
+    scales the partition's gradient by ``s + 1``); each step's mean and weights, and what
+    the store kept of the last gradient chunk published for the next partition."""
+    def body(p):
+        from allreduce_param.store import BlockKey, BlockKind
+
+        p.init(np.zeros(p.layout.size, np.float32))
+        g = p.gradient_buffer()
+        assert g is p.gradient_buffer() and g.dtype == np.float32 and g.shape == (p.layout.size,)
+        seen = []
+        for step in range(steps):
+            p.get_weights()
+            np.multiply(grads[p.partition_id], np.float32(step + 1), out=g)
+            p.put_gradients(g, count=counts[p.partition_id])
+            peer = (p.partition_id + 1) % p.partition_num
+            _, kept = p._peers.store.get(BlockKey(BlockKind.GRADIENT, p.partition_id, peer, 0), step, 1.0)
+            mean = p.aggregate_gradient_partition().copy()
+            p.weight_partition[:] -= LR * mean
+            p.send_weight_partition()
+            seen.append((mean, kept))
+        return seen, p.get_weights().copy()
+
+    return body
+
+
+@pytest.mark.parametrize("transport", [dict(), dict(shared_memory=False), dict(unix_sockets=False)])
+def test_a_gradient_in_the_engines_buffer_is_published_where_it_lies_and_exact(transport):
+    """``put_gradients(p.gradient_buffer())`` copies nothing (the store keeps a view of the
+    buffer itself), over shared memory, Unix sockets and TCP, and the steps stay exact."""
+    size, partitions = 1_100_003, 3  # three parts per chunk
+    _, grads, counts = make_data(size, partitions, seed=5)
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, **transport)
+    results = raise_first(run_partitions(param, in_place_steps(grads, counts)))
+    weights = np.zeros(size, np.float32)
+    for step in range(3):
+        mean, weights = reference_step(weights, [g * np.float32(step + 1) for g in grads], counts)
+        for partition_id, (seen, final) in enumerate(results):
+            got, kept = seen[step]
+            assert np.array_equal(got, mean[param.layout.bounds(partition_id)])
+            assert type(kept).__name__ == "SplitBlock", "the gradient was copied into the store"
+    for seen, final in results:
+        assert np.array_equal(final, weights)
+
+
+@pytest.mark.parametrize("codec, strategy", [("bf16", None), ("raw", "asp")])
+def test_the_engines_gradient_buffer_is_copied_where_it_cannot_be_published_in_place(codec, strategy):
+    """A lossy codec encodes, and a background owner reads gradients while the next is
+    computed: there the buffer is copied at put, like any vector, and stays writable."""
+    from allreduce_param import Strategy
+
+    def body(p):
+        p.init(np.zeros(p.layout.size, np.float32))
+        g = p.gradient_buffer()
+        means = []  # every mean gradient an update applied
+        if strategy:
+            p.serve_updates(lambda gradient, weights, step: means.append(gradient.copy()), steps=2)
+        for _ in range(2):
+            p.get_weights()
+            g[:] = 1.0
+            p.put_gradients(g, count=1.0)
+            g[:] = -1.0  # the put took a copy: this must not reach anyone
+            if not strategy:
+                means.append(p.aggregate_gradient_partition().copy())
+                p.send_weight_partition()
+        if strategy:
+            p.finish_updates()
+        return means
+
+    param = AllReduceParameter(2, 1000, codec=codec, timeout=60,
+                               strategy=Strategy(strategy) if strategy else None)
+    for means in raise_first(run_partitions(param, body)):
+        assert means and all(np.array_equal(mean, np.ones(500, np.float32)) for mean in means)
+
+
+def test_the_engines_gradient_buffer_is_read_only_while_peers_read_it():
+    """After a put in place peers read the buffer until the next ``get_weights``: writing
+    it meanwhile is refused, not silently sent half-changed."""
+    def body(p):
+        p.init(np.zeros(p.layout.size, np.float32))
+        g = p.gradient_buffer()
+        p.get_weights()
+        g[:] = 1.0
+        p.put_gradients(g)
+        with pytest.raises(ValueError, match="read-only"):
+            g[0] = 2.0
+        p.weight_partition[:] -= p.aggregate_gradient_partition()
+        p.send_weight_partition()
+        with pytest.raises(ValueError, match="read-only"):
+            g[0] = 2.0
+        p.get_weights()
+        g[0] = 2.0  # every peer has summed it
+        return float(g[0])
+
+    assert raise_first(run_partitions(AllReduceParameter(2, 100, codec="raw", timeout=60), body)) == [2.0, 2.0]

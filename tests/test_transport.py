@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from allreduce_param import AllReduceParameter, AuthenticationError, ProtocolError
-from allreduce_param.store import BlockKey, BlockKind, BlockStore
+from allreduce_param.store import BlockKey, BlockKind, BlockStore, SplitBlock
 from allreduce_param.transport import MAGIC, NONCE_SIZE, BlockServer, PeerClient
 from conftest import raise_first, run_partitions
 
@@ -210,11 +210,11 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
     tcp = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
     try:
         _, view = local.fetch(KEY, 0, 100, None, shared=True)
-        assert bytes(view) == b"first" and len(local._mappings._maps) == 1
-        assert bytes(local.fetch(other, 0, 100, None, shared=True)[1]) == b"second"  # at its offset
+        assert joined(view) == b"first" and len(local._mappings._maps) == 1
+        assert joined(local.fetch(other, 0, 100, None, shared=True)[1]) == b"second"  # at its offset
         first[:5] = b"again"  # the owner writes its next version in place
         store.put(KEY, 1, first[:5])
-        assert bytes(local.fetch(KEY, 1, 100, None, shared=True)[1]) == b"again"
+        assert joined(local.fetch(KEY, 1, 100, None, shared=True)[1]) == b"again"
         assert len(local._mappings._maps) == 1 and arenas.count == 1  # one descriptor, passed once
         # over TCP no descriptor can travel: the same request gets the bytes
         assert bytes(tcp.fetch(KEY, 1, 100, memoryview(bytearray(100)), shared=True)[1]) == b"again"
@@ -224,6 +224,51 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
         local.close()
         tcp.close()
         served.close()
+        arenas.close()
+
+
+def joined(block) -> bytes:
+    """A fetched block's bytes, read in one piece or in place as a header and a payload."""
+    return bytes(block.header) + bytes(block.payload) if isinstance(block, SplitBlock) else bytes(block)
+
+
+def test_a_block_whose_header_and_payload_lie_apart_is_served_whole():
+    """A vector published where it lies (its header in one shared segment, its payload in
+    another): a same-host peer reads both in place, getting both descriptors in one answer
+    and again on a new connection; over TCP the two travel as one block, checksummed."""
+    from allreduce_param.codec import get_codec
+    from allreduce_param.shm import SharedArenas
+
+    arenas = SharedArenas(arena_size=4096)
+    raw = get_codec("raw")
+    header_room, payload_room = arenas.buffer(64), arenas.buffer(8192)  # the second gets its own segment
+    values = np.frombuffer(payload_room, np.float32)
+    values[:] = np.arange(2048, dtype=np.float32)
+    ids = (BlockKind.GRADIENT, 0, 1, 0, 3)
+    store = BlockStore()
+    store.put(BlockKey(*ids[:4]), 3, SplitBlock(raw.encode_header(2048, count=2.0, out=header_room, ids=ids),
+                                                payload_room), buffer=header_room)
+    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2,
+                         unix=True, shared=arenas)
+    local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
+    tcp = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
+    try:
+        assert arenas.count == 2
+        for _ in range(2):
+            _, block = local.fetch(BlockKey(*ids[:4]), 3, raw.max_encoded_size(2048), None, shared=True)
+            assert isinstance(block, SplitBlock) and len(local._mappings._maps) == 2
+            header, got = raw.decode(block.header, 2048, expect=ids, checksum=False, payload=block.payload)
+            assert header.count == 2.0 and np.array_equal(got, values)
+            del block, got
+            local._drop()  # a new connection: the descriptors come again, and are not mapped twice
+        _, block = tcp.fetch(BlockKey(*ids[:4]), 3, raw.max_encoded_size(2048), None)
+        _, got = raw.decode(block, 2048, expect=ids)  # checksum verified: sealed over both pieces
+        assert np.array_equal(got, values)
+    finally:
+        local.close()
+        tcp.close()
+        served.close()
+        del values
         arenas.close()
 
 
