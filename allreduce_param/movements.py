@@ -214,6 +214,34 @@ class Movements:
             raise failure
         return total
 
+    def allreduce(self, version: int, vector: np.ndarray, mean: bool) -> np.ndarray:
+        """``version`` of an allreduce: every partition's ``vector`` summed (with ``mean``,
+        divided by the partition count), through the codec: scatter, reduce, publish the
+        reduced slice, gather."""
+        layout = SliceLayout(vector.size, self.partition_num)
+        self.scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0)
+        reduced = np.empty(layout.length(self.partition_id), dtype=np.float32)
+        self.reduce(BlockKind.REDUCE_INPUT, version, layout, reduced,
+                    divisor=(lambda total: self.partition_num) if mean else None)
+        self.publish(BlockKind.REDUCE_OUTPUT, version, reduced)
+        out = np.empty(vector.size, dtype=np.float32)
+        self.gather(BlockKind.REDUCE_OUTPUT, WeightRead(version, exact=True), layout, out)
+        return out
+
+    def allreduce_exact(self, version: int, vector: np.ndarray) -> np.ndarray:
+        """``version`` of an exact allreduce: every partition's float64 ``vector`` reaches
+        every partition as its bytes (raw), and is summed in partition order in float64."""
+        bits = vector.view(np.float32)  # carried as its bytes: the raw codec copies, never rounds
+        self.publish(BlockKind.METADATA, version, bits)
+        everyone = SliceLayout(bits.size * self.partition_num, self.partition_num)
+        gathered = np.empty(everyone.size, dtype=np.float32)
+        self.gather(BlockKind.METADATA, WeightRead(version, exact=True), everyone, gathered)
+        rows = gathered.view(np.float64).reshape(self.partition_num, vector.size)
+        total = rows[0].copy()
+        for row in rows[1:]:
+            total += row
+        return total
+
     def gather(self, kind: int, read: WeightRead, layout: SliceLayout, out: np.ndarray) -> int:
         """Fetch every owner's slice into its place in ``out``; the lowest version taken.
 

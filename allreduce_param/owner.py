@@ -17,6 +17,7 @@ partition's store with the reason, which the partition's next call then raises.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -32,6 +33,19 @@ from .strategy import Strategy, WeightRead
 if TYPE_CHECKING:
     from .movements import Movements, NonFiniteSum
     from .peers import Channel
+
+
+@contextlib.contextmanager
+def owner_failure_first(owner: BackgroundOwner | None):
+    """A call that fails after the background ``owner`` failed raises the owner's error: the
+    root cause, which the call's own error (a store closed, a peer gone) only follows from."""
+    try:
+        yield
+    except Exception as error:
+        failure = None if owner is None else owner.error
+        if failure is not None and failure is not error:
+            raise failure from error
+        raise
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ each task calls ``connect()``, which meets the peers once and returns a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import secrets
@@ -33,6 +32,7 @@ from .codec import get_codec
 from .errors import ConfigurationError, InputError, UsageError
 from .layout import SliceLayout
 from .movements import Movements, NonFiniteSum
+from .owner import BackgroundOwner, owner_failure_first
 from .peers import PeerGroup
 from .rendezvous import BarrierRendezvous, Rendezvous
 from .store import EVERY_PARTITION, BlockKind
@@ -106,6 +106,30 @@ class AllReduceParameter:
         ``with param.connect() as p:``.
         """
         return ConnectedParameter(self, rendezvous or BarrierRendezvous())
+
+
+def float32_vector(values, size: int | None, what: str) -> np.ndarray:
+    """``values`` as a contiguous float32 vector, if it is a floating-point vector of ``size``
+    elements (None: any but none); ``InputError`` naming ``what`` otherwise."""
+    array = np.asarray(values)
+    if array.ndim != 1 or (size is not None and array.size != size) or array.size == 0:
+        expected = f"a 1-D vector of {size} elements" if size is not None else "a non-empty 1-D vector"
+        raise InputError(f"{what}: expected {expected}, got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.floating):
+        raise InputError(f"{what}: expected floating-point values, got dtype {array.dtype}; "
+                         "convert with .astype(np.float32)")
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def writable_output(out: np.ndarray, size: int, what: str) -> np.ndarray:
+    """``out``, if it is an array the engine may write ``size`` float32 values into."""
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (size,) \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        described = f"dtype {out.dtype}, shape {out.shape}" if isinstance(out, np.ndarray) \
+            else f"a {type(out).__name__}"
+        raise InputError(f"{what}: expected a writeable contiguous float32 array of shape ({size},), "
+                         f"got {described}")
+    return out
 
 
 def _call(method):
@@ -395,8 +419,6 @@ class ConnectedParameter:
         gradients of the steps before k (ssp, asp: its clock reached k), for each k.
         Call once, after ``init``; both callables run on the owner's thread.
         """
-        from .owner import BackgroundOwner
-
         self._require_init("serve_updates()")
         if self.strategy.inline_owner:
             raise UsageError("serve_updates() is for the strategies with a background owner; under plain "
@@ -420,17 +442,9 @@ class ConnectedParameter:
             self.allreduce_exact(np.zeros(1))  # every owner has published its last
         self._finished = True
 
-    @contextlib.contextmanager
     def _owner_failure_first(self):
-        """A call that fails after the background owner failed raises the owner's error: the
-        root cause, which the call's own error (a store closed, a peer gone) only follows from."""
-        try:
-            yield
-        except Exception as error:
-            failure = None if self._owner is None else self._owner.error
-            if failure is not None and failure is not error:
-                raise failure from error
-            raise
+        """A context in which an error raises the background owner's first, if it failed."""
+        return owner_failure_first(self._owner)
 
     @property
     def updates(self) -> list:
@@ -468,16 +482,8 @@ class ConnectedParameter:
         if op not in ("sum", "mean"):
             raise InputError(f"allreduce(op={op!r}): op must be 'sum' or 'mean'")
         vector = self._vector(values, None, "allreduce(values)")
-        layout = SliceLayout(vector.size, self.partition_num)
         version = self._versions[BlockKind.REDUCE_INPUT] = self._versions[BlockKind.REDUCE_INPUT] + 1
-        self._moves.scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0)
-        reduced = np.empty(layout.length(self.partition_id), dtype=np.float32)
-        self._moves.reduce(BlockKind.REDUCE_INPUT, version, layout, reduced,
-                           divisor=(lambda total: self.partition_num) if op == "mean" else None)
-        self._moves.publish(BlockKind.REDUCE_OUTPUT, version, reduced)
-        out = np.empty(vector.size, dtype=np.float32)
-        self._moves.gather(BlockKind.REDUCE_OUTPUT, WeightRead(version, exact=True), layout, out)
-        return out
+        return self._moves.allreduce(version, vector, mean=op == "mean")
 
     @_call
     def allreduce_exact(self, values) -> np.ndarray:
@@ -493,32 +499,15 @@ class ConnectedParameter:
             raise InputError(f"allreduce_exact(values) on partition {self.partition_id}: expected a "
                              f"non-empty 1-D vector, got shape {vector.shape}")
         version = self._versions[BlockKind.METADATA] = self._versions[BlockKind.METADATA] + 1
-        bits = vector.view(np.float32)  # carried as its bytes: the raw codec copies, never rounds
-        self._moves.publish(BlockKind.METADATA, version, bits)
-        everyone = SliceLayout(bits.size * self.partition_num, self.partition_num)
-        gathered = np.empty(everyone.size, dtype=np.float32)
-        self._moves.gather(BlockKind.METADATA, WeightRead(version, exact=True), everyone, gathered)
-        rows = gathered.view(np.float64).reshape(self.partition_num, vector.size)
-        total = rows[0].copy()
-        for row in rows[1:]:
-            total += row
-        return total
+        return self._moves.allreduce_exact(version, vector)
 
     # ---- checks --------------------------------------------------------------------------
 
     def _vector(self, values, size: int | None, what: str) -> np.ndarray:
-        array = np.asarray(values)
-        if array.ndim != 1 or (size is not None and array.size != size) or array.size == 0:
-            expected = f"a 1-D vector of {size} elements" if size is not None else "a non-empty 1-D vector"
-            raise InputError(
-                f"{what} on partition {self.partition_id}: expected {expected}, got shape {array.shape}"
-            )
-        if not np.issubdtype(array.dtype, np.floating):
-            raise InputError(
-                f"{what} on partition {self.partition_id}: expected floating-point values, got dtype "
-                f"{array.dtype}; convert with .astype(np.float32)"
-            )
-        return np.ascontiguousarray(array, dtype=np.float32)
+        return float32_vector(values, size, f"{what} on partition {self.partition_id}")
+
+    def _output(self, out: np.ndarray, size: int, what: str = "get_weights(out=)") -> np.ndarray:
+        return writable_output(out, size, f"{what} on partition {self.partition_id}")
 
     def _require_init(self, what: str) -> None:
         if self._weight is None:
@@ -529,16 +518,6 @@ class ConnectedParameter:
             raise UsageError(f"{what} is BSP's; under {self.strategy.name!r}"
                              f"{' with backup workers' if self.strategy.backup_workers else ''} the "
                              "background owner that serve_updates() starts aggregates and publishes")
-
-    def _output(self, out: np.ndarray, size: int, what: str = "get_weights(out=)") -> np.ndarray:
-        """``out``, if it is an array the engine may write ``size`` float32 values into."""
-        if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (size,) \
-                or not out.flags.c_contiguous or not out.flags.writeable:
-            described = f"dtype {out.dtype}, shape {out.shape}" if isinstance(out, np.ndarray) \
-                else f"a {type(out).__name__}"
-            raise InputError(f"{what} on partition {self.partition_id}: expected a writeable contiguous "
-                             f"float32 array of shape ({size},), got {described}")
-        return out
 
     # ---- closing -------------------------------------------------------------------------
 
