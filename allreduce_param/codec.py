@@ -46,6 +46,12 @@ The payload is a *stream* of ``length`` encoded values, optionally lz4-compresse
               For links where bytes cost more than rounding; the trainer adds error
               feedback (what was rounded off is sent with the next step's gradient). A part
               holding NaN or Inf decodes to NaN everywhere (its scale is NaN).
+``topk``      gradients only: the 1 % of values of largest magnitude, as u32 indices then
+              float32 values (8 bytes per kept value: 2 % of raw's bytes); the rest decode
+              to zero. Only with error feedback (``put_gradients(residual=)``, which the
+              trainer passes): what is not sent waits in the residual for a later step;
+              without it 99 % of every gradient would be lost. Weights need a dense codec
+              (``AllReduceParameter(codec=..., gradient_codec="topk")``).
 
 Adaptive lz4. The stream is cut into independent 1 MiB chunks, each compressed with
 ``lz4.block`` (fast mode, acceleration 1) and kept raw where it does not shrink to 90 %.
@@ -94,7 +100,7 @@ __all__ = [
 
 BytesLike = Union[bytes, bytearray, memoryview]
 
-CODECS: tuple[str, ...] = ("raw", "lz4", "bf16", "fp16", "bf16-lz4", "int8")
+CODECS: tuple[str, ...] = ("raw", "lz4", "bf16", "fp16", "bf16-lz4", "int8", "topk")
 
 MAGIC = b"AR"
 FORMAT_VERSION = 2
@@ -215,6 +221,7 @@ class _Format:
     itemsize: int
     prefix = 0  # bytes the stream starts with before the values (a per-block scale)
     passthrough = False  # the stream is the float32 bytes themselves
+    lossy = True  # decoding may give other values than were encoded
 
     def stream_size(self, length: int) -> int:
         """Bytes of the uncompressed stream of ``length`` values (none for none)."""
@@ -248,6 +255,7 @@ def _to_bf16(values: np.ndarray, out: np.ndarray) -> None:
 class _Float32(_Format):
     itemsize = 4
     passthrough = True
+    lossy = False
 
     def pack(self, values: np.ndarray, dst: np.ndarray) -> None:
         np.copyto(dst, values.view(_U8))
@@ -460,6 +468,66 @@ class _ScaledInt8(_Format):
             result *= scale
 
 
+class _TopK(_Format):
+    """The ``k = ceil(length / DIVISOR)`` values of largest magnitude, as their indices (u32,
+    increasing) then their float32 values; the others decode to zero.
+
+    Choosing them costs about one pass, not a sort: a threshold from a strided sample of
+    the magnitudes marks a few more than k candidates, and only the candidates are
+    partitioned. Where the sample misleads and marks fewer than k, the whole part is
+    partitioned, so the k kept are always the k largest. A part holding NaN or Inf keeps
+    its first k places as NaN, so the owner's check names it, never finite garbage.
+    """
+
+    itemsize = 8  # per kept value
+    lossy = True
+    DIVISOR = 100
+    _STRIDE = 97  # a prime: a sample that does not beat with periodic gradients
+    _MARGIN = 1.25  # how many more candidates than k the sampled threshold aims at
+
+    def kept(self, length: int) -> int:
+        return -(-length // self.DIVISOR)
+
+    def stream_size(self, length: int) -> int:
+        return self.itemsize * self.kept(length)
+
+    def pack(self, values: np.ndarray, dst: np.ndarray) -> None:
+        k = self.kept(values.size)
+        indices, kept = dst[:4 * k].view(_U32), dst[4 * k:].view(_F32)
+        magnitude = np.abs(values)
+        if not np.isfinite(magnitude.max()):
+            indices[:] = np.arange(k)
+            kept[:] = np.nan
+            return
+        chosen = self._largest(magnitude, k)
+        chosen.sort()
+        indices[:] = chosen
+        np.take(values, chosen, out=kept)
+
+    def _largest(self, magnitude: np.ndarray, k: int) -> np.ndarray:
+        """The indices of the ``k`` largest of ``magnitude``, in no order."""
+        sample = magnitude[::self._STRIDE]
+        rank = sample.size - min(sample.size, int(np.ceil(self._MARGIN * k * sample.size / magnitude.size)))
+        if rank > 0:
+            threshold = np.partition(sample, rank)[rank]
+            candidates = np.flatnonzero(magnitude >= threshold)
+            if candidates.size >= k:
+                if candidates.size == k:
+                    return candidates
+                return candidates[np.argpartition(magnitude[candidates], candidates.size - k)[candidates.size - k:]]
+        return np.argpartition(magnitude, magnitude.size - k)[magnitude.size - k:]
+
+    def unpack(self, pos: int, piece: BytesLike, out: np.ndarray) -> None:
+        k = self.kept(out.size)
+        stream = np.frombuffer(piece, _U8)
+        indices, kept = stream[:4 * k].view(_U32), stream[4 * k:8 * k].view(_F32)
+        if k and (indices[-1] >= out.size or (k > 1 and not (np.diff(indices.astype(np.int64)) > 0).all())):
+            raise CorruptBlockError(f"topk block: its indices are out of range or not increasing "
+                                    f"(last {indices[-1]}, {out.size} values)")
+        out[:] = 0
+        out[indices] = kept
+
+
 # --------------------------------------------------------------------------- adaptive lz4
 
 
@@ -599,8 +667,13 @@ class Codec:
 
     @property
     def lossy(self) -> bool:
-        """Whether decoding may give other values than were encoded (it rounds)."""
-        return self._format.itemsize < 4
+        """Whether decoding may give other values than were encoded (it rounds or drops)."""
+        return self._format.lossy
+
+    @property
+    def sparse(self) -> bool:
+        """Whether it keeps only some values: for gradients with error feedback, never weights."""
+        return isinstance(self._format, _TopK)
 
     def max_encoded_size(self, length: int) -> int:
         """Upper bound of ``HEADER_SIZE`` + payload for ``length`` elements.
@@ -840,6 +913,7 @@ _REGISTRY: dict[str, Codec] = {
     "fp16": Codec("fp16", _Float16(), compressed=False),
     "bf16-lz4": Codec("bf16-lz4", _ShuffledBFloat16(), compressed=True),
     "int8": Codec("int8", _ScaledInt8(), compressed=False),
+    "topk": Codec("topk", _TopK(), compressed=False),
 }
 
 

@@ -11,7 +11,8 @@ k+1, and the receiver sums part k while part k+1 is on the wire. Each element is
 in partition order. What a part's sum needs next (the divide into a mean, the check for
 NaN/Inf) is done on that part while it is in cache, not in a pass of its own.
 
-Each kind of block has one codec: weights, gradients and allreduce blocks the parameter's;
+Each kind of block has one codec: weights and allreduce blocks the parameter's, gradients
+the parameter's gradient codec (the same unless it says otherwise);
 the small blocks (metadata, step choices, signals) raw, so they are exact whatever it is.
 """
 
@@ -89,14 +90,16 @@ class NonFiniteSum:
 
 class Movements:
     """One partition's movements of blocks through its ``PeerGroup``, with ``codec`` for the
-    big blocks (weights, gradients, allreduce) and raw for the small exact ones."""
+    big blocks (weights, allreduce), ``gradient_codec`` (default: ``codec``) for gradients,
+    and raw for the small exact ones."""
 
-    def __init__(self, peers: PeerGroup, codec: Codec) -> None:
+    def __init__(self, peers: PeerGroup, codec: Codec, gradient_codec: Codec | None = None) -> None:
         self.peers = peers
         self.partition_id = peers.partition_id
         self.partition_num = peers.partition_num
         raw = get_codec("raw")
         self.codecs = {kind: raw if kind in EXACT_KINDS else codec for kind in BlockKind.NAMES}
+        self.codecs[BlockKind.GRADIENT] = gradient_codec or codec
         self._rounded = np.empty(PART_LENGTH, dtype=np.float32)  # error feedback: a part as sent
 
     def publish(self, kind: int, version: int, values: np.ndarray, destination: int = EVERY_PARTITION,

@@ -51,6 +51,8 @@ class AllReduceParameter:
     faster than loopback TCP; cross-host peers always use TCP. ``shared_memory`` (with
     Unix sockets) lets such peers read each other's blocks in place from shared memory.
     ``strategy`` says how the partitions synchronise (``Strategy``; default BSP).
+    ``gradient_codec``: another codec for the gradients than ``codec`` (which then carries
+    the weights and ``allreduce``), such as ``"topk"``, which only gradients can take.
     """
 
     def __init__(
@@ -66,16 +68,23 @@ class AllReduceParameter:
         shared_memory: bool = True,
         param_id: int | None = None,
         strategy: Strategy | None = None,
+        gradient_codec: str | None = None,
     ) -> None:
         self.layout = SliceLayout(size, partition_num)
         self.strategy = strategy or Strategy()
         self.strategy.check_partitions(partition_num)
-        get_codec(codec)  # an unknown codec fails here, on the driver, not in every task
+        # an unknown codec fails here, on the driver, not in every task
+        if get_codec(codec).sparse:
+            raise ConfigurationError(
+                f"codec={codec!r} keeps only some values: it is for gradients with error feedback, "
+                f"not for weights; pass codec='int8' (or 'bf16', 'raw'), gradient_codec={codec!r}")
+        get_codec(gradient_codec or codec)
         if not timeout > 0:
             raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if fetch_threads is not None and fetch_threads < 1:
             raise ConfigurationError(f"fetch_threads must be at least 1, got {fetch_threads!r}")
         self.codec = codec
+        self.gradient_codec = gradient_codec or codec
         self.timeout = float(timeout)
         self.fetch_threads = fetch_threads
         self.allow_nonfinite = allow_nonfinite
@@ -95,8 +104,9 @@ class AllReduceParameter:
         return self.layout.partition_num
 
     def __repr__(self) -> str:
+        gradients = "" if self.gradient_codec == self.codec else f", gradient_codec={self.gradient_codec!r}"
         return (f"AllReduceParameter(partition_num={self.partition_num}, size={self.size}, "
-                f"codec={self.codec!r}, strategy={self.strategy.name!r}, param_id={self.param_id})")
+                f"codec={self.codec!r}{gradients}, strategy={self.strategy.name!r}, param_id={self.param_id})")
 
     def connect(self, rendezvous: Rendezvous | None = None) -> ConnectedParameter:
         """Inside a task: start serving, meet the peers, and return this partition's handle.
@@ -196,7 +206,7 @@ class ConnectedParameter:
         self._finished = False
         self._failure: BaseException | None = None  # what made a call fail partway
         self._peers = PeerGroup(param, rendezvous)
-        self._moves = Movements(self._peers, get_codec(param.codec))
+        self._moves = Movements(self._peers, get_codec(param.codec), get_codec(param.gradient_codec))
 
     @property
     def _closed(self) -> bool:

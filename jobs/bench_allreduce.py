@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from allreduce_param import CODECS, AllReduceParameter
+from allreduce_param.codec import get_codec
 from allreduce_param.session import java_problem, local_spark
 
 import baselines  # jobs/baselines.py, beside this file
@@ -60,6 +61,8 @@ if __name__ != "__main__":  # imported (bench_growth.py): the executors cannot i
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+#: The codecs that can carry weights (topk keeps only some values: gradients only).
+DENSE_CODECS = tuple(name for name in CODECS if not get_codec(name).sparse)
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 PHASES = ("get", "put", "aggregate", "update", "send")
 #: How same-host partitions reach each other: AllReduceParameter settings per name.
@@ -99,6 +102,8 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
                 weights *= np.float32(1e-3)
                 p.init(weights)
                 del weights
+                # error feedback, as the README asks of a lossy gradient codec (the trainer's way)
+                residual = np.zeros(param.size, np.float32) if get_codec(param.gradient_codec).lossy else None
                 for loop in loops:
                     timings = np.zeros((warmup + steps, len(PHASES)))
                     weights = np.empty(param.size, np.float32) if loop == "tuned" else None
@@ -109,7 +114,7 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
                         else:
                             w = p.get_weights(out=weights)
                         t1 = time.perf_counter()
-                        p.put_gradients(gradient, count=1.0)
+                        p.put_gradients(gradient, count=1.0, residual=residual)
                         t2 = time.perf_counter()
                         g = p.aggregate_gradient_partition()
                         t3 = time.perf_counter()
@@ -123,11 +128,16 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
                         t5 = time.perf_counter()
                         timings[step] = np.diff((t0, t1, t2, t3, t4, t5))
                     del w, weights
-                    report.append((param.size, param.codec, transport_of(param), loop, timings[warmup:] * 1000.0))
+                    report.append((param.size, codec_of(param), transport_of(param), loop, timings[warmup:] * 1000.0))
                 del gradient
         yield report
 
     return task
+
+
+def codec_of(param: AllReduceParameter) -> str:
+    """The codec as ``--codecs`` names it: ``int8``, or ``int8+topk`` with a gradient codec of its own."""
+    return param.codec if param.gradient_codec == param.codec else f"{param.codec}+{param.gradient_codec}"
 
 
 def transport_of(param: AllReduceParameter) -> str:
@@ -153,7 +163,7 @@ def alternate(spark, partitions: int, params: list[AllReduceParameter], loops: l
     medians])`` per round, and ``gloo_ms``: size -> one median ms per round (empty lists
     without gloo), for :func:`engine_row` and :func:`gloo_row`.
     """
-    configs = [(param.size, param.codec, transport_of(param), loop) for param in params for loop in loops]
+    configs = [(param.size, codec_of(param), transport_of(param), loop) for param in params for loop in loops]
     rdd = spark.sparkContext.parallelize(range(partitions), partitions)
     task = engine_task(params, loops, steps, warmup, sparse)
     engine = {config: [] for config in configs}
@@ -307,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
     parser.add_argument("--sizes", default="10000,1000000,10000000",
                         help="float32 elements, comma-separated (10K, 1M accepted)")
-    parser.add_argument("--codecs", default=",".join(CODECS), help=f"of {', '.join(CODECS)}")
+    parser.add_argument("--codecs", default=",".join(DENSE_CODECS),
+                        help=f"of {', '.join(DENSE_CODECS)}; WEIGHTS+GRADIENTS (e.g. int8+topk) for a "
+                             "gradient codec of its own")
     parser.add_argument("--loops", default="readme", help=f"the user's step, of {', '.join(LOOPS)}")
     parser.add_argument("--rounds", type=int, default=5,
                         help="alternating rounds (engine, gloo, engine, ...); the ratio is their median")
@@ -337,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = parse_sizes(args.sizes)
     codecs, loops, transports = args.codecs.split(","), args.loops.split(","), args.transports.split(",")
-    for name, chosen, known in (("loop", loops, LOOPS), ("codec", codecs, CODECS), ("transport", transports, TRANSPORTS)):
+    named = [part for codec in codecs for part in codec.split("+", 1)]
+    for name, chosen, known in (("loop", loops, LOOPS), ("codec", named, CODECS), ("transport", transports, TRANSPORTS)):
         if set(chosen) - set(known):
             parser.error(f"unknown {name} {sorted(set(chosen) - set(known))}: choose of {', '.join(known)}")
     link = args.inside_link or HOST
@@ -358,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         elif args.results:
             print("link: host (no namespace, no limit)", flush=True)
-        params = [AllReduceParameter(partitions, size, codec=codec, timeout=300, **TRANSPORTS[transport])
+        params = [AllReduceParameter(partitions, size, codec=codec.split("+")[0], gradient_codec=codec.split("+")[-1],
+                                     timeout=300, **TRANSPORTS[transport])
                   for size in sizes for codec in codecs for transport in transports]
         engine, gloo = alternate(spark, partitions, params, loops, rounds=args.rounds, steps=args.steps,
                                  warmup=args.warmup, sparse=args.data == "sparse", gloo=gloo_installed)

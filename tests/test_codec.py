@@ -606,7 +606,8 @@ def test_get_codec():
 @pytest.mark.parametrize("name", CODECS)
 def test_max_encoded_size(name):
     codec = get_codec(name)
-    per, prefix = (4, 0) if name in EXACT else (1, 4) if name == "int8" else (2, 0)
+    per, prefix = (4, 0) if name in EXACT else (1, 4) if name == "int8" else (8 / 100, 0) if name == "topk" \
+        else (2, 0)
     assert codec.max_encoded_size(0) == HEADER_SIZE
     assert codec.max_encoded_size(1000) == HEADER_SIZE + prefix + per * 1000
     for kind in ("normal", "zeros", "nonfinite"):
@@ -629,6 +630,7 @@ def test_codecs_are_safe_to_share_between_threads():
             ok = header.count == seed and (
                 np.array_equal(bits(y) >> 16, expected) if expected is not None
                 else np.abs(y - x).max() <= np.abs(x).max() / 254 * (1 + 1e-5) if name == "int8"
+                else np.array_equal(y, topk_reference(x)) if name == "topk"
                 else np.allclose(y, x, rtol=2.0**-11, atol=2.0**-24)
             )
             del y
@@ -699,7 +701,88 @@ def test_int8_block_with_nan_or_inf_decodes_to_nan_everywhere(bad):
 
 def test_int8_is_lossy_and_the_exact_codecs_are_not():
     assert {name: get_codec(name).lossy for name in CODECS} == {
-        "raw": False, "lz4": False, "bf16": True, "fp16": True, "bf16-lz4": True, "int8": True}
+        "raw": False, "lz4": False, "bf16": True, "fp16": True, "bf16-lz4": True, "int8": True, "topk": True}
+    assert [name for name in CODECS if get_codec(name).sparse] == ["topk"]
+    assert [name for name in CODECS if get_codec(name).publishes_in_place] == ["raw"]
+
+
+def topk_reference(x: np.ndarray) -> np.ndarray:
+    """What topk must decode to: the ceil(n / 100) values of largest magnitude (by a full
+    argpartition, so ties may pick others: callers use data without ties at the edge), zeros
+    elsewhere."""
+    k = -(-x.size // 100)
+    keep = np.argpartition(np.abs(x), x.size - k)[x.size - k:]
+    out = np.zeros_like(x)
+    out[keep] = x[keep]
+    return out
+
+
+@pytest.mark.parametrize("length", [1, 99, 100, 101, 7919, 1 << 19])
+def test_topk_keeps_exactly_the_largest_magnitudes(length):
+    x = make("normal", length, seed=length)
+    block = get_codec("topk").encode(x)
+    k = -(-length // 100)
+    assert len(block) == HEADER_SIZE + 8 * k == get_codec("topk").max_encoded_size(length)
+    _, y = get_codec("topk").decode(block, length)
+    assert np.array_equal(y, topk_reference(x))
+    kept = y != 0
+    assert kept.sum() == k
+    assert np.array_equal((x - y)[kept], np.zeros(k, np.float32))  # error feedback: nothing of these is left
+    assert np.array_equal((x - y)[~kept], x[~kept])  # and all of the others waits for the next step
+
+
+def test_topk_is_exact_where_the_sample_misleads():
+    """Large values only where the strided sample never looks: the sampled threshold marks
+    too few, and the whole part is partitioned instead."""
+    x = np.full(100_000, 1e-3, np.float32)
+    x[::97] = 0.0  # what the sample sees: nothing
+    spots = np.arange(5, 100_000, 97)[:1000]
+    x[spots] = np.linspace(1.0, 2.0, spots.size, dtype=np.float32)
+    _, y = get_codec("topk").decode(get_codec("topk").encode(x), x.size)
+    assert np.array_equal(np.flatnonzero(y), np.sort(spots)) and np.array_equal(y[spots], x[spots])
+
+
+def test_topk_with_many_ties_keeps_k_of_the_largest():
+    x = np.zeros(10_000, np.float32)
+    x[:300] = 5.0  # 300 tie for 100 places
+    _, y = get_codec("topk").decode(get_codec("topk").encode(x), x.size)
+    assert (y == 5.0).sum() == 100 and (y[300:] == 0).all()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_topk_part_with_nonfinite_values_decodes_to_nan(bad):
+    x = make("normal", 1000)
+    x[777] = bad
+    _, y = get_codec("topk").decode(get_codec("topk").encode(x, checksum=True), 1000, checksum=True)
+    assert np.isnan(y).any()
+
+
+@pytest.mark.parametrize("tamper", ["out of range", "repeated"])
+def test_topk_block_with_bad_indices_is_refused(tamper):
+    codec = get_codec("topk")
+    block = bytearray(codec.encode(make("normal", 1000), checksum=False))
+    indices = np.frombuffer(block, np.uint32, 10, HEADER_SIZE)
+    if tamper == "out of range":
+        indices[9] = 1000
+    else:
+        indices[4] = indices[3]
+    with pytest.raises(CorruptBlockError, match="indices are out of range or not increasing"):
+        codec.decode(block, 1000, checksum=False)
+
+
+def test_a_header_without_its_payload_is_refused_and_raw_alone_publishes_in_place():
+    raw = get_codec("raw")
+    values = make("normal", 100)
+    header = raw.encode_header(100, count=3.0, ids=(2, 0, 1, 0, 7))
+    Codec.seal(header, values)
+    got, y = raw.decode(header, 100, expect=(2, 0, 1, 0, 7), payload=values)
+    assert got.count == 3.0 and np.array_equal(y, values)
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        raw.decode(header, 100, payload=values[:99])
+    with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+        raw.decode(header, 100, payload=values * 2)
+    with pytest.raises(UsageError, match="only raw blocks can be published in place"):
+        get_codec("lz4").encode_header(100)
 
 
 def test_int8_truncated_block_is_refused():

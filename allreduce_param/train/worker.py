@@ -202,7 +202,7 @@ class _Fit:
         self._earlier_updates: list[list[float]] = []  # backup workers: the owner's, before a resume
         self.weights = np.empty(job.param.size, dtype=np.float32)
         # error feedback: what a lossy codec rounded off this partition's gradients, sent next time
-        self._residual = np.zeros(job.param.size, dtype=np.float32) if get_codec(job.param.codec).lossy else None
+        self._residual = np.zeros(job.param.size, dtype=np.float32) if get_codec(job.param.gradient_codec).lossy else None
         self.state: dict[str, np.ndarray] = {}  # the optimizer's: of the own slice, or with local SGD the whole model's
         self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
         self._report = job.reporter.send if job.reporter is not None else (lambda kind, **fields: None)
