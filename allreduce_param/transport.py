@@ -479,6 +479,7 @@ class PeerClient:
         self._lock = threading.Lock()
         self._mappings = SharedMappings()
         self._pending_fds: list[int] = []  # descriptors that came with a response head
+        self._passed_here: set[int] = set()  # segments whose descriptor this connection brought
         self._aborted = False  # this partition is shutting down: no new connection
 
     @property
@@ -631,21 +632,20 @@ class PeerClient:
         _recv_exactly(sock, memoryview(tail))
         header_segment, header_offset, header_length, payload_segment, payload_offset = _SHARED_PLACE.unpack(tail)
         fds, self._pending_fds = self._pending_fds, []
-        segments = list(dict.fromkeys((header_segment, payload_segment)))
-        # the server passes, in this order, those it has not passed on this connection; an
-        # earlier connection may have passed one already
-        missing = [segment for segment in segments if segment not in self._mappings]
-        passed = segments if len(fds) == len(segments) else missing[:len(fds)]
-        for segment, fd in zip(passed, fds):
-            if segment in self._mappings:
+        # the server passes each segment's descriptor once per connection, the header's first
+        fresh = [segment for segment in dict.fromkeys((header_segment, payload_segment))
+                 if segment not in self._passed_here]
+        if len(fds) != len(fresh):
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"{self._peer_text} passed {len(fds)} descriptors with {what}, which lies in "
+                                f"shared segments {fresh} not passed on this connection yet")
+        for segment, fd in zip(fresh, fds):
+            self._passed_here.add(segment)
+            if segment in self._mappings:  # mapped from an earlier connection
                 os.close(fd)
             else:
                 self._mappings.add(segment, fd)
-        for fd in fds[len(passed):]:
-            os.close(fd)
-        if any(segment not in self._mappings for segment in segments):
-            raise ProtocolError(f"{self._peer_text} pointed at shared segments {segments} for {what} "
-                                "without ever passing them")
         if header_length > length:
             raise ProtocolError(f"{self._peer_text} said {what} has a {header_length}-byte header "
                                 f"in a {length}-byte block")
@@ -704,6 +704,7 @@ class PeerClient:
         for fd in self._pending_fds:
             os.close(fd)
         self._pending_fds = []
+        self._passed_here = set()
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -272,6 +272,23 @@ def test_a_block_whose_header_and_payload_lie_apart_is_served_whole():
         arenas.close()
 
 
+def test_a_shared_answer_naming_a_segment_never_passed_is_refused():
+    """A peer that points at shared memory whose descriptor it never passed on this
+    connection gets a ProtocolError naming the segment, and no descriptor is left open."""
+    from allreduce_param.transport import _SHARED_PLACE
+
+    peer = PeerClient(("127.0.0.1", 9), SECRET, 5, 1, 0, timeout=5)
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(_SHARED_PLACE.pack(99, 0, 64, 99, 64))
+        with pytest.raises(ProtocolError, match=r"passed 0 descriptors with .*shared segments \[99\]"):
+            peer._shared_view(ours, 128, "gradient block from partition 0 to partition 1, version 0")
+    finally:
+        ours.close()
+        theirs.close()
+        peer.close()
+
+
 def test_a_client_cut_off_for_shutting_down_opens_no_new_connection():
     from allreduce_param import StoreClosedError
 
