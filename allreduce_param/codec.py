@@ -32,7 +32,8 @@ which releases the GIL); a reader verifies it wherever the bytes crossed a socke
 read in place never left this host's memory, so there the version check after use stands
 in for the checksum's extra pass over the bytes.
 
-The payload is a *stream* of ``length`` encoded values, optionally lz4-compressed:
+The payload is a *stream* of ``length`` encoded values (``topk``: of those it keeps),
+optionally lz4-compressed:
 
 ``raw``       float32 bytes. Exact; decodes to a zero-copy view of the block.
 ``lz4``       the float32 stream, adaptively lz4-compressed (see below). Exact.
@@ -46,12 +47,14 @@ The payload is a *stream* of ``length`` encoded values, optionally lz4-compresse
               For links where bytes cost more than rounding; the trainer adds error
               feedback (what was rounded off is sent with the next step's gradient). A part
               holding NaN or Inf decodes to NaN everywhere (its scale is NaN).
-``topk``      gradients only: the 1 % of values of largest magnitude, as u32 indices then
-              float32 values (8 bytes per kept value: 2 % of raw's bytes); the rest decode
-              to zero. Only with error feedback (``put_gradients(residual=)``, which the
-              trainer passes): what is not sent waits in the residual for a later step;
-              without it 99 % of every gradient would be lost. Weights need a dense codec
-              (``AllReduceParameter(codec=..., gradient_codec="topk")``).
+``topk``      gradients only: the ceil(length / 100) values of largest magnitude, as u32
+              indices (increasing), then their float32 values: 8 bytes per kept value, 2 %
+              of raw's bytes; the others decode to zero. Only with error feedback
+              (``put_gradients(residual=)``, which the trainer passes): what is not sent
+              waits in the residual for a later step; without it 99 % of each step's
+              gradient would be lost. Weights need a dense codec
+              (``AllReduceParameter(codec=..., gradient_codec="topk")``). A part holding NaN
+              or Inf decodes to NaN at its first ceil(length / 100) places.
 
 Adaptive lz4. The stream is cut into independent 1 MiB chunks, each compressed with
 ``lz4.block`` (fast mode, acceleration 1) and kept raw where it does not shrink to 90 %.
@@ -76,8 +79,10 @@ temporaries. Nothing loops over elements in Python.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Union
@@ -242,6 +247,18 @@ def _pieces(length: int) -> Iterator[tuple[int, int]]:
     """(start, stop) of the cache-sized pieces of ``length`` elements."""
     for start in range(0, length, _PIECE):
         yield start, min(start + _PIECE, length)
+
+
+class _Workspace(threading.local):
+    """One thread's reusable cache-sized temporaries: a fresh array of this size costs page
+    faults each time it is allocated, which can take longer than the numpy work on it."""
+
+    def __init__(self) -> None:
+        self.magnitude = np.empty(_PIECE, _F32)
+        self.mask = np.empty(_PIECE, np.bool_)
+
+
+_WORKSPACE = _Workspace()
 
 
 def _to_bf16(values: np.ndarray, out: np.ndarray) -> None:
@@ -469,61 +486,129 @@ class _ScaledInt8(_Format):
 
 
 class _TopK(_Format):
-    """The ``k = ceil(length / DIVISOR)`` values of largest magnitude, as their indices (u32,
-    increasing) then their float32 values; the others decode to zero.
+    """The k = ceil(length / DENSITY) values of largest magnitude (ties: any of them), as
+    k u32 indices, strictly increasing, then their k float32 values; the others decode to 0.
 
-    Choosing them costs about one pass, not a sort: a threshold from a strided sample of
-    the magnitudes marks a few more than k candidates, and only the candidates are
-    partitioned. Where the sample misleads and marks fewer than k, the whole part is
-    partitioned, so the k kept are always the k largest. A part holding NaN or Inf keeps
-    its first k places as NaN, so the owner's check names it, never finite garbage.
+    Choosing them takes one pass over the part, not a partition of it (many times dearer).
+    A threshold is taken from a strided sample of the magnitudes: if fewer than ``rank``
+    sampled values are among the k largest, all k largest exceed the sample's rank-th
+    largest. How many are among them is about binomial (mean ``expected``, the sample's
+    share of k), so a rank four standard deviations above the mean misleads at most about
+    one part in 10**4 (unless the layout beats with the stride), for some 60 % more
+    candidates than k in a part of 2**19 values; a rank for 25 % more would mislead about
+    one part in 30 there, each costing a partition of the whole part. The pass keeps the
+    candidates, the values above the threshold, and only they are partitioned to keep k.
+    Fewer than k candidates: values equal to the threshold (zeros, mostly) take the places
+    left, and if even those are too few (a misleading sample), the whole part is
+    partitioned. The kept are always k largest.
+
+    A part holding NaN or Inf is written as NaN at its first k places, so it decodes to NaN
+    there and the owner's check names it, never to finite garbage.
+
+    The stream has no fixed size per value and is never lz4-chunked: ``unpack`` always gets
+    the whole stream (``pos`` 0). It refuses indices out of range or not increasing.
     """
 
-    itemsize = 8  # per kept value
-    lossy = True
-    DIVISOR = 100
-    _STRIDE = 97  # a prime: a sample that does not beat with periodic gradients
-    _MARGIN = 1.25  # how many more candidates than k the sampled threshold aims at
+    DENSITY = 100  # one value kept per DENSITY, rounded up
+    _STRIDE = 97  # every 97th magnitude is sampled: a prime, so as not to beat with layouts
+    _SIGMAS = 4  # the threshold's rank above the expected one, in standard deviations
+    _MAX_LENGTH = 1 << 32  # the indices are u32
 
     def kept(self, length: int) -> int:
-        return -(-length // self.DIVISOR)
+        """k: how many of ``length`` values a block keeps."""
+        return -(-length // self.DENSITY)
 
     def stream_size(self, length: int) -> int:
-        return self.itemsize * self.kept(length)
+        return 8 * self.kept(length)
 
     def pack(self, values: np.ndarray, dst: np.ndarray) -> None:
+        if values.size > self._MAX_LENGTH:
+            raise CodecOverflowError(
+                f"topk indexes a block with u32: {values.size} values are more than it can hold "
+                f"({self._MAX_LENGTH}); split the vector into smaller blocks"
+            )
         k = self.kept(values.size)
-        indices, kept = dst[:4 * k].view(_U32), dst[4 * k:].view(_F32)
-        magnitude = np.abs(values)
-        if not np.isfinite(magnitude.max()):
+        indices, kept = dst[: 4 * k].view(_U32), dst[4 * k :].view(_F32)
+        threshold = self._threshold(values, k)
+        candidates, magnitudes, largest = self._above(values, threshold)
+        if not np.isfinite(largest):  # NaN or Inf: NaN wherever the block decodes
             indices[:] = np.arange(k)
             kept[:] = np.nan
             return
-        chosen = self._largest(magnitude, k)
-        chosen.sort()
-        indices[:] = chosen
-        np.take(values, chosen, out=kept)
+        if candidates.size >= k:
+            chosen = candidates[self._select(magnitudes, k)]
+        else:
+            chosen = self._with_ties(values, candidates, threshold, k)
+        np.copyto(indices, chosen, casting="unsafe")
+        kept[:] = values[chosen]
 
-    def _largest(self, magnitude: np.ndarray, k: int) -> np.ndarray:
-        """The indices of the ``k`` largest of ``magnitude``, in no order."""
-        sample = magnitude[::self._STRIDE]
-        rank = sample.size - min(sample.size, int(np.ceil(self._MARGIN * k * sample.size / magnitude.size)))
-        if rank > 0:
-            threshold = np.partition(sample, rank)[rank]
-            candidates = np.flatnonzero(magnitude >= threshold)
-            if candidates.size >= k:
-                if candidates.size == k:
-                    return candidates
-                return candidates[np.argpartition(magnitude[candidates], candidates.size - k)[candidates.size - k:]]
-        return np.argpartition(magnitude, magnitude.size - k)[magnitude.size - k:]
+    def _threshold(self, values: np.ndarray, k: int) -> np.float32:
+        """A sampled magnitude that somewhat more than k of ``values`` exceed (see the class)."""
+        sample = np.abs(values[:: self._STRIDE])
+        expected = k * sample.size / values.size  # sampled values among the k largest
+        rank = min(sample.size, math.ceil(expected + self._SIGMAS * math.sqrt(expected)) + 1)
+        # without the zeros: np.partition slows down many times on a sample of mostly equal
+        # values, such as a sparse gradient's zeros
+        sample = sample[sample > 0]
+        if sample.size < rank:
+            return np.float32(0)
+        return np.partition(sample, sample.size - rank)[sample.size - rank]
+
+    @staticmethod
+    def _above(values: np.ndarray, threshold: np.float32) -> tuple[np.ndarray, np.ndarray, np.float32]:
+        """The indices of the values whose magnitude exceeds ``threshold`` (increasing), those
+        magnitudes, and the largest magnitude (NaN if any is NaN): one pass, in cache."""
+        work = _WORKSPACE
+        found, magnitudes = [], []
+        largest = np.float32(0)
+        for start, stop in _pieces(values.size):
+            magnitude = np.abs(values[start:stop], out=work.magnitude[: stop - start])
+            largest = np.maximum(largest, magnitude.max())  # np.maximum keeps a NaN
+            hits = np.flatnonzero(np.greater(magnitude, threshold, out=work.mask[: stop - start]))
+            magnitudes.append(magnitude[hits])
+            hits += start
+            found.append(hits)
+        return np.concatenate(found), np.concatenate(magnitudes), largest
+
+    def _with_ties(self, values: np.ndarray, candidates: np.ndarray, threshold: np.float32,
+                   k: int) -> np.ndarray:
+        """The k largest where fewer than k exceed ``threshold``: all of those, and values
+        equal to it for the places left, or, if these are too few, by a partition of all."""
+        need = k - candidates.size
+        if threshold == 0:  # every value not above it is a zero: the first ones will do
+            ties = np.setdiff1d(np.arange(k), candidates, assume_unique=True)[:need]
+        else:
+            ties = np.flatnonzero(np.abs(values) == threshold)[:need]
+        if ties.size < need:  # a misleading sample: the threshold is above the k-th largest
+            return self._select(np.abs(values), k)
+        chosen = np.concatenate((candidates, ties))
+        chosen.sort()
+        return chosen
+
+    @staticmethod
+    def _select(magnitude: np.ndarray, k: int) -> np.ndarray:
+        """The positions of k largest of ``magnitude``, increasing: a partition finds the
+        k-th largest, and a mask keeps what exceeds it and the first of its equals, in
+        position order, so the positions need no sort."""
+        kth = np.partition(magnitude, magnitude.size - k)[magnitude.size - k]
+        keep = magnitude > kth
+        keep[np.flatnonzero(magnitude == kth)[: k - np.count_nonzero(keep)]] = True
+        return np.flatnonzero(keep)
 
     def unpack(self, pos: int, piece: BytesLike, out: np.ndarray) -> None:
         k = self.kept(out.size)
-        stream = np.frombuffer(piece, _U8)
-        indices, kept = stream[:4 * k].view(_U32), stream[4 * k:8 * k].view(_F32)
-        if k and (indices[-1] >= out.size or (k > 1 and not (np.diff(indices.astype(np.int64)) > 0).all())):
-            raise CorruptBlockError(f"topk block: its indices are out of range or not increasing "
-                                    f"(last {indices[-1]}, {out.size} values)")
+        indices = np.frombuffer(piece, _U32, k)
+        kept = np.frombuffer(piece, _F32, k, 4 * k)
+        if (indices[1:] <= indices[:-1]).any():
+            place = int(np.argmax(indices[1:] <= indices[:-1])) + 1
+            raise CorruptBlockError(
+                f"the topk block's indices are not increasing: index {place} is {indices[place]}, "
+                f"after {indices[place - 1]}"
+            )
+        if k and indices[-1] >= out.size:
+            raise CorruptBlockError(
+                f"the topk block's indices are out of range: {indices[-1]} in a block of {out.size} values"
+            )
         out[:] = 0
         out[indices] = kept
 
@@ -872,7 +957,10 @@ class Codec:
                 return header, direct
         result = self._result(length, scratch)
         if uncompressed:
-            self._format.unpack(0, payload, result)
+            try:
+                self._format.unpack(0, payload, result)
+            except CorruptBlockError as exc:  # the format's own check of its stream (topk's indices)
+                raise CorruptBlockError(f"{what}: {exc}") from None
         else:
             _lz4_unpack(
                 payload, nbytes, lambda pos, piece: self._format.unpack(pos, piece, result), what

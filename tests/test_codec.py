@@ -606,8 +606,9 @@ def test_get_codec():
 @pytest.mark.parametrize("name", CODECS)
 def test_max_encoded_size(name):
     codec = get_codec(name)
-    per, prefix = (4, 0) if name in EXACT else (1, 4) if name == "int8" else (8 / 100, 0) if name == "topk" \
-        else (2, 0)
+    per, prefix = (4, 0) if name in EXACT else (1, 4) if name == "int8" else (2, 0)
+    if name == "topk":  # 8 bytes for each of the ceil(1000 / 100) kept
+        per, prefix = 0, 8 * 10
     assert codec.max_encoded_size(0) == HEADER_SIZE
     assert codec.max_encoded_size(1000) == HEADER_SIZE + prefix + per * 1000
     for kind in ("normal", "zeros", "nonfinite"):
@@ -704,70 +705,6 @@ def test_int8_is_lossy_and_the_exact_codecs_are_not():
         "raw": False, "lz4": False, "bf16": True, "fp16": True, "bf16-lz4": True, "int8": True, "topk": True}
     assert [name for name in CODECS if get_codec(name).sparse] == ["topk"]
     assert [name for name in CODECS if get_codec(name).publishes_in_place] == ["raw"]
-
-
-def topk_reference(x: np.ndarray) -> np.ndarray:
-    """What topk must decode to: the ceil(n / 100) values of largest magnitude (by a full
-    argpartition, so ties may pick others: callers use data without ties at the edge), zeros
-    elsewhere."""
-    k = -(-x.size // 100)
-    keep = np.argpartition(np.abs(x), x.size - k)[x.size - k:]
-    out = np.zeros_like(x)
-    out[keep] = x[keep]
-    return out
-
-
-@pytest.mark.parametrize("length", [1, 99, 100, 101, 7919, 1 << 19])
-def test_topk_keeps_exactly_the_largest_magnitudes(length):
-    x = make("normal", length, seed=length)
-    block = get_codec("topk").encode(x)
-    k = -(-length // 100)
-    assert len(block) == HEADER_SIZE + 8 * k == get_codec("topk").max_encoded_size(length)
-    _, y = get_codec("topk").decode(block, length)
-    assert np.array_equal(y, topk_reference(x))
-    kept = y != 0
-    assert kept.sum() == k
-    assert np.array_equal((x - y)[kept], np.zeros(k, np.float32))  # error feedback: nothing of these is left
-    assert np.array_equal((x - y)[~kept], x[~kept])  # and all of the others waits for the next step
-
-
-def test_topk_is_exact_where_the_sample_misleads():
-    """Large values only where the strided sample never looks: the sampled threshold marks
-    too few, and the whole part is partitioned instead."""
-    x = np.full(100_000, 1e-3, np.float32)
-    x[::97] = 0.0  # what the sample sees: nothing
-    spots = np.arange(5, 100_000, 97)[:1000]
-    x[spots] = np.linspace(1.0, 2.0, spots.size, dtype=np.float32)
-    _, y = get_codec("topk").decode(get_codec("topk").encode(x), x.size)
-    assert np.array_equal(np.flatnonzero(y), np.sort(spots)) and np.array_equal(y[spots], x[spots])
-
-
-def test_topk_with_many_ties_keeps_k_of_the_largest():
-    x = np.zeros(10_000, np.float32)
-    x[:300] = 5.0  # 300 tie for 100 places
-    _, y = get_codec("topk").decode(get_codec("topk").encode(x), x.size)
-    assert (y == 5.0).sum() == 100 and (y[300:] == 0).all()
-
-
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_topk_part_with_nonfinite_values_decodes_to_nan(bad):
-    x = make("normal", 1000)
-    x[777] = bad
-    _, y = get_codec("topk").decode(get_codec("topk").encode(x, checksum=True), 1000, checksum=True)
-    assert np.isnan(y).any()
-
-
-@pytest.mark.parametrize("tamper", ["out of range", "repeated"])
-def test_topk_block_with_bad_indices_is_refused(tamper):
-    codec = get_codec("topk")
-    block = bytearray(codec.encode(make("normal", 1000), checksum=False))
-    indices = np.frombuffer(block, np.uint32, 10, HEADER_SIZE)
-    if tamper == "out of range":
-        indices[9] = 1000
-    else:
-        indices[4] = indices[3]
-    with pytest.raises(CorruptBlockError, match="indices are out of range or not increasing"):
-        codec.decode(block, 1000, checksum=False)
 
 
 def test_a_header_without_its_payload_is_refused_and_raw_alone_publishes_in_place():
@@ -913,3 +850,178 @@ def test_int8_malformed_blocks_name_what_is_wrong():
     flipped[HEADER_SIZE] ^= 0x40  # the scale
     corrupt(bytes(flipped), "checksum mismatch", length=100, name="int8")
     corrupt(bytes(good), "expected 99 elements, header says 100", length=99, name="int8")
+
+
+# ---- topk: the 1 % of largest magnitude, for gradients with error feedback -------------
+
+# ties at the edge of the k largest: "zeros" (all tie), "ties" (seven levels: the edge's
+# level holds thousands), "rounded" (a few values per level among the candidates)
+TOPK_KINDS = ["normal", "sparse", "zeros", "ties", "rounded", "huge", "tiny"]
+
+
+def topk_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "ties":
+        return rng.integers(-3, 4, n).astype(np.float32)
+    if kind == "rounded":
+        return np.round(rng.standard_normal(n) * 100).astype(np.float32)
+    return make(kind, n, seed)
+
+
+def topk_parts(block: bytes | bytearray | memoryview, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The indices and the values of a topk block of n values."""
+    k = -(-n // 100)
+    return (np.frombuffer(block, np.uint32, k, HEADER_SIZE),
+            np.frombuffer(block, np.float32, k, HEADER_SIZE + 4 * k))
+
+
+def topk_reference(x: np.ndarray) -> np.ndarray:
+    """What topk must decode to: the ceil(n / 100) values of largest magnitude (by a full
+    argpartition, so ties may pick others: callers use data without ties at the edge), zeros
+    elsewhere."""
+    k = -(-x.size // 100)
+    keep = np.argpartition(np.abs(x), x.size - k)[x.size - k:]
+    out = np.zeros_like(x)
+    out[keep] = x[keep]
+    return out
+
+
+def assert_top_k(x: np.ndarray, block: bytes | bytearray | memoryview) -> None:
+    """The block keeps k = ceil(n / 100) values of x, strictly increasing indices, their exact
+    float32 values, and decodes to them there and to zero elsewhere. Which k are the largest
+    is not unique where magnitudes tie, so what is compared with a full argpartition is the
+    magnitudes kept, not the indices."""
+    n, k = x.size, -(-x.size // 100)
+    indices, kept = topk_parts(block, n)
+    assert (np.diff(indices.astype(np.int64)) > 0).all()
+    assert np.array_equal(bits(kept), bits(x[indices]))
+    largest = np.argpartition(np.abs(x), n - k)[n - k:]
+    assert np.array_equal(np.sort(np.abs(kept)), np.sort(np.abs(x[largest])))
+    _, y = get_codec("topk").decode(block, n)
+    others = np.ones(n, bool)
+    others[indices] = False
+    assert np.array_equal(bits(y[indices]), bits(kept)) and not bits(y[others]).any()
+
+
+@pytest.mark.parametrize("n", [1, 7, 99, 100, 101, 7919, 262_145, 1 << 19])  # 262_145: two pieces
+@pytest.mark.parametrize("kind", TOPK_KINDS)
+def test_topk_keeps_exactly_the_largest_magnitudes(kind, n):
+    x = topk_data(kind, n, seed=n)
+    assert_top_k(x, encoded("topk", x))
+
+
+@pytest.mark.parametrize("n, k", [(0, 0), (1, 1), (99, 1), (100, 1), (101, 2), (1 << 19, 5243)])
+def test_topk_keeps_ceil_n_over_100_values_at_8_bytes_each(n, k):
+    codec = get_codec("topk")
+    block = encoded("topk", make("normal", n))
+    assert len(block) == codec.max_encoded_size(n) == HEADER_SIZE + 8 * k
+    header, y = codec.decode(block, n)
+    assert header.payload_size == 8 * k and y.shape == (n,)
+
+
+def test_topk_residual_is_what_was_not_sent():
+    """Error feedback as the engine does it: encode unsealed, decode what was sent into its
+    scratch unchecked, subtract. The residual is zero where a value was sent and the whole
+    value elsewhere, so nothing is lost, only sent later."""
+    codec = get_codec("topk")
+    x = make("normal", 300_001)
+    block = codec.encode(x, out=bytearray(), checksum=False)
+    scratch = np.full(300_010, 7.0, np.float32)
+    _, sent = codec.decode(block, x.size, scratch=scratch, checksum=False)
+    residual = x - sent
+    indices, _ = topk_parts(block, x.size)
+    others = np.ones(x.size, bool)
+    others[indices] = False
+    assert np.shares_memory(sent, scratch) and (scratch[x.size:] == 7.0).all()
+    assert not residual[indices].any()
+    assert np.array_equal(bits(residual[others]), bits(x[others]))
+
+
+def test_topk_is_exact_where_the_sample_misleads_high(monkeypatch):
+    """Large values exactly where the strided sample looks (every 97th), small ones elsewhere:
+    the sampled threshold lies above the k-th largest, fewer than k exceed it, and the whole
+    part is partitioned (the spy sees it) to keep the k largest all the same."""
+    n = 1 << 19
+    x = make("normal", n) * np.float32(1e-3)
+    x[::97] = 10 + make("normal", x[::97].size, seed=1)
+    codec_format = type(get_codec("topk")._format)
+    select, sizes = codec_format._select, []
+    monkeypatch.setattr(codec_format, "_select", staticmethod(lambda m, k: sizes.append(m.size) or select(m, k)))
+    assert_top_k(x, encoded("topk", x))
+    assert sizes == [n]
+
+
+def test_topk_is_exact_where_the_sample_misleads_low():
+    """Large values only where the strided sample never looks: the sampled threshold is zero,
+    far more than k exceed it, and the k largest of them are kept."""
+    x = np.full(100_000, 1e-3, np.float32)
+    x[::97] = 0.0  # what the sample sees: nothing
+    spots = np.arange(5, 100_000, 97)[:1000]
+    x[spots] = np.linspace(1.0, 2.0, spots.size, dtype=np.float32)
+    block = encoded("topk", x)
+    assert_top_k(x, block)
+    assert np.array_equal(topk_parts(block, x.size)[0], spots)
+
+
+def test_topk_with_many_ties_keeps_k_of_the_largest():
+    x = np.zeros(10_000, np.float32)
+    x[:300] = 5.0  # 300 tie for 100 places
+    _, y = get_codec("topk").decode(encoded("topk", x), x.size)
+    assert (y == 5.0).sum() == 100 and (y[300:] == 0).all()
+
+
+@pytest.mark.parametrize("where", [0, 1, 97, 262_143, 262_144, -1])  # sampled or not; first and last piece
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_topk_part_with_nan_or_inf_decodes_to_nan(where, bad):
+    x = make("normal", 300_001)
+    x[where] = bad
+    _, y = get_codec("topk").decode(encoded("topk", x), x.size)
+    assert np.isnan(y).any()
+
+
+@pytest.mark.parametrize("x", [np.array([np.nan], np.float32), np.array([-np.inf, 1.0], np.float32),
+                               make("nonfinite", 1000), np.full(1000, np.inf, np.float32)])
+def test_topk_part_of_nan_or_inf_only_or_mostly_decodes_to_nan(x):
+    _, y = get_codec("topk").decode(encoded("topk", x), x.size)
+    assert np.isnan(y).any()
+
+
+@pytest.mark.parametrize("tamper, match", [
+    ("out of range", r"the topk block's indices are out of range: 1000 in a block of 1000 values"),
+    ("repeated", r"the topk block's indices are not increasing: index 4 is (\d+), after \1"),
+    ("swapped", r"the topk block's indices are not increasing: index 5 is"),
+    ("wrapped", r"not increasing: index 3 is 0, after 4294967295"),  # a u32 difference would wrap around
+])
+def test_topk_block_with_bad_indices_is_refused(tamper, match):
+    block = encoded("topk", make("normal", 1000))
+    indices = np.frombuffer(block, np.uint32, 10, HEADER_SIZE)
+    if tamper == "out of range":
+        indices[9] = 1000
+    elif tamper == "repeated":
+        indices[4] = indices[3]
+    elif tamper == "swapped":
+        indices[4], indices[5] = indices[5], indices[4]
+    else:
+        indices[2], indices[3] = 0xFFFFFFFF, 0
+    del indices
+    corrupt(bytes(reseal(block)), match, name="topk")
+    with pytest.raises(CorruptBlockError, match="the topk block's indices"):  # read in place, unchecked too
+        get_codec("topk").decode(bytes(block), 1000, checksum=False)
+
+
+def test_topk_refuses_a_block_longer_than_its_u32_indices_reach(monkeypatch):
+    monkeypatch.setattr(type(get_codec("topk")._format), "_MAX_LENGTH", 1000)
+    out = bytearray()
+    with pytest.raises(CodecOverflowError, match="topk indexes a block with u32: 1001 values"):
+        get_codec("topk").encode(make("normal", 1001), out=out)
+    block = get_codec("topk").encode(make("normal", 1000), out=out)  # `out` is still growable
+    assert len(block) == HEADER_SIZE + 80
+
+
+def test_topk_codec_id_is_appended_and_it_is_lossy():
+    assert CODECS[:6] == ("raw", "lz4", "bf16", "fp16", "bf16-lz4", "int8")  # ids are append-only
+    block = encoded("topk", make("normal", 1000), count=3.0)
+    assert block[3] == CODECS.index("topk") == 6
+    assert parse_header(block).codec == "topk"
+    assert get_codec("topk").lossy and get_codec("topk").sparse
+    assert not get_codec("raw").lossy and not get_codec("lz4").lossy
