@@ -1013,3 +1013,18 @@ def get_codec(name: str) -> Codec:
         raise ConfigurationError(
             f"unknown codec {name!r}: choose one of {', '.join(CODECS)}"
         ) from None
+
+
+def codec_names(codec: str, gradient_codec: str | None = None) -> tuple[str, str]:
+    """The codecs for weights and for gradients, checked: ``(codec, gradient_codec or codec)``.
+
+    A codec that keeps only some values (``topk``) can carry gradients, whose rounding
+    error feedback gives back later, but not weights; asked for weights it is refused,
+    with the pair to pass instead.
+    """
+    if get_codec(codec).sparse:
+        raise ConfigurationError(
+            f"codec={codec!r} keeps only some values: it is for gradients with error feedback, "
+            f"not for weights; pass codec='int8' (or 'bf16', 'raw'), gradient_codec={codec!r}")
+    get_codec(gradient_codec or codec)
+    return codec, gradient_codec or codec

@@ -28,7 +28,7 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from .codec import get_codec
+from .codec import codec_names, get_codec
 from .errors import ConfigurationError, InputError, UsageError
 from .layout import SliceLayout
 from .movements import Movements, NonFiniteSum
@@ -74,17 +74,11 @@ class AllReduceParameter:
         self.strategy = strategy or Strategy()
         self.strategy.check_partitions(partition_num)
         # an unknown codec fails here, on the driver, not in every task
-        if get_codec(codec).sparse:
-            raise ConfigurationError(
-                f"codec={codec!r} keeps only some values: it is for gradients with error feedback, "
-                f"not for weights; pass codec='int8' (or 'bf16', 'raw'), gradient_codec={codec!r}")
-        get_codec(gradient_codec or codec)
+        self.codec, self.gradient_codec = codec_names(codec, gradient_codec)
         if not timeout > 0:
             raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if fetch_threads is not None and fetch_threads < 1:
             raise ConfigurationError(f"fetch_threads must be at least 1, got {fetch_threads!r}")
-        self.codec = codec
-        self.gradient_codec = gradient_codec or codec
         self.timeout = float(timeout)
         self.fetch_threads = fetch_threads
         self.allow_nonfinite = allow_nonfinite

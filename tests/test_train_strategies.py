@@ -83,6 +83,8 @@ def test_sync_every_1_is_the_default_bsp_bit_for_bit(digits):
     ({"model_averaging": False}, "model_averaging goes with sync_every=k or 'epoch'"),
     ({"sync_every": 0}, "sync_every must be a positive whole number of steps or 'epoch', got 0"),
     ({"partition_scheme": "striped"}, "partition_scheme='striped' is not a data-partition scheme"),
+    ({"codec": "topk"}, "codec='topk' keeps only some values: .* pass codec='int8' .* gradient_codec='topk'"),
+    ({"gradient_codec": "top1"}, "unknown codec 'top1'"),
 ])
 def test_wrong_combinations_fail_when_the_optimizer_is_made(settings, message):
     with pytest.raises(ConfigurationError, match=message):
@@ -103,3 +105,11 @@ def test_lossy_codecs_with_error_feedback_train_digits_as_well_as_raw(digits):
     assert accuracy["raw"] >= 0.95, accuracy
     assert accuracy["bf16"] >= accuracy["raw"] - 0.005, accuracy
     assert accuracy["int8"] >= accuracy["raw"] - 0.005, accuracy
+
+
+def test_top_k_gradients_with_error_feedback_train_digits_given_more_epochs(digits):
+    """1 % of each gradient part per step, the rest carried over: slower per epoch, yet it
+    learns (measured: about twice the epochs of int8 to 0.95 and to 0.97)."""
+    train, test = digits
+    history = trainer(codec="int8", gradient_codec="topk", epochs=30).fit(train, validation=test).history
+    assert history.epochs[-1]["val_accuracy"] >= 0.95, history.epochs[-1]

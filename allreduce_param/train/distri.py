@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..codec import get_codec
+from ..codec import codec_names
 from ..errors import ConfigurationError, InputError, TrainingError
 from ..parameter import AllReduceParameter
 from ..strategy import Strategy
@@ -56,6 +56,10 @@ class DistriOptimizer:
     where no step sees every partition's gradient at once, each partition's gradient is
     clipped by its own norm.
 
+    ``codec`` says how blocks travel (see ``allreduce_param.codec``); ``gradient_codec``
+    another one for the gradients alone, such as ``"topk"`` with ``codec="int8"``. What a
+    lossy codec rounds off a partition's gradient is kept and added to its next one.
+
     ``checkpoint_dir`` (a local path, or a URL such as ``hdfs://`` or ``s3://`` that fsspec
     opens; on a cluster, storage every executor sees) makes the fit write checkpoints into
     a folder of its own there, ``checkpoint_every`` steps (or each ``"epoch"``, the default)
@@ -76,6 +80,7 @@ class DistriOptimizer:
         batch_size: int = 256,
         epochs: int = 10,
         codec: str = "lz4",
+        gradient_codec: str | None = None,
         num_workers: int | None = None,
         threads: int | Sequence[float] | None = None,
         seed: int = 0,
@@ -104,7 +109,8 @@ class DistriOptimizer:
         for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_workers", num_workers)):
             if not (value is None and name == "num_workers") and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
-        get_codec(codec)  # an unknown codec fails here, naming the codecs there are
+        # an unknown or misplaced codec fails here, naming the codecs there are
+        self.codec, self.gradient_codec = codec_names(codec, gradient_codec)
         workload_shares(threads)  # so does a bad threads setting, before any task starts
         self.strategy = Strategy(strategy, staleness, backup_workers)
         if sync_every != "epoch" and (isinstance(sync_every, bool) or not isinstance(sync_every, int)
@@ -134,7 +140,6 @@ class DistriOptimizer:
         self.optimizer = optimizer
         self.batch_size = batch_size
         self.epochs = epochs
-        self.codec = codec
         self.num_workers = num_workers
         self.threads = threads
         self.seed = seed
@@ -182,7 +187,8 @@ class DistriOptimizer:
         self.strategy.check_partitions(workers)
         if resume is not None:
             self._check_resume(resume, size, workers)
-        param = AllReduceParameter(workers, size, codec=self.codec, timeout=self.timeout, strategy=self.strategy)
+        param = AllReduceParameter(workers, size, codec=self.codec, gradient_codec=self.gradient_codec,
+                                   timeout=self.timeout, strategy=self.strategy)
         checkpoints = None if self.checkpoint_dir is None else CheckpointSettings.for_new_fit(
             self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)
         with self._progress(spark_context, workers) as server:
@@ -212,6 +218,7 @@ class DistriOptimizer:
                 "backup_workers": self.strategy.backup_workers, "sync_every": self.sync_every,
                 "batch_size": self.batch_size, "epochs": self.epochs, "seed": self.seed,
                 "partition_scheme": self.partition_scheme, "codec": self.codec,
+                "gradient_codec": self.gradient_codec,
                 "model": repr(self.model), "optimizer": repr(self.optimizer)}
 
     def _resume_point(self, location: str) -> Manifest:
