@@ -1,21 +1,33 @@
 """How the partitions of one stage learn each other's server addresses, once per connect().
 
-Inside Spark, ``BarrierRendezvous`` uses one ``BarrierTaskContext.allGather`` (about a
-second, so it runs once per stage, never per step). Outside Spark, ``StaticRendezvous``
-takes a fixed list of addresses (N plain processes, each told its id) and
-``LocalRendezvous`` lets N threads of one process meet, for tests and benchmarks.
+Inside Spark, ``BarrierRendezvous`` uses one ``BarrierTaskContext.allGather``, which waits
+for the JVM's barrier coordinator (it polls on a fixed period, so it costs a noticeable
+fixed time per stage). ``DriverRendezvous`` meets at a ``MeetingPoint`` on the driver
+instead, as soon as the last task arrives, and falls back to ``allGather`` when the
+driver cannot be reached. Outside Spark, ``StaticRendezvous`` takes a fixed list of
+addresses (N plain processes, each told its id) and ``LocalRendezvous`` lets N threads of
+one process meet, for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from .errors import ConfigurationError, UsageError
+from .errors import AllReduceError, ConfigurationError, UsageError
+from .messages import MessageClient, Reply
+
+log = logging.getLogger(__name__)
+
+#: How long the tasks at a MeetingPoint wait, after the first came, for the last before
+#: they all meet through ``allGather`` instead: longer than a task takes to find the
+#: driver unreachable (``messages.CONNECT_TIMEOUT``), so none is left alone at either.
+MEETING_PATIENCE = 30.0
 
 #: Where a partition's block server listens: ``(host, port)``, or ``(host, port, local_name,
 #: local_scope)`` when it also serves on an abstract Unix socket, for peers of the same scope.
@@ -70,14 +82,107 @@ class BarrierRendezvous(Rendezvous):
         return host, 0
 
     def exchange(self, address: Address) -> list[Address]:
-        """One ``allGather`` of every task's address (about a second, once per connect)."""
+        """One ``allGather`` of every task's address (once per connect)."""
         message = json.dumps({"partition": self.partition_id, "address": list(address)})
         replies = [json.loads(reply) for reply in self._context.allGather(message)]
-        replies.sort(key=lambda reply: reply["partition"])
-        found = [reply["partition"] for reply in replies]
-        if found != list(range(self.partition_num)):
-            raise UsageError(f"the barrier stage's tasks reported partitions {found}, expected 0..{self.partition_num - 1}")
-        return [tuple(reply["address"]) for reply in replies]
+        return _by_partition({reply["partition"]: reply["address"] for reply in replies}, self.partition_num)
+
+
+def _by_partition(addresses: dict, partition_num: int) -> list[Address]:
+    """The addresses in partition order, once each partition 0..N-1 gave one."""
+    addresses = {int(partition): address for partition, address in addresses.items()}
+    found = sorted(addresses)
+    if found != list(range(partition_num)):
+        raise UsageError(f"the barrier stage's tasks reported partitions {found}, expected 0..{partition_num - 1}")
+    return [tuple(addresses[partition]) for partition in range(partition_num)]
+
+
+class MeetingPoint:
+    """The driver's side of ``DriverRendezvous``: answers every task of a stage attempt with
+    all N addresses as soon as the N-th arrives.
+
+    If the N-th has not come ``patience`` seconds after the first (a task that cannot reach
+    the driver, or one that started very late), it tells those that came, and any that come
+    after, to meet through ``allGather`` instead, where the others already are. Feed it the
+    messages of a ``messages.MessageServer``: ``on_message`` takes those of kind ``meet``.
+    """
+
+    def __init__(self, partition_num: int, patience: float = MEETING_PATIENCE) -> None:
+        self.partition_num = partition_num
+        self.patience = patience
+        self._meetings: dict[tuple, dict] = {}
+        self._changed = threading.Condition()
+
+    def on_message(self, message: dict, reply: Reply) -> bool:
+        """Answer a ``meet`` message once its meeting is decided; False for other kinds.
+
+        A stage's meeting is open until decided; a ``meet`` after that is a retried stage's
+        (Spark keeps the stage id), which opens the next. A partition that comes twice to an
+        open meeting counts with its newer task (the larger task attempt id).
+        """
+        if message.get("kind") != "meet":
+            return False
+        stage, partition, task = message.get("stage"), int(message["partition"]), int(message.get("task", 0))
+        with self._changed:
+            meeting = self._meetings.get(stage)
+            if meeting is None or meeting["decided"] is not None:
+                meeting = self._meetings[stage] = {"addresses": {}, "tasks": {}, "decided": None,
+                                                   "deadline": time.monotonic() + self.patience}
+            if task >= meeting["tasks"].get(partition, -1):
+                meeting["addresses"][partition], meeting["tasks"][partition] = message["address"], task
+            if len(meeting["addresses"]) == self.partition_num:
+                meeting["decided"] = "met"
+                self._changed.notify_all()
+            while meeting["decided"] is None:
+                left = meeting["deadline"] - time.monotonic()
+                if left <= 0:
+                    meeting["decided"] = "allgather"
+                    log.warning("only %d of %d tasks reached the driver within %g s to meet; they meet through "
+                                "allGather instead (a second or so more)", len(meeting["addresses"]),
+                                self.partition_num, self.patience)
+                    self._changed.notify_all()
+                    break
+                self._changed.wait(left)
+            answer = {"kind": meeting["decided"]}
+            if meeting["decided"] == "met":
+                answer["addresses"] = {str(k): v for k, v in meeting["addresses"].items()}
+        reply(answer)
+        return True
+
+
+class DriverRendezvous(BarrierRendezvous):
+    """The tasks of a barrier stage meet at the driver's ``MeetingPoint``, reached through
+    ``link``, instead of waiting for ``allGather``'s coordinator; when the driver cannot be
+    reached, or the meeting point says so, through ``allGather`` after all.
+
+    Must be made inside a task of ``rdd.barrier().mapPartitions(...)``.
+    """
+
+    def __init__(self, link: MessageClient, patience: float = MEETING_PATIENCE) -> None:
+        super().__init__()
+        self._link = link
+        self._patience = patience
+
+    def exchange(self, address: Address) -> list[Address]:
+        """Every task's address, from the meeting point (or ``allGather``)."""
+        try:
+            self._link.send({"kind": "meet", "stage": self._context.stageId(),
+                             "task": self._context.taskAttemptId(),
+                             "partition": self.partition_id, "address": list(address)})
+        except OSError as error:
+            log.warning("partition %d cannot reach the driver at %s:%s (%s); meeting through allGather",
+                        self.partition_id, *self._link.address[:2], error)
+            return super().exchange(address)
+        try:
+            # the meeting point decides within its patience of the first task, which was no later than this one
+            answer = self._link.receive(timeout=self._patience + 30.0)
+        except (OSError, AllReduceError) as error:
+            raise UsageError(
+                f"partition {self.partition_id} lost the driver at {self._link.address[0]}:{self._link.address[1]} "
+                f"while meeting its peers there ({type(error).__name__}: {error})") from error
+        if answer.get("kind") == "met":
+            return _by_partition(answer["addresses"], self.partition_num)
+        return super().exchange(address)
 
 
 class StaticRendezvous(Rendezvous):

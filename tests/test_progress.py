@@ -1,4 +1,5 @@
-"""The driver's progress server: merged steps, and frames it must refuse."""
+"""The driver's end of the tasks' connections: authenticated messages, progress merged per
+step, and the meeting point where the partitions learn each other's addresses."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import logging
 import socket
 import threading
 
-from allreduce_param.train.progress import MAX_FRAME, ProgressReporter, ProgressServer
+import pytest
+
+from allreduce_param.errors import AuthenticationError, UsageError
+from allreduce_param.messages import MAX_MESSAGE, MessageClient, MessageServer
+from allreduce_param.rendezvous import MeetingPoint, _by_partition
+from allreduce_param.train.progress import ProgressMerger, ProgressReporter
 from allreduce_param.train.result import STEP_FIELDS, merge_step
 
 
@@ -24,10 +30,14 @@ def record(epoch, step, loss_sum, samples, seconds):
     return [epoch, step, loss_sum, samples] + [seconds] * (len(STEP_FIELDS) - 4)
 
 
+def progress_server(partitions, on_event):
+    return MessageServer("127.0.0.1", ProgressMerger(partitions, merge_step, on_event).on_message)
+
+
 def test_a_step_is_merged_once_every_partition_reported_it():
     events = Events(expected=2)
-    server = ProgressServer("127.0.0.1", 2, merge_step, events)
-    reporters = [server.reporter() for _ in range(2)]
+    server = progress_server(2, events)
+    reporters = [ProgressReporter(server.client()) for _ in range(2)]
     try:
         reporters[0].send("start", partition=0, steps=1, epochs=1)
         reporters[0].send("step", record=record(0, 0, 6.0, 2, 0.1))
@@ -43,30 +53,43 @@ def test_a_step_is_merged_once_every_partition_reported_it():
     assert merged["get_s"] == 0.3  # the slowest partition's phase
 
 
-def test_frames_without_the_secret_or_too_long_are_refused(caplog):
+def test_messages_without_the_secret_or_too_long_are_refused(caplog):
     events = Events(expected=1)
-    server = ProgressServer("127.0.0.1", 1, merge_step, events)
+    server = progress_server(1, events)
     try:
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.train.progress"):
-            ProgressReporter(server.address, b"x" * 32).send("start", partition=0, steps=1, epochs=1)
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.messages"):
+            ProgressReporter(MessageClient(server.address, b"x" * 32)).send("start", partition=0, steps=1, epochs=1)
             with socket.create_connection(server.address) as sock:
-                sock.sendall((MAX_FRAME + 1).to_bytes(4, "little"))
+                sock.sendall((MAX_MESSAGE + 1).to_bytes(4, "little"))
                 sock.settimeout(30)
                 assert sock.recv(1) == b""  # closed by the server
-            good = server.reporter()
+            good = ProgressReporter(server.client())
             good.send("epoch", epoch=0, val_loss=0.5)
             assert events.done.wait(30)
             good.close()
     finally:
         server.close()
     assert events.items == [("epoch", {"epoch": 0, "val_loss": 0.5})]
-    assert "a frame without the fit's secret" in caplog.text
-    assert f"a frame of {MAX_FRAME + 1} bytes" in caplog.text
+    assert "a message without the job's secret" in caplog.text
+    assert f"a message of {MAX_MESSAGE + 1} bytes" in caplog.text
+
+
+def test_a_task_does_not_take_its_own_message_back_as_the_drivers_answer():
+    """The tag covers the direction: a server that echoes what it got proves nothing."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = MessageClient(listener.getsockname()[:2], b"s" * 32)
+        client.send({"kind": "meet", "partition": 0})
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(conn.recv(4096))  # the whole frame, back
+            with pytest.raises(AuthenticationError, match="without the job's secret"):
+                client.receive(timeout=30)
+        client.close()
 
 
 def test_a_reporter_whose_driver_is_gone_keeps_quiet():
-    server = ProgressServer("127.0.0.1", 1, merge_step, lambda kind, fields: None)
-    reporter = server.reporter()
+    server = progress_server(1, lambda kind, fields: None)
+    reporter = ProgressReporter(server.client())
     server.close()
     for _ in range(3):  # no exception: training goes on without progress
         reporter.send("step", record=record(0, 0, 1.0, 1, 0.1))
@@ -76,9 +99,8 @@ def test_a_reporter_whose_driver_is_gone_keeps_quiet():
 def test_a_resumed_attempt_drops_what_the_failed_one_left_half_reported():
     events = Events(expected=2)
     started = Events(expected=1)
-    server = ProgressServer("127.0.0.1", 2, merge_step,
-                            lambda kind, fields: (events(kind, fields), kind == "start" and started(kind, fields)))
-    reporters = [server.reporter() for _ in range(2)]
+    server = progress_server(2, lambda kind, fields: (events(kind, fields), kind == "start" and started(kind, fields)))
+    reporters = [ProgressReporter(server.client()) for _ in range(2)]
     try:
         # the failed attempt: only partition 0 reported step 3
         reporters[0].send("step", partition=0, record=record(0, 3, 9.0, 2, 0.1))
@@ -93,3 +115,56 @@ def test_a_resumed_attempt_drops_what_the_failed_one_left_half_reported():
         server.close()
     kind, merged = events.items[-1]
     assert kind == "step" and merged["loss"] == 1.5  # (4 + 2) / 4: the new attempt's two records
+
+
+def meet(server, partitions, stage=7, tasks=None):
+    """Each of ``partitions`` meets at ``server`` on a thread of its own; their answers."""
+    answers = {}
+
+    def one(partition):
+        client = server.client()
+        try:
+            client.send({"kind": "meet", "stage": stage, "task": (tasks or {}).get(partition, partition),
+                         "partition": partition, "address": ["127.0.0.1", 5000 + partition]})
+            answers[partition] = client.receive(timeout=60)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(partition,)) for partition in partitions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return answers
+
+
+def test_the_meeting_point_answers_every_task_with_every_address_once_all_came():
+    meeting = MeetingPoint(3)
+    server = MessageServer("127.0.0.1", meeting.on_message)
+    try:
+        answers = meet(server, [2, 0, 1])
+        again = meet(server, [0, 1, 2])  # Spark retried the stage: the same stage id meets anew
+    finally:
+        server.close()
+    for found in (answers, again):
+        assert sorted(found) == [0, 1, 2] and all(answer["kind"] == "met" for answer in found.values())
+        for answer in found.values():
+            assert _by_partition(answer["addresses"], 3) == [("127.0.0.1", 5000), ("127.0.0.1", 5001),
+                                                             ("127.0.0.1", 5002)]
+
+
+def test_tasks_at_the_meeting_point_go_to_allgather_when_one_never_comes(caplog):
+    meeting = MeetingPoint(3, patience=0.5)
+    server = MessageServer("127.0.0.1", meeting.on_message)
+    try:
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.rendezvous"):
+            answers = meet(server, [0, 2])  # partition 1 cannot reach the driver
+    finally:
+        server.close()
+    assert answers == {0: {"kind": "allgather"}, 2: {"kind": "allgather"}}
+    assert "only 2 of 3 tasks reached the driver within 0.5 s" in caplog.text
+
+
+def test_addresses_missing_a_partition_are_refused():
+    with pytest.raises(UsageError, match=r"reported partitions \[0, 2\], expected 0..2"):
+        _by_partition({"0": ["h", 1], "2": ["h", 3]}, 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import socket
 import sys
 import threading
 
@@ -231,3 +232,43 @@ def test_a_parameter_made_inside_the_task_is_refused_clearly(spark):
         spark.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(task).collect()
     assert "the secrets differ. Every partition must use the same AllReduceParameter object, " \
            "made on the driver" in str(failure.value)
+
+
+def meeting_task(links):
+    """A barrier task that meets through ``DriverRendezvous`` over its partition's link; the
+    addresses it learnt, and the one it gave."""
+
+    def task(_rows):
+        from pyspark import BarrierTaskContext
+
+        from allreduce_param.rendezvous import DriverRendezvous
+
+        partition = BarrierTaskContext.get().partitionId()
+        own = ("127.0.0.1", 6000 + partition)
+        yield partition, DriverRendezvous(links[partition], patience=2.0).exchange(own)
+
+    return task
+
+
+def test_tasks_meet_at_the_driver_and_fall_back_to_allgather_where_it_is_out_of_reach(spark):
+    from allreduce_param.messages import MessageClient, MessageServer
+    from allreduce_param.rendezvous import MeetingPoint
+
+    expected = [("127.0.0.1", 6000), ("127.0.0.1", 6001)]
+    rdd = spark.sparkContext.parallelize(range(2), 2)
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        nobody = closed.getsockname()[:2]  # where nothing listens once the with-block closed it
+    for reachable in ((0, 1), (0,), ()):  # all at the driver; only partition 0; none
+        meeting = MeetingPoint(2, patience=2.0)
+        server = MessageServer("127.0.0.1", meeting.on_message)
+        try:
+            links = [server.client() if partition in reachable else MessageClient(nobody, server.secret)
+                     for partition in range(2)]
+            found = dict(rdd.barrier().mapPartitions(meeting_task(links)).collect())
+        finally:
+            server.close()
+        assert found == {0: expected, 1: expected}, reachable
+        # where partition 1 never came, the driver told partition 0 to use allGather
+        assert len(meeting._meetings) == (1 if reachable else 0)
+        if reachable:
+            assert next(iter(meeting._meetings.values()))["decided"] == ("met" if len(reachable) == 2 else "allgather")

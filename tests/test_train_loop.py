@@ -174,16 +174,16 @@ def test_local_sgd_equals_its_single_process_reference(every, averaging):
 
 
 class StepListener:
-    """A reporter for ``TrainingJob``: keeps which steps each partition has reported."""
+    """A way to the driver for ``TrainingJob``: keeps which steps each partition has reported."""
 
     def __init__(self):
         self.changed = threading.Condition()
         self.steps: dict[int, int] = {}
 
-    def send(self, kind, **fields):
-        if kind == "step":
+    def send(self, message):
+        if message["kind"] == "step":
             with self.changed:
-                self.steps[fields["record"][-1]] = self.steps.get(fields["record"][-1], 0) + 1
+                self.steps[message["record"][-1]] = self.steps.get(message["record"][-1], 0) + 1
                 self.changed.notify_all()
 
     def close(self):
@@ -215,7 +215,7 @@ def train_with_straggler(parts, strategy: Strategy, ahead: int, lr: float, batch
     model = Straggler(4, 3)
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60, strategy=strategy)
     job = TrainingJob(model, optim.SGD(lr=lr), param, batch_size=batch_size, epochs=3, seed=0, threads=None,
-                      n_features=4, has_validation=False, reporter=Straggler.listener)
+                      n_features=4, has_validation=False, driver=Straggler.listener, report_progress=True)
     outputs = run_workers(job, parts)
     for output in outputs:
         assert isinstance(output, dict), output

@@ -17,12 +17,14 @@ import numpy as np
 
 from ..codec import codec_names
 from ..errors import ConfigurationError, InputError, TrainingError
+from ..messages import MessageServer
 from ..parameter import AllReduceParameter
+from ..rendezvous import MeetingPoint
 from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
 from .data import arrays_from_arrow, arrays_from_pairs, prepare
 from .partitioning import check_scheme, place_pairs, place_rows
-from .progress import ProgressBar, ProgressServer
+from .progress import ProgressBar, ProgressMerger
 from .slots import check_no_dynamic_allocation, task_slots
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, merge_epoch, merge_step
 from .worker import TrainingJob, train_partition, workload_shares
@@ -191,11 +193,12 @@ class DistriOptimizer:
                                    timeout=self.timeout, strategy=self.strategy)
         checkpoints = None if self.checkpoint_dir is None else CheckpointSettings.for_new_fit(
             self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)
-        with self._progress(spark_context, workers) as server:
+        with self._driver_end(spark_context, workers) as driver:
             job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
                               self.threads, n_features, validation is not None,
-                              server.reporter() if server else None, self.sync_every, self.model_averaging,
-                              checkpoints, resume, self._settings())
+                              driver.client(), self.sync_every, self.model_averaging,
+                              checkpoints, resume, self._settings(),
+                              report_progress=bool(self.progress or self.log_path or self.listener))
             if hasattr(source, "mapInArrow"):
                 placed = place_rows(source, workers, self.partition_scheme, self.seed, summary.partition_counts)
             else:
@@ -255,18 +258,22 @@ class DistriOptimizer:
         return TrainingError(f"{error}. {advice}")
 
     @contextlib.contextmanager
-    def _progress(self, spark_context, workers: int):
-        """The driver's progress server and its listeners, for the length of the fit."""
-        if not (self.progress or self.log_path or self.listener):
-            yield None
-            return
+    def _driver_end(self, spark_context, workers: int):
+        """The driver's end of the tasks' connections, for the length of the fit: where the
+        partitions meet, and where their progress goes (the bar, the log, the listener)."""
         log_file = open(self.log_path, "a") if self.log_path else None
         bar = ProgressBar(show=self.progress, log_file=log_file)
         listeners = [bar] + ([self.listener] if self.listener else [])
-        host = spark_context.getConf().get("spark.driver.host", "127.0.0.1")
-        server = ProgressServer(host, workers, merge_step,
-                                lambda kind, fields: [listen(kind, dict(fields)) for listen in listeners],
-                                merge_epoch=merge_epoch)
+        progress = ProgressMerger(workers, merge_step,
+                                  lambda kind, fields: [listen(kind, dict(fields)) for listen in listeners],
+                                  merge_epoch=merge_epoch)
+        meeting = MeetingPoint(workers)
+
+        def on_message(message: dict, reply) -> None:
+            if not meeting.on_message(message, reply):
+                progress.on_message(message)
+
+        server = MessageServer(spark_context.getConf().get("spark.driver.host", "127.0.0.1"), on_message)
         try:
             yield server
         finally:

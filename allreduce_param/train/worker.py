@@ -28,9 +28,10 @@ import numpy as np
 
 from ..codec import get_codec
 from ..errors import ConfigurationError, TrainingError
+from ..messages import MessageClient
 from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
-from ..rendezvous import Rendezvous
+from ..rendezvous import DriverRendezvous, Rendezvous
 from .batching import epoch_order, global_batch_sizes, share_bounds, steps_per_epoch
 from .checkpoint import CheckpointSettings, CheckpointWriter, Manifest, load_part, newest
 from .data import TRAIN, VALIDATION
@@ -50,7 +51,9 @@ class TrainingJob:
     ``checkpoints``: where and how often to write checkpoints (None: never); a task that
     finds one there (Spark retried the stage) resumes from the newest. ``resume``: the
     checkpoint to start from otherwise (``fit(resume_from=...)``). ``settings``: what the
-    manifest records of the fit's settings.
+    manifest records of the fit's settings. ``driver``: the task's way to the driver, where
+    the partitions meet and, with ``report_progress``, report their steps (None: they meet
+    through ``allGather`` and report nothing).
     """
 
     model: Any
@@ -62,12 +65,13 @@ class TrainingJob:
     threads: int | Sequence[float] | None
     n_features: int
     has_validation: bool
-    reporter: ProgressReporter | None = None
+    driver: MessageClient | None = None
     sync_every: int | str = 1
     model_averaging: bool = True
     checkpoints: CheckpointSettings | None = None
     resume: Manifest | None = None
     settings: dict | None = None
+    report_progress: bool = False
 
 
 def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
@@ -148,9 +152,12 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
     X_train, y_train = X[split == TRAIN], y[split == TRAIN]
     X_valid, y_valid = X[split == VALIDATION], y[split == VALIDATION]
     compute = SubBatches(job.model, job.threads)
+    reporter = ProgressReporter(job.driver) if job.driver is not None and job.report_progress else None
     try:
+        if rendezvous is None and job.driver is not None:
+            rendezvous = DriverRendezvous(job.driver)
         with job.param.connect(rendezvous) as p:
-            fit = _Fit(job, p, compute, X_train, y_train, X_valid, y_valid)
+            fit = _Fit(job, p, compute, X_train, y_train, X_valid, y_valid, reporter)
             try:
                 fit.run()
             except Exception as error:
@@ -171,8 +178,8 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
                             f"{type(error).__name__}: {error}") from error
     finally:
         compute.close()
-        if job.reporter is not None:
-            job.reporter.close()
+        if job.driver is not None:
+            job.driver.close()
 
 
 def _partition_of(rendezvous: Rendezvous | None) -> int | str:
@@ -192,7 +199,7 @@ class _Fit:
     records. ``where`` tracks the epoch and step for error messages."""
 
     def __init__(self, job: TrainingJob, p: ConnectedParameter, compute: SubBatches,
-                 X_train, y_train, X_valid, y_valid) -> None:
+                 X_train, y_train, X_valid, y_valid, reporter: ProgressReporter | None = None) -> None:
         self.job, self.p, self.compute = job, p, compute
         self.X_train, self.y_train, self.X_valid, self.y_valid = X_train, y_train, X_valid, y_valid
         self.where: dict[str, int | None] = {"epoch": None, "step": None}
@@ -205,7 +212,7 @@ class _Fit:
         self._residual = np.zeros(job.param.size, dtype=np.float32) if get_codec(job.param.gradient_codec).lossy else None
         self.state: dict[str, np.ndarray] = {}  # the optimizer's: of the own slice, or with local SGD the whole model's
         self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
-        self._report = job.reporter.send if job.reporter is not None else (lambda kind, **fields: None)
+        self._report = reporter.send if reporter is not None else (lambda kind, **fields: None)
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
 
     # ---- the plan ------------------------------------------------------------------------
