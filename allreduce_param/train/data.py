@@ -4,14 +4,16 @@ On the driver, ``prepare`` checks the columns before any task starts (a missing 
 vector of the wrong length, NaN labels, ragged rows, NaN or Inf features, and for a
 classifier labels that are no class id each get a clear error) and shapes the DataFrame
 into ``features: array<float>, label: double, split: int`` (0 train, 1 validation). Every
-row check is part of its one aggregate job, so a bad row fails the fit there, in seconds,
-not as a NonFiniteGradientError or a label error at some step of the barrier stage.
+row check is part of its one pass over the data (numpy over Arrow batches, one Spark stage),
+so a bad row fails the fit there, in seconds, not as a NonFiniteGradientError or a label
+error at some step of the barrier stage.
 Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into one
 contiguous float32 matrix, once, with no per-row Python objects.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from dataclasses import dataclass
@@ -67,8 +69,8 @@ def prepare(df, features_col: str, label_col: str, validation=None, *, task: str
             num_classes: int | None = None):
     """Check ``df`` (and ``validation``) and shape them for training; (DataFrame, DataSummary).
 
-    Runs one small Spark job for both DataFrames (row counts per split and partition, vector
-    lengths, missing labels, non-finite features, and the labels a classifier cannot take).
+    Runs one Spark job of one stage for both DataFrames (row counts per split and partition,
+    vector lengths, missing labels, non-finite features, and the labels a classifier cannot take).
     Its counts are of the returned DataFrame's own partitions, so ``partitioning.place_rows``
     on that DataFrame can index its rows without counting again.
 
@@ -85,7 +87,7 @@ def prepare(df, features_col: str, label_col: str, validation=None, *, task: str
              for name, frame, split in frames]
     prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
     checks = _row_checks(task == "classification", classes)
-    stats_by_split = _statistics(prepared, checks)
+    stats_by_split = _statistics(prepared, checks, classes)
     lengths, counts = [], []
     for name, _, split in frames:
         stats = stats_by_split.get(split)
@@ -132,12 +134,10 @@ def _class_count(num_classes) -> int | None:
 
 
 class _RowCheck(NamedTuple):
-    """A condition no row may meet: its name (the count's column), the condition on a prepared
-    row, what to show of the first row that meets it, and the message's wording."""
+    """A condition no row may meet: its name (its count's key in the statistics, and its
+    condition's in ``_bad_rows``) and the message's wording."""
 
     name: str
-    condition: object  # a Column over features and label
-    example: object    # a Column: what the message quotes of the first bad row
     message: object    # (data name, features_col, label_col, classes, stats) -> str
 
 
@@ -148,32 +148,26 @@ def _row_checks(classification: bool, classes: int | None) -> list[_RowCheck]:
     the column was cast). Labels: +/-Inf (null and NaN are counted apart, as before); for a
     classifier also fractional, negative, and (when the model says) >= its class count.
     """
-    from pyspark.sql import functions as F
-
-    infinity = F.lit(float("inf"))
-
-    def non_finite(x):
-        return x.isNull() | F.isnan(x) | (F.abs(x) == infinity)
-
-    features, label = F.col("features"), F.col("label")
-    bad_element = F.exists(features, non_finite)
-    # the first bad element: its index and value (computed for the bad rows only)
-    element = F.array_min(F.transform(features, lambda x, i: F.when(non_finite(x), i)))
-    checks = [
-        _RowCheck("nonfinite_features", bad_element,
-                  F.struct(element.alias("index"), F.element_at(features, element + 1).alias("value")),
-                  _nonfinite_features),
-        _RowCheck("infinite_labels", F.abs(label) == infinity, label, _infinite_labels),
-    ]
+    checks = [_RowCheck("nonfinite_features", _nonfinite_features), _RowCheck("infinite_labels", _infinite_labels)]
     if classification:
-        whole = F.abs(label) < infinity
-        checks += [
-            _RowCheck("fractional_labels", whole & (label != F.round(label)), label, _fractional_labels),
-            _RowCheck("negative_labels", whole & (label < 0), label, _negative_labels),
-        ]
+        checks += [_RowCheck("fractional_labels", _fractional_labels), _RowCheck("negative_labels", _negative_labels)]
         if classes is not None:
-            checks.append(_RowCheck("too_large_labels", whole & (label >= classes), label, _too_large_labels))
+            checks.append(_RowCheck("too_large_labels", _too_large_labels))
     return checks
+
+
+def _bad_rows(labels: np.ndarray, bad_features: np.ndarray, classes: int | None) -> dict[str, np.ndarray]:
+    """Each row check's condition over a batch: which rows meet it (null labels are NaN here,
+    and meet none: ``bad_labels`` counts them)."""
+    with np.errstate(invalid="ignore"):
+        whole = np.abs(labels) < np.inf
+        return {
+            "nonfinite_features": bad_features,
+            "infinite_labels": np.abs(labels) == np.inf,
+            "fractional_labels": whole & (labels != np.round(labels)),
+            "negative_labels": whole & (labels < 0),
+            "too_large_labels": whole & (labels >= (np.inf if classes is None else classes)),
+        }
 
 
 def _nonfinite_features(name, features_col, label_col, classes, stats) -> str:
@@ -255,57 +249,113 @@ def _first_bad_row(stats: dict, check: str) -> int:
     return before + position - start
 
 
-def _statistics(prepared, checks: Sequence[_RowCheck] = ()) -> dict:
-    """One job over the prepared rows: per split, what ``prepare`` checks, and per partition
-    its row count and first row (``monotonically_increasing_id``, as ``place_rows`` reads it).
+def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None = None) -> dict:
+    """One pass over the prepared rows, in a single Spark stage (no shuffle, no query to
+    compile): per split, what ``prepare`` checks, and per partition its row count and first
+    row (as ``monotonically_increasing_id`` numbers it, which ``place_rows`` reads).
 
     For each row check: how many rows fail it and the first of them (``row``: its id,
     ``value``: what the message quotes of it); for the class-count check also the largest label.
     """
     from pyspark.sql import functions as F
 
-    # each condition once per row, here; the aggregates read its result
-    indexed = prepared.select(
-        "features", "label", "split", F.monotonically_increasing_id().alias("row"),
-        *[check.condition.alias(check.name + "_bad") for check in checks],
-    )
-    partition_checks, split_checks = [], []
-    for check in checks:
-        bad = F.col(check.name + "_bad")
-        partition_checks += [  # how many, and the first: its id and what the message quotes
-            F.count(F.when(bad, True)).alias(check.name),
-            F.min(F.when(bad, F.struct(F.col("row").alias("row"), check.example.alias("value"))))
-             .alias(check.name + "_first"),
-        ]
-        split_checks += [F.sum(check.name).alias(check.name), F.min(check.name + "_first").alias(check.name + "_first")]
-        if check.name == "too_large_labels":
-            partition_checks.append(F.max(F.when(bad, F.col("label"))).alias(check.name + "_largest"))
-            split_checks.append(F.max(check.name + "_largest").alias(check.name + "_largest"))
-    per_partition = indexed.groupBy(
-        "split", F.shiftright("row", _POSITION_BITS).cast("int").alias("partition")
-    ).agg(
-        F.count(F.lit(1)).alias("rows"),
-        F.min("row").alias("first"),
-        F.min(F.size("features")).alias("shortest"),
-        F.max(F.size("features")).alias("longest"),
-        F.sum(F.when(F.col("label").isNull() | F.isnan("label"), 1).otherwise(0)).alias("bad_labels"),
-        F.sum(F.when(F.col("features").isNull(), 1).otherwise(0)).alias("missing_features"),
-        F.min_by("features", "row").alias("first_features"),
-        F.min_by("label", "row").alias("first_label"),
-        *partition_checks,
-    )
-    per_split = per_partition.groupBy("split").agg(
-        F.sum("rows").alias("rows"),
-        F.min("shortest").alias("shortest"),
-        F.max("longest").alias("longest"),
-        F.sum("bad_labels").alias("bad_labels"),
-        F.sum("missing_features").alias("missing_features"),
-        F.min_by("first_features", "partition").alias("first_features"),
-        F.min_by("first_label", "partition").alias("first_label"),
-        F.collect_list(F.struct("partition", "rows", "first")).alias("partitions"),
-        *split_checks,
-    )
-    return {row["split"]: row.asDict() for row in per_split.collect()}
+    names = [check.name for check in checks]
+
+    def task(batches):
+        import pyarrow as pa
+
+        for split, stats in _partition_statistics(batches, names, classes).items():
+            yield pa.RecordBatch.from_pydict({"stats": [json.dumps({"split": split, **stats})]})
+
+    # the ids as place_rows numbers the rows: the same projection over the same plan
+    indexed = prepared.select("features", "label", "split", F.monotonically_increasing_id().alias("row"))
+    # in row order: by partition, then position (a local relation numbered on the driver, all
+    # in its partition 0, may still be read by several tasks: their parts are joined here)
+    parts = sorted((json.loads(row["stats"]) for row in indexed.mapInArrow(task, "stats string").collect()),
+                   key=lambda part: part["first"])
+    by_split: dict[int, dict] = {}
+    for part in parts:
+        total = by_split.setdefault(part["split"], {
+            "rows": 0, "shortest": None, "longest": None, "bad_labels": 0, "missing_features": 0,
+            "first_features": part["first_features"], "first_label": part["first_label"], "partitions": [],
+            **{name: 0 for name in names}, **{name + "_first": None for name in names},
+            "too_large_labels_largest": None})
+        if total["partitions"] and total["partitions"][-1]["partition"] == part["partition"]:
+            total["partitions"][-1]["rows"] += part["rows"]
+        else:
+            total["partitions"].append({key: part[key] for key in ("partition", "rows", "first")})
+        for key in ("rows", "bad_labels", "missing_features", *names):
+            total[key] += part[key]
+        for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
+            if part.get(key) is not None:
+                total[key] = part[key] if total[key] is None else pick(total[key], part[key])
+        for name in names:  # the first bad row: partitions come in order
+            if total[name + "_first"] is None:
+                total[name + "_first"] = part[name + "_first"]
+    return by_split
+
+
+def _partition_statistics(batches, names: Sequence[str], classes: int | None) -> dict[int, dict]:
+    """Inside a task: ``_statistics``'s figures of this partition (its rows numbered in
+    ``row``), by split."""
+    found: dict[int, dict] = {}
+    for batch in batches:
+        ids = batch.column(batch.schema.get_field_index("row")).to_numpy(zero_copy_only=False)
+        features = batch.column(batch.schema.get_field_index("features"))
+        label_column = batch.column(batch.schema.get_field_index("label"))
+        labels = label_column.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls: NaN
+        label_null = label_column.is_null().to_numpy(zero_copy_only=False)
+        splits = batch.column(batch.schema.get_field_index("split")).to_numpy(zero_copy_only=False)
+        missing = features.is_null().to_numpy(zero_copy_only=False)
+        offsets = features.offsets.to_numpy().astype(np.int64)
+        values = features.values
+        element_null = values.is_null().to_numpy(zero_copy_only=False)
+        elements = values.to_numpy(zero_copy_only=False)
+        bad_element = element_null | ~np.isfinite(elements)
+        bad_before = np.concatenate([[0], np.cumsum(bad_element)])
+        bad_features = ~missing & (bad_before[offsets[1:]] > bad_before[offsets[:-1]])
+        lengths = np.where(missing, -1, np.diff(offsets))
+        bad = _bad_rows(labels, bad_features, classes)
+
+        def example(name: str, row: int):
+            if name != "nonfinite_features":
+                return float(labels[row])
+            index = int(np.argmax(bad_element[offsets[row]:offsets[row + 1]]))
+            at = offsets[row] + index
+            return {"index": index, "value": None if element_null[at] else float(elements[at])}
+
+        for split in np.unique(splits):
+            rows = np.flatnonzero(splits == split)
+            first = int(rows[0])
+            stats = found.get(int(split))
+            if stats is None:
+                stats = found[int(split)] = {
+                    "partition": int(ids[first]) >> _POSITION_BITS, "rows": 0, "first": int(ids[first]),
+                    "shortest": None, "longest": None, "bad_labels": 0, "missing_features": 0,
+                    "first_features": None if missing[first] else
+                    elements[offsets[first]:offsets[first + 1]].astype(float).tolist(),
+                    "first_label": None if label_null[first] else float(labels[first]),
+                    **{name: 0 for name in names}, **{name + "_first": None for name in names},
+                    "too_large_labels_largest": None}
+            stats["rows"] += len(rows)
+            present = lengths[rows][lengths[rows] >= 0]
+            if len(present):
+                shortest, longest = int(present.min()), int(present.max())
+                stats["shortest"] = shortest if stats["shortest"] is None else min(stats["shortest"], shortest)
+                stats["longest"] = longest if stats["longest"] is None else max(stats["longest"], longest)
+            stats["bad_labels"] += int(np.count_nonzero(np.isnan(labels[rows])))
+            stats["missing_features"] += int(np.count_nonzero(missing[rows]))
+            for name in names:
+                failed = rows[bad[name][rows]]
+                stats[name] += len(failed)
+                if len(failed) and stats[name + "_first"] is None:
+                    stats[name + "_first"] = {"row": int(ids[failed[0]]),
+                                              "value": example(name, int(failed[0]))}
+                if name == "too_large_labels" and len(failed):
+                    largest = float(labels[failed].max())
+                    previous = stats["too_large_labels_largest"]
+                    stats["too_large_labels_largest"] = largest if previous is None else max(previous, largest)
+    return found
 
 
 def _shape(frame, features_col: str, label_col: str, name: str):
