@@ -236,3 +236,17 @@ def test_plotting_without_matplotlib_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ConfigurationError, match=r"pip install 'allreduce-param\[plot\]'"):
         History(steps=[{"epoch": 0, "step": 0, "loss": 1.0, "samples": 1}]).plot("unused.png")
+
+
+def test_the_history_says_where_the_fits_time_went(spark, capsys):
+    from allreduce_param.train.result import PHASES
+
+    X, y = np.random.default_rng(0).standard_normal((64, 3)).astype(np.float32), np.zeros(64)
+    y[::2] = 1
+    data = spark.createDataFrame([(row.tolist(), float(label)) for row, label in zip(X, y)], "features array<float>, label double")
+    result = DistriOptimizer(models.SoftmaxRegression(3, 2), optim.SGD(lr=0.1), batch_size=16, epochs=2,
+                             num_workers=2, progress=False, verbose=True).fit(data)
+    phases = result.history.phases
+    assert list(phases) == list(PHASES) and all(seconds >= 0 for seconds in phases.values())
+    assert sum(phases.values()) == pytest.approx(result.history.seconds, abs=0.05)  # they add up to the fit
+    assert capsys.readouterr().out.strip().endswith(result.history.phases_line())

@@ -26,7 +26,7 @@ from .data import arrays_from_arrow, arrays_from_pairs, prepare
 from .partitioning import check_scheme, place_pairs, place_rows
 from .progress import ProgressBar, ProgressMerger
 from .slots import check_no_dynamic_allocation, task_slots
-from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, merge_epoch, merge_step
+from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, fit_phases, merge_epoch, merge_step
 from .worker import TrainingJob, train_partition, workload_shares
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class DistriOptimizer:
     While it runs, every step comes to the driver: ``progress`` shows a bar (terminal or
     notebook), ``log_path`` appends each step and epoch as a JSON line, and ``listener``,
     a callable ``(kind, fields)``, gets ``"start"``, ``"step"`` and ``"epoch"`` events.
+    ``verbose=True`` prints where the fit's time went (``History.phases``) when it ends.
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class DistriOptimizer:
         checkpoint_dir: str | None = None,
         checkpoint_every: int | str | None = None,
         checkpoint_keep: int = 2,
+        verbose: bool = False,
     ) -> None:
         for name in ("init", "loss_and_grad", "predict"):
             if not callable(getattr(model, name, None)):
@@ -149,6 +151,7 @@ class DistriOptimizer:
         self.progress = progress
         self.log_path = log_path
         self.listener = listener
+        self.verbose = verbose
 
     def fit(self, data: DataFrame | RDD, features_col: str = "features", label_col: str = "label",
             validation: DataFrame | None = None, resume_from: str | None = None) -> TrainedModel:
@@ -160,7 +163,7 @@ class DistriOptimizer:
         before any task starts; a failing task raises ``TrainingError`` naming its
         partition, epoch and step.
         """
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         check_no_dynamic_allocation(data.sparkSession.sparkContext if hasattr(data, "sparkSession") else
                                     getattr(data, "context", None))
         resume = self._resume_point(resume_from) if resume_from is not None else None
@@ -213,6 +216,9 @@ class DistriOptimizer:
                                        records["updates"])
         history.resumed = records["resumed"]
         history.checkpoints = None if checkpoints is None else checkpoints.directory
+        history.phases = fit_phases(started_at, records["submitted"], time.time(), records["clocks"])
+        if self.verbose:
+            print(history.phases_line(), flush=True)
         return TrainedModel(self.model, records["weights"], history, n_features)
 
     def _settings(self) -> dict:
@@ -324,7 +330,10 @@ class DistriOptimizer:
             def task(batches):
                 import pyarrow as pa
 
-                for kind, payload in train_partition(job, *arrays_from_arrow(batches, job.n_features)):
+                started = time.time()
+                arrays = arrays_from_arrow(batches, job.n_features)
+                clock = {"started": started, "loaded": time.time()}
+                for kind, payload in train_partition(job, *arrays, clock=clock):
                     yield pa.RecordBatch.from_pydict({"kind": [kind], "payload": [payload]})
 
             # A shuffle after the barrier stage makes it a map stage, which Spark retries
@@ -333,14 +342,18 @@ class DistriOptimizer:
                              shaped.mapInArrow(task, _OUTPUT_SCHEMA, barrier=True).repartition(1).collect()]
         else:
             def task(pairs):
-                yield from train_partition(job, *arrays_from_pairs(pairs, job.n_features))
+                started = time.time()
+                arrays = arrays_from_pairs(pairs, job.n_features)
+                yield from train_partition(job, *arrays, clock={"started": started, "loaded": time.time()})
 
             stage = lambda: shaped.barrier().mapPartitions(task).repartition(1).collect()  # noqa: E731
+        submitted = time.time()
         try:
             output = stage()
         except Exception as error:
             raise _task_error(error) from error  # Spark's own report stays on it, as the cause
-        records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "resumed": [], "weights": None}
+        records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "resumed": [], "weights": None,
+                                   "clocks": [], "submitted": submitted}
         for kind, payload in output:
             if kind == "steps":
                 records["steps"].append(np.frombuffer(payload, dtype=np.float64).reshape(-1, len(STEP_FIELDS)))
@@ -349,6 +362,8 @@ class DistriOptimizer:
             elif kind == "updates":
                 records["updates"].append(
                     np.frombuffer(payload, dtype=np.float64).reshape(-1, len(UPDATE_FIELDS) + workers))
+            elif kind == "clock":
+                records["clocks"].append(json.loads(bytes(payload)))
             elif kind == "resumed":
                 records["resumed"] = json.loads(bytes(payload))
             elif kind == "weights":

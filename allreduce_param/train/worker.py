@@ -140,15 +140,17 @@ def all_counts(p: ConnectedParameter, rows: int) -> list[int]:
 
 
 def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.ndarray,
-                    rendezvous: Rendezvous | None = None) -> Iterator[tuple[str, bytes]]:
+                    rendezvous: Rendezvous | None = None, clock: dict | None = None) -> Iterator[tuple[str, bytes]]:
     """Run the whole fit on this partition; yields ``(kind, payload)`` records for the driver.
 
     Kinds: ``steps`` (this partition's record of every global step, float64), ``epochs``
     (JSON: this partition's share of each epoch's metrics), ``updates`` (with backup
     workers: which partitions' gradients each of this owner's updates took), and from
-    partition 0 ``weights`` (the final float32 vector). ``rendezvous`` defaults to the
-    Spark barrier stage's.
+    partition 0 ``weights`` (the final float32 vector), and ``clock`` (JSON: ``clock``, the
+    task's ``time.time()`` when it ``started`` and had ``loaded`` its rows, with when it
+    ``met`` its peers and ``trained``). ``rendezvous`` defaults to the Spark barrier stage's.
     """
+    clock = dict(clock or {"started": time.time(), "loaded": time.time()})
     X_train, y_train = X[split == TRAIN], y[split == TRAIN]
     X_valid, y_valid = X[split == VALIDATION], y[split == VALIDATION]
     compute = SubBatches(job.model, job.threads)
@@ -157,15 +159,18 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
         if rendezvous is None and job.driver is not None:
             rendezvous = DriverRendezvous(job.driver)
         with job.param.connect(rendezvous) as p:
+            clock["met"] = time.time()
             fit = _Fit(job, p, compute, X_train, y_train, X_valid, y_valid, reporter)
             try:
                 fit.run()
+                clock["trained"] = time.time()
             except Exception as error:
                 # raised inside the with-block, so the peers hear where it happened too
                 place = "".join(f", {k} {v}" for k, v in fit.where.items() if v is not None)
                 raise TrainingError(f"partition {p.partition_id}{place}: {type(error).__name__}: {error}") from error
         yield "steps", np.asarray(fit.records, dtype=np.float64).reshape(-1, len(STEP_FIELDS)).tobytes()
         yield "epochs", json.dumps(fit.epochs).encode()
+        yield "clock", json.dumps(clock).encode()
         if job.param.strategy.backup_workers:
             yield "updates", fit.updates_table().tobytes()
         if p.partition_id == 0:
