@@ -133,6 +133,30 @@ def test_zero_rows_give_zero_loss_zero_gradient_zero_count(model):
     assert model.predict(w, X).shape[0] == 0
 
 
+def test_loss_and_predictions_are_the_loss_and_predict_of_one_forward_pass(model):
+    w = perturbed_init(model)
+    X, y = sample(model, rows=11)
+    loss, predictions, count = model.loss_and_predictions(w, X, y)
+    assert count == 11 and loss == pytest.approx(model.loss_and_grad(w, X, y)[0], rel=1e-6)
+    expected = model.predict(w, X)
+    assert predictions.dtype == expected.dtype
+    np.testing.assert_array_equal(predictions, expected)
+    empty = model.loss_and_predictions(w, *sample(model, rows=0))
+    assert (empty[0], empty[1].shape[0], empty[2]) == (0.0, 0, 0)
+
+
+def test_evaluation_gives_the_same_with_or_without_loss_and_predictions(model):
+    from allreduce_param.train.worker import evaluate
+
+    class Plain:  # the model's protocol without the optional call
+        task = model.task
+        loss_and_grad, predict = model.loss_and_grad, model.predict
+
+    w = perturbed_init(model)
+    X, y = sample(model, rows=23)
+    assert evaluate(model, w, X, y) == pytest.approx(evaluate(Plain(), w, X, y), rel=1e-6)
+
+
 def test_inputs_are_left_untouched_and_read_only_inputs_work(model):
     X, y = sample(model, rows=5)
     w = perturbed_init(model)

@@ -32,6 +32,19 @@ def test_loss_and_gradient_are_torchs_own_summed_over_rows():
     assert model.loss_and_grad(weights, X[:0], y[:0])[2] == 0
 
 
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+def test_loss_and_predictions_are_the_loss_and_predict_without_a_backward_pass(loss):
+    model = models.TorchModel(net, loss=loss)
+    weights = model.init(np.random.default_rng(1))
+    X, y = blobs(9, 6, 3, seed=2)
+    y = y if loss == "cross_entropy" else np.random.default_rng(3).standard_normal((9, 3)).astype(np.float32)
+    total, predictions, count = model.loss_and_predictions(weights, X, y)
+    assert count == 9 and total == pytest.approx(model.loss_and_grad(weights, X, y)[0], rel=1e-6)
+    np.testing.assert_array_equal(predictions, model.predict(weights, X))
+    empty = model.loss_and_predictions(weights, X[:0], y[:0])
+    assert (empty[0], len(empty[1]), empty[2]) == (0.0, 0, 0)
+
+
 def test_init_is_reproducible_from_the_seed():
     model = models.TorchModel(net)
     assert np.array_equal(model.init(np.random.default_rng(3)), model.init(np.random.default_rng(3)))

@@ -84,6 +84,24 @@ def test_save_load_and_predict_round_trip(spark, tmp_path):
     assert np.allclose([row["prediction"] for row in predicted], result.predict_numpy(X), rtol=1e-5, atol=1e-5)
     with pytest.raises(InputError, match="holds no saved model"):
         TrainedModel.load(tmp_path)
+    assert loaded.history.phases == result.history.phases
+
+
+def test_predict_broadcasts_the_weights_once_per_model_and_again_when_they_change(spark):
+    X, y = regression_data(rows=30)
+    data = frame(spark, X, y, vectors=True)
+    model = TrainedModel(models.LinearRegression(5), np.arange(6, dtype=np.float32))
+
+    def predictions():
+        return np.array([row["prediction"] for row in model.predict(data).select("prediction").collect()])
+
+    first = predictions()
+    held = model._broadcast[2]
+    np.testing.assert_allclose(predictions(), first)
+    assert model._broadcast[2] is held  # the second call reused it
+    model.weights = -model.weights
+    np.testing.assert_allclose(predictions(), -first, rtol=1e-6)
+    assert model._broadcast[2] is not held
 
 
 class Ridge:

@@ -29,8 +29,11 @@ class Model(Protocol):
     ``0..num_classes-1`` (the built-in classifiers have it; ``None`` means not known). The
     trainer checks every label against it on the driver before any task starts, so a label
     the model has no output for fails there, not at some step. Without it a classifier's
-    labels are checked to be whole numbers >= 0 only. (It is not a member of this
-    protocol, so ``isinstance(model, Model)`` holds without it.)
+    labels are checked to be whole numbers >= 0 only. Optional too:
+    ``loss_and_predictions(weights, X, y) -> (loss_sum, predictions, count)``, the loss and
+    what ``predict`` gives from one forward pass; evaluation uses it when it is there, and
+    ``loss_and_grad`` then ``predict`` otherwise. (Neither is a member of this protocol, so
+    ``isinstance(model, Model)`` holds without them.)
 
     Models travel to Spark tasks inside closures, so they must pickle, and should hold no
     large state; they may be called from several threads at once.

@@ -156,6 +156,20 @@ class DenseNetwork:
         loss = self._head.loss_and_delta(outputs[-1], targets)
         return loss, self._backward(params, outputs), rows
 
+    def loss_and_predictions(
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
+    ) -> tuple[float, np.ndarray, int]:
+        """``(loss_sum, predictions, count)``: the loss ``loss_and_grad`` gives and what
+        ``predict`` gives, from one forward pass and no backward one (for evaluation)."""
+        weights = self._check_weights(weights)
+        X = self._check_features(X)
+        if X.shape[0] == 0:
+            return 0.0, self.predict(weights, X), 0
+        targets = self._head.targets(y, X.shape[0], self._layers[-1])
+        z = self._forward(self.layout.views(weights), X)[-1]
+        predictions = np.array(self._head.predict(z))  # a copy: the loss overwrites z
+        return self._head.loss_and_delta(z, targets), predictions, X.shape[0]
+
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class ids (int64) for classification, float32 values for regression."""
         weights = self._check_weights(weights)

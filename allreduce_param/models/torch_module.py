@@ -110,20 +110,37 @@ class TorchModel:
             return 0.0, np.zeros(self.size, np.float32), 0
         parameters = self._parameters(weights, requires_grad=True)
         output = self._forward(parameters, X)
-        if self.loss == "cross_entropy":
-            loss = torch.nn.functional.cross_entropy(output, torch.from_numpy(np.asarray(y, np.int64)), reduction="sum")
-        else:
-            target = torch.from_numpy(np.asarray(y, np.float32)).reshape(output.shape)
-            loss = 0.5 * torch.sum((output - target) ** 2)
+        loss = self._loss(output, y)
         grads = torch.autograd.grad(loss, list(parameters.values()))
         grad = torch.cat([g.reshape(-1) for g in grads]).numpy().astype(np.float32)
         return float(loss.item()), grad, len(X)
+
+    def _loss(self, output, y):
+        """The summed loss of ``output`` against the labels ``y``."""
+        torch = _torch()
+        if self.loss == "cross_entropy":
+            return torch.nn.functional.cross_entropy(output, torch.from_numpy(np.asarray(y, np.int64)), reduction="sum")
+        target = torch.from_numpy(np.asarray(y, np.float32)).reshape(output.shape)
+        return 0.5 * torch.sum((output - target) ** 2)
+
+    def loss_and_predictions(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
+        """``(loss_sum, predictions, count)`` from one forward pass without gradients (evaluation)."""
+        torch = _torch()
+        if len(X) == 0:
+            return 0.0, self.predict(weights, X), 0
+        with torch.no_grad():
+            output = self._forward(self._parameters(weights, requires_grad=False), X)
+            return float(self._loss(output, y).item()), self._predictions(output, len(X)), len(X)
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         torch = _torch()
         with torch.no_grad():
             output = self._forward(self._parameters(weights, requires_grad=False), X)
+        return self._predictions(output, len(X))
+
+    def _predictions(self, output, rows: int) -> np.ndarray:
+        """Class ids (int64) or values (float32) from the module's output."""
         if self.task == "classification":
             return output.argmax(dim=1).numpy().astype(np.int64)
-        return output.reshape(len(X), -1).squeeze(1).numpy().astype(np.float32) if output.shape[-1] == 1 \
+        return output.reshape(rows, -1).squeeze(1).numpy().astype(np.float32) if output.shape[-1] == 1 \
             else output.numpy().astype(np.float32)

@@ -179,6 +179,21 @@ class TrainedModel:
         self.weights = weights
         self.history = history or History()
         self.n_features = n_features
+        self._broadcast: tuple | None = None  # (SparkContext, the weights array, its broadcast)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_broadcast": None}  # a broadcast belongs to its driver
+
+    def _weights_broadcast(self, spark_context):
+        """One broadcast of the weights per Spark context, made anew when ``weights`` is set
+        to another array (an array changed in place is not seen: assign a new one)."""
+        held = self._broadcast
+        if held is not None and held[0] is spark_context and held[1] is self.weights:
+            return held[2]
+        if held is not None and held[0] is spark_context:
+            held[2].unpersist()  # the tasks already running keep their copy
+        self._broadcast = (spark_context, self.weights, spark_context.broadcast(self.weights))
+        return self._broadcast[2]
 
     def __repr__(self) -> str:
         return f"TrainedModel({self.model!r}, {self.weights.size} weights)"
@@ -188,7 +203,10 @@ class TrainedModel:
         return self.model.predict(self.weights, np.asarray(X, dtype=np.float32))
 
     def predict(self, df: DataFrame, features_col: str = "features", prediction_col: str = "prediction") -> DataFrame:
-        """``df`` with a ``prediction_col`` column added (computed in the executors)."""
+        """``df`` with a ``prediction_col`` column added (computed in the executors).
+
+        The weights reach the executors as one broadcast, kept for this model's later calls.
+        """
         import pandas as pd
         from pyspark.ml.functions import vector_to_array
         from pyspark.ml.linalg import VectorUDT
@@ -199,7 +217,7 @@ class TrainedModel:
         column = F.col(features_col)
         if isinstance(df.schema[features_col].dataType, VectorUDT):
             column = vector_to_array(column, "float32")
-        model, weights = self.model, df.sparkSession.sparkContext.broadcast(self.weights)
+        model, weights = self.model, self._weights_broadcast(df.sparkSession.sparkContext)
 
         def predict(features):
             X = np.stack(features.to_numpy()).astype(np.float32) if len(features) else np.zeros((0, 1), np.float32)

@@ -78,10 +78,14 @@ def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[f
     """``[loss_sum, metric_sum, count]`` over the rows: metric is correct answers
     (classification) or the squared error (regression)."""
     total = np.zeros(3, dtype=np.float64)
+    both = getattr(model, "loss_and_predictions", None)
     for start in range(0, len(X), EVAL_CHUNK):
         rows, labels = X[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
-        loss_sum, _, count = model.loss_and_grad(weights, rows, labels)
-        predicted = model.predict(weights, rows)
+        if both is not None:  # one forward pass
+            loss_sum, predicted, count = both(weights, rows, labels)
+        else:
+            loss_sum, _, count = model.loss_and_grad(weights, rows, labels)
+            predicted = model.predict(weights, rows)
         if model.task == "classification":
             metric = float(np.sum(predicted == labels))
         else:
