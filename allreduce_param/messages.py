@@ -20,6 +20,7 @@ import threading
 from typing import Callable
 
 from .errors import AuthenticationError, ProtocolError
+from .transport import cut
 
 log = logging.getLogger(__name__)
 
@@ -127,18 +128,11 @@ class MessageServer:
 
     def close(self) -> None:
         """Stop listening, close every connection, and wait for their threads."""
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        cut([self._listener])
         self._listener.close()
         with self._lock:
             connections, threads = list(self._connections), list(self._threads)
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        cut(connections)
         for thread in threads:
             thread.join()
 

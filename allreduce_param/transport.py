@@ -101,6 +101,16 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         received += got
 
 
+def cut(connections) -> None:
+    """Shut every socket down both ways, so a thread blocked reading one wakes with its end;
+    one already gone is left alone."""
+    for conn in connections:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 def _tune(sock: socket.socket) -> None:
     # Small request frames must not wait for Nagle. The kernel's own buffer sizing measured
     # at least as fast here as fixed 1-16 MiB buffers, so those are left alone.
@@ -434,11 +444,7 @@ class BlockServer:
         self._acceptor.join(CLOSE_TIMEOUT)
         for listener in self._listeners:
             listener.close()
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        cut(connections)
         for thread in threads:
             thread.join(CLOSE_TIMEOUT)
         late = [thread.name for thread in [self._acceptor, *threads] if thread.is_alive()]
