@@ -274,25 +274,35 @@ def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None 
     parts = sorted((json.loads(row["stats"]) for row in indexed.mapInArrow(task, "stats string").collect()),
                    key=lambda part: part["first"])
     by_split: dict[int, dict] = {}
+    partitions: dict[int, list[dict]] = {}
     for part in parts:
-        total = by_split.setdefault(part["split"], {
-            "rows": 0, "shortest": None, "longest": None, "bad_labels": 0, "missing_features": 0,
-            "first_features": part["first_features"], "first_label": part["first_label"], "partitions": [],
-            **{name: 0 for name in names}, **{name + "_first": None for name in names},
-            "too_large_labels_largest": None})
-        if total["partitions"] and total["partitions"][-1]["partition"] == part["partition"]:
-            total["partitions"][-1]["rows"] += part["rows"]
+        split = part.pop("split")
+        places = partitions.setdefault(split, [])
+        if places and places[-1]["partition"] == part["partition"]:
+            places[-1]["rows"] += part["rows"]
         else:
-            total["partitions"].append({key: part[key] for key in ("partition", "rows", "first")})
-        for key in ("rows", "bad_labels", "missing_features", *names):
-            total[key] += part[key]
-        for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
-            if part.get(key) is not None:
-                total[key] = part[key] if total[key] is None else pick(total[key], part[key])
-        for name in names:  # the first bad row: partitions come in order
-            if total[name + "_first"] is None:
-                total[name + "_first"] = part[name + "_first"]
+            places.append({key: part[key] for key in ("partition", "rows", "first")})
+        by_split[split] = _merge_statistics(by_split.get(split), part, names)
+    for split, total in by_split.items():
+        total["partitions"] = partitions[split]
     return by_split
+
+
+def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> dict:
+    """``total`` (the figures of some rows) with those of ``part``, rows that come after
+    them, added; ``part`` itself when there is no total yet. The first row's features,
+    label and id, and each check's first bad row, stay the earlier ones."""
+    if total is None:
+        return part
+    for key in ("rows", "bad_labels", "missing_features", *names):
+        total[key] += part[key]
+    for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
+        if part[key] is not None:
+            total[key] = part[key] if total[key] is None else pick(total[key], part[key])
+    for name in names:
+        if total[name + "_first"] is None:
+            total[name + "_first"] = part[name + "_first"]
+    return total
 
 
 def _partition_statistics(batches, names: Sequence[str], classes: int | None) -> dict[int, dict]:
@@ -327,34 +337,25 @@ def _partition_statistics(batches, names: Sequence[str], classes: int | None) ->
         for split in np.unique(splits):
             rows = np.flatnonzero(splits == split)
             first = int(rows[0])
-            stats = found.get(int(split))
-            if stats is None:
-                stats = found[int(split)] = {
-                    "partition": int(ids[first]) >> _POSITION_BITS, "rows": 0, "first": int(ids[first]),
-                    "shortest": None, "longest": None, "bad_labels": 0, "missing_features": 0,
-                    "first_features": None if missing[first] else
-                    elements[offsets[first]:offsets[first + 1]].astype(float).tolist(),
-                    "first_label": None if label_null[first] else float(labels[first]),
-                    **{name: 0 for name in names}, **{name + "_first": None for name in names},
-                    "too_large_labels_largest": None}
-            stats["rows"] += len(rows)
             present = lengths[rows][lengths[rows] >= 0]
-            if len(present):
-                shortest, longest = int(present.min()), int(present.max())
-                stats["shortest"] = shortest if stats["shortest"] is None else min(stats["shortest"], shortest)
-                stats["longest"] = longest if stats["longest"] is None else max(stats["longest"], longest)
-            stats["bad_labels"] += int(np.count_nonzero(np.isnan(labels[rows])))
-            stats["missing_features"] += int(np.count_nonzero(missing[rows]))
+            stats = {
+                "partition": int(ids[first]) >> _POSITION_BITS, "first": int(ids[first]), "rows": len(rows),
+                "shortest": int(present.min()) if len(present) else None,
+                "longest": int(present.max()) if len(present) else None,
+                "bad_labels": int(np.count_nonzero(np.isnan(labels[rows]))),
+                "missing_features": int(np.count_nonzero(missing[rows])),
+                "first_features": None if missing[first] else
+                elements[offsets[first]:offsets[first + 1]].astype(float).tolist(),
+                "first_label": None if label_null[first] else float(labels[first]),
+                "too_large_labels_largest": None}
             for name in names:
                 failed = rows[bad[name][rows]]
-                stats[name] += len(failed)
-                if len(failed) and stats[name + "_first"] is None:
-                    stats[name + "_first"] = {"row": int(ids[failed[0]]),
-                                              "value": example(name, int(failed[0]))}
+                stats[name] = len(failed)
+                stats[name + "_first"] = {"row": int(ids[failed[0]]), "value": example(name, int(failed[0]))} \
+                    if len(failed) else None
                 if name == "too_large_labels" and len(failed):
-                    largest = float(labels[failed].max())
-                    previous = stats["too_large_labels_largest"]
-                    stats["too_large_labels_largest"] = largest if previous is None else max(previous, largest)
+                    stats["too_large_labels_largest"] = float(labels[failed].max())
+            found[int(split)] = _merge_statistics(found.get(int(split)), stats, names)
     return found
 
 
