@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .errors import AllReduceError, ConfigurationError, UsageError
@@ -97,6 +98,17 @@ def _by_partition(addresses: dict, partition_num: int) -> list[Address]:
     return [tuple(addresses[partition]) for partition in range(partition_num)]
 
 
+@dataclass
+class _Meeting:
+    """One stage's meeting at a ``MeetingPoint``: each partition's address and the task that
+    gave it, until ``decided`` says ``"met"`` or ``"allgather"``."""
+
+    deadline: float
+    addresses: dict[int, list] = field(default_factory=dict)
+    tasks: dict[int, int] = field(default_factory=dict)
+    decided: str | None = None
+
+
 class MeetingPoint:
     """The driver's side of ``DriverRendezvous``: answers every task of a stage attempt with
     all N addresses as soon as the N-th arrives.
@@ -110,7 +122,7 @@ class MeetingPoint:
     def __init__(self, partition_num: int, patience: float = MEETING_PATIENCE) -> None:
         self.partition_num = partition_num
         self.patience = patience
-        self._meetings: dict[tuple, dict] = {}
+        self._meetings: dict[int, _Meeting] = {}  # by stage id: the newest meeting of each
         self._changed = threading.Condition()
 
     def on_message(self, message: dict, reply: Reply) -> bool:
@@ -125,27 +137,26 @@ class MeetingPoint:
         stage, partition, task = message.get("stage"), int(message["partition"]), int(message.get("task", 0))
         with self._changed:
             meeting = self._meetings.get(stage)
-            if meeting is None or meeting["decided"] is not None:
-                meeting = self._meetings[stage] = {"addresses": {}, "tasks": {}, "decided": None,
-                                                   "deadline": time.monotonic() + self.patience}
-            if task >= meeting["tasks"].get(partition, -1):
-                meeting["addresses"][partition], meeting["tasks"][partition] = message["address"], task
-            if len(meeting["addresses"]) == self.partition_num:
-                meeting["decided"] = "met"
+            if meeting is None or meeting.decided is not None:
+                meeting = self._meetings[stage] = _Meeting(time.monotonic() + self.patience)
+            if task >= meeting.tasks.get(partition, -1):
+                meeting.addresses[partition], meeting.tasks[partition] = message["address"], task
+            if len(meeting.addresses) == self.partition_num:
+                meeting.decided = "met"
                 self._changed.notify_all()
-            while meeting["decided"] is None:
-                left = meeting["deadline"] - time.monotonic()
+            while meeting.decided is None:
+                left = meeting.deadline - time.monotonic()
                 if left <= 0:
-                    meeting["decided"] = "allgather"
+                    meeting.decided = "allgather"
                     log.warning("only %d of %d tasks reached the driver within %g s to meet; they meet through "
-                                "allGather instead (a second or so more)", len(meeting["addresses"]),
+                                "allGather instead (a second or so more)", len(meeting.addresses),
                                 self.partition_num, self.patience)
                     self._changed.notify_all()
                     break
                 self._changed.wait(left)
-            answer = {"kind": meeting["decided"]}
-            if meeting["decided"] == "met":
-                answer["addresses"] = {str(k): v for k, v in meeting["addresses"].items()}
+            answer = {"kind": meeting.decided}
+            if meeting.decided == "met":
+                answer["addresses"] = {str(k): v for k, v in meeting.addresses.items()}
         reply(answer)
         return True
 

@@ -271,4 +271,4 @@ def test_tasks_meet_at_the_driver_and_fall_back_to_allgather_where_it_is_out_of_
         # where partition 1 never came, the driver told partition 0 to use allGather
         assert len(meeting._meetings) == (1 if reachable else 0)
         if reachable:
-            assert next(iter(meeting._meetings.values()))["decided"] == ("met" if len(reachable) == 2 else "allgather")
+            assert next(iter(meeting._meetings.values())).decided == ("met" if len(reachable) == 2 else "allgather")
