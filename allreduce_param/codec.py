@@ -448,7 +448,7 @@ class _ScaledInt8(_Format):
         if not scale > 0:  # zeros, or NaN for a block holding NaN or Inf
             codes[:] = 0
             return
-        room = np.empty(min(_PIECE, values.size), _F32)
+        room = _WORKSPACE.magnitude
         for start, stop in _pieces(values.size):
             # dividing (not multiplying by 1 / scale) keeps |quotient| <= 127 exactly
             quotient = np.divide(values[start:stop], scale, out=room[: stop - start])

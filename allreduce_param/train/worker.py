@@ -148,11 +148,12 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
     """Run the whole fit on this partition; yields ``(kind, payload)`` records for the driver.
 
     Kinds: ``steps`` (this partition's record of every global step, float64), ``epochs``
-    (JSON: this partition's share of each epoch's metrics), ``updates`` (with backup
-    workers: which partitions' gradients each of this owner's updates took), and from
-    partition 0 ``weights`` (the final float32 vector), and ``clock`` (JSON: ``clock``, the
-    task's ``time.time()`` when it ``started`` and had ``loaded`` its rows, with when it
-    ``met`` its peers and ``trained``). ``rendezvous`` defaults to the Spark barrier stage's.
+    (JSON: this partition's share of each epoch's metrics), ``clock`` (JSON: the ``clock``
+    given, the task's ``time.time()`` when it ``started`` and had ``loaded`` its rows, with
+    when it ``met`` its peers and ``trained``), ``updates`` (with backup workers: which
+    partitions' gradients each of this owner's updates took), and from partition 0
+    ``weights`` (the final float32 vector). ``rendezvous`` defaults to meeting at the
+    driver through ``job.driver``, else the Spark barrier stage's ``allGather``.
     """
     clock = dict(clock or {"started": time.time(), "loaded": time.time()})
     X_train, y_train = X[split == TRAIN], y[split == TRAIN]
