@@ -27,6 +27,7 @@ from .layout import SliceLayout
 from .parameter import AllReduceParameter, ConnectedParameter
 from .rendezvous import BarrierRendezvous, LocalRendezvous, Rendezvous, StaticRendezvous
 from .strategy import STRATEGIES, Strategy
+from .stream import GradientStream
 from .train import DistriOptimizer, History, TrainedModel
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "optim",
     "AllReduceParameter",
     "ConnectedParameter",
+    "GradientStream",
     "CODECS",
     "Strategy",
     "STRATEGIES",

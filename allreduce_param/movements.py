@@ -151,25 +151,48 @@ class Movements:
         ``j``; the peers' first, the own last, unless not ``own`` (``reduce`` then takes it
         from ``vector`` itself). ``in_place``: ``vector``'s own bytes, to publish where they
         lie (``publish_in_place``; a raw codec and no residual) rather than copied."""
-        for step in range(1, self.partition_num + (1 if own else 0)):
-            owner = (self.partition_id + step) % self.partition_num
-            bounds = layout.bounds(owner)
-            if in_place is not None:
-                self.publish_in_place(kind, version, in_place[4 * bounds.start:4 * bounds.stop], owner, count)
-            else:
-                self.publish(kind, version, vector[bounds], destination=owner, count=count,
-                             residual=None if residual is None else residual[bounds])
+        for owner in self.scatter_order(own):
+            self.scatter_chunk(kind, version, vector, layout, count, owner, residual, in_place)
+
+    def scatter_order(self, own: bool = True) -> list[int]:
+        """The owners ``scatter`` publishes for, in its order: the peers' chunks first (from
+        the next partition on, so that not every partition serves owner 0 first), the own
+        last, unless not ``own``."""
+        return [(self.partition_id + step) % self.partition_num
+                for step in range(1, self.partition_num + (1 if own else 0))]
+
+    def scatter_chunk(self, kind: int, version: int, vector: np.ndarray, layout: SliceLayout, count: float,
+                      owner: int, residual: np.ndarray | None = None, in_place: memoryview | None = None) -> None:
+        """Publish ``owner``'s chunk of ``vector`` as ``version``: one step of ``scatter``."""
+        bounds = layout.bounds(owner)
+        if in_place is not None:
+            self.publish_in_place(kind, version, in_place[4 * bounds.start:4 * bounds.stop], owner, count)
+        else:
+            self.publish(kind, version, vector[bounds], destination=owner, count=count,
+                         residual=None if residual is None else residual[bounds])
+
+    def fetch_own_chunks(self, kind: int, version: int, layout: SliceLayout,
+                         sources: list[int]) -> dict[int, list[Future]]:
+        """Start fetching the own chunk of ``version`` from each partition of ``sources``: what
+        ``reduce`` sums. Started before the peers have published, the fetches wait for them,
+        so the chunks arrive while this partition still computes."""
+        return self.fetch_all(self.peers.worker, kind, WeightRead(version, exact=True), layout,
+                              destination=self.partition_id, sources=sources)
 
     def reduce(self, kind: int, version: int, layout: SliceLayout, out: np.ndarray,
                divisor: Callable[[float], float | None] | None = None, check: NonFiniteSum | None = None,
-               own: tuple[np.ndarray, float] | None = None) -> float:
+               own: tuple[np.ndarray, float] | None = None,
+               pending: dict[int, list[Future]] | None = None) -> float:
         """Sum the own chunk of ``version`` from every partition into ``out``, in partition
         order; returns the summed counts. ``divisor`` and ``check`` are as for ``sum``.
         ``own``: this partition's chunk and count as they are, when ``scatter`` did not
-        publish them (an exact codec would give the same bits)."""
-        sources = [j for j in range(self.partition_num) if own is None or j != self.partition_id]
-        pending = self.fetch_all(self.peers.worker, kind, WeightRead(version, exact=True), layout,
-                                 destination=self.partition_id, sources=sources)
+        publish them (an exact codec would give the same bits). ``pending``: the fetches
+        ``fetch_own_chunks`` started already; the other sources are fetched now."""
+        pending = dict(pending or {})
+        missing = [j for j in range(self.partition_num)
+                   if j not in pending and (own is None or j != self.partition_id)]
+        if missing:
+            pending.update(self.fetch_own_chunks(kind, version, layout, missing))
         if own is not None:
             values, count = own
             pending[self.partition_id] = futures = []

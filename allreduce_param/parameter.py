@@ -3,7 +3,8 @@
 Partition ``i`` of ``N`` owns slice ``i`` of the vector (``layout.SliceLayout``). Each step:
 
 1. ``get_weights``: all-gather. Fetch every owner's published weight slice.
-2. ``put_gradients``: cut the local gradient into N chunks and publish chunk ``j`` for owner ``j``.
+2. ``put_gradients``: cut the local gradient into N chunks and publish chunk ``j`` for owner ``j``
+   (or ``stream_gradients``: publish each chunk as soon as backward has finished it).
 3. ``aggregate_gradient_partition``: reduce-scatter. The owner fetches its chunk from every
    peer and sums them, in partition order, in fp32, divided by the summed sample counts.
 4. The optimizer updates ``weight_partition`` (the owned fp32 slice) in place.
@@ -24,7 +25,8 @@ from __future__ import annotations
 import functools
 import itertools
 import secrets
-from typing import Callable, Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Literal, NamedTuple
 
 import numpy as np
 
@@ -37,8 +39,20 @@ from .peers import PeerGroup
 from .rendezvous import BarrierRendezvous, Rendezvous
 from .store import EVERY_PARTITION, BlockKind
 from .strategy import Strategy, WeightRead
+from .stream import GradientStream
+from .vectors import float32_vector, writable_output
 
 _next_param_id = itertools.count()
+
+
+class _Put(NamedTuple):
+    """One put of a gradient, once checked: what its chunks are published with."""
+
+    vector: np.ndarray
+    version: int
+    count: float
+    keep_own: bool  # the own chunk is summed from ``vector``, not published
+    in_place: memoryview | None  # ``vector``'s bytes, to publish where they lie
 
 class AllReduceParameter:
     """The driver's description of one synchronised vector: its size, partitions, codec, secret.
@@ -112,30 +126,6 @@ class AllReduceParameter:
         return ConnectedParameter(self, rendezvous or BarrierRendezvous())
 
 
-def float32_vector(values, size: int | None, what: str) -> np.ndarray:
-    """``values`` as a contiguous float32 vector, if it is a floating-point vector of ``size``
-    elements (None: any but none); ``InputError`` naming ``what`` otherwise."""
-    array = np.asarray(values)
-    if array.ndim != 1 or (size is not None and array.size != size) or array.size == 0:
-        expected = f"a 1-D vector of {size} elements" if size is not None else "a non-empty 1-D vector"
-        raise InputError(f"{what}: expected {expected}, got shape {array.shape}")
-    if not np.issubdtype(array.dtype, np.floating):
-        raise InputError(f"{what}: expected floating-point values, got dtype {array.dtype}; "
-                         "convert with .astype(np.float32)")
-    return np.ascontiguousarray(array, dtype=np.float32)
-
-
-def writable_output(out: np.ndarray, size: int, what: str) -> np.ndarray:
-    """``out``, if it is an array the engine may write ``size`` float32 values into."""
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (size,) \
-            or not out.flags.c_contiguous or not out.flags.writeable:
-        described = f"dtype {out.dtype}, shape {out.shape}" if isinstance(out, np.ndarray) \
-            else f"a {type(out).__name__}"
-        raise InputError(f"{what}: expected a writeable contiguous float32 array of shape ({size},), "
-                         f"got {described}")
-    return out
-
-
 def _call(method):
     """A public call of a handle: refused once the handle failed or closed; one that fails
     partway (anything but a refusal of its arguments or order) marks the handle failed."""
@@ -197,6 +187,9 @@ class ConnectedParameter:
         self._last_read = -1  # the lowest weight version the last get_weights took
         self._puts = 0  # gradients put so far, counted from the first step
         self._owner = None  # the background owner, under strategies other than plain BSP
+        self._publisher: ThreadPoolExecutor | None = None  # publishes streamed gradients' chunks
+        self._stream_open = False
+        self._prefetched = None  # a stream's fetches of the own chunk from the peers, for the aggregate
         self._finished = False
         self._failure: BaseException | None = None  # what made a call fail partway
         self._peers = PeerGroup(param, rendezvous)
@@ -330,17 +323,71 @@ class ConnectedParameter:
         codec's rounding took from this partition's gradients is added back at the next
         put, so the rounding errors do not add up over the steps.
         """
+        put = self._start_put(gradients, count, residual, "put_gradients")
+        with self._owner_failure_first():
+            self._moves.scatter(BlockKind.GRADIENT, put.version, put.vector, self.layout, put.count, residual,
+                                own=not put.keep_own, in_place=put.in_place)
+        self._end_put(put)
+
+    @_call
+    def stream_gradients(self, gradients: np.ndarray, count: float = 1.0,
+                         residual: np.ndarray | None = None) -> GradientStream:
+        """``put_gradients``, chunk by chunk, while ``gradients`` is still being computed.
+
+        Returns a ``GradientStream``: tell it ``ready(start, stop)`` as ranges of
+        ``gradients`` become final (a backward pass, tensor by tensor), and each owner's
+        chunk is published as soon as it is whole, on a thread of the handle's, while the
+        computation goes on; under BSP this partition's own chunk also starts being
+        fetched from every peer at once, so ``aggregate_gradient_partition`` finds it
+        arriving. Close the stream (``with p.stream_gradients(...) as stream:``) once
+        ``gradients`` is final in full: that publishes what is left, as ``put_gradients``
+        would have. The published blocks are the same bits as ``put_gradients``'s.
+
+        ``count`` (the rows the gradient sums over) is needed before the rows are summed,
+        as every chunk carries it. ``gradients`` (best ``gradient_buffer()``) and
+        ``residual`` are as for ``put_gradients``, and the same call order holds: the
+        stream takes the place of the step's put. An error inside the with-block fails
+        the handle, as a failed put would.
+        """
+        put = self._start_put(gradients, count, residual, "stream_gradients")
+        if self.strategy.inline_owner:  # the peers' chunks of the own slice: fetch as they come
+            peers = [j for j in range(self.partition_num) if j != self.partition_id]
+            self._prefetched = self._moves.fetch_own_chunks(BlockKind.GRADIENT, put.version, self.layout, peers)
+
+        def publish(owner: int) -> None:
+            with self._owner_failure_first():
+                self._moves.scatter_chunk(BlockKind.GRADIENT, put.version, put.vector, self.layout, put.count,
+                                          owner, residual, put.in_place)
+
+        def closed(error: BaseException | None) -> None:
+            self._stream_open = False
+            if error is None:
+                self._end_put(put)
+            elif self._failure is None:
+                self._failure = error
+
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(1, thread_name_prefix=f"allreduce-publish-{self.partition_id}")
+        self._stream_open = True
+        return GradientStream(self.layout, self._moves.scatter_order(own=not put.keep_own), publish,
+                              self._publisher, closed, f"stream_gradients() on partition {self.partition_id}")
+
+    def _start_put(self, gradients, count, residual, what: str) -> _Put:
+        """Check a put's arguments and order, and take its version: what both puts share."""
+        if self._stream_open:
+            raise UsageError(f"{what}() on partition {self.partition_id} came while the gradient stream of "
+                             "the step is still open: close it (leave its with-block) first")
         if self._gradient_pending:
             raise UsageError(
-                f"put_gradients() was called twice on partition {self.partition_id} without "
+                f"{what}() was called twice on partition {self.partition_id} without "
                 "aggregate_gradient_partition() in between"
             )
-        vector = self._vector(gradients, self.layout.size, "put_gradients(gradients)")
+        vector = self._vector(gradients, self.layout.size, f"{what}(gradients)")
         if not float(count) >= 0:
-            raise InputError(f"put_gradients(count={count!r}) on partition {self.partition_id}: "
+            raise InputError(f"{what}(count={count!r}) on partition {self.partition_id}: "
                              "the sample count must be a number >= 0")
         if residual is not None:
-            self._output(residual, self.layout.size, "put_gradients(residual=)")
+            self._output(residual, self.layout.size, f"{what}(residual=)")
         if self.strategy.inline_owner:
             version = self._versions[BlockKind.GRADIENT] + 1
         elif self.strategy.asynchronous:
@@ -348,7 +395,7 @@ class ConnectedParameter:
         else:  # backup workers: the step of the weights it was computed from
             if self._last_read <= self._versions[BlockKind.GRADIENT]:
                 raise UsageError(
-                    f"put_gradients() on partition {self.partition_id} came without a get_weights() "
+                    f"{what}() on partition {self.partition_id} came without a get_weights() "
                     "before it: with backup workers a gradient belongs to the weights it was computed from"
                 )
             version = self._last_read
@@ -359,10 +406,11 @@ class ConnectedParameter:
         self._own_gradient = (vector[self.layout.bounds(self.partition_id)], float(count)) if keep_own else None
         handed = self._handed is not None and vector.ctypes.data == self._handed[0].ctypes.data
         in_place = handed and self.strategy.inline_owner and codec.publishes_in_place and residual is None
-        with self._owner_failure_first():
-            self._moves.scatter(BlockKind.GRADIENT, version, vector, self.layout, float(count), residual,
-                                own=not keep_own, in_place=self._handed[1] if in_place else None)
-        if in_place:
+        return _Put(vector, version, float(count), keep_own, self._handed[1] if in_place else None)
+
+    def _end_put(self, put: _Put) -> None:
+        """After every chunk of a put is published."""
+        if put.in_place is not None:
             self._handed[0].flags.writeable = False  # peers read it until our next get_weights
         self._puts += 1
         self._gradient_pending = self.strategy.inline_owner
@@ -378,6 +426,9 @@ class ConnectedParameter:
         owner does this.
         """
         self._require_inline("aggregate_gradient_partition()")
+        if self._stream_open:
+            raise UsageError(f"aggregate_gradient_partition() on partition {self.partition_id} came while the "
+                             "step's gradient stream is still open: close it (leave its with-block) first")
         if not self._gradient_pending:
             raise UsageError(
                 f"aggregate_gradient_partition() on partition {self.partition_id} came before "
@@ -390,8 +441,8 @@ class ConnectedParameter:
         total = self._moves.reduce(
             BlockKind.GRADIENT, version, self.layout, self._gradient,
             divisor=lambda total: (total if total > 0 else None) if avg is None else float(avg),
-            check=self._nonfinite_check(version), own=self._own_gradient)
-        self._gradient_pending, self._own_gradient = False, None
+            check=self._nonfinite_check(version), own=self._own_gradient, pending=self._prefetched)
+        self._gradient_pending, self._own_gradient, self._prefetched = False, None, None
         self._sends_since_aggregate = 0
         if avg is None and not total > 0:
             raise InputError(f"step {version} has nothing to divide by: every partition put count=0; "
@@ -531,11 +582,14 @@ class ConnectedParameter:
         A partition that finishes first keeps serving its last blocks until every peer has
         said it fetched them (or the timeout passes), so no peer loses a block it needs.
         """
-        self._peers.close(join=self._join_owner)
+        self._peers.close(join=self._join_threads)
 
-    def _join_owner(self) -> None:
+    def _join_threads(self) -> None:
+        """End the handle's threads: the background owner's, the publishing one."""
         if self._owner is not None:
             self._owner.join(raise_error=False)
+        if self._publisher is not None:
+            self._publisher.shutdown(wait=True)
 
     def __enter__(self) -> ConnectedParameter:
         return self
@@ -545,4 +599,4 @@ class ConnectedParameter:
             self.close()
         else:
             self._peers.fail(f"partition {self.partition_id} failed: {exc_type.__name__}: {exc}",
-                             join=self._join_owner)
+                             join=self._join_threads)
