@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+from allreduce_param.errors import InputError
 from allreduce_param.layout import TensorLayout
 from allreduce_param.models import MLP, LinearRegression, LogisticRegression, Model, SoftmaxRegression
 
@@ -143,6 +144,53 @@ def test_loss_and_predictions_are_the_loss_and_predict_of_one_forward_pass(model
     np.testing.assert_array_equal(predictions, expected)
     empty = model.loss_and_predictions(w, *sample(model, rows=0))
     assert (empty[0], empty[1].shape[0], empty[2]) == (0.0, 0, 0)
+
+
+def test_the_gradient_into_a_vector_is_the_same_and_comes_layer_by_layer_last_first(model):
+    """``loss_and_grad_into`` writes ``loss_and_grad``'s gradient and says each layer's range
+    once, as soon as it is final, the last layer first; every element is covered."""
+    w = perturbed_init(model)
+    X, y = sample(model, rows=9)
+    loss, grad, count = model.loss_and_grad(w, X, y)
+    out = np.full(model.size, np.nan, np.float32)
+    ranges = []
+
+    def ready(start, stop):
+        assert np.isfinite(out[start:stop]).all()  # written before it is said to be final
+        ranges.append((start, stop))
+
+    assert model.loss_and_grad_into(w, X, y, out, ready) == (loss, count)
+    assert np.array_equal(out, grad)
+    assert ranges == sorted(ranges, reverse=True) and ranges[0][1] == model.size
+    assert [stop for _, stop in ranges[1:]] == [start for start, _ in ranges[:-1]] and ranges[-1][0] == 0
+    assert len(ranges) == len(model.layout.names) // 2  # one range per layer: its weights and bias
+    out[:] = 1.0
+    assert model.loss_and_grad_into(w, *sample(model, rows=0), out) == (0.0, 0) and not out.any()
+    with pytest.raises(InputError, match=r"loss_and_grad_into\(out=\): expected a writeable contiguous float32"):
+        model.loss_and_grad_into(w, X, y, np.zeros(model.size))
+
+
+def test_an_override_of_loss_and_grad_is_not_skipped_by_the_inherited_optional_calls():
+    from allreduce_param.models.base import optional_call
+
+    class Regularised(MLP):
+        def loss_and_grad(self, weights, X, y):
+            return super().loss_and_grad(weights, X, y)
+
+    class Streaming(Regularised):
+        def loss_and_grad_into(self, weights, X, y, out, ready=None):
+            return super().loss_and_grad_into(weights, X, y, out, ready)
+
+    plain, overridden, both = MLP([2, 2]), Regularised([2, 2]), Streaming([2, 2])
+    assert optional_call(plain, "loss_and_grad_into", ("loss_and_grad",)) == plain.loss_and_grad_into
+    assert optional_call(overridden, "loss_and_grad_into", ("loss_and_grad",)) is None
+    assert optional_call(both, "loss_and_grad_into", ("loss_and_grad",)) == both.loss_and_grad_into
+    assert optional_call(overridden, "loss_and_predictions", ("loss_and_grad", "predict")) is None
+    assert optional_call(plain, "loss_and_predictions", ("loss_and_grad", "predict")) is not None
+    plain.predict = lambda weights, X: None  # on the instance: more specific still
+    assert optional_call(plain, "loss_and_predictions", ("loss_and_grad", "predict")) is None
+    both.loss_and_grad = lambda weights, X, y: None
+    assert optional_call(both, "loss_and_grad_into", ("loss_and_grad",)) is None
 
 
 def test_evaluation_gives_the_same_with_or_without_loss_and_predictions(model):

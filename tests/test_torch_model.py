@@ -32,6 +32,25 @@ def test_loss_and_gradient_are_torchs_own_summed_over_rows():
     assert model.loss_and_grad(weights, X[:0], y[:0])[2] == 0
 
 
+def test_the_gradient_into_a_vector_comes_parameter_by_parameter_as_autograd_finishes_it():
+    model = models.TorchModel(net)
+    weights = model.init(np.random.default_rng(0))
+    X, y = blobs(9, 6, 3, seed=0)
+    loss, grad, count = model.loss_and_grad(weights, X, y)
+    out = np.full(model.size, np.nan, np.float32)
+    ranges = []
+
+    def ready(start, stop):
+        assert np.isfinite(out[start:stop]).all()
+        ranges.append((start, stop))
+
+    assert model.loss_and_grad_into(weights, X, y, out, ready) == (loss, count)
+    assert np.array_equal(out, grad)
+    sizes = [p.numel() for p in net().parameters()]  # 72, 12, 36, 3: the last layer's are the last 39
+    assert sorted(ranges) == [(0, 72), (72, 84), (84, 120), (120, 123)]
+    assert set(ranges[:2]) == {(84, 120), (120, 123)} and sum(sizes) == model.size
+
+
 @pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
 def test_loss_and_predictions_are_the_loss_and_predict_without_a_backward_pass(loss):
     model = models.TorchModel(net, loss=loss)

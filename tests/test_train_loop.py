@@ -74,6 +74,44 @@ def test_bsp_steps_equal_single_process_minibatch_training(case):
     assert sum(s[:, 3].sum() for s in steps) == 3 * sum(counts)
 
 
+class Counted(models.MLP):
+    """An MLP that counts its calls of each kind (class-wide: the partitions are threads)."""
+
+    calls: dict = {}
+
+    def loss_and_grad(self, weights, X, y):
+        Counted.calls["loss_and_grad"] = Counted.calls.get("loss_and_grad", 0) + 1
+        return super().loss_and_grad(weights, X, y)
+
+    def loss_and_grad_into(self, weights, X, y, out, ready=None):
+        Counted.calls["into"] = Counted.calls.get("into", 0) + 1
+        return super().loss_and_grad_into(weights, X, y, out, ready)
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4", "bf16"])
+def test_overlapping_the_sync_with_backward_changes_no_bit_of_the_fit(codec):
+    """With overlap (the default) a BSP step streams its gradient as backward finishes each
+    layer; the weights and every record of the fit are those of putting it whole."""
+    X, y = blobs(150, 6, 3, seed=4)
+    parts = [(X[:50], y[:50]), (X[50:95], y[50:95]), (X[95:], y[95:])]
+    model = Counted([6, 32, 16, 3])
+    fits = {}
+    for overlap in (True, False):
+        Counted.calls = {}
+        param = AllReduceParameter(3, model.size, codec=codec, timeout=60)
+        job = TrainingJob(model, optim.Adam(lr=0.01, clip_norm=1.0), param, batch_size=24, epochs=2, seed=3,
+                          threads=None, n_features=6, has_validation=False, overlap=overlap)
+        outputs = run_workers(job, parts)
+        assert all(isinstance(output, dict) for output in outputs), outputs
+        steps = np.frombuffer(outputs[0]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))
+        fits[overlap] = (np.frombuffer(outputs[0]["weights"], np.float32), steps[:, :4], dict(Counted.calls))
+    assert np.array_equal(fits[True][0], fits[False][0])
+    assert np.array_equal(fits[True][1], fits[False][1])  # epoch, step, loss and count of every step
+    streamed, whole = fits[True][2], fits[False][2]  # loss_and_grad calls loss_and_grad_into
+    assert streamed["into"] - streamed["loss_and_grad"] == 3 * len(fits[True][1])  # each step streamed
+    assert whole["into"] == whole["loss_and_grad"] >= 3 * len(fits[True][1])  # none streamed
+
+
 def test_a_failing_step_names_partition_epoch_and_step():
     class Fragile(models.SoftmaxRegression):
         calls = 0

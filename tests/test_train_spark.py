@@ -57,6 +57,16 @@ def test_full_batch_bsp_equals_gradient_descent_on_all_rows(spark):
     assert result.history.steps[-1]["loss"] < result.history.steps[0]["loss"]
 
 
+def test_overlap_is_a_setting_of_the_fit_that_changes_no_weight(spark):
+    X, y = regression_data(rows=90)
+    data = frame(spark, X, y, vectors=True)
+    fits = [DistriOptimizer(models.MLP([5, 8, 1], task="regression"), optim.Adam(lr=0.01), batch_size=30,
+                            epochs=2, codec="lz4", num_workers=3, progress=False, overlap=overlap).fit(data)
+            for overlap in (True, False)]
+    assert np.array_equal(fits[0].weights, fits[1].weights)
+    assert fits[0].history.steps[-1]["loss"] < fits[0].history.steps[0]["loss"]
+
+
 def test_the_main_jobs_settings_reach_097_on_digits(spark):
     job = load_job(CONF_DIR / "digits.toml")
     train, test = load_data(spark, job["data"])

@@ -32,7 +32,13 @@ class Model(Protocol):
     labels are checked to be whole numbers >= 0 only. Optional too:
     ``loss_and_predictions(weights, X, y) -> (loss_sum, predictions, count)``, the loss and
     what ``predict`` gives from one forward pass; evaluation uses it when it is there, and
-    ``loss_and_grad`` then ``predict`` otherwise. (Neither is a member of this protocol, so
+    ``loss_and_grad`` then ``predict`` otherwise. And
+    ``loss_and_grad_into(weights, X, y, out, ready=None) -> (loss_sum, count)``: the same
+    loss and gradient, the gradient written into ``out`` (float32, ``len(weights)``), with
+    ``ready(start, stop)`` called as each range of ``out`` becomes final during backward
+    (each element once; every element final on return). The trainer then sends each
+    owner's chunk as soon as it is whole, overlapping the sync with the rest of backward;
+    the built-in and torch models have it. (None of these is a member of this protocol, so
     ``isinstance(model, Model)`` holds without them.)
 
     Models travel to Spark tasks inside closures, so they must pickle, and should hold no
@@ -63,3 +69,29 @@ class Model(Protocol):
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class ids (int64) for classification, float32 values for regression."""
         ...
+
+
+
+def optional_call(model, name: str, instead_of: tuple[str, ...]):
+    """The model's optional ``name`` call (``loss_and_predictions``, ``loss_and_grad_into``),
+    or None when it has none, or when a call it stands in for (``instead_of``) is defined
+    further down the class tree than it: a subclass that overrides ``loss_and_grad`` but
+    inherits ``loss_and_grad_into`` must not have its override skipped."""
+    method = getattr(model, name, None)
+    if not callable(method):
+        return None
+
+    def definer(attribute: str):
+        """Where ``attribute`` is defined: the model itself (set on the instance) or a class."""
+        if attribute in getattr(model, "__dict__", {}):
+            return model
+        return next((cls for cls in type(model).__mro__ if attribute in vars(cls)), None)
+
+    own = definer(name)
+    for other in instead_of:
+        found = definer(other)
+        if found is None or found is own or own is model:
+            continue
+        if found is model or not issubclass(own, found):
+            return None  # the other is more specific: its override must run
+    return method

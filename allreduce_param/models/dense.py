@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from ..errors import ConfigurationError, InputError
+from ..vectors import writable_output
 from ..layout import TensorLayout
 
 
@@ -143,18 +144,33 @@ class DenseNetwork:
         self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
     ) -> tuple[float, np.ndarray, int]:
         """``(loss_sum, grad_sum, count)`` over the rows of ``X``; see ``Model``."""
+        grad = np.empty(self.size, dtype=np.float32)
+        loss, rows = self.loss_and_grad_into(weights, X, y, grad)
+        return loss, grad, rows
+
+    def loss_and_grad_into(
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray,
+        ready: Callable[[int, int], None] | None = None,
+    ) -> tuple[float, int]:
+        """``(loss_sum, count)``, the gradient sum written into ``out``; ``ready(start, stop)``
+        is called as each layer's gradient (its weights and bias, which lie side by side)
+        is final, last layer first, so that it can be sent while the layers below are
+        computed. See ``Model``."""
         weights = self._check_weights(weights)
         X = self._check_features(X)
+        writable_output(out, self.size, f"{self!r}: loss_and_grad_into(out=)")
         rows = X.shape[0]
         if rows == 0:  # an empty partition: any empty label array will do
             if np.size(y) != 0:
                 raise InputError(f"{self!r}: X has 0 rows but there are {np.size(y)} labels")
-            return 0.0, np.zeros(self.size, dtype=np.float32), 0
+            out[:] = 0
+            return 0.0, 0
         targets = self._head.targets(y, rows, self._layers[-1])
         params = self.layout.views(weights)
         outputs = self._forward(params, X)
         loss = self._head.loss_and_delta(outputs[-1], targets)
-        return loss, self._backward(params, outputs), rows
+        self._backward(params, outputs, out, ready)
+        return loss, rows
 
     def loss_and_predictions(
         self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
@@ -194,13 +210,14 @@ class DenseNetwork:
             outputs.append(z)
         return outputs
 
-    def _backward(self, params: dict[str, np.ndarray], outputs: list[np.ndarray]) -> np.ndarray:
-        """The flat gradient, given ``outputs[-1]`` already holding ``d loss / d z``.
+    def _backward(self, params: dict[str, np.ndarray], outputs: list[np.ndarray], grad: np.ndarray,
+                  ready: Callable[[int, int], None] | None = None) -> None:
+        """The flat gradient into ``grad``, given ``outputs[-1]`` already holding ``d loss / d z``;
+        ``ready(start, stop)`` after each layer's part of it.
 
         Every tensor view of the result is written in full by a ``out=`` matmul or sum, so
-        the vector starts uninitialised.
+        ``grad`` may start uninitialised.
         """
-        grad = np.empty(self.size, dtype=np.float32)
         grads = self.layout.views(grad)
         delta = outputs[-1]
         for index in range(len(self._names) - 1, -1, -1):
@@ -208,10 +225,11 @@ class DenseNetwork:
             below = outputs[index]
             np.matmul(below.T, delta, out=grads[weight])
             np.sum(delta, axis=0, out=grads[bias])
+            if ready is not None:
+                ready(self.layout.offset(weight), self.layout.offset(bias) + grads[bias].size)
             if index > 0:
                 delta = delta @ params[weight].T
                 ACTIVATIONS[self._activation].backward(delta, below)
-        return grad
 
     # -- checks ---------------------------------------------------------------------------
 

@@ -10,12 +10,14 @@ run on threads) uses its own copy of the module.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import ConfigurationError, InputError
+from ..vectors import writable_output
 
 LOSSES = ("cross_entropy", "mse")
 _INIT_LOCK = threading.Lock()  # torch's random state is global to the process
@@ -105,15 +107,37 @@ class TorchModel:
                                           (torch.from_numpy(np.asarray(X, np.float32)),))
 
     def loss_and_grad(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
+        grad = np.empty(self.size, dtype=np.float32)
+        loss, rows = self.loss_and_grad_into(weights, X, y, grad)
+        return loss, grad, rows
+
+    def loss_and_grad_into(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray,
+                           ready: Callable[[int, int], None] | None = None) -> tuple[float, int]:
+        """``(loss_sum, count)``, the gradient sum written into ``out``: each parameter's part
+        as autograd finishes it (a hook on the parameter), then ``ready(start, stop)`` for
+        it, so that it can be sent while backward goes on (last layers first)."""
         torch = _torch()
+        writable_output(out, self.size, f"{self!r}: loss_and_grad_into(out=)")
         if len(X) == 0:
-            return 0.0, np.zeros(self.size, np.float32), 0
+            out[:] = 0
+            return 0.0, 0
         parameters = self._parameters(weights, requires_grad=True)
-        output = self._forward(parameters, X)
-        loss = self._loss(output, y)
-        grads = torch.autograd.grad(loss, list(parameters.values()))
-        grad = torch.cat([g.reshape(-1) for g in grads]).numpy().astype(np.float32)
-        return float(loss.item()), grad, len(X)
+        flat_out = torch.from_numpy(out)
+        start = 0
+        for tensor in parameters.values():
+            stop = start + tensor.numel()
+            tensor.register_hook(functools.partial(self._gradient_done, flat_out, start, stop, ready))
+            start = stop
+        loss = self._loss(self._forward(parameters, X), y)
+        torch.autograd.grad(loss, list(parameters.values()))  # the hooks keep what it gives
+        return float(loss.item()), len(X)
+
+    @staticmethod
+    def _gradient_done(flat_out, start: int, stop: int, ready, gradient) -> None:
+        """Autograd's hook: one parameter's gradient is final; write it to its place, say so."""
+        flat_out[start:stop].copy_(gradient.reshape(-1))
+        if ready is not None:
+            ready(start, stop)
 
     def _loss(self, output, y):
         """The summed loss of ``output`` against the labels ``y``."""

@@ -43,7 +43,10 @@ class DistriOptimizer:
     of the rows. ``num_workers`` defaults to the data's partition count, capped by Spark's
     free task slots. ``threads`` splits each partition's batch into sub-batches computed on
     threads: a count, or a list of relative workloads. ``seed`` fixes the initial weights
-    and the shuffles, so a fit is reproducible.
+    and the shuffles, so a fit is reproducible. ``overlap`` (on by default) lets a BSP step
+    send each owner's chunk of the gradient as soon as backward has finished it, while it
+    computes the rest, when the model can say so (``loss_and_grad_into``: the built-in and
+    torch models can) and the batch is not split over threads; the result is the same.
 
     How the partitions synchronise: ``strategy`` ``"bsp"`` (every step waits for every
     partition; with ``backup_workers=b`` it goes on with the first N-b), ``"ssp"`` (with
@@ -101,6 +104,7 @@ class DistriOptimizer:
         checkpoint_every: int | str | None = None,
         checkpoint_keep: int = 2,
         verbose: bool = False,
+        overlap: bool = True,
     ) -> None:
         for name in ("init", "loss_and_grad", "predict"):
             if not callable(getattr(model, name, None)):
@@ -152,6 +156,7 @@ class DistriOptimizer:
         self.log_path = log_path
         self.listener = listener
         self.verbose = verbose
+        self.overlap = bool(overlap)
 
     def fit(self, data: DataFrame | RDD, features_col: str = "features", label_col: str = "label",
             validation: DataFrame | None = None, resume_from: str | None = None) -> TrainedModel:
@@ -201,7 +206,8 @@ class DistriOptimizer:
                               self.threads, n_features, validation is not None,
                               driver.client(), self.sync_every, self.model_averaging,
                               checkpoints, resume, self._settings(),
-                              report_progress=bool(self.progress or self.log_path or self.listener))
+                              report_progress=bool(self.progress or self.log_path or self.listener),
+                              overlap=self.overlap)
             if hasattr(source, "mapInArrow"):
                 placed = place_rows(source, workers, self.partition_scheme, self.seed, summary.partition_counts)
             else:

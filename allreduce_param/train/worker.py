@@ -22,13 +22,14 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..codec import get_codec
-from ..errors import ConfigurationError, TrainingError
+from ..errors import ConfigurationError, InputError, TrainingError
 from ..messages import MessageClient
+from ..models.base import optional_call
 from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import DriverRendezvous, Rendezvous
@@ -53,7 +54,8 @@ class TrainingJob:
     checkpoint to start from otherwise (``fit(resume_from=...)``). ``settings``: what the
     manifest records of the fit's settings. ``driver``: the task's way to the driver, where
     the partitions meet and, with ``report_progress``, report their steps (None: they meet
-    through ``allGather`` and report nothing).
+    through ``allGather`` and report nothing). ``overlap``: under plain BSP, send the
+    gradient chunk by chunk as backward finishes it, where the model and the threads allow.
     """
 
     model: Any
@@ -72,13 +74,14 @@ class TrainingJob:
     resume: Manifest | None = None
     settings: dict | None = None
     report_progress: bool = False
+    overlap: bool = True
 
 
 def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
     """``[loss_sum, metric_sum, count]`` over the rows: metric is correct answers
     (classification) or the squared error (regression)."""
     total = np.zeros(3, dtype=np.float64)
-    both = getattr(model, "loss_and_predictions", None)
+    both = optional_call(model, "loss_and_predictions", ("loss_and_grad", "predict"))
     for start in range(0, len(X), EVAL_CHUNK):
         rows, labels = X[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
         if both is not None:  # one forward pass
@@ -117,6 +120,22 @@ class SubBatches:
         shares = workload_shares(threads)
         self._cuts = np.cumsum([0.0, *shares])
         self._pool = ThreadPoolExecutor(len(shares), thread_name_prefix="allreduce-subbatch") if len(shares) > 1 else None
+
+    @property
+    def streams(self) -> bool:
+        """Whether a batch's gradient can be written into a given vector range by range as
+        backward finishes it: one thread, and a model with ``loss_and_grad_into``."""
+        return self._pool is None and optional_call(self.model, "loss_and_grad_into", ("loss_and_grad",)) is not None
+
+    def into(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray,
+             ready: Callable[[int, int], None]) -> tuple[float, int]:
+        """The batch's ``(loss_sum, count)``, its gradient written into ``out`` with ``ready``
+        called for each range as it is final (only where ``streams``)."""
+        loss_sum, count = self.model.loss_and_grad_into(weights, X, y, out, ready)
+        if count != len(X):
+            raise InputError(f"the model's loss_and_grad_into gave count={count!r} for a batch of {len(X)} rows; "
+                             "it must be the number of rows")
+        return loss_sum, count
 
     def __call__(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
         if self._pool is None or len(X) < len(self._cuts) - 1:
@@ -224,6 +243,9 @@ class _Fit:
         self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
         self._report = reporter.send if reporter is not None else (lambda kind, **fields: None)
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
+        # overlap: send the gradient as backward finishes it (BSP, where the checkpoints are
+        # this thread's, so a step's record is kept before any other thread sees its gradient)
+        self._streams = job.overlap and p.strategy.inline_owner and job.sync_every == 1 and compute.streams
 
     # ---- the plan ------------------------------------------------------------------------
 
@@ -292,6 +314,8 @@ class _Fit:
         record, kept before the put (a checkpoint a background owner writes once the gradient
         is in then already holds it), its put time filled in after."""
         X, y = self._batch(index)
+        if self._streams:
+            return self._compute_streaming(index, X, y, read_s)
         started = time.perf_counter()
         loss_sum, grad_sum, count = self.compute(self.weights, X, y)
         if clip_own:
@@ -299,6 +323,19 @@ class _Fit:
         computed = time.perf_counter()
         record = self._record(index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0), staleness)
         self.p.put_gradients(grad_sum, count=count, residual=self._residual)
+        record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
+        return record
+
+    def _compute_streaming(self, index: int, X: np.ndarray, y: np.ndarray, read_s: float) -> np.ndarray:
+        """``_compute_and_put`` under plain BSP with overlap: each owner's chunk of the gradient
+        leaves as soon as backward has finished it (``stream_gradients``); the put time is
+        what was left to send once backward was done."""
+        gradient = self.p.gradient_buffer()
+        started = time.perf_counter()
+        with self.p.stream_gradients(gradient, count=len(X), residual=self._residual) as stream:
+            loss_sum, count = self.compute.into(self.weights, X, y, gradient, stream.ready)
+            computed = time.perf_counter()
+        record = self._record(index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0))
         record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
         return record
 
