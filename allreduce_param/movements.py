@@ -351,8 +351,10 @@ class Movements:
                     expect=(kind, source, destination, part, version), checksum=not in_place, payload=payload,
                 )
             except BaseException as error:
-                if isinstance(error, (PeerLostError, AuthenticationError)):
-                    peers.peer_done(source)  # gone, or not of this parameter: it fetches nothing from us
+                if isinstance(error, (PeerLostError, AuthenticationError)) and not channel.aborted:
+                    # gone, or not of this parameter: it fetches nothing from us (a fetch we
+                    # cut ourselves, failing, says nothing of the peer, which may still wait on us)
+                    peers.peer_done(source)
                 for future in futures[part:]:
                     future.set_exception(error)
                 return

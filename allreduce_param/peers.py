@@ -64,6 +64,7 @@ class Channel:
         self.clients = clients
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) if threads else None
         self.reader = object()  # who reads the own store through this channel (for its holds)
+        self.aborted = False  # abort() was called: a fetch failing now says nothing of the peer
         self._receive: dict[int, bytearray] = {}
         self._scratch: dict[int, np.ndarray] = {}
 
@@ -83,6 +84,7 @@ class Channel:
 
     def abort(self) -> None:
         """Wake every fetch that waits on a peer; no new connection is made."""
+        self.aborted = True
         for client in self.clients.values():
             client.abort()
 
@@ -160,6 +162,12 @@ class PeerGroup:
         if source == self.partition_id:
             return True
         return self.shared is not None and channel.clients[source].local_name is not None
+
+    @property
+    def remote_peers(self) -> int:
+        """How many peers are reached over TCP (on other hosts, or with Unix sockets off)
+        rather than over a Unix socket on this host."""
+        return sum(client.local_name is None for client in self.worker.clients.values())
 
     def room(self, nbytes: int) -> memoryview:
         """``nbytes`` of writable memory whose contents can be published where they lie: in

@@ -130,16 +130,19 @@ def test_misuse_of_a_stream_is_refused_with_what_to_do(misuse, error, fragment):
 def test_an_error_during_backward_fails_the_handle_and_reaches_the_peers():
     """A model that raises mid-stream leaves a half-published gradient: the handle takes no
     more calls, and the peer waiting for the missing chunk hears why rather than hang."""
+    weights_read = threading.Barrier(2)  # both are past get_weights: the peer then waits on the chunk
+
     def body(p):
         p.init(np.zeros(100))
         p.get_weights()
+        weights_read.wait(30)
         g = p.gradient_buffer()
         try:
             with p.stream_gradients(g, count=1.0) as stream:
-                stream.ready(50, 100)  # owner 1's chunk leaves
                 if p.partition_id == 0:
+                    stream.ready(0, 50)  # the own chunk; owner 1's never comes
                     raise RuntimeError("backward broke")
-                stream.ready(0, 50)
+                stream.ready(0, 100)
         except RuntimeError:
             with pytest.raises(UsageError, match="failed in an earlier call .*backward broke"):
                 p.aggregate_gradient_partition()
