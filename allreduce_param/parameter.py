@@ -196,6 +196,12 @@ class ConnectedParameter:
         self._moves = Movements(self._peers, get_codec(param.codec), get_codec(param.gradient_codec))
 
     @property
+    def remote_peers(self) -> int:
+        """How many peers this partition reaches over TCP (on other hosts, or with
+        ``unix_sockets=False``); the others share its host and are reached over Unix sockets."""
+        return self._peers.remote_peers
+
+    @property
     def _closed(self) -> bool:
         return self._peers.closed
 

@@ -112,6 +112,22 @@ def test_overlapping_the_sync_with_backward_changes_no_bit_of_the_fit(codec):
     assert whole["into"] == whole["loss_and_grad"] >= 3 * len(fits[True][1])  # none streamed
 
 
+@pytest.mark.parametrize("transport, streamed", [({}, False), ({"unix_sockets": False}, True)])
+def test_overlap_auto_streams_where_a_peer_is_reached_over_the_network(transport, streamed):
+    """On one host the sync is memory copies and encoding, which would only compete with
+    backward for the cores; over TCP (as between hosts) there is wire time to hide."""
+    X, y = blobs(60, 6, 3, seed=4)
+    model = Counted([6, 8, 3])
+    Counted.calls = {}
+    param = AllReduceParameter(2, model.size, codec="lz4", timeout=60, **transport)
+    job = TrainingJob(model, optim.SGD(lr=0.1), param, batch_size=20, epochs=1, seed=0, threads=None,
+                      n_features=6, has_validation=False)  # overlap="auto", the default
+    outputs = run_workers(job, [(X[:30], y[:30]), (X[30:], y[30:])])
+    assert all(isinstance(output, dict) for output in outputs), outputs
+    steps = len(np.frombuffer(outputs[0]["steps"], np.float64).reshape(-1, len(STEP_FIELDS)))
+    assert Counted.calls["into"] - Counted.calls["loss_and_grad"] == (2 * steps if streamed else 0)
+
+
 def test_a_failing_step_names_partition_epoch_and_step():
     class Fragile(models.SoftmaxRegression):
         calls = 0
@@ -141,6 +157,7 @@ def test_a_failing_step_names_partition_epoch_and_step():
     ({"codec": "zip"}, "unknown codec 'zip'"),
     ({"threads": 0}, "threads must be a positive count or a list of positive workloads, got 0"),
     ({"threads": [1.0, -2.0]}, r"threads must be .* got \[1.0, -2.0\]"),
+    ({"overlap": "sometimes"}, "overlap must be True, False or 'auto', got 'sometimes'"),
 ])
 def test_settings_are_checked_when_the_optimizer_is_made(settings, message):
     from allreduce_param import ConfigurationError, DistriOptimizer

@@ -43,10 +43,13 @@ class DistriOptimizer:
     of the rows. ``num_workers`` defaults to the data's partition count, capped by Spark's
     free task slots. ``threads`` splits each partition's batch into sub-batches computed on
     threads: a count, or a list of relative workloads. ``seed`` fixes the initial weights
-    and the shuffles, so a fit is reproducible. ``overlap`` (on by default) lets a BSP step
-    send each owner's chunk of the gradient as soon as backward has finished it, while it
-    computes the rest, when the model can say so (``loss_and_grad_into``: the built-in and
-    torch models can) and the batch is not split over threads; the result is the same.
+    and the shuffles, so a fit is reproducible. ``overlap`` lets a BSP step send each
+    owner's chunk of the gradient as soon as backward has finished it, while it computes
+    the rest, when the model can say so (``loss_and_grad_into``: the built-in and torch
+    models can) and the batch is not split over threads; the result is the same bits.
+    ``"auto"`` (the default) does so on the partitions that reach a peer over the network,
+    where there is wire time to hide; on one host the sync is memory copies and encoding,
+    which would only compete with backward for the cores. True or False: always, never.
 
     How the partitions synchronise: ``strategy`` ``"bsp"`` (every step waits for every
     partition; with ``backup_workers=b`` it goes on with the first N-b), ``"ssp"`` (with
@@ -104,7 +107,7 @@ class DistriOptimizer:
         checkpoint_every: int | str | None = None,
         checkpoint_keep: int = 2,
         verbose: bool = False,
-        overlap: bool = True,
+        overlap: bool | str = "auto",
     ) -> None:
         for name in ("init", "loss_and_grad", "predict"):
             if not callable(getattr(model, name, None)):
@@ -156,7 +159,9 @@ class DistriOptimizer:
         self.log_path = log_path
         self.listener = listener
         self.verbose = verbose
-        self.overlap = bool(overlap)
+        if overlap not in (True, False, "auto"):
+            raise ConfigurationError(f"overlap must be True, False or 'auto', got {overlap!r}")
+        self.overlap = overlap
 
     def fit(self, data: DataFrame | RDD, features_col: str = "features", label_col: str = "label",
             validation: DataFrame | None = None, resume_from: str | None = None) -> TrainedModel:

@@ -55,7 +55,8 @@ class TrainingJob:
     manifest records of the fit's settings. ``driver``: the task's way to the driver, where
     the partitions meet and, with ``report_progress``, report their steps (None: they meet
     through ``allGather`` and report nothing). ``overlap``: under plain BSP, send the
-    gradient chunk by chunk as backward finishes it, where the model and the threads allow.
+    gradient chunk by chunk as backward finishes it, where the model and the threads allow:
+    True, False, or ``"auto"``: when some peer is reached over the network.
     """
 
     model: Any
@@ -74,7 +75,7 @@ class TrainingJob:
     resume: Manifest | None = None
     settings: dict | None = None
     report_progress: bool = False
-    overlap: bool = True
+    overlap: bool | str = "auto"
 
 
 def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
@@ -245,7 +246,8 @@ class _Fit:
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
         # overlap: send the gradient as backward finishes it (BSP, where the checkpoints are
         # this thread's, so a step's record is kept before any other thread sees its gradient)
-        self._streams = job.overlap and p.strategy.inline_owner and job.sync_every == 1 and compute.streams
+        wanted = p.remote_peers > 0 if job.overlap == "auto" else job.overlap
+        self._streams = wanted and p.strategy.inline_owner and job.sync_every == 1 and compute.streams
 
     # ---- the plan ------------------------------------------------------------------------
 
