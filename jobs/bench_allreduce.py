@@ -460,10 +460,14 @@ def without_link(argv: list[str]) -> list[str]:
     return rest
 
 
-def run_in_links(rates: list[str], argv: list[str], burst: str) -> int:
-    """Run this benchmark again once per rate, each inside a private network namespace with its
-    loopback limited to the rate (``host``: as it is, no namespace); then print one table of
-    them all. The exit status is that of the first run that failed, else 0."""
+def run_in_links(rates: list[str], argv: list[str], burst: str, script: str = __file__, group: str = "size",
+                 print_all=lambda rows: print_table(rows, with_link=True)) -> int:
+    """Run the benchmark ``script`` (this one by default) again once per rate, each inside a
+    private network namespace with its loopback limited to the rate (``host``: as it is, no
+    namespace); then ``print_all`` of their rows, grouped by the field ``group``, in the
+    order of the rates within a group. The script takes ``--inside-link RATE``,
+    ``--link-burst`` and ``--results FILE`` (where it leaves its rows as JSON). The exit
+    status is that of the first run that failed, else 0."""
     rates = [rate.strip() for rate in rates if rate.strip()]
     for rate in rates:
         if rate != HOST:
@@ -476,7 +480,7 @@ def run_in_links(rates: list[str], argv: list[str], burst: str) -> int:
                 print(f"error: {problem}", file=sys.stderr)
                 return 2
     rest = without_link(argv)
-    script = os.path.abspath(__file__)
+    script = os.path.abspath(script)
     status, rows = 0, []
     with tempfile.TemporaryDirectory(prefix="bench-link-") as scratch:
         for number, rate in enumerate(rates):
@@ -499,9 +503,10 @@ def run_in_links(rates: list[str], argv: list[str], burst: str) -> int:
                 rows += json.loads(Path(results).read_text())
     if len(rates) > 1 and rows:
         order = {rate: i for i, rate in enumerate(rates)}
-        rows.sort(key=lambda row: (row["size"], order[row["link"]]))  # stable: each run's order within
+        groups = {row[group]: None for row in rows}  # in the order they first came
+        rows.sort(key=lambda row: (list(groups).index(row[group]), order[row["link"]]))  # stable within
         print(f"\n== all links ({', '.join(rates)})")
-        print_table(rows, with_link=True)
+        print_all(rows)
     return status
 
 

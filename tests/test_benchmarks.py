@@ -42,3 +42,13 @@ def test_bench_allreduce_refuses_an_unknown_codec():
     done = subprocess.run([sys.executable, str(REPO / "jobs" / "bench_allreduce.py"), "--codecs", "zip"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown codec ['zip']" in done.stderr
+
+
+def test_bench_overlap_prints_a_row_per_model_and_codec():
+    out = run_job("bench_overlap.py", "--master", "local[2]", "--models", "mlp", "--layers", "8,16,16,3",
+                  "--codecs", "raw,lz4", "--rows", "600", "--batch", "64", "--rounds", "1")
+    table = rows(out, "| host")
+    assert [(row[1], row[3]) for row in table] == [("mlp", "raw"), ("mlp", "lz4")]
+    for row in table:  # both step times measured, and their ratio printed from them
+        off, on = (float(cell.split()[0]) for cell in row[5:7])
+        assert off > 0 and on > 0 and abs(float(row[9].split()[0]) - on / off) < 0.1  # one round: its ratio
