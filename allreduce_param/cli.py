@@ -17,7 +17,7 @@ import numpy as np
 
 from . import models, optim
 from .errors import AllReduceError, ConfigurationError
-from .session import local_spark, under_spark_submit
+from .session import local_spark, start_python_workers, under_spark_submit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -133,6 +133,7 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     if not master and not under_spark_submit():  # under spark-submit, its --master wins
         master = spark_section.get("master", "local[*]")
     spark = local_spark(master, spark_section.get("app_name", "allreduce-param train"), conf_dir)
+    warming = start_python_workers(spark)  # while the data loads on the driver
     try:
         train_df, test_df = load_data(spark, job.get("data", {}))
         model = build(models, job.get("model", {"kind": "MLP", "layers": [64, 128, 10]}), "model")
@@ -164,6 +165,7 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
         if output.get("loss_curve"):
             print(f"loss curve written to {result.history.plot(output['loss_curve'])}")
     finally:
+        warming.join()
         spark.stop()
     return 0
 

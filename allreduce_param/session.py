@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from .errors import ConfigurationError
@@ -92,3 +93,32 @@ def local_spark(master: str | None = "local[*]", app_name: str = "allreduce-para
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def start_python_workers(spark) -> threading.Thread:
+    """Start the executors' Python workers in the background, on a thread of the driver's.
+
+    A new session's first Python job pays for Spark's first job and for forking each task
+    slot's Python worker and importing numpy, Arrow and the trainer there: seconds that a
+    job which reads its data first (on the driver) can spend meanwhile instead. This runs one
+    task per slot through ``mapInArrow`` (the path a fit's data takes) that imports the
+    trainer; Spark then reuses those workers. Join the thread before stopping the session;
+    a failure here is ignored (the fit would meet it itself, with its own message).
+    """
+    slots = spark.sparkContext.defaultParallelism
+
+    def import_trainer(batches):
+        import importlib
+
+        importlib.import_module("allreduce_param.train.worker")  # what a fit's task unpickles
+        yield from batches
+
+    def run() -> None:
+        try:
+            spark.range(0, slots, numPartitions=slots).mapInArrow(import_trainer, "id long").collect()
+        except Exception:  # noqa: BLE001: only a head start; the fit reports its own errors
+            pass
+
+    thread = threading.Thread(target=run, name="allreduce-warm-up", daemon=True)
+    thread.start()
+    return thread
