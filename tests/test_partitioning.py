@@ -175,6 +175,8 @@ def test_prepare_counts_the_rows_of_each_split_and_partition(data):
     assert summary.partition_counts == tuple(train + validation)
     assert (summary.rows(TRAIN), summary.rows(VALIDATION)) == (sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
     assert summary.n_features == 2 and summary.sample[1].tolist() == [0.0]
+    # every partition of the union, the empty ones too, as Spark counts them
+    assert summary.partition_num == len(TRAIN_SIZES) + len(VALIDATION_SIZES) == data[0].rdd.getNumPartitions()
 
 
 # ---- the DataFrame path ----------------------------------------------------------------

@@ -67,6 +67,38 @@ def test_overlap_is_a_setting_of_the_fit_that_changes_no_weight(spark):
     assert fits[0].history.steps[-1]["loss"] < fits[0].history.steps[0]["loss"]
 
 
+def test_cached_data_is_checked_once_and_other_data_anew(spark, monkeypatch):
+    """Fits on the same cached DataFrame (tuning, say) run the data checks' job once; data
+    that is not cached, or other data, or data no longer cached, is checked every time."""
+    from allreduce_param.train import data as data_module
+
+    checked = []
+    real_prepare = data_module.prepare
+    monkeypatch.setattr(data_module, "prepare", lambda *args, **kwargs: checked.append(1) or real_prepare(*args, **kwargs))
+    X, y = regression_data(rows=60)
+
+    def fit(data, **settings):
+        return DistriOptimizer(models.LinearRegression(5), optim.SGD(lr=0.1), batch_size=20, epochs=1,
+                               num_workers=2, progress=False, **settings).fit(data)
+
+    cached = frame(spark, X, y, vectors=True).cache()
+    first, second = fit(cached), fit(cached)
+    fit(cached, seed=1)  # other trainer settings: the data's checks stand
+    assert len(checked) == 1 and np.array_equal(first.weights, second.weights)
+    plain = frame(spark, X, y, vectors=True)
+    fit(plain), fit(plain)
+    assert len(checked) == 3
+    X_bad = X.copy()
+    X_bad[3, 1] = np.nan
+    bad = frame(spark, X_bad, y, vectors=True).cache()
+    with pytest.raises(InputError, match="NaN"):
+        fit(bad)
+    cached.unpersist()
+    fit(cached)
+    assert len(checked) == 5
+    bad.unpersist()
+
+
 def test_the_main_jobs_settings_reach_097_on_digits(spark):
     job = load_job(CONF_DIR / "digits.toml")
     train, test = load_data(spark, job["data"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -50,11 +51,14 @@ class DataSummary:
     ``partition_counts``: one ``PartitionCount`` per (split, partition) of the prepared
     DataFrame that holds rows of that split, sorted by split then partition; what
     ``partitioning.place_rows`` needs to place rows by their index without a job of its own.
+    ``partition_num``: how many partitions the prepared DataFrame has, empty ones too (the
+    tasks of the checks' job), so the driver need not ask Spark again.
     """
 
     n_features: int
     sample: tuple  # one training row as (X [1, n_features] float32, y [1]), to try the model on
     partition_counts: tuple[PartitionCount, ...] = ()
+    partition_num: int | None = None
 
     def rows(self, split: int = TRAIN) -> int:
         """How many rows of ``split`` (TRAIN or VALIDATION) the data has."""
@@ -87,7 +91,7 @@ def prepare(df, features_col: str, label_col: str, validation=None, *, task: str
              for name, frame, split in frames]
     prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
     checks = _row_checks(task == "classification", classes)
-    stats_by_split = _statistics(prepared, checks, classes)
+    stats_by_split, partition_num = _statistics(prepared, checks, classes)
     lengths, counts = [], []
     for name, _, split in frames:
         stats = stats_by_split.get(split)
@@ -116,7 +120,47 @@ def prepare(df, features_col: str, label_col: str, validation=None, *, task: str
             sample = (np.asarray([stats["first_features"]], np.float32), np.asarray([stats["first_label"]]))
     if len(lengths) == 2 and lengths[0] != lengths[1]:
         raise InputError(f"training vectors have {lengths[0]} elements but validation vectors {lengths[1]}")
-    return prepared, DataSummary(int(lengths[0]), sample, tuple(sorted(counts)))
+    return prepared, DataSummary(int(lengths[0]), sample, tuple(sorted(counts)), partition_num)
+
+
+#: How many checked cached DataFrames ``prepare_once`` remembers (the newest).
+CHECKED_KEEP = 8
+_checked: list[tuple[tuple, list, tuple]] = []  # (settings, frames, prepare's result), newest last
+_checked_lock = threading.Lock()  # fits may run on several threads of one driver
+
+
+def prepare_once(df, features_col: str, label_col: str, validation=None, *, task: str | None = None,
+                 num_classes: int | None = None):
+    """``prepare``, once per cached data: for DataFrames that are cached (``df.cache()``), the
+    result of an earlier call with the same settings on the same data, if this process made
+    one, without its Spark job; otherwise ``prepare`` itself.
+
+    Several fits on the same cached data (tuning a learning rate, a grid search) then check
+    it once. Only cached DataFrames are remembered: their rows stay what they were when
+    checked, where a DataFrame read anew from its source might not. The same data means
+    the same query (``sameSemantics``) over the same cache.
+    """
+    frames = [df] if validation is None else [df, validation]
+    if not all(_cached(frame) for frame in frames):
+        return prepare(df, features_col, label_col, validation, task=task, num_classes=num_classes)
+    settings = (df.sparkSession.sparkContext.applicationId, features_col, label_col, task, num_classes)
+    with _checked_lock:
+        earlier = list(reversed(_checked))
+    for earlier_settings, earlier_frames, result in earlier:
+        if earlier_settings == settings and len(earlier_frames) == len(frames) \
+                and all(_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames)):
+            return result
+    result = prepare(df, features_col, label_col, validation, task=task, num_classes=num_classes)
+    with _checked_lock:
+        _checked.append((settings, frames, result))
+        del _checked[:-CHECKED_KEEP]
+    return result
+
+
+def _cached(frame) -> bool:
+    """Whether ``frame`` itself is cached (persisted at some storage level)."""
+    level = frame.storageLevel
+    return level.useMemory or level.useDisk or level.useOffHeap
 
 
 def _class_count(num_classes) -> int | None:
@@ -249,10 +293,11 @@ def _first_bad_row(stats: dict, check: str) -> int:
     return before + position - start
 
 
-def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None = None) -> dict:
+def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None = None) -> tuple[dict, int]:
     """One pass over the prepared rows, in a single Spark stage (no shuffle, no query to
     compile): per split, what ``prepare`` checks, and per partition its row count and first
-    row (as ``monotonically_increasing_id`` numbers it, which ``place_rows`` reads).
+    row (as ``monotonically_increasing_id`` numbers it, which ``place_rows`` reads); and how
+    many partitions (tasks) there are.
 
     For each row check: how many rows fail it and the first of them (``row``: its id,
     ``value``: what the message quotes of it); for the class-count check also the largest label.
@@ -263,16 +308,19 @@ def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None 
 
     def task(batches):
         import pyarrow as pa
+        from pyspark import TaskContext
 
         for split, stats in _partition_statistics(batches, names, classes).items():
             yield pa.RecordBatch.from_pydict({"stats": [json.dumps({"split": split, **stats})]})
+        yield pa.RecordBatch.from_pydict({"stats": [json.dumps({"task": TaskContext.get().partitionId()})]})
 
     # the ids as place_rows numbers the rows: the same projection over the same plan
     indexed = prepared.select("features", "label", "split", F.monotonically_increasing_id().alias("row"))
     # in row order: by partition, then position (a local relation numbered on the driver, all
     # in its partition 0, may still be read by several tasks: their parts are joined here)
-    parts = sorted((json.loads(row["stats"]) for row in indexed.mapInArrow(task, "stats string").collect()),
-                   key=lambda part: part["first"])
+    records = [json.loads(row["stats"]) for row in indexed.mapInArrow(task, "stats string").collect()]
+    tasks = [record["task"] for record in records if "task" in record]
+    parts = sorted((record for record in records if "task" not in record), key=lambda part: part["first"])
     by_split: dict[int, dict] = {}
     partitions: dict[int, list[dict]] = {}
     for part in parts:
@@ -285,7 +333,7 @@ def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None 
         by_split[split] = _merge_statistics(by_split.get(split), part, names)
     for split, total in by_split.items():
         total["partitions"] = partitions[split]
-    return by_split
+    return by_split, max(tasks) + 1
 
 
 def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> dict:

@@ -22,7 +22,7 @@ from ..parameter import AllReduceParameter
 from ..rendezvous import MeetingPoint
 from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
-from .data import arrays_from_arrow, arrays_from_pairs, prepare
+from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
 from .partitioning import check_scheme, place_pairs, place_rows
 from .progress import ProgressBar, ProgressMerger
 from .slots import check_no_dynamic_allocation, task_slots
@@ -178,8 +178,8 @@ class DistriOptimizer:
                                     getattr(data, "context", None))
         resume = self._resume_point(resume_from) if resume_from is not None else None
         if hasattr(data, "sparkSession"):
-            prepared, summary = prepare(data, features_col, label_col, validation, task=self.model.task,
-                                        num_classes=getattr(self.model, "num_classes", None))
+            prepared, summary = prepare_once(data, features_col, label_col, validation, task=self.model.task,
+                                             num_classes=getattr(self.model, "num_classes", None))
             n_features, sample = summary.n_features, summary.sample
             spark_context, source = data.sparkSession.sparkContext, prepared
         elif hasattr(data, "mapPartitions"):
@@ -193,7 +193,8 @@ class DistriOptimizer:
         else:
             raise InputError(f"fit() takes a DataFrame or an RDD of (features, label) pairs, got {type(data).__name__}")
         size = self._check_model_takes(sample, n_features)
-        workers = self._workers(source, spark_context)
+        workers = self._workers(source, spark_context,
+                                summary.partition_num if hasattr(source, "mapInArrow") else None)
         if self.batch_size < workers:
             raise InputError(
                 f"batch_size={self.batch_size} is smaller than the {workers} workers: every worker "
@@ -316,14 +317,16 @@ class DistriOptimizer:
                              f"the weights have {weights.shape}")
         return int(weights.size)
 
-    def _workers(self, source, spark_context) -> int:
-        """How many barrier tasks: the requested count, or the data's partitions, within the slots.
+    def _workers(self, source, spark_context, partitions: int | None = None) -> int:
+        """How many barrier tasks: the requested count, or the data's ``partitions`` (None:
+        ask Spark), within the slots.
 
         Refuses more tasks than Spark can run at once before the stage is submitted, where
         Spark would refuse them only then.
         """
         slots, counted = task_slots(spark_context, needed=self.num_workers or 1)
-        partitions = source.rdd.getNumPartitions() if hasattr(source, "rdd") else source.getNumPartitions()
+        if partitions is None:
+            partitions = source.rdd.getNumPartitions() if hasattr(source, "rdd") else source.getNumPartitions()
         workers = self.num_workers or max(1, min(partitions, slots))
         if workers > slots:
             raise ConfigurationError(
