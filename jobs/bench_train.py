@@ -287,12 +287,14 @@ class Run:
 
 class BudgetGuard:
     """Cancels the Spark jobs this thread starts inside the ``with`` once ``deadline``
-    (``time.time()``) has passed; ``fired`` says whether it did."""
+    (``time.time()``) has passed; ``fired`` says whether it did, and ``cut_short`` whether
+    that ended the block (whose error, of the cancel's making, is then swallowed)."""
 
     def __init__(self, spark, tag: str, deadline: float) -> None:
         self.context = spark.sparkContext
         self.tag, self.deadline = tag, deadline
         self.fired = False
+        self.cut_short = False  # the run was ended by the cancel (its error swallowed)
         self._timer: threading.Timer | None = None
 
     def _cancel(self) -> None:
@@ -307,11 +309,12 @@ class BudgetGuard:
         self._timer.start()
         return self
 
-    def __exit__(self, *exc_info) -> bool:
+    def __exit__(self, exc_type, exc, traceback) -> bool:
         self._timer.cancel()
         self.context.removeJobTag(self.tag)
         self.context.setInterruptOnCancel(False)
-        return False
+        self.cut_short = exc is not None and self.fired
+        return self.cut_short  # an error of the cancel's making ends the run; any other is raised
 
 
 @dataclass(frozen=True)
@@ -352,15 +355,12 @@ def run_ours(spark, name: str, model, train, test, settings: Settings) -> Run:
             run.evaluations.append((time.time(), int(fields["epoch"]) + 1, float(fields["val_accuracy"])))
 
     with BudgetGuard(spark, f"bench-train-{name}", run.started + settings.budget) as guard:
-        try:
-            DistriOptimizer(model, optim.Adam(lr=settings.lr), batch_size=settings.batch_size,
-                            epochs=settings.epochs, codec=settings.codec, seed=settings.seed, progress=False,
-                            listener=listen).fit(train, validation=test)
-            run.stopped = "epochs"
-        except Exception:
-            if not guard.fired:
-                raise
-            run.stopped = "budget"
+        DistriOptimizer(model, optim.Adam(lr=settings.lr), batch_size=settings.batch_size,
+                        epochs=settings.epochs, codec=settings.codec, seed=settings.seed, progress=False,
+                        listener=listen).fit(train, validation=test)
+        run.stopped = "epochs"
+    if guard.cut_short:
+        run.stopped = "budget"
     run.ended = time.time()
     return run
 
@@ -375,32 +375,29 @@ def run_mllib(spark, train, test, settings: Settings) -> Run:
     run = Run("mllib", "iterations", time.time())
     evaluator = MulticlassClassificationEvaluator(metricName="accuracy")
     with BudgetGuard(spark, "bench-train-mllib", run.started + settings.budget) as guard:
-        try:
-            vectors = train.select(array_to_vector("features").alias("features"), "label")
-            test_vectors = test.select(array_to_vector("features").alias("features"), "label")
-            weights, iterations = None, 0
-            while True:
-                classifier = MultilayerPerceptronClassifier(layers=settings.layers, seed=settings.seed,
-                                                            maxIter=settings.mllib_iters_per_round,
-                                                            blockSize=settings.mllib_block_size)
-                if weights is not None:
-                    classifier.setInitialWeights(weights)
-                fitted = classifier.fit(vectors)
-                done = fitted.summary().totalIterations
-                iterations += done
-                weights = fitted.weights
-                accuracy = evaluator.evaluate(fitted.transform(test_vectors))
-                run.evaluations.append((time.time(), iterations, accuracy))
-                if accuracy >= settings.target:
-                    run.stopped = "target"
-                    break
-                if done < settings.mllib_iters_per_round:
-                    run.stopped = "converged"
-                    break
-        except Exception:
-            if not guard.fired:
-                raise
-            run.stopped = "budget"
+        vectors = train.select(array_to_vector("features").alias("features"), "label")
+        test_vectors = test.select(array_to_vector("features").alias("features"), "label")
+        weights, iterations = None, 0
+        while True:
+            classifier = MultilayerPerceptronClassifier(layers=settings.layers, seed=settings.seed,
+                                                        maxIter=settings.mllib_iters_per_round,
+                                                        blockSize=settings.mllib_block_size)
+            if weights is not None:
+                classifier.setInitialWeights(weights)
+            fitted = classifier.fit(vectors)
+            done = fitted.summary().totalIterations
+            iterations += done
+            weights = fitted.weights
+            accuracy = evaluator.evaluate(fitted.transform(test_vectors))
+            run.evaluations.append((time.time(), iterations, accuracy))
+            if accuracy >= settings.target:
+                run.stopped = "target"
+                break
+            if done < settings.mllib_iters_per_round:
+                run.stopped = "converged"
+                break
+    if guard.cut_short:
+        run.stopped = "budget"
     run.ended = time.time()
     return run
 
@@ -481,18 +478,15 @@ def run_torch_distributor(spark, folder: Path, settings: Settings, one_machine: 
     interface = baselines._loopback_interface() if one_machine else None
     run = Run("torchdistributor", "epochs", time.time())
     with BudgetGuard(spark, "bench-train-torchdistributor", run.started + settings.budget) as guard:
-        try:
-            evaluations = TorchDistributor(num_processes=settings.partitions, local_mode=False, use_gpu=False).run(
-                distributed_training, str(folder), settings.layers, settings.lr, settings.batch_size,
-                settings.epochs, settings.seed, settings.target, threads, interface)
-            run.evaluations = [tuple(entry) for entry in evaluations]
-            run.stopped = "target" if run.evaluations and run.evaluations[-1][2] >= settings.target else "epochs"
-        except Exception:
-            if not guard.fired:
-                raise
-            run.stopped = "budget"
-            if log.exists():  # what rank 0 evaluated before the cancel
-                run.evaluations = [tuple(json.loads(line)) for line in log.read_text().splitlines() if line]
+        evaluations = TorchDistributor(num_processes=settings.partitions, local_mode=False, use_gpu=False).run(
+            distributed_training, str(folder), settings.layers, settings.lr, settings.batch_size,
+            settings.epochs, settings.seed, settings.target, threads, interface)
+        run.evaluations = [tuple(entry) for entry in evaluations]
+        run.stopped = "target" if run.evaluations and run.evaluations[-1][2] >= settings.target else "epochs"
+    if guard.cut_short:
+        run.stopped = "budget"
+        if log.exists():  # what rank 0 evaluated before the cancel
+            run.evaluations = [tuple(json.loads(line)) for line in log.read_text().splitlines() if line]
     run.ended = time.time()
     return run
 
