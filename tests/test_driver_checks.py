@@ -147,6 +147,16 @@ def test_the_first_bad_row_is_counted_across_uneven_partitions(spark):
         prepare(data, "features", "label")
 
 
+@pytest.mark.parametrize("partitions", [2, 0])
+def test_data_without_rows_is_refused_even_without_partitions(spark, partitions):
+    data = spark.createDataFrame([([1.0] * FEATURES, 0.0)], "features array<float>, label double")
+    empty = data.limit(0) if partitions == 0 else data.filter("label > 1").repartition(partitions)
+    assert empty.rdd.getNumPartitions() == partitions
+    with pytest.raises(InputError, match="the training data has no rows"):
+        DistriOptimizer(models.MLP([FEATURES, 3, CLASSES]), optim.SGD(lr=0.1), batch_size=8,
+                        progress=False).fit(empty)
+
+
 def test_refusing_runs_the_check_job_only(spark, tmp_path):
     """The failing fit submits exactly the jobs of prepare's one check query: no second pass
     over the data, no placement shuffle, no barrier stage."""

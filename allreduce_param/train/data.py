@@ -333,7 +333,7 @@ def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None 
         by_split[split] = _merge_statistics(by_split.get(split), part, names)
     for split, total in by_split.items():
         total["partitions"] = partitions[split]
-    return by_split, max(tasks) + 1
+    return by_split, max(tasks, default=-1) + 1  # a DataFrame may have no partitions at all
 
 
 def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> dict:
