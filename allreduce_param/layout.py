@@ -46,6 +46,24 @@ class SliceLayout:
         start = self.start(partition_id)
         return slice(start, start + self.length(partition_id))
 
+    def owners(self, start: int, stop: int) -> range:
+        """The partitions whose slices hold some element of ``start:stop`` (within the
+        vector), in order; none for an empty range."""
+        if not 0 <= start <= stop <= self.size:
+            raise ConfigurationError(f"elements {start}:{stop} are outside the vector of {self.size}")
+        if start == stop:
+            return range(0)
+        return range(self._owner(start), self._owner(stop - 1) + 1)
+
+    def _owner(self, index: int) -> int:
+        """The partition whose slice holds element ``index``: the first ``remainder`` slices
+        hold ``quotient + 1`` elements, the others ``quotient``."""
+        quotient, remainder = divmod(self.size, self.partition_num)
+        long_part = remainder * (quotient + 1)
+        if index < long_part:
+            return index // (quotient + 1)
+        return remainder + (index - long_part) // quotient
+
     @property
     def max_length(self) -> int:
         """The longest slice: what a buffer must hold to take any partition's slice."""

@@ -14,6 +14,7 @@ codecs: it is told how to publish one owner's chunk.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from concurrent.futures import Executor, Future
 from typing import Callable
@@ -42,7 +43,7 @@ class GradientStream:
         self._on_close = on_close
         self._what = what
         self._waiting = {owner: layout.length(owner) for owner in owners}  # elements not yet final
-        self._ranges: list[tuple[int, int]] = []  # reported so far
+        self._ranges: list[tuple[int, int]] = []  # reported so far, none empty: disjoint, by start
         self._published: list[Future] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -59,21 +60,22 @@ class GradientStream:
         with self._lock:
             if self._closed:
                 raise UsageError(f"{self._what}: ready({start}, {stop}) came after the stream was closed")
-            for done_start, done_stop in self._ranges:
+            if start == stop:
+                return
+            # the reported ranges are disjoint and sorted: only the neighbours can overlap
+            at = bisect.bisect(self._ranges, (start, stop))
+            for done_start, done_stop in self._ranges[max(0, at - 1):at + 1]:
                 if start < done_stop and done_start < stop:
                     raise InputError(f"{self._what}: ready({start}, {stop}) overlaps ready({done_start}, "
                                      f"{done_stop}) reported before; report each element once")
-            self._ranges.append((start, stop))
-            whole = []
-            for owner, waiting in self._waiting.items():
+            self._ranges.insert(at, (start, stop))
+            for owner in self._layout.owners(start, stop):
+                if owner not in self._waiting:  # the own chunk, which is not published
+                    continue
                 bounds = self._layout.bounds(owner)
-                overlap = min(stop, bounds.stop) - max(start, bounds.start)
-                if overlap > 0:
-                    self._waiting[owner] = waiting = waiting - overlap
-                    if waiting == 0:
-                        whole.append(owner)
-            for owner in whole:
-                self._submit(owner)
+                self._waiting[owner] -= min(stop, bounds.stop) - max(start, bounds.start)
+                if self._waiting[owner] == 0:
+                    self._submit(owner)
 
     def _submit(self, owner: int) -> None:
         """Publish ``owner``'s chunk on the publishing thread; under the lock."""

@@ -24,6 +24,19 @@ def test_slices_tile_the_vector_and_differ_by_at_most_one(partitions):
         assert [layout.bounds(i) for i in range(partitions)] == [slice(s, s + n) for s, n in zip(starts, lengths)]
 
 
+@pytest.mark.parametrize("partitions", range(1, 9))
+def test_the_owners_of_a_range_are_the_slices_it_touches(partitions):
+    for size in range(1, 40):
+        layout = SliceLayout(size, partitions)
+        for start in range(size + 1):
+            for stop in range(start, size + 1):
+                touched = [p for p in range(partitions)
+                           if max(start, layout.start(p)) < min(stop, layout.start(p) + layout.length(p))]
+                assert list(layout.owners(start, stop)) == touched, (size, start, stop)
+    with pytest.raises(ConfigurationError, match="elements 3:11 are outside the vector of 10"):
+        SliceLayout(10, 4).owners(3, 11)
+
+
 def test_the_formula_of_the_design():
     layout = SliceLayout(10, 4)  # q, r = 2, 2
     assert [(layout.start(i), layout.length(i)) for i in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
