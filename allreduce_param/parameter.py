@@ -54,6 +54,7 @@ class _Put(NamedTuple):
     keep_own: bool  # the own chunk is summed from ``vector``, not published
     in_place: memoryview | None  # ``vector``'s bytes, to publish where they lie
 
+
 class AllReduceParameter:
     """The driver's description of one synchronised vector: its size, partitions, codec, secret.
 

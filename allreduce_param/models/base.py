@@ -71,7 +71,6 @@ class Model(Protocol):
         ...
 
 
-
 def optional_call(model, name: str, instead_of: tuple[str, ...]):
     """The model's optional ``name`` call (``loss_and_predictions``, ``loss_and_grad_into``),
     or None when it has none, or when a call it stands in for (``instead_of``) is defined
@@ -88,10 +87,10 @@ def optional_call(model, name: str, instead_of: tuple[str, ...]):
         return next((cls for cls in type(model).__mro__ if attribute in vars(cls)), None)
 
     own = definer(name)
+    if own is model:  # set on the instance: nothing is more specific
+        return method
     for other in instead_of:
         found = definer(other)
-        if found is None or found is own or own is model:
-            continue
-        if found is model or not issubclass(own, found):
+        if found is model or (found is not None and not issubclass(own, found)):
             return None  # the other is more specific: its override must run
     return method
