@@ -22,14 +22,13 @@ peers on one host, so the job makes its parameters TCP-only to stand for that).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
 import sys
 from pathlib import Path
 from unittest import mock
-
-import numpy as np
 
 from allreduce_param import AllReduceParameter, DistriOptimizer, models, optim
 from allreduce_param.cli import synthetic
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for codec in args.codecs.split(","):
                 with mock.patch.object(distri, "AllReduceParameter", tcp_only) if args.inside_link \
-                        else _nothing():
+                        else contextlib.nullcontext():
                     times = measure(train, model, codec, args.batch, args.rounds)
                 rows.append(row(link, kind, model, codec, partitions, times))
         print_rows(rows)
@@ -152,12 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         spark.stop()
     return 0
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 if __name__ == "__main__":
