@@ -14,7 +14,7 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import ConfigurationError
-from allreduce_param.train.data import TRAIN, VALIDATION, PartitionCount, prepare
+from allreduce_param.train.data import ORDER_COLUMNS, TRAIN, VALIDATION, PartitionCount, arrays_from_arrow, prepare
 from allreduce_param.train.partitioning import (
     SCHEMES,
     check_scheme,
@@ -22,6 +22,7 @@ from allreduce_param.train.partitioning import (
     partition_keys,
     place_pairs,
     place_rows,
+    rows_in_place,
     xxhash64,
 )
 
@@ -82,8 +83,15 @@ def expected(scheme, workers, seed, n_train, n_validation=0):
 
 
 def glom(df):
-    """Per partition of ``df``, the (split, label) of its rows in order; checks features went along."""
-    parts = df.rdd.glom().map(lambda rows: [(r.split, r.label, r.features[0]) for r in rows]).collect()
+    """Per partition of ``df``, the (split, label) of its rows in order (by ``ORDER_COLUMNS``
+    where it has them); checks features went along."""
+    keyed = all(name in df.columns for name in ORDER_COLUMNS)
+
+    def rows_of(rows):
+        rows = sorted(rows, key=lambda r: (r.split, r._order, r._i)) if keyed else list(rows)
+        return [(r.split, r.label, r.features[0]) for r in rows]
+
+    parts = df.rdd.glom().map(rows_of).collect()
     assert all(label == first for part in parts for _, label, first in part)
     return [[(split, label) for split, label, _ in part] for part in parts]
 
@@ -95,15 +103,17 @@ def glom_pairs(rdd):
 
 
 def read_in_barrier(df):
-    """What each task of a barrier stage over ``df`` reads, per partition id, in order."""
+    """What each task of a barrier stage over ``df`` reads, per partition id, in order: as
+    the fit's tasks do, through ``arrays_from_arrow``."""
 
     def task(batches):
         import pyarrow as pa
         from pyspark import BarrierTaskContext
 
         partition = BarrierTaskContext.get().partitionId()
-        rows = [(split, label) for batch in batches
-                for split, label in zip(batch.column("split").to_pylist(), batch.column("label").to_pylist())]
+        X, y, split = arrays_from_arrow(batches, 2)
+        assert (X[:, 0] == y).all()
+        rows = list(zip(split.tolist(), y.tolist()))
         yield pa.RecordBatch.from_pydict(
             {"partition": [partition] * len(rows), "position": list(range(len(rows))),
              "split": [s for s, _ in rows], "label": [x for _, x in rows]},
@@ -186,7 +196,7 @@ def test_prepare_counts_the_rows_of_each_split_and_partition(data):
 def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_reads_them(data, scheme):
     prepared, summary = data
     placed = place_rows(prepared, WORKERS, scheme, 5, summary.partition_counts)
-    assert placed.columns == ["features", "label", "split"]
+    assert placed.columns == ["features", "label", "split", *ORDER_COLUMNS]
     parts = glom(placed)
     assert parts == expected(scheme, WORKERS, 5, sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
     # a second call, read by a barrier stage: the same partitions, rows and order
@@ -194,19 +204,60 @@ def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_read
     assert read_in_barrier(again) == parts
 
 
-def test_as_is_is_sparks_round_robin_in_index_order(data):
+def test_as_is_deals_each_partitions_rows_in_turn_where_it_cannot_keep_them(data):
     prepared, summary = data
+    assert rows_in_place(prepared, WORKERS, "as_is", summary) is None  # not cached, and validation rows
     parts = glom(place_rows(prepared, WORKERS, "as_is", 5, summary.partition_counts))
     assert len(parts) == WORKERS
     assert sorted(row for part in parts for row in part) == sorted(
         row for part in expected("round_robin", WORKERS, 0, sum(TRAIN_SIZES), sum(VALIDATION_SIZES)) for row in part)
     assert all(part == sorted(part) for part in parts)  # by (split, i)
     starts = [sum(TRAIN_SIZES[:p]) for p in range(len(TRAIN_SIZES))]
-    for start, size in zip(starts, TRAIN_SIZES):  # each input partition spread evenly, round robin
+    for start, size in zip(starts, TRAIN_SIZES):  # each input partition's rows spread evenly
         shares = [sum(start <= label < start + size for split, label in part if split == TRAIN) for part in parts]
         assert max(shares) - min(shares) <= 1
     again = place_rows(prepared, WORKERS, "as_is", 5, summary.partition_counts)
     assert read_in_barrier(again) == parts
+
+
+def test_as_is_keeps_cached_partitions_one_per_worker_as_they_lie(spark):
+    train = frame(spark, [3, 0, 5, 2]).cache()
+    try:
+        prepared, summary = prepare(train, "features", "label")
+        assert summary.cached and summary.partition_num == 4
+        kept = rows_in_place(prepared, 4, "as_is", summary)
+        assert kept is prepared
+        assert read_in_barrier(kept) == [[(TRAIN, 0.0), (TRAIN, 1.0), (TRAIN, 2.0)], [],
+                                         [(TRAIN, float(i)) for i in range(3, 8)], [(TRAIN, 8.0), (TRAIN, 9.0)]]
+        # any other scheme, another worker count, or validation rows: the shuffle places them
+        assert rows_in_place(prepared, 4, "contiguous", summary) is None
+        assert rows_in_place(prepared, 3, "as_is", summary) is None
+        validation = frame(spark, [1, 1, 1, 1], VALIDATION_BASE).cache()
+        with_validation, both = prepare(train, "features", "label", validation)
+        assert both.cached and rows_in_place(with_validation, 4, "as_is", both) is None
+        validation.unpersist()
+    finally:
+        train.unpersist()
+
+
+def test_a_shuffled_partition_is_put_in_order_by_its_keys():
+    import numpy as np
+    import pyarrow as pa
+
+    # rows of two splits arriving in no order, in two batches; the keys give (split, _order, _i)
+    rows = [(1, 5, 0), (0, 9, 2), (0, 9, 1), (0, 3, 7), (1, 2, 3)]
+    batches = [pa.RecordBatch.from_pydict({
+        "features": [[float(k), float(k)] for k, _ in enumerate(part, start)],
+        "label": [float(k) for k, _ in enumerate(part, start)],
+        "split": [split for split, _, _ in part],
+        "_order": [order for _, order, _ in part], "_i": [i for _, _, i in part]},
+        schema=pa.schema([("features", pa.list_(pa.float32())), ("label", pa.float64()), ("split", pa.int32()),
+                          ("_order", pa.int64()), ("_i", pa.int64())]))
+        for start, part in ((0, rows[:3]), (3, rows[3:]))]
+    X, y, split = arrays_from_arrow(batches, 2)
+    assert y.tolist() == [3.0, 2.0, 1.0, 4.0, 0.0]  # (0,3,7) (0,9,1) (0,9,2) (1,2,3) (1,5,0)
+    assert split.tolist() == [0, 0, 0, 1, 1]
+    assert X.dtype == np.float32 and X.flags.c_contiguous and (X[:, 0] == y).all()
 
 
 @pytest.mark.parametrize("scheme", ["random", "overlap_reshuffle"])

@@ -99,6 +99,71 @@ def test_cached_data_is_checked_once_and_other_data_anew(spark, monkeypatch):
     bad.unpersist()
 
 
+def stages_of(spark, call):
+    """How many stages the Spark jobs that ``call()`` submitted ran or skipped (each counted
+    once), and what it returned."""
+    import uuid
+
+    context, group = spark.sparkContext, f"stages-{uuid.uuid4().hex}"
+    context.setJobGroup(group, "counting stages")
+    try:
+        result = call()
+    finally:
+        context.setLocalProperty("spark.jobGroup.id", None)
+    tracker = context.statusTracker()
+    return len({stage for job in tracker.getJobIdsForGroup(group) for stage in tracker.getJobInfo(job).stageIds}), result
+
+
+def test_cached_data_with_a_partition_per_worker_trains_where_it_lies(spark):
+    """``as_is`` on cached data of 4 partitions with 4 workers: no placement shuffle, and
+    worker k trains on partition k, which here holds rows 30k to 30k+29, as ``contiguous``
+    places them: the same weights, bit for bit, in fewer stages."""
+    X, y = regression_data(rows=120)
+    data = frame(spark, X, y).cache()  # a local relation: 4 partitions of 30 rows, in order
+    assert data.rdd.getNumPartitions() == 4
+
+    def fit(scheme):
+        return DistriOptimizer(models.MLP([5, 8, 1], task="regression"), optim.Adam(lr=0.01), batch_size=20,
+                               epochs=2, codec="raw", num_workers=4, progress=False,
+                               partition_scheme=scheme).fit(data)
+
+    try:
+        fit("as_is")  # checks the cached data once, so both fits below run the training job alone
+        kept_stages, kept = stages_of(spark, lambda: fit("as_is"))
+        placed_stages, placed = stages_of(spark, lambda: fit("contiguous"))
+        assert np.array_equal(kept.weights, placed.weights)
+        assert kept_stages < placed_stages
+    finally:
+        data.unpersist()
+
+
+def test_data_spark_will_not_read_in_a_barrier_stage_is_shuffled_instead(spark):
+    """A cached coalesce has a partition per worker but a lineage Spark refuses a barrier
+    stage over (SPARK-24820): ``as_is`` then places the rows as ``round_robin`` does, and
+    does not offer that data's partitions again."""
+    from allreduce_param.train.data import prepare_once
+    from allreduce_param.train.partitioning import rows_in_place
+
+    X, y = regression_data(rows=120)
+    data = frame(spark, X, y).coalesce(2).cache()
+
+    def kept():
+        prepared, summary = prepare_once(data, "features", "label", task="regression")
+        return rows_in_place(prepared, 2, "as_is", summary)
+
+    def fit(scheme):
+        return DistriOptimizer(models.MLP([5, 8, 1], task="regression"), optim.Adam(lr=0.01), batch_size=20,
+                               epochs=2, codec="raw", num_workers=2, progress=False,
+                               partition_scheme=scheme).fit(data)
+
+    try:
+        assert kept() is not None
+        assert np.array_equal(fit("as_is").weights, fit("round_robin").weights)
+        assert kept() is None
+    finally:
+        data.unpersist()
+
+
 def test_the_main_jobs_settings_reach_097_on_digits(spark):
     job = load_job(CONF_DIR / "digits.toml")
     train, test = load_data(spark, job["data"])

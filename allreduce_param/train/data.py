@@ -8,7 +8,8 @@ row check is part of its one pass over the data (numpy over Arrow batches, one S
 so a bad row fails the fit there, in seconds, not as a NonFiniteGradientError or a label
 error at some step of the barrier stage.
 Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into one
-contiguous float32 matrix, once, with no per-row Python objects.
+contiguous float32 matrix, once, with no per-row Python objects, in the order the rows
+were placed in.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from ..errors import ConfigurationError, InputError
 TRAIN, VALIDATION = 0, 1
 #: The columns a prepared DataFrame has, and their Spark types.
 PREPARED_SCHEMA = "features array<float>, label double, split int"
+#: The columns a shuffled placement adds (``partitioning.place_rows``): a partition's rows
+#: belong in (split, _order, _i) order. A shuffle delivers them in no fixed order, and
+#: ``arrays_from_arrow`` sorts the keys in numpy for less than Spark's sort of whole rows.
+ORDER_COLUMNS = ("_order", "_i")
 
 
 class PartitionCount(NamedTuple):
@@ -44,7 +49,7 @@ class PartitionCount(NamedTuple):
     start: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one summary per check: compared (and hashed) by identity
 class DataSummary:
     """What the driver learnt about the data while checking it.
 
@@ -52,13 +57,15 @@ class DataSummary:
     DataFrame that holds rows of that split, sorted by split then partition; what
     ``partitioning.place_rows`` needs to place rows by their index without a job of its own.
     ``partition_num``: how many partitions the prepared DataFrame has, empty ones too (the
-    tasks of the checks' job), so the driver need not ask Spark again.
+    tasks of the checks' job), so the driver need not ask Spark again. ``cached``: whether
+    the data checked was cached (``df.cache()``), so its partitions stay the ones counted.
     """
 
     n_features: int
     sample: tuple  # one training row as (X [1, n_features] float32, y [1]), to try the model on
     partition_counts: tuple[PartitionCount, ...] = ()
     partition_num: int | None = None
+    cached: bool = False
 
     def rows(self, split: int = TRAIN) -> int:
         """How many rows of ``split`` (TRAIN or VALIDATION) the data has."""
@@ -120,7 +127,8 @@ def prepare(df, features_col: str, label_col: str, validation=None, *, task: str
             sample = (np.asarray([stats["first_features"]], np.float32), np.asarray([stats["first_label"]]))
     if len(lengths) == 2 and lengths[0] != lengths[1]:
         raise InputError(f"training vectors have {lengths[0]} elements but validation vectors {lengths[1]}")
-    return prepared, DataSummary(int(lengths[0]), sample, tuple(sorted(counts)), partition_num)
+    cached = all(_cached(frame) for _, frame, _ in frames)
+    return prepared, DataSummary(int(lengths[0]), sample, tuple(sorted(counts)), partition_num, cached)
 
 
 #: How many checked cached DataFrames ``prepare_once`` remembers (the newest).
@@ -439,18 +447,32 @@ def _shape(frame, features_col: str, label_col: str, name: str):
 
 
 def arrays_from_arrow(batches, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The partition's prepared Arrow batches as ``(X float32 [rows, n_features], y, split)``."""
-    features, labels, splits = [], [], []
+    """The partition's prepared Arrow batches as ``(X float32 [rows, n_features], y, split)``:
+    in (split, _order, _i) order where the batches carry ``ORDER_COLUMNS``, else as they came."""
+    features, labels, splits, keys = [], [], [], []
     for batch in batches:
         column = batch.column(batch.schema.get_field_index("features"))
         flat = column.flatten().to_numpy(zero_copy_only=False)
         features.append(flat.reshape(len(batch), n_features))
         labels.append(batch.column(batch.schema.get_field_index("label")).to_numpy(zero_copy_only=False))
         splits.append(batch.column(batch.schema.get_field_index("split")).to_numpy(zero_copy_only=False))
+        if ORDER_COLUMNS[0] in batch.schema.names:
+            keys.append([batch.column(batch.schema.get_field_index(name)).to_numpy(zero_copy_only=False)
+                         for name in ORDER_COLUMNS])
     if not features:
         return (np.zeros((0, n_features), np.float32), np.zeros(0, np.float64), np.zeros(0, np.int32))
-    return (np.ascontiguousarray(np.concatenate(features), dtype=np.float32),
-            np.concatenate(labels), np.concatenate(splits))
+    y, split = np.concatenate(labels), np.concatenate(splits)
+    if not keys:
+        return np.ascontiguousarray(np.concatenate(features), dtype=np.float32), y, split
+    order_key, index_key = (np.concatenate([batch_keys[k] for batch_keys in keys]) for k in range(2))
+    order = np.lexsort((index_key, order_key, split))
+    destination = np.empty_like(order)
+    destination[order] = np.arange(len(order))
+    X, start = np.empty((len(order), n_features), np.float32), 0
+    for block in features:  # each batch's rows straight to their places: one copy of the features
+        X[destination[start:start + len(block)]] = block
+        start += len(block)
+    return X, y[order], split[order]
 
 
 def arrays_from_pairs(pairs, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

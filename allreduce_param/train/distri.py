@@ -23,7 +23,7 @@ from ..rendezvous import MeetingPoint
 from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
 from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
-from .partitioning import check_scheme, place_pairs, place_rows
+from .partitioning import check_scheme, place_pairs, place_rows, refused_in_place, rows_in_place
 from .progress import ProgressBar, ProgressMerger
 from .slots import check_no_dynamic_allocation, task_slots
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, fit_phases, merge_epoch, merge_step
@@ -59,7 +59,9 @@ class DistriOptimizer:
     only), at which the models are averaged (``model_averaging=True``, the default) or
     their updates summed. ``partition_scheme`` says which rows each partition trains on:
     ``"as_is"``, ``"contiguous"``, ``"round_robin"``, ``"random"`` or ``"overlap_reshuffle"``
-    (see ``train.partitioning``). An optimizer's ``clip_norm`` clips by the global norm of
+    (see ``train.partitioning``): ``"as_is"`` trains on cached data's own partitions where
+    it has one per worker and no validation rows come with it, with no shuffle; otherwise
+    as ``"round_robin"``. An optimizer's ``clip_norm`` clips by the global norm of
     each step's gradient under plain BSP; under the other strategies and with local SGD,
     where no step sees every partition's gradient at once, each partition's gradient is
     clipped by its own norm.
@@ -215,11 +217,16 @@ class DistriOptimizer:
                               report_progress=bool(self.progress or self.log_path or self.listener),
                               overlap=self.overlap)
             if hasattr(source, "mapInArrow"):
-                placed = place_rows(source, workers, self.partition_scheme, self.seed, summary.partition_counts)
+                kept = rows_in_place(source, workers, self.partition_scheme, summary)
+
+                def placed():  # with nothing kept, or once Spark refused to read the kept rows
+                    if kept is not None:
+                        refused_in_place(summary)
+                    return place_rows(source, workers, self.partition_scheme, self.seed, summary.partition_counts)
             else:
-                placed = place_pairs(source, workers, self.partition_scheme, self.seed)
+                kept, placed = None, lambda: place_pairs(source, workers, self.partition_scheme, self.seed)
             try:
-                records = self._run(job, placed, workers)
+                records = self._run(job, kept, placed, workers)
             except TrainingError as error:
                 if checkpoints is None:
                     raise
@@ -336,34 +343,41 @@ class DistriOptimizer:
             )
         return workers
 
-    def _run(self, job: TrainingJob, shaped, workers: int) -> dict:
-        """The fit's one barrier stage over the placed rows (exactly ``workers`` partitions,
-        after a shuffle: a barrier stage may not read a union or a coalesce directly,
-        SPARK-24820); the records the partitions yielded."""
-        if hasattr(shaped, "mapInArrow"):
-            def task(batches):
-                import pyarrow as pa
+    def _run(self, job: TrainingJob, kept, placed: Callable[[], Any], workers: int) -> dict:
+        """The fit's one barrier stage, over ``kept`` (the rows as they lie, or None) or
+        where Spark refuses a barrier stage over those (a union or a coalesce in their
+        lineage, SPARK-24820) over the rows ``placed()`` shuffles into place; each has
+        exactly ``workers`` partitions. The records the partitions yielded."""
+        def arrow_task(batches):
+            import pyarrow as pa
 
-                started = time.time()
-                arrays = arrays_from_arrow(batches, job.n_features)
-                clock = {"started": started, "loaded": time.time()}
-                for kind, payload in train_partition(job, *arrays, clock=clock):
-                    yield pa.RecordBatch.from_pydict({"kind": [kind], "payload": [payload]})
+            started = time.time()
+            arrays = arrays_from_arrow(batches, job.n_features)
+            clock = {"started": started, "loaded": time.time()}
+            for kind, payload in train_partition(job, *arrays, clock=clock):
+                yield pa.RecordBatch.from_pydict({"kind": [kind], "payload": [payload]})
 
-            # A shuffle after the barrier stage makes it a map stage, which Spark retries
-            # when a task fails (a failed barrier result stage it never retries).
-            stage = lambda: [(row["kind"], row["payload"]) for row in  # noqa: E731
-                             shaped.mapInArrow(task, _OUTPUT_SCHEMA, barrier=True).repartition(1).collect()]
-        else:
-            def task(pairs):
-                started = time.time()
-                arrays = arrays_from_pairs(pairs, job.n_features)
-                yield from train_partition(job, *arrays, clock={"started": started, "loaded": time.time()})
+        def pairs_task(pairs):
+            started = time.time()
+            arrays = arrays_from_pairs(pairs, job.n_features)
+            yield from train_partition(job, *arrays, clock={"started": started, "loaded": time.time()})
 
-            stage = lambda: shaped.barrier().mapPartitions(task).repartition(1).collect()  # noqa: E731
+        # A shuffle after the barrier stage makes it a map stage, which Spark retries when a
+        # task fails (a failed barrier result stage it never retries).
+        def stage(rows) -> list:
+            if hasattr(rows, "mapInArrow"):
+                return [(row["kind"], row["payload"]) for row in
+                        rows.mapInArrow(arrow_task, _OUTPUT_SCHEMA, barrier=True).repartition(1).collect()]
+            return rows.barrier().mapPartitions(pairs_task).repartition(1).collect()
+
         submitted = time.time()
         try:
-            output = stage()
+            try:
+                output = stage(kept if kept is not None else placed())
+            except Exception as error:
+                if kept is None or "BarrierJobUnsupportedRDDChainException" not in str(error):
+                    raise
+                output = stage(placed())  # refused before any task ran
         except Exception as error:
             raise _task_error(error) from error  # Spark's own report stays on it, as the cause
         records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "resumed": [], "weights": None,

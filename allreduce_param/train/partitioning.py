@@ -6,18 +6,24 @@ partitions whose partition k holds the rows a scheme gives worker k, in a determ
 order, so that a fit is reproducible and a retried task sees the very same rows. The
 schemes follow SystemML's parameter server (DC, DRR, DR, OR), plus Spark's own round robin:
 
-- ``as_is``: Spark's ``repartition(workers)`` (round robin), as the trainer always did;
+- ``as_is``: the data's own partitions, one per worker, where that needs no shuffle: the
+  data is cached (``df.cache()``), has exactly ``workers`` partitions and no validation rows,
+  and Spark lets a barrier stage read it (not a union or a coalesce: SPARK-24820);
+  otherwise each input partition's rows dealt out to the workers in turn, like Spark's
+  ``repartition(workers)`` (which is what an RDD of pairs gets);
 - ``contiguous`` (DC): disjoint contiguous ranges of the training rows;
 - ``round_robin`` (DRR): training row i to worker ``i mod workers``;
 - ``random`` (DR): each training row to a worker chosen by a seeded hash;
 - ``overlap_reshuffle`` (OR): every training row to every worker, each in its own order.
 
 i is a row's index in the input's own order (partition by partition, row by row), counted
-separately for training and validation rows. Validation rows are never copied: outside
-``as_is``, validation row i goes to worker ``i mod workers``.
+separately for training and validation rows. Validation rows are never copied:
+validation row i goes to worker ``i mod workers``.
 
 Rows move with one Spark shuffle by a computed key; the driver sees only counts. The
-DataFrame path uses DataFrame functions only (it must also run under Spark Connect): a row's
+order inside a partition travels as key columns (``data.ORDER_COLUMNS``) and the task
+sorts by them, for less than Spark's sort of whole rows would cost. The DataFrame path
+uses DataFrame functions only (it must also run under Spark Connect): a row's
 index comes from ``monotonically_increasing_id()`` and the per-partition counts ``prepare``
 took (``DataSummary.partition_counts``), and ``repartition(workers, key)`` sends it to
 partition ``pmod(murmur3(key), workers)``, so each worker gets a key computed here whose
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import json
 import operator
+import weakref
 from functools import lru_cache
 from itertools import accumulate
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
@@ -37,7 +44,7 @@ import mmh3
 import xxhash
 
 from ..errors import ConfigurationError
-from .data import TRAIN, VALIDATION, PartitionCount
+from .data import ORDER_COLUMNS, TRAIN, VALIDATION, DataSummary, PartitionCount
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -75,12 +82,15 @@ def place_rows(prepared: DataFrame, workers: int, scheme: str, seed: int,
     read now do not match those counts (a source that is not deterministic), the shuffle
     fails with a message saying so.
 
-    The result has the three columns and exactly ``workers`` partitions (some empty when
-    there are fewer rows than workers); partition k holds worker k's rows, ordered by
-    (split, i), or for ``overlap_reshuffle`` the training rows by a seeded hash of
-    (seed, k, i). ``random`` gives each worker about, not exactly, ``n / workers`` rows;
+    The result has the three columns, then ``data.ORDER_COLUMNS``, and exactly ``workers``
+    partitions (some empty when there are fewer rows than workers); partition k holds worker
+    k's rows, which sorted by (split, _order, _i) are in the order (split, i), or for
+    ``overlap_reshuffle`` the training rows in the order of a seeded hash of (seed, k, i).
+    ``random`` gives each worker about, not exactly, ``n / workers`` rows;
     ``overlap_reshuffle`` copies the training data ``workers`` times. The same input and
-    seed give the same partitions, rows and order. Runs no Spark job of its own.
+    seed give the same partitions, rows and order. ``as_is`` here deals each input
+    partition's rows out in turn (see ``rows_in_place`` for when it keeps the data's own
+    partitions instead). Runs no Spark job of its own.
     """
     from pyspark.sql import functions as F
 
@@ -89,10 +99,13 @@ def place_rows(prepared: DataFrame, workers: int, scheme: str, seed: int,
     seed = _check_seed(seed)
     columns = [F.col(name) for name in _COLUMNS]
     indexed = prepared.select(*columns, F.monotonically_increasing_id().alias("_row"))
+    keys = _constant_array(partition_keys(workers), "int")
     if scheme == "as_is":
-        # Spark's own round robin; the id makes the order inside a partition (split, i).
-        return (indexed.repartition(workers).sortWithinPartitions("split", "_row")
-                .select(*_COLUMNS))
+        # Row p of input partition q to worker (q * 2**33 + p) mod workers: each partition's
+        # rows in turn, without the index table (cheaper to plan), and the id orders them.
+        row = F.col("_row")
+        return (indexed.repartition(workers, F.get(keys, F.pmod(row, F.lit(workers)).cast("int")))
+                .select(*_COLUMNS, row.alias(ORDER_COLUMNS[0]), row.alias(ORDER_COLUMNS[1])))
 
     table = _IndexTable(partition_counts)
     split = F.col("split")
@@ -128,11 +141,23 @@ def place_rows(prepared: DataFrame, workers: int, scheme: str, seed: int,
             target = F.pmod(F.xxhash64(seed_column, i), F.lit(workers)).cast("int")
         placed = with_index.select(*columns, "_i", F.when(split == TRAIN, target).otherwise(spread).alias("_worker"))
         order = i
-    keys = _constant_array(partition_keys(workers), "int")
     keyed = placed.select(*columns, "_i", order.alias("_order"),
                           F.get(keys, F.col("_worker")).alias("_key"))
-    return (keyed.repartition(workers, "_key").sortWithinPartitions("split", "_order", "_i")
-            .select(*_COLUMNS))
+    return keyed.repartition(workers, "_key").select(*_COLUMNS, *ORDER_COLUMNS)
+
+
+def rows_in_place(prepared: DataFrame, workers: int, scheme: str, summary: DataSummary) -> DataFrame | None:
+    """``prepared`` itself, when ``scheme`` is ``as_is`` and worker k may train on its
+    partition k as it lies, with no shuffle: the data was cached when checked, has exactly
+    ``workers`` partitions and no validation rows. Otherwise None: use ``place_rows``.
+
+    Spark may still refuse a barrier stage over it (a union or coalesce in its lineage,
+    SPARK-24820); the caller then calls ``refused_in_place`` and uses ``place_rows``.
+    """
+    if check_scheme(scheme) != "as_is" or not summary.cached or summary.partition_num != workers \
+            or summary.rows(VALIDATION) or summary in _refused:
+        return None
+    return prepared
 
 
 def place_pairs(rdd: RDD, workers: int, scheme: str, seed: int) -> RDD:
@@ -161,6 +186,16 @@ def place_pairs(rdd: RDD, workers: int, scheme: str, seed: int) -> RDD:
     placed = rdd.mapPartitionsWithIndex(keyed).repartitionAndSortWithinPartitions(
         workers, partitionFunc=operator.itemgetter(0))
     return placed.values()
+
+
+#: Checked data whose own partitions Spark refused to a barrier stage: ``rows_in_place``
+#: no longer offers them, so a fit on such data tries (and Spark warns) once.
+_refused: weakref.WeakSet[DataSummary] = weakref.WeakSet()
+
+
+def refused_in_place(summary: DataSummary) -> None:
+    """Spark refused a barrier stage over the data ``summary`` describes, as it lies."""
+    _refused.add(summary)
 
 
 @lru_cache(maxsize=64)
