@@ -61,7 +61,7 @@ class DistriOptimizer:
     ``"as_is"``, ``"contiguous"``, ``"round_robin"``, ``"random"`` or ``"overlap_reshuffle"``
     (see ``train.partitioning``): ``"as_is"`` trains on cached data's own partitions where
     it has one per worker and no validation rows come with it, with no shuffle; otherwise
-    as ``"round_robin"``. An optimizer's ``clip_norm`` clips by the global norm of
+    each input partition's rows are dealt out to the workers in turn. An optimizer's ``clip_norm`` clips by the global norm of
     each step's gradient under plain BSP; under the other strategies and with local SGD,
     where no step sees every partition's gradient at once, each partition's gradient is
     clipped by its own norm.

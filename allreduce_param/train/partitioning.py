@@ -17,8 +17,9 @@ schemes follow SystemML's parameter server (DC, DRR, DR, OR), plus Spark's own r
 - ``overlap_reshuffle`` (OR): every training row to every worker, each in its own order.
 
 i is a row's index in the input's own order (partition by partition, row by row), counted
-separately for training and validation rows. Validation rows are never copied:
-validation row i goes to worker ``i mod workers``.
+separately for training and validation rows. Validation rows are never copied: outside
+``as_is`` (which deals them out as it does the training rows), validation row i goes to
+worker ``i mod workers``.
 
 Rows move with one Spark shuffle by a computed key; the driver sees only counts. The
 order inside a partition travels as key columns (``data.ORDER_COLUMNS``) and the task
