@@ -43,7 +43,7 @@ def test_the_error_says_a_retry_would_resume_and_which_setting_allows_it(data, t
     message = str(failure.value)
     assert message.startswith("partition 1, epoch 2, step 1: ValueError: a fault injected at call 8.")
     found = re.search(r"Its newest checkpoint, of step 6, is (\S+): fit\(\.\.\., resume_from='(\S+)'\) "
-                      r"continues from it; Spark did not retry the stage \(spark.stage.maxConsecutiveAttempts=1\): "
+                      r"continues from it; the stage ran once \(spark.stage.maxConsecutiveAttempts=1\): "
                       r"with 2 or more it resumes from the checkpoint on its own", message)
     assert found, message
     resumed = trainer.fit(data, resume_from=found.group(2))

@@ -25,7 +25,7 @@ from .checkpoint import CheckpointSettings, Manifest, newest
 from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
 from .partitioning import check_scheme, place_pairs, place_rows, refused_in_place, rows_in_place
 from .progress import ProgressBar, ProgressMerger
-from .slots import check_no_dynamic_allocation, task_slots
+from .slots import check_no_dynamic_allocation, spark_setting, task_slots
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, fit_phases, merge_epoch, merge_step
 from .worker import TrainingJob, train_partition, workload_shares
 
@@ -73,10 +73,10 @@ class DistriOptimizer:
     ``checkpoint_dir`` (a local path, or a URL such as ``hdfs://`` or ``s3://`` that fsspec
     opens; on a cluster, storage every executor sees) makes the fit write checkpoints into
     a folder of its own there, ``checkpoint_every`` steps (or each ``"epoch"``, the default)
-    and after the last step, keeping the newest ``checkpoint_keep``. When a task fails and
-    Spark retries the stage (``spark.stage.maxConsecutiveAttempts``, 4 by default), the fit
-    resumes from the newest one instead of starting over; ``fit(resume_from=...)``
-    continues a stopped or finished fit from one.
+    and after the last step, keeping the newest ``checkpoint_keep``. When a task fails, the
+    fit runs its stage again, up to ``spark.stage.maxConsecutiveAttempts`` times in all (4
+    by default), and the new attempt resumes from the newest one instead of starting over;
+    ``fit(resume_from=...)`` continues a stopped or finished fit from one.
 
     While it runs, every step comes to the driver: ``progress`` shows a bar (terminal or
     notebook), ``log_path`` appends each step and epoch as a JSON line, and ``listener``,
@@ -226,7 +226,7 @@ class DistriOptimizer:
             else:
                 kept, placed = None, lambda: place_pairs(source, workers, self.partition_scheme, self.seed)
             try:
-                records = self._run(job, kept, placed, workers)
+                records = self._run(job, kept, placed, stage_attempts(spark_context))
             except TrainingError as error:
                 if checkpoints is None:
                     raise
@@ -270,15 +270,14 @@ class DistriOptimizer:
     def _with_checkpoint_advice(error: TrainingError, checkpoints: CheckpointSettings,
                                 spark_context) -> TrainingError:
         """The failure, with what the fit's checkpoints make possible now."""
-        attempts = spark_context.getConf().get("spark.stage.maxConsecutiveAttempts", "4")
         found = newest(checkpoints.directory)
         if found is None:
             advice = f"The fit wrote no complete checkpoint to {checkpoints.directory} before it failed"
         else:
             advice = f"Its newest checkpoint, of step {found.step}, is {found.folder}: " \
                      f"fit(..., resume_from={found.folder!r}) continues from it"
-            if attempts == "1":
-                advice += ("; Spark did not retry the stage (spark.stage.maxConsecutiveAttempts=1): with 2 or "
+            if stage_attempts(spark_context) == 1:
+                advice += ("; the stage ran once (spark.stage.maxConsecutiveAttempts=1): with 2 or "
                            "more it resumes from the checkpoint on its own")
         return TrainingError(f"{error}. {advice}")
 
@@ -298,7 +297,7 @@ class DistriOptimizer:
             if not meeting.on_message(message, reply):
                 progress.on_message(message)
 
-        server = MessageServer(spark_context.getConf().get("spark.driver.host", "127.0.0.1"), on_message)
+        server = MessageServer(spark_setting(spark_context, "spark.driver.host", "127.0.0.1"), on_message)
         try:
             yield server
         finally:
@@ -343,11 +342,16 @@ class DistriOptimizer:
             )
         return workers
 
-    def _run(self, job: TrainingJob, kept, placed: Callable[[], Any], workers: int) -> dict:
+    def _run(self, job: TrainingJob, kept, placed: Callable[[], Any], attempts: int) -> dict:
         """The fit's one barrier stage, over ``kept`` (the rows as they lie, or None) or
         where Spark refuses a barrier stage over those (a union or a coalesce in their
-        lineage, SPARK-24820) over the rows ``placed()`` shuffles into place; each has
-        exactly ``workers`` partitions. The records the partitions yielded."""
+        lineage, SPARK-24820) over the rows ``placed()`` shuffles into place; each has a
+        partition per worker. The records the partitions yielded.
+
+        The stage returns the records itself, and Spark never retries such a barrier stage
+        when a task fails, so this runs it again, up to ``attempts`` runs in all; a new
+        attempt's tasks resume from the fit's newest checkpoint. (A shuffle after the stage
+        would have Spark retry it, for a stage more on every fit.)"""
         def arrow_task(batches):
             import pyarrow as pa
 
@@ -362,24 +366,25 @@ class DistriOptimizer:
             arrays = arrays_from_pairs(pairs, job.n_features)
             yield from train_partition(job, *arrays, clock={"started": started, "loaded": time.time()})
 
-        # A shuffle after the barrier stage makes it a map stage, which Spark retries when a
-        # task fails (a failed barrier result stage it never retries).
         def stage(rows) -> list:
             if hasattr(rows, "mapInArrow"):
                 return [(row["kind"], row["payload"]) for row in
-                        rows.mapInArrow(arrow_task, _OUTPUT_SCHEMA, barrier=True).repartition(1).collect()]
-            return rows.barrier().mapPartitions(pairs_task).repartition(1).collect()
+                        rows.mapInArrow(arrow_task, _OUTPUT_SCHEMA, barrier=True).collect()]
+            return rows.barrier().mapPartitions(pairs_task).collect()
 
         submitted = time.time()
-        try:
+        rows, failures = (kept if kept is not None else placed()), 0
+        while True:
             try:
-                output = stage(kept if kept is not None else placed())
+                output = stage(rows)
+                break
             except Exception as error:
-                if kept is None or "BarrierJobUnsupportedRDDChainException" not in str(error):
-                    raise
-                output = stage(placed())  # refused before any task ran
-        except Exception as error:
-            raise _task_error(error) from error  # Spark's own report stays on it, as the cause
+                if rows is kept and "BarrierJobUnsupportedRDDChainException" in str(error):
+                    rows = placed()  # refused before any task ran
+                    continue
+                failures += 1
+                if failures >= attempts or _TASK_FAILED not in str(error):
+                    raise _task_error(error) from error  # Spark's own report stays on it, as the cause
         records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "resumed": [], "weights": None,
                                    "clocks": [], "submitted": submitted}
         for kind, payload in output:
@@ -389,7 +394,7 @@ class DistriOptimizer:
                 records["epochs"].extend(json.loads(bytes(payload)))
             elif kind == "updates":
                 records["updates"].append(
-                    np.frombuffer(payload, dtype=np.float64).reshape(-1, len(UPDATE_FIELDS) + workers))
+                    np.frombuffer(payload, dtype=np.float64).reshape(-1, len(UPDATE_FIELDS) + job.param.partition_num))
             elif kind == "clock":
                 records["clocks"].append(json.loads(bytes(payload)))
             elif kind == "resumed":
@@ -399,11 +404,20 @@ class DistriOptimizer:
         return records
 
 
+#: what Spark says when a task of a barrier stage that returns results failed
+_TASK_FAILED = "Could not recover from a failed barrier ResultStage"
 _TASK_MESSAGE = re.compile(r"TrainingError: (partition [^\n]*)")
 #: a Python error outside the training loop (e.g. the task's closure failed to unpickle)
 _PYTHON_ERROR = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*([A-Za-z_][\w.]*: [^\n]*)")
 #: placing the rows found data that changed since prepare() counted it (partitioning.py)
 _PLACEMENT_MESSAGE = re.compile(r"row \d+ of partition \d+ of the prepared data is not among[^\n]*")
+
+
+def stage_attempts(spark_context) -> int:
+    """How many times in all a fit runs its stage when tasks fail: Spark's own setting for
+    retrying a stage, ``spark.stage.maxConsecutiveAttempts``."""
+    # Spark's scheduler reads it at start-up: a session that runs has a valid one
+    return max(1, int(spark_setting(spark_context, "spark.stage.maxConsecutiveAttempts", "4")))
 
 
 def _task_error(error: Exception) -> Exception:

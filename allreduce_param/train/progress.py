@@ -50,7 +50,7 @@ class ProgressMerger:
     when every partition reported a step (``merge`` of their records), and ``("epoch",
     metrics)`` when every partition reported an epoch (``merge_epoch`` of their reports; with
     no ``merge_epoch`` each epoch report passes as it is). A ``start`` that says the fit
-    resumed at ``[epoch, step]`` (Spark retried the stage) drops what the failed attempt left
+    resumed at ``[epoch, step]`` (the stage ran again) drops what the failed attempt left
     half-reported from there on, so no step is merged from two attempts. Reports come from
     several connections' threads at once.
     """

@@ -27,14 +27,16 @@ def check_no_dynamic_allocation(spark_context) -> None:
     """
     if spark_context is None:  # not Spark data: fit() says so next
         return
-    conf = spark_context.getConf()
     try:
         enabled = bool(spark_context._jvm.org.apache.spark.util.Utils.isDynamicAllocationEnabled(
             spark_context._jsc.sc().conf()))
     except Exception:  # py4j's errors vary with the Spark version; fall back to the rule itself
-        enabled = conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true" and (
-            not _is_local(conf.get("spark.master", ""))
-            or conf.get("spark.dynamicAllocation.testing", "false").lower() == "true")
+        def setting(key: str, default: str) -> str:
+            return spark_setting(spark_context, key, default)
+
+        enabled = setting("spark.dynamicAllocation.enabled", "false").lower() == "true" and (
+            not _is_local(setting("spark.master", ""))
+            or setting("spark.dynamicAllocation.testing", "false").lower() == "true")
     if enabled:
         raise ConfigurationError(
             "spark.dynamicAllocation.enabled=true, but a barrier stage (the fit) cannot run under dynamic "
@@ -42,6 +44,12 @@ def check_no_dynamic_allocation(spark_context) -> None:
             "spark.dynamicAllocation.enabled=false and a fixed number of executors, spark.executor.instances=N, "
             "with N x spark.executor.cores / spark.task.cpus >= num_workers"
         )
+
+
+def spark_setting(spark_context, key: str, default: str) -> str:
+    """A setting of the running SparkContext: one py4j call, where ``getConf()`` copies
+    every setting over (some milliseconds each time, several times a fit)."""
+    return spark_context._conf.get(key, default)
 
 
 def _is_local(master: str) -> bool:
@@ -61,9 +69,8 @@ def task_slots(spark_context, needed: int = 1) -> tuple[int, str]:
     Spark), ``defaultParallelism // spark.task.cpus`` stands in, as before. With fewer than
     ``needed`` on a cluster, executors may still be registering: see ``_wait_for_slots``.
     """
-    conf = spark_context.getConf()
-    cpus = int(conf.get("spark.task.cpus", "1"))
-    master = conf.get("spark.master", "")
+    cpus = int(spark_setting(spark_context, "spark.task.cpus", "1"))
+    master = spark_setting(spark_context, "spark.master", "")
     try:
         context = spark_context._jsc.sc()
         profile = context.resourceProfileManager().defaultResourceProfile()
@@ -76,7 +83,7 @@ def task_slots(spark_context, needed: int = 1) -> tuple[int, str]:
     if _is_local(master):
         return slots, f"the cores of {master}" + (f" / spark.task.cpus={cpus}" if cpus != 1 else "")
     cluster = _LOCAL_CLUSTER.fullmatch(master)
-    cores = cluster.group(2) if cluster else conf.get("spark.executor.cores", "its default")
+    cores = cluster.group(2) if cluster else spark_setting(spark_context, "spark.executor.cores", "its default")
     counted = f"{_executors(context)} executors registered x {cores} cores (spark.executor.cores) " \
               f"/ spark.task.cpus={cpus}"
     if waited:

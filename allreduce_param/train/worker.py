@@ -50,7 +50,7 @@ class TrainingJob:
     step), or ``"epoch"``; ``model_averaging``: with ``sync_every`` other than 1, whether a
     sync averages the models (weighted by rows) or sums the partitions' updates.
     ``checkpoints``: where and how often to write checkpoints (None: never); a task that
-    finds one there (Spark retried the stage) resumes from the newest. ``resume``: the
+    finds one there (the stage ran again) resumes from the newest. ``resume``: the
     checkpoint to start from otherwise (``fit(resume_from=...)``). ``settings``: what the
     manifest records of the fit's settings. ``driver``: the task's way to the driver, where
     the partitions meet and, with ``report_progress``, report their steps (None: they meet
@@ -367,7 +367,7 @@ class _Fit:
 
     def _begin(self) -> int:
         """Initialise the weights and the optimizer state, from the newest checkpoint of this
-        fit (Spark retried the stage), else the one to resume from, else the model; the
+        fit (the stage ran again), else the one to resume from, else the model; the
         global step to start at."""
         job, p = self.job, self.p
         local = job.sync_every != 1
