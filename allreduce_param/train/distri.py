@@ -61,10 +61,10 @@ class DistriOptimizer:
     ``"as_is"``, ``"contiguous"``, ``"round_robin"``, ``"random"`` or ``"overlap_reshuffle"``
     (see ``train.partitioning``): ``"as_is"`` trains on cached data's own partitions where
     it has one per worker and no validation rows come with it, with no shuffle; otherwise
-    each input partition's rows are dealt out to the workers in turn. An optimizer's ``clip_norm`` clips by the global norm of
-    each step's gradient under plain BSP; under the other strategies and with local SGD,
-    where no step sees every partition's gradient at once, each partition's gradient is
-    clipped by its own norm.
+    each input partition's rows are dealt out to the workers in turn. An optimizer's
+    ``clip_norm`` clips by the global norm of each step's gradient under plain BSP; under
+    the other strategies and with local SGD, where no step sees every partition's gradient
+    at once, each partition's gradient is clipped by its own norm.
 
     ``codec`` says how blocks travel (see ``allreduce_param.codec``); ``gradient_codec``
     another one for the gradients alone, such as ``"topk"`` with ``codec="int8"``. What a
@@ -182,7 +182,7 @@ class DistriOptimizer:
         if hasattr(data, "sparkSession"):
             prepared, summary = prepare_once(data, features_col, label_col, validation, task=self.model.task,
                                              num_classes=getattr(self.model, "num_classes", None))
-            n_features, sample = summary.n_features, summary.sample
+            n_features, sample, partitions = summary.n_features, summary.sample, summary.partition_num
             spark_context, source = data.sparkSession.sparkContext, prepared
         elif hasattr(data, "mapPartitions"):
             if validation is not None:
@@ -192,11 +192,11 @@ class DistriOptimizer:
                 raise InputError("the training RDD has no rows")
             sample = (np.asarray([first[0][0]], np.float32), np.asarray([first[0][1]], np.float64))
             n_features, spark_context, source = sample[0].shape[1], data.context, data
+            partitions = data.getNumPartitions()
         else:
             raise InputError(f"fit() takes a DataFrame or an RDD of (features, label) pairs, got {type(data).__name__}")
         size = self._check_model_takes(sample, n_features)
-        workers = self._workers(source, spark_context,
-                                summary.partition_num if hasattr(source, "mapInArrow") else None)
+        workers = self._workers(spark_context, partitions)
         if self.batch_size < workers:
             raise InputError(
                 f"batch_size={self.batch_size} is smaller than the {workers} workers: every worker "
@@ -323,16 +323,14 @@ class DistriOptimizer:
                              f"the weights have {weights.shape}")
         return int(weights.size)
 
-    def _workers(self, source, spark_context, partitions: int | None = None) -> int:
-        """How many barrier tasks: the requested count, or the data's ``partitions`` (None:
-        ask Spark), within the slots.
+    def _workers(self, spark_context, partitions: int) -> int:
+        """How many barrier tasks: the requested count, or the data's ``partitions``, within
+        the slots.
 
         Refuses more tasks than Spark can run at once before the stage is submitted, where
         Spark would refuse them only then.
         """
         slots, counted = task_slots(spark_context, needed=self.num_workers or 1)
-        if partitions is None:
-            partitions = source.rdd.getNumPartitions() if hasattr(source, "rdd") else source.getNumPartitions()
         workers = self.num_workers or max(1, min(partitions, slots))
         if workers > slots:
             raise ConfigurationError(
