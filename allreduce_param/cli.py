@@ -132,7 +132,8 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     spark_section = job.get("spark", {})
     if not master and not under_spark_submit():  # under spark-submit, its --master wins
         master = spark_section.get("master", "local[*]")
-    spark = local_spark(master, spark_section.get("app_name", "allreduce-param train"), conf_dir)
+    spark = local_spark(master, spark_section.get("app_name", "allreduce-param train"), conf_dir,
+                        class_archive=spark_section.get("class_archive", True))
     warming = start_python_workers(spark)  # while the data loads on the driver
     try:
         train_df, test_df = load_data(spark, job.get("data", {}))

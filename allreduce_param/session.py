@@ -6,14 +6,17 @@ A cluster user builds their own ``SparkSession``; this is for ``local[*]`` and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+from .class_archive import ClassArchive
 from .errors import ConfigurationError
 
 MIN_JAVA = 17
@@ -29,24 +32,29 @@ _JAVA_HELP = (
 
 def java_problem() -> str | None:
     """Why Spark cannot start on this machine's Java, or None when Java 17+ is there."""
+    return _java()[2]
+
+
+def _java() -> tuple[str | None, str, str | None]:
+    """The ``java`` Spark will run, its ``-version`` report, and ``java_problem()``."""
     home = os.environ.get("JAVA_HOME")
     java = str(Path(home) / "bin" / "java") if home else shutil.which("java")
     if not java or not Path(java).exists():
         where = f"JAVA_HOME={home} has no bin/java" if home else "no 'java' on the PATH"
-        return f"Spark needs Java {MIN_JAVA}+, and there is none here ({where}). {_JAVA_HELP}"
+        return None, "", f"Spark needs Java {MIN_JAVA}+, and there is none here ({where}). {_JAVA_HELP}"
     try:
         report = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60).stderr
     except (OSError, subprocess.SubprocessError) as error:
-        return f"Spark needs Java {MIN_JAVA}+, but '{java} -version' failed: {error}. {_JAVA_HELP}"
+        return java, "", f"Spark needs Java {MIN_JAVA}+, but '{java} -version' failed: {error}. {_JAVA_HELP}"
     found = re.search(r'version "(\d+)(?:\.(\d+))?', report)
     if not found:
-        return None  # an unusual build; let Spark judge it
+        return java, report, None  # an unusual build; let Spark judge it
     major = int(found.group(1))
     if major == 1 and found.group(2):  # "1.8.0" style
         major = int(found.group(2))
     if major < MIN_JAVA:
-        return f"Spark 4 needs Java {MIN_JAVA}+, but {java} is Java {major}. {_JAVA_HELP}"
-    return None
+        return java, report, f"Spark 4 needs Java {MIN_JAVA}+, but {java} is Java {major}. {_JAVA_HELP}"
+    return java, report, None
 
 
 def under_spark_submit() -> bool:
@@ -54,45 +62,95 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def prepare_local_environment(conf_dir: str | os.PathLike | None = None) -> None:
+def prepare_local_environment() -> None:
     """Set what a one-machine Spark run needs before its JVM starts.
 
-    Loopback addresses (``SPARK_LOCAL_IP=127.0.0.1``), executors that run this very Python
-    (``PYSPARK_PYTHON``, which ``local-cluster`` executors start), and ``SPARK_CONF_DIR``
-    pointing at ``conf_dir`` so Spark reads its ``spark-defaults.conf`` and
-    ``log4j2.properties``. Values already set in the environment win.
+    Loopback addresses (``SPARK_LOCAL_IP=127.0.0.1``) and executors that run this very Python
+    (``PYSPARK_PYTHON``, which ``local-cluster`` executors start). Values already set in the
+    environment win.
     """
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    if conf_dir is not None:
-        conf_dir = Path(conf_dir).resolve()
-        if not (conf_dir / "spark-defaults.conf").is_file():
-            raise ConfigurationError(f"{conf_dir} has no spark-defaults.conf")
-        os.environ.setdefault("SPARK_CONF_DIR", str(conf_dir))
 
 
 def local_spark(master: str | None = "local[*]", app_name: str = "allreduce-param",
-                conf_dir: str | os.PathLike | None = None, **settings: str):
+                conf_dir: str | os.PathLike | None = None,
+                class_archive: bool | str | os.PathLike = True, **settings: str):
     """A ``SparkSession`` on this machine only, after checking Java; stop it when done.
 
     ``master=None`` leaves the master to whoever started the JVM (``spark-submit --master``).
 
+    ``conf_dir``: a folder with a ``spark-defaults.conf`` (and optionally a
+    ``log4j2.properties``), read as ``SPARK_CONF_DIR`` would be, but kept off the driver's
+    class path, where a folder would rule out the class archive.
+
+    ``class_archive``: when this call starts the driver JVM, it maps the classes an earlier
+    session saved (``class_archive.ClassArchive``), which shortens its start and first query, and the first
+    session saves them as its JVM exits. True keeps them in ``~/.cache/allreduce-param``
+    (about 160 MB); a folder keeps them there; False turns this off.
+
     ``settings``: extra Spark settings by their full names, e.g.
     ``**{"spark.task.maxFailures": "1"}``.
     """
-    problem = java_problem()
+    if not isinstance(class_archive, (bool, str, os.PathLike)):
+        raise ConfigurationError(f"class_archive must be True, False or a folder, got {class_archive!r}")
+    java, report, problem = _java()
     if problem:
         raise ConfigurationError(problem)
-    prepare_local_environment(conf_dir)
+    prepare_local_environment()
+    from pyspark import SparkContext
+    from pyspark.find_spark_home import _find_spark_home
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
+    driver_options: list[str] = []
+    submit_args = os.environ.get("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
+    if conf_dir is not None:
+        conf_dir = Path(conf_dir).resolve()
+        if not (conf_dir / "spark-defaults.conf").is_file():
+            raise ConfigurationError(f"{conf_dir} has no spark-defaults.conf")
+        submit_args = f"--properties-file {shlex.quote(str(conf_dir / 'spark-defaults.conf'))} {submit_args}"
+        if (conf_dir / "log4j2.properties").is_file():
+            driver_options.append(f"-Dlog4j2.configurationFile={conf_dir / 'log4j2.properties'}")
+        # executors of local-cluster masters are JVMs of their own: they read the folder itself
+        settings.setdefault("spark.executorEnv.SPARK_CONF_DIR", str(conf_dir))
     for key, value in settings.items():
         builder = builder.config(key, value)
-    return builder.getOrCreate()
+    archive = None
+    starting_jvm = SparkContext._gateway is None and not under_spark_submit()
+    if starting_jvm and class_archive is not False and "spark.driver.extraClassPath" not in settings:
+        archive = ClassArchive.for_driver(java, report, _find_spark_home(),
+                                          None if class_archive is True else class_archive)
+        if archive is not None:
+            driver_options += archive.java_options()
+    if not starting_jvm:
+        return builder.getOrCreate()
+    launch = {"PYSPARK_SUBMIT_ARGS": submit_args,
+              "SPARK_SUBMIT_OPTS": " ".join([os.environ.get("SPARK_SUBMIT_OPTS", ""),
+                                             *(shlex.quote(option) for option in driver_options)]).strip()}
+    with _environment(launch):
+        session = builder.getOrCreate()
+    if archive is not None:
+        archive.save_when_jvm_exits(SparkContext._gateway.proc)
+    return session
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``values`` in ``os.environ`` while the block runs (Spark's launcher reads them), then as before."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def start_python_workers(spark) -> threading.Thread:

@@ -17,7 +17,7 @@ from allreduce_param import AllReduceParameter, LocalRendezvous
 from allreduce_param.session import java_problem, prepare_local_environment
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-prepare_local_environment(CONF_DIR)
+prepare_local_environment()
 
 
 @pytest.fixture(scope="module")
