@@ -117,7 +117,8 @@ class ClassArchive:
         """The archive for a driver JVM about to start, or None when there can be none here.
 
         ``folder`` None means ``default_folder()``, which is skipped quietly when it cannot be
-        made; a folder the caller names that cannot be made is a ConfigurationError.
+        made or written to; a folder the caller names that cannot is a ConfigurationError. A
+        folder that already holds the archive is only read.
         """
         name = archive_name(java, version_report, spark_home)
         if name is None:
@@ -125,9 +126,10 @@ class ClassArchive:
         where = Path(folder) if folder is not None else default_folder()
         try:
             where.mkdir(parents=True, exist_ok=True)
-            probe = where / f".writable-{uuid.uuid4().hex[:8]}"
-            probe.touch()
-            probe.unlink()
+            archive = cls(where, name)
+            # only a session that saves writes there: its claim is the test that it can
+            if archive.saving and not archive._claim():
+                return None  # another session is saving it now; the next one uses it
         except OSError as error:
             if folder is None:
                 return None
@@ -135,9 +137,6 @@ class ClassArchive:
                 f"class_archive={str(folder)!r} cannot hold the JVM's class archive ({error}); "
                 "name a folder you can write to, or pass class_archive=False"
             ) from None
-        archive = cls(where, name)
-        if archive.saving and not archive._claim():
-            return None  # another session is saving it now; the next one uses it
         return archive
 
     def java_options(self) -> list[str]:
