@@ -83,9 +83,7 @@ def load_data(spark, section: dict):
         X = (digits.data / 16.0).astype(np.float32)
         X_train, X_test, y_train, y_test = train_test_split(
             X, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target)
-        frame = lambda X, y: spark.createDataFrame(  # noqa: E731
-            [(row.tolist(), float(label)) for row, label in zip(X, y)], "features array<float>, label double")
-        return frame(X_train, y_train), frame(X_test, y_test)
+        return arrow_frame(spark, X_train, y_train), arrow_frame(spark, X_test, y_test)
     if source == "synthetic":
         frame = synthetic(spark, int(section.get("rows", 1_000_000)), int(section.get("features", 100)),
                           int(section.get("classes", 10)), seed, int(section.get("partitions", 0)) or None)
@@ -99,6 +97,20 @@ def load_data(spark, section: dict):
                          .withColumnRenamed(section.get("label_col", "label"), "label")
         return frame.randomSplit([1 - test_fraction, test_fraction], seed=seed)
     raise ConfigurationError(f"[data] source = {source!r} is not one of {DATA_SOURCES}")
+
+
+def arrow_frame(spark, X: np.ndarray, y: np.ndarray):
+    """A DataFrame ``features array<float>, label double`` of the rows of ``X`` and ``y``.
+
+    Sent to Spark as Arrow: a DataFrame made from Python rows is read through Python workers
+    every time a job scans it, and its first scan starts a Python daemon of its own.
+    """
+    import pyarrow as pa
+
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    offsets = pa.array(np.arange(len(X) + 1, dtype=np.int32) * X.shape[1])
+    features = pa.ListArray.from_arrays(offsets, pa.array(X.reshape(-1)))
+    return spark.createDataFrame(pa.table({"features": features, "label": pa.array(np.asarray(y, np.float64))}))
 
 
 def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitions: int | None = None):

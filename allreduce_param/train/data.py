@@ -24,6 +24,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..errors import ConfigurationError, InputError
+from . import arrow
 
 TRAIN, VALIDATION = 0, 1
 #: The columns a prepared DataFrame has, and their Spark types.
@@ -315,12 +316,11 @@ def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None 
     names = [check.name for check in checks]
 
     def task(batches):
-        import pyarrow as pa
         from pyspark import TaskContext
 
         for split, stats in _partition_statistics(batches, names, classes).items():
-            yield pa.RecordBatch.from_pydict({"stats": [json.dumps({"split": split, **stats})]})
-        yield pa.RecordBatch.from_pydict({"stats": [json.dumps({"task": TaskContext.get().partitionId()})]})
+            yield arrow.record_batch(stats=[json.dumps({"split": split, **stats})])
+        yield arrow.record_batch(stats=[json.dumps({"task": TaskContext.get().partitionId()})])
 
     # the ids as place_rows numbers the rows: the same projection over the same plan
     indexed = prepared.select("features", "label", "split", F.monotonically_increasing_id().alias("row"))
@@ -366,17 +366,18 @@ def _partition_statistics(batches, names: Sequence[str], classes: int | None) ->
     ``row``), by split."""
     found: dict[int, dict] = {}
     for batch in batches:
-        ids = batch.column(batch.schema.get_field_index("row")).to_numpy(zero_copy_only=False)
+        ids = arrow.values(batch.column(batch.schema.get_field_index("row")))
         features = batch.column(batch.schema.get_field_index("features"))
         label_column = batch.column(batch.schema.get_field_index("label"))
-        labels = label_column.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls: NaN
-        label_null = label_column.is_null().to_numpy(zero_copy_only=False)
-        splits = batch.column(batch.schema.get_field_index("split")).to_numpy(zero_copy_only=False)
-        missing = features.is_null().to_numpy(zero_copy_only=False)
-        offsets = features.offsets.to_numpy().astype(np.int64)
-        values = features.values
-        element_null = values.is_null().to_numpy(zero_copy_only=False)
-        elements = values.to_numpy(zero_copy_only=False)
+        label_null = arrow.nulls(label_column)
+        labels = np.where(label_null, np.nan, arrow.values(label_column))
+        splits = arrow.values(batch.column(batch.schema.get_field_index("split")))
+        missing = arrow.nulls(features)
+        offsets = arrow.list_offsets(features)
+        element_null = arrow.nulls(features.values)
+        elements = arrow.values(features.values)
+        if element_null.any():
+            elements = np.where(element_null, np.nan, elements)
         bad_element = element_null | ~np.isfinite(elements)
         bad_before = np.concatenate([[0], np.cumsum(bad_element)])
         bad_features = ~missing & (bad_before[offsets[1:]] > bad_before[offsets[:-1]])
@@ -452,13 +453,11 @@ def arrays_from_arrow(batches, n_features: int) -> tuple[np.ndarray, np.ndarray,
     features, labels, splits, keys = [], [], [], []
     for batch in batches:
         column = batch.column(batch.schema.get_field_index("features"))
-        flat = column.flatten().to_numpy(zero_copy_only=False)
-        features.append(flat.reshape(len(batch), n_features))
-        labels.append(batch.column(batch.schema.get_field_index("label")).to_numpy(zero_copy_only=False))
-        splits.append(batch.column(batch.schema.get_field_index("split")).to_numpy(zero_copy_only=False))
+        features.append(arrow.values(column.flatten()).reshape(len(batch), n_features))
+        labels.append(arrow.values(batch.column(batch.schema.get_field_index("label"))))
+        splits.append(arrow.values(batch.column(batch.schema.get_field_index("split"))))
         if ORDER_COLUMNS[0] in batch.schema.names:
-            keys.append([batch.column(batch.schema.get_field_index(name)).to_numpy(zero_copy_only=False)
-                         for name in ORDER_COLUMNS])
+            keys.append([arrow.values(batch.column(batch.schema.get_field_index(name))) for name in ORDER_COLUMNS])
     if not features:
         return (np.zeros((0, n_features), np.float32), np.zeros(0, np.float64), np.zeros(0, np.int32))
     y, split = np.concatenate(labels), np.concatenate(splits)

@@ -22,6 +22,7 @@ from ..parameter import AllReduceParameter
 from ..rendezvous import MeetingPoint
 from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
+from .arrow import record_batch
 from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
 from .partitioning import check_scheme, place_pairs, place_rows, refused_in_place, rows_in_place
 from .progress import ProgressBar, ProgressMerger
@@ -351,13 +352,11 @@ class DistriOptimizer:
         attempt's tasks resume from the fit's newest checkpoint. (A shuffle after the stage
         would have Spark retry it, for a stage more on every fit.)"""
         def arrow_task(batches):
-            import pyarrow as pa
-
             started = time.time()
             arrays = arrays_from_arrow(batches, job.n_features)
             clock = {"started": started, "loaded": time.time()}
             for kind, payload in train_partition(job, *arrays, clock=clock):
-                yield pa.RecordBatch.from_pydict({"kind": [kind], "payload": [payload]})
+                yield record_batch(kind=[kind], payload=[payload])
 
         def pairs_task(pairs):
             started = time.time()
