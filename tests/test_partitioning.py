@@ -22,6 +22,7 @@ from allreduce_param.train.partitioning import (
     partition_keys,
     place_pairs,
     place_rows,
+    place_rows_once,
     rows_in_place,
     xxhash64,
 )
@@ -238,6 +239,26 @@ def test_as_is_keeps_cached_partitions_one_per_worker_as_they_lie(spark):
         validation.unpersist()
     finally:
         train.unpersist()
+
+
+def test_the_placement_of_cached_data_is_planned_once_per_setting(spark, data):
+    train, validation = frame(spark, [3, 0, 5, 2]).cache(), frame(spark, [2, 2], VALIDATION_BASE).cache()
+    try:
+        prepared, summary = prepare(train, "features", "label", validation)
+        first = place_rows_once(prepared, 4, "random", 7, summary)
+        assert place_rows_once(prepared, 4, "random", 7, summary) is first
+        others = [place_rows_once(prepared, 3, "random", 7, summary), place_rows_once(prepared, 4, "random", 8, summary),
+                  place_rows_once(prepared, 4, "contiguous", 7, summary)]
+        assert all(other is not first for other in others) and len({id(other) for other in others}) == 3
+        # the kept plan places the rows as a new one does
+        assert glom(first) == glom(place_rows(prepared, 4, "random", 7, summary.partition_counts))
+        # data not cached may change between fits: planned anew, from its own counts
+        uncached, uncached_summary = data
+        assert place_rows_once(uncached, 4, "random", 7, uncached_summary) is not \
+            place_rows_once(uncached, 4, "random", 7, uncached_summary)
+    finally:
+        train.unpersist()
+        validation.unpersist()
 
 
 def test_a_shuffled_partition_is_put_in_order_by_its_keys():

@@ -24,7 +24,7 @@ from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
 from .arrow import record_batch
 from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
-from .partitioning import check_scheme, place_pairs, place_rows, refused_in_place, rows_in_place
+from .partitioning import check_scheme, place_pairs, place_rows_once, refused_in_place, rows_in_place
 from .progress import ProgressBar, ProgressMerger
 from .slots import check_no_dynamic_allocation, spark_setting, task_slots
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, fit_phases, merge_epoch, merge_step
@@ -223,7 +223,7 @@ class DistriOptimizer:
                 def placed():  # with nothing kept, or once Spark refused to read the kept rows
                     if kept is not None:
                         refused_in_place(summary)
-                    return place_rows(source, workers, self.partition_scheme, self.seed, summary.partition_counts)
+                    return place_rows_once(source, workers, self.partition_scheme, self.seed, summary)
             else:
                 kept, placed = None, lambda: place_pairs(source, workers, self.partition_scheme, self.seed)
             try:

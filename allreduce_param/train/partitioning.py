@@ -189,6 +189,24 @@ def place_pairs(rdd: RDD, workers: int, scheme: str, seed: int) -> RDD:
     return placed.values()
 
 
+#: For checked cached data: its placed DataFrames by (workers, scheme, seed).
+_placed: weakref.WeakKeyDictionary[DataSummary, dict[tuple, DataFrame]] = weakref.WeakKeyDictionary()
+
+
+def place_rows_once(prepared: DataFrame, workers: int, scheme: str, seed: int, summary: DataSummary) -> DataFrame:
+    """``place_rows`` of data ``summary`` describes, built once per (workers, scheme, seed)
+    where the data is cached, as ``prepare_once`` checks it once: several fits on the same
+    cached data (a tuning loop) build the placement's query once, not its py4j calls each
+    time. Spark still shuffles the rows on every fit; only the plan is kept."""
+    if not summary.cached:
+        return place_rows(prepared, workers, scheme, seed, summary.partition_counts)
+    plans = _placed.setdefault(summary, {})
+    key = (workers, check_scheme(scheme), seed)
+    if key not in plans:
+        plans[key] = place_rows(prepared, workers, scheme, seed, summary.partition_counts)
+    return plans[key]
+
+
 #: Checked data whose own partitions Spark refused to a barrier stage: ``rows_in_place``
 #: no longer offers them, so a fit on such data tries (and Spark warns) once.
 _refused: weakref.WeakSet[DataSummary] = weakref.WeakSet()
