@@ -192,6 +192,14 @@ class DenseNetwork:
         X = self._check_features(X)
         return self._head.predict(self._forward(self.layout.views(weights), X)[-1])
 
+    def predict_raw(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """The last layer's outputs, before the head: float32 (rows, outputs). The class
+        scores (logits) of a softmax head, the logit of the logistic one, the predicted
+        values of a regression."""
+        weights = self._check_weights(weights)
+        X = self._check_features(X)
+        return self._forward(self.layout.views(weights), X)[-1]
+
     def tensors(self, weights: np.ndarray) -> dict[str, np.ndarray]:
         """``name -> view`` of a flat parameter vector (``w1``, ``b1``, ...), for inspection."""
         return self.layout.views(self._check_weights(weights))

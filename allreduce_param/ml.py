@@ -1,0 +1,478 @@
+"""pyspark.ml Estimators over ``DistriOptimizer``: ``AllReduceClassifier``, ``AllReduceRegressor``.
+
+A thin layer on the driver: Params in, one ``DistriOptimizer.fit``, a Model out. The
+Estimators go in a ``Pipeline`` after ``VectorAssembler`` and ``StandardScaler``, run under
+``CrossValidator`` and ``TrainValidationSplit``, and their Models save and load with Spark's
+own persistence (``PipelineModel.save``): the Params as Spark writes them, the weights as a
+Parquet array beside them (no pickle), at any path Spark writes to.
+
+The network is a dense one: ``hiddenLayers`` widths between the features and the outputs,
+``[]`` (the default) for a linear model (softmax regression for the classifier, least
+squares for the regressor). Training logic lives in ``train``, not here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+from pyspark import keyword_only
+from pyspark.ml.classification import ProbabilisticClassificationModel, ProbabilisticClassifier
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param.shared import HasSeed, HasStepSize, HasValidationIndicatorCol, HasWeightCol
+from pyspark.ml.base import PredictionModel, Predictor
+from pyspark.ml.util import (
+    DefaultParamsReadable,
+    DefaultParamsReader,
+    DefaultParamsWritable,
+    DefaultParamsWriter,
+    MLReadable,
+    MLReader,
+    MLWritable,
+    MLWriter,
+)
+
+from . import models, optim
+from .errors import ConfigurationError, InputError
+from .train.distri import DistriOptimizer
+from .train.result import History, TrainedModel
+
+#: The optimizers the ``optimizer`` Param names.
+OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "rmsprop": optim.RMSprop,
+              "adagrad": optim.Adagrad}
+
+#: Param name -> DistriOptimizer argument, for the settings passed straight through.
+_SETTINGS = {"batchSize": "batch_size", "maxEpochs": "epochs", "codec": "codec", "seed": "seed",
+             "strategy": "strategy", "backupWorkers": "backup_workers", "partitionScheme": "partition_scheme",
+             "showProgress": "progress"}
+#: Params whose "unset" value (0 or "") means the DistriOptimizer default.
+_OPTIONAL_SETTINGS = {"numWorkers": "num_workers", "staleness": "staleness", "syncEvery": "sync_every",
+                      "checkpointDir": "checkpoint_dir", "checkpointEvery": "checkpoint_every"}
+
+
+class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasSeed, HasStepSize):
+    """The Params both Estimators and their Models share."""
+
+    hiddenLayers = Param(Params._dummy(), "hiddenLayers",
+                         "widths of the hidden layers, e.g. [128, 64]; [] for a linear model",
+                         typeConverter=TypeConverters.toListInt)
+    optimizer = Param(Params._dummy(), "optimizer", f"the optimizer: {', '.join(OPTIMIZERS)}",
+                      typeConverter=TypeConverters.toString)
+    batchSize = Param(Params._dummy(), "batchSize", "the global batch of a step, split over the workers",
+                      typeConverter=TypeConverters.toInt)
+    maxEpochs = Param(Params._dummy(), "maxEpochs", "passes over the training rows",
+                      typeConverter=TypeConverters.toInt)
+    codec = Param(Params._dummy(), "codec", "how blocks travel between workers: lz4, raw, bf16, ...",
+                  typeConverter=TypeConverters.toString)
+    numWorkers = Param(Params._dummy(), "numWorkers",
+                       "partitions that train; 0: one per partition of the data, up to Spark's task slots",
+                       typeConverter=TypeConverters.toInt)
+    strategy = Param(Params._dummy(), "strategy", "how the workers synchronise: bsp, ssp or asp",
+                     typeConverter=TypeConverters.toString)
+    staleness = Param(Params._dummy(), "staleness", "ssp: steps a worker may run ahead; 0: the default",
+                      typeConverter=TypeConverters.toInt)
+    backupWorkers = Param(Params._dummy(), "backupWorkers", "bsp: a step goes on without the slowest b",
+                          typeConverter=TypeConverters.toInt)
+    syncEvery = Param(Params._dummy(), "syncEvery",
+                      "local SGD: sync every k steps, or 'epoch'; 1 (the default) syncs every step",
+                      typeConverter=TypeConverters.identity)
+    partitionScheme = Param(Params._dummy(), "partitionScheme",
+                            "which rows each worker trains on: as_is, contiguous, round_robin, random, "
+                            "overlap_reshuffle", typeConverter=TypeConverters.toString)
+    checkpointDir = Param(Params._dummy(), "checkpointDir",
+                          "where the fit writes checkpoints (storage every executor sees); '' for none",
+                          typeConverter=TypeConverters.toString)
+    checkpointEvery = Param(Params._dummy(), "checkpointEvery",
+                            "checkpoint every k steps or 'epoch'; '' for each epoch",
+                            typeConverter=TypeConverters.identity)
+    showProgress = Param(Params._dummy(), "showProgress", "show the fit's live progress bar",
+                         typeConverter=TypeConverters.toBoolean)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._setDefault(hiddenLayers=[], optimizer="adam", stepSize=0.001, batchSize=256, maxEpochs=10,
+                         codec="lz4", numWorkers=0, seed=0, strategy="bsp", staleness=0, backupWorkers=0,
+                         syncEvery=1, partitionScheme="as_is", checkpointDir="", checkpointEvery="",
+                         showProgress=True)
+
+    def getHiddenLayers(self) -> list[int]:
+        """The widths of the hidden layers."""
+        return self.getOrDefault(self.hiddenLayers)
+
+    def getOptimizer(self) -> str:
+        """The optimizer's name."""
+        return self.getOrDefault(self.optimizer)
+
+    def getBatchSize(self) -> int:
+        """The global batch of a step."""
+        return self.getOrDefault(self.batchSize)
+
+    def getMaxEpochs(self) -> int:
+        """How many passes over the training rows."""
+        return self.getOrDefault(self.maxEpochs)
+
+
+class _AllReduceEstimator(_AllReduceParams):
+    """What both Estimators do: describe the data, build the network, fit, wrap the result."""
+
+    _task = ""
+
+    def _fit(self, dataset):
+        if self.isDefined(self.weightCol) and self.getWeightCol():
+            raise ConfigurationError(
+                f"{type(self).__name__}: weightCol={self.getWeightCol()!r} is not supported yet; "
+                "train without it, or repeat rows in proportion to their weight")
+        features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
+        train, validation = self._split(dataset)
+        n_features, num_classes = _describe(train, features_col, label_col, self._task)
+        network = _network(self._task, n_features, self.getHiddenLayers(), num_classes)
+        trainer = self._trainer(network)
+        trained = trainer.fit(train, features_col=features_col, label_col=label_col, validation=validation)
+        return self._copyValues(self._model_class(trained))
+
+    def _split(self, dataset):
+        """(training rows, validation rows or None), by ``validationIndicatorCol``."""
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import BooleanType
+
+        if not self.isDefined(self.validationIndicatorCol) or not self.getValidationIndicatorCol():
+            return dataset, None
+        column = self.getValidationIndicatorCol()
+        if column not in dataset.columns:
+            raise InputError(f"validationIndicatorCol={column!r} is not a column of the data; its columns "
+                             f"are {sorted(dataset.columns)}")
+        if not isinstance(dataset.schema[column].dataType, BooleanType):
+            raise InputError(f"validationIndicatorCol={column!r} is {dataset.schema[column].dataType.simpleString()}; "
+                             "it must be boolean (true: a validation row)")
+        marked = F.coalesce(F.col(column), F.lit(False))
+        return dataset.filter(~marked), dataset.filter(marked)
+
+    def _trainer(self, network) -> DistriOptimizer:
+        """The DistriOptimizer these Params describe; its errors name the Params."""
+        name = self.getOptimizer().lower()
+        if name not in OPTIMIZERS:
+            raise ConfigurationError(f"optimizer={self.getOptimizer()!r} is not one of {', '.join(OPTIMIZERS)}")
+        settings = {argument: self.getOrDefault(param) for param, argument in _SETTINGS.items()}
+        for param, argument in _OPTIONAL_SETTINGS.items():
+            value = self.getOrDefault(param)
+            if value not in (0, "", None) and not (param == "syncEvery" and value == 1):
+                settings[argument] = value
+        try:
+            return DistriOptimizer(network, OPTIMIZERS[name](lr=self.getStepSize()), **settings)
+        except ConfigurationError as error:
+            message = str(error)
+            for param, argument in {**_SETTINGS, **_OPTIONAL_SETTINGS, "stepSize": "lr"}.items():
+                message = re.sub(rf"\b{argument}(?==| must)", param, message)
+            raise ConfigurationError(f"{type(self).__name__}: {message}") from error
+
+
+class AllReduceClassifier(_AllReduceEstimator, ProbabilisticClassifier, DefaultParamsReadable, DefaultParamsWritable):
+    """A classifier trained data-parallel by allreduce; labels are class ids 0..k-1 (e.g. from
+    ``StringIndexer``). k comes from the label column's metadata, or else its largest value.
+
+    The Model adds ``predictionCol``, ``rawPredictionCol`` (the class scores) and
+    ``probabilityCol`` (their softmax); ``thresholds`` work as MLlib's classifiers' do.
+    """
+
+    _task = "classification"
+
+    @keyword_only
+    def __init__(self, *, featuresCol: str = "features", labelCol: str = "label",
+                 predictionCol: str = "prediction", probabilityCol: str = "probability",
+                 rawPredictionCol: str = "rawPrediction", weightCol: str | None = None,
+                 validationIndicatorCol: str | None = None, hiddenLayers: list[int] | None = None,
+                 optimizer: str = "adam", stepSize: float = 0.001, batchSize: int = 256, maxEpochs: int = 10,
+                 codec: str = "lz4", numWorkers: int = 0, seed: int = 0, strategy: str = "bsp",
+                 staleness: int = 0, backupWorkers: int = 0, syncEvery: int | str = 1,
+                 partitionScheme: str = "as_is", checkpointDir: str = "", checkpointEvery: int | str = "",
+                 showProgress: bool = True, thresholds: list[float] | None = None) -> None:
+        super().__init__()
+        self._set(**{key: value for key, value in self._input_kwargs.items() if value is not None})
+
+    @keyword_only
+    def setParams(self, **kwargs: Any) -> AllReduceClassifier:
+        """Set any of the constructor's Params."""
+        return self._set(**{key: value for key, value in self._input_kwargs.items() if value is not None})
+
+    @property
+    def _model_class(self):
+        return AllReduceClassificationModel
+
+
+class AllReduceRegressor(_AllReduceEstimator, Predictor, DefaultParamsReadable, DefaultParamsWritable):
+    """A regressor trained data-parallel by allreduce (squared error); the Model adds
+    ``predictionCol``."""
+
+    _task = "regression"
+
+    @keyword_only
+    def __init__(self, *, featuresCol: str = "features", labelCol: str = "label",
+                 predictionCol: str = "prediction", weightCol: str | None = None,
+                 validationIndicatorCol: str | None = None, hiddenLayers: list[int] | None = None,
+                 optimizer: str = "adam", stepSize: float = 0.001, batchSize: int = 256, maxEpochs: int = 10,
+                 codec: str = "lz4", numWorkers: int = 0, seed: int = 0, strategy: str = "bsp",
+                 staleness: int = 0, backupWorkers: int = 0, syncEvery: int | str = 1,
+                 partitionScheme: str = "as_is", checkpointDir: str = "", checkpointEvery: int | str = "",
+                 showProgress: bool = True) -> None:
+        super().__init__()
+        self._set(**{key: value for key, value in self._input_kwargs.items() if value is not None})
+
+    @keyword_only
+    def setParams(self, **kwargs: Any) -> AllReduceRegressor:
+        """Set any of the constructor's Params."""
+        return self._set(**{key: value for key, value in self._input_kwargs.items() if value is not None})
+
+    @property
+    def _model_class(self):
+        return AllReduceRegressionModel
+
+
+class _AllReduceModel(_AllReduceParams, MLWritable, MLReadable):
+    """What both Models hold: the fit's ``TrainedModel`` (network, weights, history)."""
+
+    _task = ""
+
+    def __init__(self, trained: TrainedModel | None = None) -> None:
+        super().__init__()
+        self._trained = trained
+
+    @property
+    def trained(self) -> TrainedModel:
+        """The fit's result: ``weights``, ``history`` (steps, epochs, phases), ``model``."""
+        if self._trained is None:
+            raise InputError(f"{type(self).__name__} holds no weights: make it with fit() or load()")
+        return self._trained
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The trained weights, one flat float32 vector."""
+        return self.trained.weights
+
+    @property
+    def history(self) -> History:
+        """The fit's history."""
+        return self.trained.history
+
+    @property
+    def numFeatures(self) -> int:
+        """How many features a row must have."""
+        return int(self.trained.n_features)
+
+    def write(self) -> MLWriter:
+        """A writer that saves the Params and the weights (Parquet) under a path."""
+        return _ModelWriter(self)
+
+    @classmethod
+    def read(cls) -> MLReader:
+        """A reader of what ``write`` saved."""
+        return _ModelReader(cls)
+
+    def _scores(self, value) -> np.ndarray:
+        return self.trained.model.predict_raw(self.trained.weights, _row(value))[0].astype(np.float64)
+
+    def _features_array(self, dataset):
+        """The features column as array<float>, whether a vector or an array of numbers."""
+        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import functions as F
+
+        name = self.getFeaturesCol()
+        if name not in dataset.columns:
+            raise InputError(f"the data has no column {name!r} (featuresCol); its columns are {sorted(dataset.columns)}")
+        column = F.col(name)
+        if isinstance(dataset.schema[name].dataType, VectorUDT):
+            return vector_to_array(column, "float32")
+        return column.cast("array<float>")
+
+
+class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationModel):
+    """An ``AllReduceClassifier``'s fitted model."""
+
+    _task = "classification"
+
+    @property
+    def numClasses(self) -> int:
+        """How many classes the model tells apart."""
+        return int(self.trained.model.num_classes)
+
+    def predictRaw(self, value) -> Any:
+        """The class scores of one feature vector."""
+        from pyspark.ml.linalg import Vectors
+
+        return Vectors.dense(self._scores(value))
+
+    def predictProbability(self, value) -> Any:
+        """The class probabilities of one feature vector."""
+        from pyspark.ml.linalg import Vectors
+
+        return Vectors.dense(_softmax(self._scores(value)[None, :])[0])
+
+    def predict(self, value) -> float:
+        """The predicted class of one feature vector."""
+        return float(_classes(_softmax(self._scores(value)[None, :]), self._thresholds())[0])
+
+    def _thresholds(self) -> np.ndarray | None:
+        if not self.isDefined(self.thresholds) or not self.isSet(self.thresholds):
+            return None
+        thresholds = np.asarray(self.getThresholds(), np.float64)
+        if len(thresholds) != self.numClasses:
+            raise ConfigurationError(f"thresholds has {len(thresholds)} values; the model has {self.numClasses} "
+                                     "classes, one threshold each")
+        if (thresholds < 0).any() or (thresholds == 0).sum() > 1:
+            raise ConfigurationError("thresholds must be >= 0, with at most one of them 0")
+        return thresholds
+
+    def _transform(self, dataset):
+        """``dataset`` with the prediction, raw prediction and probability columns (those
+        whose Param is not empty), computed in the executors a batch of rows at a time."""
+        import pandas as pd
+        from pyspark.ml.functions import array_to_vector
+        from pyspark.sql import functions as F
+
+        model, thresholds = self.trained.model, self._thresholds()
+        weights = self.trained._weights_broadcast(dataset.sparkSession.sparkContext)
+        width = self.numFeatures
+
+        def scores(features: pd.Series) -> pd.DataFrame:
+            X = np.stack(features.to_numpy()).astype(np.float32) if len(features) else np.zeros((0, width), np.float32)
+            raw = np.asarray(model.predict_raw(weights.value, X), np.float64)
+            probability = _softmax(raw)
+            return pd.DataFrame({"raw": list(raw), "probability": list(probability),
+                                 "prediction": _classes(probability, thresholds).astype(np.float64)})
+
+        scores.__annotations__ = {"features": pd.Series, "return": pd.DataFrame}
+        kind = "raw array<double>, probability array<double>, prediction double"
+        computed = "__allreduce_scores"
+        out = dataset.withColumn(computed, F.pandas_udf(scores, kind)(self._features_array(dataset)))
+        for param, field in ((self.rawPredictionCol, "raw"), (self.probabilityCol, "probability")):
+            if self.getOrDefault(param):
+                out = out.withColumn(self.getOrDefault(param), array_to_vector(F.col(f"{computed}.{field}")))
+        if self.getPredictionCol():
+            out = out.withColumn(self.getPredictionCol(), F.col(f"{computed}.prediction"))
+        return out.drop(computed)
+
+
+class AllReduceRegressionModel(_AllReduceModel, PredictionModel):
+    """An ``AllReduceRegressor``'s fitted model."""
+
+    _task = "regression"
+
+    def predict(self, value) -> float:
+        """The prediction for one feature vector."""
+        return float(self._scores(value)[0])
+
+    def _transform(self, dataset):
+        """``dataset`` with ``predictionCol``, computed in the executors through Arrow."""
+        if not self.getPredictionCol():
+            return dataset
+        return self.trained.predict(dataset, features_col=self.getFeaturesCol(), prediction_col=self.getPredictionCol())
+
+
+class _ModelWriter(MLWriter):
+    """Saves a Model: Spark's metadata file of its Params (plus the network's shape), and
+    its weights as one row of ``weights array<float>`` in Parquet under ``data``."""
+
+    def __init__(self, instance: _AllReduceModel) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:
+        import pyarrow as pa
+
+        trained = self.instance.trained
+        extra = {"numFeatures": int(trained.n_features), "numClasses": getattr(trained.model, "num_classes", None),
+                 "epochs": trained.history.epochs}
+        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, extraMetadata=extra)
+        weights = np.ascontiguousarray(trained.weights, np.float32)
+        column = pa.ListArray.from_arrays(pa.array(np.array([0, len(weights)], np.int32)), pa.array(weights))
+        self.sparkSession.createDataFrame(pa.table({"weights": column})).write.parquet(os.path.join(path, "data"))
+
+
+class _ModelReader(MLReader):
+    """Reads what ``_ModelWriter`` saved."""
+
+    def __init__(self, cls: type) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def load(self, path: str) -> _AllReduceModel:
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        instance = self.cls()
+        instance._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(instance, metadata)
+        table = self.sparkSession.read.parquet(os.path.join(path, "data")).toArrow()
+        weights = np.asarray(table.column("weights").combine_chunks().flatten(), np.float32)
+        network = _network(instance._task, metadata["numFeatures"], instance.getHiddenLayers(),
+                           metadata["numClasses"])
+        if weights.size != network.size:
+            raise InputError(f"{path} holds {weights.size} weights; the network its metadata describes has "
+                             f"{network.size}: the folder was changed or mixed with another model's")
+        history = History(epochs=metadata.get("epochs", []))
+        instance._trained = TrainedModel(network, weights, history, metadata["numFeatures"])
+        return instance
+
+
+def _network(task: str, n_features: int, hidden: list[int], num_classes: int | None):
+    """The dense network of an Estimator's Params: linear when ``hidden`` is empty."""
+    if task == "classification":
+        if not hidden:
+            return models.SoftmaxRegression(n_features, num_classes)
+        return models.MLP([n_features, *hidden, num_classes])
+    if not hidden:
+        return models.LinearRegression(n_features)
+    return models.MLP([n_features, *hidden, 1], task="regression")
+
+
+def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int, int | None]:
+    """(features per row, classes) of the training rows: from the columns' ML metadata
+    (``VectorAssembler``, ``StringIndexer``) where it says, else from one small Spark job."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+
+    for column, role in ((features_col, "featuresCol"), (label_col, "labelCol")):
+        if column not in train.columns:
+            raise InputError(f"the data has no column {column!r} ({role}); its columns are {sorted(train.columns)}")
+    features_meta = train.schema[features_col].metadata.get("ml_attr", {})
+    n_features = features_meta.get("num_attrs")
+    num_classes = None
+    if task == "classification":
+        label_meta = train.schema[label_col].metadata.get("ml_attr", {})
+        num_classes = label_meta.get("num_vals") or (len(label_meta["vals"]) if "vals" in label_meta else None)
+    if n_features is None or (task == "classification" and num_classes is None):
+        is_vector = isinstance(train.schema[features_col].dataType, VectorUDT)
+        width = F.size(vector_to_array(F.col(features_col)) if is_vector else F.col(features_col))
+        row = train.agg(F.max(label_col).alias("largest"), F.first(width, ignorenulls=True).alias("width")).first()
+        if row is None or row["width"] is None:
+            raise InputError("the training data has no rows with features")
+        n_features = n_features or int(row["width"])
+        if task == "classification" and num_classes is None:
+            largest = row["largest"]
+            if largest is None or not np.isfinite(largest) or largest < 0 or largest != int(largest):
+                raise InputError(f"the labels in {label_col!r} must be class ids 0, 1, 2, ... (the largest is "
+                                 f"{largest!r}); index string classes with StringIndexer")
+            num_classes = max(int(largest) + 1, 2)
+    return int(n_features), (None if num_classes is None else int(num_classes))
+
+
+def _row(value) -> np.ndarray:
+    """One feature vector (a pyspark.ml Vector or a sequence of numbers) as a (1, n) float32 matrix."""
+    array = value.toArray() if hasattr(value, "toArray") else np.asarray(value)
+    return np.asarray(array, np.float32).reshape(1, -1)
+
+
+def _softmax(raw: np.ndarray) -> np.ndarray:
+    shifted = np.exp(raw - raw.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def _classes(probability: np.ndarray, thresholds: np.ndarray | None) -> np.ndarray:
+    """The predicted classes: the most probable, or as MLlib does with thresholds, the largest
+    probability / threshold (a threshold of 0 wins wherever its class has any probability)."""
+    if thresholds is None:
+        return probability.argmax(axis=1)
+    with np.errstate(divide="ignore"):
+        scaled = np.where(thresholds > 0, probability / np.where(thresholds > 0, thresholds, 1), np.inf)
+    return scaled.argmax(axis=1)

@@ -1,0 +1,183 @@
+"""The pyspark.ml Estimators on real Spark: in Pipelines, under CrossValidator and
+TrainValidationSplit, saved and loaded with Spark's own persistence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator, RegressionEvaluator
+from pyspark.ml.feature import StandardScaler, StringIndexer, VectorAssembler
+from pyspark.ml.linalg import Vectors
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder, TrainValidationSplit
+
+from allreduce_param import ConfigurationError, InputError
+from allreduce_param.ml import (
+    AllReduceClassificationModel,
+    AllReduceClassifier,
+    AllReduceRegressionModel,
+    AllReduceRegressor,
+)
+
+SPARK_MASTER = "local[2]"
+COLUMNS = ["a", "b", "c", "d"]
+
+
+def blobs(spark, rows=600, seed=0, string_labels=False):
+    """Three well separated classes in 4 columns (two of them on a large scale, for the scaler)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, rows)
+    centres = np.array([[0, 0, 0, 0], [4, 4, 0, 0], [0, 4, 4, 0]], np.float64)
+    X = centres[labels] + rng.standard_normal((rows, 4)) * 0.7
+    X[:, 2:] *= 100.0
+    names = np.array(["cat", "dog", "eel"])
+    data = [(*map(float, row), str(names[label]) if string_labels else float(label), bool(i % 5 == 0))
+            for i, (row, label) in enumerate(zip(X, labels))]
+    return spark.createDataFrame(data, [*COLUMNS, "label", "is_validation"])
+
+
+def linear(spark, rows=500, seed=1):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((rows, 3))
+    y = X @ np.array([1.5, -2.0, 0.5]) + 3.0 + rng.standard_normal(rows) * 0.01
+    return spark.createDataFrame([(Vectors.dense(row), float(t)) for row, t in zip(X, y)], ["features", "label"])
+
+
+def pipeline(classifier):
+    return Pipeline(stages=[VectorAssembler(inputCols=COLUMNS, outputCol="raw"),
+                            StandardScaler(inputCol="raw", outputCol="features", withMean=True),
+                            classifier])
+
+
+def accuracy(predictions):
+    return MulticlassClassificationEvaluator(metricName="accuracy").evaluate(predictions)
+
+
+def test_a_pipeline_fits_and_its_model_adds_prediction_raw_prediction_and_probability(spark):
+    df = blobs(spark).cache()
+    classifier = AllReduceClassifier(hiddenLayers=[16], stepSize=0.01, batchSize=64, maxEpochs=5, showProgress=False)
+    model = pipeline(classifier).fit(df)
+    fitted = model.stages[-1]
+    assert isinstance(fitted, AllReduceClassificationModel)
+    assert fitted.numClasses == 3 and fitted.numFeatures == 4
+    assert fitted.weights.size == 4 * 16 + 16 + 16 * 3 + 3 and len(fitted.history.epochs) == 5
+    out = model.transform(df)
+    assert accuracy(out) > 0.95
+    rows = out.select("features", "rawPrediction", "probability", "prediction").collect()
+    for row in rows[:20]:
+        assert abs(sum(row.probability) - 1.0) < 1e-9
+        assert int(np.argmax(row.rawPrediction)) == row.prediction
+        # one row at a time gives what the vectorised transform gave
+        np.testing.assert_allclose(fitted.predictRaw(row.features).toArray(), row.rawPrediction.toArray(), rtol=1e-6)
+        assert fitted.predict(row.features) == row.prediction
+    # an empty column Param leaves that column out
+    fitted.setProbabilityCol("")
+    assert "probability" not in fitted.transform(model.stages[1].transform(model.stages[0].transform(df))).columns
+    df.unpersist()
+
+
+def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(spark, tmp_path):
+    df = blobs(spark, rows=300)
+    classifier = AllReduceClassifier(hiddenLayers=[8], stepSize=0.02, batchSize=32, maxEpochs=3, showProgress=False)
+    model = pipeline(classifier).fit(df)
+    path = str(tmp_path / "model")
+    model.write().overwrite().save(path)
+    assert not list(tmp_path.rglob("*.pkl")) and list(tmp_path.rglob("*.parquet"))
+    loaded = PipelineModel.load(path)
+    fitted, again = model.stages[-1], loaded.stages[-1]
+    assert isinstance(again, AllReduceClassificationModel) and again.uid == fitted.uid
+    np.testing.assert_array_equal(again.weights, fitted.weights)
+    assert again.getHiddenLayers() == [8] and again.getStepSize() == 0.02
+    assert again.history.epochs == fitted.history.epochs
+    before = [row.probability for row in model.transform(df).select("probability").collect()]
+    after = [row.probability for row in loaded.transform(df).select("probability").collect()]
+    assert before == after
+    # the unfitted pipeline, Estimator included, saves and loads too
+    pipeline(classifier).write().save(str(tmp_path / "pipeline"))
+    stage = Pipeline.load(str(tmp_path / "pipeline")).getStages()[-1]
+    assert isinstance(stage, AllReduceClassifier) and stage.getMaxEpochs() == 3
+
+
+def test_a_model_whose_weights_do_not_fit_its_metadata_is_refused(spark, tmp_path):
+    fitted = AllReduceRegressor(maxEpochs=1, batchSize=50, showProgress=False).fit(linear(spark, rows=100))
+    fitted.save(str(tmp_path / "m"))
+    spark.createDataFrame([([1.0, 2.0],)], "weights array<float>").write.mode("overwrite").parquet(
+        str(tmp_path / "m" / "data"))
+    with pytest.raises(InputError, match="holds 2 weights; the network its metadata describes has 4"):
+        AllReduceRegressionModel.load(str(tmp_path / "m"))
+
+
+def test_string_classes_indexed_by_string_indexer_set_the_class_count(spark):
+    df = blobs(spark, rows=300, string_labels=True)
+    stages = [StringIndexer(inputCol="label", outputCol="class"), VectorAssembler(inputCols=COLUMNS, outputCol="features"),
+              AllReduceClassifier(labelCol="class", maxEpochs=1, batchSize=64, showProgress=False)]
+    fitted = Pipeline(stages=stages).fit(df).stages[-1]
+    assert fitted.numClasses == 3
+
+
+def test_cross_validator_picks_among_step_sizes(spark):
+    df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=400)).cache()
+    classifier = AllReduceClassifier(batchSize=64, maxEpochs=2, showProgress=False)
+    grid = ParamGridBuilder().addGrid(classifier.stepSize, [1e-5, 0.05]).build()
+    cv = CrossValidator(estimator=classifier, estimatorParamMaps=grid, numFolds=2, seed=3,
+                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+    fitted = cv.fit(df)
+    assert len(fitted.avgMetrics) == 2 and fitted.avgMetrics[1] > fitted.avgMetrics[0]
+    assert isinstance(fitted.bestModel, AllReduceClassificationModel)
+    assert fitted.bestModel.getStepSize() == 0.05
+    df.unpersist()
+
+
+def test_the_regressor_fits_a_line_and_train_validation_split_runs_over_it(spark, tmp_path):
+    df = linear(spark).cache()
+    regressor = AllReduceRegressor(stepSize=0.05, batchSize=50, maxEpochs=20, showProgress=False)
+    fitted = regressor.fit(df)
+    assert isinstance(fitted, AllReduceRegressionModel)
+    np.testing.assert_allclose(fitted.weights, [1.5, -2.0, 0.5, 3.0], atol=0.05)
+    rmse = RegressionEvaluator(metricName="rmse").evaluate(fitted.transform(df))
+    assert rmse < 0.1
+    assert abs(fitted.predict(Vectors.dense([1.0, 1.0, 1.0])) - 3.0) < 0.15
+    fitted.save(str(tmp_path / "regressor"))
+    loaded = AllReduceRegressionModel.load(str(tmp_path / "regressor"))
+    np.testing.assert_array_equal(loaded.weights, fitted.weights)
+    tvs = TrainValidationSplit(estimator=regressor.copy({regressor.maxEpochs: 2}), trainRatio=0.75, seed=1,
+                               estimatorParamMaps=ParamGridBuilder().addGrid(regressor.hiddenLayers, [[], [4]]).build(),
+                               evaluator=RegressionEvaluator(metricName="rmse"))
+    assert len(tvs.fit(df).validationMetrics) == 2
+    df.unpersist()
+
+
+def test_validation_rows_are_marked_by_the_indicator_column(spark):
+    df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=300))
+    fitted = AllReduceClassifier(validationIndicatorCol="is_validation", maxEpochs=2, batchSize=64,
+                                 showProgress=False).fit(df)
+    assert all("val_accuracy" in epoch for epoch in fitted.history.epochs)
+    with pytest.raises(InputError, match="validationIndicatorCol='label' is double; it must be boolean"):
+        AllReduceClassifier(validationIndicatorCol="label", showProgress=False).fit(df)
+    with pytest.raises(InputError, match="validationIndicatorCol='nope' is not a column of the data"):
+        AllReduceClassifier(validationIndicatorCol="nope", showProgress=False).fit(df)
+
+
+def test_thresholds_choose_the_class_as_mllib_does(spark):
+    df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=200))
+    fitted = AllReduceClassifier(maxEpochs=1, batchSize=64, showProgress=False).fit(df)
+    fitted.setThresholds([1.0, 1.0, 0.0])  # a threshold of 0: its class wins wherever it is possible
+    assert {row.prediction for row in fitted.transform(df).select("prediction").collect()} == {2.0}
+    fitted.setThresholds([1.0, 1.0])
+    with pytest.raises(ConfigurationError, match="thresholds has 2 values; the model has 3 classes"):
+        fitted.transform(df).collect()
+
+
+def test_bad_settings_and_labels_name_the_param(spark):
+    df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=100))
+    with pytest.raises(ConfigurationError, match="weightCol='w' is not supported yet"):
+        AllReduceClassifier(weightCol="w").fit(df)
+    with pytest.raises(ConfigurationError, match="optimizer='nadam' is not one of adam, adamw, sgd"):
+        AllReduceClassifier(optimizer="nadam").fit(df)
+    with pytest.raises(ConfigurationError, match="AllReduceClassifier: batchSize must be a positive whole number"):
+        AllReduceClassifier(batchSize=0).fit(df)
+    with pytest.raises(InputError, match="no column 'feats' \\(featuresCol\\)"):
+        AllReduceClassifier(featuresCol="feats").fit(df)
+    halves = df.withColumn("label", df.label + 0.5)
+    with pytest.raises(InputError, match="must be class ids 0, 1, 2, ... \\(the largest is 2.5\\)"):
+        AllReduceClassifier(showProgress=False).fit(halves)
