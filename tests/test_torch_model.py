@@ -7,9 +7,14 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch adapter needs PyTorch: pip install -e '.[torch]'")
 
-from allreduce_param import AllReduceParameter, models, optim  # noqa: E402
-from allreduce_param.train.worker import TrainingJob  # noqa: E402
+from allreduce_param import AllReduceParameter, DistriOptimizer, InputError, TrainedModel, models, optim  # noqa: E402
+from allreduce_param.models.base import merge_buffers  # noqa: E402
+from allreduce_param.train.checkpoint import CheckpointSettings, load_buffers, newest  # noqa: E402
+from allreduce_param.train.worker import TrainingJob, buffers_from_payload  # noqa: E402
+from conftest import train_on_threads  # noqa: E402
 from test_train_loop import blobs, reference_fit, run_workers  # noqa: E402
+
+SPARK_MASTER = "local[2]"
 
 
 def net():
@@ -88,3 +93,173 @@ def test_bad_settings():
         models.TorchModel(net, loss="hinge")
     with pytest.raises(ConfigurationError, match="needs a torch.nn.Module, got int"):
         models.TorchModel(lambda: 3)
+
+
+# ---- modes and buffers: BatchNorm and Dropout --------------------------------------------
+
+
+def normed(dropout: float = 0.5):
+    """BatchNorm on the input (a cumulative average: ``momentum=None``), a hidden layer with
+    BatchNorm (the default momentum) and Dropout after it: every buffer the fit keeps."""
+    return torch.nn.Sequential(torch.nn.BatchNorm1d(6, momentum=None), torch.nn.Linear(6, 16),
+                               torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(16, 3))
+
+
+def loaded(model, weights, buffers=None):
+    """A fresh module with ``weights`` and ``buffers`` loaded the plain torch way."""
+    module = normed()
+    module.load_state_dict(model.state_dict(weights, buffers))
+    return module
+
+
+def test_training_calls_run_in_train_mode_and_predictions_in_eval_mode():
+    model = models.TorchModel(normed)
+    weights = model.init(np.random.default_rng(0))
+    X, y = blobs(32, 6, 3, seed=4)
+    before = model.buffers()
+    first, second = (model.loss_and_grad(weights, X, y)[0] for _ in range(2))
+    assert first != second  # Dropout draws new masks each training call
+    trained = model.buffers()
+    assert int(trained["0.num_batches_tracked"]) == 2 and int(before["0.num_batches_tracked"]) == 0
+    predictions = model.predict(weights, X)
+    assert np.array_equal(predictions, model.predict(weights, X))
+    loss, both, _ = model.loss_and_predictions(weights, X, y)
+    assert np.array_equal(both, predictions) and loss == model.loss_and_predictions(weights, X, y)[0]
+    for name, value in model.buffers().items():  # predicting read the buffers and changed none
+        assert np.array_equal(value, trained[name]), name
+    module = loaded(model, weights, trained).eval()  # torch's own eval mode, the same buffers
+    with torch.no_grad():
+        np.testing.assert_array_equal(module(torch.from_numpy(X)).argmax(1).numpy(), predictions)
+
+
+def test_threads_copies_buffers_merge_weighted_by_their_rows():
+    import threading
+
+    model = models.TorchModel(lambda: normed(dropout=0.0))
+    weights = model.init(np.random.default_rng(1))
+    X, y = blobs(32, 6, 3, seed=5)
+    start = model.buffers()
+    shares = [(X[:8], y[:8]), (X[8:], y[8:])]
+    threads = [threading.Thread(target=model.loss_and_grad, args=(weights, *share)) for share in shares]
+    for thread in threads:
+        thread.start()
+        thread.join()  # one after the other: each thread's copy sees its own share only
+    expected = []
+    for share, _ in shares:  # the same step, plain torch, one module per share
+        module = loaded(model, weights, start)
+        module.train()
+        module(torch.from_numpy(share))
+        expected.append(({k: v.numpy() for k, v in module.state_dict().items() if "running" in k}, len(share)))
+    merged = model.buffers()
+    for name, value in merge_buffers(expected).items():
+        np.testing.assert_allclose(merged[name], value, rtol=1e-6, atol=1e-7)
+    assert int(merged["0.num_batches_tracked"]) == 1
+    np.testing.assert_allclose(merged["0.running_mean"], X.mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_set_buffers_applies_them_and_names_what_is_wrong():
+    model = models.TorchModel(normed)
+    weights = model.init(np.random.default_rng(2))
+    X = blobs(10, 6, 3, seed=6)[0]
+    buffers = model.buffers()
+    buffers["0.running_mean"] = np.full(6, 2.0, np.float32)
+    model.set_buffers(buffers)
+    assert np.array_equal(model.buffers()["0.running_mean"], buffers["0.running_mean"])
+    module = loaded(model, weights, buffers).eval()
+    with torch.no_grad():
+        np.testing.assert_array_equal(model.predict(weights, X), module(torch.from_numpy(X)).argmax(1).numpy())
+    with pytest.raises(InputError, match=r"missing \['0.running_var'\], unexpected \['extra'\]"):
+        model.set_buffers({**{k: v for k, v in buffers.items() if k != "0.running_var"}, "extra": np.zeros(1)})
+    with pytest.raises(InputError, match=r"buffer '2.running_mean' has shape \(3,\), the module's \(16,\)"):
+        model.set_buffers({**buffers, "2.running_mean": np.zeros(3, np.float32)})
+    assert models.TorchModel(net).buffers() == {}
+
+
+def test_checkpoints_keep_each_partitions_buffers_and_a_resume_ends_with_the_same(tmp_path):
+    X, y = blobs(90, 6, 3, seed=7)
+    parts = [(X[i::3], y[i::3]) for i in range(3)]
+
+    def job(directory, resume=None):
+        model = models.TorchModel(lambda: normed(dropout=0.0))  # no Dropout: the fit is deterministic
+        param = AllReduceParameter(3, model.size, codec="raw", timeout=60)
+        return TrainingJob(model, optim.Adam(lr=0.01), param, 18, 3, 3, None, 6, False,
+                           checkpoints=CheckpointSettings(str(directory), 4, 10), resume=resume)
+
+    whole = train_on_threads(job(tmp_path / "whole"), parts)
+    middle = newest(str(tmp_path / "whole" / "step-0000000008"))
+    resumed = train_on_threads(job(tmp_path / "resumed", resume=middle), parts)
+    for before, after in zip(whole, resumed):
+        assert isinstance(before, dict) and isinstance(after, dict), (before, after)
+        (kept, rows), (again, rows_again) = (buffers_from_payload(o["buffers"]) for o in (before, after))
+        assert rows == rows_again == 30 and int(kept["0.num_batches_tracked"]) == 15
+        for name in kept:
+            np.testing.assert_array_equal(again[name], kept[name])
+    assert np.array_equal(whole[0]["weights"], resumed[0]["weights"])
+    # on another number of workers each starts from the parts' merge
+    own = [load_buffers(middle, i, 3) for i in range(3)]
+    assert int(own[0]["0.num_batches_tracked"]) == 8
+    for name, value in merge_buffers([(b, 30) for b in own]).items():
+        np.testing.assert_array_equal(load_buffers(middle, 0, 2)[name], value)
+
+
+@pytest.fixture(scope="module")
+def normed_fit(spark):
+    """A real fit on 2 partitions: the first 40 rows on one, the last 40 on the other, each
+    step the whole batch (80 rows: 40 a partition), 3 epochs of one step."""
+    X, y = blobs(80, 6, 3, seed=8)
+    X[:40] += 2.0  # the halves differ: their merge is not either one's
+    rows = [(row.tolist(), float(label)) for row, label in zip(X, y)]
+    df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), "features array<float>, label double").cache()
+    model = models.TorchModel(normed)
+    result = DistriOptimizer(model, optim.Adam(lr=0.01), batch_size=80, epochs=3, num_workers=2, progress=False,
+                             partition_scheme="as_is", seed=1).fit(df)
+    return model, result, X, df
+
+
+def test_a_fits_buffers_are_the_partitions_merged_by_rows(normed_fit):
+    model, result, X, _ = normed_fit
+    buffers = result.buffers
+    # the input's BatchNorm sees the data itself: each partition's statistics are those of
+    # its 40 rows (the same batch each step, a cumulative average), merged by rows
+    halves = [X[:40].astype(np.float64), X[40:].astype(np.float64)]
+    np.testing.assert_allclose(buffers["0.running_mean"], X.astype(np.float64).mean(axis=0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(buffers["0.running_var"], np.mean([h.var(axis=0, ddof=1) for h in halves], axis=0),
+                               rtol=1e-5, atol=1e-5)
+    assert int(buffers["0.num_batches_tracked"]) == 3 and int(buffers["2.num_batches_tracked"]) == 3
+    # the hidden BatchNorm's moved from their start (zeros and ones)
+    assert np.abs(buffers["2.running_mean"]).min() > 0 and not np.allclose(buffers["2.running_var"], 1.0)
+    # the model given to the fit keeps its own
+    assert not model.module[0].running_mean.any() and int(model.module[0].num_batches_tracked) == 0
+
+
+def test_a_fits_predictions_are_deterministic_and_use_its_buffers(normed_fit):
+    _, result, X, df = normed_fit
+    predictions = result.predict_numpy(X)
+    assert np.array_equal(predictions, result.predict_numpy(X))
+    module = normed()
+    module.load_state_dict(result.state_dict())
+    module.eval()
+    with torch.no_grad():
+        np.testing.assert_array_equal(module(torch.from_numpy(X)).argmax(1).numpy(), predictions)
+    for name, value in result.buffers.items():
+        assert np.array_equal(module.state_dict()[name].numpy(), value), name
+    column = [row["prediction"] for row in result.predict(df).orderBy("features").collect()]
+    order = sorted(range(len(X)), key=lambda i: X[i].tolist())
+    assert column == [float(predictions[i]) for i in order]
+
+
+def test_a_fits_export_and_save_keep_the_buffers(normed_fit, tmp_path):
+    _, result, X, _ = normed_fit
+    state = result.state_dict()
+    assert list(state) == list(normed().state_dict())
+    with np.load(result.export_npz(tmp_path / "normed.npz")) as saved:
+        assert sorted(saved.files) == sorted(state)
+        for name, value in state.items():
+            np.testing.assert_array_equal(saved[name], value.numpy())
+    result.save(tmp_path / "model")
+    again = TrainedModel.load(tmp_path / "model")
+    assert sorted(again.buffers) == sorted(result.buffers)
+    for name, value in result.buffers.items():
+        np.testing.assert_array_equal(again.buffers[name], value)
+    np.testing.assert_array_equal(again.predict_numpy(X), result.predict_numpy(X))

@@ -1,17 +1,21 @@
-"""What the trainer needs from a model: the ``Model`` protocol.
+"""What the trainer needs from a model: the ``Model`` protocol, in one place.
 
 The trainer (``DistriOptimizer``) never looks inside a model. It asks for one flat float32
 parameter vector (``init``), and on every step for the loss and gradient *summed* over the
 rows of a local batch (``loss_and_grad``). Sums, not means: each partition sends its sums
 with its row count, the engine adds the sums over all partitions and divides by the total
 count, which gives the exact mean over the global batch however unevenly the rows fall.
+Everything else a model may say (``task``, ``num_classes``, buffers, named tensors, ...) is
+optional; ``Model``'s docstring lists each, and what the trainer does without it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from ..errors import ConfigurationError, InputError
 
 CLASSIFICATION = "classification"
 REGRESSION = "regression"
@@ -20,32 +24,65 @@ TASKS = (CLASSIFICATION, REGRESSION)
 
 @runtime_checkable
 class Model(Protocol):
-    """Any object with these members can be trained; the built-in models are examples.
+    """Any object with ``init``, ``loss_and_grad`` and ``predict`` can be trained; the
+    built-in models and ``TorchModel`` are examples.
 
-    ``task`` is ``"classification"`` (the trainer reports accuracy; labels are class ids)
-    or ``"regression"`` (the trainer reports RMSE; labels are float targets).
+    **Required** (the members of this protocol, so ``isinstance(model, Model)`` checks
+    them): ``init(rng)``, ``loss_and_grad(weights, X, y)``, ``predict(weights, X)``, below.
 
-    Optional: ``num_classes``, an int, for a classifier whose labels must be class ids
-    ``0..num_classes-1`` (the built-in classifiers have it; ``None`` means not known). The
-    trainer checks every label against it on the driver before any task starts, so a label
-    the model has no output for fails there, not at some step. Without it a classifier's
-    labels are checked to be whole numbers >= 0 only. Optional too:
-    ``loss_and_predictions(weights, X, y) -> (loss_sum, predictions, count)``, the loss and
-    what ``predict`` gives from one forward pass; evaluation uses it when it is there, and
-    ``loss_and_grad`` then ``predict`` otherwise. And
-    ``loss_and_grad_into(weights, X, y, out, ready=None) -> (loss_sum, count)``: the same
-    loss and gradient, the gradient written into ``out`` (float32, ``len(weights)``), with
-    ``ready(start, stop)`` called as each range of ``out`` becomes final during backward
-    (each element once; every element final on return). The trainer then sends each
-    owner's chunk as soon as it is whole, overlapping the sync with the rest of backward;
-    the built-in and torch models have it. (None of these is a member of this protocol, so
-    ``isinstance(model, Model)`` holds without them.)
+    **Optional** (each looked up with ``getattr``; a model without it trains all the same):
+
+    - ``task``: ``"classification"`` (labels are class ids: whole numbers >= 0, checked on
+      the driver before any task starts; the trainer reports accuracy beside the loss) or
+      ``"regression"`` (labels are float targets; the trainer reports RMSE). Without it
+      (or ``None``) labels are passed as they are (float64, not checked as class ids) and
+      the metrics are the loss alone: ``History.epochs`` has ``loss``, ``val_loss`` and
+      ``train_loss``, no accuracy or RMSE. Any other value is refused.
+    - ``num_classes``: an int, for a classifier whose labels must be class ids
+      ``0..num_classes-1`` (the built-in classifiers have it; ``None`` means not known). The
+      trainer checks every label against it on the driver, so a label the model has no
+      output for fails there, not at some step. Without it a classifier's labels are
+      checked to be whole numbers >= 0 only.
+    - ``loss_and_predictions(weights, X, y) -> (loss_sum, predictions, count)``: the loss
+      and what ``predict`` gives, from one forward pass; evaluation uses it when it is
+      there, and ``loss_and_grad`` then ``predict`` otherwise.
+    - ``loss_and_grad_into(weights, X, y, out, ready=None) -> (loss_sum, count)``: the same
+      loss and gradient, the gradient written into ``out`` (float32, ``len(weights)``), with
+      ``ready(start, stop)`` called as each range of ``out`` becomes final during backward
+      (each element once; every element final on return). The trainer then sends each
+      owner's chunk as soon as it is whole, overlapping the sync with the rest of backward;
+      the built-in and torch models have it. (``optional_call`` decides when a subclass's
+      override of ``loss_and_grad`` must win over an inherited one.)
+    - ``tensors(weights) -> dict[str, np.ndarray]``: the flat vector as named arrays (the
+      built-in models: ``w1``, ``b1``, ...; ``TorchModel``: its state_dict's parameter
+      names). ``TrainedModel.export_npz`` writes them; without it, the vector as
+      ``"weights"``.
+    - ``predict_raw(weights, X) -> np.ndarray``: the outputs before the head, (rows,
+      outputs): a classifier's class scores (logits). The built-in dense models have it;
+      ``allreduce_param.ml``'s classifier reads its ``rawPrediction`` and ``probability``
+      columns from it.
+    - **Buffers**, state that is not trained by gradients but changes as the model trains
+      (BatchNorm's running statistics): ``buffers() -> dict[str, np.ndarray]`` and
+      ``set_buffers(buffers)``, both or neither. ``buffers()`` gives this model object's
+      current buffers (copies): what its training calls (``loss_and_grad`` and
+      ``loss_and_grad_into``, which may update them) have made of them so far, else what
+      ``set_buffers`` set, else the initial ones. ``set_buffers`` replaces them (the same
+      names, shapes and dtypes; an error names what differs); later calls, ``predict``
+      among them, use them. Evaluation and ``predict`` must not change them. The trainer
+      gives each partition its own copy of such a model (``copy.deepcopy``); each
+      partition trains its buffers locally (they are not synchronised at every step: they
+      do not affect the gradients), and at the end of the fit the driver makes the
+      result's one set with ``merge_buffers``: the partitions' floating-point buffers
+      averaged, weighted by their training rows; integer and boolean ones (counters such as
+      ``num_batches_tracked``) the largest. The epoch-end evaluation inside a fit uses each
+      partition's own buffers. ``TrainedModel`` keeps the merged set (its ``buffers``),
+      saves, loads and exports it, and predicts with a copy of the model given it;
+      checkpoints keep each partition's.  A model without buffers (the built-in numpy
+      ones) is used as it is, never copied.
 
     Models travel to Spark tasks inside closures, so they must pickle, and should hold no
     large state; they may be called from several threads at once.
     """
-
-    task: str
 
     def init(self, rng: np.random.Generator) -> np.ndarray:
         """The initial parameters: one flat float32 vector, all tensors flattened into it.
@@ -61,14 +98,70 @@ class Model(Protocol):
 
         ``loss_sum`` is the loss summed over the rows (not the mean), ``grad_sum`` the
         gradient of that sum as a float32 vector of ``len(weights)``, ``count == len(X)``.
-        ``X`` is float32 of shape (rows, features); ``y`` holds class ids (classification)
-        or float32 targets (regression). Zero rows give ``(0.0, zeros, 0)``.
+        ``X`` is float32 of shape (rows, features); ``y`` holds class ids (classification),
+        float32 targets (regression) or the labels as float64 (no ``task``). Zero rows give
+        ``(0.0, zeros, 0)``. A model with buffers may update them here (a training step).
         """
         ...
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
-        """Class ids (int64) for classification, float32 values for regression."""
+        """Class ids (int64) for classification, float32 values for regression; for a model
+        without ``task``, whatever it predicts (``TrainedModel.predict`` makes it a double
+        column, one value per row). Deterministic: no dropout, buffers only read."""
         ...
+
+
+def model_task(model: Any) -> str | None:
+    """The model's ``task`` (``"classification"``, ``"regression"``), or None when it says
+    none; any other value is a ``ConfigurationError`` that names it."""
+    task = getattr(model, "task", None)
+    if task is not None and task not in TASKS:
+        raise ConfigurationError(f"the model {model!r} says task = {task!r}; a task is 'classification' or "
+                                 "'regression', or leave it out (None) to train on the loss alone")
+    return task
+
+
+def has_buffers(model: Any) -> bool:
+    """Whether the model keeps buffers (has both ``buffers()`` and ``set_buffers()``); one
+    without the other is a ``ConfigurationError`` that says which is missing."""
+    getter, setter = callable(getattr(model, "buffers", None)), callable(getattr(model, "set_buffers", None))
+    if getter != setter:
+        missing, present = ("set_buffers", "buffers") if getter else ("buffers", "set_buffers")
+        raise ConfigurationError(f"the model {model!r} has {present}() but no {missing}(): a model with "
+                                 "buffers needs both (see allreduce_param.models.base.Model)")
+    return getter
+
+
+def merge_buffers(pieces: Sequence[tuple[Mapping[str, np.ndarray], float]]) -> dict[str, np.ndarray]:
+    """One set of buffers from several copies' ``(buffers, rows)``: each floating-point
+    buffer the mean weighted by ``rows`` (summed in float64, so equal copies give the same
+    bits back), each integer or boolean one (a counter) the largest. Copies with no rows
+    count only when none has rows (then equally). Every copy must have the same names and
+    shapes; an error names the first that differs."""
+    if not pieces:
+        return {}
+    weights = np.asarray([float(rows) for _, rows in pieces], dtype=np.float64)
+    if not weights.sum() > 0:
+        weights = np.ones(len(pieces))
+    first = pieces[0][0]
+    for index, (buffers, _) in enumerate(pieces[1:], start=1):
+        if set(buffers) != set(first):
+            raise InputError(f"copy {index}'s buffers {sorted(buffers)} differ from copy 0's {sorted(first)}")
+        for name, value in buffers.items():
+            if np.shape(value) != np.shape(first[name]):
+                raise InputError(f"copy {index}'s buffer {name!r} has shape {np.shape(value)}, copy 0's "
+                                 f"{np.shape(first[name])}")
+    merged: dict[str, np.ndarray] = {}
+    for name, value in first.items():
+        values = [np.asarray(buffers[name]) for buffers, _ in pieces]
+        dtype = np.asarray(value).dtype
+        if np.issubdtype(dtype, np.inexact):  # float (or complex): the weighted mean
+            wide = np.complex128 if np.issubdtype(dtype, np.complexfloating) else np.float64
+            total = sum(w * v.astype(wide) for w, v in zip(weights, values))
+            merged[name] = np.asarray(total / weights.sum()).astype(dtype)
+        else:  # a counter or a flag: the largest
+            merged[name] = np.asarray(np.max(np.stack(values), axis=0)).astype(dtype)
+    return merged
 
 
 def optional_call(model, name: str, instead_of: tuple[str, ...]):

@@ -5,6 +5,13 @@ sync. Each call builds fresh parameter tensors from that vector and runs the mod
 functionally (``torch.func.functional_call``), so no gradient buffers are shared.
 ``functional_call`` swaps a module's parameters while it runs, so every thread (sub-batches
 run on threads) uses its own copy of the module.
+
+Modes and buffers: training calls (``loss_and_grad``, ``loss_and_grad_into``) run the module
+in train mode (Dropout active, BatchNorm normalising by the batch and updating its running
+statistics in the calling thread's copy); ``predict`` and ``loss_and_predictions`` run it in
+eval mode (no Dropout, BatchNorm normalising by the running statistics), reading the
+buffers ``buffers()`` gives and changing none. The buffers are the module's persistent
+ones (those in its ``state_dict``), by their state_dict names.
 """
 
 from __future__ import annotations
@@ -12,12 +19,14 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from ..errors import ConfigurationError, InputError
 from ..vectors import writable_output
+from .base import merge_buffers
 
 LOSSES = ("cross_entropy", "mse")
 _INIT_LOCK = threading.Lock()  # torch's random state is global to the process
@@ -33,13 +42,27 @@ def _torch():
     return torch
 
 
+class _Copy:
+    """One thread's copy of the module, and how many rows it has trained on (whose buffer
+    updates it holds)."""
+
+    __slots__ = ("module", "rows")
+
+    def __init__(self, module) -> None:
+        self.module, self.rows = module, 0
+
+
 class TorchModel:
     """Wrap ``module`` (or a no-argument factory making it) for ``DistriOptimizer``.
 
     ``loss``: ``"cross_entropy"`` (classification: the module outputs class scores) or
     ``"mse"`` (regression: 0.5 * squared error, as the built-in models). ``init(rng)``
     re-initialises the module's parameters with a seed drawn from ``rng``, so fits are
-    reproducible.
+    reproducible (a module with Dropout draws its masks from torch's own random state,
+    which is not seeded by the fit). A fit starts from the module's buffers as they are
+    when it is wrapped (a fresh BatchNorm's zeros and ones); the fit's result carries the
+    trained ones (``TrainedModel.buffers``), see ``allreduce_param.models.base.Model``.
+    ``state_dict(weights, buffers)`` gives what ``module.load_state_dict`` takes.
     """
 
     def __init__(self, module: Any | Callable[[], Any], loss: str = "cross_entropy") -> None:
@@ -54,23 +77,38 @@ class TorchModel:
         self._names = [name for name, _ in self.module.named_parameters()]
         self._shapes = [tuple(p.shape) for p in self.module.parameters()]
         self.size = int(sum(int(np.prod(shape)) for shape in self._shapes))
+        # the state_dict's entries: a parameter's key -> its name above (tied ones share it),
+        # and the persistent buffers' keys (the names buffers() gives)
+        by_id = {id(p): name for name, p in self.module.named_parameters()}
+        buffer_ids = {id(b) for _, b in self.module.named_buffers(remove_duplicate=False)}
+        entries = self.module.state_dict(keep_vars=True)
+        self._parameter_keys = {key: by_id[id(value)] for key, value in entries.items() if id(value) in by_id}
+        self._buffer_keys = [key for key, value in entries.items() if id(value) in buffer_ids]
+        self._reset_copies()
+
+    def _reset_copies(self) -> None:
         self._per_thread = threading.local()
+        self._copies: list[_Copy] = []  # every thread's, to merge their buffers
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        del state["_per_thread"]  # thread-local copies stay where they were made
+        for name in ("_per_thread", "_copies", "_lock"):  # copies stay where they were made
+            del state[name]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._per_thread = threading.local()
+        self._reset_copies()
 
-    def _own_module(self):
+    def _own(self) -> _Copy:
         """This thread's copy of the module."""
-        module = getattr(self._per_thread, "module", None)
-        if module is None:
-            module = self._per_thread.module = copy.deepcopy(self.module)
-        return module
+        own = getattr(self._per_thread, "copy", None)
+        if own is None:
+            own = self._per_thread.copy = _Copy(copy.deepcopy(self.module))
+            with self._lock:
+                self._copies.append(own)
+        return own
 
     def __repr__(self) -> str:
         return f"TorchModel({self.module.__class__.__name__}, loss={self.loss!r}, {self.size} parameters)"
@@ -101,10 +139,21 @@ class TorchModel:
             start += count
         return parameters
 
-    def _forward(self, parameters: dict, X: np.ndarray):
+    def _forward(self, parameters: dict, X: np.ndarray, train: bool):
+        """The module's output on ``X`` in train mode (this thread's copy's buffers, which
+        BatchNorm updates; the rows are counted to its copy) or eval mode (``buffers()``,
+        read only)."""
         torch = _torch()
-        return torch.func.functional_call(self._own_module(), parameters,
-                                          (torch.from_numpy(np.asarray(X, np.float32)),))
+        own = self._own()
+        inputs = (torch.from_numpy(np.asarray(X, np.float32)),)
+        if train:
+            own.module.train()
+            output = torch.func.functional_call(own.module, parameters, inputs)
+            own.rows += len(X)
+            return output
+        own.module.eval()
+        buffers = {key: torch.from_numpy(value) for key, value in self.buffers().items()}
+        return torch.func.functional_call(own.module, {**parameters, **buffers}, inputs)
 
     def loss_and_grad(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
         grad = np.empty(self.size, dtype=np.float32)
@@ -128,7 +177,7 @@ class TorchModel:
             stop = start + tensor.numel()
             tensor.register_hook(functools.partial(self._gradient_done, flat_out, start, stop, ready))
             start = stop
-        loss = self._loss(self._forward(parameters, X), y)
+        loss = self._loss(self._forward(parameters, X, train=True), y)
         torch.autograd.grad(loss, list(parameters.values()))  # the hooks keep what it gives
         return float(loss.item()), len(X)
 
@@ -148,18 +197,20 @@ class TorchModel:
         return 0.5 * torch.sum((output - target) ** 2)
 
     def loss_and_predictions(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
-        """``(loss_sum, predictions, count)`` from one forward pass without gradients (evaluation)."""
+        """``(loss_sum, predictions, count)`` from one forward pass without gradients, in eval
+        mode (evaluation)."""
         torch = _torch()
         if len(X) == 0:
             return 0.0, self.predict(weights, X), 0
         with torch.no_grad():
-            output = self._forward(self._parameters(weights, requires_grad=False), X)
+            output = self._forward(self._parameters(weights, requires_grad=False), X, train=False)
             return float(self._loss(output, y).item()), self._predictions(output, len(X)), len(X)
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """Class ids (int64) or values (float32), from the module in eval mode."""
         torch = _torch()
         with torch.no_grad():
-            output = self._forward(self._parameters(weights, requires_grad=False), X)
+            output = self._forward(self._parameters(weights, requires_grad=False), X, train=False)
         return self._predictions(output, len(X))
 
     def _predictions(self, output, rows: int) -> np.ndarray:
@@ -168,3 +219,80 @@ class TorchModel:
             return output.argmax(dim=1).numpy().astype(np.int64)
         return output.reshape(rows, -1).squeeze(1).numpy().astype(np.float32) if output.shape[-1] == 1 \
             else output.numpy().astype(np.float32)
+
+    # ---- buffers and named tensors (see allreduce_param.models.base.Model) ----------------
+
+    def _buffers_of(self, module) -> dict[str, np.ndarray]:
+        named = dict(module.named_buffers(remove_duplicate=False))
+        return {key: named[key].detach().cpu().numpy().copy() for key in self._buffer_keys}
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The persistent buffers by state_dict name (copies): those of the threads' copies
+        that trained, merged by ``merge_buffers`` weighted by the rows each trained on (one
+        thread: its own), else the module's (as wrapped, or as ``set_buffers`` set them)."""
+        with self._lock:
+            trained = [(own.module, own.rows) for own in self._copies if own.rows]
+        if not trained:
+            return self._buffers_of(self.module)
+        if len(trained) == 1:
+            return self._buffers_of(trained[0][0])
+        return merge_buffers([(self._buffers_of(module), rows) for module, rows in trained])
+
+    def _checked_buffers(self, buffers: Mapping[str, Any], what: str) -> dict[str, np.ndarray]:
+        """``buffers`` as arrays of the module's buffers' dtypes; an error names a missing,
+        unexpected or misshapen one."""
+        expected = self._buffers_of(self.module)
+        missing, unexpected = sorted(set(expected) - set(buffers)), sorted(set(buffers) - set(expected))
+        if missing or unexpected:
+            raise InputError(f"{self!r}.{what}: the buffers must be {sorted(expected)}; "
+                             f"missing {missing}, unexpected {unexpected}")
+        checked = {}
+        for key, value in expected.items():
+            given = np.asarray(buffers[key])
+            if given.shape != value.shape:
+                raise InputError(f"{self!r}.{what}: buffer {key!r} has shape {given.shape}, the module's "
+                                 f"{value.shape}")
+            checked[key] = np.array(given, dtype=value.dtype)  # a 0-d one stays 0-d
+        return checked
+
+    def set_buffers(self, buffers: Mapping[str, np.ndarray]) -> None:
+        """Replace the module's persistent buffers (by state_dict name, as ``buffers()``
+        gives them); the threads' copies start again from them."""
+        torch = _torch()
+        checked = self._checked_buffers(buffers, "set_buffers")
+        named = dict(self.module.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for key, value in checked.items():
+                named[key].copy_(torch.from_numpy(value))
+        with self._lock:
+            self._per_thread, self._copies = threading.local(), []
+
+    def tensors(self, weights: np.ndarray) -> dict[str, np.ndarray]:
+        """``state_dict name -> view`` of the flat vector's parameters (a tied parameter under
+        each of its names)."""
+        if weights.size != self.size:
+            raise InputError(f"{self!r}: got {weights.size} weights, expected {self.size}")
+        views, start = {}, 0
+        flat = np.asarray(weights).reshape(-1)
+        for name, shape in zip(self._names, self._shapes):
+            count = int(np.prod(shape))
+            views[name] = flat[start:start + count].reshape(shape)
+            start += count
+        return {key: views[name] for key, name in self._parameter_keys.items()}
+
+    def state_dict(self, weights: np.ndarray, buffers: Mapping[str, np.ndarray] | None = None) -> OrderedDict:
+        """What ``module.load_state_dict`` takes: the parameters from ``weights``, the buffers
+        from ``buffers`` (default: ``buffers()``), other entries (extra state) the module's
+        own; in the module's own order, torch tensors that share no memory with the inputs."""
+        torch = _torch()
+        tensors = self.tensors(weights)
+        checked = self._checked_buffers(self.buffers() if buffers is None else buffers, "state_dict")
+        result = OrderedDict()
+        for key, value in self.module.state_dict().items():
+            if key in tensors:
+                result[key] = torch.from_numpy(np.array(tensors[key], dtype=np.float32))
+            elif key in checked:
+                result[key] = torch.from_numpy(checked[key].copy())
+            else:
+                result[key] = value
+        return result

@@ -5,7 +5,8 @@ Under a fit's directory (a local path, or any URL fsspec opens: ``file://``, ``h
 ``s3://`` with its package installed; on a cluster it must be storage every executor sees):
 
     step-00000880/part-00001-of-00004.npz   partition 1's weight slice, its optimizer state
-                                            slice, and its records of the fit so far
+                                            slice, its model's buffers (if it has any), and
+                                            its records of the fit so far
     step-00000880/manifest.json             written last, by partition 0, after every
                                             partition has signalled its part written
 
@@ -19,7 +20,10 @@ A fit resumes from a checkpoint on any number of workers: each new slice is cut 
 old ones, optimizer state included (every optimizer here is elementwise). The history of
 the steps before the checkpoint comes along when the number of workers is the same.
 With local SGD each partition's own optimizer state is saved whole and needs the same
-number of workers.
+number of workers. A model's buffers (``Model.buffers()``, e.g. BatchNorm's statistics) are
+each partition's own: a resume on the same number of workers gives each its own back; on
+another number every partition starts from their merge (``merge_buffers``, weighted by the
+old partitions' training rows).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, InputError
 from ..layout import SliceLayout
+from ..models.base import merge_buffers
 
 log = logging.getLogger(__name__)
 
@@ -239,3 +244,19 @@ def load_part(manifest: Manifest, partition: int, layout: SliceLayout) -> tuple[
               else np.zeros(0, np.float32) for name, chunks in pieces.items()}
     arrays.update(records.pop("arrays", {}))
     return arrays, records
+
+
+def load_buffers(manifest: Manifest, partition: int, partitions: int) -> dict[str, np.ndarray] | None:
+    """The model buffers partition ``partition`` of ``partitions`` resumes with: its own
+    part's when the checkpoint has as many partitions, else every part's merged (weighted by
+    their training rows); None when the checkpoint holds no buffers."""
+    fs, _ = _filesystem(manifest.folder)
+    urls = [manifest.parts[partition]] if manifest.partitions == partitions else manifest.parts
+    pieces = []
+    for url in urls:
+        with fs.open(url, "rb") as file, np.load(io.BytesIO(file.read())) as part:
+            buffers = {name[len("buffers/"):]: part[name] for name in part.files if name.startswith("buffers/")}
+            if not buffers:
+                return None
+            pieces.append((buffers, json.loads(part["records.json"].tobytes()).get("rows", 1)))
+    return merge_buffers(pieces)

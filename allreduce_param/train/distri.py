@@ -18,6 +18,7 @@ import numpy as np
 from ..codec import codec_names
 from ..errors import ConfigurationError, InputError, TrainingError
 from ..messages import MessageServer
+from ..models.base import has_buffers, merge_buffers, model_task
 from ..parameter import AllReduceParameter
 from ..rendezvous import MeetingPoint
 from ..strategy import Strategy
@@ -28,7 +29,7 @@ from .partitioning import check_scheme, place_pairs, place_rows_once, refused_in
 from .progress import ProgressBar, ProgressMerger
 from .slots import check_no_dynamic_allocation, spark_setting, task_slots
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, fit_phases, merge_epoch, merge_step
-from .worker import TrainingJob, train_partition, workload_shares
+from .worker import TrainingJob, buffers_from_payload, train_partition, workload_shares
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -40,6 +41,9 @@ _OUTPUT_SCHEMA = "kind string, payload binary"
 class DistriOptimizer:
     """Data-parallel training of ``model`` with ``optimizer``, synchronised by allreduce.
 
+    ``model``: a built-in one, a ``TorchModel``, or any object that follows the protocol in
+    ``allreduce_param.models.base.Model`` (``task`` is optional there: without it the fit
+    reports the losses alone).
     ``batch_size`` is the global batch of a step, split over the partitions by their share
     of the rows. ``num_workers`` defaults to the data's partition count, capped by Spark's
     free task slots. ``threads`` splits each partition's batch into sub-batches computed on
@@ -118,8 +122,8 @@ class DistriOptimizer:
                     f"the model {model!r} has no {name}() method; a model needs init(rng), "
                     "loss_and_grad(weights, X, y) and predict(weights, X)"
                 )
-        if getattr(model, "task", None) not in ("classification", "regression"):
-            raise ConfigurationError(f"the model {model!r} must say task = 'classification' or 'regression'")
+        model_task(model)  # optional; a task other than classification or regression fails here
+        has_buffers(model)  # so does a model with buffers() but no set_buffers(), or the reverse
         for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_workers", num_workers)):
             if not (value is None and name == "num_workers") and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
@@ -181,7 +185,7 @@ class DistriOptimizer:
                                     getattr(data, "context", None))
         resume = self._resume_point(resume_from) if resume_from is not None else None
         if hasattr(data, "sparkSession"):
-            prepared, summary = prepare_once(data, features_col, label_col, validation, task=self.model.task,
+            prepared, summary = prepare_once(data, features_col, label_col, validation, task=model_task(self.model),
                                              num_classes=getattr(self.model, "num_classes", None))
             n_features, sample, partitions = summary.n_features, summary.sample, summary.partition_num
             spark_context, source = data.sparkSession.sparkContext, prepared
@@ -239,7 +243,8 @@ class DistriOptimizer:
         history.phases = fit_phases(started_at, records["submitted"], time.time(), records["clocks"])
         if self.verbose:
             print(history.phases_line(), flush=True)
-        return TrainedModel(self.model, records["weights"], history, n_features)
+        return TrainedModel(self.model, records["weights"], history, n_features,
+                            buffers=merge_buffers(records["buffers"]) if records["buffers"] else None)
 
     def _settings(self) -> dict:
         """What a checkpoint's manifest records of this fit's settings."""
@@ -308,17 +313,25 @@ class DistriOptimizer:
                 log_file.close()
 
     def _check_model_takes(self, sample, n_features: int) -> int:
-        """Run the model on one real row on the driver, so a shape mismatch fails here; its size."""
+        """Run the model on one real row on the driver, so a shape mismatch fails here; its size.
+
+        The row goes twice (a module with BatchNorm takes no single row in train mode), and a
+        model's buffers are put back as they were, so the check leaves no trace in them."""
         weights = self.model.init(np.random.default_rng(self.seed))
         if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.ndim != 1:
             raise InputError(f"{self.model!r}.init(rng) must return a 1-D float32 vector")
+        X, y = (np.concatenate([part, part]) for part in sample)
+        before = self.model.buffers() if has_buffers(self.model) else None
         try:
-            _, grad, _ = self.model.loss_and_grad(weights, *sample)
+            _, grad, _ = self.model.loss_and_grad(weights, X, y)
         except Exception as error:
             raise InputError(
                 f"the model {self.model!r} cannot take the data's feature vectors of {n_features} "
                 f"elements: {type(error).__name__}: {error}"
             ) from error
+        finally:
+            if before is not None:
+                self.model.set_buffers(before)
         if np.shape(grad) != weights.shape:
             raise InputError(f"{self.model!r}.loss_and_grad returned a gradient of shape {np.shape(grad)}, "
                              f"the weights have {weights.shape}")
@@ -383,7 +396,7 @@ class DistriOptimizer:
                 if failures >= attempts or _TASK_FAILED not in str(error):
                     raise _task_error(error) from error  # Spark's own report stays on it, as the cause
         records: dict[str, Any] = {"steps": [], "epochs": [], "updates": [], "resumed": [], "weights": None,
-                                   "clocks": [], "submitted": submitted}
+                                   "clocks": [], "submitted": submitted, "buffers": []}
         for kind, payload in output:
             if kind == "steps":
                 records["steps"].append(np.frombuffer(payload, dtype=np.float64).reshape(-1, len(STEP_FIELDS)))
@@ -398,6 +411,8 @@ class DistriOptimizer:
                 records["resumed"] = json.loads(bytes(payload))
             elif kind == "weights":
                 records["weights"] = np.frombuffer(bytes(payload), dtype=np.float32).copy()
+            elif kind == "buffers":  # every partition's own, with its training rows
+                records["buffers"].append(buffers_from_payload(payload))
         return records
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -11,11 +12,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ConfigurationError, InputError
+from ..models.base import has_buffers
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-FORMAT = "allreduce-param-model/1"
+FORMAT = "allreduce-param-model/2"  # /2: buffers.npz when the model has buffers
+READS = ("allreduce-param-model/1", FORMAT)
 
 #: The fields of a partition's per-step record (a float64 row). ``staleness``: how many
 #: steps older than the step the weights it computed on were (0 under BSP).
@@ -41,15 +44,18 @@ def merge_step(rows: np.ndarray) -> dict:
 
 def merge_epoch(shares: list[dict]) -> dict:
     """One epoch's metrics from every partition's share (sums of loss, metric and rows over
-    its validation rows, ``val``, and after the last epoch its training rows, ``train``)."""
+    its validation rows, ``val``, and after the last epoch its training rows, ``train``).
+    The metric follows the share's ``task``: accuracy, RMSE, or none (a model without one)."""
     merged: dict = {"epoch": shares[0]["epoch"]}
-    metric = "accuracy" if shares[0].get("task") == "classification" else "rmse"
+    metric = {"classification": "accuracy", "regression": "rmse"}.get(shares[0].get("task"))
     for name in ("val", "train"):
         sums = [share[name] for share in shares if name in share]
         if not sums:
             continue
         loss_sum, metric_sum, count = np.sum(sums, axis=0)
         merged[f"{name}_loss"] = float(loss_sum / count) if count else None
+        if metric is None:
+            continue
         value = metric_sum / count if count else None
         merged[f"{name}_{metric}"] = None if value is None else float(value if metric == "accuracy"
                                                                       else np.sqrt(value))
@@ -87,7 +93,8 @@ class History:
     (how many partitions' gradients an owner left out). ``epochs``: one dict per epoch with
     ``loss`` (the mean over its steps, as they trained) and the validation metrics
     (``val_loss``, ``val_accuracy`` or ``val_rmse``); the last also has the training
-    metrics of the final weights (``train_loss``, ``train_accuracy`` or ``train_rmse``).
+    metrics of the final weights (``train_loss``, ``train_accuracy`` or ``train_rmse``). A
+    model without ``task`` has the losses alone.
     ``dropped``: with backup workers, for each partition, the steps whose update left out
     its gradient (it came too late, or it skipped the step). ``resumed``: the global steps
     the fit resumed at from a checkpoint (after a retried stage, or ``resume_from``).
@@ -171,18 +178,49 @@ class History:
 
 
 class TrainedModel:
-    """A model with trained weights: predict, save, load."""
+    """A model with trained weights: predict, save, load, export.
+
+    ``buffers``: for a model with buffers (``Model.buffers()``, e.g. a ``TorchModel`` with
+    BatchNorm), the fit's one set of them, merged from the partitions' (name -> array);
+    ``{}`` for a model without. Predictions use a copy of the model given these buffers
+    (``set_buffers``), so the model passed in is left as it was; assign ``buffers`` anew to
+    change them. ``export_npz`` writes the named tensors; ``state_dict`` gives a
+    ``TorchModel``'s as torch's ``load_state_dict`` takes them.
+    """
 
     def __init__(self, model: Any, weights: np.ndarray, history: History | None = None,
-                 n_features: int | None = None) -> None:
+                 n_features: int | None = None, buffers: dict[str, np.ndarray] | None = None) -> None:
         self.model = model
         self.weights = weights
         self.history = history or History()
         self.n_features = n_features
         self._broadcast: tuple | None = None  # (SparkContext, the weights array, its broadcast)
+        self.buffers = buffers
+
+    @property
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The model's buffers as the fit left them; ``{}`` for a model without."""
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, value: dict[str, np.ndarray] | None) -> None:
+        value = {name: np.asarray(array) for name, array in (value or {}).items()}
+        predictor = self.model
+        if value:
+            if not has_buffers(self.model):
+                raise InputError(f"{self.model!r} keeps no buffers (it has no buffers() and set_buffers()), "
+                                 f"but buffers {sorted(value)} were given")
+            predictor = copy.deepcopy(self.model)
+            predictor.set_buffers(value)  # checks the names and shapes
+        self._buffers, self._predictor = value, predictor
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_broadcast": None}  # a broadcast belongs to its driver
+        # a broadcast belongs to its driver; the predicting copy is made again from the buffers
+        return {**self.__dict__, "_broadcast": None, "_predictor": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.buffers = state["_buffers"]
 
     def _weights_broadcast(self, spark_context):
         """One broadcast of the weights per Spark context, made anew when ``weights`` is set
@@ -199,8 +237,8 @@ class TrainedModel:
         return f"TrainedModel({self.model!r}, {self.weights.size} weights)"
 
     def predict_numpy(self, X: np.ndarray) -> np.ndarray:
-        """Predictions for the rows of a float32 matrix."""
-        return self.model.predict(self.weights, np.asarray(X, dtype=np.float32))
+        """Predictions for the rows of a float32 matrix (with the fit's buffers, if any)."""
+        return self._predictor.predict(self.weights, np.asarray(X, dtype=np.float32))
 
     def predict(self, df: DataFrame, features_col: str = "features", prediction_col: str = "prediction") -> DataFrame:
         """``df`` with a ``prediction_col`` column added (computed in the executors).
@@ -217,7 +255,7 @@ class TrainedModel:
         column = F.col(features_col)
         if isinstance(df.schema[features_col].dataType, VectorUDT):
             column = vector_to_array(column, "float32")
-        model, weights = self.model, self._weights_broadcast(df.sparkSession.sparkContext)
+        model, weights = self._predictor, self._weights_broadcast(df.sparkSession.sparkContext)
 
         def predict(features):
             X = np.stack(features.to_numpy()).astype(np.float32) if len(features) else np.zeros((0, 1), np.float32)
@@ -228,12 +266,17 @@ class TrainedModel:
         return df.withColumn(prediction_col, F.pandas_udf(predict, "double")(column))
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the model, its weights and history to the folder ``path`` (made if missing)."""
+        """Write the model, its weights, buffers and history to the folder ``path`` (made if
+        missing)."""
         from pyspark import cloudpickle
 
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         np.save(folder / "weights.npy", self.weights)
+        if self.buffers:
+            write_npz(folder / "buffers.npz", self.buffers)
+        elif (folder / "buffers.npz").exists():  # an earlier save's in the same folder
+            (folder / "buffers.npz").unlink()
         (folder / "model.pkl").write_bytes(cloudpickle.dumps(self.model))
         meta = {"format": FORMAT, "model": repr(self.model), "n_features": self.n_features,
                 "history": {"steps": self.history.steps, "epochs": self.history.epochs,
@@ -252,11 +295,60 @@ class TrainedModel:
         if not meta_file.is_file():
             raise InputError(f"{folder} holds no saved model (no meta.json)")
         meta = json.loads(meta_file.read_text())
-        if meta.get("format") != FORMAT:
-            raise InputError(f"{folder} was saved in format {meta.get('format')!r}; this version reads {FORMAT}")
+        if meta.get("format") not in READS:
+            raise InputError(f"{folder} was saved in format {meta.get('format')!r}; this version reads "
+                             f"{' and '.join(READS)}")
         model = pickle.loads((folder / "model.pkl").read_bytes())
         saved = meta["history"]
         history = History(saved["steps"], saved["epochs"], saved["seconds"],
                           {int(k): v for k, v in saved.get("dropped", {}).items()},
                           saved.get("resumed", []), saved.get("checkpoints"), saved.get("phases", {}))
-        return cls(model, np.load(folder / "weights.npy"), history, meta.get("n_features"))
+        buffers = None
+        if (folder / "buffers.npz").is_file():
+            with np.load(folder / "buffers.npz", allow_pickle=False) as saved_buffers:
+                buffers = {name: saved_buffers[name] for name in saved_buffers.files}
+        return cls(model, np.load(folder / "weights.npy"), history, meta.get("n_features"), buffers=buffers)
+
+    def named_tensors(self) -> dict[str, np.ndarray]:
+        """The weights as named arrays and the buffers by their names: the model's
+        ``tensors(weights)`` where it has it (the built-in models: ``w1``, ``b1``, ...;
+        ``TorchModel``: its state_dict's names), else the flat vector as ``"weights"``."""
+        tensors = getattr(self.model, "tensors", None)
+        named = {name: np.asarray(value) for name, value in tensors(self.weights).items()} if callable(tensors) \
+            else {"weights": np.asarray(self.weights)}
+        clash = sorted(set(named) & set(self.buffers))
+        if clash:
+            raise InputError(f"{self.model!r} names both a tensor and a buffer {clash}; rename one to export them")
+        return {**named, **self.buffers}
+
+    def export_npz(self, path: str | os.PathLike) -> Path:
+        """Write ``named_tensors()`` to the numpy archive ``path`` (its parent folder made if
+        missing), for use without this package: ``np.load(path)[name]``. For a
+        ``TorchModel``: exactly its state_dict's entries, buffers included. The file's path."""
+        target = Path(path)
+        if target.is_dir():
+            raise InputError(f"export_npz({str(path)!r}): that is a folder; give the path of the .npz file to write")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_npz(target, self.named_tensors())
+        return target
+
+    def state_dict(self):
+        """The trained module's state_dict (torch tensors: parameters and buffers), which
+        ``module.load_state_dict`` takes; for a ``TorchModel`` (any model with
+        ``state_dict(weights, buffers)``)."""
+        make = getattr(self.model, "state_dict", None)
+        if not callable(make):
+            raise ConfigurationError(f"state_dict() is for a TorchModel's result; {self.model!r} has no "
+                                     "state_dict(weights, buffers): use export_npz(path) for its named tensors")
+        return make(self.weights, self.buffers or None)
+
+
+def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` as a numpy ``.npz`` at exactly ``path`` (``np.savez`` would add
+    ``.npz`` and takes names as keywords, so a tensor called ``file`` would clash)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, value in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)

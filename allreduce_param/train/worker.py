@@ -18,6 +18,9 @@ The driver is not in this path; it only receives the records yielded.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import io
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,12 +32,12 @@ import numpy as np
 from ..codec import get_codec
 from ..errors import ConfigurationError, InputError, TrainingError
 from ..messages import MessageClient
-from ..models.base import optional_call
+from ..models.base import CLASSIFICATION, REGRESSION, has_buffers, model_task, optional_call
 from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import DriverRendezvous, Rendezvous
 from .batching import epoch_order, global_batch_sizes, share_bounds, steps_per_epoch
-from .checkpoint import CheckpointSettings, CheckpointWriter, Manifest, load_part, newest
+from .checkpoint import CheckpointSettings, CheckpointWriter, Manifest, load_buffers, load_part, newest
 from .data import TRAIN, VALIDATION
 from .progress import ProgressReporter
 from .result import STEP_FIELDS, UPDATE_FIELDS
@@ -80,22 +83,52 @@ class TrainingJob:
 
 def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
     """``[loss_sum, metric_sum, count]`` over the rows: metric is correct answers
-    (classification) or the squared error (regression)."""
-    total = np.zeros(3, dtype=np.float64)
+    (classification), the squared error (regression), or 0 for a model without ``task``
+    (its metrics are the loss alone, and ``predict`` is not called). A model with buffers
+    is evaluated with its own (this partition's), unchanged: where it has no
+    ``loss_and_predictions``, the ``loss_and_grad`` calls that give the loss may change
+    them, and they are put back afterwards."""
+    task = model_task(model)
     both = optional_call(model, "loss_and_predictions", ("loss_and_grad", "predict"))
+    before = model.buffers() if both is None and has_buffers(model) else None
+    try:
+        return _evaluate(model, task, both, weights, X, y)
+    finally:
+        if before is not None:
+            model.set_buffers(before)
+
+
+def _evaluate(model, task: str | None, both, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
+    total = np.zeros(3, dtype=np.float64)
     for start in range(0, len(X), EVAL_CHUNK):
         rows, labels = X[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
         if both is not None:  # one forward pass
             loss_sum, predicted, count = both(weights, rows, labels)
         else:
             loss_sum, _, count = model.loss_and_grad(weights, rows, labels)
-            predicted = model.predict(weights, rows)
-        if model.task == "classification":
+            predicted = model.predict(weights, rows) if task is not None else None
+        if task == CLASSIFICATION:
             metric = float(np.sum(predicted == labels))
-        else:
+        elif task == REGRESSION:
             metric = float(np.sum((np.asarray(predicted, np.float64) - labels) ** 2))
+        else:
+            metric = 0.0
         total += (loss_sum, metric, count)
     return total.tolist()
+
+
+def buffers_payload(buffers: dict[str, np.ndarray], rows: int) -> bytes:
+    """A partition's ``buffers`` record: its buffers and its training row count, as npz."""
+    stream = io.BytesIO()
+    np.savez(stream, rows=np.int64(rows), **{f"buffer/{name}": value for name, value in buffers.items()})
+    return stream.getvalue()
+
+
+def buffers_from_payload(payload: bytes) -> tuple[dict[str, np.ndarray], int]:
+    """``buffers_payload``'s ``(buffers, rows)`` back."""
+    with np.load(io.BytesIO(bytes(payload))) as arrays:
+        return ({name[len("buffer/"):]: arrays[name] for name in arrays.files if name.startswith("buffer/")},
+                int(arrays["rows"]))
 
 
 def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
@@ -171,11 +204,15 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
     (JSON: this partition's share of each epoch's metrics), ``clock`` (JSON: the ``clock``
     given, the task's ``time.time()`` when it ``started`` and had ``loaded`` its rows, with
     when it ``met`` its peers and ``trained``), ``updates`` (with backup workers: which
-    partitions' gradients each of this owner's updates took), and from partition 0
-    ``weights`` (the final float32 vector). ``rendezvous`` defaults to meeting at the
-    driver through ``job.driver``, else the Spark barrier stage's ``allGather``.
+    partitions' gradients each of this owner's updates took), for a model with buffers
+    ``buffers`` (``buffers_payload``: this partition's final buffers and training row
+    count; the model is this partition's own copy, so they are its own), and from
+    partition 0 ``weights`` (the final float32 vector). ``rendezvous`` defaults to meeting
+    at the driver through ``job.driver``, else the Spark barrier stage's ``allGather``.
     """
     clock = dict(clock or {"started": time.time(), "loaded": time.time()})
+    if has_buffers(job.model):  # a task's closure is its own; partitions on threads share one
+        job = dataclasses.replace(job, model=copy.deepcopy(job.model))
     X_train, y_train = X[split == TRAIN], y[split == TRAIN]
     X_valid, y_valid = X[split == VALIDATION], y[split == VALIDATION]
     compute = SubBatches(job.model, job.threads)
@@ -198,6 +235,8 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
         yield "clock", json.dumps(clock).encode()
         if job.param.strategy.backup_workers:
             yield "updates", fit.updates_table().tobytes()
+        if has_buffers(job.model):
+            yield "buffers", buffers_payload(job.model.buffers(), len(X_train))
         if p.partition_id == 0:
             yield "resumed", json.dumps(fit.resumed).encode()
             yield "weights", fit.weights.tobytes()
@@ -290,7 +329,8 @@ class _Fit:
     def _epoch_done(self, epoch: int, last: bool = False) -> None:
         """This partition's share of ``epoch``'s metrics, with the weights just read."""
         self.where.update(epoch=epoch, step=None)
-        metrics: dict[str, Any] = {"epoch": epoch, "partition": self.p.partition_id, "task": self.job.model.task}
+        metrics: dict[str, Any] = {"epoch": epoch, "partition": self.p.partition_id,
+                                   "task": model_task(self.job.model)}
         if self.job.has_validation:
             metrics["val"] = evaluate(self.job.model, self.weights, self.X_valid, self.y_valid)
         if last:
@@ -390,6 +430,10 @@ class _Fit:
         self.epochs = records.get("epochs", [])
         self._earlier_updates = records.get("updates", [])
         self.resumed = records.get("resumed", []) + [manifest.step]
+        if has_buffers(job.model):
+            buffers = load_buffers(manifest, p.partition_id, p.partition_num)
+            if buffers is not None:  # a checkpoint written before buffers were kept has none
+                job.model.set_buffers(buffers)
         self._report_start(manifest.step)  # before init: no peer can report a step before it
         p.init(arrays["weights"], step=manifest.step)
         return manifest.step
@@ -414,13 +458,16 @@ class _Fit:
         if local:  # the owners' slices of the state are not kept: cut them from the own whole one
             arrays.update({f"state/{name}": self.state[name][p.layout.bounds(p.partition_id)].copy()
                            for name in self.state})
+        if has_buffers(job.model):  # this partition's own (under SSP and ASP: as training left them just now)
+            arrays.update({f"buffers/{name}": value for name, value in job.model.buffers().items()})
         end_epoch = self.plan[steps_done][0] if steps_done < len(self.plan) else job.epochs - 1
         steps = [row.tolist() for row in self.records[:steps_done]]
         for index in range(len(steps), steps_done):  # a straggler's steps the others went on without
             steps.append([*self.plan[index], 0.0, 0.0] + [0.0] * (len(STEP_FIELDS) - 4))
         records = {"steps": steps,
                    "epochs": [share for share in self.epochs if share["epoch"] < end_epoch],
-                   "updates": self.updates_table(before=steps_done).tolist(), "resumed": self.resumed}
+                   "updates": self.updates_table(before=steps_done).tolist(), "resumed": self.resumed,
+                   "rows": len(self.X_train)}
         self._writer.write_part(steps_done, p.partition_id, p.partition_num, arrays, records)
         p.signal(steps_done)
         if p.partition_id == 0:
