@@ -15,6 +15,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.5
+#: Seconds each contender may take: far more than any needs on a quiet machine, so that a
+#: busy one does not cut a contender short (the job stops each at the target anyway).
+BUDGET = 300
 
 
 def run_job(*args: str) -> subprocess.CompletedProcess:
@@ -33,7 +36,7 @@ def test_every_contender_reaches_a_low_target_and_the_table_says_when():
     if importlib.util.find_spec("torch") is not None:
         contenders += ["torchmodel", "torchdistributor"]
     done = run_job("--master", "local[2]", "--rows", "4000", "--batch-size", "128", "--epochs", "10",
-                   "--target", str(TARGET), "--budget", "60", "--mllib-iters-per-round", "10",
+                   "--target", str(TARGET), "--budget", str(BUDGET), "--mllib-iters-per-round", "10",
                    "--contenders", ",".join(contenders))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Bayes accuracy" in done.stdout and "machine:" in done.stdout
@@ -45,7 +48,7 @@ def test_every_contender_reaches_a_low_target_and_the_table_says_when():
         assert not seconds.startswith("not reached"), f"{label} did not reach {TARGET}:\n{done.stdout}"
         count, unit = to_target.split()
         assert int(count) >= 1 and unit in ("epoch", "epochs", "iterations"), to_target
-        assert 0 < float(seconds) <= float(total) <= 60 + 15, (label, seconds, total)  # budget, plus a cancel's lag
+        assert 0 < float(seconds) <= float(total) <= BUDGET + 15, (label, seconds, total)  # plus a cancel's lag
         assert TARGET <= float(best) <= 1, (label, best)
         assert ended in ("target", "epochs"), (label, ended)
 

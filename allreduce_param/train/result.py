@@ -222,9 +222,11 @@ class TrainedModel:
         self.__dict__.update(state)
         self.buffers = state["_buffers"]
 
-    def _weights_broadcast(self, spark_context):
-        """One broadcast of the weights per Spark context, made anew when ``weights`` is set
-        to another array (an array changed in place is not seen: assign a new one)."""
+    def weights_broadcast(self, spark_context):
+        """The weights as a Spark broadcast, for code of your own that predicts in the
+        executors (``predict`` and the Estimators' Models use it): one per Spark context,
+        made anew when ``weights`` is set to another array (an array changed in place is not
+        seen: assign a new one)."""
         held = self._broadcast
         if held is not None and held[0] is spark_context and held[1] is self.weights:
             return held[2]
@@ -255,7 +257,7 @@ class TrainedModel:
         column = F.col(features_col)
         if isinstance(df.schema[features_col].dataType, VectorUDT):
             column = vector_to_array(column, "float32")
-        model, weights = self._predictor, self._weights_broadcast(df.sparkSession.sparkContext)
+        model, weights = self._predictor, self.weights_broadcast(df.sparkSession.sparkContext)
 
         def predict(features):
             X = np.stack(features.to_numpy()).astype(np.float32) if len(features) else np.zeros((0, 1), np.float32)
