@@ -113,11 +113,123 @@ class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasSeed, HasStep
         """How many passes over the training rows."""
         return self.getOrDefault(self.maxEpochs)
 
+    def getCodec(self) -> str:
+        """How blocks travel between the workers."""
+        return self.getOrDefault(self.codec)
+
+    def getNumWorkers(self) -> int:
+        """How many partitions train (0: one per partition of the data)."""
+        return self.getOrDefault(self.numWorkers)
+
+    def getStrategy(self) -> str:
+        """How the workers synchronise."""
+        return self.getOrDefault(self.strategy)
+
+    def getStaleness(self) -> int:
+        """SSP's bound on how far a worker may run ahead (0: the default)."""
+        return self.getOrDefault(self.staleness)
+
+    def getBackupWorkers(self) -> int:
+        """How many of the slowest workers a BSP step may go on without."""
+        return self.getOrDefault(self.backupWorkers)
+
+    def getSyncEvery(self) -> int | str:
+        """Local SGD's steps between syncs, or 'epoch'."""
+        return self.getOrDefault(self.syncEvery)
+
+    def getPartitionScheme(self) -> str:
+        """Which rows each worker trains on."""
+        return self.getOrDefault(self.partitionScheme)
+
+    def getCheckpointDir(self) -> str:
+        """Where the fit writes its checkpoints ('': none)."""
+        return self.getOrDefault(self.checkpointDir)
+
+    def getCheckpointEvery(self) -> int | str:
+        """Steps between checkpoints, or 'epoch' ('': each epoch)."""
+        return self.getOrDefault(self.checkpointEvery)
+
+    def getShowProgress(self) -> bool:
+        """Whether the fit shows its live progress bar."""
+        return self.getOrDefault(self.showProgress)
+
 
 class _AllReduceEstimator(_AllReduceParams):
     """What both Estimators do: describe the data, build the network, fit, wrap the result."""
 
     _task = ""
+
+    def setHiddenLayers(self, value: list[int]):
+        """Set the widths of the hidden layers."""
+        return self._set(hiddenLayers=value)
+
+    def setOptimizer(self, value: str):
+        """Set the optimizer's name."""
+        return self._set(optimizer=value)
+
+    def setBatchSize(self, value: int):
+        """Set the global batch of a step."""
+        return self._set(batchSize=value)
+
+    def setMaxEpochs(self, value: int):
+        """Set how many passes over the training rows."""
+        return self._set(maxEpochs=value)
+
+    def setCodec(self, value: str):
+        """Set how blocks travel between the workers."""
+        return self._set(codec=value)
+
+    def setNumWorkers(self, value: int):
+        """Set how many partitions train (0: one per partition of the data)."""
+        return self._set(numWorkers=value)
+
+    def setStrategy(self, value: str):
+        """Set how the workers synchronise."""
+        return self._set(strategy=value)
+
+    def setStaleness(self, value: int):
+        """Set SSP's bound on how far a worker may run ahead (0: the default)."""
+        return self._set(staleness=value)
+
+    def setBackupWorkers(self, value: int):
+        """Set how many of the slowest workers a BSP step may go on without."""
+        return self._set(backupWorkers=value)
+
+    def setSyncEvery(self, value: int | str):
+        """Set local SGD's steps between syncs, or 'epoch'."""
+        return self._set(syncEvery=value)
+
+    def setPartitionScheme(self, value: str):
+        """Set which rows each worker trains on."""
+        return self._set(partitionScheme=value)
+
+    def setCheckpointDir(self, value: str):
+        """Set where the fit writes its checkpoints ('': none)."""
+        return self._set(checkpointDir=value)
+
+    def setCheckpointEvery(self, value: int | str):
+        """Set steps between checkpoints, or 'epoch' ('': each epoch)."""
+        return self._set(checkpointEvery=value)
+
+    def setShowProgress(self, value: bool):
+        """Set whether the fit shows its live progress bar."""
+        return self._set(showProgress=value)
+
+    def setStepSize(self, value: float):
+        """Set the optimizer's learning rate."""
+        return self._set(stepSize=value)
+
+    def setSeed(self, value: int):
+        """Set the seed of the initial weights and the shuffles."""
+        return self._set(seed=value)
+
+    def setWeightCol(self, value: str):
+        """Set the column of sample weights."""
+        return self._set(weightCol=value)
+
+    def setValidationIndicatorCol(self, value: str):
+        """Set the boolean column that marks validation rows."""
+        return self._set(validationIndicatorCol=value)
 
     def _fit(self, dataset):
         if self.isDefined(self.weightCol) and self.getWeightCol():

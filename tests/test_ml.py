@@ -181,3 +181,19 @@ def test_bad_settings_and_labels_name_the_param(spark):
     halves = df.withColumn("label", df.label + 0.5)
     with pytest.raises(InputError, match="must be class ids 0, 1, 2, ... \\(the largest is 2.5\\)"):
         AllReduceClassifier(showProgress=False).fit(halves)
+
+
+def test_every_param_has_a_setter_and_a_getter_as_mllibs_do():
+    classifier = AllReduceClassifier().setHiddenLayers([32, 16]).setOptimizer("sgd").setStepSize(0.1) \
+        .setBatchSize(128).setMaxEpochs(7).setCodec("bf16").setNumWorkers(2).setStrategy("ssp").setStaleness(3) \
+        .setBackupWorkers(0).setSyncEvery("epoch").setPartitionScheme("random").setCheckpointDir("/tmp/c") \
+        .setCheckpointEvery(50).setShowProgress(False).setSeed(11).setValidationIndicatorCol("v")
+    assert (classifier.getHiddenLayers(), classifier.getOptimizer(), classifier.getStepSize(), classifier.getBatchSize(),
+            classifier.getMaxEpochs(), classifier.getCodec(), classifier.getNumWorkers(), classifier.getStrategy(),
+            classifier.getStaleness(), classifier.getBackupWorkers(), classifier.getSyncEvery(),
+            classifier.getPartitionScheme(), classifier.getCheckpointDir(), classifier.getCheckpointEvery(),
+            classifier.getShowProgress(), classifier.getSeed(), classifier.getValidationIndicatorCol()) == \
+        ([32, 16], "sgd", 0.1, 128, 7, "bf16", 2, "ssp", 3, 0, "epoch", "random", "/tmp/c", 50, False, 11, "v")
+    copied = classifier.copy({classifier.maxEpochs: 2})
+    assert copied.getMaxEpochs() == 2 and classifier.getMaxEpochs() == 7
+    assert AllReduceRegressor().getHiddenLayers() == [] and AllReduceRegressor().getSeed() == 0
