@@ -18,6 +18,7 @@ import numpy as np
 from . import models, optim
 from .errors import AllReduceError, ConfigurationError
 from .session import local_spark, start_python_workers, under_spark_submit
+from .train.spark_info import SparkInfo
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -133,7 +134,7 @@ def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitio
                 [pa.ListArray.from_arrays(offsets, values), pa.array(labels.astype(np.float64))],
                 ["features", "label"])
 
-    numbers = spark.range(0, rows, numPartitions=partitions or spark.sparkContext.defaultParallelism)
+    numbers = spark.range(0, rows, numPartitions=partitions or SparkInfo(spark).default_parallelism())
     return numbers.mapInArrow(generate, "features array<float>, label double")
 
 

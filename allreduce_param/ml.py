@@ -444,7 +444,7 @@ class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationM
         from pyspark.sql import functions as F
 
         model, thresholds = self.trained.model, self._thresholds()
-        weights = self.trained.weights_broadcast(dataset.sparkSession.sparkContext)
+        weights = self.trained.weights_broadcast(dataset.sparkSession)
         width = self.numFeatures
 
         def scores(features: pd.Series) -> pd.DataFrame:

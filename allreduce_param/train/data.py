@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, InputError
 from . import arrow
+from .spark_info import SparkInfo
 
 TRAIN, VALIDATION = 0, 1
 #: The columns a prepared DataFrame has, and their Spark types.
@@ -152,7 +153,7 @@ def prepare_once(df, features_col: str, label_col: str, validation=None, *, task
     frames = [df] if validation is None else [df, validation]
     if not all(_cached(frame) for frame in frames):
         return prepare(df, features_col, label_col, validation, task=task, num_classes=num_classes)
-    settings = (df.sparkSession.sparkContext.applicationId, features_col, label_col, task, num_classes)
+    settings = (SparkInfo(df.sparkSession).application_id, features_col, label_col, task, num_classes)
     with _checked_lock:
         earlier = list(reversed(_checked))
     for earlier_settings, earlier_frames, result in earlier:

@@ -27,7 +27,8 @@ from .arrow import record_batch
 from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
 from .partitioning import check_scheme, place_pairs, place_rows_once, refused_in_place, rows_in_place
 from .progress import ProgressBar, ProgressMerger
-from .slots import check_no_dynamic_allocation, spark_setting, task_slots
+from .slots import check_no_dynamic_allocation, task_slots
+from .spark_info import SparkInfo
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, fit_phases, merge_epoch, merge_step
 from .worker import TrainingJob, buffers_from_payload, train_partition, workload_shares
 
@@ -181,14 +182,14 @@ class DistriOptimizer:
         partition, epoch and step.
         """
         started, started_at = time.perf_counter(), time.time()
-        check_no_dynamic_allocation(data.sparkSession.sparkContext if hasattr(data, "sparkSession") else
-                                    getattr(data, "context", None))
+        spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
+        check_no_dynamic_allocation(spark)
         resume = self._resume_point(resume_from) if resume_from is not None else None
         if hasattr(data, "sparkSession"):
             prepared, summary = prepare_once(data, features_col, label_col, validation, task=model_task(self.model),
                                              num_classes=getattr(self.model, "num_classes", None))
             n_features, sample, partitions = summary.n_features, summary.sample, summary.partition_num
-            spark_context, source = data.sparkSession.sparkContext, prepared
+            source = prepared
         elif hasattr(data, "mapPartitions"):
             if validation is not None:
                 raise InputError("validation goes with DataFrame input; for an RDD, evaluate afterwards")
@@ -196,12 +197,12 @@ class DistriOptimizer:
             if not first:
                 raise InputError("the training RDD has no rows")
             sample = (np.asarray([first[0][0]], np.float32), np.asarray([first[0][1]], np.float64))
-            n_features, spark_context, source = sample[0].shape[1], data.context, data
+            n_features, source = sample[0].shape[1], data
             partitions = data.getNumPartitions()
         else:
             raise InputError(f"fit() takes a DataFrame or an RDD of (features, label) pairs, got {type(data).__name__}")
         size = self._check_model_takes(sample, n_features)
-        workers = self._workers(spark_context, partitions)
+        workers = self._workers(spark, partitions)
         if self.batch_size < workers:
             raise InputError(
                 f"batch_size={self.batch_size} is smaller than the {workers} workers: every worker "
@@ -214,7 +215,7 @@ class DistriOptimizer:
                                    timeout=self.timeout, strategy=self.strategy)
         checkpoints = None if self.checkpoint_dir is None else CheckpointSettings.for_new_fit(
             self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)
-        with self._driver_end(spark_context, workers) as driver:
+        with self._driver_end(spark, workers) as driver:
             job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
                               self.threads, n_features, validation is not None,
                               driver.client(), self.sync_every, self.model_averaging,
@@ -231,11 +232,11 @@ class DistriOptimizer:
             else:
                 kept, placed = None, lambda: place_pairs(source, workers, self.partition_scheme, self.seed)
             try:
-                records = self._run(job, kept, placed, stage_attempts(spark_context))
+                records = self._run(job, kept, placed, stage_attempts(spark))
             except TrainingError as error:
                 if checkpoints is None:
                     raise
-                raise self._with_checkpoint_advice(error, checkpoints, spark_context) from error.__cause__
+                raise self._with_checkpoint_advice(error, checkpoints, spark) from error.__cause__
         history = History.from_records(records["steps"], records["epochs"], time.perf_counter() - started,
                                        records["updates"])
         history.resumed = records["resumed"]
@@ -274,7 +275,7 @@ class DistriOptimizer:
 
     @staticmethod
     def _with_checkpoint_advice(error: TrainingError, checkpoints: CheckpointSettings,
-                                spark_context) -> TrainingError:
+                                spark: SparkInfo) -> TrainingError:
         """The failure, with what the fit's checkpoints make possible now."""
         found = newest(checkpoints.directory)
         if found is None:
@@ -282,13 +283,13 @@ class DistriOptimizer:
         else:
             advice = f"Its newest checkpoint, of step {found.step}, is {found.folder}: " \
                      f"fit(..., resume_from={found.folder!r}) continues from it"
-            if stage_attempts(spark_context) == 1:
+            if stage_attempts(spark) == 1:
                 advice += ("; the stage ran once (spark.stage.maxConsecutiveAttempts=1): with 2 or "
                            "more it resumes from the checkpoint on its own")
         return TrainingError(f"{error}. {advice}")
 
     @contextlib.contextmanager
-    def _driver_end(self, spark_context, workers: int):
+    def _driver_end(self, spark: SparkInfo, workers: int):
         """The driver's end of the tasks' connections, for the length of the fit: where the
         partitions meet, and where their progress goes (the bar, the log, the listener)."""
         log_file = open(self.log_path, "a") if self.log_path else None
@@ -303,7 +304,7 @@ class DistriOptimizer:
             if not meeting.on_message(message, reply):
                 progress.on_message(message)
 
-        server = MessageServer(spark_setting(spark_context, "spark.driver.host", "127.0.0.1"), on_message)
+        server = MessageServer(spark.listening_host(), on_message)
         try:
             yield server
         finally:
@@ -337,14 +338,14 @@ class DistriOptimizer:
                              f"the weights have {weights.shape}")
         return int(weights.size)
 
-    def _workers(self, spark_context, partitions: int) -> int:
+    def _workers(self, spark: SparkInfo, partitions: int) -> int:
         """How many barrier tasks: the requested count, or the data's ``partitions``, within
         the slots.
 
         Refuses more tasks than Spark can run at once before the stage is submitted, where
         Spark would refuse them only then.
         """
-        slots, counted = task_slots(spark_context, needed=self.num_workers or 1)
+        slots, counted = task_slots(spark, needed=self.num_workers or 1)
         workers = self.num_workers or max(1, min(partitions, slots))
         if workers > slots:
             raise ConfigurationError(
@@ -416,6 +417,8 @@ class DistriOptimizer:
         return records
 
 
+#: Spark's reason when a barrier stage has more tasks than the cluster has slots
+_NOT_ENOUGH_SLOTS = "SPARK-24819"
 #: what Spark says when a task of a barrier stage that returns results failed
 _TASK_FAILED = "Could not recover from a failed barrier ResultStage"
 _TASK_MESSAGE = re.compile(r"TrainingError: (partition [^\n]*)")
@@ -425,11 +428,11 @@ _PYTHON_ERROR = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t][^\n]
 _PLACEMENT_MESSAGE = re.compile(r"row \d+ of partition \d+ of the prepared data is not among[^\n]*")
 
 
-def stage_attempts(spark_context) -> int:
+def stage_attempts(spark: SparkInfo) -> int:
     """How many times in all a fit runs its stage when tasks fail: Spark's own setting for
     retrying a stage, ``spark.stage.maxConsecutiveAttempts``."""
     # Spark's scheduler reads it at start-up: a session that runs has a valid one
-    return max(1, int(spark_setting(spark_context, "spark.stage.maxConsecutiveAttempts", "4")))
+    return max(1, int(spark.setting("spark.stage.maxConsecutiveAttempts", "4")))
 
 
 def _task_error(error: Exception) -> Exception:
@@ -439,6 +442,11 @@ def _task_error(error: Exception) -> Exception:
     is the root cause, whichever task's failure Spark reported.
     """
     text = str(error)
+    if _NOT_ENOUGH_SLOTS in text:  # where the slots could only be estimated first (Spark Connect)
+        return ConfigurationError(
+            "Spark refused the fit's barrier stage: it needs more task slots than the cluster has "
+            f"({_NOT_ENOUGH_SLOTS}, after spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures tries); "
+            "lower num_workers, or give Spark more executors or cores")
     found = _TASK_MESSAGE.search(text)
     if found:
         return TrainingError(found.group(1).split("TrainingError: ")[-1])

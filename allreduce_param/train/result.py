@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, InputError
 from ..models.base import has_buffers
+from .spark_info import SparkInfo
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -222,17 +223,21 @@ class TrainedModel:
         self.__dict__.update(state)
         self.buffers = state["_buffers"]
 
-    def weights_broadcast(self, spark_context):
-        """The weights as a Spark broadcast, for code of your own that predicts in the
-        executors (``predict`` and the Estimators' Models use it): one per Spark context,
-        made anew when ``weights`` is set to another array (an array changed in place is not
-        seen: assign a new one)."""
+    def weights_broadcast(self, spark):
+        """The weights for the executors, read there as ``.value``, for code of your own that
+        predicts in them (``predict`` and the Estimators' Models use it). ``spark``: the
+        SparkSession (classic or Spark Connect). Classically a Spark broadcast, one per
+        SparkContext, made anew when ``weights`` is set to another array (an array changed in
+        place is not seen: assign a new one); under Spark Connect, which has no broadcasts, a
+        holder that travels in each task's closure."""
+        info = SparkInfo(spark)
+        owner = info.session if info.connect else info.context
         held = self._broadcast
-        if held is not None and held[0] is spark_context and held[1] is self.weights:
+        if held is not None and held[0] is owner and held[1] is self.weights:
             return held[2]
-        if held is not None and held[0] is spark_context:
+        if held is not None and held[0] is owner:
             held[2].unpersist()  # the tasks already running keep their copy
-        self._broadcast = (spark_context, self.weights, spark_context.broadcast(self.weights))
+        self._broadcast = (owner, self.weights, info.broadcast(self.weights))
         return self._broadcast[2]
 
     def __repr__(self) -> str:
@@ -257,7 +262,7 @@ class TrainedModel:
         column = F.col(features_col)
         if isinstance(df.schema[features_col].dataType, VectorUDT):
             column = vector_to_array(column, "float32")
-        model, weights = self._predictor, self.weights_broadcast(df.sparkSession.sparkContext)
+        model, weights = self._predictor, self.weights_broadcast(df.sparkSession)
 
         def predict(features):
             X = np.stack(features.to_numpy()).astype(np.float32) if len(features) else np.zeros((0, 1), np.float32)

@@ -11,9 +11,10 @@ import re
 import time
 
 from ..errors import ConfigurationError
+from .spark_info import SparkInfo
 
 
-def check_no_dynamic_allocation(spark_context) -> None:
+def check_no_dynamic_allocation(info: SparkInfo | None) -> None:
     """Refuse dynamic allocation on the driver, as Spark would refuse the barrier stage.
 
     Spark refuses a barrier stage (BarrierJobRunWithDynamicAllocationException, SPARK-24942)
@@ -23,20 +24,17 @@ def check_no_dynamic_allocation(spark_context) -> None:
     executors come or go; tried: a barrier stage on local[4] with it on runs), so a local
     user with it on, e.g. from a cluster's spark-defaults.conf, is not refused: the check
     asks Spark's own function, so it refuses exactly what would fail. When that function is
-    out of reach (another Spark), the same rule is applied here.
+    out of reach (another Spark, or Spark Connect), the same rule is applied here.
     """
-    if spark_context is None:  # not Spark data: fit() says so next
+    if info is None:  # not Spark data: fit() says so next
         return
     try:
-        enabled = bool(spark_context._jvm.org.apache.spark.util.Utils.isDynamicAllocationEnabled(
-            spark_context._jsc.sc().conf()))
+        context = info.context
+        enabled = bool(context._jvm.org.apache.spark.util.Utils.isDynamicAllocationEnabled(context._jsc.sc().conf()))
     except Exception:  # py4j's errors vary with the Spark version; fall back to the rule itself
-        def setting(key: str, default: str) -> str:
-            return spark_setting(spark_context, key, default)
-
-        enabled = setting("spark.dynamicAllocation.enabled", "false").lower() == "true" and (
-            not _is_local(setting("spark.master", ""))
-            or setting("spark.dynamicAllocation.testing", "false").lower() == "true")
+        enabled = info.setting("spark.dynamicAllocation.enabled", "false").lower() == "true" and (
+            not _is_local(info.setting("spark.master", ""))
+            or info.setting("spark.dynamicAllocation.testing", "false").lower() == "true")
     if enabled:
         raise ConfigurationError(
             "spark.dynamicAllocation.enabled=true, but a barrier stage (the fit) cannot run under dynamic "
@@ -46,19 +44,13 @@ def check_no_dynamic_allocation(spark_context) -> None:
         )
 
 
-def spark_setting(spark_context, key: str, default: str) -> str:
-    """A setting of the running SparkContext: one py4j call, where ``getConf()`` copies
-    every setting over (some milliseconds each time, several times a fit)."""
-    return spark_context._conf.get(key, default)
-
-
 def _is_local(master: str) -> bool:
     """Whether ``master`` runs tasks in the driver's JVM (``local``, ``local[N]``, ``local[N,F]``,
     ``local[*]``), as Spark's ``Utils.isLocalMaster`` says; ``local-cluster[...]`` is not."""
     return master == "local" or master.startswith("local[")
 
 
-def task_slots(spark_context, needed: int = 1) -> tuple[int, str]:
+def task_slots(info: SparkInfo, needed: int = 1) -> tuple[int, str]:
     """How many tasks of the fit's stage Spark can run at once, and how that was counted.
 
     Counted as Spark's barrier scheduler counts them before it starts a barrier stage:
@@ -66,24 +58,25 @@ def task_slots(spark_context, needed: int = 1) -> tuple[int, str]:
     has no other), i.e. over the executors registered now, each one's cores /
     ``spark.task.cpus`` (and custom resources / their amount per task), summed. The method
     is ``private[spark]``, public in the bytecode; when py4j cannot reach it (another
-    Spark), ``defaultParallelism // spark.task.cpus`` stands in, as before. With fewer than
-    ``needed`` on a cluster, executors may still be registering: see ``_wait_for_slots``.
+    Spark, or Spark Connect, which has no JVM here), ``defaultParallelism // spark.task.cpus``
+    stands in. With fewer than ``needed`` on a cluster, executors may still be registering:
+    see ``_wait_for_slots``.
     """
-    cpus = int(spark_setting(spark_context, "spark.task.cpus", "1"))
-    master = spark_setting(spark_context, "spark.master", "")
+    cpus = int(info.setting("spark.task.cpus", "1"))
+    master = info.setting("spark.master", "")
     try:
-        context = spark_context._jsc.sc()
+        context = info.context._jsc.sc()
         profile = context.resourceProfileManager().defaultResourceProfile()
         slots, waited = int(context.maxNumConcurrentTasks(profile)), 0.0
         if slots < needed and not _is_local(master):  # in local mode the count never changes
             slots, waited = _wait_for_slots(context, profile, master, needed)
     except Exception:  # py4j's errors vary with the Spark version
-        slots = max(1, spark_context.defaultParallelism // cpus)
-        return slots, f"defaultParallelism={spark_context.defaultParallelism} / spark.task.cpus={cpus}"
+        parallelism = info.default_parallelism()
+        return max(1, parallelism // cpus), f"defaultParallelism={parallelism} / spark.task.cpus={cpus}"
     if _is_local(master):
         return slots, f"the cores of {master}" + (f" / spark.task.cpus={cpus}" if cpus != 1 else "")
     cluster = _LOCAL_CLUSTER.fullmatch(master)
-    cores = cluster.group(2) if cluster else spark_setting(spark_context, "spark.executor.cores", "its default")
+    cores = cluster.group(2) if cluster else info.setting("spark.executor.cores", "its default")
     counted = f"{_executors(context)} executors registered x {cores} cores (spark.executor.cores) " \
               f"/ spark.task.cpus={cpus}"
     if waited:

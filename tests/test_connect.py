@@ -1,0 +1,175 @@
+"""Fits, predictions and the Estimators on Spark Connect DataFrames, against a real local
+Connect server (started from the installed pyspark, on 127.0.0.1 and a free port).
+
+The server runs in a process of its own, as a remote one would: this test process has no
+Spark JVM of its own for the Connect session, so any use of ``sparkContext``, RDDs or
+broadcasts on the fit's path fails here as it would for a user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyspark
+import pytest
+
+from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "spark-defaults.conf"
+#: what a Connect session leaves in the environment, which a server or a later classic session must not see
+CONNECT_VARIABLES = ("SPARK_REMOTE", "SPARK_LOCAL_REMOTE", "SPARK_CONNECT_MODE_ENABLED",
+                     "SPARK_CONNECT_AUTHENTICATE_TOKEN", "SPARK_API_MODE")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def connect_server(log: Path, master: str = "local[2]"):
+    """A Spark Connect server in its own process group; its ``sc://`` address."""
+    spark_home = os.path.dirname(pyspark.__file__)
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if key not in CONNECT_VARIABLES}
+    env.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, SPARK_HOME=spark_home)
+    command = [os.path.join(spark_home, "bin", "spark-submit"),
+               "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+               "--master", master, "--name", "allreduce-param connect tests", "--properties-file", str(CONF),
+               "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+               "--conf", f"spark.connect.grpc.binding.port={port}", "spark-internal"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # ready when it accepts connections; a server that exits fails the test at once
+            assert server.poll() is None, f"the Connect server exited with {server.returncode}:\n{log.read_text()}"
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, f"the Connect server did not listen in 180 s:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    """A Spark Connect session on a local server (local[2]), stopped with the server."""
+    from pyspark.sql import SparkSession
+
+    with connect_server(tmp_path_factory.mktemp("connect") / "server.log") as url:
+        session = SparkSession.builder.remote(url).getOrCreate()
+        try:
+            yield session
+        finally:
+            session.stop()
+            for name in CONNECT_VARIABLES:  # a later classic session would take itself for a client
+                os.environ.pop(name, None)
+
+
+def blobs(session, rows: int = 400, seed: int = 0):
+    """Three separable classes in 8 features, as a Connect DataFrame made from Arrow."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, rows)
+    X = (np.eye(3, 8)[labels] * 4 + rng.standard_normal((rows, 8)) * 0.5).astype(np.float32)
+    features = pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * 8), pa.array(X.reshape(-1)))
+    return session.createDataFrame(pa.table({"features": features, "label": pa.array(labels.astype(np.float64))})), X
+
+
+def test_a_fit_on_a_connect_dataframe_trains_reports_progress_and_repeats_exactly(remote):
+    from pyspark.sql.connect.dataframe import DataFrame as ConnectDataFrame
+
+    df, _ = blobs(remote)
+    assert isinstance(df, ConnectDataFrame)
+    train, test = df.randomSplit([0.75, 0.25], seed=1)
+    events = []
+
+    def fit():
+        return DistriOptimizer(models.MLP([8, 16, 3]), optim.Adam(lr=0.01), batch_size=32, epochs=3, seed=4,
+                               partition_scheme="contiguous", progress=False,
+                               listener=lambda kind, fields: events.append(kind)).fit(train, validation=test)
+
+    first = fit()
+    assert first.history.epochs[-1]["val_accuracy"] > 0.9
+    # the tasks reached this process (the client, not Spark's driver) with every step and epoch
+    assert events.count("start") == 2 and events.count("epoch") == 3  # a start per partition
+    assert events.count("step") == len(first.history.steps) > 0
+    np.testing.assert_array_equal(fit().weights, first.weights)
+
+
+def test_predict_on_a_connect_dataframe_matches_predict_numpy(remote):
+    df, X = blobs(remote, rows=200)
+    trained = DistriOptimizer(models.SoftmaxRegression(8, 3), optim.Adam(lr=0.05), batch_size=40, epochs=2,
+                              progress=False).fit(df)
+    predicted = trained.predict(df).select("features", "prediction").toArrow()
+    rows = np.asarray(predicted.column("features").combine_chunks().flatten(), np.float32).reshape(-1, 8)
+    np.testing.assert_array_equal(np.asarray(predicted.column("prediction")), trained.predict_numpy(rows))
+
+
+def test_cached_connect_data_is_checked_once_and_trained_on_as_it_lies(remote, monkeypatch):
+    import allreduce_param.train.data as data
+    import allreduce_param.train.distri as distri
+
+    checks, placements = [], []
+    prepare, place = data.prepare, distri.place_rows_once
+    monkeypatch.setattr(data, "prepare", lambda *args, **kwargs: checks.append(1) or prepare(*args, **kwargs))
+    monkeypatch.setattr(distri, "place_rows_once", lambda *args: placements.append(1) or place(*args))
+    df, _ = blobs(remote, rows=240)
+    cached = df.repartition(2).cache()
+    try:
+        fits = [DistriOptimizer(models.SoftmaxRegression(8, 3), optim.SGD(lr=0.1), batch_size=24, epochs=1,
+                                progress=False).fit(cached) for _ in range(2)]
+        np.testing.assert_array_equal(fits[0].weights, fits[1].weights)
+        assert len(checks) == 1  # the second fit reused the first one's checks
+        assert not placements  # two partitions for two workers, cached: no shuffle
+    finally:
+        cached.unpersist()
+
+
+def test_more_workers_than_the_servers_slots_are_refused_before_the_stage(remote):
+    df, _ = blobs(remote, rows=60)
+    with pytest.raises(ConfigurationError, match="num_workers=3, but Spark has 2 task slots"):
+        DistriOptimizer(models.SoftmaxRegression(8, 3), optim.SGD(lr=0.1), batch_size=12, epochs=1,
+                        num_workers=3, progress=False).fit(df)
+
+
+def test_the_estimator_fits_and_transforms_connect_dataframes(remote):
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+
+    from allreduce_param.ml import AllReduceClassifier
+
+    df, _ = blobs(remote, rows=300)
+    fitted = AllReduceClassifier(stepSize=0.05, batchSize=30, maxEpochs=3, showProgress=False).fit(df)
+    out = fitted.transform(df)
+    assert {"prediction", "probability", "rawPrediction"} <= set(out.columns)
+    assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out) > 0.9
+
+
+def test_weights_too_large_for_a_closure_are_refused_with_what_to_do(remote, monkeypatch):
+    import allreduce_param.train.spark_info as spark_info
+
+    df, _ = blobs(remote, rows=60)
+    trained = DistriOptimizer(models.SoftmaxRegression(8, 3), optim.SGD(lr=0.1), batch_size=12, epochs=1,
+                              progress=False).fit(df)
+    monkeypatch.setattr(spark_info, "CLOSURE_LIMIT", 64)  # the model's 108 bytes of weights, over it
+    with pytest.raises(ConfigurationError, match="travel in each task's closure.*predict on a classic session"):
+        trained.predict(df)
