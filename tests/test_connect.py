@@ -173,3 +173,27 @@ def test_weights_too_large_for_a_closure_are_refused_with_what_to_do(remote, mon
     monkeypatch.setattr(spark_info, "CLOSURE_LIMIT", 64)  # the model's 108 bytes of weights, over it
     with pytest.raises(ConfigurationError, match="travel in each task's closure.*predict on a classic session"):
         trained.predict(df)
+
+
+def test_the_probe_tells_whether_a_task_reaches_this_process(remote):
+    from allreduce_param.train.spark_info import SparkInfo
+
+    info = SparkInfo(remote)
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        assert info.unreachable(listening.getsockname()[:2]) is None
+    closed = free_port()
+    assert "ConnectionRefusedError" in info.unreachable(("127.0.0.1", closed), timeout=2.0)
+
+
+def test_a_client_the_executors_cannot_reach_trains_without_live_progress_and_says_so(remote, monkeypatch):
+    from allreduce_param.train.spark_info import SparkInfo
+
+    monkeypatch.setattr(SparkInfo, "client_maybe_unreachable", lambda self: True)
+    monkeypatch.setattr(SparkInfo, "unreachable", lambda self, address, timeout=3.0: "OSError: simulated")
+    df, _ = blobs(remote, rows=120)
+    events = []
+    with pytest.warns(RuntimeWarning, match="executors cannot reach this Spark Connect client .*OSError: simulated"):
+        trained = DistriOptimizer(models.SoftmaxRegression(8, 3), optim.SGD(lr=0.1), batch_size=24, epochs=2,
+                                  progress=False, listener=lambda kind, fields: events.append(kind)).fit(df)
+    assert not events  # nothing reached the listener while it ran
+    assert len(trained.history.epochs) == 2 and len(trained.history.steps) == 2 * 5  # all of it at the end

@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -218,7 +219,7 @@ class DistriOptimizer:
         with self._driver_end(spark, workers) as driver:
             job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
                               self.threads, n_features, validation is not None,
-                              driver.client(), self.sync_every, self.model_averaging,
+                              driver, self.sync_every, self.model_averaging,
                               checkpoints, resume, self._settings(),
                               report_progress=bool(self.progress or self.log_path or self.listener),
                               overlap=self.overlap)
@@ -291,7 +292,8 @@ class DistriOptimizer:
     @contextlib.contextmanager
     def _driver_end(self, spark: SparkInfo, workers: int):
         """The driver's end of the tasks' connections, for the length of the fit: where the
-        partitions meet, and where their progress goes (the bar, the log, the listener)."""
+        partitions meet, and where their progress goes (the bar, the log, the listener).
+        Yields what the tasks use to reach it (``_client_of``)."""
         log_file = open(self.log_path, "a") if self.log_path else None
         bar = ProgressBar(show=self.progress, log_file=log_file)
         listeners = [bar] + ([self.listener] if self.listener else [])
@@ -306,7 +308,7 @@ class DistriOptimizer:
 
         server = MessageServer(spark.listening_host(), on_message)
         try:
-            yield server
+            yield self._client_of(server, spark)
         finally:
             server.close()
             bar.close()
@@ -337,6 +339,23 @@ class DistriOptimizer:
             raise InputError(f"{self.model!r}.loss_and_grad returned a gradient of shape {np.shape(grad)}, "
                              f"the weights have {weights.shape}")
         return int(weights.size)
+
+    def _client_of(self, server: MessageServer, spark: SparkInfo | None):
+        """What the tasks use to reach ``server``; None where they cannot (under Spark Connect,
+        the client may be out of the executors' reach): they then meet through Spark, at
+        once, and the fit says that it shows no live progress."""
+        if spark is None or not spark.client_maybe_unreachable():
+            return server.client()
+        reason = spark.unreachable(server.address)
+        if reason is None:
+            return server.client()
+        host, port = server.address
+        warnings.warn(
+            f"the executors cannot reach this Spark Connect client at {host}:{port} ({reason}): the fit "
+            "goes on without live progress (no bar, log lines or listener events while it runs); its "
+            "history arrives when it ends. To see progress, run where the executors can connect to "
+            "this process (e.g. on the cluster's network)", RuntimeWarning, stacklevel=3)
+        return None
 
     def _workers(self, spark: SparkInfo, partitions: int) -> int:
         """How many barrier tasks: the requested count, or the data's ``partitions``, within

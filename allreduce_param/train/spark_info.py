@@ -16,6 +16,7 @@ import socket
 from typing import Any
 
 from ..errors import ConfigurationError
+from .arrow import record_batch
 
 #: Under Connect, weights travel inside each task's closure, which the client sends to the
 #: server in one gRPC message (``spark.connect.grpc.maxInboundMessageSize``, 128 MiB by
@@ -108,6 +109,30 @@ class SparkInfo:
                 return probe.getsockname()[0]
             except OSError:  # no route: the tasks cannot reach this process; they meet through Spark
                 return "127.0.0.1"
+
+
+    def unreachable(self, address: tuple[str, int], timeout: float = 3.0) -> str | None:
+        """Why a task cannot open a TCP connection to ``address`` (a server of this
+        process's), or None when it can: one small Spark job of one task."""
+        host, port = address
+
+        def probe(batches):
+            for _ in batches:
+                pass
+            try:
+                socket.create_connection((host, port), timeout=timeout).close()
+                reason = ""
+            except OSError as error:
+                reason = f"{type(error).__name__}: {error}"
+            yield record_batch(reason=[reason])
+
+        rows = self.session.range(0, 1, 1, 1).mapInArrow(probe, "reason string").collect()
+        return rows[0]["reason"] or None if rows else "the probe's task returned nothing"
+
+    def client_maybe_unreachable(self) -> bool:
+        """Whether the executors might not reach this process: under Connect, with the
+        server's driver on another machine (a local server's executors always can)."""
+        return self.connect and self.listening_host() != "127.0.0.1"
 
 
 class Held:
