@@ -38,6 +38,7 @@ from . import models, optim
 from .errors import ConfigurationError, InputError
 from .train.distri import DistriOptimizer
 from .train.result import History, TrainedModel
+from .train.spark_info import is_connect
 
 #: The optimizers the ``optimizer`` Param names.
 OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "rmsprop": optim.RMSprop,
@@ -484,11 +485,18 @@ class AllReduceRegressionModel(_AllReduceModel, PredictionModel):
 
 class _ModelWriter(MLWriter):
     """Saves a Model: Spark's metadata file of its Params (plus the network's shape), and
-    its weights as one row of ``weights array<float>`` in Parquet under ``data``."""
+    its weights as one row of ``weights array<float>`` in Parquet under ``data``. Both
+    are written through the session, so the path may be anywhere Spark writes, and under
+    Spark Connect too (where ``overwrite()`` replaces the two folders by Spark's own
+    overwrite mode: pyspark's deletes the path through the JVM, which a client lacks)."""
 
     def __init__(self, instance: _AllReduceModel) -> None:
         super().__init__()
         self.instance = instance
+
+    def _handleOverwrite(self, path: str) -> None:
+        if not is_connect(self.sparkSession):
+            super()._handleOverwrite(path)
 
     def saveImpl(self, path: str) -> None:
         import pyarrow as pa
@@ -496,10 +504,14 @@ class _ModelWriter(MLWriter):
         trained = self.instance.trained
         extra = {"numFeatures": int(trained.n_features), "numClasses": getattr(trained.model, "num_classes", None),
                  "epochs": trained.history.epochs}
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession, extraMetadata=extra)
+        mode = "overwrite" if self.shouldOverwrite else "error"
+        metadata = DefaultParamsWriter._get_metadata_to_save(self.instance, self.sparkSession, extra)
+        self.sparkSession.createDataFrame([(metadata,)], ["value"]).coalesce(1).write.mode(mode).text(
+            os.path.join(path, "metadata"))  # as DefaultParamsWriter.saveMetadata writes it
         weights = np.ascontiguousarray(trained.weights, np.float32)
         column = pa.ListArray.from_arrays(pa.array(np.array([0, len(weights)], np.int32)), pa.array(weights))
-        self.sparkSession.createDataFrame(pa.table({"weights": column})).write.parquet(os.path.join(path, "data"))
+        self.sparkSession.createDataFrame(pa.table({"weights": column})).write.mode(mode).parquet(
+            os.path.join(path, "data"))
 
 
 class _ModelReader(MLReader):

@@ -197,3 +197,17 @@ def test_a_client_the_executors_cannot_reach_trains_without_live_progress_and_sa
                                   progress=False, listener=lambda kind, fields: events.append(kind)).fit(df)
     assert not events  # nothing reached the listener while it ran
     assert len(trained.history.epochs) == 2 and len(trained.history.steps) == 2 * 5  # all of it at the end
+
+
+def test_the_estimators_model_saves_and_loads_under_connect(remote, tmp_path):
+    from allreduce_param.ml import AllReduceClassificationModel, AllReduceClassifier
+
+    df, _ = blobs(remote, rows=120)
+    fitted = AllReduceClassifier(maxEpochs=1, batchSize=30, showProgress=False).fit(df)
+    fitted.write().save(str(tmp_path / "model"))
+    with pytest.raises(Exception, match="already exists"):  # Spark's own refusal: nothing is lost
+        fitted.write().save(str(tmp_path / "model"))
+    fitted.write().overwrite().save(str(tmp_path / "model"))  # again, over it
+    loaded = AllReduceClassificationModel.load(str(tmp_path / "model"))
+    np.testing.assert_array_equal(loaded.weights, fitted.weights)
+    assert loaded.transform(df).select("prediction").toArrow() == fitted.transform(df).select("prediction").toArrow()
