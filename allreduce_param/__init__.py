@@ -28,12 +28,13 @@ from .parameter import AllReduceParameter, ConnectedParameter
 from .rendezvous import BarrierRendezvous, LocalRendezvous, Rendezvous, StaticRendezvous
 from .strategy import STRATEGIES, Strategy
 from .stream import GradientStream
-from .train import DistriOptimizer, History, TrainedModel
+from .train import DistriOptimizer, FitSettings, History, TrainedModel
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistriOptimizer",
+    "FitSettings",
     "TrainedModel",
     "History",
     "TrainingError",

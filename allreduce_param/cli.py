@@ -140,7 +140,7 @@ def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitio
 
 def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     """Run a training job file's fit and print the final table; the exit status."""
-    from .train import DistriOptimizer
+    from .train import DistriOptimizer, FitSettings
 
     spark_section = job.get("spark", {})
     if not master and not under_spark_submit():  # under spark-submit, its --master wins
@@ -153,10 +153,7 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
         model = build(models, job.get("model", {"kind": "MLP", "layers": [64, 128, 10]}), "model")
         optimizer = build(optim, job.get("optimizer", {"kind": "Adam", "lr": 1e-3}), "optimizer")
         settings = job.get("train", {})
-        try:
-            trainer = DistriOptimizer(model, optimizer, **settings)
-        except TypeError as error:
-            raise ConfigurationError(f"[train] {error}") from None
+        trainer = DistriOptimizer(model, optimizer, FitSettings.of(settings, where="[train]"))
         print(f"training {model!r} with {optimizer!r}; {settings}", flush=True)
         started = time.perf_counter()
         result = trainer.fit(train_df, validation=test_df)

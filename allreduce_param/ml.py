@@ -18,10 +18,9 @@ import re
 from typing import Any
 
 import numpy as np
-from pyspark import keyword_only
 from pyspark.ml.classification import ProbabilisticClassificationModel, ProbabilisticClassifier
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.param.shared import HasSeed, HasStepSize, HasValidationIndicatorCol, HasWeightCol
+from pyspark.ml.param.shared import HasStepSize, HasValidationIndicatorCol, HasWeightCol
 from pyspark.ml.base import PredictionModel, Predictor
 from pyspark.ml.util import (
     DefaultParamsReadable,
@@ -38,65 +37,27 @@ from . import models, optim
 from .errors import ConfigurationError, InputError
 from .train.distri import DistriOptimizer
 from .train.result import History, TrainedModel
+from .train.settings import FitSettings, estimator_params
 from .train.spark_info import is_connect
 
 #: The optimizers the ``optimizer`` Param names.
 OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "rmsprop": optim.RMSprop,
               "adagrad": optim.Adagrad}
 
-#: Param name -> DistriOptimizer argument, for the settings passed straight through.
-_SETTINGS = {"batchSize": "batch_size", "maxEpochs": "epochs", "codec": "codec", "seed": "seed",
-             "strategy": "strategy", "backupWorkers": "backup_workers", "partitionScheme": "partition_scheme",
-             "showProgress": "progress"}
-#: Params whose "unset" value (0 or "") means the DistriOptimizer default.
-_OPTIONAL_SETTINGS = {"numWorkers": "num_workers", "staleness": "staleness", "syncEvery": "sync_every",
-                      "checkpointDir": "checkpoint_dir", "checkpointEvery": "checkpoint_every"}
-
-
-class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasSeed, HasStepSize):
-    """The Params both Estimators and their Models share."""
+class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize):
+    """The Params both Estimators and their Models share: the network's and the optimizer's
+    here, and one per fit setting (``FitSettings``), added below from its fields."""
 
     hiddenLayers = Param(Params._dummy(), "hiddenLayers",
                          "widths of the hidden layers, e.g. [128, 64]; [] for a linear model",
                          typeConverter=TypeConverters.toListInt)
     optimizer = Param(Params._dummy(), "optimizer", f"the optimizer: {', '.join(OPTIMIZERS)}",
                       typeConverter=TypeConverters.toString)
-    batchSize = Param(Params._dummy(), "batchSize", "the global batch of a step, split over the workers",
-                      typeConverter=TypeConverters.toInt)
-    maxEpochs = Param(Params._dummy(), "maxEpochs", "passes over the training rows",
-                      typeConverter=TypeConverters.toInt)
-    codec = Param(Params._dummy(), "codec", "how blocks travel between workers: lz4, raw, bf16, ...",
-                  typeConverter=TypeConverters.toString)
-    numWorkers = Param(Params._dummy(), "numWorkers",
-                       "partitions that train; 0: one per partition of the data, up to Spark's task slots",
-                       typeConverter=TypeConverters.toInt)
-    strategy = Param(Params._dummy(), "strategy", "how the workers synchronise: bsp, ssp or asp",
-                     typeConverter=TypeConverters.toString)
-    staleness = Param(Params._dummy(), "staleness", "ssp: steps a worker may run ahead; 0: the default",
-                      typeConverter=TypeConverters.toInt)
-    backupWorkers = Param(Params._dummy(), "backupWorkers", "bsp: a step goes on without the slowest b",
-                          typeConverter=TypeConverters.toInt)
-    syncEvery = Param(Params._dummy(), "syncEvery",
-                      "local SGD: sync every k steps, or 'epoch'; 1 (the default) syncs every step",
-                      typeConverter=TypeConverters.identity)
-    partitionScheme = Param(Params._dummy(), "partitionScheme",
-                            "which rows each worker trains on: as_is, contiguous, round_robin, random, "
-                            "overlap_reshuffle", typeConverter=TypeConverters.toString)
-    checkpointDir = Param(Params._dummy(), "checkpointDir",
-                          "where the fit writes checkpoints (storage every executor sees); '' for none",
-                          typeConverter=TypeConverters.toString)
-    checkpointEvery = Param(Params._dummy(), "checkpointEvery",
-                            "checkpoint every k steps or 'epoch'; '' for each epoch",
-                            typeConverter=TypeConverters.identity)
-    showProgress = Param(Params._dummy(), "showProgress", "show the fit's live progress bar",
-                         typeConverter=TypeConverters.toBoolean)
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self._setDefault(hiddenLayers=[], optimizer="adam", stepSize=0.001, batchSize=256, maxEpochs=10,
-                         codec="lz4", numWorkers=0, seed=0, strategy="bsp", staleness=0, backupWorkers=0,
-                         syncEvery=1, partitionScheme="as_is", checkpointDir="", checkpointEvery="",
-                         showProgress=True)
+        self._setDefault(hiddenLayers=[], optimizer="adam", stepSize=0.001,
+                         **{spec.name: spec.default for spec in estimator_params()})
 
     def getHiddenLayers(self) -> list[int]:
         """The widths of the hidden layers."""
@@ -106,59 +67,23 @@ class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasSeed, HasStep
         """The optimizer's name."""
         return self.getOrDefault(self.optimizer)
 
-    def getBatchSize(self) -> int:
-        """The global batch of a step."""
-        return self.getOrDefault(self.batchSize)
-
-    def getMaxEpochs(self) -> int:
-        """How many passes over the training rows."""
-        return self.getOrDefault(self.maxEpochs)
-
-    def getCodec(self) -> str:
-        """How blocks travel between the workers."""
-        return self.getOrDefault(self.codec)
-
-    def getNumWorkers(self) -> int:
-        """How many partitions train (0: one per partition of the data)."""
-        return self.getOrDefault(self.numWorkers)
-
-    def getStrategy(self) -> str:
-        """How the workers synchronise."""
-        return self.getOrDefault(self.strategy)
-
-    def getStaleness(self) -> int:
-        """SSP's bound on how far a worker may run ahead (0: the default)."""
-        return self.getOrDefault(self.staleness)
-
-    def getBackupWorkers(self) -> int:
-        """How many of the slowest workers a BSP step may go on without."""
-        return self.getOrDefault(self.backupWorkers)
-
-    def getSyncEvery(self) -> int | str:
-        """Local SGD's steps between syncs, or 'epoch'."""
-        return self.getOrDefault(self.syncEvery)
-
-    def getPartitionScheme(self) -> str:
-        """Which rows each worker trains on."""
-        return self.getOrDefault(self.partitionScheme)
-
-    def getCheckpointDir(self) -> str:
-        """Where the fit writes its checkpoints ('': none)."""
-        return self.getOrDefault(self.checkpointDir)
-
-    def getCheckpointEvery(self) -> int | str:
-        """Steps between checkpoints, or 'epoch' ('': each epoch)."""
-        return self.getOrDefault(self.checkpointEvery)
-
-    def getShowProgress(self) -> bool:
-        """Whether the fit shows its live progress bar."""
-        return self.getOrDefault(self.showProgress)
-
 
 class _AllReduceEstimator(_AllReduceParams):
     """What both Estimators do: describe the data, build the network, fit, wrap the result."""
 
     _task = ""
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__()
+        self.setParams(**params)
+
+    def setParams(self, **params: Any):
+        """Set Params by name (any of ``explainParams()``'s), e.g. ``setParams(maxEpochs=5)``."""
+        unknown = sorted(name for name in params if not self.hasParam(name))
+        if unknown:
+            raise ConfigurationError(f"{type(self).__name__} has no Param {', '.join(map(repr, unknown))}; "
+                                     f"its Params are {', '.join(sorted(param.name for param in self.params))}")
+        return self._set(**params)
 
     def setHiddenLayers(self, value: list[int]):
         """Set the widths of the hidden layers."""
@@ -168,61 +93,9 @@ class _AllReduceEstimator(_AllReduceParams):
         """Set the optimizer's name."""
         return self._set(optimizer=value)
 
-    def setBatchSize(self, value: int):
-        """Set the global batch of a step."""
-        return self._set(batchSize=value)
-
-    def setMaxEpochs(self, value: int):
-        """Set how many passes over the training rows."""
-        return self._set(maxEpochs=value)
-
-    def setCodec(self, value: str):
-        """Set how blocks travel between the workers."""
-        return self._set(codec=value)
-
-    def setNumWorkers(self, value: int):
-        """Set how many partitions train (0: one per partition of the data)."""
-        return self._set(numWorkers=value)
-
-    def setStrategy(self, value: str):
-        """Set how the workers synchronise."""
-        return self._set(strategy=value)
-
-    def setStaleness(self, value: int):
-        """Set SSP's bound on how far a worker may run ahead (0: the default)."""
-        return self._set(staleness=value)
-
-    def setBackupWorkers(self, value: int):
-        """Set how many of the slowest workers a BSP step may go on without."""
-        return self._set(backupWorkers=value)
-
-    def setSyncEvery(self, value: int | str):
-        """Set local SGD's steps between syncs, or 'epoch'."""
-        return self._set(syncEvery=value)
-
-    def setPartitionScheme(self, value: str):
-        """Set which rows each worker trains on."""
-        return self._set(partitionScheme=value)
-
-    def setCheckpointDir(self, value: str):
-        """Set where the fit writes its checkpoints ('': none)."""
-        return self._set(checkpointDir=value)
-
-    def setCheckpointEvery(self, value: int | str):
-        """Set steps between checkpoints, or 'epoch' ('': each epoch)."""
-        return self._set(checkpointEvery=value)
-
-    def setShowProgress(self, value: bool):
-        """Set whether the fit shows its live progress bar."""
-        return self._set(showProgress=value)
-
     def setStepSize(self, value: float):
         """Set the optimizer's learning rate."""
         return self._set(stepSize=value)
-
-    def setSeed(self, value: int):
-        """Set the seed of the initial weights and the shuffles."""
-        return self._set(seed=value)
 
     def setWeightCol(self, value: str):
         """Set the column of sample weights."""
@@ -267,18 +140,38 @@ class _AllReduceEstimator(_AllReduceParams):
         name = self.getOptimizer().lower()
         if name not in OPTIMIZERS:
             raise ConfigurationError(f"optimizer={self.getOptimizer()!r} is not one of {', '.join(OPTIMIZERS)}")
-        settings = {argument: self.getOrDefault(param) for param, argument in _SETTINGS.items()}
-        for param, argument in _OPTIONAL_SETTINGS.items():
-            value = self.getOrDefault(param)
-            if value not in (0, "", None) and not (param == "syncEvery" and value == 1):
-                settings[argument] = value
+        specs = list(estimator_params())
         try:
-            return DistriOptimizer(network, OPTIMIZERS[name](lr=self.getStepSize()), **settings)
+            settings = FitSettings.of({spec.setting: self.getOrDefault(spec.name) for spec in specs})
+            return DistriOptimizer(network, OPTIMIZERS[name](lr=self.getStepSize()), settings)
         except ConfigurationError as error:
             message = str(error)
-            for param, argument in {**_SETTINGS, **_OPTIONAL_SETTINGS, "stepSize": "lr"}.items():
-                message = re.sub(rf"\b{argument}(?==| must)", param, message)
+            for param, setting in [(spec.name, spec.setting) for spec in specs] + [("stepSize", "lr")]:
+                message = re.sub(rf"\b{setting}(?==| must)", param, message)
             raise ConfigurationError(f"{type(self).__name__}: {message}") from error
+
+
+def _add_setting_params() -> None:
+    """One Param per fit setting the Estimators have (``settings.estimator_params``), with
+    its getter on the Params both share and its setter on the Estimators, as MLlib names them."""
+    for spec in estimator_params():
+        converter = getattr(TypeConverters, f"to{spec.kind}") if spec.kind != "identity" else TypeConverters.identity
+        setattr(_AllReduceParams, spec.name, Param(Params._dummy(), spec.name, spec.doc, typeConverter=converter))
+        title = spec.name[0].upper() + spec.name[1:]
+
+        def getter(self, _name=spec.name):
+            return self.getOrDefault(_name)
+
+        def setter(self, value, _name=spec.name):
+            return self._set(**{_name: value})
+
+        getter.__doc__, setter.__doc__ = f"The value of {spec.name}: {spec.doc}.", f"Set {spec.name}: {spec.doc}."
+        getter.__name__, setter.__name__ = f"get{title}", f"set{title}"
+        setattr(_AllReduceParams, f"get{title}", getter)
+        setattr(_AllReduceEstimator, f"set{title}", setter)
+
+
+_add_setting_params()
 
 
 class AllReduceClassifier(_AllReduceEstimator, ProbabilisticClassifier, DefaultParamsReadable, DefaultParamsWritable):
@@ -287,27 +180,11 @@ class AllReduceClassifier(_AllReduceEstimator, ProbabilisticClassifier, DefaultP
 
     The Model adds ``predictionCol``, ``rawPredictionCol`` (the class scores) and
     ``probabilityCol`` (their softmax); ``thresholds`` work as MLlib's classifiers' do.
+    Params by name: ``AllReduceClassifier(hiddenLayers=[64], maxEpochs=20)``;
+    ``explainParams()`` lists them all, the fit's settings (``FitSettings``) among them.
     """
 
     _task = "classification"
-
-    @keyword_only
-    def __init__(self, *, featuresCol: str = "features", labelCol: str = "label",
-                 predictionCol: str = "prediction", probabilityCol: str = "probability",
-                 rawPredictionCol: str = "rawPrediction", weightCol: str | None = None,
-                 validationIndicatorCol: str | None = None, hiddenLayers: list[int] | None = None,
-                 optimizer: str = "adam", stepSize: float = 0.001, batchSize: int = 256, maxEpochs: int = 10,
-                 codec: str = "lz4", numWorkers: int = 0, seed: int = 0, strategy: str = "bsp",
-                 staleness: int = 0, backupWorkers: int = 0, syncEvery: int | str = 1,
-                 partitionScheme: str = "as_is", checkpointDir: str = "", checkpointEvery: int | str = "",
-                 showProgress: bool = True, thresholds: list[float] | None = None) -> None:
-        super().__init__()
-        self._set(**{key: value for key, value in self._input_kwargs.items() if value is not None})
-
-    @keyword_only
-    def setParams(self, **kwargs: Any) -> AllReduceClassifier:
-        """Set any of the constructor's Params."""
-        return self._set(**{key: value for key, value in self._input_kwargs.items() if value is not None})
 
     @property
     def _model_class(self):
@@ -319,23 +196,6 @@ class AllReduceRegressor(_AllReduceEstimator, Predictor, DefaultParamsReadable, 
     ``predictionCol``."""
 
     _task = "regression"
-
-    @keyword_only
-    def __init__(self, *, featuresCol: str = "features", labelCol: str = "label",
-                 predictionCol: str = "prediction", weightCol: str | None = None,
-                 validationIndicatorCol: str | None = None, hiddenLayers: list[int] | None = None,
-                 optimizer: str = "adam", stepSize: float = 0.001, batchSize: int = 256, maxEpochs: int = 10,
-                 codec: str = "lz4", numWorkers: int = 0, seed: int = 0, strategy: str = "bsp",
-                 staleness: int = 0, backupWorkers: int = 0, syncEvery: int | str = 1,
-                 partitionScheme: str = "as_is", checkpointDir: str = "", checkpointEvery: int | str = "",
-                 showProgress: bool = True) -> None:
-        super().__init__()
-        self._set(**{key: value for key, value in self._input_kwargs.items() if value is not None})
-
-    @keyword_only
-    def setParams(self, **kwargs: Any) -> AllReduceRegressor:
-        """Set any of the constructor's Params."""
-        return self._set(**{key: value for key, value in self._input_kwargs.items() if value is not None})
 
     @property
     def _model_class(self):

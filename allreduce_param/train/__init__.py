@@ -2,6 +2,7 @@
 
 from .distri import DistriOptimizer
 from .result import History, TrainedModel
+from .settings import FitSettings
 from ..errors import TrainingError
 
-__all__ = ["DistriOptimizer", "History", "TrainedModel", "TrainingError"]
+__all__ = ["DistriOptimizer", "FitSettings", "History", "TrainedModel", "TrainingError"]

@@ -12,7 +12,7 @@ import json
 import re
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -26,12 +26,13 @@ from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
 from .arrow import record_batch
 from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
-from .partitioning import check_scheme, place_pairs, place_rows_once, refused_in_place, rows_in_place
+from .partitioning import place_pairs, place_rows_once, refused_in_place, rows_in_place
 from .progress import ProgressBar, ProgressMerger
 from .slots import check_no_dynamic_allocation, task_slots
+from .settings import FitSettings
 from .spark_info import SparkInfo
 from .result import STEP_FIELDS, UPDATE_FIELDS, History, TrainedModel, fit_phases, merge_epoch, merge_step
-from .worker import TrainingJob, buffers_from_payload, train_partition, workload_shares
+from .worker import TrainingJob, buffers_from_payload, train_partition
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -42,6 +43,10 @@ _OUTPUT_SCHEMA = "kind string, payload binary"
 
 class DistriOptimizer:
     """Data-parallel training of ``model`` with ``optimizer``, synchronised by allreduce.
+
+    Its settings, by name (``DistriOptimizer(model, optimizer, batch_size=64)``) or as a
+    ``FitSettings``, are listed with their defaults and meanings in ``FitSettings``, which the
+    job files and the pyspark.ml Estimators share; the main ones are described here.
 
     ``model``: a built-in one, a ``TorchModel``, or any object that follows the protocol in
     ``allreduce_param.models.base.Model`` (``task`` is optional there: without it the fit
@@ -91,33 +96,10 @@ class DistriOptimizer:
     ``verbose=True`` prints where the fit's time went (``History.phases``) when it ends.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        optimizer: Any,
-        batch_size: int = 256,
-        epochs: int = 10,
-        codec: str = "lz4",
-        gradient_codec: str | None = None,
-        num_workers: int | None = None,
-        threads: int | Sequence[float] | None = None,
-        seed: int = 0,
-        timeout: float = 300.0,
-        progress: bool = True,
-        log_path: str | None = None,
-        listener: Callable[[str, dict], None] | None = None,
-        strategy: str = "bsp",
-        staleness: int | None = None,
-        backup_workers: int = 0,
-        sync_every: int | str = 1,
-        model_averaging: bool | None = None,
-        partition_scheme: str = "as_is",
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int | str | None = None,
-        checkpoint_keep: int = 2,
-        verbose: bool = False,
-        overlap: bool | str = "auto",
-    ) -> None:
+    def __init__(self, model: Any, optimizer: Any, settings: FitSettings | None = None, **changes: Any) -> None:
+        """``settings`` (a ``FitSettings``), with ``changes`` to it by name, e.g.
+        ``DistriOptimizer(model, optimizer, batch_size=64, epochs=40)``; every setting, its
+        default and what it means is in ``FitSettings``. A bad one fails here."""
         for name in ("init", "loss_and_grad", "predict"):
             if not callable(getattr(model, name, None)):
                 raise ConfigurationError(
@@ -126,51 +108,22 @@ class DistriOptimizer:
                 )
         model_task(model)  # optional; a task other than classification or regression fails here
         has_buffers(model)  # so does a model with buffers() but no set_buffers(), or the reverse
-        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("num_workers", num_workers)):
-            if not (value is None and name == "num_workers") and (not isinstance(value, int) or value < 1):
-                raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
-        # an unknown or misplaced codec fails here, naming the codecs there are
-        self.codec, self.gradient_codec = codec_names(codec, gradient_codec)
-        workload_shares(threads)  # so does a bad threads setting, before any task starts
-        self.strategy = Strategy(strategy, staleness, backup_workers)
-        if sync_every != "epoch" and (isinstance(sync_every, bool) or not isinstance(sync_every, int)
-                                      or sync_every < 1):
-            raise ConfigurationError(f"sync_every must be a positive whole number of steps or 'epoch', "
-                                     f"got {sync_every!r}")
-        if sync_every != 1 and not self.strategy.inline_owner:
-            raise ConfigurationError(
-                f"sync_every={sync_every!r} (local SGD) goes with strategy='bsp' and no backup workers, "
-                f"not with strategy={strategy!r}{f', backup_workers={backup_workers}' if backup_workers else ''}"
-            )
-        if model_averaging is not None and sync_every == 1:
-            raise ConfigurationError("model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
-                                     "sync_every=1 every step averages the gradients")
-        self.partition_scheme = check_scheme(partition_scheme)
-        if checkpoint_dir is None and checkpoint_every is not None:
-            raise ConfigurationError(f"checkpoint_every={checkpoint_every!r} goes with checkpoint_dir, the "
-                                     "storage to write the checkpoints to")
-        if checkpoint_dir is not None:  # the settings are checked now, before any data moves
-            CheckpointSettings.for_new_fit(str(checkpoint_dir), checkpoint_every, checkpoint_keep)
-        self.checkpoint_dir = None if checkpoint_dir is None else str(checkpoint_dir)
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_keep = checkpoint_keep
-        self.sync_every = sync_every
-        self.model_averaging = True if model_averaging is None else bool(model_averaging)
-        self.model = model
-        self.optimizer = optimizer
-        self.batch_size = batch_size
-        self.epochs = epochs
-        self.num_workers = num_workers
-        self.threads = threads
-        self.seed = seed
-        self.timeout = timeout
-        self.progress = progress
-        self.log_path = log_path
-        self.listener = listener
-        self.verbose = verbose
-        if overlap not in (True, False, "auto"):
-            raise ConfigurationError(f"overlap must be True, False or 'auto', got {overlap!r}")
-        self.overlap = overlap
+        if settings is not None and not isinstance(settings, FitSettings):
+            raise ConfigurationError(f"settings must be a FitSettings, got {type(settings).__name__}: pass "
+                                     "single settings by name, e.g. DistriOptimizer(model, optimizer, epochs=5)")
+        self.settings = (settings or FitSettings()).replace(**changes) if changes else (settings or FitSettings())
+        s = self.settings
+        self.model, self.optimizer = model, optimizer
+        self.codec, self.gradient_codec = codec_names(s.codec, s.gradient_codec)
+        self.strategy = Strategy(s.strategy, s.staleness, s.backup_workers)
+        self.partition_scheme = s.partition_scheme
+        self.checkpoint_dir = None if s.checkpoint_dir is None else str(s.checkpoint_dir)
+        self.checkpoint_every, self.checkpoint_keep = s.checkpoint_every, s.checkpoint_keep
+        self.sync_every = s.sync_every
+        self.model_averaging = True if s.model_averaging is None else bool(s.model_averaging)
+        self.batch_size, self.epochs, self.num_workers, self.threads = s.batch_size, s.epochs, s.num_workers, s.threads
+        self.seed, self.timeout, self.verbose, self.overlap = s.seed, s.timeout, s.verbose, s.overlap
+        self.progress, self.log_path, self.listener = s.progress, s.log_path, s.listener
 
     def fit(self, data: DataFrame | RDD, features_col: str = "features", label_col: str = "label",
             validation: DataFrame | None = None, resume_from: str | None = None) -> TrainedModel:

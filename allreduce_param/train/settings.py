@@ -1,0 +1,140 @@
+"""FitSettings: every setting of a fit, its default, its check and what it means, in one place.
+
+``DistriOptimizer`` takes them as keyword arguments (or a ``FitSettings``), a job file as
+its ``[train]`` section, and the pyspark.ml Estimators as Params of the same meaning
+(camelCase names: ``batch_size`` is ``batchSize``, ``epochs`` is ``maxEpochs``). A new
+setting is a new field here: the Estimators grow the Param, its getter and setter, and
+the job files the key, from this class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from ..codec import codec_names
+from ..errors import ConfigurationError
+from ..strategy import Strategy
+from .checkpoint import CheckpointSettings
+from .partitioning import check_scheme
+from .worker import workload_shares
+
+
+def _setting(default: Any, doc: str, *, param: str | None = None, kind: str = "identity",
+             estimator: bool = True) -> Any:
+    """A field of FitSettings. ``param``: the Estimators' Param name, when it is not the field's
+    name in camelCase; ``kind``: the Param's type (pyspark's ``TypeConverters.to...``, or
+    ``identity`` where a value may be of two kinds); ``estimator``: whether the Estimators
+    have it (not for what only Python code can give, such as a callable)."""
+    return field(default=default, metadata={"doc": doc, "param": param, "kind": kind, "estimator": estimator})
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """The settings of a fit; every one has a default. Checked when made, so a bad one fails
+    before any data moves, with a message that names it."""
+
+    batch_size: int = _setting(256, "the global batch of a step, split over the workers by their share of the rows",
+                               kind="Int")
+    epochs: int = _setting(10, "passes over the training rows", param="maxEpochs", kind="Int")
+    codec: str = _setting("lz4", "how blocks travel between the workers: lz4, raw, bf16, fp16, int8, ...",
+                          kind="String")
+    gradient_codec: str | None = _setting(None, "another codec for the gradients alone, e.g. topk (None: codec)",
+                                          kind="String")
+    num_workers: int | None = _setting(None, "partitions that train (None: one per partition of the data, up "
+                                             "to Spark's task slots)", kind="Int")
+    threads: int | Sequence[float] | None = _setting(
+        None, "split each partition's batch over threads: a count, or relative workloads", estimator=False)
+    seed: int = _setting(0, "the seed of the initial weights and the shuffles: the same seed, the same fit",
+                         kind="Int")
+    timeout: float = _setting(300.0, "seconds a worker waits for a peer before the fit fails", kind="Float")
+    progress: bool = _setting(True, "show the fit's live progress bar", param="showProgress", kind="Boolean")
+    log_path: str | None = _setting(None, "a file to append each step and epoch to, as JSON lines", kind="String")
+    listener: Callable[[str, dict], None] | None = _setting(
+        None, "a callable(kind, fields) given the start, every step and every epoch", estimator=False)
+    strategy: str = _setting("bsp", "how the workers synchronise: bsp, ssp or asp", kind="String")
+    staleness: int | None = _setting(None, "ssp: how many steps a worker may run ahead of the slowest",
+                                     kind="Int")
+    backup_workers: int = _setting(0, "bsp: a step goes on without the slowest b workers' gradients", kind="Int")
+    sync_every: int | str = _setting(1, "local SGD: train k steps between syncs, or 'epoch' (1: sync every step)")
+    model_averaging: bool | None = _setting(None, "local SGD: average the models (True) or sum their updates",
+                                            kind="Boolean")
+    partition_scheme: str = _setting("as_is", "which rows each worker trains on: as_is, contiguous, round_robin, "
+                                              "random, overlap_reshuffle", kind="String")
+    checkpoint_dir: str | None = _setting(None, "where the fit writes checkpoints (storage every executor sees)",
+                                          kind="String")
+    checkpoint_every: int | str | None = _setting(None, "checkpoint every k steps or 'epoch' (None: each epoch)")
+    checkpoint_keep: int = _setting(2, "how many of the newest checkpoints to keep", kind="Int")
+    verbose: bool = _setting(False, "print where the fit's time went when it ends", kind="Boolean")
+    overlap: bool | str = _setting("auto", "send each chunk of a gradient while backward computes the rest: "
+                                           "True, False or 'auto'")
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "epochs", "num_workers"):
+            value = getattr(self, name)
+            if not (value is None and name == "num_workers") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
+        codec_names(self.codec, self.gradient_codec)  # an unknown or misplaced codec, naming the codecs there are
+        workload_shares(self.threads)
+        strategy = Strategy(self.strategy, self.staleness, self.backup_workers)
+        every = self.sync_every
+        if every != "epoch" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ConfigurationError(f"sync_every must be a positive whole number of steps or 'epoch', got {every!r}")
+        if every != 1 and not strategy.inline_owner:
+            backup = f", backup_workers={self.backup_workers}" if self.backup_workers else ""
+            raise ConfigurationError(f"sync_every={every!r} (local SGD) goes with strategy='bsp' and no backup "
+                                     f"workers, not with strategy={self.strategy!r}{backup}")
+        if self.model_averaging is not None and every == 1:
+            raise ConfigurationError("model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
+                                     "sync_every=1 every step averages the gradients")
+        check_scheme(self.partition_scheme)
+        if self.checkpoint_dir is None and self.checkpoint_every is not None:
+            raise ConfigurationError(f"checkpoint_every={self.checkpoint_every!r} goes with checkpoint_dir, the "
+                                     "storage to write the checkpoints to")
+        if self.checkpoint_dir is not None:
+            CheckpointSettings.for_new_fit(str(self.checkpoint_dir), self.checkpoint_every, self.checkpoint_keep)
+        if self.overlap not in (True, False, "auto"):
+            raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any], where: str = "DistriOptimizer") -> FitSettings:
+        """FitSettings from a mapping of field names (a job file's section, keyword arguments);
+        a name that is no setting fails, naming ``where`` and the settings there are."""
+        names = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise ConfigurationError(f"{where}: {', '.join(map(repr, unknown))} "
+                                     f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; "
+                                     f"the settings are {', '.join(sorted(names))}")
+        return cls(**settings)
+
+    def replace(self, **changes: Any) -> FitSettings:
+        """A copy with ``changes``, checked as a new one is."""
+        return FitSettings.of({**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting by its field name."""
+        return {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A setting as the Estimators' Param: its name, meaning, type, default and field."""
+
+    name: str
+    doc: str
+    kind: str
+    default: Any
+    setting: str
+
+
+def estimator_params() -> Iterator[ParamSpec]:
+    """The settings the Estimators have as Params, in FitSettings' order."""
+    for item in dataclasses.fields(FitSettings):
+        meta = item.metadata
+        if meta["estimator"]:
+            head, *rest = item.name.split("_")
+            name = meta["param"] or head + "".join(word.capitalize() for word in rest)
+            yield ParamSpec(name, meta["doc"], meta["kind"], item.default, item.name)

@@ -1,0 +1,76 @@
+"""FitSettings: the one list of a fit's settings that DistriOptimizer, the job files and the
+Estimators share, each checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from allreduce_param import ConfigurationError, DistriOptimizer, FitSettings, models, optim
+from allreduce_param.ml import AllReduceClassifier, AllReduceRegressor
+from allreduce_param.train.settings import estimator_params
+
+
+def test_defaults_and_changes_by_name():
+    settings = FitSettings()
+    assert (settings.batch_size, settings.epochs, settings.codec, settings.strategy) == (256, 10, "lz4", "bsp")
+    changed = settings.replace(batch_size=64, strategy="ssp", staleness=2)
+    assert (changed.batch_size, changed.strategy, changed.staleness) == (64, "ssp", 2)
+    assert settings.batch_size == 256  # frozen: a change is a new object
+    assert FitSettings.of(changed.as_dict()) == changed
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"epochs": 0}, "epochs must be a positive whole number, got 0"),
+    ({"batch_size": True}, "batch_size must be a positive whole number, got True"),
+    ({"codec": "zip"}, "zip"),
+    ({"sync_every": 4, "strategy": "asp"}, "sync_every=4 \\(local SGD\\) goes with strategy='bsp'"),
+    ({"checkpoint_every": 5}, "checkpoint_every=5 goes with checkpoint_dir"),
+    ({"overlap": "sometimes"}, "overlap must be True, False or 'auto'"),
+    ({"partition_scheme": "hashed"}, "partition_scheme='hashed' is not a data-partition scheme"),
+])
+def test_a_bad_setting_fails_when_made_naming_it(changes, message):
+    with pytest.raises(ConfigurationError, match=message):
+        FitSettings().replace(**changes)
+
+
+def test_an_unknown_name_is_refused_with_the_names_there_are():
+    with pytest.raises(ConfigurationError, match="\\[train\\]: 'epoch' is not a setting; the settings are .*epochs"):
+        FitSettings.of({"epoch": 3}, where="[train]")
+    with pytest.raises(ConfigurationError, match="DistriOptimizer: 'bogus', 'lr' are not settings"):
+        DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), bogus=1, lr=0.1)
+
+
+def test_distri_optimizer_takes_a_settings_object_with_changes_by_name():
+    settings = FitSettings(batch_size=32, epochs=3)
+    trainer = DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), settings, epochs=5, codec="raw")
+    assert (trainer.batch_size, trainer.epochs, trainer.codec) == (32, 5, "raw")
+    assert trainer.settings == settings.replace(epochs=5, codec="raw")
+    with pytest.raises(ConfigurationError, match="settings must be a FitSettings, got dict"):
+        DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), {"epochs": 5})
+
+
+def test_every_setting_the_estimators_have_is_a_param_with_its_default_getter_and_setter():
+    specs = list(estimator_params())
+    fields = {item.name: item for item in dataclasses.fields(FitSettings)}
+    assert {spec.setting for spec in specs} == {name for name, item in fields.items() if item.metadata["estimator"]}
+    for estimator in (AllReduceClassifier(), AllReduceRegressor()):
+        for spec in specs:
+            title = spec.name[0].upper() + spec.name[1:]
+            assert estimator.hasParam(spec.name), spec.name
+            assert getattr(estimator, f"get{title}")() == fields[spec.setting].default
+            assert getattr(estimator, f"set{title}") is not None
+    assert {"maxEpochs", "showProgress", "batchSize", "checkpointKeep", "gradientCodec"} <= {s.name for s in specs}
+
+
+def test_the_estimators_params_reach_the_distri_optimizer():
+    classifier = AllReduceClassifier(maxEpochs=3, codec="raw", timeout=60.0, verbose=True, numWorkers=2,
+                                     stepSize=0.05, optimizer="sgd")
+    trainer = classifier._trainer(models.SoftmaxRegression(4, 3))
+    assert trainer.settings == FitSettings(epochs=3, codec="raw", timeout=60.0, verbose=True, num_workers=2)
+    assert trainer.optimizer == optim.SGD(lr=0.05)
+    with pytest.raises(ConfigurationError, match="AllReduceClassifier has no Param 'epochs'; its Params are"):
+        AllReduceClassifier(epochs=3)
+    with pytest.raises(ConfigurationError, match="AllReduceClassifier: maxEpochs must be a positive whole number"):
+        AllReduceClassifier(maxEpochs=0)._trainer(models.SoftmaxRegression(4, 3))
