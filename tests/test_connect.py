@@ -211,3 +211,17 @@ def test_the_estimators_model_saves_and_loads_under_connect(remote, tmp_path):
     loaded = AllReduceClassificationModel.load(str(tmp_path / "model"))
     np.testing.assert_array_equal(loaded.weights, fitted.weights)
     assert loaded.transform(df).select("prediction").toArrow() == fitted.transform(df).select("prediction").toArrow()
+
+
+def test_the_default_parallelism_of_a_master_it_cannot_read_is_counted_once(remote, monkeypatch):
+    from allreduce_param.train import spark_info
+    from allreduce_param.train.spark_info import SparkInfo
+
+    info = SparkInfo(remote)
+    real_setting = SparkInfo.setting
+    monkeypatch.setattr(SparkInfo, "setting", lambda self, key, default: "spark://elsewhere:7077"
+                        if key == "spark.master" else real_setting(self, key, default))
+    monkeypatch.setattr(spark_info, "_PARALLELISM", {})
+    assert info.default_parallelism() == 2  # the partitions of spark.range() on the local[2] server
+    monkeypatch.setattr(type(remote), "range", lambda *args, **kwargs: pytest.fail("counted again"))
+    assert info.default_parallelism() == 2

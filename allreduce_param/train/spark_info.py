@@ -24,6 +24,10 @@ from .arrow import record_batch
 CLOSURE_LIMIT = 64 << 20
 
 
+#: Under Connect, the default parallelism that a job counted, by application and session.
+_PARALLELISM: dict[str, int] = {}
+
+
 def is_connect(session: Any) -> bool:
     """Whether ``session`` is a Spark Connect client session (``pyspark.sql.connect``)."""
     return type(session).__module__.startswith("pyspark.sql.connect")
@@ -76,10 +80,14 @@ class SparkInfo:
             return int(found.group(1))
         if master == "local":
             return 1
-        # local[*] or a cluster: the partitions spark.range() gets, which are defaultParallelism's
-        from pyspark.sql import functions as F
+        # local[*] or a cluster: the partitions spark.range() gets, which are defaultParallelism's;
+        # one small job per server session (a cluster's executors are fixed: no dynamic allocation)
+        key = self.application_id
+        if key not in _PARALLELISM:
+            from pyspark.sql import functions as F
 
-        return self.session.range(0, 1 << 16).select(F.spark_partition_id()).distinct().count()
+            _PARALLELISM[key] = self.session.range(0, 1 << 16).select(F.spark_partition_id()).distinct().count()
+        return _PARALLELISM[key]
 
     def broadcast(self, value: Any) -> Any:
         """``value`` for the executors, read there as ``.value``: a Spark broadcast
