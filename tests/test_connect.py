@@ -225,3 +225,28 @@ def test_the_default_parallelism_of_a_master_it_cannot_read_is_counted_once(remo
     assert info.default_parallelism() == 2  # the partitions of spark.range() on the local[2] server
     monkeypatch.setattr(type(remote), "range", lambda *args, **kwargs: pytest.fail("counted again"))
     assert info.default_parallelism() == 2
+
+
+def test_a_pipeline_under_cross_validation_runs_on_connect(remote, tmp_path):
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    from allreduce_param.ml import AllReduceClassifier
+
+    df, X = blobs(remote, rows=200)
+    labels = df.select("label").toArrow().column("label")
+    columns = remote.createDataFrame(pa.table({**{f"x{i}": pa.array(X[:, i].astype(np.float64)) for i in range(8)},
+                                               "label": labels}))
+    classifier = AllReduceClassifier(batchSize=20, maxEpochs=2, showProgress=False)
+    pipeline = Pipeline(stages=[VectorAssembler(inputCols=[f"x{i}" for i in range(8)], outputCol="features"),
+                                classifier])
+    grid = ParamGridBuilder().addGrid(classifier.stepSize, [1e-5, 0.05]).build()
+    fitted = CrossValidator(estimator=pipeline, estimatorParamMaps=grid, numFolds=2, seed=0,
+                            evaluator=MulticlassClassificationEvaluator(metricName="accuracy")).fit(columns)
+    assert fitted.avgMetrics[1] > fitted.avgMetrics[0]
+    fitted.bestModel.write().overwrite().save(str(tmp_path / "pipeline"))
+    again = PipelineModel.load(str(tmp_path / "pipeline"))
+    assert again.transform(columns).select("prediction").toArrow() == \
+        fitted.bestModel.transform(columns).select("prediction").toArrow()
