@@ -508,3 +508,50 @@ def test_torch_model_without_torch_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # as on a machine without PyTorch
     with pytest.raises(ConfigurationError, match=r"TorchModel needs PyTorch: pip install 'allreduce-param\[torch\]'"):
         TorchModel(lambda: None)
+
+
+WEIGHTED_MODELS = [
+    lambda: LinearRegression(4),
+    lambda: LogisticRegression(4),
+    lambda: SoftmaxRegression(4, 3),
+    lambda: MLP([4, 6, 3]),
+    lambda: MLP([4, 6, 2], task="regression"),
+]
+
+
+@pytest.mark.parametrize("make", WEIGHTED_MODELS)
+def test_whole_sample_weights_count_a_row_as_often_as_repeating_it(make):
+    model = make()
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal((9, 4)).astype(np.float32)
+    outputs = model.predict_raw(model.init(np.random.default_rng(0)), X).shape[1]
+    if model.task == "classification":
+        y = rng.integers(0, model.num_classes, 9).astype(np.float64)
+    else:
+        y = rng.standard_normal((9, outputs)).astype(np.float32) if outputs > 1 else rng.standard_normal(9)
+    weights = model.init(np.random.default_rng(1))
+    counts = np.array([0, 1, 2, 3, 1, 0, 4, 1, 2])
+    loss, grad, count = model.loss_and_grad(weights, X, y, sample_weight=counts)
+    repeated = np.repeat(np.arange(9), counts)
+    loss_r, grad_r, count_r = model.loss_and_grad(weights, X[repeated], y[repeated])
+    assert count == count_r == counts.sum()
+    assert loss == pytest.approx(loss_r, rel=1e-6)
+    np.testing.assert_allclose(grad, grad_r, rtol=1e-5, atol=1e-6)
+    # the same through the evaluation call, and a weight of one changes nothing
+    loss_p, _, count_p = model.loss_and_predictions(weights, X, y, sample_weight=counts)
+    assert (loss_p, count_p) == (pytest.approx(loss, rel=1e-6), count)
+    plain = model.loss_and_grad(weights, X, y)
+    ones = model.loss_and_grad(weights, X, y, sample_weight=np.ones(9))
+    assert ones[0] == pytest.approx(plain[0], rel=1e-9) and ones[2] == plain[2]
+    np.testing.assert_allclose(ones[1], plain[1], rtol=1e-6)
+
+
+def test_bad_sample_weights_are_refused_naming_what_is_wrong():
+    model = SoftmaxRegression(2, 2)
+    weights = model.init(np.random.default_rng(0))
+    X, y = np.zeros((3, 2), np.float32), np.array([0.0, 1.0, 0.0])
+    with pytest.raises(InputError, match="sample_weight has shape \\(2,\\); it needs one weight per row of X, shape \\(3,\\)"):
+        model.loss_and_grad(weights, X, y, sample_weight=[1.0, 2.0])
+    for bad in ([1.0, -1.0, 1.0], [1.0, np.nan, 1.0], [np.inf, 1.0, 1.0]):
+        with pytest.raises(InputError, match="negative, NaN or infinite weight"):
+            model.loss_and_grad(weights, X, y, sample_weight=bad)

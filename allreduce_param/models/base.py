@@ -57,6 +57,10 @@ class Model(Protocol):
       built-in models: ``w1``, ``b1``, ...; ``TorchModel``: its state_dict's parameter
       names). ``TrainedModel.export_npz`` writes them; without it, the vector as
       ``"weights"``.
+    - ``sample_weight=`` on ``loss_and_grad``, ``loss_and_grad_into`` and
+      ``loss_and_predictions``: one weight >= 0 per row; each row's loss and gradient count
+      its weight times, and ``count`` is the weights' sum. The built-in dense models take
+      it; the fit does not pass weights yet (the Estimators' ``weightCol`` is refused).
     - ``predict_raw(weights, X) -> np.ndarray``: the outputs before the head, (rows,
       outputs): a classifier's class scores (logits). The built-in dense models have it;
       ``allreduce_param.ml``'s classifier reads its ``rawPrediction`` and ``probability``

@@ -141,25 +141,30 @@ class DenseNetwork:
         return flat
 
     def loss_and_grad(
-        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
-    ) -> tuple[float, np.ndarray, int]:
-        """``(loss_sum, grad_sum, count)`` over the rows of ``X``; see ``Model``."""
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None
+    ) -> tuple[float, np.ndarray, float]:
+        """``(loss_sum, grad_sum, count)`` over the rows of ``X``; see ``Model``. With
+        ``sample_weight`` (one weight >= 0 per row), each row's loss and gradient count its
+        weight times, and ``count`` is the weights' sum."""
         grad = np.empty(self.size, dtype=np.float32)
-        loss, rows = self.loss_and_grad_into(weights, X, y, grad)
-        return loss, grad, rows
+        # a subclass's loss_and_grad_into without sample_weight still serves unweighted calls
+        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
+        loss, count = self.loss_and_grad_into(weights, X, y, grad, **weighted)
+        return loss, grad, count
 
     def loss_and_grad_into(
         self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray,
-        ready: Callable[[int, int], None] | None = None,
-    ) -> tuple[float, int]:
+        ready: Callable[[int, int], None] | None = None, sample_weight: np.ndarray | None = None,
+    ) -> tuple[float, float]:
         """``(loss_sum, count)``, the gradient sum written into ``out``; ``ready(start, stop)``
         is called as each layer's gradient (its weights and bias, which lie side by side)
         is final, last layer first, so that it can be sent while the layers below are
-        computed. See ``Model``."""
+        computed. ``sample_weight`` as in ``loss_and_grad``. See ``Model``."""
         weights = self._check_weights(weights)
         X = self._check_features(X)
         writable_output(out, self.size, f"{self!r}: loss_and_grad_into(out=)")
         rows = X.shape[0]
+        sample_weight = self._check_sample_weight(sample_weight, rows)
         if rows == 0:  # an empty partition: any empty label array will do
             if np.size(y) != 0:
                 raise InputError(f"{self!r}: X has 0 rows but there are {np.size(y)} labels")
@@ -168,23 +173,25 @@ class DenseNetwork:
         targets = self._head.targets(y, rows, self._layers[-1])
         params = self.layout.views(weights)
         outputs = self._forward(params, X)
-        loss = self._head.loss_and_delta(outputs[-1], targets)
+        loss = self._head.loss_and_delta(outputs[-1], targets, sample_weight)
         self._backward(params, outputs, out, ready)
-        return loss, rows
+        return loss, (rows if sample_weight is None else float(sample_weight.sum()))
 
     def loss_and_predictions(
-        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
-    ) -> tuple[float, np.ndarray, int]:
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None
+    ) -> tuple[float, np.ndarray, float]:
         """``(loss_sum, predictions, count)``: the loss ``loss_and_grad`` gives and what
         ``predict`` gives, from one forward pass and no backward one (for evaluation)."""
         weights = self._check_weights(weights)
         X = self._check_features(X)
+        sample_weight = self._check_sample_weight(sample_weight, X.shape[0])
         if X.shape[0] == 0:
             return 0.0, self.predict(weights, X), 0
         targets = self._head.targets(y, X.shape[0], self._layers[-1])
         z = self._forward(self.layout.views(weights), X)[-1]
         predictions = np.array(self._head.predict(z))  # a copy: the loss overwrites z
-        return self._head.loss_and_delta(z, targets), predictions, X.shape[0]
+        count = X.shape[0] if sample_weight is None else float(sample_weight.sum())
+        return self._head.loss_and_delta(z, targets, sample_weight), predictions, count
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class ids (int64) for classification, float32 values for regression."""
@@ -249,6 +256,19 @@ class DenseNetwork:
                 f"got shape {weights.shape}"
             )
         return weights
+
+    def _check_sample_weight(self, sample_weight, rows: int) -> np.ndarray | None:
+        """``sample_weight`` as float64, one finite weight >= 0 per row; None stays None."""
+        if sample_weight is None:
+            return None
+        weight = np.asarray(sample_weight, dtype=np.float64)
+        if weight.shape != (rows,):
+            raise InputError(f"{self!r}: sample_weight has shape {weight.shape}; it needs one weight per row of "
+                             f"X, shape ({rows},)")
+        if not (np.isfinite(weight).all() and (weight >= 0).all()):
+            raise InputError(f"{self!r}: sample_weight holds a negative, NaN or infinite weight; each must be a "
+                             "finite number >= 0")
+        return weight
 
     def _check_features(self, X) -> np.ndarray:
         X = np.asarray(X, dtype=np.float32)

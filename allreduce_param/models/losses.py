@@ -66,10 +66,15 @@ class SquaredError:
             raise InputError(f"targets: expected shape {expected} to match the rows of X, got {y.shape}")
         return y
 
-    def loss_and_delta(self, z: np.ndarray, targets: np.ndarray) -> float:
-        """The summed loss; ``z`` becomes the residual ``z - y`` (its gradient)."""
+    def loss_and_delta(self, z: np.ndarray, targets: np.ndarray, sample_weight: np.ndarray | None = None) -> float:
+        """The summed loss; ``z`` becomes the residual ``z - y`` (its gradient). With
+        ``sample_weight``, each row's loss and gradient times its weight."""
         np.subtract(z, targets, out=z)
-        return 0.5 * float(np.square(z).sum(dtype=np.float64))
+        if sample_weight is None:
+            return 0.5 * float(np.square(z).sum(dtype=np.float64))
+        loss = 0.5 * float(np.square(z).sum(axis=1, dtype=np.float64) @ sample_weight)
+        z *= sample_weight[:, None]
+        return loss
 
     def predict(self, z: np.ndarray) -> np.ndarray:
         """float32 values: a vector for one output, else (rows, outputs)."""
@@ -103,15 +108,19 @@ class SigmoidCrossEntropy:
         signs[ids == 1] = -1.0
         return signs
 
-    def loss_and_delta(self, z: np.ndarray, signs: np.ndarray) -> float:
-        """The summed log loss; ``z`` becomes ``sigmoid(z) - y``."""
+    def loss_and_delta(self, z: np.ndarray, signs: np.ndarray, sample_weight: np.ndarray | None = None) -> float:
+        """The summed log loss; ``z`` becomes ``sigmoid(z) - y``. With ``sample_weight``,
+        each row's loss and gradient times its weight."""
         logits = z[:, 0]
         t = logits * signs
         softplus = np.logaddexp(np.float32(0.0), t)
-        loss = float(softplus.sum(dtype=np.float64))
+        loss = float(softplus.sum(dtype=np.float64) if sample_weight is None
+                     else softplus.astype(np.float64) @ sample_weight)
         np.subtract(t, softplus, out=t)
         np.exp(t, out=t)
         np.multiply(t, signs, out=logits)
+        if sample_weight is not None:
+            logits *= sample_weight
         return loss
 
     def predict(self, z: np.ndarray) -> np.ndarray:
@@ -143,16 +152,22 @@ class SoftmaxCrossEntropy:
         """Class ids in ``0..n_outputs-1``."""
         return class_ids(y, rows, n_outputs)
 
-    def loss_and_delta(self, z: np.ndarray, ids: np.ndarray) -> float:
-        """The summed cross-entropy; ``z`` becomes ``softmax(z) - onehot(y)``."""
+    def loss_and_delta(self, z: np.ndarray, ids: np.ndarray, sample_weight: np.ndarray | None = None) -> float:
+        """The summed cross-entropy; ``z`` becomes ``softmax(z) - onehot(y)``. With
+        ``sample_weight``, each row's loss and gradient times its weight."""
         rows = np.arange(z.shape[0])
         z -= z.max(axis=1, keepdims=True)
         picked = z[rows, ids]
         np.exp(z, out=z)
         total = z.sum(axis=1, keepdims=True)
-        loss = float(np.log(total).sum(dtype=np.float64) - picked.sum(dtype=np.float64))
+        if sample_weight is None:
+            loss = float(np.log(total).sum(dtype=np.float64) - picked.sum(dtype=np.float64))
+        else:
+            loss = float((np.log(total[:, 0]).astype(np.float64) - picked) @ sample_weight)
         z /= total
         z[rows, ids] -= 1.0
+        if sample_weight is not None:
+            z *= sample_weight[:, None]
         return loss
 
     def predict(self, z: np.ndarray) -> np.ndarray:
