@@ -18,6 +18,7 @@ import numpy as np
 from . import models, optim
 from .errors import AllReduceError, ConfigurationError
 from .session import local_spark, start_python_workers, under_spark_submit
+from .train.arrow import float_lists
 from .train.spark_info import SparkInfo
 
 if sys.version_info >= (3, 11):
@@ -108,10 +109,7 @@ def arrow_frame(spark, X: np.ndarray, y: np.ndarray):
     """
     import pyarrow as pa
 
-    X = np.ascontiguousarray(X, dtype=np.float32)
-    offsets = pa.array(np.arange(len(X) + 1, dtype=np.int32) * X.shape[1])
-    features = pa.ListArray.from_arrays(offsets, pa.array(X.reshape(-1)))
-    return spark.createDataFrame(pa.table({"features": features, "label": pa.array(np.asarray(y, np.float64))}))
+    return spark.createDataFrame(pa.table({"features": float_lists(X), "label": pa.array(np.asarray(y, np.float64))}))
 
 
 def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitions: int | None = None):
@@ -128,11 +126,8 @@ def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitio
             rng = np.random.default_rng([seed, int(ids[0])])
             labels = rng.integers(0, classes, len(ids))
             X = centres[labels] + rng.standard_normal((len(ids), features)).astype(np.float32)
-            values = pa.array(X.reshape(-1), pa.float32())
-            offsets = pa.array(np.arange(0, X.size + 1, features, dtype=np.int32))
-            yield pa.RecordBatch.from_arrays(
-                [pa.ListArray.from_arrays(offsets, values), pa.array(labels.astype(np.float64))],
-                ["features", "label"])
+            yield pa.RecordBatch.from_arrays([float_lists(X), pa.array(labels.astype(np.float64))],
+                                             ["features", "label"])
 
     numbers = spark.range(0, rows, numPartitions=partitions or SparkInfo(spark).default_parallelism())
     return numbers.mapInArrow(generate, "features array<float>, label double")

@@ -35,6 +35,8 @@ from pyspark.ml.util import (
 
 from . import models, optim
 from .errors import ConfigurationError, InputError
+from .train.arrow import float_lists
+from .train.data import features_array
 from .train.distri import DistriOptimizer
 from .train.result import History, TrainedModel
 from .train.settings import FitSettings, estimator_params
@@ -245,21 +247,6 @@ class _AllReduceModel(_AllReduceParams, MLWritable, MLReadable):
     def _scores(self, value) -> np.ndarray:
         return self.trained.model.predict_raw(self.trained.weights, _row(value))[0].astype(np.float64)
 
-    def _features_array(self, dataset):
-        """The features column as array<float>, whether a vector or an array of numbers."""
-        from pyspark.ml.functions import vector_to_array
-        from pyspark.ml.linalg import VectorUDT
-        from pyspark.sql import functions as F
-
-        name = self.getFeaturesCol()
-        if name not in dataset.columns:
-            raise InputError(f"the data has no column {name!r} (featuresCol); its columns are {sorted(dataset.columns)}")
-        column = F.col(name)
-        if isinstance(dataset.schema[name].dataType, VectorUDT):
-            return vector_to_array(column, "float32")
-        return column.cast("array<float>")
-
-
 class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationModel):
     """An ``AllReduceClassifier``'s fitted model."""
 
@@ -318,7 +305,7 @@ class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationM
         scores.__annotations__ = {"features": pd.Series, "return": pd.DataFrame}
         kind = "raw array<double>, probability array<double>, prediction double"
         computed = "__allreduce_scores"
-        out = dataset.withColumn(computed, F.pandas_udf(scores, kind)(self._features_array(dataset)))
+        out = dataset.withColumn(computed, F.pandas_udf(scores, kind)(features_array(dataset, self.getFeaturesCol(), role="featuresCol")))
         for param, field in ((self.rawPredictionCol, "raw"), (self.probabilityCol, "probability")):
             if self.getOrDefault(param):
                 out = out.withColumn(self.getOrDefault(param), array_to_vector(F.col(f"{computed}.{field}")))
@@ -368,8 +355,7 @@ class _ModelWriter(MLWriter):
         metadata = DefaultParamsWriter._get_metadata_to_save(self.instance, self.sparkSession, extra)
         self.sparkSession.createDataFrame([(metadata,)], ["value"]).coalesce(1).write.mode(mode).text(
             os.path.join(path, "metadata"))  # as DefaultParamsWriter.saveMetadata writes it
-        weights = np.ascontiguousarray(trained.weights, np.float32)
-        column = pa.ListArray.from_arrays(pa.array(np.array([0, len(weights)], np.int32)), pa.array(weights))
+        column = float_lists(np.reshape(trained.weights, (1, -1)))  # one row: the whole vector
         self.sparkSession.createDataFrame(pa.table({"weights": column})).write.mode(mode).parquet(
             os.path.join(path, "data"))
 
@@ -412,13 +398,11 @@ def _network(task: str, n_features: int, hidden: list[int], num_classes: int | N
 def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int, int | None]:
     """(features per row, classes) of the training rows: from the columns' ML metadata
     (``VectorAssembler``, ``StringIndexer``) where it says, else from one small Spark job."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import functions as F
 
-    for column, role in ((features_col, "featuresCol"), (label_col, "labelCol")):
-        if column not in train.columns:
-            raise InputError(f"the data has no column {column!r} ({role}); its columns are {sorted(train.columns)}")
+    features = features_array(train, features_col, role="featuresCol")
+    if label_col not in train.columns:
+        raise InputError(f"the data has no column {label_col!r} (labelCol); its columns are {sorted(train.columns)}")
     features_meta = train.schema[features_col].metadata.get("ml_attr", {})
     n_features = features_meta.get("num_attrs")
     num_classes = None
@@ -426,8 +410,7 @@ def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int,
         label_meta = train.schema[label_col].metadata.get("ml_attr", {})
         num_classes = label_meta.get("num_vals") or (len(label_meta["vals"]) if "vals" in label_meta else None)
     if n_features is None or (task == "classification" and num_classes is None):
-        is_vector = isinstance(train.schema[features_col].dataType, VectorUDT)
-        width = F.size(vector_to_array(F.col(features_col)) if is_vector else F.col(features_col))
+        width = F.size(features)
         row = train.agg(F.max(label_col).alias("largest"), F.first(width, ignorenulls=True).alias("width")).first()
         if row is None or row["width"] is None:
             raise InputError("the training data has no rows with features")

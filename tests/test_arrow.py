@@ -74,7 +74,16 @@ assert arrow.values(lists.flatten()).tolist() == [0.0, 1.0, 2.0]
 assert arrow.list_offsets(lists).tolist() == [0, 1, 3]
 assert not arrow.nulls(lists).any()
 arrow.record_batch(kind=["steps"], payload=[b"x"])
+arrow.float_lists(np.ones((2, 3)))
 print("pandas" in sys.modules)
 """
     found = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "False"
+
+
+def test_float_lists_are_the_lists_pyarrow_makes_of_the_rows():
+    matrix = np.arange(12, dtype=np.float64).reshape(4, 3) / 7
+    made = arrow.float_lists(matrix)
+    assert made.type == pa.list_(pa.float32())
+    assert made.equals(pa.array([list(row) for row in matrix.astype(np.float32)], pa.list_(pa.float32())))
+    assert len(arrow.float_lists(np.zeros((0, 5)))) == 0

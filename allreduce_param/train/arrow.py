@@ -3,8 +3,8 @@
 pyarrow's own conversions (``Array.to_numpy``, ``pa.array`` on Python or numpy values) ask
 whether pandas is installed, and so import it: in a fresh Python worker that import costs
 more than a small task's work, and a fit's first tasks all pay it. These read and write the
-Arrow buffers directly, for the fixed-width columns and the str/bytes records the fit's
-tasks handle; anything else falls back to pyarrow's conversion.
+Arrow buffers directly, for the fixed-width columns, the feature lists and the str/bytes
+records the fit's tasks handle; anything else falls back to pyarrow's conversion.
 """
 
 from __future__ import annotations
@@ -73,6 +73,19 @@ def record_batch(**columns: Sequence[str] | Sequence[bytes]):
                                             [None, pa.py_buffer(offsets.astype(np.int32)),
                                              pa.py_buffer(b"".join(encoded))]))
     return pa.RecordBatch.from_arrays(arrays, list(columns))
+
+
+def float_lists(matrix: np.ndarray):
+    """A pyarrow ``list<float>`` array (Spark's ``array<float>``) with one list per row of a
+    2-D matrix, built from its buffer."""
+    import pyarrow as pa
+
+    matrix = np.ascontiguousarray(matrix, dtype=np.float32)
+    rows, width = matrix.shape
+    values = pa.Array.from_buffers(pa.float32(), matrix.size, [None, pa.py_buffer(matrix.reshape(-1))])
+    offsets = pa.Array.from_buffers(pa.int32(), rows + 1,
+                                    [None, pa.py_buffer(np.arange(rows + 1, dtype=np.int32) * width)])
+    return pa.ListArray.from_arrays(offsets, values)
 
 
 def _bits(buffer, start: int, length: int) -> np.ndarray:

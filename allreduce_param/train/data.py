@@ -419,33 +419,44 @@ def _partition_statistics(batches, names: Sequence[str], classes: int | None) ->
 
 def _shape(frame, features_col: str, label_col: str, name: str):
     """``features: array<float>, label: double`` from a vector or numeric-array column."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import functions as F
-    from pyspark.sql.types import ArrayType, NumericType
+    from pyspark.sql.types import NumericType
 
+    features = features_array(frame, features_col, name)
     fields = {field.name: field.dataType for field in frame.schema.fields}
-    for column, role in ((features_col, "features_col"), (label_col, "label_col")):
-        if column not in fields:
-            raise InputError(
-                f"the {name} data has no column {column!r} ({role}); its columns are {sorted(fields)}"
-            )
-    kind = fields[features_col]
-    if isinstance(kind, VectorUDT):
-        features = vector_to_array(F.col(features_col), "float32")
-    elif isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
-        features = F.col(features_col).cast("array<float>")
-    else:
-        raise InputError(
-            f"the {name} column {features_col!r} is {kind.simpleString()}; it must be a vector "
-            "(pyspark.ml.linalg) or an array of numbers, e.g. from VectorAssembler"
-        )
+    if label_col not in fields:
+        raise InputError(f"the {name} data has no column {label_col!r} (label_col); its columns are {sorted(fields)}")
     if not isinstance(fields[label_col], NumericType):
         raise InputError(
             f"the {name} label column {label_col!r} is {fields[label_col].simpleString()}; it must "
             "be numeric (use StringIndexer for string classes)"
         )
     return frame.select(features.alias("features"), F.col(label_col).cast("double").alias("label"))
+
+
+def features_array(frame, features_col: str, name: str | None = None, role: str = "features_col"):
+    """The column ``features_col`` of ``frame`` as ``array<float>``, from a vector
+    (pyspark.ml.linalg) or an array of numbers; what the fit trains on and predictions read.
+    A missing column or one of another type is an InputError naming ``role`` (the setting
+    that named it) and, where given, which data (``name``: "training", "validation")."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, NumericType
+
+    whose = f"the {name} " if name else "the "
+    fields = {field.name: field.dataType for field in frame.schema.fields}
+    if features_col not in fields:
+        raise InputError(f"{whose}data has no column {features_col!r} ({role}); its columns are {sorted(fields)}")
+    kind = fields[features_col]
+    if isinstance(kind, VectorUDT):
+        return vector_to_array(F.col(features_col), "float32")
+    if isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
+        return F.col(features_col).cast("array<float>")
+    raise InputError(
+        f"{whose}column {features_col!r} is {kind.simpleString()}; it must be a vector "
+        "(pyspark.ml.linalg) or an array of numbers, e.g. from VectorAssembler"
+    )
 
 
 def arrays_from_arrow(batches, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

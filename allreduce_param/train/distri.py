@@ -111,8 +111,7 @@ class DistriOptimizer:
         if settings is not None and not isinstance(settings, FitSettings):
             raise ConfigurationError(f"settings must be a FitSettings, got {type(settings).__name__}: pass "
                                      "single settings by name, e.g. DistriOptimizer(model, optimizer, epochs=5)")
-        self.settings = (settings or FitSettings()).replace(**changes) if changes else (settings or FitSettings())
-        s = self.settings
+        s = self.settings = (settings or FitSettings()).replace(**changes)
         self.model, self.optimizer = model, optimizer
         self.codec, self.gradient_codec = codec_names(s.codec, s.gradient_codec)
         self.strategy = Strategy(s.strategy, s.staleness, s.backup_workers)

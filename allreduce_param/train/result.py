@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, InputError
 from ..models.base import has_buffers
+from .data import features_array
 from .spark_info import SparkInfo
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class TrainedModel:
         self.weights = weights
         self.history = history or History()
         self.n_features = n_features
-        self._broadcast: tuple | None = None  # (SparkContext, the weights array, its broadcast)
+        self._broadcast: tuple | None = None  # (SparkContext or Connect session, the weights array, its broadcast)
         self.buffers = buffers
 
     @property
@@ -253,15 +254,9 @@ class TrainedModel:
         The weights reach the executors as one broadcast, kept for this model's later calls.
         """
         import pandas as pd
-        from pyspark.ml.functions import vector_to_array
-        from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
 
-        if features_col not in df.columns:
-            raise InputError(f"the data has no column {features_col!r}; its columns are {sorted(df.columns)}")
-        column = F.col(features_col)
-        if isinstance(df.schema[features_col].dataType, VectorUDT):
-            column = vector_to_array(column, "float32")
+        column = features_array(df, features_col)
         model, weights = self._predictor, self.weights_broadcast(df.sparkSession)
 
         def predict(features):

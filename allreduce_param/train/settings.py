@@ -111,8 +111,8 @@ class FitSettings:
         return cls(**settings)
 
     def replace(self, **changes: Any) -> FitSettings:
-        """A copy with ``changes``, checked as a new one is."""
-        return FitSettings.of({**self.as_dict(), **changes})
+        """A copy with ``changes``, checked as a new one is (itself when there are none)."""
+        return FitSettings.of({**self.as_dict(), **changes}) if changes else self
 
     def as_dict(self) -> dict[str, Any]:
         """Every setting by its field name."""

@@ -35,7 +35,7 @@ def is_connect(session: Any) -> bool:
 
 class SparkInfo:
     """The answers a fit's driver side needs from ``session``, a classic or Connect
-    SparkSession (or, for RDD input, a classic ``SparkContext`` via ``for_context``)."""
+    SparkSession (or, for RDD input, None and the classic ``context``: see ``of``)."""
 
     def __init__(self, session: Any, context: Any = None) -> None:
         self.session = session
@@ -117,7 +117,6 @@ class SparkInfo:
                 return probe.getsockname()[0]
             except OSError:  # no route: the tasks cannot reach this process; they meet through Spark
                 return "127.0.0.1"
-
 
     def unreachable(self, address: tuple[str, int], timeout: float = 3.0) -> str | None:
         """Why a task cannot open a TCP connection to ``address`` (a server of this
