@@ -65,8 +65,9 @@ def run_partitions(param: AllReduceParameter, body: Callable, timeout: float = 1
 
 
 def train_on_threads(job, parts: list) -> list:
-    """``train_partition(job, X, y)`` for each ``(X, y)`` of ``parts``, one thread each (named
-    ``partition-<i>``), all training rows; each partition's records by kind, or its error."""
+    """``train_partition(job, X, y, split)`` for each ``(X, y)`` or ``(X, y, split)`` of
+    ``parts``, one thread each (named ``partition-<i>``); without ``split`` all rows train.
+    Each partition's records by kind, or its error."""
     import numpy as np
 
     from allreduce_param.train.worker import train_partition
@@ -75,9 +76,10 @@ def train_on_threads(job, parts: list) -> list:
     outputs: list = [None] * len(parts)
 
     def run(i):
-        X, y = parts[i]
+        X, y, *split = parts[i]
+        split = split[0] if split else np.zeros(len(X), np.int32)
         try:
-            outputs[i] = dict(train_partition(job, X, y, np.zeros(len(X), np.int32), rendezvous=group.member(i)))
+            outputs[i] = dict(train_partition(job, X, y, split, rendezvous=group.member(i)))
         except BaseException as error:  # the test inspects it
             outputs[i] = error
 

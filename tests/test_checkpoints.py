@@ -115,6 +115,10 @@ def test_a_checkpoint_loads_on_another_number_of_workers(tmp_path):
     resumed = run(job_for(two, tmp_path / "on-two", epochs=3, resume=manifest), two)
     assert json.loads(resumed[0]["resumed"]) == [manifest.step]
     assert len(losses(resumed)) == 5  # the third epoch only
+    # the epochs it evaluates keep their numbers: the second (it ended at the checkpoint) and
+    # the third, not the earlier history over again
+    for output in resumed:
+        assert [share["epoch"] for share in json.loads(output["epochs"])] == [1, 2]
 
 
 @pytest.mark.parametrize("strategy", [Strategy("bsp", backup_workers=1), Strategy("ssp", 2), Strategy("asp")],

@@ -158,6 +158,30 @@ def test_validation_rows_are_marked_by_the_indicator_column(spark):
         AllReduceClassifier(validationIndicatorCol="nope", showProgress=False).fit(df)
 
 
+def test_early_stopping_keeps_the_epoch_of_the_lowest_validation_loss(spark):
+    """Validation targets on another line than the training ones: the validation loss falls,
+    then rises as the model fits the training line, and the fit stops there."""
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((400, 2))
+    validation = np.arange(400) % 4 == 0
+    y = np.where(validation, X @ np.array([1.0, -0.5]), X @ np.array([2.0, -1.0]))
+    df = spark.createDataFrame([(Vectors.dense(row), float(t), bool(v)) for row, t, v in zip(X, y, validation)],
+                               ["features", "label", "is_validation"])
+    fitted = AllReduceRegressor(validationIndicatorCol="is_validation", earlyStoppingPatience=2, maxEpochs=40,
+                                optimizer="sgd", stepSize=0.05, batchSize=32, showProgress=False).fit(df)
+    history = fitted.history
+    losses = [epoch["val_loss"] for epoch in history.epochs]
+    assert history.stopped_early and history.best_epoch == int(np.argmin(losses)) > 0
+    assert len(losses) == history.best_epoch + 3 < 40
+    # the Model predicts with the best epoch's weights: its validation loss is the best one
+    rows = fitted.transform(df.filter("is_validation")).select("label", "prediction").collect()
+    squared = np.mean([(row.label - row.prediction) ** 2 for row in rows])
+    assert squared / 2 == pytest.approx(losses[history.best_epoch], rel=1e-4)  # the loss is half the squared error
+    with pytest.raises(InputError, match="early_stopping_patience=2 stops on the validation loss: pass validation "
+                                         "data.*set validationIndicatorCol"):
+        AllReduceRegressor(earlyStoppingPatience=2, showProgress=False).fit(df)
+
+
 def test_thresholds_choose_the_class_as_mllib_does(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=200))
     fitted = AllReduceClassifier(maxEpochs=1, batchSize=64, showProgress=False).fit(df)
@@ -187,13 +211,16 @@ def test_every_param_has_a_setter_and_a_getter_as_mllibs_do():
     classifier = AllReduceClassifier().setHiddenLayers([32, 16]).setOptimizer("sgd").setStepSize(0.1) \
         .setBatchSize(128).setMaxEpochs(7).setCodec("bf16").setNumWorkers(2).setStrategy("ssp").setStaleness(3) \
         .setBackupWorkers(0).setSyncEvery("epoch").setPartitionScheme("random").setCheckpointDir("/tmp/c") \
-        .setCheckpointEvery(50).setShowProgress(False).setSeed(11).setValidationIndicatorCol("v")
+        .setCheckpointEvery(50).setShowProgress(False).setSeed(11).setValidationIndicatorCol("v") \
+        .setEarlyStoppingPatience(3).setEarlyStoppingMinDelta(0.01)
     assert (classifier.getHiddenLayers(), classifier.getOptimizer(), classifier.getStepSize(), classifier.getBatchSize(),
             classifier.getMaxEpochs(), classifier.getCodec(), classifier.getNumWorkers(), classifier.getStrategy(),
             classifier.getStaleness(), classifier.getBackupWorkers(), classifier.getSyncEvery(),
             classifier.getPartitionScheme(), classifier.getCheckpointDir(), classifier.getCheckpointEvery(),
-            classifier.getShowProgress(), classifier.getSeed(), classifier.getValidationIndicatorCol()) == \
-        ([32, 16], "sgd", 0.1, 128, 7, "bf16", 2, "ssp", 3, 0, "epoch", "random", "/tmp/c", 50, False, 11, "v")
+            classifier.getShowProgress(), classifier.getSeed(), classifier.getValidationIndicatorCol(),
+            classifier.getEarlyStoppingPatience(), classifier.getEarlyStoppingMinDelta()) == \
+        ([32, 16], "sgd", 0.1, 128, 7, "bf16", 2, "ssp", 3, 0, "epoch", "random", "/tmp/c", 50, False, 11, "v",
+         3, 0.01)
     copied = classifier.copy({classifier.maxEpochs: 2})
     assert copied.getMaxEpochs() == 2 and classifier.getMaxEpochs() == 7
     assert AllReduceRegressor().getHiddenLayers() == [] and AllReduceRegressor().getSeed() == 0

@@ -168,3 +168,25 @@ def test_tasks_at_the_meeting_point_go_to_allgather_when_one_never_comes(caplog)
 def test_addresses_missing_a_partition_are_refused():
     with pytest.raises(UsageError, match=r"reported partitions \[0, 2\], expected 0..2"):
         _by_partition({"0": ["h", 1], "2": ["h", 3]}, 3)
+
+
+def test_the_bar_says_when_and_why_early_stopping_ended_the_fit(capsys, tmp_path):
+    import json
+
+    from allreduce_param.train.progress import ProgressBar
+    from allreduce_param.train.result import merge_epoch
+
+    shares = [{"epoch": 4, "partition": p, "task": "regression", "val": [1.0, 2.0, 10.0], "best_epoch": 2,
+               "stopped": True} for p in range(2)]
+    merged = merge_epoch(shares)
+    assert merged == {"epoch": 4, "best_epoch": 2, "stopped": True, "val_loss": 0.1, "val_rmse": pytest.approx(0.2 ** 0.5)}
+    with open(tmp_path / "log.jsonl", "w") as log:
+        bar = ProgressBar(show=True, log_file=log)
+        bar("start", {"partition": 0, "steps": 5, "epochs": 10})
+        bar("epoch", merged)
+        bar.close()
+    shown = capsys.readouterr()
+    text = shown.out + shown.err
+    assert "epoch 4: val_loss 0.1000, val_rmse 0.4472, best epoch 2" in text
+    assert "stopped early: no better validation loss since epoch 2, whose weights the fit keeps" in text
+    assert json.loads((tmp_path / "log.jsonl").read_text())["best_epoch"] == 2

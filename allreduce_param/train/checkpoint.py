@@ -5,8 +5,9 @@ Under a fit's directory (a local path, or any URL fsspec opens: ``file://``, ``h
 ``s3://`` with its package installed; on a cluster it must be storage every executor sees):
 
     step-00000880/part-00001-of-00004.npz   partition 1's weight slice, its optimizer state
-                                            slice, its model's buffers (if it has any), and
-                                            its records of the fit so far
+                                            slice, its model's buffers (if it has any), its
+                                            slice of early stopping's best weights (if the
+                                            fit stops early), and its records of the fit so far
     step-00000880/manifest.json             written last, by partition 0, after every
                                             partition has signalled its part written
 
@@ -107,6 +108,7 @@ class Manifest:
     state_names: tuple[str, ...]
     local_state: bool
     settings: dict
+    early_stopping: dict | None = None  # EarlyStopping.state() at the checkpoint, if the fit stops early
 
     @property
     def parts(self) -> list[str]:
@@ -129,7 +131,8 @@ def read_manifest(folder: str) -> Manifest | None:
         raise InputError(f"{folder} holds a checkpoint in format {meta.get('format')!r}; this version "
                          f"reads {FORMAT}")
     return Manifest(folder.rstrip("/"), int(meta["step"]), int(meta["partitions"]), int(meta["size"]),
-                    tuple(meta["state_names"]), bool(meta["local_state"]), dict(meta.get("settings", {})))
+                    tuple(meta["state_names"]), bool(meta["local_state"]), dict(meta.get("settings", {})),
+                    meta.get("early_stopping"))
 
 
 def newest(location: str) -> Manifest | None:
@@ -188,13 +191,16 @@ class CheckpointWriter:
             file.write(_npz_bytes(payload))
 
     def write_manifest(self, step: int, partitions: int, size: int, state_names: tuple[str, ...],
-                       local_state: bool, settings: dict) -> None:
+                       local_state: bool, settings: dict, early_stopping: dict | None = None) -> None:
         """Partition 0, once every part of ``step`` is written: make the checkpoint complete,
-        then remove complete ones beyond ``keep`` and incomplete ones older than it."""
+        then remove complete ones beyond ``keep`` and incomplete ones older than it.
+        ``early_stopping``: the fit's ``EarlyStopping.state()``, the same on every partition."""
         folder = self._folder(step)
         meta = {"format": FORMAT, "step": step, "partitions": partitions, "size": size,
                 "state_names": list(state_names), "local_state": local_state, "settings": settings,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        if early_stopping is not None:
+            meta["early_stopping"] = early_stopping
         temporary = posixpath.join(folder, f".{MANIFEST}.{secrets.token_hex(4)}")
         with self._fs.open(temporary, "w") as file:
             json.dump(meta, file, indent=1)
@@ -244,6 +250,24 @@ def load_part(manifest: Manifest, partition: int, layout: SliceLayout) -> tuple[
               else np.zeros(0, np.float32) for name, chunks in pieces.items()}
     arrays.update(records.pop("arrays", {}))
     return arrays, records
+
+
+def load_best(manifest: Manifest) -> np.ndarray | None:
+    """The whole vector of early stopping's best weights: each part's slice of it
+    (``best/weights``) in order; None when the checkpoint holds none (written before any
+    epoch improved, or without early stopping)."""
+    fs, _ = _filesystem(manifest.folder)
+    slices = []
+    for url in manifest.parts:
+        with fs.open(url, "rb") as file, np.load(io.BytesIO(file.read())) as part:
+            if "best/weights" not in part.files:
+                return None
+            slices.append(part["best/weights"])
+    best = np.concatenate(slices).astype(np.float32, copy=False)
+    if best.size != manifest.size:
+        raise InputError(f"the checkpoint {manifest.folder} holds best weights of {best.size} elements, "
+                         f"not {manifest.size}: its parts do not belong together")
+    return best
 
 
 def load_buffers(manifest: Manifest, partition: int, partitions: int) -> dict[str, np.ndarray] | None:

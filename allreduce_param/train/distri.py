@@ -26,6 +26,7 @@ from ..strategy import Strategy
 from .checkpoint import CheckpointSettings, Manifest, newest
 from .arrow import record_batch
 from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
+from .early_stopping import EarlyStopping
 from .partitioning import place_pairs, place_rows_once, refused_in_place, rows_in_place
 from .progress import ProgressBar, ProgressMerger
 from .slots import check_no_dynamic_allocation, task_slots
@@ -90,6 +91,11 @@ class DistriOptimizer:
     by default), and the new attempt resumes from the newest one instead of starting over;
     ``fit(resume_from=...)`` continues a stopped or finished fit from one.
 
+    ``early_stopping_patience=k`` ends the fit once the loss on ``fit(validation=...)`` has
+    not improved for k epochs (by more than ``early_stopping_min_delta``) and returns the
+    best epoch's weights (``History.best_epoch``, ``History.stopped_early``); see
+    ``train.early_stopping``.
+
     While it runs, every step comes to the driver: ``progress`` shows a bar (terminal or
     notebook), ``log_path`` appends each step and epoch as a JSON line, and ``listener``,
     a callable ``(kind, fields)``, gets ``"start"``, ``"step"`` and ``"epoch"`` events.
@@ -138,6 +144,10 @@ class DistriOptimizer:
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
         check_no_dynamic_allocation(spark)
         resume = self._resume_point(resume_from) if resume_from is not None else None
+        if self.settings.early_stopping_patience is not None and validation is None:
+            raise InputError(f"early_stopping_patience={self.settings.early_stopping_patience} stops on the "
+                             "validation loss: pass validation data, fit(df, validation=validation_df) (with an "
+                             "Estimator: set validationIndicatorCol)")
         if hasattr(data, "sparkSession"):
             prepared, summary = prepare_once(data, features_col, label_col, validation, task=model_task(self.model),
                                              num_classes=getattr(self.model, "num_classes", None))
@@ -174,7 +184,7 @@ class DistriOptimizer:
                               driver, self.sync_every, self.model_averaging,
                               checkpoints, resume, self._settings(),
                               report_progress=bool(self.progress or self.log_path or self.listener),
-                              overlap=self.overlap)
+                              overlap=self.overlap, early_stopping=self._early_stopping())
             if hasattr(source, "mapInArrow"):
                 kept = rows_in_place(source, workers, self.partition_scheme, summary)
 
@@ -200,12 +210,19 @@ class DistriOptimizer:
         return TrainedModel(self.model, records["weights"], history, n_features,
                             buffers=merge_buffers(records["buffers"]) if records["buffers"] else None)
 
+    def _early_stopping(self) -> EarlyStopping | None:
+        """Early stopping's settings for the tasks, when the fit stops early."""
+        s = self.settings
+        return None if s.early_stopping_patience is None else \
+            EarlyStopping(s.early_stopping_patience, float(s.early_stopping_min_delta))
+
     def _settings(self) -> dict:
         """What a checkpoint's manifest records of this fit's settings."""
         return {"strategy": self.strategy.name, "staleness": self.strategy.staleness,
                 "backup_workers": self.strategy.backup_workers, "sync_every": self.sync_every,
                 "batch_size": self.batch_size, "epochs": self.epochs, "seed": self.seed,
                 "partition_scheme": self.partition_scheme, "codec": self.codec,
+                "early_stopping_patience": self.settings.early_stopping_patience,
                 "gradient_codec": self.gradient_codec,
                 "model": repr(self.model), "optimizer": repr(self.optimizer)}
 

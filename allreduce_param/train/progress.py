@@ -128,8 +128,14 @@ class ProgressBar:
                                       refresh=False)  # update() redraws, at tqdm's own pace
                 self._bar.update(1)
             elif kind == "epoch" and self._bar is not None:
-                shown = ", ".join(f"{k} {v:.4f}" for k, v in fields.items() if k != "epoch" and v is not None)
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in fields.items()
+                                  if isinstance(v, float) and k != "epoch")
+                if fields.get("best_epoch") is not None:
+                    shown += f", best epoch {fields['best_epoch']}"
                 self._bar.write(f"epoch {fields['epoch']}: {shown}")
+                if fields.get("stopped"):
+                    self._bar.write(f"stopped early: no better validation loss since epoch {fields['best_epoch']}, "
+                                    "whose weights the fit keeps")
 
     def close(self) -> None:
         if self._bar is not None:

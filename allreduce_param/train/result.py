@@ -47,8 +47,12 @@ def merge_step(rows: np.ndarray) -> dict:
 def merge_epoch(shares: list[dict]) -> dict:
     """One epoch's metrics from every partition's share (sums of loss, metric and rows over
     its validation rows, ``val``, and after the last epoch its training rows, ``train``).
-    The metric follows the share's ``task``: accuracy, RMSE, or none (a model without one)."""
+    The metric follows the share's ``task``: accuracy, RMSE, or none (a model without one).
+    With early stopping, also ``best_epoch`` (the best so far) and ``stopped`` (whether the
+    fit stopped after this epoch, before its last)."""
     merged: dict = {"epoch": shares[0]["epoch"]}
+    if "best_epoch" in shares[0]:  # early stopping's, decided alike on every partition
+        merged.update(best_epoch=shares[0]["best_epoch"], stopped=shares[0]["stopped"])
     metric = {"classification": "accuracy", "regression": "rmse"}.get(shares[0].get("task"))
     for name in ("val", "train"):
         sums = [share[name] for share in shares if name in share]
@@ -96,7 +100,9 @@ class History:
     ``loss`` (the mean over its steps, as they trained) and the validation metrics
     (``val_loss``, ``val_accuracy`` or ``val_rmse``); the last also has the training
     metrics of the final weights (``train_loss``, ``train_accuracy`` or ``train_rmse``). A
-    model without ``task`` has the losses alone.
+    model without ``task`` has the losses alone. With early stopping, each epoch also has
+    ``best_epoch`` and ``stopped`` (see ``best_epoch`` and ``stopped_early``), and the final
+    weights are the best epoch's.
     ``dropped``: with backup workers, for each partition, the steps whose update left out
     its gradient (it came too late, or it skipped the step). ``resumed``: the global steps
     the fit resumed at from a checkpoint (after a retried stage, or ``resume_from``).
@@ -111,6 +117,18 @@ class History:
     resumed: list[int] = field(default_factory=list)
     checkpoints: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def best_epoch(self) -> int | None:
+        """With early stopping, the epoch of the lowest validation loss, whose weights the fit
+        returned; None without early stopping (or when no epoch's loss was a number)."""
+        return self.epochs[-1].get("best_epoch") if self.epochs else None
+
+    @property
+    def stopped_early(self) -> bool:
+        """Whether early stopping ended the fit before its last epoch (``epochs[-1]`` is the
+        epoch it stopped after)."""
+        return bool(self.epochs and self.epochs[-1].get("stopped"))
 
     def phases_line(self) -> str:
         """The phases as one line: ``fit 1.61 s: checks 0.31 s, launch 0.12 s, ...``."""

@@ -17,6 +17,7 @@ from ..codec import codec_names
 from ..errors import ConfigurationError
 from ..strategy import Strategy
 from .checkpoint import CheckpointSettings
+from .early_stopping import check_patience, check_strategy
 from .partitioning import check_scheme
 from .worker import workload_shares
 
@@ -69,6 +70,12 @@ class FitSettings:
     verbose: bool = _setting(False, "print where the fit's time went when it ends", kind="Boolean")
     overlap: bool | str = _setting("auto", "send each chunk of a gradient while backward computes the rest: "
                                            "True, False or 'auto'")
+    early_stopping_patience: int | None = _setting(
+        None, "stop once the validation loss has not improved for this many epochs, and keep the best "
+              "epoch's weights (needs validation data; None: train every epoch)", kind="Int")
+    early_stopping_min_delta: float = _setting(
+        0.0, "how much lower than the best so far a validation loss must be to count as an improvement",
+        kind="Float")
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "num_workers"):
@@ -90,6 +97,8 @@ class FitSettings:
             raise ConfigurationError("model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
                                      "sync_every=1 every step averages the gradients")
         check_scheme(self.partition_scheme)
+        check_patience(self.early_stopping_patience, self.early_stopping_min_delta)
+        check_strategy(self.early_stopping_patience, strategy)
         if self.checkpoint_dir is None and self.checkpoint_every is not None:
             raise ConfigurationError(f"checkpoint_every={self.checkpoint_every!r} goes with checkpoint_dir, the "
                                      "storage to write the checkpoints to")

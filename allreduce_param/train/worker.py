@@ -37,8 +37,9 @@ from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import DriverRendezvous, Rendezvous
 from .batching import epoch_order, global_batch_sizes, share_bounds, steps_per_epoch
-from .checkpoint import CheckpointSettings, CheckpointWriter, Manifest, load_buffers, load_part, newest
+from .checkpoint import CheckpointSettings, CheckpointWriter, Manifest, load_best, load_buffers, load_part, newest
 from .data import TRAIN, VALIDATION
+from .early_stopping import EarlyStopping
 from .progress import ProgressReporter
 from .result import STEP_FIELDS, UPDATE_FIELDS
 
@@ -60,6 +61,8 @@ class TrainingJob:
     through ``allGather`` and report nothing). ``overlap``: under plain BSP, send the
     gradient chunk by chunk as backward finishes it, where the model and the threads allow:
     True, False, or ``"auto"``: when some peer is reached over the network.
+    ``early_stopping``: its settings, with no state yet (each partition trains a copy), when
+    the fit stops once the validation loss stops improving.
     """
 
     model: Any
@@ -79,6 +82,7 @@ class TrainingJob:
     settings: dict | None = None
     report_progress: bool = False
     overlap: bool | str = "auto"
+    early_stopping: EarlyStopping | None = None
 
 
 def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
@@ -283,6 +287,9 @@ class _Fit:
         self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
         self._report = reporter.send if reporter is not None else (lambda kind, **fields: None)
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
+        self._early = copy.deepcopy(job.early_stopping)  # this partition's; every one decides alike
+        self.stopped = False  # whether early stopping ended the fit before its last epoch
+        self._next_epoch = 0  # the first epoch not yet evaluated
         # overlap: send the gradient as backward finishes it (BSP, where the checkpoints are
         # this thread's, so a step's record is kept before any other thread sees its gradient)
         wanted = p.remote_peers > 0 if job.overlap == "auto" else job.overlap
@@ -326,23 +333,37 @@ class _Fit:
     def _report_step(self, record: np.ndarray) -> None:
         self._report("step", partition=self.p.partition_id, record=record.tolist())
 
-    def _epoch_done(self, epoch: int, last: bool = False) -> None:
-        """This partition's share of ``epoch``'s metrics, with the weights just read."""
+    def _epoch_done(self, epoch: int, last: bool = False) -> bool:
+        """This partition's share of ``epoch``'s metrics, with the weights just read; whether
+        the fit ends with this epoch (``last``, or early stopping says so). On the fit's
+        last epoch, early stopping puts the best epoch's weights back first, and the training
+        metrics are theirs."""
         self.where.update(epoch=epoch, step=None)
         metrics: dict[str, Any] = {"epoch": epoch, "partition": self.p.partition_id,
                                    "task": model_task(self.job.model)}
         if self.job.has_validation:
             metrics["val"] = evaluate(self.job.model, self.weights, self.X_valid, self.y_valid)
+        if self._early is not None:
+            # every partition's rows: the same sums, bits and decision on every partition
+            stop = self._early.after_epoch(epoch, self.p.allreduce_exact(metrics["val"]), self.weights)
+            self.stopped, last = stop and not last, last or stop
+            metrics.update(best_epoch=self._early.best_epoch, stopped=self.stopped)
+            if last and self._early.best_weights is not None:
+                self.weights[:] = self._early.best_weights
         if last:
             metrics["train"] = evaluate(self.job.model, self.weights, self.X_train, self.y_train)
         self.epochs.append(metrics)
+        self._next_epoch = epoch + 1
         self._report("epoch", **metrics)
+        return last
 
-    def _epochs_before(self, index: int) -> None:
-        """Evaluate every epoch that ended before global step ``index`` and is not yet done."""
-        while len(self.epochs) < self.job.epochs - 1 and (index >= len(self.plan)
-                                                          or self.plan[index][0] > len(self.epochs)):
-            self._epoch_done(len(self.epochs))
+    def _epochs_before(self, index: int) -> bool:
+        """Evaluate every epoch that ended before global step ``index`` and is not yet done;
+        whether early stopping ended the fit there."""
+        while not self.stopped and self._next_epoch < self.job.epochs - 1 and (
+                index >= len(self.plan) or self.plan[index][0] > self._next_epoch):
+            self._epoch_done(self._next_epoch)
+        return self.stopped
 
     def _read(self, index: int) -> float:
         """Fetch the weights the strategy allows before global step ``index``; its seconds."""
@@ -427,16 +448,28 @@ class _Fit:
         else:  # no whole state of this partition's own there (not local SGD, or other workers)
             self.state = job.optimizer.init_state(p.layout.size)
         self.records = [np.asarray(row, dtype=np.float64) for row in records.get("steps", [])]
-        self.epochs = records.get("epochs", [])
+        self._next_epoch = self._evaluated_before(manifest.step)
+        self.epochs = [share for share in records.get("epochs", []) if share["epoch"] < self._next_epoch]
         self._earlier_updates = records.get("updates", [])
         self.resumed = records.get("resumed", []) + [manifest.step]
         if has_buffers(job.model):
             buffers = load_buffers(manifest, p.partition_id, p.partition_num)
             if buffers is not None:  # a checkpoint written before buffers were kept has none
                 job.model.set_buffers(buffers)
+        if self._early is not None and manifest.early_stopping is not None:
+            self._early.restore(manifest.early_stopping, load_best(manifest))
         self._report_start(manifest.step)  # before init: no peer can report a step before it
         p.init(arrays["weights"], step=manifest.step)
         return manifest.step
+
+    def _evaluated_before(self, start: int) -> int:
+        """How many epochs a fit had evaluated when it checkpointed after ``start`` steps
+        (the same on every partition, whatever records came along): with local SGD an epoch
+        is evaluated at its last step, before the checkpoint there; otherwise at the next
+        epoch's first step, after it."""
+        if start >= len(self.plan):
+            return self.job.epochs - 1
+        return self.plan[start][0] if self.job.sync_every != 1 else self.plan[start - 1][0]
 
     def _report_start(self, start: int) -> None:
         resumed = {"resumed": list(self.plan[start]) if start < len(self.plan) else None, "done": start} \
@@ -460,6 +493,9 @@ class _Fit:
                            for name in self.state})
         if has_buffers(job.model):  # this partition's own (under SSP and ASP: as training left them just now)
             arrays.update({f"buffers/{name}": value for name, value in job.model.buffers().items()})
+        early = self._early
+        if early is not None and early.best_weights is not None:  # each part its slice: load_best joins them
+            arrays["best/weights"] = early.best_weights[p.layout.bounds(p.partition_id)].copy()
         end_epoch = self.plan[steps_done][0] if steps_done < len(self.plan) else job.epochs - 1
         steps = [row.tolist() for row in self.records[:steps_done]]
         for index in range(len(steps), steps_done):  # a straggler's steps the others went on without
@@ -473,7 +509,7 @@ class _Fit:
         if p.partition_id == 0:
             p.wait_for_signals(steps_done)
             self._writer.write_manifest(steps_done, p.partition_num, p.layout.size, tuple(self.state),
-                                        local, job.settings or {})
+                                        local, job.settings or {}, None if early is None else early.state())
 
     def updates_table(self, before: int | None = None) -> np.ndarray:
         """With backup workers: the own owner's updates (those of steps before ``before``), as
@@ -497,7 +533,8 @@ class _Fit:
         state = self.state
         for index in range(self.start, len(self.plan)):
             read_s = self._read(index)
-            self._epochs_before(index)
+            if self._epochs_before(index):
+                break
             record = self._compute_and_put(index, read_s, clip_own=False)
             t0 = time.perf_counter()
             gradient = p.aggregate_gradient_partition()
@@ -585,8 +622,8 @@ class _Fit:
                 phases[2], phases[3], phases[5], phases[0] = self._sync(synced, rows)
                 rows = since = 0
             self._report_step(self._record(index, loss_sum, count, phases))
-            if epoch_ends and self.plan[index][0] < job.epochs - 1:
-                self._epoch_done(self.plan[index][0])
+            if epoch_ends and self.plan[index][0] < job.epochs - 1 and self._epoch_done(self.plan[index][0]):
+                return  # early stopping
             if synced_now and checkpoint_due:
                 self._checkpoint(index + 1)
                 checkpoint_due = False
@@ -613,9 +650,12 @@ class _Fit:
         return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3
 
     def _finish(self) -> None:
-        """The final weights, on every partition, and the last epoch's metrics with them."""
+        """The final weights, on every partition, and the last epoch's metrics with them
+        (where early stopping ended the fit, it has done both)."""
         if not self.p.strategy.inline_owner:
             self.p.finish_updates()
+        if self.stopped:
+            return
         self.p.get_weights(out=self.weights)
-        self._epochs_before(len(self.plan))
-        self._epoch_done(self.job.epochs - 1, last=True)
+        if not self._epochs_before(len(self.plan)):
+            self._epoch_done(self.job.epochs - 1, last=True)

@@ -1,0 +1,88 @@
+"""Early stopping: end a fit once the validation loss stops improving, and keep the best weights.
+
+Every partition holds one of these and feeds it the same number after each epoch: the
+validation loss over every partition's rows, summed exactly (``allreduce_exact``), so all
+of them decide alike, at the same epoch, without asking the driver. It runs where each
+epoch ends on one version of the weights that every partition holds whole: plain BSP and
+local SGD (``check_strategy``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import ConfigurationError
+from ..strategy import Strategy
+
+
+def check_patience(patience: Any, min_delta: Any) -> None:
+    """A ConfigurationError naming the setting, unless ``patience`` is None or a whole
+    number >= 1 and ``min_delta`` a finite number >= 0."""
+    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+        raise ConfigurationError(f"early_stopping_patience must be a whole number of epochs >= 1 (or None: "
+                                 f"train every epoch), got {patience!r}")
+    if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0 \
+            or not math.isfinite(min_delta):
+        raise ConfigurationError(f"early_stopping_min_delta must be a finite number >= 0, got {min_delta!r}")
+
+
+def check_strategy(patience: int | None, strategy: Strategy) -> None:
+    """Early stopping needs every partition to evaluate the same weights at each epoch's
+    end: not under SSP, ASP or backup workers, where each reads a version of its own."""
+    if patience is not None and not strategy.inline_owner:
+        backup = f", backup_workers={strategy.backup_workers}" if strategy.backup_workers else ""
+        raise ConfigurationError(
+            f"early_stopping_patience goes with strategy='bsp' and no backup workers (sync_every=k or "
+            f"'epoch' too), not with strategy={strategy.name!r}{backup}: there the partitions end an epoch "
+            "on weights of different steps, so no one validation loss belongs to it")
+
+
+@dataclass
+class EarlyStopping:
+    """The state of early stopping inside one partition.
+
+    ``patience``: how many epochs in a row without improvement end the fit; an epoch
+    improves when its validation loss is below the best so far by more than ``min_delta``.
+    ``best_weights`` is a copy of the whole vector of the best epoch (None until one).
+    """
+
+    patience: int
+    min_delta: float = 0.0
+    best_loss: float = math.inf
+    best_epoch: int | None = None
+    since_best: int = 0
+    best_weights: np.ndarray | None = field(default=None, repr=False)
+
+    def after_epoch(self, epoch: int, sums: Sequence[float], weights: np.ndarray) -> bool:
+        """Take epoch ``epoch``'s validation ``[loss_sum, metric_sum, count]`` over every
+        partition and the weights it was evaluated on; whether the fit stops here. A loss
+        that is NaN (or has no rows) never improves."""
+        loss_sum, _, count = sums
+        loss = loss_sum / count if count else math.nan
+        if loss < self.best_loss - self.min_delta:
+            self.best_loss, self.best_epoch, self.since_best = float(loss), epoch, 0
+            if self.best_weights is None:
+                self.best_weights = np.array(weights, dtype=np.float32)
+            else:
+                np.copyto(self.best_weights, weights)
+        else:
+            self.since_best += 1
+        return self.since_best >= self.patience
+
+    def state(self) -> dict:
+        """What a checkpoint's manifest keeps (the weights go in the parts, by slice)."""
+        return {"best_loss": None if math.isinf(self.best_loss) else self.best_loss,
+                "best_epoch": self.best_epoch, "since_best": self.since_best}
+
+    def restore(self, state: dict | None, best_weights: np.ndarray | None) -> None:
+        """Continue from a checkpoint's ``state()`` and best weights (a checkpoint without
+        them, written without early stopping, starts the count afresh)."""
+        if not state or state.get("best_epoch") is None or best_weights is None:
+            return
+        self.best_loss, self.best_epoch = float(state["best_loss"]), int(state["best_epoch"])
+        self.since_best = int(state["since_best"])
+        self.best_weights = np.array(best_weights, dtype=np.float32)
