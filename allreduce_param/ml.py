@@ -46,6 +46,10 @@ from .train.spark_info import is_connect
 OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "rmsprop": optim.RMSprop,
               "adagrad": optim.Adagrad}
 
+#: ``DistriOptimizer.fit``'s arguments, as the Params that set them.
+_ARGUMENT_PARAMS = {"features_col": "featuresCol", "label_col": "labelCol", "weight_col": "weightCol"}
+
+
 class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize):
     """The Params both Estimators and their Models share: the network's and the optimizer's
     here, and one per fit setting (``FitSettings``), added below from its fields."""
@@ -108,16 +112,22 @@ class _AllReduceEstimator(_AllReduceParams):
         return self._set(validationIndicatorCol=value)
 
     def _fit(self, dataset):
-        if self.isDefined(self.weightCol) and self.getWeightCol():
-            raise ConfigurationError(
-                f"{type(self).__name__}: weightCol={self.getWeightCol()!r} is not supported yet; "
-                "train without it, or repeat rows in proportion to their weight")
         features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
+        weight_col = self.getWeightCol() if self.isDefined(self.weightCol) and self.getWeightCol() else None
         train, validation = self._split(dataset)
         n_features, num_classes = _describe(train, features_col, label_col, self._task)
         network = _network(self._task, n_features, self.getHiddenLayers(), num_classes)
         trainer = self._trainer(network)
-        trained = trainer.fit(train, features_col=features_col, label_col=label_col, validation=validation)
+        try:
+            trained = trainer.fit(train, features_col=features_col, label_col=label_col, validation=validation,
+                                  weight_col=weight_col)
+        except InputError as error:  # the data checks name DistriOptimizer's arguments: name the Params
+            message = str(error)
+            for argument, param in _ARGUMENT_PARAMS.items():
+                message = message.replace(f"({argument})", f"({param})")
+            if message == str(error):
+                raise
+            raise InputError(message) from error
         return self._copyValues(self._model_class(trained))
 
     def _split(self, dataset):

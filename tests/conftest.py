@@ -65,9 +65,10 @@ def run_partitions(param: AllReduceParameter, body: Callable, timeout: float = 1
 
 
 def train_on_threads(job, parts: list) -> list:
-    """``train_partition(job, X, y, split)`` for each ``(X, y)`` or ``(X, y, split)`` of
-    ``parts``, one thread each (named ``partition-<i>``); without ``split`` all rows train.
-    Each partition's records by kind, or its error."""
+    """``train_partition(job, X, y, split, weight)`` for each ``(X, y)``, ``(X, y, split)``
+    or ``(X, y, split, weight)`` of ``parts``, one thread each (named ``partition-<i>``);
+    without ``split`` all rows train, without ``weight`` each counts once. Each partition's
+    records by kind, or its error."""
     import numpy as np
 
     from allreduce_param.train.worker import train_partition
@@ -76,10 +77,11 @@ def train_on_threads(job, parts: list) -> list:
     outputs: list = [None] * len(parts)
 
     def run(i):
-        X, y, *split = parts[i]
-        split = split[0] if split else np.zeros(len(X), np.int32)
+        X, y, *rest = parts[i]
+        split = rest[0] if rest else np.zeros(len(X), np.int32)
+        weight = rest[1] if len(rest) > 1 else None
         try:
-            outputs[i] = dict(train_partition(job, X, y, split, rendezvous=group.member(i)))
+            outputs[i] = dict(train_partition(job, X, y, split, weight, rendezvous=group.member(i)))
         except BaseException as error:  # the test inspects it
             outputs[i] = error
 

@@ -1,7 +1,7 @@
 """What the driver refuses before the fit's barrier stage starts (real Spark, local[4]).
 
-Bad rows (NaN or Inf features, labels a classifier has no class for) are found by
-``prepare``'s one check job; dynamic allocation and too few task slots by
+Bad rows (NaN or Inf features, labels a classifier has no class for, weights that are no
+finite number >= 0) are found by ``prepare``'s one check job; dynamic allocation and too few task slots by
 ``DistriOptimizer._workers``. Each refusal must come before any task of the fit runs: the
 models here leave a marker file when ``loss_and_grad`` runs inside a Spark task.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import pickle
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -25,7 +26,7 @@ from pyspark import cloudpickle
 
 from allreduce_param import ConfigurationError, DistriOptimizer, InputError, models, optim
 from allreduce_param.session import local_spark
-from allreduce_param.train.data import prepare
+from allreduce_param.train.data import prepare, prepare_once
 from conftest import CONF_DIR
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -85,6 +86,12 @@ def frame(spark, X, y, vectors=False, kind="array<double>"):
                                      ["features", "label"])
     rows = [([None if v is None else float(v) for v in row], float(label)) for row, label in zip(X, y)]
     return spark.createDataFrame(rows, f"features {kind}, label double")
+
+
+def weighted_frame(spark, X, y, w, kind="double"):
+    """``frame``'s rows with a weight column ``w`` of Spark type ``kind`` (None: null)."""
+    rows = [([float(v) for v in row], float(label), weight) for row, label, weight in zip(X, y, w)]
+    return spark.createDataFrame(rows, f"features array<double>, label double, w {kind}")
 
 
 def trainer(model, lr=1e-2, **settings):
@@ -240,6 +247,127 @@ def test_the_built_in_classifiers_say_how_many_classes():
     assert pickle.loads(pickle.dumps(models.MLP([4, 10]))).num_classes == 10
     with pytest.raises(AttributeError):
         models.MLP([4, 10]).num_classes = 11
+
+
+# ---- weights ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, shown", [(None, "null"), (math.nan, "NaN"), (-0.5, "-0.5"), (math.inf, "Inf"),
+                                        (-math.inf, "-Inf")])
+def test_each_kind_of_bad_weight_is_counted_with_the_first_row(spark, bad, shown):
+    X, y = blobs()
+    w = [1.0] * len(y)
+    for row in (9, 30, 41):
+        w[row] = bad
+    data = weighted_frame(spark, X, y, w)
+    with pytest.raises(InputError, match=(
+            r"^the training data has 3 rows whose weight 'w' \(weight_col\) is null, NaN, negative or infinite "
+            rf"\(e\.g\. {re.escape(shown)} at row 9\); a weight must be a finite number >= 0: fill them, e\.g\. "
+            r"df\.fillna\(1\.0, subset=\['w'\]\) for null and NaN, or filter them out")):
+        prepare(data, "features", "label", weight_col="w")
+    prepare(data, "features", "label")  # without weight_col the column is not the fit's
+
+
+def test_the_first_bad_weight_is_counted_across_uneven_partitions(spark):
+    sizes = [4, 0, 7, 2, 1]  # rows per partition; one empty
+    starts = [sum(sizes[:p]) for p in range(len(sizes))]
+    bad = {12: -math.inf, 13: None, 5: 0.0}  # row 5's weight 0 is good
+
+    def rows(p):
+        return [([1.0], 0.0, bad.get(starts[p] + j, 2.0)) for j in range(sizes[p])]
+
+    rdd = spark.sparkContext.parallelize(range(len(sizes)), len(sizes)).flatMap(rows)
+    data = spark.createDataFrame(rdd, "features array<float>, label double, w double")
+    with pytest.raises(InputError, match=r"^the training data has 2 rows whose weight 'w' \(weight_col\) is "
+                                         r"null, NaN, negative or infinite \(e\.g\. -Inf at row 12\)"):
+        prepare(data, "features", "label", weight_col="w")
+    with pytest.raises(InputError, match=r"^the validation data has 2 rows whose weight 'w'.*\(e\.g\. -Inf at "
+                                         r"row 12\)"):
+        prepare(weighted_frame(spark, np.ones((10, 1)), np.zeros(10), [1.0] * 10), "features", "label", data,
+                weight_col="w")
+
+
+def test_the_weight_checks_add_no_spark_job(spark):
+    X, y = blobs()
+    bad_features = X.copy()
+    bad_features[3, 0] = np.nan
+    w = [1.0] * len(y)
+    w[3] = math.nan
+    unweighted_jobs = jobs_while(spark, lambda: prepare(frame(spark, bad_features, y), "features", "label"))
+    weighted_jobs = jobs_while(spark, lambda: prepare(weighted_frame(spark, X, y, w), "features", "label",
+                                                      weight_col="w"))
+    assert 0 < len(weighted_jobs) == len(unweighted_jobs)
+
+
+def test_a_missing_weight_column_is_named_with_the_columns_there(spark):
+    X, y = blobs()
+    with pytest.raises(InputError, match=r"^the training data has no column 'w' \(weight_col\); its columns are "
+                                         r"\['features', 'label'\]$"):
+        prepare(frame(spark, X, y), "features", "label", weight_col="w")
+    with pytest.raises(InputError, match=r"^the validation data has no column 'w' \(weight_col\); its columns "
+                                         r"are \['features', 'label'\]$"):
+        prepare(weighted_frame(spark, X, y, [1.0] * len(y)), "features", "label", frame(spark, X, y),
+                weight_col="w")
+
+
+@pytest.mark.parametrize("kind", ["string", "boolean"])
+def test_a_weight_column_that_is_not_numeric_is_refused(spark, kind):
+    X, y = blobs()
+    weights = ["1.0"] * len(y) if kind == "string" else [True] * len(y)
+    with pytest.raises(InputError, match=rf"^the training weight column 'w' \(weight_col\) is {kind}; it must be "
+                                         r"numeric: a finite number >= 0 per row"):
+        prepare(weighted_frame(spark, X, y, weights, kind), "features", "label", weight_col="w")
+
+
+def test_weights_that_sum_to_zero_are_refused_in_training_and_in_validation(spark):
+    X, y = blobs()
+    zeros, ones = [0.0] * len(y), [1.0] * len(y)
+    with pytest.raises(InputError, match=r"^the training data's weights in 'w' \(weight_col\) sum to 0: all its 48 "
+                                         r"rows have weight 0, so no row counts .*at least one row needs a weight > 0$"):
+        prepare(weighted_frame(spark, X, y, zeros), "features", "label", weight_col="w")
+    with pytest.raises(InputError, match=r"^the validation data's weights in 'w' \(weight_col\) sum to 0: all its "
+                                         r"12 rows"):
+        prepare(weighted_frame(spark, X, y, ones), "features", "label",
+                weighted_frame(spark, X[:12], y[:12], zeros[:12]), weight_col="w")
+    with pytest.raises(InputError, match=r"^the training data's weights in 'w' \(weight_col\) sum to more than a "
+                                         r"float64 holds"):
+        prepare(weighted_frame(spark, X, y, [1e308] * len(y)), "features", "label", weight_col="w")
+
+
+def test_good_weights_become_the_weight_column(spark):
+    X, y = blobs()
+    X_val, y_val = blobs(rows=12, seed=1)
+    w = [row % 4 for row in range(len(y))]  # whole numbers, 0 too; cast to double
+    w_val = [2 * row + 1 for row in range(len(y_val))]
+    prepared, summary = prepare(weighted_frame(spark, X, y, w, "int"), "features", "label",
+                                weighted_frame(spark, X_val, y_val, w_val, "bigint"), weight_col="w")
+    assert summary.weighted and summary.n_features == FEATURES
+    assert prepared.dtypes == [("features", "array<float>"), ("label", "double"), ("split", "int"),
+                               ("weight", "double")]
+    rows = prepared.collect()
+    assert [(row.split, row.label, row.weight) for row in rows] == \
+        [(0, float(label), float(weight)) for label, weight in zip(y, w)] + \
+        [(1, float(label), float(weight)) for label, weight in zip(y_val, w_val)]
+    assert summary.sample[0].shape == (1, FEATURES) and len(summary.sample) == 2  # (X, y), as unweighted
+    # unweighted: the three columns, as before
+    plain, plain_summary = prepare(weighted_frame(spark, X, y, w, "int"), "features", "label")
+    assert plain.columns == ["features", "label", "split"] and not plain_summary.weighted
+
+
+def test_prepare_once_keeps_weighted_and_unweighted_checks_apart(spark):
+    X, y = blobs()
+    data = weighted_frame(spark, X, y, [float(row % 3) for row in range(len(y))]).cache()
+    try:
+        unweighted = prepare_once(data, "features", "label")
+        weighted = prepare_once(data, "features", "label", weight_col="w")
+        assert weighted is not unweighted
+        assert weighted[1].weighted and weighted[0].columns[-1] == "weight"
+        assert not unweighted[1].weighted and unweighted[0].columns == ["features", "label", "split"]
+        # each remembered under its own settings
+        assert prepare_once(data, "features", "label") is unweighted
+        assert prepare_once(data, "features", "label", weight_col="w") is weighted
+    finally:
+        data.unpersist()
 
 
 # ---- settings that need a session of their own (last: they stop the module's) ----------

@@ -182,6 +182,27 @@ def test_early_stopping_keeps_the_epoch_of_the_lowest_validation_loss(spark):
         AllReduceRegressor(earlyStoppingPatience=2, showProgress=False).fit(df)
 
 
+def test_weight_col_trains_as_repeating_each_row_its_weight_times(spark):
+    """Whole weights 0-3, full-batch gradient descent: the same weights as the rows repeated."""
+    rng = np.random.default_rng(5)
+    X = rng.standard_normal((120, 3))
+    y = X @ np.array([1.5, -2.0, 0.5]) + rng.standard_normal(120)
+    weight = rng.integers(0, 4, 120)
+    weighted = spark.createDataFrame([(Vectors.dense(row), float(t), int(w)) for row, t, w in zip(X, y, weight)],
+                                     ["features", "label", "w"])
+    repeated = spark.createDataFrame([(Vectors.dense(row), float(t)) for row, t, w in zip(X, y, weight)
+                                      for _ in range(w)], ["features", "label"])
+    settings = dict(optimizer="sgd", stepSize=0.1, batchSize=1000, maxEpochs=4, numWorkers=2, codec="raw",
+                    showProgress=False)
+    by_weight = AllReduceRegressor(weightCol="w", **settings).fit(weighted)
+    by_rows = AllReduceRegressor(**settings).fit(repeated)
+    np.testing.assert_allclose(by_weight.weights, by_rows.weights, rtol=1e-5, atol=1e-6)
+    assert by_weight.history.steps[0]["samples"] == weight.sum() == by_rows.history.steps[0]["samples"]
+    bad = weighted.withColumn("w", weighted.w - 1)
+    with pytest.raises(InputError, match=r"rows whose weight 'w' \(weightCol\) is null, NaN, negative or infinite"):
+        AllReduceRegressor(weightCol="w", **settings).fit(bad)
+
+
 def test_thresholds_choose_the_class_as_mllib_does(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=200))
     fitted = AllReduceClassifier(maxEpochs=1, batchSize=64, showProgress=False).fit(df)
@@ -194,8 +215,8 @@ def test_thresholds_choose_the_class_as_mllib_does(spark):
 
 def test_bad_settings_and_labels_name_the_param(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=100))
-    with pytest.raises(ConfigurationError, match="weightCol='w' is not supported yet"):
-        AllReduceClassifier(weightCol="w").fit(df)
+    with pytest.raises(InputError, match=r"the training data has no column 'w' \(weightCol\)"):
+        AllReduceClassifier(weightCol="w", showProgress=False).fit(df)
     with pytest.raises(ConfigurationError, match="optimizer='nadam' is not one of adam, adamw, sgd"):
         AllReduceClassifier(optimizer="nadam").fit(df)
     with pytest.raises(ConfigurationError, match="AllReduceClassifier: batchSize must be a positive whole number"):

@@ -2,7 +2,8 @@
 
 Every input row carries its identity: a training row's label is its index i in the input's
 order (partition by partition, row by row), a validation row's label is 100 + i, and its
-first feature repeats the label (so features travel with their row). The expected placement
+first feature repeats the label (so features travel with their row); in weighted data its
+weight is ``weight_of(label)`` (so weights travel with their row too). The expected placement
 is computed here from the schemes' definitions and compared with what Spark placed.
 """
 
@@ -14,7 +15,15 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import ConfigurationError
-from allreduce_param.train.data import ORDER_COLUMNS, TRAIN, VALIDATION, PartitionCount, arrays_from_arrow, prepare
+from allreduce_param.train.data import (
+    ORDER_COLUMNS,
+    TRAIN,
+    VALIDATION,
+    PartitionCount,
+    arrays_from_arrow,
+    arrays_from_pairs,
+    prepare,
+)
 from allreduce_param.train.partitioning import (
     SCHEMES,
     check_scheme,
@@ -38,15 +47,23 @@ VALIDATION_BASE = 100
 
 
 
-def frame(spark, sizes, base=0.0):
-    """A DataFrame with exactly ``sizes[p]`` rows in input partition p; row i's label is base + i."""
+def weight_of(label):
+    """A weighted row's weight, from its label: 0 for every fifth row (a weight may be 0), else
+    one no other row has."""
+    return 0.0 if label % 5 == 0 else label / 4 + 0.5
+
+
+def frame(spark, sizes, base=0.0, weighted=False):
+    """A DataFrame with exactly ``sizes[p]`` rows in input partition p; row i's label is base + i.
+    ``weighted``: with a column ``w`` of ``weight_of(label)``."""
     starts = [sum(sizes[:p]) for p in range(len(sizes))]
 
     def rows(p):
-        return [([float(base + starts[p] + j), -1.0], float(base + starts[p] + j)) for j in range(sizes[p])]
+        labels = [float(base + starts[p] + j) for j in range(sizes[p])]
+        return [([label, -1.0], label, weight_of(label)) if weighted else ([label, -1.0], label) for label in labels]
 
     rdd = spark.sparkContext.parallelize(range(len(sizes)), len(sizes)).flatMap(rows)
-    return spark.createDataFrame(rdd, "features array<float>, label double")
+    return spark.createDataFrame(rdd, "features array<float>, label double" + (", w double" if weighted else ""))
 
 
 def pairs(spark, sizes):
@@ -85,16 +102,18 @@ def expected(scheme, workers, seed, n_train, n_validation=0):
 
 def glom(df):
     """Per partition of ``df``, the (split, label) of its rows in order (by ``ORDER_COLUMNS``
-    where it has them); checks features went along."""
+    where it has them); checks features, and weights where ``df`` has them, went along."""
     keyed = all(name in df.columns for name in ORDER_COLUMNS)
+    weighted = "weight" in df.columns
 
     def rows_of(rows):
         rows = sorted(rows, key=lambda r: (r.split, r._order, r._i)) if keyed else list(rows)
-        return [(r.split, r.label, r.features[0]) for r in rows]
+        return [(r.split, r.label, r.features[0], r.weight if weighted else None) for r in rows]
 
     parts = df.rdd.glom().map(rows_of).collect()
-    assert all(label == first for part in parts for _, label, first in part)
-    return [[(split, label) for split, label, _ in part] for part in parts]
+    assert all(label == first for part in parts for _, label, first, _ in part)
+    assert all(weight == (weight_of(label) if weighted else None) for part in parts for _, label, _, weight in part)
+    return [[(split, label) for split, label, _, _ in part] for part in parts]
 
 
 def glom_pairs(rdd):
@@ -103,28 +122,34 @@ def glom_pairs(rdd):
     return [[label for _, label in part] for part in parts]
 
 
-def read_in_barrier(df):
+def read_in_barrier(df, weighted=False):
     """What each task of a barrier stage over ``df`` reads, per partition id, in order: as
-    the fit's tasks do, through ``arrays_from_arrow``."""
+    the fit's tasks do, through ``arrays_from_arrow``. Its weights must be ``weight_of``
+    each row's label where the data is ``weighted``, else None."""
 
     def task(batches):
         import pyarrow as pa
         from pyspark import BarrierTaskContext
 
         partition = BarrierTaskContext.get().partitionId()
-        X, y, split = arrays_from_arrow(batches, 2)
+        X, y, split, weight = arrays_from_arrow(batches, 2)
         assert (X[:, 0] == y).all()
-        rows = list(zip(split.tolist(), y.tolist()))
+        weights = [None] * len(y) if weight is None else weight.tolist()
+        kind = "none" if weight is None else f"{weight.dtype} {weight.shape}"
         yield pa.RecordBatch.from_pydict(
-            {"partition": [partition] * len(rows), "position": list(range(len(rows))),
-             "split": [s for s, _ in rows], "label": [x for _, x in rows]},
+            {"partition": [partition] * len(y), "position": list(range(len(y))), "split": split.tolist(),
+             "label": y.tolist(), "weight": weights, "kind": [kind] * len(y)},
             schema=pa.schema([("partition", pa.int64()), ("position", pa.int64()), ("split", pa.int64()),
-                              ("label", pa.float64())]))
+                              ("label", pa.float64()), ("weight", pa.float64()), ("kind", pa.string())]))
 
-    out = df.mapInArrow(task, "partition long, position long, split long, label double", barrier=True).collect()
+    out = df.mapInArrow(task, "partition long, position long, split long, label double, weight double, kind string",
+                        barrier=True).collect()
     parts = [[] for _ in range(df.rdd.getNumPartitions())]
     for row in sorted(out, key=lambda r: (r.partition, r.position)):
         parts[row.partition].append((row.split, row.label))
+    for row in out:  # a float64 weight per row of its partition, each its own row's
+        want = (f"float64 ({len(parts[row.partition])},)", weight_of(row.label)) if weighted else ("none", None)
+        assert (row.kind, row.weight) == want, row
     return parts
 
 
@@ -241,6 +266,43 @@ def test_as_is_keeps_cached_partitions_one_per_worker_as_they_lie(spark):
         train.unpersist()
 
 
+@pytest.fixture(scope="module")
+def weighted_data(spark):
+    return prepare(frame(spark, TRAIN_SIZES, weighted=True), "features", "label",
+                   frame(spark, VALIDATION_SIZES, VALIDATION_BASE, weighted=True), weight_col="w")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_scheme_carries_each_rows_weight_along(data, weighted_data, scheme):
+    """The same rows, in the same places, as unweighted; each with its own weight, copies too
+    (``read_in_barrier`` and ``glom`` check every row's weight against its label)."""
+    prepared, summary = weighted_data
+    assert summary.weighted and prepared.columns == ["features", "label", "split", "weight"]
+    placed = place_rows(prepared, WORKERS, scheme, 5, summary.partition_counts, weighted=True)
+    assert placed.columns == ["features", "label", "split", "weight", *ORDER_COLUMNS]
+    if scheme == "as_is":  # each input partition's rows dealt out, as for the same rows unweighted
+        unweighted, unweighted_summary = data
+        want = glom(place_rows(unweighted, WORKERS, scheme, 5, unweighted_summary.partition_counts))
+    else:
+        want = expected(scheme, WORKERS, 5, sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
+    assert read_in_barrier(placed, weighted=True) == want
+    # place_rows_once learns from the summary that the rows have weights
+    assert glom(place_rows_once(prepared, WORKERS, scheme, 5, summary)) == want
+
+
+def test_cached_weighted_partitions_kept_as_they_lie_keep_their_weights(spark):
+    train = frame(spark, [3, 0, 5, 2], weighted=True).cache()
+    try:
+        prepared, summary = prepare(train, "features", "label", weight_col="w")
+        kept = rows_in_place(prepared, 4, "as_is", summary)
+        assert kept is prepared and summary.weighted
+        assert read_in_barrier(kept, weighted=True) == [[(TRAIN, 0.0), (TRAIN, 1.0), (TRAIN, 2.0)], [],
+                                                        [(TRAIN, float(i)) for i in range(3, 8)],
+                                                        [(TRAIN, 8.0), (TRAIN, 9.0)]]
+    finally:
+        train.unpersist()
+
+
 def test_the_placement_of_cached_data_is_planned_once_per_setting(spark, data):
     train, validation = frame(spark, [3, 0, 5, 2]).cache(), frame(spark, [2, 2], VALIDATION_BASE).cache()
     try:
@@ -261,24 +323,47 @@ def test_the_placement_of_cached_data_is_planned_once_per_setting(spark, data):
         validation.unpersist()
 
 
-def test_a_shuffled_partition_is_put_in_order_by_its_keys():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_shuffled_partition_is_put_in_order_by_its_keys(weighted):
     import numpy as np
     import pyarrow as pa
 
     # rows of two splits arriving in no order, in two batches; the keys give (split, _order, _i)
     rows = [(1, 5, 0), (0, 9, 2), (0, 9, 1), (0, 3, 7), (1, 2, 3)]
+    fields = [("features", pa.list_(pa.float32())), ("label", pa.float64()), ("split", pa.int32())]
+    fields += [("weight", pa.float64())] if weighted else []
     batches = [pa.RecordBatch.from_pydict({
         "features": [[float(k), float(k)] for k, _ in enumerate(part, start)],
         "label": [float(k) for k, _ in enumerate(part, start)],
         "split": [split for split, _, _ in part],
+        **({"weight": [weight_of(k) for k, _ in enumerate(part, start)]} if weighted else {}),
         "_order": [order for _, order, _ in part], "_i": [i for _, _, i in part]},
-        schema=pa.schema([("features", pa.list_(pa.float32())), ("label", pa.float64()), ("split", pa.int32()),
-                          ("_order", pa.int64()), ("_i", pa.int64())]))
+        schema=pa.schema(fields + [("_order", pa.int64()), ("_i", pa.int64())]))
         for start, part in ((0, rows[:3]), (3, rows[3:]))]
-    X, y, split = arrays_from_arrow(batches, 2)
+    X, y, split, weight = arrays_from_arrow(batches, 2)
     assert y.tolist() == [3.0, 2.0, 1.0, 4.0, 0.0]  # (0,3,7) (0,9,1) (0,9,2) (1,2,3) (1,5,0)
     assert split.tolist() == [0, 0, 0, 1, 1]
     assert X.dtype == np.float32 and X.flags.c_contiguous and (X[:, 0] == y).all()
+    if weighted:  # sorted as the rows are
+        assert weight.dtype == np.float64 and weight.tolist() == [weight_of(label) for label in y]
+    else:
+        assert weight is None
+    # as they came, without the keys (the data's own partitions)
+    X, y, split, weight = arrays_from_arrow([batch.select(batch.schema.names[:-2]) for batch in batches], 2)
+    assert y.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and (X[:, 0] == y).all()
+    if weighted:
+        assert weight.tolist() == [weight_of(label) for label in y]
+    else:
+        assert weight is None
+
+
+def test_no_batches_or_pairs_are_unweighted_and_empty():
+    X, y, split, weight = arrays_from_arrow(iter([]), 3)
+    assert (X.shape, y.shape, split.shape, weight) == ((0, 3), (0,), (0,), None)
+    X, y, split, weight = arrays_from_pairs(iter([([1.0, 2.0], 1.0), ([3.0, 4.0], 0.0)]), 2)
+    assert X.tolist() == [[1.0, 2.0], [3.0, 4.0]] and y.tolist() == [1.0, 0.0]
+    assert split.tolist() == [0, 0] and weight is None
+    assert arrays_from_pairs(iter([]), 2)[3] is None
 
 
 @pytest.mark.parametrize("scheme", ["random", "overlap_reshuffle"])

@@ -248,6 +248,37 @@ def test_three_rows_on_four_workers_leave_one_partition_empty(spark):
     assert [s["samples"] for s in result.history.steps] == [3, 3]
 
 
+@pytest.mark.parametrize("scheme", ["as_is", "random"])
+def test_with_sample_weights_each_full_batch_step_is_the_weighted_mean(spark, scheme):
+    """Three workers whose rows weigh very differently ("random" also gives them uneven
+    row counts): each step's gradient is the weighted mean over all rows, computed here in
+    float64 from each row's own gradient."""
+    X, y = regression_data()
+    rng = np.random.default_rng(7)
+    weight = rng.uniform(0, 3, len(X)) * (rng.random(len(X)) > 0.2)
+    df = spark.createDataFrame([(row.tolist(), float(label), float(w)) for row, label, w in zip(X, y, weight)],
+                               "features array<float>, label double, w double")
+    model, lr, epochs = models.LinearRegression(5), 0.1, 3
+    result = DistriOptimizer(model, optim.SGD(lr=lr), batch_size=len(X), epochs=epochs, codec="raw", num_workers=3,
+                             partition_scheme=scheme).fit(df, weight_col="w")
+    weights = model.init(np.random.default_rng(0)).astype(np.float64)
+    for _ in range(epochs):
+        rows = [model.loss_and_grad(weights.astype(np.float32), X[i:i + 1], y[i:i + 1])[1] for i in range(len(X))]
+        weights -= lr * np.average(np.asarray(rows, np.float64), axis=0, weights=weight)
+    np.testing.assert_allclose(result.weights, weights, rtol=1e-4, atol=1e-5)
+    assert all(s["samples"] == pytest.approx(weight.sum()) for s in result.history.steps)
+
+
+def test_sample_weights_need_a_dataframe_and_a_model_that_takes_them(spark, small):
+    X, y = regression_data(rows=20)
+    with pytest.raises(InputError, match="weight_col='w' goes with DataFrame input"):
+        fit(spark.sparkContext.parallelize(list(zip(X, y)), 2), weight_col="w")
+    with pytest.raises(ConfigurationError, match=r"weight_col='w': the model .*Ridge.* takes no sample weights"):
+        fit(small, model=Ridge(5), weight_col="w")
+    with pytest.raises(InputError, match=r"the training data has no column 'w' \(weight_col\)"):
+        fit(small, weight_col="w")
+
+
 # ---- bad input: refused before any task starts ------------------------------------------
 
 
@@ -257,10 +288,11 @@ def small(spark):
     return frame(spark, X, y, vectors=True)
 
 
-def fit(data, model=None, **settings):
+def fit(data, model=None, weight_col=None, **settings):
     defaults = dict(batch_size=8, epochs=1)
     defaults.update(settings)
-    return DistriOptimizer(model or models.LinearRegression(5), optim.SGD(lr=0.1), **defaults).fit(data)
+    return DistriOptimizer(model or models.LinearRegression(5), optim.SGD(lr=0.1), **defaults).fit(
+        data, weight_col=weight_col)
 
 
 def test_a_missing_column_lists_the_columns(small):

@@ -60,7 +60,9 @@ class Model(Protocol):
     - ``sample_weight=`` on ``loss_and_grad``, ``loss_and_grad_into`` and
       ``loss_and_predictions``: one weight >= 0 per row; each row's loss and gradient count
       its weight times, and ``count`` is the weights' sum. The built-in dense models take
-      it; the fit does not pass weights yet (the Estimators' ``weightCol`` is refused).
+      it. A fit with sample weights (``fit(weight_col=...)``, the Estimators' ``weightCol``)
+      passes it to every call and needs a model whose ``loss_and_grad`` takes it
+      (``takes_sample_weight``); its ``loss_and_grad_into`` serves only if it takes it too.
     - ``predict_raw(weights, X) -> np.ndarray``: the outputs before the head, (rows,
       outputs): a classifier's class scores (logits). The built-in dense models have it;
       ``allreduce_param.ml``'s classifier reads its ``rawPrediction`` and ``probability``
@@ -166,6 +168,17 @@ def merge_buffers(pieces: Sequence[tuple[Mapping[str, np.ndarray], float]]) -> d
         else:  # a counter or a flag: the largest
             merged[name] = np.asarray(np.max(np.stack(values), axis=0)).astype(dtype)
     return merged
+
+
+def takes_sample_weight(method) -> bool:
+    """Whether a model's call takes ``sample_weight=`` (by name, or through ``**kwargs``)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
+        return False
+    return any(p.name == "sample_weight" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def optional_call(model, name: str, instead_of: tuple[str, ...]):

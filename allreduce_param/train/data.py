@@ -3,17 +3,22 @@
 On the driver, ``prepare`` checks the columns before any task starts (a missing column, a
 vector of the wrong length, NaN labels, ragged rows, NaN or Inf features, and for a
 classifier labels that are no class id each get a clear error) and shapes the DataFrame
-into ``features: array<float>, label: double, split: int`` (0 train, 1 validation). Every
+into ``features: array<float>, label: double, split: int`` (0 train, 1 validation). With a
+column of sample weights (``weight_col``) it adds a fourth, ``weight: double``, after them:
+each weight must be a finite number >= 0, and each split's weights must not all be 0 (the
+gradient is the weighted mean; a split that weighs nothing has none). Without one the
+DataFrame keeps the three columns, and nothing changes for an unweighted fit. Every
 row check is part of its one pass over the data (numpy over Arrow batches, one Spark stage),
 so a bad row fails the fit there, in seconds, not as a NonFiniteGradientError or a label
 error at some step of the barrier stage.
 Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into one
 contiguous float32 matrix, once, with no per-row Python objects, in the order the rows
-were placed in.
+were placed in; the labels, splits and (weighted data) weights come as arrays in that order.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
@@ -28,8 +33,11 @@ from . import arrow
 from .spark_info import SparkInfo
 
 TRAIN, VALIDATION = 0, 1
-#: The columns a prepared DataFrame has, and their Spark types.
+#: The columns a prepared DataFrame has, and their Spark types; prepared with ``weight_col``
+#: it has a fourth after them, ``WEIGHT_COLUMN double`` (``prepared_columns`` lists them).
 PREPARED_SCHEMA = "features array<float>, label double, split int"
+#: The prepared column of sample weights (float64), where the data has them.
+WEIGHT_COLUMN = "weight"
 #: The columns a shuffled placement adds (``partitioning.place_rows``): a partition's rows
 #: belong in (split, _order, _i) order. A shuffle delivers them in no fixed order, and
 #: ``arrays_from_arrow`` sorts the keys in numpy for less than Spark's sort of whole rows.
@@ -61,6 +69,10 @@ class DataSummary:
     ``partition_num``: how many partitions the prepared DataFrame has, empty ones too (the
     tasks of the checks' job), so the driver need not ask Spark again. ``cached``: whether
     the data checked was cached (``df.cache()``), so its partitions stay the ones counted.
+    ``weighted``: whether it was prepared with ``weight_col``, so its rows carry the
+    ``weight`` column (``prepared_columns(summary.weighted)`` are its columns): what
+    ``partitioning.place_rows_once`` goes by, without asking Spark for the schema (under
+    Spark Connect a round trip).
     """
 
     n_features: int
@@ -68,10 +80,17 @@ class DataSummary:
     partition_counts: tuple[PartitionCount, ...] = ()
     partition_num: int | None = None
     cached: bool = False
+    weighted: bool = False
 
     def rows(self, split: int = TRAIN) -> int:
         """How many rows of ``split`` (TRAIN or VALIDATION) the data has."""
         return sum(count.rows for count in self.partition_counts if count.split == split)
+
+
+def prepared_columns(weighted: bool = False) -> tuple[str, ...]:
+    """The columns of a prepared DataFrame, in order: ``features, label, split``, then
+    ``weight`` for data prepared with ``weight_col`` (``DataSummary.weighted``)."""
+    return ("features", "label", "split", WEIGHT_COLUMN) if weighted else ("features", "label", "split")
 
 
 #: monotonically_increasing_id() holds the partition index above this many bits.
@@ -79,28 +98,31 @@ _POSITION_BITS = 33
 
 
 def prepare(df, features_col: str, label_col: str, validation=None, *, task: str | None = None,
-            num_classes: int | None = None):
+            num_classes: int | None = None, weight_col: str | None = None):
     """Check ``df`` (and ``validation``) and shape them for training; (DataFrame, DataSummary).
 
     Runs one Spark job of one stage for both DataFrames (row counts per split and partition,
-    vector lengths, missing labels, non-finite features, and the labels a classifier cannot take).
-    Its counts are of the returned DataFrame's own partitions, so ``partitioning.place_rows``
-    on that DataFrame can index its rows without counting again.
+    vector lengths, missing labels, non-finite features, the labels a classifier cannot take,
+    and with ``weight_col`` the weights' checks and sums). Its counts are of the returned
+    DataFrame's own partitions, so ``partitioning.place_rows`` on that DataFrame can index
+    its rows without counting again.
 
     ``task`` is the model's (``"classification"`` or ``"regression"``); for classification
     every label must be a whole number >= 0, and below ``num_classes`` when the model says
-    how many classes it has (``Model.num_classes``). Each error names the data, the column,
-    how many rows are bad and the first of them (its index from 0 in the DataFrame's order).
+    how many classes it has (``Model.num_classes``). ``weight_col`` names a numeric column
+    of sample weights, in ``validation`` too (its rows are weighted in evaluation): each
+    must be a finite number >= 0, and each DataFrame's weights must sum to more than 0; the
+    result then has the ``weight`` column and ``DataSummary.weighted``. Each error names the
+    data, the column, how many rows are bad and the first of them (its index from 0 in the
+    DataFrame's order).
     """
-    from pyspark.sql import functions as F
-
     classes = _class_count(num_classes) if task == "classification" else None
     frames = [("training", df, TRAIN)] + ([("validation", validation, VALIDATION)] if validation is not None else [])
-    parts = [_shape(frame, features_col, label_col, name).withColumn("split", F.lit(split))
-             for name, frame, split in frames]
+    parts = [_shape(frame, features_col, label_col, name, split, weight_col) for name, frame, split in frames]
     prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
-    checks = _row_checks(task == "classification", classes)
-    stats_by_split, partition_num = _statistics(prepared, checks, classes)
+    weighted = weight_col is not None
+    checks = _row_checks(task == "classification", classes, weight_col)
+    stats_by_split, partition_num = _statistics(prepared, checks, classes, weighted)
     lengths, counts = [], []
     for name, _, split in frames:
         stats = stats_by_split.get(split)
@@ -121,6 +143,8 @@ def prepare(df, features_col: str, label_col: str, validation=None, *, task: str
         for check in checks:
             if stats[check.name]:
                 raise InputError(check.message(name, features_col, label_col, classes, stats))
+        if weighted:
+            _check_weight_sum(name, weight_col, stats)
         lengths.append(stats["longest"])
         counts.extend(PartitionCount(split, int(part["partition"]), int(part["rows"]),
                                      int(part["first"]) & ((1 << _POSITION_BITS) - 1))
@@ -130,7 +154,8 @@ def prepare(df, features_col: str, label_col: str, validation=None, *, task: str
     if len(lengths) == 2 and lengths[0] != lengths[1]:
         raise InputError(f"training vectors have {lengths[0]} elements but validation vectors {lengths[1]}")
     cached = all(_cached(frame) for _, frame, _ in frames)
-    return prepared, DataSummary(int(lengths[0]), sample, tuple(sorted(counts)), partition_num, cached)
+    return prepared, DataSummary(int(lengths[0]), sample, tuple(sorted(counts)), partition_num, cached,
+                                 weighted=weighted)
 
 
 #: How many checked cached DataFrames ``prepare_once`` remembers (the newest).
@@ -140,7 +165,7 @@ _checked_lock = threading.Lock()  # fits may run on several threads of one drive
 
 
 def prepare_once(df, features_col: str, label_col: str, validation=None, *, task: str | None = None,
-                 num_classes: int | None = None):
+                 num_classes: int | None = None, weight_col: str | None = None):
     """``prepare``, once per cached data: for DataFrames that are cached (``df.cache()``), the
     result of an earlier call with the same settings on the same data, if this process made
     one, without its Spark job; otherwise ``prepare`` itself.
@@ -148,19 +173,22 @@ def prepare_once(df, features_col: str, label_col: str, validation=None, *, task
     Several fits on the same cached data (tuning a learning rate, a grid search) then check
     it once. Only cached DataFrames are remembered: their rows stay what they were when
     checked, where a DataFrame read anew from its source might not. The same data means
-    the same query (``sameSemantics``) over the same cache.
+    the same query (``sameSemantics``) over the same cache; the same settings include
+    ``weight_col`` (a weighted fit's prepared data has a column an unweighted one's lacks).
     """
     frames = [df] if validation is None else [df, validation]
     if not all(_cached(frame) for frame in frames):
-        return prepare(df, features_col, label_col, validation, task=task, num_classes=num_classes)
-    settings = (SparkInfo(df.sparkSession).application_id, features_col, label_col, task, num_classes)
+        return prepare(df, features_col, label_col, validation, task=task, num_classes=num_classes,
+                       weight_col=weight_col)
+    settings = (SparkInfo(df.sparkSession).application_id, features_col, label_col, task, num_classes, weight_col)
     with _checked_lock:
         earlier = list(reversed(_checked))
     for earlier_settings, earlier_frames, result in earlier:
         if earlier_settings == settings and len(earlier_frames) == len(frames) \
                 and all(_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames)):
             return result
-    result = prepare(df, features_col, label_col, validation, task=task, num_classes=num_classes)
+    result = prepare(df, features_col, label_col, validation, task=task, num_classes=num_classes,
+                     weight_col=weight_col)
     with _checked_lock:
         _checked.append((settings, frames, result))
         del _checked[:-CHECKED_KEEP]
@@ -195,33 +223,40 @@ class _RowCheck(NamedTuple):
     message: object    # (data name, features_col, label_col, classes, stats) -> str
 
 
-def _row_checks(classification: bool, classes: int | None) -> list[_RowCheck]:
+def _row_checks(classification: bool, classes: int | None, weight_col: str | None = None) -> list[_RowCheck]:
     """The row conditions ``prepare`` refuses, in the order it reports them.
 
     Features: NaN, +/-Inf or null elements (a double beyond float32's range became Inf when
     the column was cast). Labels: +/-Inf (null and NaN are counted apart, as before); for a
     classifier also fractional, negative, and (when the model says) >= its class count.
+    Weights (with ``weight_col``): null, NaN, negative or +/-Inf.
     """
     checks = [_RowCheck("nonfinite_features", _nonfinite_features), _RowCheck("infinite_labels", _infinite_labels)]
     if classification:
         checks += [_RowCheck("fractional_labels", _fractional_labels), _RowCheck("negative_labels", _negative_labels)]
         if classes is not None:
             checks.append(_RowCheck("too_large_labels", _too_large_labels))
+    if weight_col is not None:
+        checks.append(_RowCheck("bad_weights", functools.partial(_bad_weights, weight_col)))
     return checks
 
 
-def _bad_rows(labels: np.ndarray, bad_features: np.ndarray, classes: int | None) -> dict[str, np.ndarray]:
+def _bad_rows(labels: np.ndarray, bad_features: np.ndarray, classes: int | None,
+              weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Each row check's condition over a batch: which rows meet it (null labels are NaN here,
-    and meet none: ``bad_labels`` counts them)."""
+    and meet none: ``bad_labels`` counts them; null weights are NaN here too, and bad)."""
     with np.errstate(invalid="ignore"):
         whole = np.abs(labels) < np.inf
-        return {
+        bad = {
             "nonfinite_features": bad_features,
             "infinite_labels": np.abs(labels) == np.inf,
             "fractional_labels": whole & (labels != np.round(labels)),
             "negative_labels": whole & (labels < 0),
             "too_large_labels": whole & (labels >= (np.inf if classes is None else classes)),
         }
+        if weights is not None:
+            bad["bad_weights"] = ~(np.isfinite(weights) & (weights >= 0))
+        return bad
 
 
 def _nonfinite_features(name, features_col, label_col, classes, stats) -> str:
@@ -270,6 +305,31 @@ def _too_large_labels(name, features_col, label_col, classes, stats) -> str:
     )
 
 
+def _bad_weights(weight_col, name, features_col, label_col, classes, stats) -> str:
+    return (
+        f"the {name} data has {stats['bad_weights']} rows whose weight {weight_col!r} (weight_col) is null, NaN, "
+        f"negative or infinite ({_example(stats, 'bad_weights')}); a weight must be a finite number >= 0: "
+        f"fill them, e.g. df.fillna(1.0, subset=[{weight_col!r}]) for null and NaN, or filter them out, e.g. "
+        f"df.filter((F.col({weight_col!r}) >= 0) & (F.col({weight_col!r}) < float('inf')))"
+    )
+
+
+def _check_weight_sum(name: str, weight_col: str, stats: dict) -> None:
+    """Refuse a split whose weights (each finite and >= 0) sum to 0, or beyond float64."""
+    total = stats["weight_sum"]
+    if total == 0:
+        raise InputError(
+            f"the {name} data's weights in {weight_col!r} (weight_col) sum to 0: all its {stats['rows']} rows "
+            "have weight 0, so no row counts (a weighted mean over them is 0/0); at least one row needs a "
+            "weight > 0"
+        )
+    if not math.isfinite(total):
+        raise InputError(
+            f"the {name} data's weights in {weight_col!r} (weight_col) sum to more than a float64 holds "
+            "(about 1.8e308); scale them down: only their ratios matter"
+        )
+
+
 def _example(stats: dict, check: str) -> str:
     return f"e.g. {_number(stats[check + '_first']['value'])} at row {_first_bad_row(stats, check)}"
 
@@ -303,14 +363,17 @@ def _first_bad_row(stats: dict, check: str) -> int:
     return before + position - start
 
 
-def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None = None) -> tuple[dict, int]:
+def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None = None,
+                weighted: bool = False) -> tuple[dict, int]:
     """One pass over the prepared rows, in a single Spark stage (no shuffle, no query to
     compile): per split, what ``prepare`` checks, and per partition its row count and first
     row (as ``monotonically_increasing_id`` numbers it, which ``place_rows`` reads); and how
     many partitions (tasks) there are.
 
     For each row check: how many rows fail it and the first of them (``row``: its id,
-    ``value``: what the message quotes of it); for the class-count check also the largest label.
+    ``value``: what the message quotes of it); for the class-count check also the largest
+    label. ``weighted`` (the data has the ``weight`` column): also ``weight_sum``, the sum
+    of the split's good weights (float64; each >= 0, so no cancellation).
     """
     from pyspark.sql import functions as F
 
@@ -319,12 +382,12 @@ def _statistics(prepared, checks: Sequence[_RowCheck] = (), classes: int | None 
     def task(batches):
         from pyspark import TaskContext
 
-        for split, stats in _partition_statistics(batches, names, classes).items():
+        for split, stats in _partition_statistics(batches, names, classes, weighted).items():
             yield arrow.record_batch(stats=[json.dumps({"split": split, **stats})])
         yield arrow.record_batch(stats=[json.dumps({"task": TaskContext.get().partitionId()})])
 
     # the ids as place_rows numbers the rows: the same projection over the same plan
-    indexed = prepared.select("features", "label", "split", F.monotonically_increasing_id().alias("row"))
+    indexed = prepared.select(*prepared_columns(weighted), F.monotonically_increasing_id().alias("row"))
     # in row order: by partition, then position (a local relation numbered on the driver, all
     # in its partition 0, may still be read by several tasks: their parts are joined here)
     records = [json.loads(row["stats"]) for row in indexed.mapInArrow(task, "stats string").collect()]
@@ -353,6 +416,8 @@ def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> d
         return part
     for key in ("rows", "bad_labels", "missing_features", *names):
         total[key] += part[key]
+    if "weight_sum" in part:
+        total["weight_sum"] += part["weight_sum"]
     for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
         if part[key] is not None:
             total[key] = part[key] if total[key] is None else pick(total[key], part[key])
@@ -362,7 +427,8 @@ def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> d
     return total
 
 
-def _partition_statistics(batches, names: Sequence[str], classes: int | None) -> dict[int, dict]:
+def _partition_statistics(batches, names: Sequence[str], classes: int | None,
+                          weighted: bool = False) -> dict[int, dict]:
     """Inside a task: ``_statistics``'s figures of this partition (its rows numbered in
     ``row``), by split."""
     found: dict[int, dict] = {}
@@ -383,9 +449,16 @@ def _partition_statistics(batches, names: Sequence[str], classes: int | None) ->
         bad_before = np.concatenate([[0], np.cumsum(bad_element)])
         bad_features = ~missing & (bad_before[offsets[1:]] > bad_before[offsets[:-1]])
         lengths = np.where(missing, -1, np.diff(offsets))
-        bad = _bad_rows(labels, bad_features, classes)
+        weights = weight_null = None
+        if weighted:
+            weight_column = batch.column(batch.schema.get_field_index(WEIGHT_COLUMN))
+            weight_null = arrow.nulls(weight_column)
+            weights = np.where(weight_null, np.nan, arrow.values(weight_column))
+        bad = _bad_rows(labels, bad_features, classes, weights)
 
         def example(name: str, row: int):
+            if name == "bad_weights":
+                return None if weight_null[row] else float(weights[row])
             if name != "nonfinite_features":
                 return float(labels[row])
             index = int(np.argmax(bad_element[offsets[row]:offsets[row + 1]]))
@@ -406,6 +479,8 @@ def _partition_statistics(batches, names: Sequence[str], classes: int | None) ->
                 elements[offsets[first]:offsets[first + 1]].astype(float).tolist(),
                 "first_label": None if label_null[first] else float(labels[first]),
                 "too_large_labels_largest": None}
+            if weighted:  # the good weights only: the bad are counted, and refused, apart
+                stats["weight_sum"] = float(weights[rows][~bad["bad_weights"][rows]].sum())
             for name in names:
                 failed = rows[bad[name][rows]]
                 stats[name] = len(failed)
@@ -417,8 +492,10 @@ def _partition_statistics(batches, names: Sequence[str], classes: int | None) ->
     return found
 
 
-def _shape(frame, features_col: str, label_col: str, name: str):
-    """``features: array<float>, label: double`` from a vector or numeric-array column."""
+def _shape(frame, features_col: str, label_col: str, name: str, split: int, weight_col: str | None = None):
+    """``frame`` as the prepared columns (``prepared_columns``): ``features: array<float>``
+    from a vector or numeric-array column, ``label: double``, ``split: int`` (all ``split``),
+    and with ``weight_col`` the weights as ``weight: double``."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import NumericType
 
@@ -431,7 +508,20 @@ def _shape(frame, features_col: str, label_col: str, name: str):
             f"the {name} label column {label_col!r} is {fields[label_col].simpleString()}; it must "
             "be numeric (use StringIndexer for string classes)"
         )
-    return frame.select(features.alias("features"), F.col(label_col).cast("double").alias("label"))
+    columns = [features.alias("features"), F.col(label_col).cast("double").alias("label"),
+               F.lit(split).alias("split")]
+    if weight_col is not None:
+        if weight_col not in fields:
+            raise InputError(f"the {name} data has no column {weight_col!r} (weight_col); its columns are "
+                             f"{sorted(fields)}")
+        if not isinstance(fields[weight_col], NumericType):
+            raise InputError(
+                f"the {name} weight column {weight_col!r} (weight_col) is {fields[weight_col].simpleString()}; "
+                f"it must be numeric: a finite number >= 0 per row (cast it first, e.g. "
+                f"df.withColumn({weight_col!r}, F.col({weight_col!r}).cast('double')))"
+            )
+        columns.append(F.col(weight_col).cast("double").alias(WEIGHT_COLUMN))
+    return frame.select(*columns)
 
 
 def features_array(frame, features_col: str, name: str | None = None, role: str = "features_col"):
@@ -459,22 +549,28 @@ def features_array(frame, features_col: str, name: str | None = None, role: str 
     )
 
 
-def arrays_from_arrow(batches, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The partition's prepared Arrow batches as ``(X float32 [rows, n_features], y, split)``:
-    in (split, _order, _i) order where the batches carry ``ORDER_COLUMNS``, else as they came."""
-    features, labels, splits, keys = [], [], [], []
+def arrays_from_arrow(batches, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The partition's prepared Arrow batches as ``(X float32 [rows, n_features], y, split,
+    weight)``: in (split, _order, _i) order where the batches carry ``ORDER_COLUMNS``, else
+    as they came. ``weight`` is the rows' float64 weights, in the same order, where the
+    batches carry the ``weight`` column (data prepared with ``weight_col``), else None; None
+    too for a partition without batches (no rows: nothing to weigh)."""
+    features, labels, splits, weights, keys = [], [], [], [], []
     for batch in batches:
         column = batch.column(batch.schema.get_field_index("features"))
         features.append(arrow.values(column.flatten()).reshape(len(batch), n_features))
         labels.append(arrow.values(batch.column(batch.schema.get_field_index("label"))))
         splits.append(arrow.values(batch.column(batch.schema.get_field_index("split"))))
+        if WEIGHT_COLUMN in batch.schema.names:
+            weights.append(arrow.values(batch.column(batch.schema.get_field_index(WEIGHT_COLUMN))))
         if ORDER_COLUMNS[0] in batch.schema.names:
             keys.append([arrow.values(batch.column(batch.schema.get_field_index(name))) for name in ORDER_COLUMNS])
     if not features:
-        return (np.zeros((0, n_features), np.float32), np.zeros(0, np.float64), np.zeros(0, np.int32))
+        return np.zeros((0, n_features), np.float32), np.zeros(0, np.float64), np.zeros(0, np.int32), None
     y, split = np.concatenate(labels), np.concatenate(splits)
+    weight = np.concatenate(weights).astype(np.float64, copy=False) if weights else None
     if not keys:
-        return np.ascontiguousarray(np.concatenate(features), dtype=np.float32), y, split
+        return np.ascontiguousarray(np.concatenate(features), dtype=np.float32), y, split, weight
     order_key, index_key = (np.concatenate([batch_keys[k] for batch_keys in keys]) for k in range(2))
     order = np.lexsort((index_key, order_key, split))
     destination = np.empty_like(order)
@@ -483,16 +579,17 @@ def arrays_from_arrow(batches, n_features: int) -> tuple[np.ndarray, np.ndarray,
     for block in features:  # each batch's rows straight to their places: one copy of the features
         X[destination[start:start + len(block)]] = block
         start += len(block)
-    return X, y[order], split[order]
+    return X, y[order], split[order], None if weight is None else weight[order]
 
 
-def arrays_from_pairs(pairs, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A partition of an RDD of ``(features, label)`` pairs as ``(X, y, split)``, all training rows."""
+def arrays_from_pairs(pairs, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
+    """A partition of an RDD of ``(features, label)`` pairs as ``(X, y, split, None)``, all
+    training rows, unweighted (the same shape as ``arrays_from_arrow``'s)."""
     rows = list(pairs)
     if not rows:
-        return np.zeros((0, n_features), np.float32), np.zeros(0, np.float64), np.zeros(0, np.int32)
+        return np.zeros((0, n_features), np.float32), np.zeros(0, np.float64), np.zeros(0, np.int32), None
     X = np.asarray([np.asarray(features, dtype=np.float32) for features, _ in rows], dtype=np.float32)
     if X.ndim != 2 or X.shape[1] != n_features:
         raise InputError(f"expected feature vectors of {n_features} elements, got an array of shape {X.shape}")
     y = np.asarray([label for _, label in rows], dtype=np.float64)
-    return X, y, np.zeros(len(rows), np.int32)
+    return X, y, np.zeros(len(rows), np.int32), None

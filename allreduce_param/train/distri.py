@@ -19,7 +19,7 @@ import numpy as np
 from ..codec import codec_names
 from ..errors import ConfigurationError, InputError, TrainingError
 from ..messages import MessageServer
-from ..models.base import has_buffers, merge_buffers, model_task
+from ..models.base import has_buffers, merge_buffers, model_task, takes_sample_weight
 from ..parameter import AllReduceParameter
 from ..rendezvous import MeetingPoint
 from ..strategy import Strategy
@@ -131,10 +131,16 @@ class DistriOptimizer:
         self.progress, self.log_path, self.listener = s.progress, s.log_path, s.listener
 
     def fit(self, data: DataFrame | RDD, features_col: str = "features", label_col: str = "label",
-            validation: DataFrame | None = None, resume_from: str | None = None) -> TrainedModel:
+            validation: DataFrame | None = None, resume_from: str | None = None,
+            weight_col: str | None = None) -> TrainedModel:
         """Train on ``data`` (a DataFrame, or an RDD of ``(features, label)`` numpy pairs).
 
         ``validation`` (a DataFrame with the same columns) is evaluated after every epoch.
+        ``weight_col``: a numeric column of sample weights (finite, >= 0; the validation
+        data needs it too): each step's gradient is the weighted mean over its global batch,
+        exactly, however the rows fall on the partitions, and the losses and metrics are
+        weighted means. It needs a DataFrame, and a model whose ``loss_and_grad`` takes
+        ``sample_weight=`` (the built-in dense models do).
         ``resume_from``: a checkpoint (its folder, or a fit's folder: its newest) to continue
         from, optimizer state included, on any number of workers. Bad data or settings raise
         before any task starts; a failing task raises ``TrainingError`` naming its
@@ -148,9 +154,12 @@ class DistriOptimizer:
             raise InputError(f"early_stopping_patience={self.settings.early_stopping_patience} stops on the "
                              "validation loss: pass validation data, fit(df, validation=validation_df) (with an "
                              "Estimator: set validationIndicatorCol)")
+        if weight_col is not None:
+            self._check_takes_weights(data, weight_col)
         if hasattr(data, "sparkSession"):
             prepared, summary = prepare_once(data, features_col, label_col, validation, task=model_task(self.model),
-                                             num_classes=getattr(self.model, "num_classes", None))
+                                             num_classes=getattr(self.model, "num_classes", None),
+                                             weight_col=weight_col)
             n_features, sample, partitions = summary.n_features, summary.sample, summary.partition_num
             source = prepared
         elif hasattr(data, "mapPartitions"):
@@ -283,6 +292,20 @@ class DistriOptimizer:
             bar.close()
             if log_file is not None:
                 log_file.close()
+
+    def _check_takes_weights(self, data, weight_col: str) -> None:
+        """Sample weights need a DataFrame and a model that takes them."""
+        if not isinstance(weight_col, str) or not weight_col:
+            raise InputError(f"weight_col must be the name of a column of sample weights, got {weight_col!r}")
+        if not hasattr(data, "sparkSession"):
+            raise InputError(f"weight_col={weight_col!r} goes with DataFrame input; for an RDD of (features, "
+                             "label) pairs, make it a DataFrame with a weight column, e.g. "
+                             "spark.createDataFrame(rdd.map(lambda r: (Vectors.dense(r[0]), float(r[1]), w)), ...)")
+        if not takes_sample_weight(self.model.loss_and_grad):
+            raise ConfigurationError(
+                f"weight_col={weight_col!r}: the model {self.model!r} takes no sample weights (its loss_and_grad "
+                "has no sample_weight= argument); use a model that does (the built-in dense models: MLP, "
+                "LinearRegression, LogisticRegression, SoftmaxRegression), or train without weights")
 
     def _check_model_takes(self, sample, n_features: int) -> int:
         """Run the model on one real row on the driver, so a shape mismatch fails here; its size.

@@ -21,7 +21,8 @@ separately for training and validation rows. Validation rows are never copied: o
 ``as_is`` (which deals them out as it does the training rows), validation row i goes to
 worker ``i mod workers``.
 
-Rows move with one Spark shuffle by a computed key; the driver sees only counts. The
+Rows move with one Spark shuffle by a computed key, their weights with them where the
+data has them (``weight_col``); the driver sees only counts. The
 order inside a partition travels as key columns (``data.ORDER_COLUMNS``) and the task
 sorts by them, for less than Spark's sort of whole rows would cost. The DataFrame path
 uses DataFrame functions only (it must also run under Spark Connect): a row's
@@ -45,7 +46,7 @@ import mmh3
 import xxhash
 
 from ..errors import ConfigurationError
-from .data import ORDER_COLUMNS, TRAIN, VALIDATION, DataSummary, PartitionCount
+from .data import ORDER_COLUMNS, TRAIN, VALIDATION, DataSummary, PartitionCount, prepared_columns
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -53,8 +54,6 @@ if TYPE_CHECKING:
 
 SCHEMES = ("as_is", "contiguous", "round_robin", "random", "overlap_reshuffle")
 
-#: The columns of a prepared DataFrame, in order (data.PREPARED_SCHEMA).
-_COLUMNS = ("features", "label", "split")
 #: monotonically_increasing_id() holds the partition index above this many bits, the row's
 #: position in its partition below.
 _POSITION_BITS = 33
@@ -73,17 +72,20 @@ def check_scheme(scheme: str) -> str:
 
 
 def place_rows(prepared: DataFrame, workers: int, scheme: str, seed: int,
-               partition_counts: Sequence[PartitionCount]) -> DataFrame:
+               partition_counts: Sequence[PartitionCount], *, weighted: bool = False) -> DataFrame:
     """The rows of ``prepared`` placed on ``workers`` partitions by ``scheme``.
 
     ``prepared`` is the DataFrame ``data.prepare`` returned (``features array<float>,
-    label double, split int``) and ``partition_counts`` its ``DataSummary.partition_counts``,
-    counted by the same job that checked the data: pass that very DataFrame, not one derived
-    from it, since a row's index comes from its partition and position in it. If the rows
-    read now do not match those counts (a source that is not deterministic), the shuffle
-    fails with a message saying so.
+    label double, split int``, then ``weight double`` if prepared with ``weight_col``) and
+    ``partition_counts`` its ``DataSummary.partition_counts``, counted by the same job that
+    checked the data: pass that very DataFrame, not one derived from it, since a row's index
+    comes from its partition and position in it. If the rows read now do not match those
+    counts (a source that is not deterministic), the shuffle fails with a message saying so.
+    ``weighted`` is its ``DataSummary.weighted``: whether the rows carry the weight column
+    (the summary knows; asking the DataFrame would cost a round trip under Spark Connect).
 
-    The result has the three columns, then ``data.ORDER_COLUMNS``, and exactly ``workers``
+    The result has the prepared columns (``data.prepared_columns(weighted)``: a row's weight
+    goes wherever the row goes, copies too), then ``data.ORDER_COLUMNS``, and exactly ``workers``
     partitions (some empty when there are fewer rows than workers); partition k holds worker
     k's rows, which sorted by (split, _order, _i) are in the order (split, i), or for
     ``overlap_reshuffle`` the training rows in the order of a seeded hash of (seed, k, i).
@@ -98,7 +100,8 @@ def place_rows(prepared: DataFrame, workers: int, scheme: str, seed: int,
     scheme = check_scheme(scheme)
     _check_workers(workers)
     seed = _check_seed(seed)
-    columns = [F.col(name) for name in _COLUMNS]
+    names = prepared_columns(weighted)
+    columns = [F.col(name) for name in names]
     indexed = prepared.select(*columns, F.monotonically_increasing_id().alias("_row"))
     keys = _constant_array(partition_keys(workers), "int")
     if scheme == "as_is":
@@ -106,7 +109,7 @@ def place_rows(prepared: DataFrame, workers: int, scheme: str, seed: int,
         # rows in turn, without the index table (cheaper to plan), and the id orders them.
         row = F.col("_row")
         return (indexed.repartition(workers, F.get(keys, F.pmod(row, F.lit(workers)).cast("int")))
-                .select(*_COLUMNS, row.alias(ORDER_COLUMNS[0]), row.alias(ORDER_COLUMNS[1])))
+                .select(*names, row.alias(ORDER_COLUMNS[0]), row.alias(ORDER_COLUMNS[1])))
 
     table = _IndexTable(partition_counts)
     split = F.col("split")
@@ -144,7 +147,7 @@ def place_rows(prepared: DataFrame, workers: int, scheme: str, seed: int,
         order = i
     keyed = placed.select(*columns, "_i", order.alias("_order"),
                           F.get(keys, F.col("_worker")).alias("_key"))
-    return keyed.repartition(workers, "_key").select(*_COLUMNS, *ORDER_COLUMNS)
+    return keyed.repartition(workers, "_key").select(*names, *ORDER_COLUMNS)
 
 
 def rows_in_place(prepared: DataFrame, workers: int, scheme: str, summary: DataSummary) -> DataFrame | None:
@@ -197,13 +200,14 @@ def place_rows_once(prepared: DataFrame, workers: int, scheme: str, seed: int, s
     """``place_rows`` of data ``summary`` describes, built once per (workers, scheme, seed)
     where the data is cached, as ``prepare_once`` checks it once: several fits on the same
     cached data (a tuning loop) build the placement's query once, not its py4j calls each
-    time. Spark still shuffles the rows on every fit; only the plan is kept."""
+    time. Spark still shuffles the rows on every fit; only the plan is kept. The rows carry
+    their weights where the summary says the data has them (``DataSummary.weighted``)."""
     if not summary.cached:
-        return place_rows(prepared, workers, scheme, seed, summary.partition_counts)
+        return place_rows(prepared, workers, scheme, seed, summary.partition_counts, weighted=summary.weighted)
     plans = _placed.setdefault(summary, {})
     key = (workers, check_scheme(scheme), seed)
     if key not in plans:
-        plans[key] = place_rows(prepared, workers, scheme, seed, summary.partition_counts)
+        plans[key] = place_rows(prepared, workers, scheme, seed, summary.partition_counts, weighted=summary.weighted)
     return plans[key]
 
 

@@ -34,11 +34,12 @@ UPDATE_FIELDS = ("owner", "step", "count")
 
 def merge_step(rows: np.ndarray) -> dict:
     """One step's records from every partition (partitions x STEP_FIELDS) as one entry:
-    the mean loss over the rows computed, the samples, and the slowest partition's phases
-    and the largest staleness."""
+    the mean loss over the rows computed, the samples (rows; with sample weights, their
+    sum), and the slowest partition's phases and the largest staleness."""
     loss_sum, samples = rows[:, 2].sum(), rows[:, 3].sum()
     entry = {"epoch": int(rows[0, 0]), "step": int(rows[0, 1]),
-             "loss": float(loss_sum / samples) if samples else float("nan"), "samples": int(samples)}
+             "loss": float(loss_sum / samples) if samples else float("nan"),
+             "samples": int(samples) if float(samples).is_integer() else float(samples)}
     entry.update({name: float(rows[:, i].max()) for i, name in enumerate(STEP_FIELDS) if i >= 4})
     entry["staleness"] = int(entry["staleness"])
     return entry
@@ -94,7 +95,8 @@ class History:
     """Every step (merged over partitions) and every epoch of a fit.
 
     ``steps``: one dict per step with ``epoch``, ``step``, ``loss`` (mean over the rows
-    computed), ``samples``, the slowest partition's phase times in seconds and the largest
+    computed, weighted where the fit has sample weights), ``samples`` (rows, or the sum of
+    their weights), the slowest partition's phase times in seconds and the largest
     ``staleness`` (steps; under SSP at most its bound), and with backup workers ``dropped``
     (how many partitions' gradients an owner left out). ``epochs``: one dict per epoch with
     ``loss`` (the mean over its steps, as they trained) and the validation metrics

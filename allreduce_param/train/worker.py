@@ -25,14 +25,14 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from ..codec import get_codec
 from ..errors import ConfigurationError, InputError, TrainingError
 from ..messages import MessageClient
-from ..models.base import CLASSIFICATION, REGRESSION, has_buffers, model_task, optional_call
+from ..models.base import CLASSIFICATION, REGRESSION, has_buffers, model_task, optional_call, takes_sample_weight
 from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import DriverRendezvous, Rendezvous
@@ -85,10 +85,13 @@ class TrainingJob:
     early_stopping: EarlyStopping | None = None
 
 
-def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
+def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray,
+             sample_weight: np.ndarray | None = None) -> list[float]:
     """``[loss_sum, metric_sum, count]`` over the rows: metric is correct answers
     (classification), the squared error (regression), or 0 for a model without ``task``
-    (its metrics are the loss alone, and ``predict`` is not called). A model with buffers
+    (its metrics are the loss alone, and ``predict`` is not called). With
+    ``sample_weight`` each row counts its weight times, in the loss, the metric and the
+    count (the weights' sum). A model with buffers
     is evaluated with its own (this partition's), unchanged: where it has no
     ``loss_and_predictions``, the ``loss_and_grad`` calls that give the loss may change
     them, and they are put back afterwards."""
@@ -96,27 +99,30 @@ def evaluate(model, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[f
     both = optional_call(model, "loss_and_predictions", ("loss_and_grad", "predict"))
     before = model.buffers() if both is None and has_buffers(model) else None
     try:
-        return _evaluate(model, task, both, weights, X, y)
+        return _evaluate(model, task, both, weights, X, y, sample_weight)
     finally:
         if before is not None:
             model.set_buffers(before)
 
 
-def _evaluate(model, task: str | None, both, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> list[float]:
+def _evaluate(model, task: str | None, both, weights: np.ndarray, X: np.ndarray, y: np.ndarray,
+              sample_weight: np.ndarray | None) -> list[float]:
     total = np.zeros(3, dtype=np.float64)
     for start in range(0, len(X), EVAL_CHUNK):
         rows, labels = X[start:start + EVAL_CHUNK], y[start:start + EVAL_CHUNK]
+        weighted = {} if sample_weight is None else {"sample_weight": sample_weight[start:start + EVAL_CHUNK]}
         if both is not None:  # one forward pass
-            loss_sum, predicted, count = both(weights, rows, labels)
+            loss_sum, predicted, count = both(weights, rows, labels, **weighted)
         else:
-            loss_sum, _, count = model.loss_and_grad(weights, rows, labels)
+            loss_sum, _, count = model.loss_and_grad(weights, rows, labels, **weighted)
             predicted = model.predict(weights, rows) if task is not None else None
         if task == CLASSIFICATION:
-            metric = float(np.sum(predicted == labels))
+            per_row = (predicted == labels).astype(np.float64)
         elif task == REGRESSION:
-            metric = float(np.sum((np.asarray(predicted, np.float64) - labels) ** 2))
+            per_row = (np.asarray(predicted, np.float64) - labels) ** 2
         else:
-            metric = 0.0
+            per_row = np.zeros(0)
+        metric = float(per_row.sum() if not weighted or not per_row.size else per_row @ weighted["sample_weight"])
         total += (loss_sum, metric, count)
     return total.tolist()
 
@@ -146,42 +152,58 @@ def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
     return [w / sum(weights) for w in weights]
 
 
+def batch_count(X: np.ndarray, sample_weight: np.ndarray | None) -> float:
+    """What a batch's gradient sum is divided by: its rows, or the sum of their weights."""
+    return len(X) if sample_weight is None else float(np.sum(sample_weight, dtype=np.float64))
+
+
 class SubBatches:
     """Computes a batch's loss and gradient as sub-batches on threads, then merges them.
 
     ``threads`` is a count (equal sub-batches) or a list of relative workloads (uneven
-    sub-batches, as MXNet splits a batch over devices of different speeds).
+    sub-batches, as MXNet splits a batch over devices of different speeds). ``weighted``:
+    the fit passes sample weights, so ``loss_and_grad_into`` streams only where it takes them.
     """
 
-    def __init__(self, model, threads: int | Sequence[float] | None) -> None:
+    def __init__(self, model, threads: int | Sequence[float] | None, weighted: bool = False) -> None:
         self.model = model
         shares = workload_shares(threads)
         self._cuts = np.cumsum([0.0, *shares])
         self._pool = ThreadPoolExecutor(len(shares), thread_name_prefix="allreduce-subbatch") if len(shares) > 1 else None
+        self._weighted = weighted
 
     @property
     def streams(self) -> bool:
         """Whether a batch's gradient can be written into a given vector range by range as
-        backward finishes it: one thread, and a model with ``loss_and_grad_into``."""
-        return self._pool is None and optional_call(self.model, "loss_and_grad_into", ("loss_and_grad",)) is not None
+        backward finishes it: one thread, and a model with ``loss_and_grad_into`` (that
+        takes ``sample_weight`` where the fit is weighted)."""
+        into = optional_call(self.model, "loss_and_grad_into", ("loss_and_grad",))
+        return self._pool is None and into is not None and (not self._weighted or takes_sample_weight(into))
 
     def into(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray,
-             ready: Callable[[int, int], None]) -> tuple[float, int]:
+             ready: Callable[[int, int], None], sample_weight: np.ndarray | None = None) -> tuple[float, float]:
         """The batch's ``(loss_sum, count)``, its gradient written into ``out`` with ``ready``
-        called for each range as it is final (only where ``streams``)."""
-        loss_sum, count = self.model.loss_and_grad_into(weights, X, y, out, ready)
-        if count != len(X):
-            raise InputError(f"the model's loss_and_grad_into gave count={count!r} for a batch of {len(X)} rows; "
-                             "it must be the number of rows")
+        called for each range as it is final (only where ``streams``). The count must be
+        ``batch_count``'s: the stream has sent it with the first chunk."""
+        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
+        loss_sum, count = self.model.loss_and_grad_into(weights, X, y, out, ready, **weighted)
+        expected = batch_count(X, sample_weight)
+        if not np.isclose(count, expected, rtol=1e-9, atol=0):
+            what = f"{len(X)} rows; it must be the number of rows" if sample_weight is None else \
+                f"{len(X)} rows of weights summing to {expected!r}; it must be the sum of the sample weights"
+            raise InputError(f"the model's loss_and_grad_into gave count={count!r} for a batch of {what}")
         return loss_sum, count
 
-    def __call__(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
+    def __call__(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray,
+                 sample_weight: np.ndarray | None = None) -> tuple[float, np.ndarray, float]:
+        def compute(start: int, stop: int):
+            weighted = {} if sample_weight is None else {"sample_weight": sample_weight[start:stop]}
+            return self.model.loss_and_grad(weights, X[start:stop], y[start:stop], **weighted)
+
         if self._pool is None or len(X) < len(self._cuts) - 1:
-            return self.model.loss_and_grad(weights, X, y)
+            return compute(0, len(X))
         bounds = np.round(self._cuts * len(X)).astype(np.int64)
-        pieces = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-        results = list(self._pool.map(lambda ab: self.model.loss_and_grad(weights, X[ab[0]:ab[1]], y[ab[0]:ab[1]]),
-                                      pieces))
+        results = list(self._pool.map(compute, bounds[:-1], bounds[1:]))
         loss = sum(r[0] for r in results)
         grad = results[0][1]
         for _, other, _ in results[1:]:
@@ -201,8 +223,12 @@ def all_counts(p: ConnectedParameter, rows: int) -> list[int]:
 
 
 def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.ndarray,
-                    rendezvous: Rendezvous | None = None, clock: dict | None = None) -> Iterator[tuple[str, bytes]]:
+                    weight: np.ndarray | None = None, rendezvous: Rendezvous | None = None,
+                    clock: dict | None = None) -> Iterator[tuple[str, bytes]]:
     """Run the whole fit on this partition; yields ``(kind, payload)`` records for the driver.
+
+    ``weight``: each row's sample weight (None: every row counts once); the gradients, the
+    losses and the metrics are then weighted means.
 
     Kinds: ``steps`` (this partition's record of every global step, float64), ``epochs``
     (JSON: this partition's share of each epoch's metrics), ``clock`` (JSON: the ``clock``
@@ -217,16 +243,17 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
     clock = dict(clock or {"started": time.time(), "loaded": time.time()})
     if has_buffers(job.model):  # a task's closure is its own; partitions on threads share one
         job = dataclasses.replace(job, model=copy.deepcopy(job.model))
-    X_train, y_train = X[split == TRAIN], y[split == TRAIN]
-    X_valid, y_valid = X[split == VALIDATION], y[split == VALIDATION]
-    compute = SubBatches(job.model, job.threads)
+    train, valid = split == TRAIN, split == VALIDATION
+    rows = _Rows(X[train], y[train], None if weight is None else weight[train])
+    validation = _Rows(X[valid], y[valid], None if weight is None else weight[valid])
+    compute = SubBatches(job.model, job.threads, weighted=weight is not None)
     reporter = ProgressReporter(job.driver) if job.driver is not None and job.report_progress else None
     try:
         if rendezvous is None and job.driver is not None:
             rendezvous = DriverRendezvous(job.driver)
         with job.param.connect(rendezvous) as p:
             clock["met"] = time.time()
-            fit = _Fit(job, p, compute, X_train, y_train, X_valid, y_valid, reporter)
+            fit = _Fit(job, p, compute, rows, validation, reporter)
             try:
                 fit.run()
                 clock["trained"] = time.time()
@@ -240,7 +267,7 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
         if job.param.strategy.backup_workers:
             yield "updates", fit.updates_table().tobytes()
         if has_buffers(job.model):
-            yield "buffers", buffers_payload(job.model.buffers(), len(X_train))
+            yield "buffers", buffers_payload(job.model.buffers(), len(rows.X))
         if p.partition_id == 0:
             yield "resumed", json.dumps(fit.resumed).encode()
             yield "weights", fit.weights.tobytes()
@@ -267,14 +294,25 @@ def _partition_of(rendezvous: Rendezvous | None) -> int | str:
         return "(outside a Spark task)"
 
 
+class _Rows(NamedTuple):
+    """A partition's rows of one split: features, labels, sample weights (or None)."""
+
+    X: np.ndarray
+    y: np.ndarray
+    weight: np.ndarray | None
+
+    def take(self, index: np.ndarray) -> _Rows:
+        return _Rows(self.X[index], self.y[index], None if self.weight is None else self.weight[index])
+
+
 class _Fit:
     """One partition's fit: the plan of global steps, the loop the settings call for, the
     records. ``where`` tracks the epoch and step for error messages."""
 
     def __init__(self, job: TrainingJob, p: ConnectedParameter, compute: SubBatches,
-                 X_train, y_train, X_valid, y_valid, reporter: ProgressReporter | None = None) -> None:
+                 train: _Rows, validation: _Rows, reporter: ProgressReporter | None = None) -> None:
         self.job, self.p, self.compute = job, p, compute
-        self.X_train, self.y_train, self.X_valid, self.y_valid = X_train, y_train, X_valid, y_valid
+        self.train, self.validation = train, validation
         self.where: dict[str, int | None] = {"epoch": None, "step": None}
         self.records: list[np.ndarray] = []
         self.epochs: list[dict] = []
@@ -300,21 +338,20 @@ class _Fit:
     def _plan(self) -> None:
         """Every global step as (epoch, step in the epoch); this partition's cuts of its rows."""
         p, job = self.p, self.job
-        counts = all_counts(p, len(self.X_train))
+        counts = all_counts(p, len(self.train.X))
         steps = steps_per_epoch(sum(counts), job.batch_size)
         sizes = global_batch_sizes(counts, steps)
-        self.cuts = share_bounds(len(self.X_train), p.partition_id, p.partition_num, steps)
+        self.cuts = share_bounds(len(self.train.X), p.partition_id, p.partition_num, steps)
         self.plan = [(epoch, step) for epoch in range(job.epochs) for step in range(steps) if sizes[step]]
         self._steps_per_epoch = int(np.count_nonzero(sizes))
 
-    def _batch(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    def _batch(self, index: int) -> _Rows:
         """This partition's rows of global step ``index`` (shuffled anew each epoch)."""
         epoch, step = self._at(index)
         if epoch != self._order_epoch:
-            self._order_epoch, self._order = epoch, epoch_order(len(self.X_train), self.job.seed, epoch,
+            self._order_epoch, self._order = epoch, epoch_order(len(self.train.X), self.job.seed, epoch,
                                                                   self.p.partition_id)
-        rows = self._order[self.cuts[step]:self.cuts[step + 1]]
-        return self.X_train[rows], self.y_train[rows]
+        return self.train.take(self._order[self.cuts[step]:self.cuts[step + 1]])
 
     def _at(self, index: int) -> tuple[int, int]:
         """Global step ``index`` as (epoch, step), which errors from here on name."""
@@ -342,7 +379,7 @@ class _Fit:
         metrics: dict[str, Any] = {"epoch": epoch, "partition": self.p.partition_id,
                                    "task": model_task(self.job.model)}
         if self.job.has_validation:
-            metrics["val"] = evaluate(self.job.model, self.weights, self.X_valid, self.y_valid)
+            metrics["val"] = evaluate(self.job.model, self.weights, *self.validation)
         if self._early is not None:
             # every partition's rows: the same sums, bits and decision on every partition
             stop = self._early.after_epoch(epoch, self.p.allreduce_exact(metrics["val"]), self.weights)
@@ -351,7 +388,7 @@ class _Fit:
             if last and self._early.best_weights is not None:
                 self.weights[:] = self._early.best_weights
         if last:
-            metrics["train"] = evaluate(self.job.model, self.weights, self.X_train, self.y_train)
+            metrics["train"] = evaluate(self.job.model, self.weights, *self.train)
         self.epochs.append(metrics)
         self._next_epoch = epoch + 1
         self._report("epoch", **metrics)
@@ -376,11 +413,11 @@ class _Fit:
         """This partition's share of step ``index``: compute it and put the gradient; the step's
         record, kept before the put (a checkpoint a background owner writes once the gradient
         is in then already holds it), its put time filled in after."""
-        X, y = self._batch(index)
+        batch = self._batch(index)
         if self._streams:
-            return self._compute_streaming(index, X, y, read_s)
+            return self._compute_streaming(index, batch, read_s)
         started = time.perf_counter()
-        loss_sum, grad_sum, count = self.compute(self.weights, X, y)
+        loss_sum, grad_sum, count = self.compute(self.weights, *batch)
         if clip_own:
             self._clip_own(grad_sum, count)
         computed = time.perf_counter()
@@ -389,14 +426,15 @@ class _Fit:
         record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
         return record
 
-    def _compute_streaming(self, index: int, X: np.ndarray, y: np.ndarray, read_s: float) -> np.ndarray:
+    def _compute_streaming(self, index: int, batch: _Rows, read_s: float) -> np.ndarray:
         """``_compute_and_put`` under plain BSP with overlap: each owner's chunk of the gradient
         leaves as soon as backward has finished it (``stream_gradients``); the put time is
         what was left to send once backward was done."""
         gradient = self.p.gradient_buffer()
         started = time.perf_counter()
-        with self.p.stream_gradients(gradient, count=len(X), residual=self._residual) as stream:
-            loss_sum, count = self.compute.into(self.weights, X, y, gradient, stream.ready)
+        with self.p.stream_gradients(gradient, count=batch_count(batch.X, batch.weight),
+                                     residual=self._residual) as stream:
+            loss_sum, count = self.compute.into(self.weights, batch.X, batch.y, gradient, stream.ready, batch.weight)
             computed = time.perf_counter()
         record = self._record(index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0))
         record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
@@ -503,7 +541,7 @@ class _Fit:
         records = {"steps": steps,
                    "epochs": [share for share in self.epochs if share["epoch"] < end_epoch],
                    "updates": self.updates_table(before=steps_done).tolist(), "resumed": self.resumed,
-                   "rows": len(self.X_train)}
+                   "rows": len(self.train.X)}
         self._writer.write_part(steps_done, p.partition_id, p.partition_num, arrays, records)
         p.signal(steps_done)
         if p.partition_id == 0:
@@ -605,9 +643,9 @@ class _Fit:
         rows = since = 0
         checkpoint_due = False  # a checkpoint waits for the next sync, where every copy is the same
         for index in range(self.start, len(self.plan)):
-            X, y = self._batch(index)
+            batch = self._batch(index)
             t0 = time.perf_counter()
-            loss_sum, grad_sum, count = self.compute(self.weights, X, y)
+            loss_sum, grad_sum, count = self.compute(self.weights, *batch)
             t1 = time.perf_counter()
             if count:
                 self._clip_own(grad_sum, count)
