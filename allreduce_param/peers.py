@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from .codec import get_codec
-from .errors import AllReduceError
+from .errors import AllReduceError, AuthenticationError
 from .rendezvous import Rendezvous
 from .shm import SharedArenas, shared_memory_available
 from .store import BlockStore
-from .transport import BlockServer, PeerClient, local_scope
+from .transport import BlockServer, PeerClient, local_scope, parse_address
 
 if TYPE_CHECKING:
     from .parameter import AllReduceParameter
@@ -127,7 +127,9 @@ class PeerGroup:
         )
         self._addresses: list = []
         try:
-            self._addresses = rendezvous.exchange(self._server.advertised_address)
+            self._addresses = [parse_address(address) for address in
+                               rendezvous.exchange(self._server.advertised_address)]
+            self._check_fingerprints()
             peers = self.partition_num - 1
             self.worker = self.channel(min(param.fetch_threads or peers, peers), "fetch")
             # small blocks (choices, signals) on connections of their own, made at first use:
@@ -138,6 +140,18 @@ class PeerGroup:
             raise
         self.peers = self.worker.clients
 
+    def _check_fingerprints(self) -> None:
+        """Refuse, on every partition at once, peers that serve another parameter (each
+        task made its own AllReduceParameter instead of using the driver's)."""
+        own = self._addresses[self.partition_id].fingerprint
+        others = [peer for peer, address in enumerate(self._addresses)
+                  if address.fingerprint is not None and own is not None and address.fingerprint != own]
+        if others:
+            raise AuthenticationError(
+                f"partition {self.partition_id} met partitions {others} with another AllReduceParameter: the "
+                "secrets differ. Every partition must use the same AllReduceParameter object, made on the driver "
+                "(make it before the barrier stage; the tasks get it in their closure)")
+
     def channel(self, threads: int, role: str) -> Channel:
         """A new set of connections to every peer (each connects on first use), with
         ``threads`` fetch threads; closed with the group."""
@@ -145,12 +159,12 @@ class PeerGroup:
         for peer in range(self.partition_num):
             if peer == self.partition_id:
                 continue
-            host, port, *local = self._addresses[peer]
-            same_scope = len(local) == 2 and local[1] == local_scope()  # the same machine and network namespace
+            address = self._addresses[peer]
+            same_scope = address.local_name is not None and address.scope == local_scope()  # machine and namespace
             clients[peer] = PeerClient(
-                (host, port), self._param.secret, self._param.param_id, self.partition_id, peer,
+                (address.host, address.port), self._param.secret, self._param.param_id, self.partition_id, peer,
                 self.timeout,
-                local_name=local[0] if same_scope else None,  # a Unix socket, and shared memory if on
+                local_name=address.local_name if same_scope else None,  # a Unix socket, and shared memory if on
             )
         channel = Channel(clients, threads, f"allreduce-{role}-{self.partition_id}")
         self._channels.append(channel)

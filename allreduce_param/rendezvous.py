@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 #: driver unreachable (``messages.CONNECT_TIMEOUT``), so none is left alone at either.
 MEETING_PATIENCE = 30.0
 
-#: Where a partition's block server listens: ``(host, port)``, or ``(host, port, local_name,
-#: local_scope)`` when it also serves on an abstract Unix socket, for peers of the same scope.
+#: Where a partition's block server listens: ``(host, port)``, or as the server advertises
+#: itself ``(host, port, fingerprint, local_name, local_scope)`` (``transport.parse_address``):
+#: its secret's fingerprint, and its abstract Unix socket for peers of the same scope.
 Address = tuple
 
 

@@ -35,7 +35,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .codec import HEADER_SIZE, Codec
 from .errors import (
@@ -88,6 +88,32 @@ CLOSE_TIMEOUT = 10.0
 
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, role + b"".join(parts), hashlib.sha256).digest()
+
+
+def secret_fingerprint(secret: bytes, param_id: int) -> str:
+    """A short tag of a parameter's secret and id that partitions exchange at the meeting,
+    so that partitions of different parameters learn it there, all of them, before any
+    connects (one that connects first would see the other close). It reveals nothing that
+    proves the secret: the handshake's MACs cover fresh nonces."""
+    return _mac(secret, b"fingerprint", str(param_id).encode())[:12].hex()
+
+
+class PeerAddress(NamedTuple):
+    """A partition's server as the meeting gives it: ``host``, ``port``, and where the
+    server said so, its secret's ``fingerprint`` and its abstract Unix socket
+    (``local_name``, for peers of the same ``local_scope``)."""
+
+    host: str
+    port: int
+    fingerprint: str | None = None
+    local_name: str | None = None
+    scope: str | None = None
+
+
+def parse_address(address) -> PeerAddress:
+    """An exchanged address: ``advertised_address``'s five fields, or a bare ``(host, port)``
+    (a fixed list, ``StaticRendezvous``)."""
+    return PeerAddress(*address)
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -220,9 +246,11 @@ class BlockServer:
 
     @property
     def advertised_address(self) -> tuple:
-        """What peers need to reach this server: ``(host, port)``, plus ``local_name`` and
-        ``local_scope()`` if it serves a Unix socket too."""
-        return (*self.address, self.local_name, local_scope()) if self.local_name else tuple(self.address)
+        """What peers need to reach this server and to know it serves their parameter:
+        ``(host, port, fingerprint, local_name, local_scope)`` (``parse_address`` reads it;
+        the last two None without a Unix socket)."""
+        return (*self.address, secret_fingerprint(self._secret, self._param_id), self.local_name,
+                local_scope() if self.local_name else None)
 
     # ---- admitting: accept and handshake, on one thread -----------------------------------
 

@@ -480,7 +480,7 @@ def test_peers_meet_by_scope_not_by_host_name(peer_scope, family):
 
         def exchange(self, address):
             if peer_scope is not None and self.partition_id == 1:
-                address = (*address[:3], peer_scope)
+                address = (*address[:4], peer_scope)
             return self._member.exchange(address)
 
     param = AllReduceParameter(2, 10_000, "raw", timeout=30)
@@ -666,3 +666,32 @@ def test_topk_gradients_with_error_feedback_lose_nothing_over_the_steps():
 def test_a_sparse_codec_cannot_carry_weights():
     with pytest.raises(ConfigurationError, match="gradient_codec='topk'"):
         AllReduceParameter(2, 100, codec="topk")
+
+
+def test_partitions_of_different_parameters_all_learn_it_at_the_meeting():
+    """Each partition made its own AllReduceParameter (the mistake of making it inside the
+    task): every one of them fails at connect with the same clear message, whichever of them
+    would have connected first."""
+    from allreduce_param import AuthenticationError, LocalRendezvous
+
+    group = LocalRendezvous(3)
+    errors: list = [None] * 3
+
+    def partition(i):
+        own = AllReduceParameter(3, 100, "raw", timeout=30)  # a secret of its own
+        try:
+            with own.connect(group.member(i)) as p:
+                p.init(np.zeros(100, np.float32))
+        except AuthenticationError as error:
+            errors[i] = str(error)
+
+    threads = [threading.Thread(target=partition, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for i, error in enumerate(errors):
+        others = [peer for peer in range(3) if peer != i]
+        assert error == (f"partition {i} met partitions {others} with another AllReduceParameter: the secrets "
+                         "differ. Every partition must use the same AllReduceParameter object, made on the driver "
+                         "(make it before the barrier stage; the tasks get it in their closure)")
