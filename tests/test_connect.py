@@ -86,13 +86,16 @@ def remote(tmp_path_factory):
                 os.environ.pop(name, None)
 
 
-def blobs(session, rows: int = 400, seed: int = 0):
-    """Three separable classes in 8 features, as a Connect DataFrame made from Arrow."""
+def blobs(session, rows: int = 400, seed: int = 0, **columns: np.ndarray):
+    """Three separable classes in 8 features, as a Connect DataFrame made from Arrow; with
+    ``columns`` (name: function of the labels array) as more columns."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 3, rows)
     X = (np.eye(3, 8)[labels] * 4 + rng.standard_normal((rows, 8)) * 0.5).astype(np.float32)
     features = pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * 8), pa.array(X.reshape(-1)))
-    return session.createDataFrame(pa.table({"features": features, "label": pa.array(labels.astype(np.float64))})), X
+    table = {"features": features, "label": pa.array(labels.astype(np.float64))}
+    table.update({name: pa.array(make(labels)) for name, make in columns.items()})
+    return session.createDataFrame(pa.table(table)), X
 
 
 def test_a_fit_on_a_connect_dataframe_trains_reports_progress_and_repeats_exactly(remote):
@@ -157,11 +160,20 @@ def test_the_estimator_fits_and_transforms_connect_dataframes(remote):
 
     from allreduce_param.ml import AllReduceClassifier
 
-    df, _ = blobs(remote, rows=300)
-    fitted = AllReduceClassifier(stepSize=0.05, batchSize=30, maxEpochs=3, showProgress=False).fit(df)
+    weight = lambda labels: labels.astype(np.int64) + 1  # noqa: E731
+    held_out = lambda labels: np.arange(len(labels)) % 5 == 0  # noqa: E731
+    df, _ = blobs(remote, rows=300, w=weight, is_val=held_out)
+    fitted = AllReduceClassifier(stepSize=0.05, batchSize=30, maxEpochs=3, weightCol="w",
+                                 validationIndicatorCol="is_val", earlyStoppingPatience=2,
+                                 showProgress=False).fit(df)
     out = fitted.transform(df)
     assert {"prediction", "probability", "rawPrediction"} <= set(out.columns)
     assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out) > 0.9
+    # the weights and early stopping came along: an epoch's samples are the training rows' weights
+    labels = np.asarray(df.select("label").toPandas()["label"])
+    trained_weight = weight(labels)[~held_out(labels)].sum()
+    assert sum(step["samples"] for step in fitted.history.steps if step["epoch"] == 0) == trained_weight
+    assert fitted.history.best_epoch is not None and "val_accuracy" in fitted.history.epochs[-1]
 
 
 def test_weights_too_large_for_a_closure_are_refused_with_what_to_do(remote, monkeypatch):
