@@ -121,7 +121,8 @@ class AllReduceParameter:
         """Inside a task: start serving, meet the peers, and return this partition's handle.
 
         With no ``rendezvous`` the peers meet through the Spark barrier stage's
-        ``allGather`` (about one second, once). Close the handle on every path, best with
+        ``allGather``, once (its coordinator answers on a fixed period, so this costs a
+        fixed time per connect, never per step). Close the handle on every path, best with
         ``with param.connect() as p:``.
         """
         return ConnectedParameter(self, rendezvous or BarrierRendezvous())

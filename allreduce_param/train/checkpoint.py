@@ -4,11 +4,11 @@ complete, so a checkpoint is complete or absent, never half.
 Under a fit's directory (a local path, or any URL fsspec opens: ``file://``, ``hdfs://``,
 ``s3://`` with its package installed; on a cluster it must be storage every executor sees):
 
-    step-00000880/part-00001-of-00004.npz   partition 1's weight slice, its optimizer state
+    step-0000000880/part-00001-of-00004.npz partition 1's weight slice, its optimizer state
                                             slice, its model's buffers (if it has any), its
                                             slice of early stopping's best weights (if the
                                             fit stops early), and its records of the fit so far
-    step-00000880/manifest.json             written last, by partition 0, after every
+    step-0000000880/manifest.json           written last, by partition 0, after every
                                             partition has signalled its part written
 
 A checkpoint of step k holds the weights after the fit's first k global steps (under SSP
