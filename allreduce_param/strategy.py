@@ -102,6 +102,13 @@ class Strategy:
             )
 
     @property
+    def as_settings(self) -> str:
+        """The strategy as a message names its settings: ``strategy='ssp'``, or
+        ``strategy='bsp', backup_workers=1``."""
+        backup = f", backup_workers={self.backup_workers}" if self.backup_workers else ""
+        return f"strategy={self.name!r}{backup}"
+
+    @property
     def asynchronous(self) -> bool:
         """Whether owners apply every gradient as it arrives (ssp, asp)."""
         return self.name in ("ssp", "asp")

@@ -170,6 +170,13 @@ def merge_buffers(pieces: Sequence[tuple[Mapping[str, np.ndarray], float]]) -> d
     return merged
 
 
+def batch_count(rows: int, sample_weight: np.ndarray | None) -> float:
+    """The ``count`` a training call returns for ``rows`` rows: the rows, or with
+    ``sample_weight`` the weights' sum (float64), which the engine divides the summed
+    gradients by."""
+    return rows if sample_weight is None else float(np.sum(sample_weight, dtype=np.float64))
+
+
 def takes_sample_weight(method) -> bool:
     """Whether a model's call takes ``sample_weight=`` (by name, or through ``**kwargs``)."""
     import inspect

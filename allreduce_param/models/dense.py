@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import ConfigurationError, InputError
 from ..vectors import writable_output
 from ..layout import TensorLayout
+from .base import batch_count
 
 
 class Activation(NamedTuple):
@@ -175,7 +176,7 @@ class DenseNetwork:
         outputs = self._forward(params, X)
         loss = self._head.loss_and_delta(outputs[-1], targets, sample_weight)
         self._backward(params, outputs, out, ready)
-        return loss, (rows if sample_weight is None else float(sample_weight.sum()))
+        return loss, batch_count(rows, sample_weight)
 
     def loss_and_predictions(
         self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None
@@ -190,8 +191,7 @@ class DenseNetwork:
         targets = self._head.targets(y, X.shape[0], self._layers[-1])
         z = self._forward(self.layout.views(weights), X)[-1]
         predictions = np.array(self._head.predict(z))  # a copy: the loss overwrites z
-        count = X.shape[0] if sample_weight is None else float(sample_weight.sum())
-        return self._head.loss_and_delta(z, targets, sample_weight), predictions, count
+        return self._head.loss_and_delta(z, targets, sample_weight), predictions, batch_count(X.shape[0], sample_weight)
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class ids (int64) for classification, float32 values for regression."""

@@ -332,11 +332,11 @@ class DistriOptimizer:
                              f"the weights have {weights.shape}")
         return int(weights.size)
 
-    def _client_of(self, server: MessageServer, spark: SparkInfo | None):
+    def _client_of(self, server: MessageServer, spark: SparkInfo):
         """What the tasks use to reach ``server``; None where they cannot (under Spark Connect,
         the client may be out of the executors' reach): they then meet through Spark, at
         once, and the fit says that it shows no live progress."""
-        if spark is None or not spark.client_maybe_unreachable():
+        if not spark.client_maybe_unreachable():
             return server.client()
         reason = spark.unreachable(server.address)
         if reason is None:

@@ -34,11 +34,10 @@ def check_strategy(patience: int | None, strategy: Strategy) -> None:
     """Early stopping needs every partition to evaluate the same weights at each epoch's
     end: not under SSP, ASP or backup workers, where each reads a version of its own."""
     if patience is not None and not strategy.inline_owner:
-        backup = f", backup_workers={strategy.backup_workers}" if strategy.backup_workers else ""
         raise ConfigurationError(
             f"early_stopping_patience goes with strategy='bsp' and no backup workers (sync_every=k or "
-            f"'epoch' too), not with strategy={strategy.name!r}{backup}: there the partitions end an epoch "
-            "on weights of different steps, so no one validation loss belongs to it")
+            f"'epoch' too), not with {strategy.as_settings}: there the partitions end an epoch on weights "
+            "of different steps, so no one validation loss belongs to it")
 
 
 @dataclass

@@ -90,9 +90,8 @@ class FitSettings:
         if every != "epoch" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ConfigurationError(f"sync_every must be a positive whole number of steps or 'epoch', got {every!r}")
         if every != 1 and not strategy.inline_owner:
-            backup = f", backup_workers={self.backup_workers}" if self.backup_workers else ""
             raise ConfigurationError(f"sync_every={every!r} (local SGD) goes with strategy='bsp' and no backup "
-                                     f"workers, not with strategy={self.strategy!r}{backup}")
+                                     f"workers, not with {strategy.as_settings}")
         if self.model_averaging is not None and every == 1:
             raise ConfigurationError("model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
                                      "sync_every=1 every step averages the gradients")

@@ -32,7 +32,14 @@ import numpy as np
 from ..codec import get_codec
 from ..errors import ConfigurationError, InputError, TrainingError
 from ..messages import MessageClient
-from ..models.base import CLASSIFICATION, REGRESSION, has_buffers, model_task, optional_call, takes_sample_weight
+from ..models.base import (
+    CLASSIFICATION,
+    batch_count,
+    has_buffers,
+    model_task,
+    optional_call,
+    takes_sample_weight,
+)
 from ..optim import clip_scale, squared_norm
 from ..parameter import AllReduceParameter, ConnectedParameter
 from ..rendezvous import DriverRendezvous, Rendezvous
@@ -116,13 +123,12 @@ def _evaluate(model, task: str | None, both, weights: np.ndarray, X: np.ndarray,
         else:
             loss_sum, _, count = model.loss_and_grad(weights, rows, labels, **weighted)
             predicted = model.predict(weights, rows) if task is not None else None
-        if task == CLASSIFICATION:
-            per_row = (predicted == labels).astype(np.float64)
-        elif task == REGRESSION:
-            per_row = (np.asarray(predicted, np.float64) - labels) ** 2
+        if task is None:
+            metric = 0.0
         else:
-            per_row = np.zeros(0)
-        metric = float(per_row.sum() if not weighted or not per_row.size else per_row @ weighted["sample_weight"])
+            per_row = (predicted == labels).astype(np.float64) if task == CLASSIFICATION else \
+                (np.asarray(predicted, np.float64) - labels) ** 2
+            metric = float(per_row @ weighted["sample_weight"] if weighted else per_row.sum())
         total += (loss_sum, metric, count)
     return total.tolist()
 
@@ -150,11 +156,6 @@ def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
     if not weights or any(not w > 0 for w in weights):
         raise ConfigurationError(f"threads must be a positive count or a list of positive workloads, got {threads!r}")
     return [w / sum(weights) for w in weights]
-
-
-def batch_count(X: np.ndarray, sample_weight: np.ndarray | None) -> float:
-    """What a batch's gradient sum is divided by: its rows, or the sum of their weights."""
-    return len(X) if sample_weight is None else float(np.sum(sample_weight, dtype=np.float64))
 
 
 class SubBatches:
@@ -187,7 +188,7 @@ class SubBatches:
         ``batch_count``'s: the stream has sent it with the first chunk."""
         weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
         loss_sum, count = self.model.loss_and_grad_into(weights, X, y, out, ready, **weighted)
-        expected = batch_count(X, sample_weight)
+        expected = batch_count(len(X), sample_weight)
         if not np.isclose(count, expected, rtol=1e-9, atol=0):
             what = f"{len(X)} rows; it must be the number of rows" if sample_weight is None else \
                 f"{len(X)} rows of weights summing to {expected!r}; it must be the sum of the sample weights"
@@ -432,7 +433,7 @@ class _Fit:
         what was left to send once backward was done."""
         gradient = self.p.gradient_buffer()
         started = time.perf_counter()
-        with self.p.stream_gradients(gradient, count=batch_count(batch.X, batch.weight),
+        with self.p.stream_gradients(gradient, count=batch_count(len(batch.X), batch.weight),
                                      residual=self._residual) as stream:
             loss_sum, count = self.compute.into(self.weights, batch.X, batch.y, gradient, stream.ready, batch.weight)
             computed = time.perf_counter()
