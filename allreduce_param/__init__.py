@@ -15,6 +15,7 @@ from .errors import (
     CorruptBlockError,
     FetchTimeoutError,
     InputError,
+    NetworkError,
     NonFiniteGradientError,
     PeerLostError,
     ProtocolError,
@@ -24,6 +25,7 @@ from .errors import (
     UsageError,
 )
 from .layout import SliceLayout
+from .network import NetworkSettings
 from .parameter import AllReduceParameter, ConnectedParameter
 from .rendezvous import BarrierRendezvous, LocalRendezvous, Rendezvous, StaticRendezvous
 from .strategy import STRATEGIES, Strategy
@@ -47,6 +49,7 @@ __all__ = [
     "Strategy",
     "STRATEGIES",
     "SliceLayout",
+    "NetworkSettings",
     "Rendezvous",
     "BarrierRendezvous",
     "StaticRendezvous",
@@ -58,6 +61,7 @@ __all__ = [
     "CorruptBlockError",
     "FetchTimeoutError",
     "InputError",
+    "NetworkError",
     "NonFiniteGradientError",
     "PeerLostError",
     "ProtocolError",

@@ -64,3 +64,8 @@ class ProtocolError(AllReduceError):
 
 class InputError(AllReduceError, ValueError):
     """A vector handed to the engine has the wrong length, shape or dtype."""
+
+
+class NetworkError(AllReduceError):
+    """A server could not listen: no free port in the allowed range, or an address this
+    host does not have."""

@@ -1,15 +1,17 @@
 """Short authenticated messages between a Spark job's tasks and its driver.
 
 A fit's tasks reach the driver on one connection each: first to meet (``rendezvous.
-MeetingPoint``), then to report progress. Each message is a JSON object, length-prefixed
-and tagged with HMAC-SHA256 under a secret the server makes, which the tasks get in their
-closure; the tag covers the direction, so a message cannot be sent back as an answer. A
-message that is too long or wrongly tagged closes its connection, never the server.
+MeetingPoint``), then to report progress. The server is ``network.AuthenticatedServer``,
+as the block servers' is: a connection first proves the secret the server made (the tasks
+get it in their closure), in a handshake over fresh nonces. Then each message is a JSON
+object, length-prefixed and tagged with HMAC-SHA256 under that connection's session key;
+the tag covers the direction and the message's number on the connection, so a message
+cannot be sent back as an answer, replayed, dropped or reordered unnoticed. A message
+that is too long or wrongly tagged closes its connection, never the server.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -20,34 +22,35 @@ import threading
 from typing import Callable
 
 from .errors import AuthenticationError, ProtocolError
-from .transport import cut
+from .network import DEFAULT_CONNECT_TIMEOUT, AuthenticatedServer, Proven, client_handshake, mac, tune
 
 log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<I")
+_SEQUENCE = struct.Struct("<Q")
 _TAG_SIZE = 32
 #: The longest message body either side accepts, in bytes.
 MAX_MESSAGE = 1 << 20
-#: How long a task waits for the driver to accept its connection.
-CONNECT_TIMEOUT = 10.0
+#: The "parameter id" a message connection proves its secret for (its own secret is the job's).
+MESSAGES_ID = 0xFFFFFFFF
 
 Reply = Callable[[dict], None]
 
 
-def _tag(secret: bytes, direction: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, direction + body, hashlib.sha256).digest()
+def _tag(key: bytes, direction: bytes, number: int, body: bytes) -> bytes:
+    return mac(key, direction, _SEQUENCE.pack(number), body)
 
 
-def _frame(secret: bytes, direction: bytes, message: dict) -> bytes:
+def _frame(key: bytes, direction: bytes, number: int, message: dict) -> bytes:
     body = json.dumps(message).encode()
     if len(body) > MAX_MESSAGE:
         raise ValueError(f"a message of {len(body)} bytes is longer than MAX_MESSAGE ({MAX_MESSAGE})")
-    return _LENGTH.pack(len(body)) + body + _tag(secret, direction, body)
+    return _LENGTH.pack(len(body)) + body + _tag(key, direction, number, body)
 
 
-def _read(stream, secret: bytes, direction: bytes) -> dict | None:
-    """The next message on ``stream``; None at a clean end; ProtocolError or
-    AuthenticationError for what must close the connection."""
+def _read(stream, key: bytes, direction: bytes, number: int) -> dict | None:
+    """Message ``number`` from ``direction`` on ``stream``; None at a clean end;
+    ProtocolError or AuthenticationError for what must close the connection."""
     head = stream.read(_LENGTH.size)
     if not head:
         return None
@@ -59,8 +62,9 @@ def _read(stream, secret: bytes, direction: bytes) -> dict | None:
     body, tag = stream.read(length), stream.read(_TAG_SIZE)
     if len(body) < length or len(tag) < _TAG_SIZE:
         raise ProtocolError("the connection closed inside a message")
-    if not hmac.compare_digest(tag, _tag(secret, direction, body)):
-        raise AuthenticationError("a message without the job's secret")
+    if not hmac.compare_digest(tag, _tag(key, direction, number, body)):
+        raise AuthenticationError(f"message {number} from the {direction.decode()} has a wrong tag (not of "
+                                  "this connection, or replayed, reordered or changed on the way)")
     try:
         message = json.loads(body)
     except ValueError as error:
@@ -73,52 +77,51 @@ def _read(stream, secret: bytes, direction: bytes) -> dict | None:
 class MessageServer:
     """The driver's end: accepts the tasks' connections and hands each message to
     ``on_message(message, reply)``, on that connection's own thread, in the order sent;
-    ``reply(answer)`` sends an answer back on the same connection. Close it when done."""
+    ``reply(answer)`` sends an answer back on the same connection. Close it when done.
 
-    def __init__(self, host: str, on_message: Callable[[dict, Reply], None]) -> None:
+    Listens on ``host`` at a free port of ``ports`` (None: any); the tasks connect to
+    ``address``: ``advertise`` (default ``host``) and that port."""
+
+    def __init__(self, host: str, on_message: Callable[[dict, Reply], None], *, advertise: str | None = None,
+                 ports: tuple[int, int] | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
         self.secret = os.urandom(32)
         self._on_message = on_message
-        self._lock = threading.Lock()
-        self._listener = socket.create_server((host, 0))
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._connections: list[socket.socket] = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True, name="allreduce-messages-accept")]
-        self._threads[0].start()
+        self._connect_timeout = connect_timeout
+        self._server = AuthenticatedServer(self.secret, MESSAGES_ID, 1, self._serve, bind=host, ports=ports,
+                                           advertise=advertise, timeout=connect_timeout,
+                                           what="the driver's message server", thread_name="allreduce-messages",
+                                           accept_thread_name="allreduce-messages-accept")
+        self.bound_address: tuple[str, int] = self._server.address
+        self.address: tuple[str, int] = (self._server.advertised_host, self.bound_address[1])
 
     def client(self) -> MessageClient:
         """What a task uses to reach this server (it connects on first use)."""
-        return MessageClient(self.address, self.secret)
+        return MessageClient(self.address, self.secret, self._connect_timeout)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True, name="allreduce-messages")
-            with self._lock:
-                self._connections.append(conn)
-                self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, task: Proven) -> None:
+        conn, key = task.sock, task.session_key
         send_lock = threading.Lock()
+        sent = 0
 
         def reply(answer: dict) -> None:
+            nonlocal sent
             with send_lock:
-                conn.sendall(_frame(self.secret, b"driver", answer))
+                conn.sendall(_frame(key, b"driver", sent, answer))
+                sent += 1
 
-        with conn, conn.makefile("rb") as stream:  # both closed on leaving, whoever holds the error
+        with conn.makefile("rb") as stream:
+            number = 0
             while True:
                 try:
-                    message = _read(stream, self.secret, b"task")
+                    message = _read(stream, key, b"task", number)
                 except (ProtocolError, AuthenticationError) as error:
-                    log.warning("closed a task's connection to the driver: %s", error)
+                    log.warning("closed the connection of a task at %s to the driver: %s", task.peer_text, error)
                     return
                 except OSError:
                     return  # closed by the task, or by close()
                 if message is None:
                     return
+                number += 1
                 try:
                     self._on_message(message, reply)
                 except OSError:
@@ -128,44 +131,59 @@ class MessageServer:
 
     def close(self) -> None:
         """Stop listening, close every connection, and wait for their threads."""
-        cut([self._listener])
-        self._listener.close()
-        with self._lock:
-            connections, threads = list(self._connections), list(self._threads)
-        cut(connections)
-        for thread in threads:
-            thread.join()
+        self._server.close()
 
 
 class MessageClient:
     """A task's end of a ``MessageServer``: made on the driver, shipped in the closure
-    (without its socket), connected on first use. Sends may come from several threads."""
+    (without its socket), connected on first use: within ``connect_timeout`` seconds,
+    which also bounds each send (a driver that stops reading cannot stall a task). Sends
+    may come from several threads."""
 
-    def __init__(self, address: tuple[str, int], secret: bytes) -> None:
+    def __init__(self, address: tuple[str, int], secret: bytes,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
         self.address = tuple(address)
         self._secret = secret
+        self._connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._stream = None
+        self._key = b""
+        self._sent = self._received = 0
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"address": self.address, "_secret": self._secret}
+        return {"address": self.address, "_secret": self._secret, "_connect_timeout": self._connect_timeout}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["address"], state["_secret"])
+        self.__init__(state["address"], state["_secret"], state["_connect_timeout"])
 
     def _connected(self) -> socket.socket:
+        """The connection, opened and proven on first use; OSError when the driver cannot be
+        reached, AuthenticationError or ProtocolError when what answers is not it."""
         if self._sock is None:
-            self._sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT)
-            self._sock.settimeout(None)
-            self._stream = self._sock.makefile("rb")
+            host, port = self.address
+            sock = socket.create_connection(self.address, timeout=self._connect_timeout)
+            try:
+                tune(sock)
+                self._key = client_handshake(sock, self._secret, MESSAGES_ID, 0, f"the driver at {host}:{port}",
+                                             "it does not know this job's secret (a server of another job?)")
+            except EOFError as error:
+                sock.close()
+                raise ConnectionError(f"the driver at {host}:{port} closed the connection in the handshake") \
+                    from error
+            except BaseException:
+                sock.close()
+                raise
+            self._sock, self._stream = sock, sock.makefile("rb")
+            self._sent = self._received = 0
         return self._sock
 
     def send(self, message: dict) -> None:
-        """Send one message; OSError when the driver cannot be reached."""
-        frame = _frame(self._secret, b"task", message)
+        """Send one message; OSError when the driver cannot be reached (or takes no more)."""
         with self._lock:
-            self._connected().sendall(frame)
+            sock = self._connected()
+            sock.sendall(_frame(self._key, b"task", self._sent, message))
+            self._sent += 1
 
     def receive(self, timeout: float | None = None) -> dict:
         """The driver's next answer, waiting up to ``timeout`` seconds (None: no limit).
@@ -176,16 +194,18 @@ class MessageClient:
         sock = self._connected()
         sock.settimeout(timeout)
         try:
-            message = _read(self._stream, self._secret, b"driver")
+            message = _read(self._stream, self._key, b"driver", self._received)
         finally:
             if self._sock is not None:
-                self._sock.settimeout(None)
+                self._sock.settimeout(self._connect_timeout)
         if message is None:
             raise ConnectionError(f"the driver at {self.address[0]}:{self.address[1]} closed the connection")
+        self._received += 1
         return message
 
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
+                self._stream.close()
                 self._sock.close()
                 self._sock, self._stream = None, None

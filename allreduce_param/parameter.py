@@ -34,6 +34,7 @@ from .codec import codec_names, get_codec
 from .errors import ConfigurationError, InputError, UsageError
 from .layout import SliceLayout
 from .movements import Movements, NonFiniteSum
+from .network import NetworkSettings
 from .owner import BackgroundOwner, owner_failure_first
 from .peers import PeerGroup
 from .rendezvous import BarrierRendezvous, Rendezvous
@@ -68,6 +69,16 @@ class AllReduceParameter:
     ``strategy`` says how the partitions synchronise (``Strategy``; default BSP).
     ``gradient_codec``: another codec for the gradients than ``codec`` (which then carries
     the weights and ``allreduce``), such as ``"topk"``, which only gradients can take.
+
+    Networking (``network.NetworkSettings``): ``bind_address`` is where each partition's
+    block server listens (default: its executor's address as Spark names it;
+    ``"0.0.0.0"``: every interface), ``advertise_address`` the address its peers are told,
+    ``port_range`` the ports it may take (``"40000-40099"``; default any free one), and
+    ``connect_timeout`` how long a connection and its handshake may take. Those left unset
+    come from the Spark settings ``spark.allreduce.bindAddress``, ``...advertiseAddress``,
+    ``...portRange`` and ``...connectTimeout`` of the driver's active session, when made
+    there; the environment variables ``ALLREDUCE_BIND_ADDRESS`` and
+    ``ALLREDUCE_ADVERTISE_ADDRESS`` win on the host that sets them.
     """
 
     def __init__(
@@ -84,7 +95,14 @@ class AllReduceParameter:
         param_id: int | None = None,
         strategy: Strategy | None = None,
         gradient_codec: str | None = None,
+        bind_address: str | None = None,
+        advertise_address: str | None = None,
+        port_range: str | tuple[int, int] | None = None,
+        connect_timeout: float | None = None,
     ) -> None:
+        self.network = NetworkSettings.from_active_spark(dict(
+            bind_address=bind_address, advertise_address=advertise_address, port_range=port_range,
+            connect_timeout=connect_timeout))
         self.layout = SliceLayout(size, partition_num)
         self.strategy = strategy or Strategy()
         self.strategy.check_partitions(partition_num)

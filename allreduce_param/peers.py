@@ -38,11 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: How long, at most, a partition that failed keeps answering its peers with the reason
-#: before it stops: only for a clearer message (the root cause in every peer's error), so
-#: it is short, and it ends as soon as every peer has hung up.
-FAILURE_LINGER_SECONDS = 10.0
-
 #: Elements per part: blocks travel in parts of at most this many values (2 MiB of
 #: float32), so that encoding, the wire and summing overlap (see ``movements.py``).
 PART_LENGTH = 1 << 19
@@ -120,10 +115,12 @@ class PeerGroup:
         self.store = BlockStore(keep=strategy.keep(), wait_for_readers=strategy.waits_for_readers(),
                                 reuse_at_once=strategy.read_before_next(), new_buffer=self._new_buffer)
         host, port = rendezvous.bind_address()
+        bind, advertise = param.network.addresses(host)
         self._server = BlockServer(
-            self.store, param.secret, param.param_id, self.partition_id, host, port,
+            self.store, param.secret, param.param_id, self.partition_id, bind, port,
             partition_num=self.partition_num, on_done=self.peer_done, unix=param.unix_sockets,
-            shared=self.shared, max_wait=param.timeout,
+            shared=self.shared, max_wait=param.timeout, ports=param.network.port_range, advertise=advertise,
+            handshake_timeout=param.network.connect_timeout,
         )
         self._addresses: list = []
         try:
@@ -165,6 +162,7 @@ class PeerGroup:
                 (address.host, address.port), self._param.secret, self._param.param_id, self.partition_id, peer,
                 self.timeout,
                 local_name=address.local_name if same_scope else None,  # a Unix socket, and shared memory if on
+                handshake_timeout=self._param.network.connect_timeout,
             )
         channel = Channel(clients, threads, f"allreduce-{role}-{self.partition_id}")
         self._channels.append(channel)
@@ -228,14 +226,15 @@ class PeerGroup:
         Every fetch a peer makes is answered with ``reason`` (so its error names the root
         cause, whichever failure Spark reports first) until each peer has hung up, said it
         is done, is known to be gone, or refused us for want of our secret (then it is not
-        of this parameter), or ``FAILURE_LINGER_SECONDS`` pass; then it stops.
+        of this parameter), or the network settings' ``failure_linger`` passes (it is only
+        for a clearer message: the root cause in every peer's error); then it stops.
         """
         if self._closed:  # closed already (e.g. close() then an error): nothing left to say
             return
         self.store.close(reason)
         for channel in self._channels:
             channel.abort()
-        self._wait_for_peers(min(self.timeout, FAILURE_LINGER_SECONDS))
+        self._wait_for_peers(min(self.timeout, self._param.network.failure_linger))
         self.shutdown(join)
 
     def _wait_for_peers(self, timeout: float) -> bool:

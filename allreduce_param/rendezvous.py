@@ -18,17 +18,17 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .errors import AllReduceError, ConfigurationError, UsageError
 from .messages import MessageClient, Reply
-
-log = logging.getLogger(__name__)
+from .network import NetworkSettings
 
 #: How long the tasks at a MeetingPoint wait, after the first came, for the last before
-#: they all meet through ``allGather`` instead: longer than a task takes to find the
-#: driver unreachable (``messages.CONNECT_TIMEOUT``), so none is left alone at either.
-MEETING_PATIENCE = 30.0
+#: they all meet through ``allGather`` instead, unless told: ``NetworkSettings.meeting_patience``.
+DEFAULT_PATIENCE = NetworkSettings().meeting_patience
+
+log = logging.getLogger(__name__)
 
 #: Where a partition's block server listens: ``(host, port)``, or as the server advertises
 #: itself ``(host, port, fingerprint, local_name, local_scope)`` (``transport.parse_address``):
@@ -120,9 +120,11 @@ class MeetingPoint:
     messages of a ``messages.MessageServer``: ``on_message`` takes those of kind ``meet``.
     """
 
-    def __init__(self, partition_num: int, patience: float = MEETING_PATIENCE) -> None:
+    def __init__(self, partition_num: int, patience: float = DEFAULT_PATIENCE,
+                 on_met: Callable[[dict[int, list]], None] | None = None) -> None:
         self.partition_num = partition_num
         self.patience = patience
+        self._on_met = on_met
         self._meetings: dict[int, _Meeting] = {}  # by stage id: the newest meeting of each
         self._changed = threading.Condition()
 
@@ -136,6 +138,7 @@ class MeetingPoint:
         if message.get("kind") != "meet":
             return False
         stage, partition, task = message.get("stage"), int(message["partition"]), int(message.get("task", 0))
+        just_met = None
         with self._changed:
             meeting = self._meetings.get(stage)
             if meeting is None or meeting.decided is not None:
@@ -145,6 +148,7 @@ class MeetingPoint:
             if len(meeting.addresses) == self.partition_num:
                 meeting.decided = "met"
                 self._changed.notify_all()
+                just_met = dict(meeting.addresses)
             while meeting.decided is None:
                 left = meeting.deadline - time.monotonic()
                 if left <= 0:
@@ -158,6 +162,11 @@ class MeetingPoint:
             answer = {"kind": meeting.decided}
             if meeting.decided == "met":
                 answer["addresses"] = {str(k): v for k, v in meeting.addresses.items()}
+        if just_met is not None and self._on_met is not None:
+            try:
+                self._on_met(just_met)
+            except Exception:  # a listener's bug must not keep the tasks from meeting
+                log.exception("a listener of the meeting failed")
         reply(answer)
         return True
 
@@ -170,7 +179,7 @@ class DriverRendezvous(BarrierRendezvous):
     Must be made inside a task of ``rdd.barrier().mapPartitions(...)``.
     """
 
-    def __init__(self, link: MessageClient, patience: float = MEETING_PATIENCE) -> None:
+    def __init__(self, link: MessageClient, patience: float = DEFAULT_PATIENCE) -> None:
         super().__init__()
         self._link = link
         self._patience = patience
@@ -181,13 +190,14 @@ class DriverRendezvous(BarrierRendezvous):
             self._link.send({"kind": "meet", "stage": self._context.stageId(),
                              "task": self._context.taskAttemptId(),
                              "partition": self.partition_id, "address": list(address)})
-        except OSError as error:
+        except (OSError, AllReduceError) as error:
             log.warning("partition %d cannot reach the driver at %s:%s (%s); meeting through allGather",
                         self.partition_id, *self._link.address[:2], error)
             return super().exchange(address)
         try:
-            # the meeting point decides within its patience of the first task, which was no later than this one
-            answer = self._link.receive(timeout=self._patience + 30.0)
+            # the meeting point decides within its patience of the first task, which was no later than
+            # this one; as much again covers a driver slow to answer
+            answer = self._link.receive(timeout=2 * self._patience)
         except (OSError, AllReduceError) as error:
             raise UsageError(
                 f"partition {self.partition_id} lost the driver at {self._link.address[0]}:{self._link.address[1]} "

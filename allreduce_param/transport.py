@@ -6,10 +6,8 @@ that version is in its store (or with an error once the wait times out).
 
 Wire format (little-endian):
 
-* Handshake. Server: ``HELLO`` magic + 16-byte nonce. Client: magic, parameter id, own
-  partition id, 16-byte nonce, HMAC-SHA256(secret, "client" + both nonces + ids). Server:
-  one status byte, then its own HMAC(secret, "server" + ...) so the client knows it talks to
-  a holder of the secret too. A connection that fails this reads and writes nothing.
+* Handshake: ``network.py``'s (each side proves the parameter's secret over fresh nonces);
+  the client's ids are the parameter id and its own partition.
 * Request: op, block kind, source, destination, part, version, timeout in ms (fixed size).
   The op's ``FLAG_NEWEST`` bit asks for the newest version at or above ``version``.
 * Response: status, length, the version served; then ``length`` bytes (the encoded block,
@@ -25,37 +23,38 @@ malformed frame closes that connection with a logged reason, never the server.
 from __future__ import annotations
 
 import functools
-import hashlib
-import hmac
 import logging
 import os
-import selectors
 import socket
 import struct
-import sys
 import threading
-import time
 from typing import Callable, NamedTuple
 
 from .codec import HEADER_SIZE, Codec
 from .errors import (
     AllReduceError,
-    AuthenticationError,
     FetchTimeoutError,
     PeerLostError,
     ProtocolError,
     StaleVersionError,
     StoreClosedError,
 )
+from .network import (
+    DEFAULT_CONNECT_TIMEOUT,
+    MAGIC,
+    AuthenticatedServer,
+    Proven,
+    client_handshake,
+    mac,
+    recv_exactly,
+    tune,
+    unix_sockets_available,
+)
 from .shm import SharedArenas, SharedMappings
 from .store import BlockKey, BlockKind, BlockStore, SplitBlock
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"ARP1"
-NONCE_SIZE = 16
-MAC_SIZE = 32
-_CLIENT_HELLO = struct.Struct(f"<4sII{NONCE_SIZE}s{MAC_SIZE}s")  # magic, param, partition, nonce, mac
 _REQUEST = struct.Struct("<4sBBIIIQI")  # magic, op, kind, source, destination, part, version, timeout ms
 _RESPONSE = struct.Struct("<BQQ")  # status, length, version served
 
@@ -77,17 +76,6 @@ STATUS_SHARED = 5  # the block lies in shared segments: where follows (and, once
 _SHARED_PLACE = struct.Struct("<QQQQQ")
 
 MAX_ERROR_TEXT = 64 * 1024
-HANDSHAKE_TIMEOUT = 10.0
-#: Connections that may be in their handshake at once; one more pushes out the oldest.
-MAX_UNPROVEN = 64
-#: How long accepting pauses after accept() failed (e.g. out of file descriptors).
-ACCEPT_PAUSE = 0.2
-#: How long closing waits for each server thread before it names the late ones in the log.
-CLOSE_TIMEOUT = 10.0
-
-
-def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, role + b"".join(parts), hashlib.sha256).digest()
 
 
 def secret_fingerprint(secret: bytes, param_id: int) -> str:
@@ -95,7 +83,7 @@ def secret_fingerprint(secret: bytes, param_id: int) -> str:
     so that partitions of different parameters learn it there, all of them, before any
     connects (one that connects first would see the other close). It reveals nothing that
     proves the secret: the handshake's MACs cover fresh nonces."""
-    return _mac(secret, b"fingerprint", str(param_id).encode())[:12].hex()
+    return mac(secret, b"fingerprint", str(param_id).encode())[:12].hex()
 
 
 class PeerAddress(NamedTuple):
@@ -116,39 +104,6 @@ def parse_address(address) -> PeerAddress:
     return PeerAddress(*address)
 
 
-def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ``EOFError`` if the peer closes first."""
-    received = 0
-    total = view.nbytes
-    while received < total:
-        got = sock.recv_into(view[received:], total - received)
-        if got == 0:
-            raise EOFError(f"connection closed after {received} of {total} bytes")
-        received += got
-
-
-def cut(connections) -> None:
-    """Shut every socket down both ways, so a thread blocked reading one wakes with its end;
-    one already gone is left alone."""
-    for conn in connections:
-        try:
-            conn.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-def _tune(sock: socket.socket) -> None:
-    # Small request frames must not wait for Nagle. Socket buffer sizes are left to the
-    # kernel's own sizing, which did no worse than fixed ones (docs/DESIGN.md, figures).
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def unix_sockets_available() -> bool:
-    """Whether this platform has abstract Unix sockets (Linux): the same-host fast path."""
-    return sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
-
-
 @functools.lru_cache(maxsize=1)
 def local_scope() -> str:
     """Which abstract Unix sockets this process can reach: its machine (the kernel's boot id)
@@ -161,33 +116,18 @@ def local_scope() -> str:
         return f"{socket.gethostname()}/unknown"
 
 
-class _Unproven:
-    """A connection in its handshake: what it has sent so far, and until when it may try."""
-
-    __slots__ = ("sock", "peer_text", "nonce", "hello", "deadline")
-
-    def __init__(self, sock: socket.socket, peer_text: str, nonce: bytes, deadline: float) -> None:
-        self.sock, self.peer_text, self.nonce, self.deadline = sock, peer_text, nonce, deadline
-        self.hello = bytearray()
-
-
 class BlockServer:
     """Serves one partition's ``BlockStore`` to the peers that prove the secret.
 
-    Binds ``host`` (the task's own address, never every interface) on ``port`` (0: any free
-    one) and, with ``unix``, also an abstract Unix socket named ``local_name``, which peers
-    on the same host use instead (faster than loopback TCP).
-
-    One thread accepts and runs every handshake at once, each connection a small state in
-    a selector: a connection that has not proven the secret costs no thread, gets
-    ``HANDSHAKE_TIMEOUT`` seconds, and at most ``MAX_UNPROVEN`` wait at a time (a new one
-    pushes out the oldest), so a flood of idle or garbage connections neither exhausts the
-    process nor keeps peers out; an error from ``accept`` (out of file descriptors) pauses
-    accepting briefly and never ends it. A peer that proves the secret gets a thread of
-    its own, so that a get waiting for a version never holds up the others. A partition id
-    is taken from a connection only once it has proven the secret. ``on_done(partition)``
-    is called when a proven peer says it is done, or its connection ends. A get waits for
-    a version at most ``max_wait`` seconds, whatever the request asks.
+    Listens on ``host`` (the task's own address, never every interface unless told) at
+    ``port`` or, when that is 0, a free port of ``ports`` (None: any), and with ``unix``
+    also on an abstract Unix socket (``local_name``), which peers on the same host use
+    instead (faster than loopback TCP); ``advertise`` is the address peers are told
+    (default: ``host``). Admission is ``network.AuthenticatedServer``'s: a handshake within
+    ``handshake_timeout`` seconds, a thread per proven peer, so that a get waiting for a
+    version never holds up the others. ``on_done(partition)`` is called when a proven peer
+    says it is done, or its connection ends. A get waits for a version at most
+    ``max_wait`` seconds, whatever the request asks.
     """
 
     def __init__(
@@ -203,199 +143,46 @@ class BlockServer:
         unix: bool = False,
         shared: SharedArenas | None = None,
         max_wait: float = 3600.0,
+        *,
+        ports: tuple[int, int] | None = None,
+        advertise: str | None = None,
+        handshake_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         self.store = store
         self._max_wait = max_wait
         self._secret = secret
         self._param_id = param_id
         self._partition_id = partition_id
-        self._partition_num = partition_num
         self._on_done = on_done or (lambda partition: None)
         # where the owner's blocks lie in shared memory, if they do
         self._shared = shared
-        backlog = max(16, 2 * partition_num)
-        self._listeners = [socket.create_server((host, port), backlog=backlog)]
-        self.address: tuple[str, int] = self._listeners[0].getsockname()[:2]
-        self.local_name: str | None = None
-        if unix and unix_sockets_available():
-            name = f"allreduce-param-{os.getpid()}-{os.urandom(8).hex()}"
-            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                local.bind("\0" + name)  # abstract: no file to clean up
-                local.listen(backlog)
-            except OSError:
-                local.close()
-                self._listeners[0].close()
-                raise
-            self._listeners.append(local)
-            self.local_name = name
-        self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
-        self._closed = False
-        self._unproven: dict[socket.socket, _Unproven] = {}  # oldest first
-        self._paused_until = 0.0  # accept() failed: try again from then on
-        self._selector = selectors.DefaultSelector()
-        self._wake_read, self._wake_write = socket.socketpair()
-        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
-        for listener in self._listeners:
-            listener.setblocking(False)
-            self._selector.register(listener, selectors.EVENT_READ, "listener")
-        self._acceptor = threading.Thread(target=self._admit, daemon=True, name=f"allreduce-accept-{partition_id}")
-        self._acceptor.start()
+        self._server = AuthenticatedServer(
+            secret, param_id, partition_num, self._serve, bind=host, port=port, ports=ports, advertise=advertise,
+            unix=unix, timeout=handshake_timeout, what=f"partition {partition_id}'s block server",
+            thread_name=f"allreduce-serve-{partition_id}", accept_thread_name=f"allreduce-accept-{partition_id}")
+        self.address: tuple[str, int] = self._server.address
+        self.local_name = self._server.local_name
 
     @property
     def advertised_address(self) -> tuple:
         """What peers need to reach this server and to know it serves their parameter:
         ``(host, port, fingerprint, local_name, local_scope)`` (``parse_address`` reads it;
         the last two None without a Unix socket)."""
-        return (*self.address, secret_fingerprint(self._secret, self._param_id), self.local_name,
-                local_scope() if self.local_name else None)
-
-    # ---- admitting: accept and handshake, on one thread -----------------------------------
-
-    def _admit(self) -> None:
-        try:
-            while not self._closed:
-                now = time.monotonic()
-                deadlines = [pending.deadline for pending in self._unproven.values()]
-                if self._paused_until:
-                    deadlines.append(self._paused_until)
-                wait = max(0.0, min(deadlines) - now) if deadlines else None
-                for key, _ in self._selector.select(wait):
-                    if key.data is None:
-                        self._wake_read.recv(64)
-                    elif key.data == "listener":
-                        self._accept(key.fileobj)
-                    else:
-                        self._read_hello(key.data)
-                now = time.monotonic()
-                for pending in [p for p in self._unproven.values() if p.deadline <= now]:
-                    self._drop(pending, f"no handshake within {HANDSHAKE_TIMEOUT:g} s")
-                if self._paused_until and now >= self._paused_until:
-                    self._paused_until = 0.0
-                    for listener in self._listeners:
-                        self._selector.register(listener, selectors.EVENT_READ, "listener")
-        except Exception:  # a bug here must not pass silently: the server would stop admitting
-            log.exception("partition %d: the block server stopped admitting connections", self._partition_id)
-        finally:
-            for pending in list(self._unproven.values()):
-                self._drop(pending, "shutting down")
-
-    def _accept(self, listener: socket.socket) -> None:
-        try:
-            conn, peer = listener.accept()
-        except BlockingIOError:
-            return
-        except OSError as error:  # out of file descriptors, buffers...: pause, never give up
-            if self._closed:
-                return
-            log.warning("partition %d: accept failed (%s); pausing new connections briefly",
-                        self._partition_id, error)
-            self._paused_until = time.monotonic() + ACCEPT_PAUSE
-            for other in self._listeners:
-                self._selector.unregister(other)
-            return
-        if len(self._unproven) >= MAX_UNPROVEN:
-            oldest = next(iter(self._unproven.values()))
-            self._drop(oldest, f"more than {MAX_UNPROVEN} connections in their handshake")
-        peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and peer else "a local socket"
-        nonce = os.urandom(NONCE_SIZE)
-        try:
-            conn.setblocking(False)
-            _tune(conn)
-            if conn.send(MAGIC + nonce) != len(MAGIC) + NONCE_SIZE:  # a fresh socket takes 20 bytes
-                raise OSError("the greeting did not fit the socket buffer")
-        except OSError as error:
-            log.debug("connection from %s ended at once: %s", peer_text, error)
-            conn.close()
-            return
-        pending = _Unproven(conn, peer_text, nonce, time.monotonic() + HANDSHAKE_TIMEOUT)
-        self._unproven[conn] = pending
-        self._selector.register(conn, selectors.EVENT_READ, pending)
-
-    def _read_hello(self, pending: _Unproven) -> None:
-        try:
-            chunk = pending.sock.recv(_CLIENT_HELLO.size - len(pending.hello))
-        except BlockingIOError:
-            return
-        except OSError as error:
-            self._drop(pending, str(error), quiet=True)
-            return
-        if not chunk:
-            self._drop(pending, "closed during the handshake", quiet=True)
-            return
-        pending.hello += chunk
-        if len(pending.hello) < _CLIENT_HELLO.size:
-            return
-        self._selector.unregister(pending.sock)
-        del self._unproven[pending.sock]
-        partition, reason, answer = self._check_hello(pending)
-        conn = pending.sock
-        if partition is None:  # said here first: the refused client hears it next
-            log.warning("refused connection from %s: %s", pending.peer_text, reason)
-        try:
-            conn.setblocking(True)
-            conn.settimeout(HANDSHAKE_TIMEOUT)
-            conn.sendall(answer)
-            conn.settimeout(None)
-        except OSError as error:
-            if partition is not None:
-                log.debug("connection from %s ended in its handshake: %s", pending.peer_text, error)
-            partition = None
-        if partition is None:
-            conn.close()
-            return
-        with self._lock:
-            if self._closed:
-                conn.close()
-                return
-            self._connections.add(conn)
-            self._threads = {thread for thread in self._threads if thread.is_alive()}  # the ended ones need no join
-            thread = threading.Thread(target=self._serve, args=(conn, partition, pending.peer_text), daemon=True,
-                                      name=f"allreduce-serve-{self._partition_id}")
-            self._threads.add(thread)
-        thread.start()
-
-    def _check_hello(self, pending: _Unproven) -> tuple[int | None, str, bytes]:
-        """(the client's partition or None, why it was refused, the answer to send)."""
-        magic, param_id, partition, client_nonce, mac = _CLIENT_HELLO.unpack(pending.hello)
-        ids = struct.pack("<II", param_id, partition)
-        expected = _mac(self._secret, b"client", pending.nonce, client_nonce, ids)
-        if magic != MAGIC:
-            reason = f"bad magic {bytes(magic)!r}, not an allreduce-param client"
-        elif not hmac.compare_digest(mac, expected):
-            reason = "it could not prove the parameter's secret"
-        elif param_id != self._param_id:
-            reason = f"it asked for parameter {param_id}, this server serves parameter {self._param_id}"
-        elif not 0 <= partition < self._partition_num:
-            reason = f"partition {partition} is outside 0..{self._partition_num - 1}"
-        else:
-            return partition, "", bytes([STATUS_OK]) + _mac(self._secret, b"server", client_nonce, pending.nonce, ids)
-        return None, reason, bytes([STATUS_REFUSED])
-
-    def _drop(self, pending: _Unproven, reason: str, quiet: bool = False) -> None:
-        """Close a connection that never proved the secret."""
-        if self._unproven.pop(pending.sock, None) is not None:
-            self._selector.unregister(pending.sock)
-        (log.debug if quiet else log.info)("dropped an unproven connection from %s: %s", pending.peer_text, reason)
-        pending.sock.close()
+        return (self._server.advertised_host, self.address[1], secret_fingerprint(self._secret, self._param_id),
+                self.local_name, local_scope() if self.local_name else None)
 
     # ---- serving a proven peer, on a thread of its own -----------------------------------
 
-    def _serve(self, conn: socket.socket, client_partition: int, peer_text: str) -> None:
+    def _serve(self, peer: Proven) -> None:
         try:
-            self._answer_requests(conn, client_partition, peer_text)
+            self._answer_requests(peer.sock, peer.partition, peer.peer_text)
         except (OSError, EOFError) as error:
-            if not self._closed:
-                log.debug("connection from %s ended: %s", peer_text, error)
+            if not self._server.closed:
+                log.debug("connection from %s ended: %s", peer.peer_text, error)
         finally:
-            self.store.release(conn)
+            self.store.release(peer.sock)
             # A peer whose connection ends fetches nothing more: as good as its "done".
-            self._on_done(client_partition)
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()  # the thread stays listed until it has ended, so close() joins it
+            self._on_done(peer.partition)
 
     def _answer_requests(self, conn: socket.socket, client_partition: int, peer_text: str) -> None:
         request = bytearray(_REQUEST.size)
@@ -404,7 +191,7 @@ class BlockServer:
         local = conn.family == socket.AF_UNIX
         while True:
             try:
-                _recv_exactly(conn, view)
+                recv_exactly(conn, view)
             except EOFError:
                 return
             magic, op, kind, source, destination, part, version, timeout_ms = _REQUEST.unpack(request)
@@ -457,31 +244,10 @@ class BlockServer:
     def close(self) -> None:
         """Stop accepting, close the store, cut every connection, and wait for the threads.
 
-        Closing the store first ends the gets that wait in it, so no thread outlives this;
-        each wait for a thread is bounded, and one that overruns is named in the log.
+        Closing the store first ends the gets that wait in it, so no thread outlives this.
         """
         self.store.close()
-        with self._lock:
-            self._closed = True
-            connections = list(self._connections)
-            threads = list(self._threads)
-        try:
-            self._wake_write.send(b"x")
-        except OSError:
-            pass
-        self._acceptor.join(CLOSE_TIMEOUT)
-        for listener in self._listeners:
-            listener.close()
-        cut(connections)
-        for thread in threads:
-            thread.join(CLOSE_TIMEOUT)
-        late = [thread.name for thread in [self._acceptor, *threads] if thread.is_alive()]
-        if late:
-            log.warning("partition %d: %d server threads still running %g s after close: %s",
-                        self._partition_id, len(late), CLOSE_TIMEOUT, late)
-        self._selector.close()
-        self._wake_read.close()
-        self._wake_write.close()
+        self._server.close()
 
 
 class PeerClient:
@@ -501,8 +267,10 @@ class PeerClient:
         peer_partition: int,
         timeout: float,
         local_name: str | None = None,
+        handshake_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         self.address = address
+        self._handshake_timeout = handshake_timeout
         self.local_name = local_name if unix_sockets_available() else None
         self.peer_partition = peer_partition
         self._secret = secret
@@ -535,14 +303,14 @@ class PeerClient:
     def _open(self) -> socket.socket:
         if self.local_name:
             local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            local.settimeout(HANDSHAKE_TIMEOUT)
+            local.settimeout(self._handshake_timeout)
             try:
                 local.connect("\0" + self.local_name)
                 return local
             except OSError as error:  # another network namespace, or gone: TCP will tell
                 local.close()
                 log.debug("no local socket for %s (%s), using TCP", self._peer_text, error)
-        return socket.create_connection(self.address, timeout=HANDSHAKE_TIMEOUT)
+        return socket.create_connection(self.address, timeout=self._handshake_timeout)
 
     def _connect(self, what: str) -> socket.socket:
         if self._aborted:
@@ -553,27 +321,10 @@ class PeerClient:
         except OSError as error:
             raise self._lost(what, f"cannot be reached ({error})") from error
         try:
-            _tune(sock)
-            greeting = bytearray(len(MAGIC) + NONCE_SIZE)
-            _recv_exactly(sock, memoryview(greeting))
-            if greeting[: len(MAGIC)] != MAGIC:
-                raise ProtocolError(f"{self._peer_text} is not an allreduce-param block server")
-            server_nonce = bytes(greeting[len(MAGIC):])
-            client_nonce = os.urandom(NONCE_SIZE)
-            ids = struct.pack("<II", self._param_id, self._partition_id)
-            mac = _mac(self._secret, b"client", server_nonce, client_nonce, ids)
-            sock.sendall(_CLIENT_HELLO.pack(MAGIC, self._param_id, self._partition_id, client_nonce, mac))
-            status = bytearray(1)
-            _recv_exactly(sock, memoryview(status))
-            if status[0] != STATUS_OK:
-                raise AuthenticationError(
-                    f"{self._peer_text} refused this connection: the secrets differ. Every "
-                    "partition must use the same AllReduceParameter object, made on the driver"
-                )
-            proof = bytearray(MAC_SIZE)
-            _recv_exactly(sock, memoryview(proof))
-            if not hmac.compare_digest(bytes(proof), _mac(self._secret, b"server", client_nonce, server_nonce, ids)):
-                raise AuthenticationError(f"{self._peer_text} could not prove the parameter's secret")
+            tune(sock)
+            client_handshake(sock, self._secret, self._param_id, self._partition_id, self._peer_text,
+                             "the secrets differ. Every partition must use the same AllReduceParameter object, "
+                             "made on the driver")
             sock.settimeout(None)
             return sock
         except AllReduceError:
@@ -582,7 +333,7 @@ class PeerClient:
         except socket.timeout as error:
             sock.close()
             raise FetchTimeoutError(f"{self._peer_text} did not finish the handshake within "
-                                    f"{HANDSHAKE_TIMEOUT:g} s while we fetched {what}") from error
+                                    f"{self._handshake_timeout:g} s while we fetched {what}") from error
         except (OSError, EOFError) as error:
             sock.close()
             raise self._lost(what, f"dropped the connection during the handshake ({error})") from error
@@ -607,7 +358,7 @@ class PeerClient:
             try:
                 # The server gives up waiting at the timeout and says so; the socket waits longer
                 # so that the server's answer, not a bare socket timeout, reaches the user.
-                sock.settimeout(self._timeout + HANDSHAKE_TIMEOUT)
+                sock.settimeout(self._timeout + self._handshake_timeout)
                 shared = shared and sock.family == socket.AF_UNIX
                 op = (OP_GET_SHARED if shared else OP_GET) | (FLAG_NEWEST if newest else 0)
                 sock.sendall(_REQUEST.pack(MAGIC, op, key.kind, key.source, key.destination, key.part,
@@ -628,7 +379,7 @@ class PeerClient:
                 if status == STATUS_SHARED:
                     return served, self._shared_view(sock, length, what)
                 view = (into if into is not None else memoryview(bytearray(length)))[:length]
-                _recv_exactly(sock, view)
+                recv_exactly(sock, view)
                 return served, view
             except AllReduceError:
                 if not keep_connection:
@@ -638,7 +389,7 @@ class PeerClient:
                 self._drop()
                 raise FetchTimeoutError(
                     f"{self._peer_text} did not answer for {what} within "
-                    f"{self._timeout + HANDSHAKE_TIMEOUT:g} s"
+                    f"{self._timeout + self._handshake_timeout:g} s"
                 ) from error
             except (OSError, EOFError) as error:
                 self._drop()
@@ -649,21 +400,21 @@ class PeerClient:
         first bytes, so those are read with recvmsg and the descriptor kept for the segment."""
         head = bytearray(_RESPONSE.size)
         if not shared:
-            _recv_exactly(sock, memoryview(head))
+            recv_exactly(sock, memoryview(head))
             return _RESPONSE.unpack_from(head)
         data, fds, _, _ = socket.recv_fds(sock, _RESPONSE.size, 2)
         self._pending_fds = list(fds)
         if not data:
             raise EOFError("connection closed before the response")
         head[:len(data)] = data
-        _recv_exactly(sock, memoryview(head)[len(data):_RESPONSE.size])
+        recv_exactly(sock, memoryview(head)[len(data):_RESPONSE.size])
         return _RESPONSE.unpack_from(head)
 
     def _shared_view(self, sock: socket.socket, length: int, what: str) -> SplitBlock:
         """After a shared answer: views of where the block's header and payload lie (the
         descriptors of segments not seen before came with the answer's first bytes)."""
         tail = bytearray(_SHARED_PLACE.size)
-        _recv_exactly(sock, memoryview(tail))
+        recv_exactly(sock, memoryview(tail))
         header_segment, header_offset, header_length, payload_segment, payload_offset = _SHARED_PLACE.unpack(tail)
         fds, self._pending_fds = self._pending_fds, []
         # the server passes each segment's descriptor once per connection, the header's first
@@ -698,7 +449,7 @@ class PeerClient:
         if length > MAX_ERROR_TEXT:
             raise ProtocolError(f"{self._peer_text} sent an error text of {length} bytes for {what}")
         text = bytearray(length)
-        _recv_exactly(sock, memoryview(text))
+        recv_exactly(sock, memoryview(text))
         reason = text.decode("utf-8", "replace")
         if status == STATUS_TIMEOUT:
             return FetchTimeoutError(

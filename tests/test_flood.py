@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from allreduce_param import AllReduceParameter
-from allreduce_param.transport import MAX_UNPROVEN
+from allreduce_param.network import MAX_UNPROVEN
 from conftest import raise_first, run_partitions
 
 FLOODER = """
@@ -115,7 +115,7 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
 
     finished = threading.Event()
     failures = AcceptFailures()
-    logging.getLogger("allreduce_param.transport").addHandler(failures)
+    logging.getLogger("allreduce_param.network").addHandler(failures)
     flooding = threading.Thread(target=flood)
     flooding.start()
     try:
@@ -124,7 +124,7 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
         finished.set()
         flooding.join(120)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        logging.getLogger("allreduce_param.transport").removeHandler(failures)
+        logging.getLogger("allreduce_param.network").removeHandler(failures)
     assert seen["held"] == connections and seen["accept failed"]  # the flood came, and accept() failed
     # strangers cost at most MAX_UNPROVEN descriptors, whatever the flood
     assert seen["end"] - seen["after"] <= MAX_UNPROVEN + 16, seen

@@ -18,17 +18,8 @@ from hypothesis import strategies as st
 from allreduce_param import AllReduceError, CorruptBlockError
 from allreduce_param.codec import CODECS, HEADER_SIZE, get_codec
 from allreduce_param.store import BlockKey, BlockKind, BlockStore
-from allreduce_param.transport import (
-    _CLIENT_HELLO,
-    _REQUEST,
-    MAGIC,
-    NONCE_SIZE,
-    OP_GET,
-    STATUS_OK,
-    BlockServer,
-    PeerClient,
-    _mac,
-)
+from allreduce_param.network import _CLIENT_HELLO, MAGIC, NONCE_SIZE, mac
+from allreduce_param.transport import _REQUEST, OP_GET, STATUS_OK, BlockServer, PeerClient
 
 SECRET = b"f" * 32
 KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
@@ -88,7 +79,7 @@ def authenticated(server) -> socket.socket:
         greeting += sock.recv(64)
     nonce = os.urandom(NONCE_SIZE)
     ids = struct.pack("<II", 5, 1)
-    sock.sendall(_CLIENT_HELLO.pack(MAGIC, 5, 1, nonce, _mac(SECRET, b"client", greeting[len(MAGIC):], nonce, ids)))
+    sock.sendall(_CLIENT_HELLO.pack(MAGIC, 5, 1, nonce, mac(SECRET, b"client", greeting[len(MAGIC):], nonce, ids)))
     assert sock.recv(1) == bytes([STATUS_OK])
     sock.recv(32)
     return sock
@@ -124,7 +115,7 @@ class FakeServer:
                 hello += conn.recv(_CLIENT_HELLO.size - len(hello))
             _, param_id, partition, client_nonce, _ = _CLIENT_HELLO.unpack(hello)
             ids = struct.pack("<II", param_id, partition)
-            conn.sendall(bytes([STATUS_OK]) + _mac(SECRET, b"server", client_nonce, nonce, ids))
+            conn.sendall(bytes([STATUS_OK]) + mac(SECRET, b"server", client_nonce, nonce, ids))
             request = b""
             while len(request) < _REQUEST.size:
                 request += conn.recv(_REQUEST.size - len(request))

@@ -3,14 +3,14 @@ step, and the meeting point where the partitions learn each other's addresses.""
 
 from __future__ import annotations
 
+import io
 import logging
-import socket
 import threading
 
 import pytest
 
 from allreduce_param.errors import AuthenticationError, UsageError
-from allreduce_param.messages import MAX_MESSAGE, MessageClient, MessageServer
+from allreduce_param.messages import MAX_MESSAGE, MessageClient, MessageServer, _frame, _read
 from allreduce_param.rendezvous import MeetingPoint, _by_partition
 from allreduce_param.train.progress import ProgressMerger, ProgressReporter
 from allreduce_param.train.result import STEP_FIELDS, merge_step
@@ -53,16 +53,18 @@ def test_a_step_is_merged_once_every_partition_reported_it():
     assert merged["get_s"] == 0.3  # the slowest partition's phase
 
 
-def test_messages_without_the_secret_or_too_long_are_refused(caplog):
+def test_a_client_without_the_secret_is_refused_in_the_handshake_and_others_go_on(caplog):
     events = Events(expected=1)
     server = progress_server(1, events)
     try:
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.messages"):
-            ProgressReporter(MessageClient(server.address, b"x" * 32)).send("start", partition=0, steps=1, epochs=1)
-            with socket.create_connection(server.address) as sock:
-                sock.sendall((MAX_MESSAGE + 1).to_bytes(4, "little"))
-                sock.settimeout(30)
-                assert sock.recv(1) == b""  # closed by the server
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.network"):
+            stranger = MessageClient(server.address, b"x" * 32)
+            with pytest.raises(AuthenticationError, match="refused this connection: it does not know this job's"):
+                stranger.send({"kind": "epoch", "epoch": 9})
+            stranger.close()
+            quiet = ProgressReporter(MessageClient(server.address, b"x" * 32))
+            quiet.send("start", partition=0, steps=1, epochs=1)  # a reporter says nothing, and stops
+            assert quiet._broken
             good = ProgressReporter(server.client())
             good.send("epoch", epoch=0, val_loss=0.5)
             assert events.done.wait(30)
@@ -70,21 +72,57 @@ def test_messages_without_the_secret_or_too_long_are_refused(caplog):
     finally:
         server.close()
     assert events.items == [("epoch", {"epoch": 0, "val_loss": 0.5})]
-    assert "a message without the job's secret" in caplog.text
+    assert "the driver's message server refused connection from 127.0.0.1" in caplog.text
+    assert "it could not prove the secret" in caplog.text
+
+
+def test_a_too_long_message_closes_that_connection_only(caplog):
+    events = Events(expected=1)
+    server = progress_server(1, events)
+    rogue = server.client()
+    try:
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.messages"):
+            sock = rogue._connected()  # proven
+            sock.sendall((MAX_MESSAGE + 1).to_bytes(4, "little"))
+            sock.settimeout(30)
+            assert sock.recv(1) == b""  # closed by the server
+        good = ProgressReporter(server.client())
+        good.send("epoch", epoch=0, val_loss=0.5)
+        assert events.done.wait(30)
+        good.close()
+    finally:
+        rogue.close()
+        server.close()
     assert f"a message of {MAX_MESSAGE + 1} bytes" in caplog.text
 
 
-def test_a_task_does_not_take_its_own_message_back_as_the_drivers_answer():
-    """The tag covers the direction: a server that echoes what it got proves nothing."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        client = MessageClient(listener.getsockname()[:2], b"s" * 32)
-        client.send({"kind": "meet", "partition": 0})
-        conn, _ = listener.accept()
-        with conn:
-            conn.sendall(conn.recv(4096))  # the whole frame, back
-            with pytest.raises(AuthenticationError, match="without the job's secret"):
-                client.receive(timeout=30)
+def test_a_message_sent_again_or_back_is_refused(caplog):
+    """Each tag covers the connection's key, the direction and the message's number."""
+    key = b"k" * 32
+    frame = _frame(key, b"task", 0, {"kind": "meet"})
+    assert _read(io.BytesIO(frame), key, b"task", 0) == {"kind": "meet"}
+    with pytest.raises(AuthenticationError, match="message 0 from the driver has a wrong tag"):
+        _read(io.BytesIO(frame), key, b"driver", 0)  # a task's own message, sent back as an answer
+    with pytest.raises(AuthenticationError, match="message 1 from the task has a wrong tag"):
+        _read(io.BytesIO(frame), key, b"task", 1)  # the same message again
+    with pytest.raises(AuthenticationError):
+        _read(io.BytesIO(frame), b"o" * 32, b"task", 0)  # another connection's
+    # on a live connection: a message replayed there closes it
+    events = Events(expected=1)
+    server = progress_server(1, events)
+    client = server.client()
+    try:
+        client.send({"kind": "epoch", "epoch": 0, "val_loss": 0.5})
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.messages"):
+            client._sock.sendall(_frame(client._key, b"task", 0, {"kind": "epoch", "epoch": 0, "val_loss": 0.5}))
+            client._sock.settimeout(30)
+            assert client._sock.recv(1) == b""
+        assert events.done.wait(30)
+    finally:
         client.close()
+        server.close()
+    assert events.items == [("epoch", {"epoch": 0, "val_loss": 0.5})]  # once
+    assert "message 1 from the task has a wrong tag" in caplog.text
 
 
 def test_a_reporter_whose_driver_is_gone_keeps_quiet():

@@ -387,6 +387,28 @@ def test_a_listener_and_the_log_see_every_step_as_it_happens(spark, tmp_path):
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 5000
 
 
+def test_the_fits_servers_take_ports_of_the_sessions_range_and_the_listener_hears_where(spark):
+    from test_network import free_ports
+
+    first, last = free_ports(5)
+    X, y = regression_data(rows=64)
+    events = []
+    spark.conf.set("spark.allreduce.portRange", f"{first}-{last}")  # a session setting, as users set it
+    try:
+        DistriOptimizer(models.LinearRegression(5), optim.SGD(lr=0.05), batch_size=16, epochs=1, progress=False,
+                        connect_timeout=5, listener=lambda kind, fields: events.append((kind, fields))
+                        ).fit(frame(spark, X, y))
+    finally:
+        spark.conf.unset("spark.allreduce.portRange")
+    [where] = [fields for kind, fields in events if kind == "meeting"]
+    listening = [where["driver"], *where["servers"]]
+    assert len(where["servers"]) == 4
+    assert all(address.startswith("127.0.0.1:") for address in listening)
+    assert sorted(int(address.rsplit(":", 1)[1]) for address in listening) == list(range(first, last + 1))
+    with pytest.raises(ConfigurationError, match=r"port_range='80-1'"):
+        DistriOptimizer(models.LinearRegression(5), optim.SGD(lr=0.05), port_range="80-1")
+
+
 def test_plotting_without_matplotlib_says_how_to_get_it(monkeypatch):
     from allreduce_param import History
 

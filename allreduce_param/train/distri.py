@@ -20,9 +20,11 @@ from ..codec import codec_names
 from ..errors import ConfigurationError, InputError, TrainingError
 from ..messages import MessageServer
 from ..models.base import has_buffers, merge_buffers, model_task, takes_sample_weight
+from ..network import NetworkSettings
 from ..parameter import AllReduceParameter
 from ..rendezvous import MeetingPoint
 from ..strategy import Strategy
+from ..transport import parse_address
 from .checkpoint import CheckpointSettings, Manifest, newest
 from .arrow import record_batch
 from .data import arrays_from_arrow, arrays_from_pairs, prepare_once
@@ -183,11 +185,14 @@ class DistriOptimizer:
         self.strategy.check_partitions(workers)
         if resume is not None:
             self._check_resume(resume, size, workers)
+        network = NetworkSettings.of(self.settings.network_values(), spark.session_setting)
         param = AllReduceParameter(workers, size, codec=self.codec, gradient_codec=self.gradient_codec,
-                                   timeout=self.timeout, strategy=self.strategy)
+                                   timeout=self.timeout, strategy=self.strategy, bind_address=network.bind_address,
+                                   advertise_address=network.advertise_address, port_range=network.port_range,
+                                   connect_timeout=network.connect_timeout)
         checkpoints = None if self.checkpoint_dir is None else CheckpointSettings.for_new_fit(
             self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)
-        with self._driver_end(spark, workers) as driver:
+        with self._driver_end(spark, workers, network) as driver:
             job = TrainingJob(self.model, self.optimizer, param, self.batch_size, self.epochs, self.seed,
                               self.threads, n_features, validation is not None,
                               driver, self.sync_every, self.model_averaging,
@@ -268,25 +273,38 @@ class DistriOptimizer:
         return TrainingError(f"{error}. {advice}")
 
     @contextlib.contextmanager
-    def _driver_end(self, spark: SparkInfo, workers: int):
+    def _driver_end(self, spark: SparkInfo, workers: int, network: NetworkSettings):
         """The driver's end of the tasks' connections, for the length of the fit: where the
-        partitions meet, and where their progress goes (the bar, the log, the listener).
-        Yields what the tasks use to reach it (``_client_of``)."""
+        partitions meet, and where their progress goes (the bar, the log, the listener,
+        which also hears where everyone listens: a ``"meeting"`` event). Listens where
+        ``network`` says, by default on ``spark.driver.bindAddress`` (or the driver's
+        host); yields what the tasks use to reach it (``_client_of``)."""
         log_file = open(self.log_path, "a") if self.log_path else None
         bar = ProgressBar(show=self.progress, log_file=log_file)
         listeners = [bar] + ([self.listener] if self.listener else [])
         progress = ProgressMerger(workers, merge_step,
                                   lambda kind, fields: [listen(kind, dict(fields)) for listen in listeners],
                                   merge_epoch=merge_epoch)
-        meeting = MeetingPoint(workers)
+        host = spark.listening_host()
+        bind, advertise = network.addresses(spark.driver_bind_address() or host, host)
+
+        def on_met(addresses: dict) -> None:
+            servers = [parse_address(addresses[partition]) for partition in sorted(addresses)]
+            fields = {"driver": f"{advertise}:{server.address[1]}",
+                      "servers": [f"{address.host}:{address.port}" for address in servers]}
+            for listen in listeners:
+                listen("meeting", dict(fields))
+
+        meeting = MeetingPoint(workers, network.meeting_patience, on_met=on_met)
 
         def on_message(message: dict, reply) -> None:
             if not meeting.on_message(message, reply):
                 progress.on_message(message)
 
-        server = MessageServer(spark.listening_host(), on_message)
+        server = MessageServer(bind, on_message, advertise=advertise, ports=network.port_range,
+                               connect_timeout=network.connect_timeout)
         try:
-            yield self._client_of(server, spark)
+            yield self._client_of(server, spark, network.connect_timeout)
         finally:
             server.close()
             bar.close()
@@ -332,13 +350,13 @@ class DistriOptimizer:
                              f"the weights have {weights.shape}")
         return int(weights.size)
 
-    def _client_of(self, server: MessageServer, spark: SparkInfo):
+    def _client_of(self, server: MessageServer, spark: SparkInfo, connect_timeout: float):
         """What the tasks use to reach ``server``; None where they cannot (under Spark Connect,
         the client may be out of the executors' reach): they then meet through Spark, at
         once, and the fit says that it shows no live progress."""
         if not spark.client_maybe_unreachable():
             return server.client()
-        reason = spark.unreachable(server.address)
+        reason = spark.unreachable(server.address, connect_timeout)
         if reason is None:
             return server.client()
         host, port = server.address

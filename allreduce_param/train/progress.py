@@ -16,6 +16,7 @@ from typing import Callable, TextIO
 
 import numpy as np
 
+from ..errors import AllReduceError
 from ..messages import MessageClient
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class ProgressReporter:
             return
         try:
             self.link.send({"kind": kind, **fields})
-        except OSError as error:
+        except (OSError, AllReduceError) as error:  # out of reach, or what answers is not our driver
             log.warning("progress reports to the driver at %s:%s stopped: %s", *self.link.address[:2], error)
             self._broken = True
             self.close()

@@ -15,11 +15,16 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..codec import codec_names
 from ..errors import ConfigurationError
+from ..network import SPARK_SETTINGS, NetworkSettings
 from ..strategy import Strategy
 from .checkpoint import CheckpointSettings
 from .early_stopping import check_patience, check_strategy
 from .partitioning import check_scheme
 from .worker import workload_shares
+
+
+#: The settings ``NetworkSettings`` has too (and reads from Spark settings when unset).
+NETWORK_FIELDS = tuple(SPARK_SETTINGS)
 
 
 def _setting(default: Any, doc: str, *, param: str | None = None, kind: str = "identity",
@@ -70,6 +75,19 @@ class FitSettings:
     verbose: bool = _setting(False, "print where the fit's time went when it ends", kind="Boolean")
     overlap: bool | str = _setting("auto", "send each chunk of a gradient while backward computes the rest: "
                                            "True, False or 'auto'")
+    bind_address: str | None = _setting(
+        None, "where the workers' block servers and the driver's message server listen (None: the Spark setting "
+              "spark.allreduce.bindAddress, else the address Spark gives each process; 0.0.0.0: every interface)",
+        kind="String")
+    advertise_address: str | None = _setting(
+        None, "the address the others are told to connect to (None: spark.allreduce.advertiseAddress, else the "
+              "bind address, or Spark's when binding every interface)", kind="String")
+    port_range: str | None = _setting(
+        None, "the ports those servers may take, 'FIRST-LAST' (None: spark.allreduce.portRange, else any free "
+              "port); allow one per task on each executor, and one for the driver", kind="String")
+    connect_timeout: float | None = _setting(
+        None, "seconds a connection and its handshake may take (None: spark.allreduce.connectTimeout, else 10); "
+              "the meeting at the driver waits 3 times this for the last task", kind="Float")
     early_stopping_patience: int | None = _setting(
         None, "stop once the validation loss has not improved for this many epochs, and keep the best "
               "epoch's weights (needs validation data; None: train every epoch)", kind="Int")
@@ -103,6 +121,7 @@ class FitSettings:
                                      "storage to write the checkpoints to")
         if self.checkpoint_dir is not None:
             CheckpointSettings.for_new_fit(str(self.checkpoint_dir), self.checkpoint_every, self.checkpoint_keep)
+        NetworkSettings.of(self.network_values())
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
 
@@ -121,6 +140,10 @@ class FitSettings:
     def replace(self, **changes: Any) -> FitSettings:
         """A copy with ``changes``, checked as a new one is (itself when there are none)."""
         return FitSettings.of({**self.as_dict(), **changes}) if changes else self
+
+    def network_values(self) -> dict[str, Any]:
+        """The networking settings by ``NetworkSettings``' names (None where unset)."""
+        return {name: getattr(self, name) for name in NETWORK_FIELDS}
 
     def as_dict(self) -> dict[str, Any]:
         """Every setting by its field name."""

@@ -59,6 +59,14 @@ class SparkInfo:
             return default if value is None else str(value)
         return self.context._conf.get(key, default)
 
+    def session_setting(self, key: str) -> str | None:
+        """A setting as the session sees it: set when it started or later with
+        ``spark.conf.set`` (None when unset). With RDD input, the SparkContext's."""
+        if self.session is None:
+            return self.context._conf.get(key, None)
+        value = self.session.conf.get(key, None)
+        return None if value is None else str(value)
+
     @property
     def application_id(self) -> str:
         """The Spark application's id, and under Connect the server session's too (cached
@@ -117,6 +125,11 @@ class SparkInfo:
                 return probe.getsockname()[0]
             except OSError:  # no route: the tasks cannot reach this process; they meet through Spark
                 return "127.0.0.1"
+
+    def driver_bind_address(self) -> str:
+        """Where the driver binds its own servers (``spark.driver.bindAddress``), or ""
+        when unset or when this process is a Spark Connect client, not the driver."""
+        return "" if self.connect else self.setting("spark.driver.bindAddress", "")
 
     def unreachable(self, address: tuple[str, int], timeout: float = 3.0) -> str | None:
         """Why a task cannot open a TCP connection to ``address`` (a server of this

@@ -251,7 +251,7 @@ def train_partition(job: TrainingJob, X: np.ndarray, y: np.ndarray, split: np.nd
     reporter = ProgressReporter(job.driver) if job.driver is not None and job.report_progress else None
     try:
         if rendezvous is None and job.driver is not None:
-            rendezvous = DriverRendezvous(job.driver)
+            rendezvous = DriverRendezvous(job.driver, job.param.network.meeting_patience)
         with job.param.connect(rendezvous) as p:
             clock["met"] = time.time()
             fit = _Fit(job, p, compute, rows, validation, reporter)

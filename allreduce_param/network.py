@@ -1,0 +1,539 @@
+"""Where the engine's servers listen, and how a connection to one proves the secret.
+
+Two servers use this: each partition's block server (``transport.BlockServer``) and the
+driver's message server (``messages.MessageServer``). Both listen where
+``NetworkSettings`` says, admit only connections that prove a shared secret in the
+handshake below, and serve each proven connection on a thread of its own.
+
+Handshake (little-endian). Server: ``MAGIC`` + 16-byte nonce. Client: magic, parameter id,
+own partition id, 16-byte nonce, HMAC-SHA256(secret, "client" + both nonces + ids).
+Server: one status byte, then its own HMAC(secret, "server" + ...) so the client knows it
+talks to a holder of the secret too. A connection that fails it reads and writes nothing
+more. Both ends then share a session key, HMAC(secret, "session" + both nonces + ids),
+fresh for every connection (the messages are tagged with it).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import logging
+import os
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple
+
+from .errors import AuthenticationError, ConfigurationError, NetworkError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"ARP1"
+NONCE_SIZE = 16
+MAC_SIZE = 32
+_CLIENT_HELLO = struct.Struct(f"<4sII{NONCE_SIZE}s{MAC_SIZE}s")  # magic, param, partition, nonce, mac
+HELLO_OK = 0
+HELLO_REFUSED = 4
+
+#: Connections that may be in their handshake at once; one more pushes out the oldest.
+MAX_UNPROVEN = 64
+#: How long accepting pauses after accept() failed (e.g. out of file descriptors).
+ACCEPT_PAUSE = 0.2
+#: How long closing waits for each server thread before it names the late ones in the log.
+CLOSE_TIMEOUT = 10.0
+
+#: The Spark settings the engine reads (on the driver) for what its arguments leave unset.
+SPARK_SETTINGS = {
+    "bind_address": "spark.allreduce.bindAddress",
+    "advertise_address": "spark.allreduce.advertiseAddress",
+    "port_range": "spark.allreduce.portRange",
+    "connect_timeout": "spark.allreduce.connectTimeout",
+}
+#: Per host, these environment variables (set in each machine's spark-env.sh, or a pod's
+#: environment) win over the settings: where a host's address is its own.
+ENVIRONMENT = {"bind_address": "ALLREDUCE_BIND_ADDRESS", "advertise_address": "ALLREDUCE_ADVERTISE_ADDRESS"}
+_WILDCARDS = ("0.0.0.0", "::", "")
+DEFAULT_CONNECT_TIMEOUT = 10.0
+_TAKEN = (errno.EADDRINUSE, errno.EACCES)  # a port another process holds, or one this user may not take
+
+
+def mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``role`` and ``parts`` under ``secret``: every tag of the protocol."""
+    return hmac.new(secret, role + b"".join(parts), hashlib.sha256).digest()
+
+
+def parse_port_range(value, where: str = "port_range") -> tuple[int, int] | None:
+    """``"40000-40099"``, ``"40000"``, ``(40000, 40099)`` or None, as ``(first, last)``."""
+    if value is None or value == "":
+        return None
+    try:
+        if isinstance(value, str):
+            first, _, last = value.strip().partition("-")
+            first, last = int(first), int(last or first)
+        else:
+            first, last = (int(port) for port in value)
+    except (TypeError, ValueError):
+        first = last = None
+    if first is None or not 1 <= first <= last <= 65535 or isinstance(value, bool):
+        raise ConfigurationError(f"{where}={value!r}: write the ports the engine's servers may listen on as "
+                                 "'FIRST-LAST' (e.g. '40000-40099', within 1-65535), or leave it unset for any free port")
+    return first, last
+
+
+def _check_address(value, where: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or any(c.isspace() for c in value) or value.count(":") == 1:
+        raise ConfigurationError(f"{where}={value!r}: give a host name or an IP address, without a port "
+                                 "(ports come from port_range)")
+    return value
+
+
+@dataclass(frozen=True)
+class NetworkSettings:
+    """Where the engine's servers listen, and how long a connection may take.
+
+    ``bind_address``: the address servers listen on (``"0.0.0.0"``: every interface);
+    ``advertise_address``: the one the others connect to. Unset, each server uses the
+    address Spark gives its process: a task's executor address, the driver's
+    ``spark.driver.bindAddress`` / ``spark.driver.host``. The environment variables
+    ``ENVIRONMENT`` names win on the host where they are set. ``port_range``: the ports
+    servers may take, ``(first, last)`` (None: any free one). ``connect_timeout``: how long
+    a connection and its handshake may take; the waits that follow from it (the meeting
+    at the driver, a failed partition's last words) are derived here, in one place.
+    """
+
+    bind_address: str | None = None
+    advertise_address: str | None = None
+    port_range: tuple[int, int] | None = None
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bind_address", _check_address(self.bind_address, "bind_address"))
+        object.__setattr__(self, "advertise_address", _check_address(self.advertise_address, "advertise_address"))
+        object.__setattr__(self, "port_range", parse_port_range(self.port_range))
+        timeout = self.connect_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigurationError(f"connect_timeout must be a positive number of seconds, got {timeout!r}")
+        object.__setattr__(self, "connect_timeout", float(timeout))
+
+    @classmethod
+    def of(cls, values: Mapping[str, object], spark_setting: Callable[[str], str | None] = lambda name: None
+           ) -> NetworkSettings:
+        """Settings from ``values`` (arguments by field name; None: unset), each unset one
+        from its Spark setting (``SPARK_SETTINGS``) through ``spark_setting(name)``."""
+        chosen = {}
+        for name, spark_name in SPARK_SETTINGS.items():
+            value = values.get(name)
+            if value is None:
+                value = spark_setting(spark_name)
+                if value is not None and name == "connect_timeout":
+                    try:
+                        value = float(value)
+                    except ValueError:
+                        raise ConfigurationError(f"{spark_name}={value!r} must be a number of seconds") from None
+                where = spark_name
+            else:
+                where = name
+            if value is not None:
+                try:
+                    cls(**{name: value})
+                except ConfigurationError as error:
+                    raise ConfigurationError(str(error).replace(f"{name}=", f"{where}=", 1)) from None
+                chosen[name] = value
+        return cls(**chosen)
+
+    @classmethod
+    def from_active_spark(cls, values: Mapping[str, object]) -> NetworkSettings:
+        """``of(values)``, reading the unset ones from this process's active Spark session
+        (or SparkContext), if it has one: the driver."""
+        try:
+            from pyspark import SparkContext
+            from pyspark.sql import SparkSession
+        except ImportError:  # pragma: no cover - pyspark is a dependency
+            return cls.of(values)
+        if SparkContext._active_spark_context is None:
+            return cls.of(values)
+        session = SparkSession.getActiveSession()
+        if session is not None:
+            return cls.of(values, lambda name: session.conf.get(name, None))
+        conf = SparkContext._active_spark_context.getConf()
+        return cls.of(values, lambda name: conf.get(name, None))
+
+    def addresses(self, default_bind: str, default_advertise: str | None = None) -> tuple[str, str]:
+        """``(bind, advertise)`` for a server whose process Spark gives ``default_bind`` (and
+        ``default_advertise`` for the others, when that differs): the host's environment
+        first, then these settings, then Spark's."""
+        bind = os.environ.get(ENVIRONMENT["bind_address"]) or self.bind_address or default_bind
+        advertise = os.environ.get(ENVIRONMENT["advertise_address"]) or self.advertise_address
+        if not advertise:
+            specific = bind not in _WILDCARDS and bind != default_bind
+            advertise = bind if specific else (default_advertise or default_bind)
+        return bind, advertise
+
+    @property
+    def meeting_patience(self) -> float:
+        """How long the tasks meeting at the driver wait for the last one before they meet
+        through ``allGather`` instead: longer than a task takes to find the driver out of
+        reach (a connect timeout), so none is left alone at either."""
+        return 3 * self.connect_timeout
+
+    @property
+    def failure_linger(self) -> float:
+        """How long a failed partition keeps telling its peers why, at most (they ask within
+        a connect timeout, or have hung up)."""
+        return self.connect_timeout
+
+
+def listen(host: str, ports: tuple[int, int] | None, backlog: int, what: str) -> socket.socket:
+    """A TCP listener on ``host`` at a free port of ``ports`` (None: any free one).
+
+    NetworkError, naming ``what`` and the setting to change, when the address is not this
+    host's or no port of the range is free."""
+    candidates = [0] if ports is None else list(range(ports[0], ports[1] + 1))
+    if ports is not None and len(candidates) > 1:  # start anywhere, so that servers on one host rarely collide
+        start = int.from_bytes(os.urandom(2), "little") % len(candidates)
+        candidates = candidates[start:] + candidates[:start]
+    last_error: OSError | None = None
+    for port in candidates:
+        try:
+            return socket.create_server((host, port), backlog=backlog)
+        except OSError as error:
+            last_error = error
+            if error.errno not in _TAKEN:
+                break
+    if ports is not None and last_error is not None and last_error.errno in _TAKEN:
+        raise NetworkError(
+            f"{what} found no free port in {ports[0]}-{ports[1]} on {host} (all {len(candidates)} taken): widen "
+            f"the range (port_range, or the Spark setting {SPARK_SETTINGS['port_range']}), allowing at least one "
+            "port per task on each executor plus one for the driver, or free ports there") from last_error
+    raise NetworkError(
+        f"{what} cannot listen on {host}{'' if ports is None else f' in ports {ports[0]}-{ports[1]}'} "
+        f"({last_error}): is {host} an address of this host? Set bind_address (the Spark setting "
+        f"{SPARK_SETTINGS['bind_address']}, or {ENVIRONMENT['bind_address']} on that host) to one of its "
+        "addresses, or to 0.0.0.0 for all") from last_error
+
+
+def unix_sockets_available() -> bool:
+    """Whether this platform has abstract Unix sockets (Linux): the same-host fast path."""
+    return sys.platform.startswith("linux") and hasattr(socket, "AF_UNIX")
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ``EOFError`` if the peer closes first."""
+    received = 0
+    total = view.nbytes
+    while received < total:
+        got = sock.recv_into(view[received:], total - received)
+        if got == 0:
+            raise EOFError(f"connection closed after {received} of {total} bytes")
+        received += got
+
+
+def cut(connections) -> None:
+    """Shut every socket down both ways, so a thread blocked reading one wakes with its end;
+    one already gone is left alone."""
+    for conn in connections:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def tune(sock: socket.socket) -> None:
+    """Small frames must not wait for Nagle. Socket buffer sizes are left to the kernel's
+    own sizing, which did no worse than fixed ones (docs/DESIGN.md, figures)."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def client_handshake(sock: socket.socket, secret: bytes, param_id: int, partition_id: int,
+                     server_text: str, refused: str) -> bytes:
+    """Prove the secret to the server on ``sock`` and check its proof; the session key.
+
+    AuthenticationError (with ``refused`` when the server refused us), ProtocolError when
+    the other end is no allreduce-param server; OSError and EOFError as the socket gives."""
+    greeting = bytearray(len(MAGIC) + NONCE_SIZE)
+    recv_exactly(sock, memoryview(greeting))
+    if greeting[: len(MAGIC)] != MAGIC:
+        raise ProtocolError(f"{server_text} is not an allreduce-param server")
+    server_nonce = bytes(greeting[len(MAGIC):])
+    client_nonce = os.urandom(NONCE_SIZE)
+    ids = struct.pack("<II", param_id, partition_id)
+    sock.sendall(_CLIENT_HELLO.pack(MAGIC, param_id, partition_id, client_nonce,
+                                    mac(secret, b"client", server_nonce, client_nonce, ids)))
+    status = bytearray(1)
+    recv_exactly(sock, memoryview(status))
+    if status[0] != HELLO_OK:
+        raise AuthenticationError(f"{server_text} refused this connection: {refused}")
+    proof = bytearray(MAC_SIZE)
+    recv_exactly(sock, memoryview(proof))
+    if not hmac.compare_digest(bytes(proof), mac(secret, b"server", client_nonce, server_nonce, ids)):
+        raise AuthenticationError(f"{server_text} could not prove the secret")
+    return mac(secret, b"session", server_nonce, client_nonce, ids)
+
+
+class Proven(NamedTuple):
+    """A connection that proved the secret: the socket, the client's partition, where it
+    came from (for messages), and the session key both ends now share."""
+
+    sock: socket.socket
+    partition: int
+    peer_text: str
+    session_key: bytes
+
+
+class _Unproven:
+    """A connection in its handshake: what it has sent so far, and until when it may try."""
+
+    __slots__ = ("sock", "peer_text", "nonce", "hello", "deadline")
+
+    def __init__(self, sock: socket.socket, peer_text: str, nonce: bytes, deadline: float) -> None:
+        self.sock, self.peer_text, self.nonce, self.deadline = sock, peer_text, nonce, deadline
+        self.hello = bytearray()
+
+
+class AuthenticatedServer:
+    """Listens, admits the connections that prove ``secret`` for ``param_id`` (from a
+    partition in ``0..partition_num-1``), and runs ``serve(proven)`` for each on a thread
+    of its own; the connection is closed when ``serve`` returns. Close it when done.
+
+    Listens on ``bind`` at a port of ``ports`` (None: any free one; ``port``, when not 0,
+    exactly there) and, with ``unix``, also on an abstract Unix socket (``local_name``),
+    which peers on the same host use instead. ``advertise`` is the address the others are
+    told (``address`` is what was bound).
+
+    One thread accepts and runs every handshake at once, each connection a small state in
+    a selector: a connection that has not proven the secret costs no thread, gets
+    ``timeout`` seconds, and at most ``MAX_UNPROVEN`` wait at a time (a new one pushes out
+    the oldest), so a flood of idle or garbage connections neither exhausts the process
+    nor keeps peers out; an error from ``accept`` (out of file descriptors) pauses
+    accepting briefly and never ends it. A partition id is taken from a connection only
+    once it has proven the secret.
+    """
+
+    def __init__(self, secret: bytes, param_id: int, partition_num: int, serve: Callable[[Proven], None], *,
+                 bind: str, what: str, port: int = 0, ports: tuple[int, int] | None = None,
+                 advertise: str | None = None, unix: bool = False, timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 thread_name: str = "allreduce-serve", accept_thread_name: str = "allreduce-accept") -> None:
+        self._secret = secret
+        self._param_id = param_id
+        self._partition_num = partition_num
+        self._serve = serve
+        self._what = what
+        self._timeout = timeout
+        self._thread_name = thread_name
+        backlog = max(16, 2 * partition_num)
+        listener = _listen_exactly(bind, port, backlog, what) if port else listen(bind, ports, backlog, what)
+        self._listeners = [listener]
+        self.address: tuple[str, int] = listener.getsockname()[:2]
+        self.advertised_host = advertise or self.address[0]
+        self.local_name: str | None = None
+        if unix and unix_sockets_available():
+            name = f"allreduce-param-{os.getpid()}-{os.urandom(8).hex()}"
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                local.bind("\0" + name)  # abstract: no file to clean up
+                local.listen(backlog)
+            except OSError:
+                local.close()
+                listener.close()
+                raise
+            self._listeners.append(local)
+            self.local_name = name
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self._unproven: dict[socket.socket, _Unproven] = {}  # oldest first
+        self._paused_until = 0.0  # accept() failed: try again from then on
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        for each in self._listeners:
+            each.setblocking(False)
+            self._selector.register(each, selectors.EVENT_READ, "listener")
+        self._acceptor = threading.Thread(target=self._admit, daemon=True, name=accept_thread_name)
+        self._acceptor.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- admitting: accept and handshake, on one thread -----------------------------------
+
+    def _admit(self) -> None:
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                deadlines = [pending.deadline for pending in self._unproven.values()]
+                if self._paused_until:
+                    deadlines.append(self._paused_until)
+                wait = max(0.0, min(deadlines) - now) if deadlines else None
+                for key, _ in self._selector.select(wait):
+                    if key.data is None:
+                        self._wake_read.recv(64)
+                    elif key.data == "listener":
+                        self._accept(key.fileobj)
+                    else:
+                        self._read_hello(key.data)
+                now = time.monotonic()
+                for pending in [p for p in self._unproven.values() if p.deadline <= now]:
+                    self._drop(pending, f"no handshake within {self._timeout:g} s")
+                if self._paused_until and now >= self._paused_until:
+                    self._paused_until = 0.0
+                    for listener in self._listeners:
+                        self._selector.register(listener, selectors.EVENT_READ, "listener")
+        except Exception:  # a bug here must not pass silently: the server would stop admitting
+            log.exception("%s stopped admitting connections", self._what)
+        finally:
+            for pending in list(self._unproven.values()):
+                self._drop(pending, "shutting down")
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, peer = listener.accept()
+        except BlockingIOError:
+            return
+        except OSError as error:  # out of file descriptors, buffers...: pause, never give up
+            if self._closed:
+                return
+            log.warning("%s: accept failed (%s); pausing new connections briefly", self._what, error)
+            self._paused_until = time.monotonic() + ACCEPT_PAUSE
+            for other in self._listeners:
+                self._selector.unregister(other)
+            return
+        if len(self._unproven) >= MAX_UNPROVEN:
+            oldest = next(iter(self._unproven.values()))
+            self._drop(oldest, f"more than {MAX_UNPROVEN} connections in their handshake")
+        peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and peer else "a local socket"
+        nonce = os.urandom(NONCE_SIZE)
+        try:
+            conn.setblocking(False)
+            tune(conn)
+            if conn.send(MAGIC + nonce) != len(MAGIC) + NONCE_SIZE:  # a fresh socket takes 20 bytes
+                raise OSError("the greeting did not fit the socket buffer")
+        except OSError as error:
+            log.debug("connection from %s ended at once: %s", peer_text, error)
+            conn.close()
+            return
+        pending = _Unproven(conn, peer_text, nonce, time.monotonic() + self._timeout)
+        self._unproven[conn] = pending
+        self._selector.register(conn, selectors.EVENT_READ, pending)
+
+    def _read_hello(self, pending: _Unproven) -> None:
+        try:
+            chunk = pending.sock.recv(_CLIENT_HELLO.size - len(pending.hello))
+        except BlockingIOError:
+            return
+        except OSError as error:
+            self._drop(pending, str(error), quiet=True)
+            return
+        if not chunk:
+            self._drop(pending, "closed during the handshake", quiet=True)
+            return
+        pending.hello += chunk
+        if len(pending.hello) < _CLIENT_HELLO.size:
+            return
+        self._selector.unregister(pending.sock)
+        del self._unproven[pending.sock]
+        partition, reason, answer, session_key = self._check_hello(pending)
+        conn = pending.sock
+        if partition is None:  # said here first: the refused client hears it next
+            log.warning("%s refused connection from %s: %s", self._what, pending.peer_text, reason)
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self._timeout)
+            conn.sendall(answer)
+            conn.settimeout(None)
+        except OSError as error:
+            if partition is not None:
+                log.debug("connection from %s ended in its handshake: %s", pending.peer_text, error)
+            partition = None
+        if partition is None:
+            conn.close()
+            return
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._connections.add(conn)
+            self._threads = {thread for thread in self._threads if thread.is_alive()}  # the ended ones need no join
+            thread = threading.Thread(target=self._run, args=(Proven(conn, partition, pending.peer_text, session_key),),
+                                      daemon=True, name=self._thread_name)
+            self._threads.add(thread)
+        thread.start()
+
+    def _check_hello(self, pending: _Unproven) -> tuple[int | None, str, bytes, bytes]:
+        """(the client's partition or None, why it was refused, the answer, the session key)."""
+        magic, param_id, partition, client_nonce, client_mac = _CLIENT_HELLO.unpack(pending.hello)
+        ids = struct.pack("<II", param_id, partition)
+        expected = mac(self._secret, b"client", pending.nonce, client_nonce, ids)
+        if magic != MAGIC:
+            reason = f"bad magic {bytes(magic)!r}, not an allreduce-param client"
+        elif not hmac.compare_digest(client_mac, expected):
+            reason = "it could not prove the secret"
+        elif param_id != self._param_id:
+            reason = f"it asked for parameter {param_id}, this server serves parameter {self._param_id}"
+        elif not 0 <= partition < self._partition_num:
+            reason = f"partition {partition} is outside 0..{self._partition_num - 1}"
+        else:
+            proof = mac(self._secret, b"server", client_nonce, pending.nonce, ids)
+            return (partition, "", bytes([HELLO_OK]) + proof,
+                    mac(self._secret, b"session", pending.nonce, client_nonce, ids))
+        return None, reason, bytes([HELLO_REFUSED]), b""
+
+    def _drop(self, pending: _Unproven, reason: str, quiet: bool = False) -> None:
+        """Close a connection that never proved the secret."""
+        if self._unproven.pop(pending.sock, None) is not None:
+            self._selector.unregister(pending.sock)
+        (log.debug if quiet else log.info)("dropped an unproven connection from %s: %s", pending.peer_text, reason)
+        pending.sock.close()
+
+    def _run(self, proven: Proven) -> None:
+        try:
+            self._serve(proven)
+        finally:
+            with self._lock:
+                self._connections.discard(proven.sock)
+            proven.sock.close()  # the thread stays listed until it has ended, so close() joins it
+
+    def close(self) -> None:
+        """Stop accepting, cut every connection, and wait for the threads (each wait
+        bounded; one that overruns is named in the log). Whatever a ``serve`` waits on
+        must be ended before, or by the cut."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+            threads = list(self._threads)
+        try:
+            self._wake_write.send(b"x")
+        except OSError:
+            pass
+        self._acceptor.join(CLOSE_TIMEOUT)
+        for listener in self._listeners:
+            listener.close()
+        cut(connections)
+        for thread in threads:
+            thread.join(CLOSE_TIMEOUT)
+        late = [thread.name for thread in [self._acceptor, *threads] if thread.is_alive()]
+        if late:
+            log.warning("%s: %d threads still running %g s after close: %s", self._what, len(late),
+                        CLOSE_TIMEOUT, late)
+        self._selector.close()
+        self._wake_read.close()
+        self._wake_write.close()
+
+
+def _listen_exactly(host: str, port: int, backlog: int, what: str) -> socket.socket:
+    """A listener at the one ``port`` a fixed address list gave."""
+    try:
+        return socket.create_server((host, port), backlog=backlog)
+    except OSError as error:
+        raise NetworkError(f"{what} cannot listen on {host}:{port} ({error}): that address was given for it "
+                           "(a fixed address list); free the port or give another") from error

@@ -1,0 +1,161 @@
+"""Where the engine's servers listen: addresses, port ranges, timeouts, and their errors.
+
+Everything here binds 127.0.0.1 (or every interface, and is reached on 127.0.0.1); an
+address this machine does not have is only bound, never sent to."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from allreduce_param import AllReduceParameter, ConfigurationError, NetworkError, NetworkSettings
+from allreduce_param.messages import MessageServer
+from allreduce_param.network import ENVIRONMENT, listen
+from conftest import raise_first, run_partitions
+
+
+def free_ports(count: int) -> tuple[int, int]:
+    """A run of ``count`` ports that are free on 127.0.0.1 now (first, last)."""
+    for first in range(41000, 60000, 97):
+        held = []
+        try:
+            for port in range(first, first + count):
+                held.append(socket.create_server(("127.0.0.1", port)))
+            return first, first + count - 1
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise AssertionError("no run of free ports on this machine")
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("40000-40099", (40000, 40099)), ("40000", (40000, 40000)), ((40000, 40001), (40000, 40001)),
+    (" 41000-41000 ", (41000, 41000)), (None, None), ("", None)])
+def test_port_ranges_are_read_in_every_form(given, expected):
+    assert NetworkSettings(port_range=given).port_range == expected
+
+
+@pytest.mark.parametrize("given", ["40099-40000", "0-10", "40000-70000", "ports", (1, 2, 3), True])
+def test_a_bad_port_range_is_named(given):
+    with pytest.raises(ConfigurationError, match=r"port_range=.*'FIRST-LAST'"):
+        NetworkSettings(port_range=given)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("bind_address", "127.0.0.1:4000", "without a port"),
+    ("advertise_address", "a host", "without a port"),
+    ("connect_timeout", 0, "connect_timeout must be a positive number"),
+    ("connect_timeout", "10", "connect_timeout must be a positive number")])
+def test_bad_addresses_and_timeouts_are_named(field, value, message):
+    with pytest.raises(ConfigurationError, match=message):
+        NetworkSettings(**{field: value})
+
+
+def test_arguments_win_over_spark_settings_and_a_bad_spark_setting_is_named_by_its_key():
+    spark = {"spark.allreduce.portRange": "40000-40009", "spark.allreduce.connectTimeout": "4",
+             "spark.allreduce.bindAddress": "0.0.0.0"}
+    settings = NetworkSettings.of({"bind_address": "127.0.0.1", "port_range": None}, spark.get)
+    assert settings == NetworkSettings("127.0.0.1", None, (40000, 40009), 4.0)
+    with pytest.raises(ConfigurationError, match=r"spark.allreduce.portRange='9-1'"):
+        NetworkSettings.of({}, {"spark.allreduce.portRange": "9-1"}.get)
+    with pytest.raises(ConfigurationError, match=r"spark.allreduce.connectTimeout='soon' must be a number"):
+        NetworkSettings.of({}, {"spark.allreduce.connectTimeout": "soon"}.get)
+    assert NetworkSettings.of({}).meeting_patience == 30.0  # 3 connect timeouts of 10 s
+
+
+def test_addresses_come_from_the_environment_then_the_settings_then_spark(monkeypatch):
+    for variable in ENVIRONMENT.values():
+        monkeypatch.delenv(variable, raising=False)
+    assert NetworkSettings().addresses("10.0.0.5") == ("10.0.0.5", "10.0.0.5")
+    # every interface: the others are told Spark's address
+    assert NetworkSettings(bind_address="0.0.0.0").addresses("10.0.0.5") == ("0.0.0.0", "10.0.0.5")
+    # one address of its own: the others are told that one
+    assert NetworkSettings(bind_address="192.0.2.1").addresses("10.0.0.5") == ("192.0.2.1", "192.0.2.1")
+    assert NetworkSettings("0.0.0.0", "203.0.113.9").addresses("10.0.0.5") == ("0.0.0.0", "203.0.113.9")
+    # the driver: Spark's bind address and host differ
+    assert NetworkSettings().addresses("0.0.0.0", "10.0.0.2") == ("0.0.0.0", "10.0.0.2")
+    monkeypatch.setenv(ENVIRONMENT["bind_address"], "0.0.0.0")
+    monkeypatch.setenv(ENVIRONMENT["advertise_address"], "10.9.9.9")
+    assert NetworkSettings(bind_address="127.0.0.1").addresses("10.0.0.5") == ("0.0.0.0", "10.9.9.9")
+
+
+def test_a_listener_takes_a_port_of_its_range_and_says_when_none_is_free():
+    first, last = free_ports(3)
+    taken = [listen("127.0.0.1", (first, last), 4, "test server") for _ in range(3)]
+    try:
+        assert sorted(sock.getsockname()[1] for sock in taken) == [first, first + 1, last]
+        with pytest.raises(NetworkError) as refused:
+            listen("127.0.0.1", (first, last), 4, "partition 2's block server")
+    finally:
+        for sock in taken:
+            sock.close()
+    text = str(refused.value)
+    assert f"partition 2's block server found no free port in {first}-{last} on 127.0.0.1 (all 3 taken)" in text
+    assert "spark.allreduce.portRange" in text and "one port per task on each executor" in text
+
+
+def test_an_address_this_host_does_not_have_is_named():
+    with pytest.raises(NetworkError, match=r"cannot listen on 192.0.2.77 .*is 192.0.2.77 an address of this host\? "
+                                           r"Set bind_address \(the Spark setting spark.allreduce.bindAddress"):
+        listen("192.0.2.77", None, 4, "partition 0's block server")  # TEST-NET-1: bound, never sent to
+
+
+def test_partitions_serve_in_the_port_range_and_sync_exactly():
+    first, last = free_ports(4)
+    param = AllReduceParameter(3, 1000, codec="raw", unix_sockets=False, port_range=f"{first}-{last}",
+                               connect_timeout=5)
+    assert param.network.port_range == (first, last) and param.network.connect_timeout == 5.0
+
+    def body(p):
+        p.init(np.zeros(1000))
+        p.put_gradients(np.full(1000, p.partition_id + 1.0, np.float32), count=1.0)
+        return p._peers._server.address, p.aggregate_gradient_partition().copy()
+
+    results = raise_first(run_partitions(param, body))
+    assert all(first <= address[1] <= last for address, _ in results)
+    assert all(np.array_equal(total, np.full(total.size, 2.0, np.float32)) for _, total in results)  # (1+2+3)/3
+
+
+def test_partitions_bound_to_every_interface_are_reached_at_the_advertised_address():
+    param = AllReduceParameter(2, 100, codec="raw", unix_sockets=False, bind_address="0.0.0.0",
+                               advertise_address="127.0.0.1")
+
+    def body(p):
+        p.init(np.zeros(100))
+        p.put_gradients(np.ones(100, np.float32), count=1.0)
+        server = p._peers._server
+        return server.address[0], server.advertised_address[0], p.aggregate_gradient_partition().sum()
+
+    results = raise_first(run_partitions(param, body))
+    assert [result[:2] for result in results] == [("0.0.0.0", "127.0.0.1")] * 2
+    assert sum(result[2] for result in results) == 100.0  # the mean of ones, over both slices
+
+
+def test_a_partition_with_no_free_port_fails_naming_the_range():
+    first, last = free_ports(1)
+    param = AllReduceParameter(1, 10, port_range=(first, last))
+    with socket.create_server(("127.0.0.1", first)):
+        [error] = run_partitions(param, lambda p: None)
+    assert isinstance(error, NetworkError) and f"no free port in {first}-{last}" in str(error)
+
+
+def test_the_drivers_message_server_listens_in_the_range_and_advertises_its_address():
+    first, last = free_ports(2)
+    got, arrived = [], threading.Event()
+    server = MessageServer("0.0.0.0", lambda message, reply: (got.append(message), arrived.set()),
+                           advertise="127.0.0.1", ports=(first, last))
+    try:
+        assert server.bound_address[0] == "0.0.0.0" and server.address[0] == "127.0.0.1"
+        assert first <= server.address[1] <= last
+        client = server.client()
+        client.send({"kind": "hello"})
+        assert arrived.wait(30)
+        client.close()
+    finally:
+        server.close()
+    assert got == [{"kind": "hello"}]
