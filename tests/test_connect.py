@@ -225,6 +225,19 @@ def test_the_estimators_model_saves_and_loads_under_connect(remote, tmp_path):
     assert loaded.transform(df).select("prediction").toArrow() == fitted.transform(df).select("prediction").toArrow()
 
 
+def test_a_trained_model_saves_where_fsspec_reaches_and_says_why_hadoop_is_out_of_reach(remote, tmp_path):
+    from allreduce_param import TrainedModel
+
+    df, _ = blobs(remote, rows=120)
+    result = DistriOptimizer(models.SoftmaxRegression(8, 3), optim.Adam(lr=0.05), batch_size=30, epochs=1,
+                             progress=False).fit(df)
+    result.save(tmp_path.as_uri() + "/model")  # file://, through fsspec: no JVM needed
+    np.testing.assert_array_equal(TrainedModel.load(tmp_path / "model").weights, result.weights)
+    with pytest.raises(ConfigurationError, match=r"cannot save the model to 'viewfs://cluster/model': .*this process "
+                                                 r"is a Spark Connect client, with no JVM"):
+        result.save("viewfs://cluster/model")
+
+
 def test_the_default_parallelism_of_a_master_it_cannot_read_is_counted_once(remote, monkeypatch):
     from allreduce_param.train import spark_info
     from allreduce_param.train.spark_info import SparkInfo

@@ -2,7 +2,8 @@
 complete, so a checkpoint is complete or absent, never half.
 
 Under a fit's directory (a local path, or any URL fsspec opens: ``file://``, ``hdfs://``,
-``s3://`` with its package installed; on a cluster it must be storage every executor sees):
+``s3://`` with its package installed; on a cluster it must be storage every executor sees;
+the tasks write there, so not through the driver's Hadoop, see ``storage``):
 
     step-0000000880/part-00001-of-00004.npz partition 1's weight slice, its optimizer state
                                             slice, its model's buffers (if it has any), its
@@ -44,22 +45,15 @@ import numpy as np
 from ..errors import ConfigurationError, InputError
 from ..layout import SliceLayout
 from ..models.base import merge_buffers
+from .storage import fsspec_filesystem
 
 log = logging.getLogger(__name__)
 
 FORMAT = "allreduce-param-checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP_FOLDER = re.compile(r"step-(\d+)$")
-
-
-def _filesystem(url: str):
-    """(fsspec filesystem, path in it) for a local path or a URL."""
-    import fsspec
-
-    try:
-        return fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as error:  # e.g. s3:// without s3fs installed
-        raise ConfigurationError(f"cannot open checkpoint storage {url!r}: {error}") from None
+#: what the storage is for, in the error when fsspec cannot open it (e.g. s3:// without s3fs)
+_PURPOSE = "checkpoint storage"
 
 
 @dataclass(frozen=True)
@@ -121,7 +115,7 @@ def _part_name(partition: int, partitions: int) -> str:
 
 def read_manifest(folder: str) -> Manifest | None:
     """The checkpoint in ``folder``, or None when it is not complete (no readable manifest)."""
-    fs, path = _filesystem(folder)
+    fs, path = fsspec_filesystem(folder, _PURPOSE)
     try:
         with fs.open(posixpath.join(path, MANIFEST), "r") as file:
             meta = json.load(file)
@@ -138,7 +132,7 @@ def read_manifest(folder: str) -> Manifest | None:
 def newest(location: str) -> Manifest | None:
     """The checkpoint at ``location`` itself, or the newest complete one in the fit folder
     ``location``; None when there is none."""
-    fs, path = _filesystem(location)
+    fs, path = fsspec_filesystem(location, _PURPOSE)
     if fs.exists(posixpath.join(path, MANIFEST)):
         return read_manifest(location)
     for step, folder in sorted(_step_folders(fs, path), reverse=True):
@@ -174,7 +168,7 @@ class CheckpointWriter:
 
     def __init__(self, settings: CheckpointSettings) -> None:
         self.settings = settings
-        self._fs, self._root = _filesystem(settings.directory)
+        self._fs, self._root = fsspec_filesystem(settings.directory, _PURPOSE)
 
     def _folder(self, step: int) -> str:
         return posixpath.join(self._root, f"step-{step:010d}")
@@ -229,7 +223,7 @@ def load_part(manifest: Manifest, partition: int, layout: SliceLayout) -> tuple[
     names = ["weights"] + [f"state/{name}" for name in manifest.state_names]
     pieces: dict[str, list[np.ndarray]] = {name: [] for name in names}
     old = SliceLayout(manifest.size, manifest.partitions)
-    fs, _ = _filesystem(manifest.folder)
+    fs, _ = fsspec_filesystem(manifest.folder, _PURPOSE)
     records: dict = {}
     same = manifest.partitions == layout.partition_num
     for index, url in enumerate(manifest.parts):
@@ -256,7 +250,7 @@ def load_best(manifest: Manifest) -> np.ndarray | None:
     """The whole vector of early stopping's best weights: each part's slice of it
     (``best/weights``) in order; None when the checkpoint holds none (written before any
     epoch improved, or without early stopping)."""
-    fs, _ = _filesystem(manifest.folder)
+    fs, _ = fsspec_filesystem(manifest.folder, _PURPOSE)
     slices = []
     for url in manifest.parts:
         with fs.open(url, "rb") as file, np.load(io.BytesIO(file.read())) as part:
@@ -274,7 +268,7 @@ def load_buffers(manifest: Manifest, partition: int, partitions: int) -> dict[st
     """The model buffers partition ``partition`` of ``partitions`` resumes with: its own
     part's when the checkpoint has as many partitions, else every part's merged (weighted by
     their training rows); None when the checkpoint holds no buffers."""
-    fs, _ = _filesystem(manifest.folder)
+    fs, _ = fsspec_filesystem(manifest.folder, _PURPOSE)
     urls = [manifest.parts[partition]] if manifest.partitions == partitions else manifest.parts
     pieces = []
     for url in urls:

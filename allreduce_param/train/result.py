@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,6 +15,7 @@ from ..errors import ConfigurationError, InputError
 from ..models.base import has_buffers
 from .data import features_array
 from .spark_info import SparkInfo
+from .storage import Location, locate
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -166,8 +167,11 @@ class History:
                 if samples else None
         return cls(steps, epochs, seconds, dropped)
 
-    def plot(self, path: str | os.PathLike) -> Path:
-        """Write the loss curve (each step, each epoch's mean, validation) as a PNG.
+    def plot(self, path: str | os.PathLike) -> Path | str:
+        """Write the loss curve (each step, each epoch's mean, validation) as a PNG (or the
+        format ``path``'s suffix names, e.g. ``.svg``) to ``path``, a local path or a URL as
+        ``TrainedModel.save`` takes them (its folder made if missing); its ``Path``, or for a
+        URL the URL.
 
         Needs matplotlib (``pip install 'allreduce-param[plot]'``); uses no pyplot state,
         so a notebook's own plotting is left alone.
@@ -189,9 +193,12 @@ class History:
         axes.set_xlabel("step")
         axes.set_ylabel("loss")
         axes.legend()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=100)
-        return Path(path)
+        target = locate(path, "write the loss curve to")
+        target.parent.make_folder()
+        kind = os.path.splitext(target.url)[1].lstrip(".").lower() or "png"  # as savefig(path) would take it
+        with target.open_write() as file:
+            figure.savefig(file, dpi=100, format=kind)
+        return _returned(target)
 
     @property
     def samples_per_second(self) -> float:
@@ -289,47 +296,56 @@ class TrainedModel:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the model, its weights, buffers and history to the folder ``path`` (made if
-        missing)."""
+        missing): a local path (relative to the working directory, not to Spark's default
+        file system), or a URL on cluster storage, e.g. ``hdfs://``, ``s3://`` (with s3fs),
+        ``file://``; and on the driver of a classic SparkSession any URL its Hadoop reaches
+        (``s3a://``, ``abfss://``, ``gs://``, ``dbfs:/``, ...): see ``train/storage.py``."""
         from pyspark import cloudpickle
 
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        np.save(folder / "weights.npy", self.weights)
+        folder = locate(path, "save the model to")
+        folder.make_folder()
+        with folder.child("weights.npy").open_write() as file:
+            np.save(file, self.weights)
+        buffers = folder.child("buffers.npz")
         if self.buffers:
-            write_npz(folder / "buffers.npz", self.buffers)
-        elif (folder / "buffers.npz").exists():  # an earlier save's in the same folder
-            (folder / "buffers.npz").unlink()
-        (folder / "model.pkl").write_bytes(cloudpickle.dumps(self.model))
+            with buffers.open_write() as file:
+                write_npz(file, self.buffers)
+        elif buffers.exists():  # an earlier save's in the same folder
+            buffers.remove()
+        folder.child("model.pkl").write_bytes(cloudpickle.dumps(self.model))
         meta = {"format": FORMAT, "model": repr(self.model), "n_features": self.n_features,
                 "history": {"steps": self.history.steps, "epochs": self.history.epochs,
                             "dropped": {str(k): v for k, v in self.history.dropped.items()},
                             "resumed": self.history.resumed, "checkpoints": self.history.checkpoints,
                             "seconds": self.history.seconds, "phases": self.history.phases}}
-        (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+        folder.child("meta.json").write_bytes(json.dumps(meta, indent=1).encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TrainedModel:
-        """Read a model written by ``save``."""
+        """Read a model written by ``save``, from any path or URL ``save`` takes."""
         import pickle
 
-        folder = Path(path)
-        meta_file = folder / "meta.json"
+        folder = locate(path, "load the model from")
+        meta_file = folder.child("meta.json")
         if not meta_file.is_file():
-            raise InputError(f"{folder} holds no saved model (no meta.json)")
-        meta = json.loads(meta_file.read_text())
+            held = "holds no saved model (no meta.json)" if folder.exists() else "does not exist: no saved model there"
+            raise InputError(f"{folder} {held}")
+        meta = json.loads(meta_file.read_bytes())
         if meta.get("format") not in READS:
             raise InputError(f"{folder} was saved in format {meta.get('format')!r}; this version reads "
                              f"{' and '.join(READS)}")
-        model = pickle.loads((folder / "model.pkl").read_bytes())
+        model = pickle.loads(folder.child("model.pkl").read_bytes())
         saved = meta["history"]
         history = History(saved["steps"], saved["epochs"], saved["seconds"],
                           {int(k): v for k, v in saved.get("dropped", {}).items()},
                           saved.get("resumed", []), saved.get("checkpoints"), saved.get("phases", {}))
         buffers = None
-        if (folder / "buffers.npz").is_file():
-            with np.load(folder / "buffers.npz", allow_pickle=False) as saved_buffers:
+        if folder.child("buffers.npz").is_file():
+            with folder.child("buffers.npz").open_read() as file, np.load(file, allow_pickle=False) as saved_buffers:
                 buffers = {name: saved_buffers[name] for name in saved_buffers.files}
-        return cls(model, np.load(folder / "weights.npy"), history, meta.get("n_features"), buffers=buffers)
+        with folder.child("weights.npy").open_read() as file:
+            weights = np.load(file, allow_pickle=False)
+        return cls(model, weights, history, meta.get("n_features"), buffers=buffers)
 
     def named_tensors(self) -> dict[str, np.ndarray]:
         """The weights as named arrays and the buffers by their names: the model's
@@ -343,16 +359,18 @@ class TrainedModel:
             raise InputError(f"{self.model!r} names both a tensor and a buffer {clash}; rename one to export them")
         return {**named, **self.buffers}
 
-    def export_npz(self, path: str | os.PathLike) -> Path:
+    def export_npz(self, path: str | os.PathLike) -> Path | str:
         """Write ``named_tensors()`` to the numpy archive ``path`` (its parent folder made if
         missing), for use without this package: ``np.load(path)[name]``. For a
-        ``TorchModel``: exactly its state_dict's entries, buffers included. The file's path."""
-        target = Path(path)
+        ``TorchModel``: exactly its state_dict's entries, buffers included. ``path``: a local
+        path or a URL, as ``save`` takes them. The file's ``Path``, or for a URL the URL."""
+        target = locate(path, "export the model to")
         if target.is_dir():
             raise InputError(f"export_npz({str(path)!r}): that is a folder; give the path of the .npz file to write")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_npz(target, self.named_tensors())
-        return target
+        target.parent.make_folder()
+        with target.open_write() as file:
+            write_npz(file, self.named_tensors())
+        return _returned(target)
 
     def state_dict(self):
         """The trained module's state_dict (torch tensors: parameters and buffers), which
@@ -365,12 +383,18 @@ class TrainedModel:
         return make(self.weights, self.buffers or None)
 
 
-def write_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
-    """Write ``arrays`` as a numpy ``.npz`` at exactly ``path`` (``np.savez`` would add
-    ``.npz`` and takes names as keywords, so a tensor called ``file`` would clash)."""
+def write_npz(path: str | os.PathLike | IO[bytes], arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` as a numpy ``.npz`` at exactly ``path``, or into a binary file open for
+    writing (``np.savez`` would add ``.npz`` and takes names as keywords, so a tensor called
+    ``file`` would clash)."""
     import zipfile
 
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         for name, value in arrays.items():
             with archive.open(f"{name}.npy", "w", force_zip64=True) as entry:
                 np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)
+
+
+def _returned(location: Location) -> Path | str:
+    """What a method that wrote a file gives back: a local path as a ``Path``, a URL as given."""
+    return Path(location.url) if location.local else location.url
