@@ -1,8 +1,11 @@
 """The ``allreduce-param`` command: ``allreduce-param train --conf conf/digits.toml``.
 
-A job file (TOML) names the Spark master, the data, the model, the optimizer and the
-training settings; see ``conf/digits.toml``. ``jobs/train.py`` runs the same with
-``spark-submit`` or plain ``python``.
+A job file (TOML) names the Spark master and its folder of Spark settings, the data, the
+model, the optimizer and the training settings; see ``conf/digits.toml``. ``jobs/train.py``
+runs the same with ``spark-submit`` or plain ``python``. Under ``spark-submit`` its own
+settings apply (``--master``, ``--properties-file``, ``SPARK_CONF_DIR``), not the job
+file's ``[spark] master`` and ``conf_dir``: that is how the same job file runs on this
+machine and on a cluster.
 """
 
 from __future__ import annotations
@@ -133,8 +136,33 @@ def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitio
     return numbers.mapInArrow(generate, "features array<float>, label double")
 
 
+def spark_conf_dir(job: dict, job_file: str | Path) -> Path | None:
+    """The folder of Spark settings the job file names, or None.
+
+    ``[spark] conf_dir`` (relative to the job file's folder, e.g. ``"local"`` for
+    ``conf/local``): a folder with a ``spark-defaults.conf`` that ``local_spark`` reads. None
+    when the job names none, and under ``spark-submit``, whose own settings apply: a job file
+    made for this machine (loopback addresses) then runs on a cluster unchanged.
+    """
+    value = job.get("spark", {}).get("conf_dir")
+    if value is None or under_spark_submit():
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"[spark] conf_dir = {value!r} in {job_file}: write a folder's path as text, "
+                                 "relative to the job file's folder, e.g. conf_dir = \"local\"")
+    folder = (Path(job_file).resolve().parent / value).resolve()
+    if not (folder / "spark-defaults.conf").is_file():
+        raise ConfigurationError(f"[spark] conf_dir = {value!r} in {job_file}: {folder} has no spark-defaults.conf; "
+                                 "name a folder that has one (relative to the job file's folder, e.g. \"local\" "
+                                 "for conf/local), or remove the setting to start Spark with its defaults")
+    return folder
+
+
 def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
-    """Run a training job file's fit and print the final table; the exit status."""
+    """Run a training job file's fit and print the final table; the exit status.
+
+    ``conf_dir``: the folder of Spark settings (``spark_conf_dir``), or None for Spark's own.
+    """
     from .train import DistriOptimizer, FitSettings
 
     spark_section = job.get("spark", {})
@@ -196,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:  # no Java, bad settings, bad data: one line, no traceback (local_spark checks Java)
         job = apply_overrides(load_job(args.conf), args.set)
-        conf_dir = Path(args.conf).resolve().parent
-        return train(job, conf_dir if (conf_dir / "spark-defaults.conf").is_file() else None, args.master)
+        return train(job, spark_conf_dir(job, args.conf), args.master)
     except AllReduceError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

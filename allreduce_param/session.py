@@ -1,7 +1,9 @@
 """Starting Spark on one machine for jobs, notebooks and tests: Java check, loopback, settings.
 
-A cluster user builds their own ``SparkSession``; this is for ``local[*]`` and
-``local-cluster[...]`` runs, where everything stays on 127.0.0.1.
+This is for ``local[*]`` and ``local-cluster[...]`` runs, where everything stays on
+127.0.0.1 (the settings in ``conf/local``). A cluster run goes through ``spark-submit`` with
+a cluster's settings (``conf/cluster/``), and there ``local_spark`` adds nothing of this
+machine's: the loopback addresses would keep the executors from reaching the driver.
 """
 
 from __future__ import annotations
@@ -62,6 +64,27 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
+def is_local_master(master: str) -> bool:
+    """Whether ``master`` runs Spark on this machine alone: ``local``, ``local[...]`` or
+    ``local-cluster[...]`` (``spark://``, ``yarn``, ``k8s://`` are clusters)."""
+    return master == "local" or master.startswith(("local[", "local-cluster["))
+
+
+#: the example settings in conf/cluster/ for each kind of cluster master
+_CLUSTER_FILES = {"spark://": "standalone.conf", "yarn": "yarn.conf", "k8s://": "kubernetes.conf"}
+
+
+def _cluster_master_problem(master: str) -> str:
+    """Why a local session refuses the cluster ``master``, and the spark-submit command instead."""
+    example = next((name for prefix, name in _CLUSTER_FILES.items() if master.startswith(prefix)),
+                   "standalone.conf, yarn.conf or kubernetes.conf")
+    return (f"the Spark master {master!r} is a cluster, but this session is for one machine: it keeps Spark "
+            "on loopback addresses (SPARK_LOCAL_IP=127.0.0.1, conf/local) that executors elsewhere cannot "
+            f"reach. Run the job with spark-submit instead: spark-submit --master {master} --properties-file "
+            f"conf/cluster/{example} jobs/train.py --conf <job file> (README: Running on a cluster); "
+            "in code of your own, build the SparkSession yourself")
+
+
 def prepare_local_environment() -> None:
     """Set what a one-machine Spark run needs before its JVM starts.
 
@@ -79,11 +102,21 @@ def local_spark(master: str | None = "local[*]", app_name: str = "allreduce-para
                 class_archive: bool | str | os.PathLike = True, **settings: str):
     """A ``SparkSession`` on this machine only, after checking Java; stop it when done.
 
-    ``master=None`` leaves the master to whoever started the JVM (``spark-submit --master``).
+    ``master``: ``local[N]``, ``local[*]`` or ``local-cluster[...]``; a cluster's master
+    (``spark://``, ``yarn``, ``k8s://``) is refused with a ``ConfigurationError`` that gives
+    the ``spark-submit`` command instead, because this session's loopback addresses would
+    keep that cluster's executors from reaching the driver. ``None`` leaves the master to
+    whoever starts the JVM (``spark-submit --master``; ``local[*]`` otherwise).
+
+    Under ``spark-submit`` (``under_spark_submit()``) the JVM is running already, started
+    with ``spark-submit``'s own settings, which rule: this only builds the session, with
+    ``master`` and ``settings`` when given. ``conf_dir``, the loopback environment
+    (``prepare_local_environment``), the Java check and the class archive are left out, so
+    nothing meant for one machine reaches a cluster run.
 
     ``conf_dir``: a folder with a ``spark-defaults.conf`` (and optionally a
-    ``log4j2.properties``), read as ``SPARK_CONF_DIR`` would be, but kept off the driver's
-    class path, where a folder would rule out the class archive.
+    ``log4j2.properties``), e.g. ``conf/local``, read as ``SPARK_CONF_DIR`` would be, but
+    kept off the driver's class path, where a folder would rule out the class archive.
 
     ``class_archive``: when this call starts the driver JVM, it maps the classes an earlier
     session saved (``class_archive.ClassArchive``), which shortens its start and first query, and the first
@@ -95,10 +128,6 @@ def local_spark(master: str | None = "local[*]", app_name: str = "allreduce-para
     """
     if not isinstance(class_archive, (bool, str, os.PathLike)):
         raise ConfigurationError(f"class_archive must be True, False or a folder, got {class_archive!r}")
-    java, report, problem = _java()
-    if problem:
-        raise ConfigurationError(problem)
-    prepare_local_environment()
     from pyspark import SparkContext
     from pyspark.find_spark_home import _find_spark_home
     from pyspark.sql import SparkSession
@@ -106,6 +135,16 @@ def local_spark(master: str | None = "local[*]", app_name: str = "allreduce-para
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
+    if under_spark_submit():  # spark-submit's settings rule: add nothing of this machine's
+        for key, value in settings.items():
+            builder = builder.config(key, value)
+        return builder.getOrCreate()
+    if master and not is_local_master(master):
+        raise ConfigurationError(_cluster_master_problem(master))
+    java, report, problem = _java()
+    if problem:
+        raise ConfigurationError(problem)
+    prepare_local_environment()
     driver_options: list[str] = []
     submit_args = os.environ.get("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
     if conf_dir is not None:
@@ -120,7 +159,7 @@ def local_spark(master: str | None = "local[*]", app_name: str = "allreduce-para
     for key, value in settings.items():
         builder = builder.config(key, value)
     archive = None
-    starting_jvm = SparkContext._gateway is None and not under_spark_submit()
+    starting_jvm = SparkContext._gateway is None
     if starting_jvm and class_archive is not False and "spark.driver.extraClassPath" not in settings:
         archive = ClassArchive.for_driver(java, report, _find_spark_home(),
                                           None if class_archive is True else class_archive)

@@ -63,7 +63,7 @@ if __name__ != "__main__":  # imported (bench_growth.py): the executors cannot i
 
 #: The codecs that can carry weights (topk keeps only some values: gradients only).
 DENSE_CODECS = tuple(name for name in CODECS if not get_codec(name).sparse)
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "local"  # Spark settings for this machine
 PHASES = ("get", "put", "aggregate", "update", "send")
 #: How same-host partitions reach each other: AllReduceParameter settings per name.
 TRANSPORTS = {"shared": dict(unix_sockets=True, shared_memory=True),

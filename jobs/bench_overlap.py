@@ -37,7 +37,7 @@ from allreduce_param.train import distri
 
 from bench_allreduce import HOST, LINK_BURST, bits_per_second, local_slots, machine, render, run_in_links
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "local"  # Spark settings for this machine
 MODELS = ("mlp", "torch")
 #: The phases of a step, as the history records them (the slowest partition's each).
 STEP_PHASES = ("get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s")

@@ -29,7 +29,7 @@ from allreduce_param import DistriOptimizer, models, optim
 from allreduce_param.cli import load_data
 from allreduce_param.session import java_problem, local_spark
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "local"  # Spark settings for this machine
 
 #: name -> DistriOptimizer settings
 STRATEGIES = {

@@ -51,7 +51,7 @@ read the same clock):
 - TorchDistributor: from just before ``TorchDistributor(num_processes=N, local_mode=False,
   use_gpu=False).run(...)``, N = Spark's default parallelism (the partitions ours trains
   on). Each Spark task starts ``torchrun``, whose one worker joins the gloo group on
-  127.0.0.1 (TorchDistributor takes task 0's address, 127.0.0.1 with ``conf/``; the gloo
+  127.0.0.1 (TorchDistributor takes task 0's address, 127.0.0.1 with ``conf/local``; the gloo
   interface is set to loopback), memory-maps the same rows from .npy files, takes its
   contiguous 1/N of the training rows, and trains DDP with Adam at the same learning rate
   and the same global batch (``--batch-size`` / N rows per rank), ``torch.set_num_threads``

@@ -16,7 +16,10 @@ import pytest
 from allreduce_param import AllReduceParameter, LocalRendezvous
 from allreduce_param.session import java_problem, prepare_local_environment
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+#: the job files (digits.toml, synthetic.toml)
+JOB_FILES = Path(__file__).resolve().parents[1] / "conf"
+#: the Spark settings for this machine (loopback addresses) that the tests start Spark with
+CONF_DIR = JOB_FILES / "local"
 prepare_local_environment()
 
 

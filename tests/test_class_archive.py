@@ -48,7 +48,7 @@ def test_no_archive_where_hotspot_could_not_make_one(home, monkeypatch):
     (home / "conf" / "spark-defaults.conf").write_text("spark.ui.enabled false\n")
     assert archive_name("/usr/bin/java", HOTSPOT, home) is None
     (home / "conf" / "spark-defaults.conf").unlink()
-    monkeypatch.setenv("SPARK_CONF_DIR", str(REPO / "conf"))
+    monkeypatch.setenv("SPARK_CONF_DIR", str(REPO / "conf" / "local"))
     assert archive_name("/usr/bin/java", HOTSPOT, home) is None
 
 
@@ -119,7 +119,7 @@ SESSION = textwrap.dedent("""
 def test_a_session_saves_the_archive_and_the_next_one_maps_it(tmp_path):
     (tmp_path / "conf").mkdir()
     for name in ("spark-defaults.conf", "log4j2.properties"):
-        (tmp_path / "conf" / name).write_text((REPO / "conf" / name).read_text())
+        (tmp_path / "conf" / name).write_text((REPO / "conf" / "local" / name).read_text())
     environment = {key: value for key, value in os.environ.items() if key not in CLASS_PATH_FOLDERS}
 
     def session(*java_options: str) -> subprocess.CompletedProcess:
@@ -129,7 +129,7 @@ def test_a_session_saves_the_archive_and_the_next_one_maps_it(tmp_path):
         return done
 
     first = session()
-    assert "partitions 4" in first.stdout and "rows 5" in first.stdout  # conf/spark-defaults.conf read
+    assert "partitions 4" in first.stdout and "rows 5" in first.stdout  # conf/local/spark-defaults.conf read
     assert f"log4j {tmp_path / 'conf' / 'log4j2.properties'}" in first.stdout
     assert "saving the Spark driver's classes" in first.stderr
     saved = sorted((tmp_path / "cache").iterdir())

@@ -1,4 +1,5 @@
-"""The main job as a user runs it: jobs/train.py with a job file from conf/."""
+"""The main job as a user runs it: jobs/train.py with a job file from conf/, and the folder of
+Spark settings a job file names."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from allreduce_param import ConfigurationError, TrainedModel
-from allreduce_param.cli import apply_overrides, build, load_job
+from allreduce_param.cli import apply_overrides, build, load_job, main, spark_conf_dir
 from allreduce_param import optim
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,3 +45,28 @@ def test_job_file_errors_name_the_setting(tmp_path):
         apply_overrides({}, ["epochs=5"])
     assert apply_overrides({"train": {"epochs": 40}}, ["train.epochs=5", "spark.master=local[2]"]) == \
         {"train": {"epochs": 5}, "spark": {"master": "local[2]"}}
+
+
+def test_a_job_file_names_its_spark_settings_folder(tmp_path, monkeypatch):
+    digits = REPO / "conf" / "digits.toml"
+    assert spark_conf_dir(load_job(digits), digits) == REPO / "conf" / "local"  # relative to the job file
+    monkeypatch.chdir(REPO)
+    assert spark_conf_dir(load_job(digits), "conf/digits.toml") == REPO / "conf" / "local"
+    assert spark_conf_dir({"spark": {"master": "local[2]"}}, digits) is None  # none named: Spark's defaults
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # under spark-submit its own settings apply
+    assert spark_conf_dir(load_job(digits), digits) is None
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigurationError, match=r"\[spark\] conf_dir = 'empty' in .*job.toml: .*empty has no "
+                                                 r"spark-defaults.conf; name a folder that has one"):
+        spark_conf_dir({"spark": {"conf_dir": "empty"}}, tmp_path / "job.toml")
+    with pytest.raises(ConfigurationError, match=r"\[spark\] conf_dir = 1 in .*: write a folder's path as text"):
+        spark_conf_dir({"spark": {"conf_dir": 1}}, tmp_path / "job.toml")
+
+
+def test_the_main_job_with_a_cluster_master_says_to_use_spark_submit(capsys):
+    # started with python, a local session would pin the driver to 127.0.0.1: refused before Spark starts
+    status = main(["train", "--conf", str(REPO / "conf" / "digits.toml"), "--master", "spark://10.0.3.2:7077"])
+    error = capsys.readouterr().err
+    assert status == 2 and "spark-submit --master spark://10.0.3.2:7077 --properties-file " \
+                           "conf/cluster/standalone.conf" in error and "Traceback" not in error

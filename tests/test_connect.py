@@ -24,7 +24,7 @@ import pytest
 
 from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "spark-defaults.conf"
+CONF = Path(__file__).resolve().parents[1] / "conf" / "local" / "spark-defaults.conf"
 #: what a Connect session leaves in the environment, which a server or a later classic session must not see
 CONNECT_VARIABLES = ("SPARK_REMOTE", "SPARK_LOCAL_REMOTE", "SPARK_CONNECT_MODE_ENABLED",
                      "SPARK_CONNECT_AUTHENTICATE_TOKEN", "SPARK_API_MODE")

@@ -1,4 +1,5 @@
-"""The Java check that both README commands run before Spark starts."""
+"""The Java check that both README commands run before Spark starts, and what a local session
+leaves out where it must not apply: a cluster's master, and runs under spark-submit."""
 
 from __future__ import annotations
 
@@ -66,3 +67,44 @@ def test_the_train_command_says_so_and_exits_without_a_traceback(tmp_path):
                           env=environment, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "has no bin/java" in done.stderr and "apt-get install" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("master, example", [("spark://10.0.3.2:7077", "standalone.conf"), ("yarn", "yarn.conf"),
+                                             ("k8s://https://10.0.3.1:6443", "kubernetes.conf")])
+def test_a_cluster_master_is_refused_with_the_spark_submit_command(master, example):
+    # a local session's loopback addresses would keep that cluster's executors from the driver
+    with pytest.raises(ConfigurationError, match=rf"spark-submit --master {master} --properties-file "
+                                                 rf"conf/cluster/{example} jobs/train.py"):
+        local_spark(master)  # refused before any JVM starts
+
+
+def test_under_spark_submit_nothing_of_this_machine_is_applied(monkeypatch, tmp_path):
+    import allreduce_param.session as session
+
+    built = []
+
+    class Builder:  # stands in for SparkSession.builder: records what the session would be built with
+        def appName(self, name):
+            return self
+
+        def master(self, master):
+            built.append(("master", master))
+            return self
+
+        def config(self, key, value):
+            built.append((key, value))
+            return self
+
+        def getOrCreate(self):
+            return "session"
+
+    from pyspark.sql import SparkSession
+
+    monkeypatch.setattr(SparkSession, "builder", Builder())
+    monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # as spark-submit's Python has it
+    monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    monkeypatch.setattr(session, "_java", lambda: pytest.fail("no Java check: the JVM runs already"))
+    assert local_spark(None, conf_dir=tmp_path / "missing", **{"spark.task.maxFailures": "1"}) == "session"
+    assert built == [("spark.task.maxFailures", "1")]  # no conf_dir, no SPARK_CONF_DIR for the executors
+    assert "SPARK_LOCAL_IP" not in os.environ and "PYSPARK_PYTHON" not in os.environ

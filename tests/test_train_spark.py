@@ -19,7 +19,7 @@ from allreduce_param import (
     optim,
 )
 from allreduce_param.cli import build, load_data, load_job
-from conftest import CONF_DIR
+from conftest import JOB_FILES
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -165,7 +165,7 @@ def test_data_spark_will_not_read_in_a_barrier_stage_is_shuffled_instead(spark):
 
 
 def test_the_main_jobs_settings_reach_097_on_digits(spark):
-    job = load_job(CONF_DIR / "digits.toml")
+    job = load_job(JOB_FILES / "digits.toml")
     train, test = load_data(spark, job["data"])
     model = build(models, job["model"], "model")
     trainer = DistriOptimizer(model, build(optim, job["optimizer"], "optimizer"), **job["train"])

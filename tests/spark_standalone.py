@@ -1,0 +1,171 @@
+"""A Spark standalone cluster for tests: a master and workers started from the installed
+pyspark (``spark-class``), each in a process group of its own, stopped on every path.
+
+``standalone_cluster(folder, host=..., prefix=...)`` is a context manager: the master and
+the workers bind ``host`` (``--host`` and ``SPARK_LOCAL_IP``) on free ports (port 0, the
+chosen ones read from the master's log), keep their logs and the workers' work dirs in
+``folder``, and the cluster is ready when the master's log says every worker registered.
+Everything is read from log files, not over the network, and every command starts with
+``prefix``: so the same cluster runs inside a network namespace (``host="192.0.2.1"``,
+``prefix=["nsenter", "--net=/proc/PID/ns/net"]``) as well as on 127.0.0.1, and
+``cluster.run(...)`` runs ``spark-submit`` there too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import pyspark
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SPARK_HOME = Path(pyspark.__file__).resolve().parent
+#: ``spark-submit`` as the README's recipe runs it: the one next to this Python (the venv's
+#: ``.venv/bin/spark-submit``), or else the installed pyspark's own
+SPARK_SUBMIT = Path(sys.executable).parent / "spark-submit"
+if not SPARK_SUBMIT.is_file():
+    SPARK_SUBMIT = SPARK_HOME / "bin" / "spark-submit"
+
+
+@dataclass
+class StandaloneCluster:
+    """A running cluster: its ``spark://`` URL, and what runs a command beside it."""
+
+    url: str
+    host: str
+    folder: Path
+    #: the environment the master and the workers run with: this machine's, less any Spark
+    #: settings of the test process, plus SPARK_LOCAL_IP and ``environment``
+    environment: dict[str, str]
+    prefix: tuple[str, ...] = ()
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def worker_dirs(self) -> list[Path]:
+        """The workers' work dirs (``--work-dir``): an application's executors keep their
+        stdout and stderr in ``<dir>/<app id>/<executor id>/``."""
+        return sorted(self.folder.glob("worker-*-work"))
+
+    def logs(self, characters: int = 3000) -> str:
+        """The end of each daemon's log, for a failure's message."""
+        return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-characters:]}"
+                         for log in sorted(self.folder.glob("*.log")))
+
+    def run(self, command: Sequence[str], log: Path, timeout: float, cwd: Path = REPO,
+            environment: dict[str, str] | None = None) -> tuple[int, str]:
+        """Run ``command`` (after ``prefix``) with the cluster's environment and
+        ``environment`` over it, its output in ``log``; (exit status, output). Its process
+        group is killed when it ends, and when it runs past ``timeout`` (then a failure)."""
+        with open(log, "w") as out:
+            process = subprocess.Popen([*self.prefix, *command], cwd=cwd,
+                                       env={**self.environment, **(environment or {})}, stdout=out,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{command[0]} ran past {timeout} s:\n{log.read_text(errors='replace')[-5000:]}\n{self.logs()}",
+                        pytrace=False)
+        finally:
+            _stop(process)
+        return process.returncode, log.read_text(errors="replace")
+
+
+def python_environment() -> dict[str, str]:
+    """What the driver and the executors need to run this checkout's allreduce_param:
+    ``PYSPARK_PYTHON``, this Python (the venv's); and ``PYTHONPATH``, this checkout, unless
+    that Python imports the package from it on its own (installed editable, as in a fresh
+    clone's ``.venv``), as when the tests run from a worktree with ``PYTHONPATH``."""
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    found = subprocess.run([sys.executable, "-c", "import allreduce_param; print(allreduce_param.__file__)"],
+                           env=environment, cwd="/", capture_output=True, text=True, timeout=120)
+    installed = found.returncode == 0 and Path(found.stdout.strip()).resolve().parent == REPO / "allreduce_param"
+    return {"PYSPARK_PYTHON": sys.executable, **({} if installed else {"PYTHONPATH": str(REPO)})}
+
+
+@contextlib.contextmanager
+def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, cores: int = 1,
+                       memory: str = "1g", prefix: Sequence[str] = (), environment: dict[str, str] | None = None,
+                       timeout: float = 120.0):
+    """A master and ``workers`` workers of ``cores`` cores and ``memory`` each, on ``host``;
+    the ``StandaloneCluster`` once every worker has registered. Stopped (process groups
+    killed) when the block ends, whether it fails or not, and when the start fails.
+
+    ``prefix``: what every command starts with, e.g. ``["nsenter", "--net=/proc/PID/ns/net"]``
+    to run the cluster (and ``cluster.run``) in that network namespace; it must exec the
+    command (as nsenter and unshare without --fork do), so the process group is the
+    daemon's. ``environment``: more variables for the daemons and ``cluster.run``, e.g.
+    ``python_environment()``. ``timeout``: seconds the start may take in all.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    base = {key: value for key, value in os.environ.items()
+            if not key.startswith(("SPARK_", "PYSPARK_")) and key != "PYTHONPATH"}  # no setting of this process's
+    cluster = StandaloneCluster("", host, folder, {**base, "SPARK_LOCAL_IP": host, **(environment or {})},
+                                tuple(prefix))
+    # the master's REST submission server would take port 6066 (or the next free one): off
+    daemons = folder / "daemons.conf"
+    daemons.write_text("spark.master.rest.enabled false\n")
+    spark_class = str(SPARK_HOME / "bin" / "spark-class")
+    deadline = time.monotonic() + timeout
+    try:
+        cluster.processes["master"] = _start(
+            cluster, "master", [spark_class, "org.apache.spark.deploy.master.Master", "--host", host, "--port", "0",
+                                "--webui-port", "0", "--properties-file", str(daemons)])
+        cluster.url = _wait_for(cluster, "master", r"Starting Spark master at (spark://\S+)", 1, deadline)[0]
+        for i in range(workers):
+            cluster.processes[f"worker-{i}"] = _start(
+                cluster, f"worker-{i}", [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", host,
+                                         "--port", "0", "--webui-port", "0", "--cores", str(cores), "--memory", memory,
+                                         "--work-dir", str(folder / f"worker-{i}-work"),
+                                         "--properties-file", str(daemons), cluster.url])
+        _wait_for(cluster, "master", r"Registering worker (\S+) with", workers, deadline)
+        yield cluster
+    finally:
+        for process in reversed(cluster.processes.values()):  # workers (and their executors) first
+            _stop(process)
+
+
+def _start(cluster: StandaloneCluster, name: str, command: list[str]) -> subprocess.Popen:
+    """``command`` (after the prefix) in a process group of its own, its output in ``<name>.log``."""
+    with open(cluster.folder / f"{name}.log", "w") as out:
+        return subprocess.Popen([*cluster.prefix, *command], env=cluster.environment, cwd=cluster.folder,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _wait_for(cluster: StandaloneCluster, name: str, pattern: str, count: int, deadline: float) -> list[str]:
+    """The first group of ``pattern``'s matches in ``<name>.log`` once there are ``count`` of
+    them; a failure, with the logs, when a daemon exits or the deadline passes first."""
+    log = cluster.folder / f"{name}.log"
+    while True:
+        found = re.findall(pattern, log.read_text(errors="replace"))
+        if len(found) >= count:
+            return found
+        for other, process in cluster.processes.items():
+            if process.poll() is not None:
+                pytest.fail(f"the standalone cluster's {other} exited with {process.returncode} while we waited "
+                            f"for {count} x {pattern!r} in {log.name}:\n{cluster.logs()}", pytrace=False)
+        if time.monotonic() > deadline:
+            pytest.fail(f"the standalone cluster did not start in time: {len(found)} of {count} x {pattern!r} "
+                        f"in {log.name}:\n{cluster.logs()}", pytrace=False)
+        time.sleep(0.2)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End ``process`` and its process group: SIGTERM (a worker then stops its executors),
+    SIGKILL after 30 s, and SIGKILL to whatever of the group is left once it exited."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
