@@ -101,7 +101,10 @@ def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, 
     ``prefix``: what every command starts with, e.g. ``["nsenter", "--net=/proc/PID/ns/net"]``
     to run the cluster (and ``cluster.run``) in that network namespace; it must exec the
     command (as nsenter and unshare without --fork do), so the process group is the
-    daemon's. ``environment``: more variables for the daemons and ``cluster.run``, e.g.
+    daemon's. PID must already be in the new namespace: ``unshare -n CMD`` switches only
+    after it starts, and an nsenter before that enters this host's own (configure the
+    namespace from inside the unshare'd command, as test_network_namespace does).
+    ``environment``: more variables for the daemons and ``cluster.run``, e.g.
     ``python_environment()``. ``timeout``: seconds the start may take in all.
     """
     folder.mkdir(parents=True, exist_ok=True)
