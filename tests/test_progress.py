@@ -134,6 +134,29 @@ def test_a_reporter_whose_driver_is_gone_keeps_quiet():
     assert reporter._broken
 
 
+def test_a_driver_that_stops_reading_cannot_stall_a_task():
+    """Each send is bounded by the connect timeout: a stuck listener on the driver fills the
+    connection's buffers, and the task's reporter then gives up instead of blocking."""
+    stuck, release = threading.Event(), threading.Event()
+
+    def on_message(message, reply):
+        stuck.set()
+        release.wait(60)  # the driver's handler hangs: it reads nothing more meanwhile
+
+    server = MessageServer("127.0.0.1", on_message, connect_timeout=0.5)
+    reporter = ProgressReporter(server.client())
+    try:
+        sent = 0
+        while not reporter._broken and sent < 10_000:  # each 64 KiB: the buffers hold a few MiB at most
+            reporter.send("step", filler="x" * (64 << 10))
+            sent += 1
+        assert stuck.is_set() and reporter._broken, sent
+    finally:
+        release.set()
+        reporter.close()
+        server.close()
+
+
 def test_a_resumed_attempt_drops_what_the_failed_one_left_half_reported():
     events = Events(expected=2)
     started = Events(expected=1)
