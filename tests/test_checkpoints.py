@@ -162,3 +162,15 @@ def test_settings_and_bad_checkpoints_are_refused_clearly(tmp_path):
     manifest = newest(str(tmp_path / "one"))
     with pytest.raises(InputError, match=f"holds {manifest.size} weights; this model has 7"):
         load_part(manifest, 0, SliceLayout(7, 1))
+
+
+def test_a_checkpoint_dir_the_tasks_could_not_write_fails_on_the_driver(tmp_path, monkeypatch):
+    from allreduce_param import DistriOptimizer
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"'dbfs:/ckpt': fsspec reads a scheme only before '://', so "
+                                                 r"this would be a local folder named 'dbfs:'"):
+        DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), checkpoint_dir="dbfs:/ckpt")
+    with pytest.raises(ConfigurationError, match=r"cannot open checkpoint storage 'nosuch://ckpt'"):
+        DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), checkpoint_dir="nosuch://ckpt")
+    assert list(tmp_path.iterdir()) == []  # no folder named 'dbfs:' here

@@ -78,6 +78,7 @@ class CheckpointSettings:
                                      f"got {every!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigurationError(f"checkpoint_keep must be a whole number >= 1, got {keep!r}")
+        fsspec_filesystem(str(root), _PURPOSE)  # a URL the tasks could not write fails here, on the driver
         name = f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         return cls(posixpath.join(str(root).rstrip("/"), name), every, keep)
 

@@ -49,10 +49,20 @@ def fsspec_filesystem(url: str, purpose: str) -> tuple[Any, str]:
     the ``ConfigurationError`` raised when fsspec cannot open it (e.g. ``s3://`` without s3fs)."""
     import fsspec
 
+    scheme = scheme_of(url)
+    if scheme not in (None, "file", "local") and fsspec.core.split_protocol(url)[0] is None:
+        raise ConfigurationError(
+            f"cannot open {purpose} {url!r}: fsspec reads a scheme only before '://', so this would be a local "
+            f"folder named '{scheme}:'. Give a URL that fsspec opens on every machine (hdfs://..., s3://...), or "
+            f"the path of a mount every machine shares (on Databricks: /dbfs/...)")
     try:
         return fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as error:
         raise ConfigurationError(f"cannot open {purpose} {url!r}: {error}") from None
+    except OSError as error:  # e.g. hdfs:// where pyarrow finds no libhdfs or JVM
+        need = _FSSPEC_NEEDS.get(scheme or "", "")
+        raise ConfigurationError(f"cannot open {purpose} {url!r}: {type(error).__name__}: {error}"
+                                 + (f"; {need}" if need else "")) from None
 
 
 def scheme_of(path: str | os.PathLike) -> str | None:
