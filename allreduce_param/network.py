@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import selectors
@@ -174,6 +175,12 @@ class NetworkSettings:
         if not advertise:
             specific = bind not in _WILDCARDS and bind != default_bind
             advertise = bind if specific else (default_advertise or default_bind)
+        spark_names = default_advertise or default_bind
+        if is_loopback(advertise) and not is_loopback(spark_names):
+            log.warning("the engine's server here is told to others as %s, a loopback address, while Spark names "
+                        "this process %s: processes on other hosts cannot reach it. Check bind_address / "
+                        "advertise_address (spark.allreduce.*, %s, %s)", advertise, spark_names,
+                        *ENVIRONMENT.values())
         return bind, advertise
 
     @property
@@ -188,6 +195,16 @@ class NetworkSettings:
         """How long a failed partition keeps telling its peers why, at most (they ask within
         a connect timeout, or have hung up)."""
         return self.connect_timeout
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP address or a host name) is this host's loopback."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # a host name: Spark's names are resolved by the others, as they are
+        return False
 
 
 def listen(host: str, ports: tuple[int, int] | None, backlog: int, what: str) -> socket.socket:

@@ -5,6 +5,7 @@ address this machine does not have is only bound, never sent to."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 
@@ -82,6 +83,18 @@ def test_addresses_come_from_the_environment_then_the_settings_then_spark(monkey
     monkeypatch.setenv(ENVIRONMENT["bind_address"], "0.0.0.0")
     monkeypatch.setenv(ENVIRONMENT["advertise_address"], "10.9.9.9")
     assert NetworkSettings(bind_address="127.0.0.1").addresses("10.0.0.5") == ("0.0.0.0", "10.9.9.9")
+
+
+def test_a_loopback_address_told_to_others_where_spark_names_another_is_warned_of(monkeypatch, caplog):
+    for variable in ENVIRONMENT.values():
+        monkeypatch.delenv(variable, raising=False)
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.network"):
+        NetworkSettings().addresses("127.0.0.1")  # one machine: loopback everywhere, nothing to say
+        NetworkSettings(bind_address="0.0.0.0").addresses("10.0.0.5")
+        assert caplog.text == ""
+        monkeypatch.setenv(ENVIRONMENT["bind_address"], "127.0.0.1")
+        assert NetworkSettings().addresses("10.0.0.5") == ("127.0.0.1", "127.0.0.1")
+    assert "told to others as 127.0.0.1, a loopback address, while Spark names this process 10.0.0.5" in caplog.text
 
 
 def test_a_listener_takes_a_port_of_its_range_and_says_when_none_is_free():
