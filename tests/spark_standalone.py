@@ -8,7 +8,8 @@ chosen ones read from the master's log), keep their logs and the workers' work d
 Everything is read from log files, not over the network, and every command starts with
 ``prefix``: so the same cluster runs inside a network namespace (``host="192.0.2.1"``,
 ``prefix=["nsenter", "--net=/proc/PID/ns/net"]``) as well as on 127.0.0.1, and
-``cluster.run(...)`` runs ``spark-submit`` there too.
+``cluster.run(...)`` runs ``spark-submit`` there too. ``worker_places`` puts each worker on
+a host of its own instead (its address and prefix: simulated hosts, ``sim_hosts.py``).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def python_environment() -> dict[str, str]:
 @contextlib.contextmanager
 def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, cores: int = 1,
                        memory: str = "1g", prefix: Sequence[str] = (), environment: dict[str, str] | None = None,
-                       timeout: float = 120.0):
+                       timeout: float = 120.0, worker_places: Sequence[tuple[str, Sequence[str]]] | None = None):
     """A master and ``workers`` workers of ``cores`` cores and ``memory`` each, on ``host``;
     the ``StandaloneCluster`` once every worker has registered. Stopped (process groups
     killed) when the block ends, whether it fails or not, and when the start fails.
@@ -106,6 +107,9 @@ def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, 
     namespace from inside the unshare'd command, as test_network_namespace does).
     ``environment``: more variables for the daemons and ``cluster.run``, e.g.
     ``python_environment()``. ``timeout``: seconds the start may take in all.
+    ``worker_places``: one worker at each ``(address, prefix)`` given, with that
+    ``SPARK_LOCAL_IP``, in place of ``workers`` workers on ``host`` (the master and
+    ``cluster.run`` stay on ``host`` with ``prefix``).
     """
     folder.mkdir(parents=True, exist_ok=True)
     base = {key: value for key, value in os.environ.items()
@@ -122,24 +126,30 @@ def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, 
             cluster, "master", [spark_class, "org.apache.spark.deploy.master.Master", "--host", host, "--port", "0",
                                 "--webui-port", "0", "--properties-file", str(daemons)])
         cluster.url = _wait_for(cluster, "master", r"Starting Spark master at (spark://\S+)", 1, deadline)[0]
-        for i in range(workers):
+        places = [(host, cluster.prefix)] * workers if worker_places is None else list(worker_places)
+        for i, (address, where) in enumerate(places):
             cluster.processes[f"worker-{i}"] = _start(
-                cluster, f"worker-{i}", [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", host,
+                cluster, f"worker-{i}", [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", address,
                                          "--port", "0", "--webui-port", "0", "--cores", str(cores), "--memory", memory,
                                          "--work-dir", str(folder / f"worker-{i}-work"),
-                                         "--properties-file", str(daemons), cluster.url])
-        _wait_for(cluster, "master", r"Registering worker (\S+) with", workers, deadline)
+                                         "--properties-file", str(daemons), cluster.url],
+                prefix=where, local_ip=address)
+        _wait_for(cluster, "master", r"Registering worker (\S+) with", len(places), deadline)
         yield cluster
     finally:
         for process in reversed(cluster.processes.values()):  # workers (and their executors) first
             _stop(process)
 
 
-def _start(cluster: StandaloneCluster, name: str, command: list[str]) -> subprocess.Popen:
-    """``command`` (after the prefix) in a process group of its own, its output in ``<name>.log``."""
+def _start(cluster: StandaloneCluster, name: str, command: list[str], prefix: Sequence[str] | None = None,
+           local_ip: str | None = None) -> subprocess.Popen:
+    """``command`` (after the prefix: the cluster's, or ``prefix``) in a process group of its
+    own, its output in ``<name>.log``; with ``local_ip`` as its SPARK_LOCAL_IP, when given."""
+    environment = cluster.environment if local_ip is None else {**cluster.environment, "SPARK_LOCAL_IP": local_ip}
     with open(cluster.folder / f"{name}.log", "w") as out:
-        return subprocess.Popen([*cluster.prefix, *command], env=cluster.environment, cwd=cluster.folder,
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen([*(cluster.prefix if prefix is None else prefix), *command], env=environment,
+                                cwd=cluster.folder, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
 
 
 def _wait_for(cluster: StandaloneCluster, name: str, pattern: str, count: int, deadline: float) -> list[str]:

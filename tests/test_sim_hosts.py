@@ -1,0 +1,223 @@
+"""16 partitions on 4 simulated hosts: exact sums, and today's flat design counted per process.
+
+Four hosts (``sim_hosts``: network namespaces on a bridge, 192.0.2.1-4) carry a standalone
+cluster: the master on h1, one Worker per host with 4 cores, and the driver, through
+``spark-submit``, on h1. ``spark.executor.cores=4`` gives one executor per worker, so the 16
+barrier tasks are 16 Python processes, four per host. One Worker (and one executor) JVM
+per host, not four one-core ones: 16 workers and 16 executors would be 32 JVMs started
+at once on this 2-core machine (each takes seconds of CPU to start and hundreds of MiB
+to run), for nothing the test counts: the engine runs in the tasks' Python processes,
+one per task slot either way, and connects per process, not per JVM.
+
+The driver (``sim_hosts_driver.py``) uses ``AllReduceParameter(16, 1024, codec="raw")``
+directly: every ``get_weights`` of every partition must be bitwise the float32 sums computed
+here with numpy. Each task takes a census of its own process before it closes (see the
+driver): its threads, and its established TCP and Unix sockets, the engine's told apart
+from PySpark's. The counts must be exactly those of ``flat_design`` (today's design, as
+the code makes it), and each cross-host connection must have carried exactly the bytes
+the wire format says (``connection_bytes``); the test prints them as a table.
+
+Root only (``sim_hosts`` skips, saying why, where namespaces cannot be made). About a
+minute on the project's 2-core machine: 18 s to start the cluster, 40 s for spark-submit.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from allreduce_param.codec import HEADER_SIZE
+from allreduce_param.layout import SliceLayout
+from allreduce_param.network import MAC_SIZE, MAGIC, NONCE_SIZE
+from allreduce_param.transport import _RESPONSE
+from sim_hosts import simulated_hosts
+from sim_hosts_driver import MARKER, digest, expected_weights
+from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
+
+HOSTS = 4
+PER_HOST = 4  # cores per worker: task slots per host
+PARTITIONS = HOSTS * PER_HOST
+SIZE = 1024  # 16 slices of 64 values: 4 KiB in all
+ROUNDS = 3
+SEED = 12
+DRIVER = Path(__file__).resolve().parent / "sim_hosts_driver.py"
+
+
+def flat_design(partitions: int, per_host: int, fetch_threads: int | None = None) -> dict:
+    """Today's flat design, per task process: N partitions, L = ``per_host`` of them on each
+    host, BSP through the worker channel (no signals, no background owner), once every
+    partition has fetched from every other (``peers.PeerGroup``, ``transport``).
+
+    - The worker channel holds one connection to each of the N - 1 peers' block servers,
+      made at the first fetch: over TCP to the N - L peers on other hosts, over the peer's
+      abstract Unix socket to the L - 1 on this one. Every peer's worker channel does the
+      same to this partition's server: N - L TCP and L - 1 Unix connections in.
+    - Threads: the block server's accept thread, and one serve thread per proven
+      connection in (N - 1); the worker channel's fetch pool, which ThreadPoolExecutor
+      grows on demand (a thread only when none is idle) to at most F = min(fetch_threads,
+      N - 1), default N - 1, and keeps until close: 1 <= fetch <= F; the control channel
+      none (it connects and starts its one thread at the first ``wait_for_signals``).
+    - In all, N(N - 1) connections: N(N - L) TCP across hosts (2 L^2 between each pair
+      of hosts), N(L - 1) Unix ones.
+    """
+    remote, local = partitions - per_host, per_host - 1
+    most = min(fetch_threads or partitions - 1, partitions - 1)
+    return {"tcp_out": remote, "tcp_in": remote, "unix_out": local, "unix_in": local,
+            "accept": 1, "serve": partitions - 1, "fetch": (1, most), "control": 0,
+            "threads": (1 + partitions - 1 + 1, 1 + partitions - 1 + most),
+            "tcp_connections": partitions * remote, "unix_connections": partitions * local}
+
+
+def connection_bytes(layout: SliceLayout, partition: int, peer: int, rounds: int) -> int:
+    """What partition ``partition``'s TCP connection to ``peer``'s server has received after
+    ``rounds`` BSP steps and a last ``get_weights``: the server's greeting and its answer to
+    the handshake, then per fetch a response head, a block header and the float32 payload:
+    each step one fetch of this partition's chunk (reduce-scatter) and, with the last
+    ``get_weights``, rounds + 1 of the peer's slice (all-gather). Per step of a vector of S
+    bytes: 2 S / N of payload each way over every connection."""
+    handshake = len(MAGIC) + NONCE_SIZE + 1 + MAC_SIZE
+    per_fetch = _RESPONSE.size + HEADER_SIZE
+    return (handshake + rounds * (per_fetch + 4 * layout.length(partition))
+            + (rounds + 1) * (per_fetch + 4 * layout.length(peer)))
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with simulated_hosts(HOSTS) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, tmp_path_factory):
+    """The master on h1, one 4-core worker on each host; stopped before the hosts are."""
+    first = hosts.hosts[0]
+    started = time.monotonic()
+    with standalone_cluster(tmp_path_factory.mktemp("sim-hosts-cluster"), host=first.address, prefix=first.prefix,
+                            cores=PER_HOST, memory="1g", environment=python_environment(),
+                            worker_places=[(host.address, host.prefix) for host in hosts.hosts]) as running:
+        running.started_in = time.monotonic() - started
+        yield running
+
+
+@pytest.fixture(scope="module")
+def stage(cluster, tmp_path_factory):
+    """The driver's report of the barrier stage, run with spark-submit on h1."""
+    command = [str(SPARK_SUBMIT), "--master", cluster.url, "--properties-file", "conf/cluster/standalone.conf",
+               "--conf", f"spark.cores.max={PARTITIONS}", "--conf", f"spark.executor.cores={PER_HOST}",
+               "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
+               str(DRIVER), str(PARTITIONS), str(SIZE), str(ROUNDS), str(SEED)]
+    started = time.monotonic()
+    status, output = cluster.run(command, tmp_path_factory.mktemp("sim-hosts-stage") / "submit.log", timeout=240)
+    assert status == 0, f"spark-submit exited with {status}:\n{output[-6000:]}\n{cluster.logs()}"
+    lines = [line for line in output.splitlines() if line.startswith(MARKER)]
+    assert len(lines) == 1, output[-6000:]
+    report = json.loads(lines[0][len(MARKER):])
+    report["submit_seconds"] = time.monotonic() - started
+    return report
+
+
+def _hosts_by_namespace(hosts) -> dict[str, object]:
+    return {host.namespace: host for host in hosts.hosts}
+
+
+def test_sixteen_partitions_on_four_hosts_get_the_exact_float32_sums(stage, hosts):
+    tasks = stage["tasks"]
+    assert sorted(task["partition"] for task in tasks) == list(range(PARTITIONS))
+    expected = [digest(weights) for weights in expected_weights(PARTITIONS, SIZE, ROUNDS, SEED)]
+    wrong = {task["partition"]: task["seen"] for task in tasks if task["seen"] != expected}
+    assert not wrong, f"get_weights differed from numpy's float32 sums on partitions {sorted(wrong)}"
+    # four tasks on each simulated host: in its namespace, on its executor, serving on its address
+    by_namespace = _hosts_by_namespace(hosts)
+    placed = collections.Counter(by_namespace[task["namespace"]].name for task in tasks)
+    assert placed == {host.name: PER_HOST for host in hosts.hosts}, placed
+    for task in tasks:
+        host = by_namespace[task["namespace"]]
+        assert task["executor"].rsplit(":", 1)[0] == host.address, (task["executor"], host)
+        assert task["census"]["server"][0] == host.address, (task["census"]["server"], host)
+    assert stage["driver_namespace"] == hosts.hosts[0].namespace and stage["driver_host"] == hosts.hosts[0].address
+    assert len({task["pid"] for task in tasks}) == PARTITIONS  # one process per task
+
+
+def _table(stage, hosts) -> str:
+    by_namespace = _hosts_by_namespace(hosts)
+    rows = []
+    for task in sorted(stage["tasks"], key=lambda task: task["partition"]):
+        c = task["census"]
+        engine = c["engine_threads"]
+        added = c["kernel_threads"] - c["before"]["kernel_threads"]
+        threads = f"{engine['accept']}+{engine['serve']}+{engine['fetch']}+{engine['control']}"
+        rows.append(f"{by_namespace[task['namespace']].name:>4} {task['partition']:>4} {task['pid']:>7} "
+                    f"{c['kernel_threads']:>7} {added:>6}  {threads:>15}  {len(c['tcp']['out']):>7} "
+                    f"{len(c['tcp']['in']):>6} {len(c['unix']['out']):>8} {c['unix']['in']:>7}  "
+                    f"{len(c['tcp']['other']):>9}")
+    received = sorted({entry["received"] for task in stage["tasks"] for entry in task["census"]["tcp"]["out"]})
+    layout = SliceLayout(SIZE, PARTITIONS)
+    handshake = len(MAGIC) + NONCE_SIZE + 1 + MAC_SIZE
+    fetch = _RESPONSE.size + HEADER_SIZE + 4 * layout.length(0)
+    tcp = sum(len(task["census"]["tcp"]["out"]) for task in stage["tasks"])
+    unix = sum(len(task["census"]["unix"]["out"]) for task in stage["tasks"])
+    head = "host part     pid threads  added  acc+srv+fch+ctl  tcp-out tcp-in unix-out unix-in  other-tcp\n"
+    return (f"\n{HOSTS} hosts x {PER_HOST} partitions, {SIZE} float32, {ROUNDS} steps; cluster up in "
+            f"{stage['cluster_seconds']:.1f} s, spark-submit {stage['submit_seconds']:.1f} s "
+            f"(barrier stage {stage['stage_seconds']:.1f} s)\n"
+            "threads: the task process's (/proc/self/task) before close; added: since before connect();\n"
+            "acc+srv+fch+ctl: the engine's accept, serve, fetch and control threads; other-tcp: PySpark's own\n"
+            + head + "\n".join(rows)
+            + f"\nin all: {tcp} TCP connections across hosts, {unix} Unix connections within hosts\n"
+            f"bytes each cross-host connection received: {', '.join(map(str, received))} (the wire format's: "
+            f"{handshake} handshake + {2 * ROUNDS + 1} fetches x {fetch}, {ROUNDS} chunks and {ROUNDS + 1} slices)\n")
+
+
+def test_connections_and_threads_per_process_are_the_flat_designs(stage, hosts, cluster, capsys):
+    stage["cluster_seconds"] = cluster.started_in
+    table = _table(stage, hosts)
+    with capsys.disabled():
+        print(table)
+    design = flat_design(PARTITIONS, PER_HOST)
+    by_namespace = _hosts_by_namespace(hosts)
+    host_of = {task["partition"]: by_namespace[task["namespace"]] for task in stage["tasks"]}
+    layout = SliceLayout(SIZE, PARTITIONS)
+    for task in stage["tasks"]:
+        i, c = task["partition"], task["census"]
+        here = host_of[i]
+        elsewhere = {j for j, host in host_of.items() if host != here}
+        beside = {j for j, host in host_of.items() if host == here and j != i}
+        where = f"partition {i} on {here.name}: {json.dumps(c)}\n{table}"
+        # TCP out: one to each partition on another host, from this host's address
+        outgoing = c["tcp"]["out"]
+        assert len(outgoing) == design["tcp_out"], where
+        assert {entry["peer"] for entry in outgoing} == elsewhere, where
+        assert all(entry["local"] == here.address and entry["remote"] == host_of[entry["peer"]].address
+                   for entry in outgoing), where
+        # and each carried exactly what the wire format says: the handshake, the steps' blocks
+        for entry in outgoing:
+            assert entry["received"] == connection_bytes(layout, i, entry["peer"], ROUNDS), where
+        # TCP in: one from each partition on another host (L from each other host's address)
+        incoming = collections.Counter(entry["remote"] for entry in c["tcp"]["in"])
+        assert sum(incoming.values()) == design["tcp_in"], where
+        assert incoming == {host.address: PER_HOST for host in hosts.hosts if host != here}, where
+        # Unix: one out to each partition on this host, as many in; the server listens on both
+        assert sorted(c["unix"]["out"]) == sorted(beside) and len(beside) == design["unix_out"], where
+        assert c["unix"]["in"] == design["unix_in"] and c["unix"]["listening"] == 1, where
+        assert c["tcp"]["listening"] == [f"{here.address}:{c['server'][1]}"], where
+        assert task["remote_peers"] == design["tcp_out"], where
+        # threads: exactly the engine's, and nothing else, came with connect()
+        engine = c["engine_threads"]
+        assert (engine["accept"], engine["serve"], engine["control"]) == \
+            (design["accept"], design["serve"], design["control"]), where
+        assert design["fetch"][0] <= engine["fetch"] <= design["fetch"][1], where
+        added = sum(engine.values())
+        assert design["threads"][0] <= added <= design["threads"][1], where
+        assert c["kernel_threads"] - c["before"]["kernel_threads"] == added, where
+        assert c["python_threads"] - c["before"]["python_threads"] == added, where
+        # and went with close()
+        assert task["after"] == c["before"], f"partition {i}: threads before connect {c['before']}, after close " \
+                                             f"{task['after']}"
+    assert sum(len(task["census"]["tcp"]["out"]) for task in stage["tasks"]) == design["tcp_connections"] \
+        == sum(len(task["census"]["tcp"]["in"]) for task in stage["tasks"])
+    assert sum(len(task["census"]["unix"]["out"]) for task in stage["tasks"]) == design["unix_connections"] \
+        == sum(task["census"]["unix"]["in"] for task in stage["tasks"])
