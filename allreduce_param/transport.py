@@ -41,6 +41,7 @@ from .errors import (
 )
 from .network import (
     DEFAULT_CONNECT_TIMEOUT,
+    HELLO_REFUSED,
     MAGIC,
     AuthenticatedServer,
     Proven,
@@ -68,7 +69,7 @@ STATUS_OK = 0
 STATUS_TIMEOUT = 1
 STATUS_STALE = 2
 STATUS_CLOSING = 3
-STATUS_REFUSED = 4
+STATUS_REFUSED = HELLO_REFUSED  # the handshake's refusal (network.py): one status byte, nothing after
 STATUS_SHARED = 5  # the block lies in shared segments: where follows (and, once each, their fds)
 
 #: After STATUS_SHARED: the header's segment id, offset and length, the payload's segment id
