@@ -58,7 +58,6 @@ SPARK_SETTINGS = {
 #: Per host, these environment variables (set in each machine's spark-env.sh, or a pod's
 #: environment) win over the settings: where a host's address is its own.
 ENVIRONMENT = {"bind_address": "ALLREDUCE_BIND_ADDRESS", "advertise_address": "ALLREDUCE_ADVERTISE_ADDRESS"}
-_WILDCARDS = ("0.0.0.0", "::", "")
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _TAKEN = (errno.EADDRINUSE, errno.EACCES)  # a port another process holds, or one this user may not take
 
@@ -86,21 +85,35 @@ def parse_port_range(value, where: str = "port_range") -> tuple[int, int] | None
     return first, last
 
 
-def _check_address(value, where: str) -> str | None:
+def _check_address(value, where: str, bind: bool = False) -> str | None:
+    """``value`` as an address to bind (``bind``) or to tell the others; None when unset."""
     if value is None or value == "":
         return None
     if not isinstance(value, str) or any(c.isspace() for c in value) or value.count(":") == 1:
         raise ConfigurationError(f"{where}={value!r}: give a host name or an IP address, without a port "
                                  "(ports come from port_range)")
+    if bind and is_wildcard(value):
+        raise ConfigurationError(
+            f"{where}={value!r}: the engine's servers listen on one address of their host, never on every "
+            f"interface: give one of its addresses (where hosts differ, {ENVIRONMENT['bind_address']} on each), "
+            "or leave it unset for the address Spark names for each process")
     return value
+
+
+def is_wildcard(address: str) -> bool:
+    """Whether binding ``address`` would listen on every interface (0.0.0.0, ::)."""
+    try:
+        return ipaddress.ip_address(address).is_unspecified
+    except ValueError:  # a host name
+        return False
 
 
 @dataclass(frozen=True)
 class NetworkSettings:
     """Where the engine's servers listen, and how long a connection may take.
 
-    ``bind_address``: the address servers listen on (``"0.0.0.0"``: every interface);
-    ``advertise_address``: the one the others connect to. Unset, each server uses the
+    ``bind_address``: the address servers listen on (one of the host's: never every
+    interface); ``advertise_address``: the one the others connect to. Unset, each server uses the
     address Spark gives its process: a task's executor address, the driver's
     ``spark.driver.bindAddress`` / ``spark.driver.host``. The environment variables
     ``ENVIRONMENT`` names win on the host where they are set. ``port_range``: the ports
@@ -115,7 +128,7 @@ class NetworkSettings:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bind_address", _check_address(self.bind_address, "bind_address"))
+        object.__setattr__(self, "bind_address", _check_address(self.bind_address, "bind_address", bind=True))
         object.__setattr__(self, "advertise_address", _check_address(self.advertise_address, "advertise_address"))
         object.__setattr__(self, "port_range", parse_port_range(self.port_range))
         timeout = self.connect_timeout
@@ -169,12 +182,16 @@ class NetworkSettings:
     def addresses(self, default_bind: str, default_advertise: str | None = None) -> tuple[str, str]:
         """``(bind, advertise)`` for a server whose process Spark gives ``default_bind`` (and
         ``default_advertise`` for the others, when that differs): the host's environment
-        first, then these settings, then Spark's."""
-        bind = os.environ.get(ENVIRONMENT["bind_address"]) or self.bind_address or default_bind
+        first, then these settings, then Spark's. Where Spark's bind address is every
+        interface (``spark.driver.bindAddress=0.0.0.0``), the server binds the address Spark
+        tells the others instead."""
+        if is_wildcard(default_bind) and default_advertise:
+            default_bind = default_advertise
+        bind = _check_address(os.environ.get(ENVIRONMENT["bind_address"]), ENVIRONMENT["bind_address"], bind=True) \
+            or self.bind_address or default_bind
         advertise = os.environ.get(ENVIRONMENT["advertise_address"]) or self.advertise_address
-        if not advertise:
-            specific = bind not in _WILDCARDS and bind != default_bind
-            advertise = bind if specific else (default_advertise or default_bind)
+        if not advertise:  # a bind address of its own is told as itself; Spark's, as Spark tells it
+            advertise = bind if bind != default_bind else (default_advertise or default_bind)
         spark_names = default_advertise or default_bind
         if is_loopback(advertise) and not is_loopback(spark_names):
             log.warning("the engine's server here is told to others as %s, a loopback address, while Spark names "
@@ -233,7 +250,7 @@ def listen(host: str, ports: tuple[int, int] | None, backlog: int, what: str) ->
         f"{what} cannot listen on {host}{'' if ports is None else f' in ports {ports[0]}-{ports[1]}'} "
         f"({last_error}): is {host} an address of this host? Set bind_address (the Spark setting "
         f"{SPARK_SETTINGS['bind_address']}, or {ENVIRONMENT['bind_address']} on that host) to one of its "
-        "addresses, or to 0.0.0.0 for all") from last_error
+        "addresses") from last_error
 
 
 def unix_sockets_available() -> bool:
@@ -345,6 +362,7 @@ class AuthenticatedServer:
         self._what = what
         self._timeout = timeout
         self._thread_name = thread_name
+        _check_address(bind, f"{what}'s bind address", bind=True)  # whoever chose it: never every interface
         backlog = max(16, 2 * partition_num)
         listener = _listen_exactly(bind, port, backlog, what) if port else listen(bind, ports, backlog, what)
         self._listeners = [listener]

@@ -71,9 +71,9 @@ class AllReduceParameter:
     the weights and ``allreduce``), such as ``"topk"``, which only gradients can take.
 
     Networking (``network.NetworkSettings``): ``bind_address`` is where each partition's
-    block server listens (default: its executor's address as Spark names it;
-    ``"0.0.0.0"``: every interface), ``advertise_address`` the address its peers are told,
-    ``port_range`` the ports it may take (``"40000-40099"``; default any free one), and
+    block server listens (one address of its host, never every interface; default: its
+    executor's address as Spark names it), ``advertise_address`` the address its peers are
+    told, ``port_range`` the ports it may take (``"40000-40099"``; default any free one), and
     ``connect_timeout`` how long a connection and its handshake may take. Those left unset
     come from the Spark settings ``spark.allreduce.bindAddress``, ``...advertiseAddress``,
     ``...portRange`` and ``...connectTimeout`` of the driver's active session, when made

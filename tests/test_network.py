@@ -15,6 +15,8 @@ import pytest
 from allreduce_param import AllReduceParameter, ConfigurationError, NetworkError, NetworkSettings
 from allreduce_param.messages import MessageServer
 from allreduce_param.network import ENVIRONMENT, listen
+from allreduce_param.store import BlockStore
+from allreduce_param.transport import BlockServer
 from conftest import raise_first, run_partitions
 
 
@@ -59,7 +61,7 @@ def test_bad_addresses_and_timeouts_are_named(field, value, message):
 
 def test_arguments_win_over_spark_settings_and_a_bad_spark_setting_is_named_by_its_key():
     spark = {"spark.allreduce.portRange": "40000-40009", "spark.allreduce.connectTimeout": "4",
-             "spark.allreduce.bindAddress": "0.0.0.0"}
+             "spark.allreduce.bindAddress": "10.1.2.3"}
     settings = NetworkSettings.of({"bind_address": "127.0.0.1", "port_range": None}, spark.get)
     assert settings == NetworkSettings("127.0.0.1", None, (40000, 40009), 4.0)
     with pytest.raises(ConfigurationError, match=r"spark.allreduce.portRange='9-1'"):
@@ -73,16 +75,35 @@ def test_addresses_come_from_the_environment_then_the_settings_then_spark(monkey
     for variable in ENVIRONMENT.values():
         monkeypatch.delenv(variable, raising=False)
     assert NetworkSettings().addresses("10.0.0.5") == ("10.0.0.5", "10.0.0.5")
-    # every interface: the others are told Spark's address
-    assert NetworkSettings(bind_address="0.0.0.0").addresses("10.0.0.5") == ("0.0.0.0", "10.0.0.5")
     # one address of its own: the others are told that one
     assert NetworkSettings(bind_address="192.0.2.1").addresses("10.0.0.5") == ("192.0.2.1", "192.0.2.1")
-    assert NetworkSettings("0.0.0.0", "203.0.113.9").addresses("10.0.0.5") == ("0.0.0.0", "203.0.113.9")
+    assert NetworkSettings("10.0.0.6", "203.0.113.9").addresses("10.0.0.5") == ("10.0.0.6", "203.0.113.9")
     # the driver: Spark's bind address and host differ
-    assert NetworkSettings().addresses("0.0.0.0", "10.0.0.2") == ("0.0.0.0", "10.0.0.2")
-    monkeypatch.setenv(ENVIRONMENT["bind_address"], "0.0.0.0")
+    assert NetworkSettings().addresses("10.0.0.3", "10.0.0.2") == ("10.0.0.3", "10.0.0.2")
+    # spark.driver.bindAddress=0.0.0.0: the driver's server binds the address Spark tells the others
+    assert NetworkSettings().addresses("0.0.0.0", "10.0.0.2") == ("10.0.0.2", "10.0.0.2")
+    monkeypatch.setenv(ENVIRONMENT["bind_address"], "10.0.0.7")
     monkeypatch.setenv(ENVIRONMENT["advertise_address"], "10.9.9.9")
-    assert NetworkSettings(bind_address="127.0.0.1").addresses("10.0.0.5") == ("0.0.0.0", "10.9.9.9")
+    assert NetworkSettings(bind_address="127.0.0.1").addresses("10.0.0.5") == ("10.0.0.7", "10.9.9.9")
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::"])
+def test_no_server_binds_every_interface(monkeypatch, wildcard):
+    for variable in ENVIRONMENT.values():
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(ConfigurationError, match=rf"bind_address='{wildcard}': the engine's servers listen on one "
+                                                 r"address of their host, never on every interface"):
+        NetworkSettings(bind_address=wildcard)
+    with pytest.raises(ConfigurationError, match=rf"spark.allreduce.bindAddress='{wildcard}': .*never on every"):
+        NetworkSettings.of({}, {"spark.allreduce.bindAddress": wildcard}.get)
+    monkeypatch.setenv(ENVIRONMENT["bind_address"], wildcard)
+    with pytest.raises(ConfigurationError, match=rf"ALLREDUCE_BIND_ADDRESS='{wildcard}': .*never on every"):
+        NetworkSettings().addresses("10.0.0.5")
+    # and whoever chose it, no server listens there
+    with pytest.raises(ConfigurationError, match=r"partition 0's block server's bind address='.*never on every"):
+        BlockServer(BlockStore(), b"s" * 32, param_id=1, partition_id=0, host=wildcard)
+    with pytest.raises(ConfigurationError, match=r"the driver's message server's bind address='.*never on every"):
+        MessageServer(wildcard, lambda message, reply: None)
 
 
 def test_a_loopback_address_told_to_others_where_spark_names_another_is_warned_of(monkeypatch, caplog):
@@ -90,7 +111,7 @@ def test_a_loopback_address_told_to_others_where_spark_names_another_is_warned_o
         monkeypatch.delenv(variable, raising=False)
     with caplog.at_level(logging.WARNING, logger="allreduce_param.network"):
         NetworkSettings().addresses("127.0.0.1")  # one machine: loopback everywhere, nothing to say
-        NetworkSettings(bind_address="0.0.0.0").addresses("10.0.0.5")
+        NetworkSettings(bind_address="10.0.0.6").addresses("10.0.0.5")
         assert caplog.text == ""
         monkeypatch.setenv(ENVIRONMENT["bind_address"], "127.0.0.1")
         assert NetworkSettings().addresses("10.0.0.5") == ("127.0.0.1", "127.0.0.1")
@@ -134,9 +155,9 @@ def test_partitions_serve_in_the_port_range_and_sync_exactly():
     assert all(np.array_equal(total, np.full(total.size, 2.0, np.float32)) for _, total in results)  # (1+2+3)/3
 
 
-def test_partitions_bound_to_every_interface_are_reached_at_the_advertised_address():
-    param = AllReduceParameter(2, 100, codec="raw", unix_sockets=False, bind_address="0.0.0.0",
-                               advertise_address="127.0.0.1")
+def test_partitions_are_reached_at_the_advertised_address_apart_from_the_bound_one():
+    param = AllReduceParameter(2, 100, codec="raw", unix_sockets=False, bind_address="127.0.0.1",
+                               advertise_address="localhost")
 
     def body(p):
         p.init(np.zeros(100))
@@ -145,7 +166,7 @@ def test_partitions_bound_to_every_interface_are_reached_at_the_advertised_addre
         return server.address[0], server.advertised_address[0], p.aggregate_gradient_partition().sum()
 
     results = raise_first(run_partitions(param, body))
-    assert [result[:2] for result in results] == [("0.0.0.0", "127.0.0.1")] * 2
+    assert [result[:2] for result in results] == [("127.0.0.1", "localhost")] * 2
     assert sum(result[2] for result in results) == 100.0  # the mean of ones, over both slices
 
 
@@ -160,10 +181,10 @@ def test_a_partition_with_no_free_port_fails_naming_the_range():
 def test_the_drivers_message_server_listens_in_the_range_and_advertises_its_address():
     first, last = free_ports(2)
     got, arrived = [], threading.Event()
-    server = MessageServer("0.0.0.0", lambda message, reply: (got.append(message), arrived.set()),
-                           advertise="127.0.0.1", ports=(first, last))
+    server = MessageServer("127.0.0.1", lambda message, reply: (got.append(message), arrived.set()),
+                           advertise="localhost", ports=(first, last))
     try:
-        assert server.bound_address[0] == "0.0.0.0" and server.address[0] == "127.0.0.1"
+        assert server.bound_address[0] == "127.0.0.1" and server.address[0] == "localhost"
         assert first <= server.address[1] <= last
         client = server.client()
         client.send({"kind": "hello"})

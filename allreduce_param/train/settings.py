@@ -77,11 +77,12 @@ class FitSettings:
                                            "True, False or 'auto'")
     bind_address: str | None = _setting(
         None, "where the workers' block servers and the driver's message server listen (None: the Spark setting "
-              "spark.allreduce.bindAddress, else the address Spark gives each process; 0.0.0.0: every interface)",
+              "spark.allreduce.bindAddress, else the address Spark gives each process; one address, never every "
+              "interface)",
         kind="String")
     advertise_address: str | None = _setting(
         None, "the address the others are told to connect to (None: spark.allreduce.advertiseAddress, else the "
-              "bind address, or Spark's when binding every interface)", kind="String")
+              "bind address when set, else Spark's)", kind="String")
     port_range: str | None = _setting(
         None, "the ports those servers may take, 'FIRST-LAST' (None: spark.allreduce.portRange, else any free "
               "port); allow one per task on each executor, and one for the driver", kind="String")
