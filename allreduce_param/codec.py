@@ -907,6 +907,34 @@ class Codec:
         reusing ``block`` or ``scratch``. ``payload``: where the payload lies when apart from
         the header (a block published in place); ``block`` is then the header alone.
         """
+        header, payload = self._checked(block, length, what, expect, checksum, payload)
+        nbytes = self._format.stream_size(length)
+        uncompressed = not self.compressed or header.stored_raw
+        if uncompressed:
+            direct = self._format.view(payload, length)
+            if direct is not None:
+                return header, direct
+        result = self._result(length, scratch)
+        if uncompressed:
+            try:
+                self._format.unpack(0, payload, result)
+            except CorruptBlockError as exc:  # the format's own check of its stream (topk's indices)
+                raise CorruptBlockError(f"{what}: {exc}") from None
+        else:
+            _lz4_unpack(
+                payload, nbytes, lambda pos, piece: self._format.unpack(pos, piece, result), what
+            )
+        return header, result
+
+    def verify(self, block: BytesLike, length: int, what: str = "block",
+               expect: BlockIds | None = None) -> BlockHeader:
+        """Every check ``decode`` makes, the checksum included, without decoding: for a
+        block passed on as it is (a leader relaying it to its host)."""
+        return self._checked(block, length, what, expect, True, None)[0]
+
+    def _checked(self, block: BytesLike, length: int, what: str, expect: BlockIds | None, checksum: bool,
+                 payload: BytesLike | None) -> tuple[BlockHeader, memoryview]:
+        """The header and payload of a block that passed ``decode``'s checks."""
         view = _bytes_view(block)
         header = parse_header(view, what)
         if expect is not None and tuple(header.ids) != tuple(expect):
@@ -950,22 +978,7 @@ class Codec:
                 f"{what}: checksum mismatch (header {header.checksum:#018x}, bytes hash to "
                 f"{actual:#018x}): the block was damaged in memory or on the wire"
             )
-        uncompressed = not self.compressed or header.stored_raw
-        if uncompressed:
-            direct = self._format.view(payload, length)
-            if direct is not None:
-                return header, direct
-        result = self._result(length, scratch)
-        if uncompressed:
-            try:
-                self._format.unpack(0, payload, result)
-            except CorruptBlockError as exc:  # the format's own check of its stream (topk's indices)
-                raise CorruptBlockError(f"{what}: {exc}") from None
-        else:
-            _lz4_unpack(
-                payload, nbytes, lambda pos, piece: self._format.unpack(pos, piece, result), what
-            )
-        return header, result
+        return header, payload
 
     @staticmethod
     def unchanged(block: BytesLike, header: BlockHeader) -> bool:

@@ -192,3 +192,68 @@ class TensorLayout:
     def _require(self, name: str) -> None:
         if name not in self._shapes:
             raise KeyError(f"no tensor named {name!r}; the layout has {list(self._shapes)}")
+
+
+class HostLayout:
+    """Which partitions share a host, and in what order everything is summed.
+
+    ``scopes[i]`` is where partition ``i`` lives (its machine and network namespace, the
+    ``local_scope`` its peers can reach it in over shared memory), or None when it shares
+    nothing with anyone. A *host* is the partitions of one scope, in partition order; its
+    *leader* is its first partition; hosts are in the order of their leaders.
+
+    The sum of one value over all partitions is, in fp32: on each host, its partitions'
+    values added in partition order (the host sum); then the host sums added in host
+    order. Flat and hierarchical sync both sum this way, so they give the same bits
+    whatever the topology; on one host it is plain partition order.
+    """
+
+    def __init__(self, scopes: list) -> None:
+        groups: dict = {}
+        for partition, scope in enumerate(scopes):
+            groups.setdefault(partition if scope is None else ("scope", scope), []).append(partition)
+        self.hosts: tuple[tuple[int, ...], ...] = tuple(sorted(tuple(g) for g in groups.values()))
+        self.partition_num = len(scopes)
+        self._host_of = [0] * self.partition_num
+        for index, members in enumerate(self.hosts):
+            for partition in members:
+                self._host_of[partition] = index
+
+    def host(self, partition: int) -> tuple[int, ...]:
+        """The partitions on ``partition``'s host, its own included, in partition order."""
+        return self.hosts[self._host_of[partition]]
+
+    def leader(self, partition: int) -> int:
+        """The partition that exchanges for ``partition``'s host: its first."""
+        return self.host(partition)[0]
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """Every host's leader, in host order."""
+        return tuple(members[0] for members in self.hosts)
+
+    def grouped(self, partitions) -> list[tuple[int, ...]]:
+        """``partitions`` (any of them) by host, in the summing order: hosts in host order,
+        each its partitions in partition order; hosts none of them is on are left out."""
+        wanted = set(partitions)
+        groups = [tuple(p for p in members if p in wanted) for members in self.hosts]
+        return [group for group in groups if group]
+
+    @property
+    def nested(self) -> bool:
+        """Whether a hierarchy changes anything: several hosts, one of them with several
+        partitions. Otherwise every partition is its host's leader, or there is one host."""
+        return len(self.hosts) > 1 and any(len(members) > 1 for members in self.hosts)
+
+    def neighbours(self, partition: int, hierarchical: bool) -> tuple[int, ...]:
+        """The partitions ``partition`` exchanges blocks with: every other one when flat;
+        hierarchical, those on its host, and a leader also the other hosts' leaders."""
+        if not hierarchical:
+            return tuple(p for p in range(self.partition_num) if p != partition)
+        near = [p for p in self.host(partition) if p != partition]
+        if self.leader(partition) == partition:
+            near += [leader for leader in self.leaders if leader != partition]
+        return tuple(sorted(near))
+
+    def __repr__(self) -> str:
+        return f"HostLayout({[list(members) for members in self.hosts]})"

@@ -45,6 +45,9 @@ from .vectors import float32_vector, writable_output
 
 _next_param_id = itertools.count()
 
+#: How partitions on several hosts exchange (``AllReduceParameter(topology=...)``).
+TOPOLOGIES = ("auto", "hierarchical", "flat")
+
 
 class _Put(NamedTuple):
     """One put of a gradient, once checked: what its chunks are published with."""
@@ -69,6 +72,14 @@ class AllReduceParameter:
     ``strategy`` says how the partitions synchronise (``Strategy``; default BSP).
     ``gradient_codec``: another codec for the gradients than ``codec`` (which then carries
     the weights and ``allreduce``), such as ``"topk"``, which only gradients can take.
+
+    ``topology``: ``"hierarchical"`` (the default, ``"auto"``, where it changes anything:
+    BSP, several hosts, one of them with several partitions) has each host's partitions
+    sum through shared memory and only one partition per host, its leader, exchange with
+    the other hosts' leaders, so connections and the bytes on each host's link grow with
+    the hosts, not the partitions; ``"flat"`` has every partition exchange with every
+    other. Both sum in the same order (``layout.HostLayout``), so a lossless codec gives
+    the same bits either way; a lossy one rounds each host sum once more.
 
     Networking (``network.NetworkSettings``): ``bind_address`` is where each partition's
     block server listens (one address of its host, never every interface; default: its
@@ -99,6 +110,7 @@ class AllReduceParameter:
         advertise_address: str | None = None,
         port_range: str | tuple[int, int] | None = None,
         connect_timeout: float | None = None,
+        topology: Literal["auto", "hierarchical", "flat"] = "auto",
     ) -> None:
         self.network = NetworkSettings.from_active_spark(dict(
             bind_address=bind_address, advertise_address=advertise_address, port_range=port_range,
@@ -106,6 +118,14 @@ class AllReduceParameter:
         self.layout = SliceLayout(size, partition_num)
         self.strategy = strategy or Strategy()
         self.strategy.check_partitions(partition_num)
+        if topology not in TOPOLOGIES:
+            raise ConfigurationError(f"topology={topology!r}: choose one of {', '.join(map(repr, TOPOLOGIES))}")
+        if topology == "hierarchical" and not self.strategy.inline_owner:
+            raise ConfigurationError(
+                f"topology='hierarchical' is for plain BSP: under {self.strategy.name!r}"
+                f"{' with backup workers' if self.strategy.backup_workers else ''} each owner takes the "
+                "partitions' gradients as they come, which a host sum would hold back; leave topology='auto'")
+        self.topology = topology
         # an unknown codec fails here, on the driver, not in every task
         self.codec, self.gradient_codec = codec_names(codec, gradient_codec)
         if not timeout > 0:
@@ -218,8 +238,29 @@ class ConnectedParameter:
     @property
     def remote_peers(self) -> int:
         """How many peers this partition reaches over TCP (on other hosts, or with
-        ``unix_sockets=False``); the others share its host and are reached over Unix sockets."""
+        ``unix_sockets=False``); the others share its host and are reached over Unix sockets.
+        Hierarchical, only a leader reaches any: the other hosts' leaders."""
         return self._peers.remote_peers
+
+    @property
+    def hosts(self) -> tuple[tuple[int, ...], ...]:
+        """The partitions of each host (one scope: machine and network namespace), in the
+        order sums are taken; a partition that shares nothing (Unix sockets off) is alone."""
+        return self._peers.hosts.hosts
+
+    @property
+    def connections(self) -> dict[str, list[int]]:
+        """The peers this partition holds a connection to now, by channel: ``"fetch"`` (the
+        steps'), ``"control"`` (signals, step choices), ``"owner"`` (a background owner's).
+        A connection is made at its first use: flat, a step connects to every peer;
+        hierarchical, to this host's partitions and, a leader, to the other leaders."""
+        return self._peers.connections()
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether this sync is hierarchical: hosts sum within themselves and their leaders
+        exchange (see ``AllReduceParameter``'s ``topology``)."""
+        return self._peers.hierarchical
 
     @property
     def _closed(self) -> bool:
@@ -376,7 +417,7 @@ class ConnectedParameter:
         the handle, as a failed put would.
         """
         put = self._start_put(gradients, count, residual, "stream_gradients")
-        if self.strategy.inline_owner:  # the peers' chunks of the own slice: fetch as they come
+        if self.strategy.inline_owner and not self.hierarchical:  # the peers' chunks of the own slice: fetch as they come
             peers = [j for j in range(self.partition_num) if j != self.partition_id]
             self._prefetched = self._moves.fetch_own_chunks(BlockKind.GRADIENT, put.version, self.layout, peers)
 
@@ -428,7 +469,7 @@ class ConnectedParameter:
         self._versions[BlockKind.GRADIENT] = version
         # BSP with an exact codec: the own chunk is summed straight from the caller's vector
         codec = self._moves.codecs[BlockKind.GRADIENT]
-        keep_own = self.strategy.inline_owner and not codec.lossy
+        keep_own = self.strategy.inline_owner and not codec.lossy and not self.hierarchical  # a leader reads it
         self._own_gradient = (vector[self.layout.bounds(self.partition_id)], float(count)) if keep_own else None
         handed = self._handed is not None and vector.ctypes.data == self._handed[0].ctypes.data
         in_place = handed and self.strategy.inline_owner and codec.publishes_in_place and residual is None

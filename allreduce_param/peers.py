@@ -9,8 +9,12 @@ A ``PeerGroup`` is what a partition needs to reach the others, made once per ``c
   (``(host, port)``, plus a Unix socket name and the kernel scope it lives in; a peer in
   the same scope, i.e. this machine and network namespace, is reached over the Unix
   socket, and its blocks in shared memory are read in place);
+- the hosts (``layout.HostLayout``): which partitions share this one's scope, and whether
+  the sync is hierarchical (each host's leader exchanges with the other leaders for its
+  host) or flat (every partition with every other);
 - ``Channel``\\ s: each thread that fetches (the worker, a background owner, the control
-  blocks) has connections and fetch threads of its own;
+  blocks) has connections and fetch threads of its own; a connection is made at its first
+  use, so a hierarchical partition connects only to its host and, a leader, to the leaders;
 - the end: ``close`` (say done, wait until every peer is, stop), ``fail`` (answer every
   peer with the reason for a short while, then stop), ``shutdown`` (stop at once).
 
@@ -22,16 +26,17 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import numpy as np
 
 from .codec import get_codec
 from .errors import AllReduceError, AuthenticationError
+from .layout import HostLayout
 from .rendezvous import Rendezvous
 from .shm import SharedArenas, shared_memory_available
 from .store import BlockStore
-from .transport import BlockServer, PeerClient, local_scope, parse_address
+from .transport import BlockServer, PeerClient, parse_address
 
 if TYPE_CHECKING:
     from .parameter import AllReduceParameter
@@ -55,26 +60,28 @@ class Channel:
     memory) until the channel fetches the same source's next one.
     """
 
-    def __init__(self, clients: dict[int, PeerClient], threads: int, name: str) -> None:
+    def __init__(self, clients: dict[int, PeerClient], threads: int, name: str, role: str = "fetch") -> None:
         self.clients = clients
+        self.role = role
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) if threads else None
         self.reader = object()  # who reads the own store through this channel (for its holds)
         self.aborted = False  # abort() was called: a fetch failing now says nothing of the peer
-        self._receive: dict[int, bytearray] = {}
-        self._scratch: dict[int, np.ndarray] = {}
+        self._receive: dict[Hashable, bytearray] = {}
+        self._scratch: dict[Hashable, np.ndarray] = {}
 
-    def receive_buffer(self, source: int, nbytes: int) -> memoryview:
-        """Where ``source``'s blocks land: reused, replaced by a larger one when too small."""
-        buffer = self._receive.get(source)
+    def receive_buffer(self, landing: Hashable, nbytes: int) -> memoryview:
+        """Where the blocks of ``landing`` (a source, or a source and destination) land:
+        reused, replaced by a larger one when too small."""
+        buffer = self._receive.get(landing)
         if buffer is None or len(buffer) < nbytes:
-            buffer = self._receive[source] = bytearray(nbytes)
+            buffer = self._receive[landing] = bytearray(nbytes)
         return memoryview(buffer)
 
-    def scratch(self, source: int, length: int) -> np.ndarray:
-        """Float32 room to decode ``source``'s lossy blocks into, reused across fetches."""
-        scratch = self._scratch.get(source)
+    def scratch(self, landing: Hashable, length: int) -> np.ndarray:
+        """Float32 room to decode the lossy blocks of ``landing`` into, reused across fetches."""
+        scratch = self._scratch.get(landing)
         if scratch is None or scratch.size < length:
-            scratch = self._scratch[source] = np.empty(length, dtype=np.float32)
+            scratch = self._scratch[landing] = np.empty(length, dtype=np.float32)
         return scratch
 
     def abort(self) -> None:
@@ -127,6 +134,10 @@ class PeerGroup:
             self._addresses = [parse_address(address) for address in
                                rendezvous.exchange(self._server.advertised_address)]
             self._check_fingerprints()
+            self.hosts = HostLayout([address.scope if address.local_name is not None and param.unix_sockets else None
+                                     for address in self._addresses])
+            #: each host's leader exchanges for it; the others only within their host
+            self.hierarchical = param.topology != "flat" and strategy.inline_owner and self.hosts.nested
             peers = self.partition_num - 1
             self.worker = self.channel(min(param.fetch_threads or peers, peers), "fetch")
             # small blocks (choices, signals) on connections of their own, made at first use:
@@ -157,29 +168,50 @@ class PeerGroup:
             if peer == self.partition_id:
                 continue
             address = self._addresses[peer]
-            same_scope = address.local_name is not None and address.scope == local_scope()  # machine and namespace
+            # the same machine and network namespace as this partition's own server says it is in
+            same_scope = address.local_name is not None and address.scope == self._addresses[self.partition_id].scope
             clients[peer] = PeerClient(
                 (address.host, address.port), self._param.secret, self._param.param_id, self.partition_id, peer,
                 self.timeout,
                 local_name=address.local_name if same_scope else None,  # a Unix socket, and shared memory if on
                 handshake_timeout=self._param.network.connect_timeout,
             )
-        channel = Channel(clients, threads, f"allreduce-{role}-{self.partition_id}")
+        channel = Channel(clients, threads, f"allreduce-{role}-{self.partition_id}", role)
         self._channels.append(channel)
         return channel
 
-    def reads_in_place(self, channel: Channel, source: int) -> bool:
-        """Whether ``source``'s blocks are read where they lie: the own store, or a peer's
-        shared memory on this host. Such bytes never crossed a socket."""
-        if source == self.partition_id:
+    def reads_in_place(self, channel: Channel, server: int) -> bool:
+        """Whether the blocks ``server`` serves are read where they lie: the own store, or a
+        peer's shared memory on this host. Such bytes never crossed a socket."""
+        if server == self.partition_id:
             return True
-        return self.shared is not None and channel.clients[source].local_name is not None
+        return self.shared is not None and channel.clients[server].local_name is not None
+
+    def server_of(self, source: int) -> int:
+        """Who serves ``source``'s weight slices and host sums to this partition: ``source``
+        itself when flat or on this host; hierarchical, this host's leader for the others
+        (the leader itself reads them from its own store, where it relays them)."""
+        if not self.hierarchical or self.hosts.leader(source) == self.hosts.leader(self.partition_id):
+            return source
+        return self.hosts.leader(self.partition_id)
+
+    def connections(self) -> dict[str, list[int]]:
+        """The peers this partition holds a connection to now, by channel (``"fetch"``, the
+        worker's; ``"control"``; ``"owner"``): what its sync has needed so far."""
+        return {channel.role: sorted(peer for peer, client in channel.clients.items() if client.connected)
+                for channel in self._channels}
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this partition exchanges with the other hosts for its host (hierarchical)."""
+        return self.hierarchical and self.hosts.leader(self.partition_id) == self.partition_id
 
     @property
     def remote_peers(self) -> int:
         """How many peers are reached over TCP (on other hosts, or with Unix sockets off)
         rather than over a Unix socket on this host."""
-        return sum(client.local_name is None for client in self.worker.clients.values())
+        return sum(self.worker.clients[peer].local_name is None
+                   for peer in self.hosts.neighbours(self.partition_id, self.hierarchical))
 
     def room(self, nbytes: int) -> memoryview:
         """``nbytes`` of writable memory whose contents can be published where they lie: in
@@ -199,26 +231,39 @@ class PeerGroup:
             self._done_changed.notify_all()
 
     def close(self, join: Callable[[], None] = lambda: None) -> None:
-        """Finish cleanly: tell every peer we are done, wait until they are, then stop.
+        """Finish cleanly: tell the peers we are done, wait until they are, then stop.
 
         A partition that finishes first keeps serving its last blocks until every peer has
         said it fetched them (or the timeout passes), so no peer loses a block it needs.
-        ``join`` is as for ``shutdown``.
+        Hierarchical, "done" goes through the leaders: a leader waits for its host, then
+        tells the other leaders and waits for them, and only then tells its host; so no
+        partition stops serving before every partition anywhere is done fetching (the
+        control blocks, such as signals, still travel flat). ``join`` is as for ``shutdown``.
         """
         if self._closed:
             return
         try:
-            for client in self.peers.values():
-                try:
-                    client.done()
-                except AllReduceError as error:
-                    log.warning("partition %d: %s", self.partition_id, error)
-            if not self._wait_for_peers(self.timeout):
-                missing = sorted(set(self.peers) - self._done_peers)
-                log.warning("partition %d closed before partitions %s said they were done",
-                            self.partition_id, missing)
+            near = self.hosts.neighbours(self.partition_id, hierarchical=False)
+            far: tuple[int, ...] = ()
+            if self.hierarchical:
+                near = tuple(p for p in self.hosts.host(self.partition_id) if p != self.partition_id)
+                far = tuple(p for p in self.hosts.leaders if p != self.partition_id) if self.is_leader else ()
+            if far:
+                self._wait_for_peers(near)  # every partition of this host is done with us
+                self._say_done(far)
+                self._wait_for_peers(far)  # and every other host is
+            self._say_done(near)
+            if not far:
+                self._wait_for_peers(near)
         finally:
             self.shutdown(join)
+
+    def _say_done(self, partitions) -> None:
+        for partition in partitions:
+            try:
+                self.peers[partition].done()
+            except AllReduceError as error:
+                log.warning("partition %d: %s", self.partition_id, error)
 
     def fail(self, reason: str, join: Callable[[], None] = lambda: None) -> None:
         """Stop after an error, telling the peers why.
@@ -234,13 +279,21 @@ class PeerGroup:
         self.store.close(reason)
         for channel in self._channels:
             channel.abort()
-        self._wait_for_peers(min(self.timeout, self._param.network.failure_linger))
+        self._wait_for_peers(self.hosts.neighbours(self.partition_id, self.hierarchical),
+                             min(self.timeout, self._param.network.failure_linger))
         self.shutdown(join)
 
-    def _wait_for_peers(self, timeout: float) -> bool:
+    def _wait_for_peers(self, partitions, timeout: float | None = None) -> bool:
+        """Wait until each of ``partitions`` is done with us (at most ``timeout``, default the
+        parameter's); log those that are not."""
         with self._done_changed:
-            return self._done_changed.wait_for(lambda: len(self._done_peers) >= len(self.peers),
-                                               timeout=timeout)
+            done = self._done_changed.wait_for(lambda: self._done_peers.issuperset(partitions),
+                                               timeout=self.timeout if timeout is None else timeout)
+            missing = sorted(set(partitions) - self._done_peers)
+        if not done:
+            log.warning("partition %d stopped waiting for partitions %s to say they were done",
+                        self.partition_id, missing)
+        return done
 
     @property
     def closed(self) -> bool:

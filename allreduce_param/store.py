@@ -64,10 +64,16 @@ class BlockKind:
     CHOICE = 5  # backup workers: which partitions' gradients a step takes, for every owner
     SIGNAL = 6  # "I have done v" (a checkpoint written), for whoever waits for everyone's
     METADATA = 7  # allreduce_exact(): a partition's float64 values (counts, norms), for every partition
+    # hierarchical sync: a host's sum of its partitions' chunks for one owner, made by its leader
+    GRADIENT_HOST_SUM = 8
+    REDUCE_INPUT_HOST_SUM = 9
 
     NAMES = {WEIGHT: "weight", GRADIENT: "gradient", REDUCE_INPUT: "allreduce input",
              REDUCE_OUTPUT: "allreduce output", CHOICE: "step choice", SIGNAL: "signal",
-             METADATA: "metadata"}
+             METADATA: "metadata", GRADIENT_HOST_SUM: "host sum of gradients",
+             REDUCE_INPUT_HOST_SUM: "host sum of allreduce inputs"}
+    #: the kind a leader sums a host's blocks of each summed kind into
+    HOST_SUM = {GRADIENT: GRADIENT_HOST_SUM, REDUCE_INPUT: REDUCE_INPUT_HOST_SUM}
 
 
 class BlockKey(NamedTuple):

@@ -158,18 +158,19 @@ class Strategy:
         gradients = GRADIENT_BACKLOG if self.asynchronous else 1
         return {BlockKind.WEIGHT: 1, BlockKind.GRADIENT: gradients,
                 BlockKind.REDUCE_INPUT: 1, BlockKind.REDUCE_OUTPUT: 1, BlockKind.CHOICE: 1,
-                BlockKind.SIGNAL: 1,
+                BlockKind.SIGNAL: 1, BlockKind.GRADIENT_HOST_SUM: 1, BlockKind.REDUCE_INPUT_HOST_SUM: 1,
                 # all-gathered with no reduce between: a peer may still read v while we publish v+1
                 BlockKind.METADATA: 2}
 
     def read_before_next(self) -> frozenset[int]:
         """Kinds whose every reader is done with a version before the next is published, by
         the order of the calls: under plain BSP weights and gradients (a peer reads weights
-        t before its gradient t, which the owner sums before it publishes weights t+1), and
-        allreduce's blocks under every strategy (all partitions go through it together)."""
-        kinds = {BlockKind.REDUCE_INPUT, BlockKind.REDUCE_OUTPUT}
+        t before its gradient t, which the owner sums before it publishes weights t+1; a
+        leader's host sums and relays follow the same order), and allreduce's blocks under
+        every strategy (all partitions go through it together)."""
+        kinds = {BlockKind.REDUCE_INPUT, BlockKind.REDUCE_OUTPUT, BlockKind.REDUCE_INPUT_HOST_SUM}
         if self.inline_owner:
-            kinds |= {BlockKind.WEIGHT, BlockKind.GRADIENT}
+            kinds |= {BlockKind.WEIGHT, BlockKind.GRADIENT, BlockKind.GRADIENT_HOST_SUM}
         return frozenset(kinds)
 
     def waits_for_readers(self) -> frozenset[int]:

@@ -286,6 +286,11 @@ class PeerClient:
         self._aborted = False  # this partition is shutting down: no new connection
 
     @property
+    def connected(self) -> bool:
+        """Whether a connection to the peer is open now (one is made at the first use)."""
+        return self._sock is not None
+
+    @property
     def _peer_text(self) -> str:
         return f"partition {self.peer_partition} at {self.address[0]}:{self.address[1]}"
 

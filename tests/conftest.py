@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from allreduce_param import AllReduceParameter, LocalRendezvous
+from allreduce_param import AllReduceParameter, LocalRendezvous, Rendezvous
 from allreduce_param.session import java_problem, prepare_local_environment
 
 #: the job files (digits.toml, synthetic.toml)
@@ -42,18 +42,25 @@ def pytest_sessionstart(session):
         pytest.exit(problem, returncode=3)
 
 
-def run_partitions(param: AllReduceParameter, body: Callable, timeout: float = 120.0) -> list:
+def run_partitions(param: AllReduceParameter, body: Callable, timeout: float = 120.0,
+                   hosts: list[list[int]] | None = None) -> list:
     """Run ``body(p)`` on every partition of ``param``, one thread each; their results.
 
     ``p`` is the partition's connected handle, opened and closed here. Each result is the
-    body's return value, or the exception it raised (for tests of failures).
+    body's return value, or the exception it raised (for tests of failures). ``hosts``
+    places the partitions on hosts (lists of partition ids): the meeting tells each
+    partition the others' scopes as if each list were a machine of its own, so peers of
+    one list meet over Unix sockets and shared memory and the others over TCP on
+    127.0.0.1, as on several hosts (the real thing, namespaces, is ``test_sim_hosts``).
     """
     group = LocalRendezvous(param.partition_num)
     results: list = [None] * param.partition_num
+    scope_of = {p: f"test-host-{index}" for index, members in enumerate(hosts or []) for p in members}
 
     def partition(partition_id: int) -> None:
+        member = group.member(partition_id)
         try:
-            with param.connect(group.member(partition_id)) as p:
+            with param.connect(_Placed(member, scope_of) if hosts else member) as p:
                 results[partition_id] = body(p)
         except BaseException as error:  # the test inspects it
             results[partition_id] = error
@@ -65,6 +72,22 @@ def run_partitions(param: AllReduceParameter, body: Callable, timeout: float = 1
         thread.join(timeout)
         assert not thread.is_alive(), f"a partition is still running after {timeout} s"
     return results
+
+
+class _Placed(Rendezvous):
+    """A ``LocalRendezvous`` member whose meeting gives every partition the scope of the
+    host ``scope_of`` places it on (``run_partitions(hosts=...)``)."""
+
+    def __init__(self, member: Rendezvous, scope_of: dict[int, str]) -> None:
+        self._member, self._scope_of = member, scope_of
+        self.partition_id, self.partition_num = member.partition_id, member.partition_num
+
+    def bind_address(self):
+        return self._member.bind_address()
+
+    def exchange(self, address):
+        return [(*peer[:4], self._scope_of[index] if peer[3] else None)
+                for index, peer in enumerate(self._member.exchange(address))]
 
 
 def train_on_threads(job, parts: list) -> list:

@@ -1,15 +1,16 @@
 """The driver of test_sim_hosts, run by ``spark-submit`` on simulated host h1 (not a test
 module: pytest does not collect it).
 
-One barrier stage of PARTITIONS tasks, each using the driver's ``AllReduceParameter``
-(raw codec) directly: ``init`` with known weights, ROUNDS BSP steps of known gradients
+Two barrier stages of PARTITIONS tasks, flat then hierarchical, each task using the
+driver's ``AllReduceParameter`` (raw codec) directly: ``init`` with known weights, ROUNDS BSP steps of known gradients
 (``put_gradients``, ``aggregate_gradient_partition``, ``weight_partition -= mean``,
 ``send_weight_partition``), each preceded by a ``get_weights``, and one ``get_weights`` after
 the last. Every task reports what it saw (each ``get_weights``' bytes, as sha256), where it
 ran (its network namespace, executor address and server address), and a census of its own
 process taken after the last ``get_weights``, before ``close``: when every peer has
 connected to it and it to every peer, and none has hung up yet (a peer that is done waits
-for this one's ``done`` before it closes). It prints one line, ``RESULT = {json}``.
+for this one's ``done`` before it closes). It prints one line, ``RESULT = {json}``, with
+each stage's reports under ``"flat"`` and ``"hierarchical"``.
 
     spark-submit --master spark://... tests/sim_hosts_driver.py PARTITIONS SIZE ROUNDS SEED
 """
@@ -46,16 +47,25 @@ def gradient(size: int, seed: int, step: int, partition: int) -> tuple[np.ndarra
     return values, float(partition + 1)
 
 
-def expected_weights(partitions: int, size: int, rounds: int, seed: int) -> list[np.ndarray]:
+def expected_weights(partitions: int, size: int, rounds: int, seed: int,
+                     hosts: list[list[int]]) -> list[np.ndarray]:
     """What every ``get_weights`` must give, round by round (ROUNDS + 1 of them), computed
-    the way the engine sums: in partition order, in float32, divided by the summed counts."""
+    the way the engine sums (``layout.HostLayout``): on each host in partition order, then
+    the host sums in host order (hosts by their first partition), in float32, divided by the
+    summed counts."""
     weights = start_weights(size, seed)
     seen = [weights.copy()]
     for step in range(rounds):
         data = [gradient(size, seed, step, i) for i in range(partitions)]
-        total = data[0][0] + data[1][0]
-        for values, _ in data[2:]:
-            total += values
+        host_sums = []
+        for members in sorted(sorted(host) for host in hosts):
+            host_sum = data[members[0]][0].copy()
+            for member in members[1:]:
+                host_sum += data[member][0]
+            host_sums.append(host_sum)
+        total = host_sums[0]
+        for host_sum in host_sums[1:]:
+            total = total + host_sum
         total /= np.float32(sum(count for _, count in data))
         weights = weights - total
         seen.append(weights.copy())
@@ -212,9 +222,9 @@ def task(param, rounds: int, seed: int):
                 p.send_weight_partition()
             seen.append(digest(p.get_weights()))
             counted = census(p, before)
-            remote_peers = p.remote_peers
+            remote_peers, connections, hierarchical = p.remote_peers, p.connections, p.hierarchical
         yield {"partition": context.partitionId(), "pid": os.getpid(), "namespace": os.readlink("/proc/self/ns/net"),
-               "executor": context.getTaskInfos()[context.partitionId()].address, "seen": seen,
+               "hierarchical": hierarchical, "connections": connections, "executor": context.getTaskInfos()[context.partitionId()].address, "seen": seen,
                "remote_peers": remote_peers, "census": counted, "after": _threads_after(before)}
 
     return run
@@ -227,13 +237,14 @@ def main(partitions: int, size: int, rounds: int, seed: int) -> int:
 
     spark = SparkSession.builder.appName("allreduce-param simulated hosts").getOrCreate()
     try:
-        param = AllReduceParameter(partitions, size, codec="raw", timeout=120)
         rdd = spark.sparkContext.parallelize(range(partitions), partitions)
-        started = time.monotonic()
-        reports = rdd.barrier().mapPartitions(task(param, rounds, seed)).collect()
-        report = {"tasks": reports, "stage_seconds": time.monotonic() - started, "driver_pid": os.getpid(),
-                  "driver_namespace": os.readlink("/proc/self/ns/net"),
+        report = {"driver_pid": os.getpid(), "driver_namespace": os.readlink("/proc/self/ns/net"),
                   "driver_host": spark.conf.get("spark.driver.host", None)}
+        for topology in ("flat", "hierarchical"):  # one barrier stage each, the same data
+            param = AllReduceParameter(partitions, size, codec="raw", timeout=120, topology=topology)
+            started = time.monotonic()
+            reports = rdd.barrier().mapPartitions(task(param, rounds, seed)).collect()
+            report[topology] = {"tasks": reports, "stage_seconds": time.monotonic() - started}
     finally:
         spark.stop()
     print(MARKER + json.dumps(report), flush=True)

@@ -1,4 +1,4 @@
-"""16 partitions on 4 simulated hosts: exact sums, and today's flat design counted per process.
+"""16 partitions on 4 simulated hosts: exact sums, and the flat and hierarchical designs counted.
 
 Four hosts (``sim_hosts``: network namespaces on a bridge, 192.0.2.1-4) carry a standalone
 cluster: the master on h1, one Worker per host with 4 cores, and the driver, through
@@ -10,15 +10,18 @@ to run), for nothing the test counts: the engine runs in the tasks' Python proce
 one per task slot either way, and connects per process, not per JVM.
 
 The driver (``sim_hosts_driver.py``) uses ``AllReduceParameter(16, 1024, codec="raw")``
-directly: every ``get_weights`` of every partition must be bitwise the float32 sums computed
-here with numpy. Each task takes a census of its own process before it closes (see the
-driver): its threads, and its established TCP and Unix sockets, the engine's told apart
-from PySpark's. The counts must be exactly those of ``flat_design`` (today's design, as
-the code makes it), and each cross-host connection must have carried exactly the bytes
-the wire format says (``connection_bytes``); the test prints them as a table.
+directly, in two barrier stages: ``topology="flat"``, then ``"hierarchical"``. Every
+``get_weights`` of every partition, in both, must be bitwise the float32 sums computed here
+with numpy in the documented order (``layout.HostLayout``: each host, then the hosts). Each
+task takes a census of its own process before it closes (see the driver): its threads,
+and its established TCP and Unix sockets, the engine's told apart from PySpark's. The
+counts must be exactly those of ``flat_design`` and ``hierarchical_design`` (the designs as
+the code makes them), and each cross-host connection must have carried exactly the bytes
+the wire format says (``connection_bytes``); the test prints them as tables.
 
 Root only (``sim_hosts`` skips, saying why, where namespaces cannot be made). About a
-minute on the project's 2-core machine: 18 s to start the cluster, 40 s for spark-submit.
+minute and a half on the project's 2-core machine: 18 s to start the cluster, about a
+minute for spark-submit.
 """
 
 from __future__ import annotations
@@ -72,17 +75,45 @@ def flat_design(partitions: int, per_host: int, fetch_threads: int | None = None
             "tcp_connections": partitions * remote, "unix_connections": partitions * local}
 
 
-def connection_bytes(layout: SliceLayout, partition: int, peer: int, rounds: int) -> int:
+def hierarchical_design(hosts: int, per_host: int, leader: bool, fetch_threads: int | None = None) -> dict:
+    """The hierarchical design, per task process: H hosts of L partitions, BSP.
+
+    - A leader's worker channel connects to the other H - 1 leaders over TCP and, as every
+      partition's, to the L - 1 others of its host over their Unix sockets; the other
+      leaders connect to it, and its host's partitions: H - 1 TCP and L - 1 Unix in. A
+      partition that is no leader has no TCP connection at all.
+    - Threads as flat's: accept, one serve thread per connection in, the fetch pool.
+    - In all, H(H - 1) TCP connections and N(L - 1) Unix ones.
+    """
+    partitions = hosts * per_host
+    remote, local = (hosts - 1 if leader else 0), per_host - 1
+    most = min(fetch_threads or partitions - 1, partitions - 1)
+    return {"tcp_out": remote, "tcp_in": remote, "unix_out": local, "unix_in": local,
+            "accept": 1, "serve": remote + local, "fetch": (1, most), "control": 0,
+            "threads": (1 + remote + local + 1, 1 + remote + local + most),
+            "tcp_connections": hosts * (hosts - 1), "unix_connections": partitions * local}
+
+
+def connection_bytes(layout: SliceLayout, partition: int, peer: int, rounds: int,
+                     hosts: list[list[int]] | None = None) -> int:
     """What partition ``partition``'s TCP connection to ``peer``'s server has received after
     ``rounds`` BSP steps and a last ``get_weights``: the server's greeting and its answer to
-    the handshake, then per fetch a response head, a block header and the float32 payload:
-    each step one fetch of this partition's chunk (reduce-scatter) and, with the last
-    ``get_weights``, rounds + 1 of the peer's slice (all-gather). Per step of a vector of S
-    bytes: 2 S / N of payload each way over every connection."""
+    the handshake, then per fetch a response head, a block header and the float32 payload.
+    Flat: each step one fetch of this partition's chunk (reduce-scatter) and, with the last
+    ``get_weights``, rounds + 1 of the peer's slice (all-gather); per step of a vector of S
+    bytes, 2 S / N of payload each way over every connection. Hierarchical (``hosts`` given;
+    between two leaders): each step the peer's host sum of the chunk of every partition of
+    this host, and each ``get_weights`` the slice of every partition of the peer's host:
+    2 S / H per step."""
     handshake = len(MAGIC) + NONCE_SIZE + 1 + MAC_SIZE
     per_fetch = _RESPONSE.size + HEADER_SIZE
-    return (handshake + rounds * (per_fetch + 4 * layout.length(partition))
-            + (rounds + 1) * (per_fetch + 4 * layout.length(peer)))
+    if hosts is None:
+        return (handshake + rounds * (per_fetch + 4 * layout.length(partition))
+                + (rounds + 1) * (per_fetch + 4 * layout.length(peer)))
+    here = next(members for members in hosts if partition in members)
+    there = next(members for members in hosts if peer in members)
+    return (handshake + rounds * sum(per_fetch + 4 * layout.length(j) for j in here)
+            + (rounds + 1) * sum(per_fetch + 4 * layout.length(j) for j in there))
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +155,25 @@ def _hosts_by_namespace(hosts) -> dict[str, object]:
     return {host.namespace: host for host in hosts.hosts}
 
 
-def test_sixteen_partitions_on_four_hosts_get_the_exact_float32_sums(stage, hosts):
-    tasks = stage["tasks"]
+def _placement(tasks, hosts) -> dict[int, object]:
+    """Each partition's simulated host, from the namespace its task ran in."""
+    by_namespace = _hosts_by_namespace(hosts)
+    return {task["partition"]: by_namespace[task["namespace"]] for task in tasks}
+
+
+def _groups(tasks, hosts) -> list[list[int]]:
+    """The partitions of each host."""
+    host_of = _placement(tasks, hosts)
+    return [sorted(p for p, host in host_of.items() if host == each) for each in hosts.hosts]
+
+
+@pytest.mark.parametrize("topology", ["flat", "hierarchical"])
+def test_sixteen_partitions_on_four_hosts_get_the_exact_float32_sums(stage, hosts, topology):
+    tasks = stage[topology]["tasks"]
     assert sorted(task["partition"] for task in tasks) == list(range(PARTITIONS))
-    expected = [digest(weights) for weights in expected_weights(PARTITIONS, SIZE, ROUNDS, SEED)]
+    assert all(task["hierarchical"] == (topology == "hierarchical") for task in tasks)
+    expected = [digest(weights) for weights in expected_weights(PARTITIONS, SIZE, ROUNDS, SEED,
+                                                                _groups(tasks, hosts))]
     wrong = {task["partition"]: task["seen"] for task in tasks if task["seen"] != expected}
     assert not wrong, f"get_weights differed from numpy's float32 sums on partitions {sorted(wrong)}"
     # four tasks on each simulated host: in its namespace, on its executor, serving on its address
@@ -142,69 +188,83 @@ def test_sixteen_partitions_on_four_hosts_get_the_exact_float32_sums(stage, host
     assert len({task["pid"] for task in tasks}) == PARTITIONS  # one process per task
 
 
-def _table(stage, hosts) -> str:
-    by_namespace = _hosts_by_namespace(hosts)
+def _table(stage, hosts, topology) -> str:
+    tasks = stage[topology]["tasks"]
+    host_of = _placement(tasks, hosts)
     rows = []
-    for task in sorted(stage["tasks"], key=lambda task: task["partition"]):
+    for task in sorted(tasks, key=lambda task: task["partition"]):
         c = task["census"]
         engine = c["engine_threads"]
         added = c["kernel_threads"] - c["before"]["kernel_threads"]
         threads = f"{engine['accept']}+{engine['serve']}+{engine['fetch']}+{engine['control']}"
-        rows.append(f"{by_namespace[task['namespace']].name:>4} {task['partition']:>4} {task['pid']:>7} "
+        rows.append(f"{host_of[task['partition']].name:>4} {task['partition']:>4} {task['pid']:>7} "
                     f"{c['kernel_threads']:>7} {added:>6}  {threads:>15}  {len(c['tcp']['out']):>7} "
                     f"{len(c['tcp']['in']):>6} {len(c['unix']['out']):>8} {c['unix']['in']:>7}  "
                     f"{len(c['tcp']['other']):>9}")
-    received = sorted({entry["received"] for task in stage["tasks"] for entry in task["census"]["tcp"]["out"]})
+    received = sorted({entry["received"] for task in tasks for entry in task["census"]["tcp"]["out"]})
     layout = SliceLayout(SIZE, PARTITIONS)
     handshake = len(MAGIC) + NONCE_SIZE + 1 + MAC_SIZE
     fetch = _RESPONSE.size + HEADER_SIZE + 4 * layout.length(0)
-    tcp = sum(len(task["census"]["tcp"]["out"]) for task in stage["tasks"])
-    unix = sum(len(task["census"]["unix"]["out"]) for task in stage["tasks"])
+    tcp = sum(len(task["census"]["tcp"]["out"]) for task in tasks)
+    unix = sum(len(task["census"]["unix"]["out"]) for task in tasks)
+    fetches = (2 * ROUNDS + 1) * (1 if topology == "flat" else PER_HOST)
+    what = (f"{ROUNDS} chunks and {ROUNDS + 1} slices" if topology == "flat" else
+            f"{ROUNDS} x {PER_HOST} host sums and {ROUNDS + 1} x {PER_HOST} slices")
     head = "host part     pid threads  added  acc+srv+fch+ctl  tcp-out tcp-in unix-out unix-in  other-tcp\n"
-    return (f"\n{HOSTS} hosts x {PER_HOST} partitions, {SIZE} float32, {ROUNDS} steps; cluster up in "
+    return (f"\n{topology}: {HOSTS} hosts x {PER_HOST} partitions, {SIZE} float32, {ROUNDS} steps; cluster up in "
             f"{stage['cluster_seconds']:.1f} s, spark-submit {stage['submit_seconds']:.1f} s "
-            f"(barrier stage {stage['stage_seconds']:.1f} s)\n"
+            f"(this barrier stage {stage[topology]['stage_seconds']:.1f} s)\n"
             "threads: the task process's (/proc/self/task) before close; added: since before connect();\n"
             "acc+srv+fch+ctl: the engine's accept, serve, fetch and control threads; other-tcp: PySpark's own\n"
             + head + "\n".join(rows)
             + f"\nin all: {tcp} TCP connections across hosts, {unix} Unix connections within hosts\n"
             f"bytes each cross-host connection received: {', '.join(map(str, received))} (the wire format's: "
-            f"{handshake} handshake + {2 * ROUNDS + 1} fetches x {fetch}, {ROUNDS} chunks and {ROUNDS + 1} slices)\n")
+            f"{handshake} handshake + {fetches} fetches x {fetch}, {what})\n")
 
 
-def test_connections_and_threads_per_process_are_the_flat_designs(stage, hosts, cluster, capsys):
+@pytest.mark.parametrize("topology", ["flat", "hierarchical"])
+def test_connections_and_threads_per_process_are_the_designs(stage, hosts, cluster, capsys, topology):
     stage["cluster_seconds"] = cluster.started_in
-    table = _table(stage, hosts)
+    table = _table(stage, hosts, topology)
     with capsys.disabled():
         print(table)
-    design = flat_design(PARTITIONS, PER_HOST)
-    by_namespace = _hosts_by_namespace(hosts)
-    host_of = {task["partition"]: by_namespace[task["namespace"]] for task in stage["tasks"]}
+    tasks = stage[topology]["tasks"]
+    host_of = _placement(tasks, hosts)
+    groups = _groups(tasks, hosts)
+    leaders = {members[0] for members in groups}
     layout = SliceLayout(SIZE, PARTITIONS)
-    for task in stage["tasks"]:
+    for task in tasks:
         i, c = task["partition"], task["census"]
         here = host_of[i]
-        elsewhere = {j for j, host in host_of.items() if host != here}
         beside = {j for j, host in host_of.items() if host == here and j != i}
+        if topology == "flat":
+            design = flat_design(PARTITIONS, PER_HOST)
+            far = {j for j, host in host_of.items() if host != here}
+        else:
+            design = hierarchical_design(HOSTS, PER_HOST, leader=i in leaders)
+            far = leaders - {i} if i in leaders else set()
         where = f"partition {i} on {here.name}: {json.dumps(c)}\n{table}"
-        # TCP out: one to each partition on another host, from this host's address
+        # TCP out: flat, one to each partition on another host; hierarchical, a leader one to
+        # each other leader; from this host's address
         outgoing = c["tcp"]["out"]
         assert len(outgoing) == design["tcp_out"], where
-        assert {entry["peer"] for entry in outgoing} == elsewhere, where
+        assert {entry["peer"] for entry in outgoing} == far, where
         assert all(entry["local"] == here.address and entry["remote"] == host_of[entry["peer"]].address
                    for entry in outgoing), where
         # and each carried exactly what the wire format says: the handshake, the steps' blocks
         for entry in outgoing:
-            assert entry["received"] == connection_bytes(layout, i, entry["peer"], ROUNDS), where
-        # TCP in: one from each partition on another host (L from each other host's address)
+            assert entry["received"] == connection_bytes(layout, i, entry["peer"], ROUNDS,
+                                                         None if topology == "flat" else groups), where
+        # TCP in: from each partition that connects to this one from another host
         incoming = collections.Counter(entry["remote"] for entry in c["tcp"]["in"])
         assert sum(incoming.values()) == design["tcp_in"], where
-        assert incoming == {host.address: PER_HOST for host in hosts.hosts if host != here}, where
+        assert incoming == collections.Counter(host_of[j].address for j in far), where
         # Unix: one out to each partition on this host, as many in; the server listens on both
         assert sorted(c["unix"]["out"]) == sorted(beside) and len(beside) == design["unix_out"], where
         assert c["unix"]["in"] == design["unix_in"] and c["unix"]["listening"] == 1, where
         assert c["tcp"]["listening"] == [f"{here.address}:{c['server'][1]}"], where
         assert task["remote_peers"] == design["tcp_out"], where
+        assert task["connections"] == {"fetch": sorted(far | beside), "control": []}, where
         # threads: exactly the engine's, and nothing else, came with connect()
         engine = c["engine_threads"]
         assert (engine["accept"], engine["serve"], engine["control"]) == \
@@ -217,7 +277,7 @@ def test_connections_and_threads_per_process_are_the_flat_designs(stage, hosts, 
         # and went with close()
         assert task["after"] == c["before"], f"partition {i}: threads before connect {c['before']}, after close " \
                                              f"{task['after']}"
-    assert sum(len(task["census"]["tcp"]["out"]) for task in stage["tasks"]) == design["tcp_connections"] \
-        == sum(len(task["census"]["tcp"]["in"]) for task in stage["tasks"])
-    assert sum(len(task["census"]["unix"]["out"]) for task in stage["tasks"]) == design["unix_connections"] \
-        == sum(task["census"]["unix"]["in"] for task in stage["tasks"])
+    assert sum(len(task["census"]["tcp"]["out"]) for task in tasks) == design["tcp_connections"] \
+        == sum(len(task["census"]["tcp"]["in"]) for task in tasks)
+    assert sum(len(task["census"]["unix"]["out"]) for task in tasks) == design["unix_connections"] \
+        == sum(task["census"]["unix"]["in"] for task in tasks)

@@ -79,6 +79,7 @@ def test_backup_workers_need_more_partitions_than_backups():
 def test_each_strategy_keeps_exactly_what_a_reader_can_ask_for():
     assert Strategy().keep() == {BlockKind.WEIGHT: 1, BlockKind.GRADIENT: 1, BlockKind.REDUCE_INPUT: 1,
                                  BlockKind.REDUCE_OUTPUT: 1, BlockKind.CHOICE: 1, BlockKind.SIGNAL: 1,
+                                 BlockKind.GRADIENT_HOST_SUM: 1, BlockKind.REDUCE_INPUT_HOST_SUM: 1,
                                  BlockKind.METADATA: 2}
     assert Strategy("bsp", backup_workers=1).keep()[BlockKind.GRADIENT] == 1
     for name, staleness in (("ssp", 3), ("asp", None)):
