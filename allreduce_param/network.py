@@ -2,8 +2,10 @@
 
 Two servers use this: each partition's block server (``transport.BlockServer``) and the
 driver's message server (``messages.MessageServer``). Both listen where
-``NetworkSettings`` says, admit only connections that prove a shared secret in the
-handshake below, and serve each proven connection on a thread of its own.
+``NetworkSettings`` says and admit only connections that prove a shared secret in the
+handshake below, on one accept loop. The block server then serves every proven
+connection with a few threads (``AuthenticatedServer``'s pooled mode: the loop watches the
+idle connections, a small pool answers); the message server gives each its own thread.
 
 Handshake (little-endian). Server: ``MAGIC`` + 16-byte nonce. Client: magic, parameter id,
 own partition id, 16-byte nonce, HMAC-SHA256(secret, "client" + both nonces + ids).
@@ -15,8 +17,11 @@ fresh for every connection (the messages are tagged with it).
 
 from __future__ import annotations
 
+import collections
 import errno
+import functools
 import hashlib
+import heapq
 import hmac
 import ipaddress
 import logging
@@ -41,7 +46,9 @@ _CLIENT_HELLO = struct.Struct(f"<4sII{NONCE_SIZE}s{MAC_SIZE}s")  # magic, param,
 HELLO_OK = 0
 HELLO_REFUSED = 4
 
-#: Connections that may be in their handshake at once; one more pushes out the oldest.
+#: Connections that may be in their handshake at once, at least; one more pushes out the
+#: oldest. A server of N partitions allows 2N (``unproven_limit``): every peer's channels
+#: may connect at the same moment.
 MAX_UNPROVEN = 64
 #: How long accepting pauses after accept() failed (e.g. out of file descriptors).
 ACCEPT_PAUSE = 0.2
@@ -60,6 +67,13 @@ SPARK_SETTINGS = {
 ENVIRONMENT = {"bind_address": "ALLREDUCE_BIND_ADDRESS", "advertise_address": "ALLREDUCE_ADVERTISE_ADDRESS"}
 DEFAULT_CONNECT_TIMEOUT = 10.0
 _TAKEN = (errno.EADDRINUSE, errno.EACCES)  # a port another process holds, or one this user may not take
+
+
+def unproven_limit(partition_num: int) -> int:
+    """How many connections a server of ``partition_num`` partitions lets be in their
+    handshake at once: enough for every peer's worker and owner channels to connect at the
+    same moment, and never fewer than ``MAX_UNPROVEN``."""
+    return max(MAX_UNPROVEN, 2 * partition_num)
 
 
 def mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -332,10 +346,106 @@ class _Unproven:
         self.hello = bytearray()
 
 
+class Timer:
+    """A call ``AuthenticatedServer.call_at`` will make at a deadline, unless cancelled."""
+
+    __slots__ = ("deadline", "call", "cancelled")
+
+    def __init__(self, deadline: float, call: Callable[[], None]) -> None:
+        self.deadline, self.call, self.cancelled = deadline, call, False
+
+    def cancel(self) -> None:
+        """Do not make the call (it may be under way already)."""
+        self.cancelled = True
+
+
+class _Watched:
+    """A proven connection the accept loop watches for its next bytes, for a pooled server."""
+
+    __slots__ = ("conn", "on_readable")
+
+    def __init__(self, conn, on_readable: Callable[[], None]) -> None:
+        self.conn, self.on_readable = conn, on_readable
+
+
+class ServePool:
+    """At most ``size`` threads running the calls handed to ``submit``, in order; a thread is
+    started only when every running one is busy, and each ends at ``close``.
+
+    A bounded number of threads however many connections a server has: what it does for
+    one must not wait for another (the calls here only read, answer and register).
+    """
+
+    def __init__(self, size: int, name: str) -> None:
+        self._size, self._name = size, name
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._idle = 0  # threads waiting for a job
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._changed = threading.Condition()
+
+    def submit(self, call: Callable[[], None]) -> bool:
+        """Run ``call()`` on a pool thread soon; False (and nothing runs) once closed."""
+        with self._changed:
+            if self._closed:
+                return False
+            self._jobs.append(call)
+            if len(self._jobs) > self._idle and len(self._threads) < self._size:
+                thread = threading.Thread(target=self._work, daemon=True, name=self._name)
+                self._threads.append(thread)
+                thread.start()
+            else:
+                self._changed.notify()
+            return True
+
+    @property
+    def threads(self) -> int:
+        """How many threads the pool has started (at most its size)."""
+        return len(self._threads)
+
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                while not self._jobs and not self._closed:
+                    self._idle += 1
+                    self._changed.wait()
+                    self._idle -= 1
+                if not self._jobs:
+                    return
+                call = self._jobs.popleft()
+            try:
+                call()
+            except Exception:  # a bug in one answer must not take a thread of the pool
+                log.exception("a call on %s failed", self._name)
+
+    def close(self, timeout: float) -> list[str]:
+        """Take no more calls, let the threads finish those queued, and wait for each (at
+        most ``timeout`` seconds each); the names of those still running."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout)
+        return [thread.name for thread in threads if thread.is_alive()]
+
+
 class AuthenticatedServer:
     """Listens, admits the connections that prove ``secret`` for ``param_id`` (from a
-    partition in ``0..partition_num-1``), and runs ``serve(proven)`` for each on a thread
-    of its own; the connection is closed when ``serve`` returns. Close it when done.
+    partition in ``0..partition_num-1``), and runs ``serve(proven)`` for each. Close it when
+    done.
+
+    Two ways to serve, one accept loop and one handshake for both:
+
+    - ``pool=None``: ``serve(proven)`` runs on a thread of its own and may block as long as
+      the connection lasts; the connection is closed when it returns. The driver's message
+      server: a task's message may wait there for the other tasks (the meeting).
+    - ``pool=k``: ``serve(proven)`` runs on one of at most k pool threads and must return
+      soon; the connection is then the caller's. It asks this server to ``watch`` it (the
+      accept loop selects on it and calls back on a pool thread once it has bytes to read),
+      to ``call_at`` a deadline, or to ``submit`` work, and says ``discard`` when it has
+      closed it. So a server with many idle or waiting connections holds k threads, not
+      one each: the block server.
 
     Listens on ``bind`` at a port of ``ports`` (None: any free one; ``port``, when not 0,
     exactly there) and, with ``unix``, also on an abstract Unix socket (``local_name``),
@@ -348,13 +458,15 @@ class AuthenticatedServer:
     the oldest), so a flood of idle or garbage connections neither exhausts the process
     nor keeps peers out; an error from ``accept`` (out of file descriptors) pauses
     accepting briefly and never ends it. A partition id is taken from a connection only
-    once it has proven the secret.
+    once it has proven the secret. The bound on connections in their handshake grows with
+    ``partition_num`` (``unproven_limit``), so all peers connecting at once are admitted.
     """
 
     def __init__(self, secret: bytes, param_id: int, partition_num: int, serve: Callable[[Proven], None], *,
                  bind: str, what: str, port: int = 0, ports: tuple[int, int] | None = None,
                  advertise: str | None = None, unix: bool = False, timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 thread_name: str = "allreduce-serve", accept_thread_name: str = "allreduce-accept") -> None:
+                 pool: int | None = None, thread_name: str = "allreduce-serve",
+                 accept_thread_name: str = "allreduce-accept") -> None:
         self._secret = secret
         self._param_id = param_id
         self._partition_num = partition_num
@@ -362,7 +474,10 @@ class AuthenticatedServer:
         self._what = what
         self._timeout = timeout
         self._thread_name = thread_name
+        self._max_unproven = unproven_limit(partition_num)
         _check_address(bind, f"{what}'s bind address", bind=True)  # whoever chose it: never every interface
+        # every peer may connect at once; the kernel caps the backlog at net.core.somaxconn
+        # (4096 on Linux since 5.4, 128 before): past that, a SYN waits for the client's retry
         backlog = max(16, 2 * partition_num)
         listener = _listen_exactly(bind, port, backlog, what) if port else listen(bind, ports, backlog, what)
         self._listeners = [listener]
@@ -384,11 +499,17 @@ class AuthenticatedServer:
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
+        self._pool = None if pool is None else ServePool(pool, thread_name)
+        self._to_watch: list[_Watched] = []  # handed over by pool threads, registered by the loop
+        self._timers: list[tuple[float, int, Timer]] = []  # a heap, by deadline
+        self._timer_count = 0  # a tie-breaker for the heap
         self._closed = False
         self._unproven: dict[socket.socket, _Unproven] = {}  # oldest first
         self._paused_until = 0.0  # accept() failed: try again from then on
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake_write = socket.socketpair()
+        for end in (self._wake_read, self._wake_write):
+            end.setblocking(False)
         self._selector.register(self._wake_read, selectors.EVENT_READ, None)
         for each in self._listeners:
             each.setblocking(False)
@@ -400,21 +521,78 @@ class AuthenticatedServer:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def pool_threads(self) -> int:
+        """How many threads the pool has started (0 without one)."""
+        return 0 if self._pool is None else self._pool.threads
+
+    # ---- for a pooled server: watching, deadlines, work ------------------------------------
+
+    def watch(self, conn, on_readable: Callable[[], None]) -> bool:
+        """Call ``on_readable()`` on a pool thread once ``conn`` (a proven connection, or the
+        object made from it: anything with ``fileno()``) has bytes to read, or has ended;
+        once, then it is no longer watched. False, and nothing is called, once the server
+        is closing: the caller ends the connection."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._to_watch.append(_Watched(conn, on_readable))
+        self._wake()
+        return True
+
+    def call_at(self, deadline: float, call: Callable[[], None]) -> Timer:
+        """Call ``call()`` on a pool thread at ``deadline`` (``time.monotonic()``'s clock),
+        unless the returned timer is cancelled first, or the server closes first."""
+        timer = Timer(deadline, call)
+        with self._lock:
+            self._timer_count += 1
+            heapq.heappush(self._timers, (deadline, self._timer_count, timer))
+            first = self._timers[0][2] is timer
+            if len(self._timers) > 64 and self._timer_count % 64 == 0:  # drop the cancelled now and then
+                live = [entry for entry in self._timers if not entry[2].cancelled]
+                if len(live) < len(self._timers) // 2:
+                    heapq.heapify(live)
+                    self._timers = live
+        if first:
+            self._wake()
+        return timer
+
+    def submit(self, call: Callable[[], None]) -> bool:
+        """Run ``call()`` on a pool thread soon; False, and nothing runs, once closing."""
+        return self._pool.submit(call)
+
+    def discard(self, sock: socket.socket) -> None:
+        """A pooled connection's owner closed it: closing the server no longer cuts it."""
+        with self._lock:
+            self._connections.discard(sock)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_write.send(b"x")
+        except OSError:  # full (the loop is waking anyway), or closed
+            pass
+
     # ---- admitting: accept and handshake, on one thread -----------------------------------
 
     def _admit(self) -> None:
         try:
             while not self._closed:
+                self._register_watched()
                 now = time.monotonic()
                 deadlines = [pending.deadline for pending in self._unproven.values()]
                 if self._paused_until:
                     deadlines.append(self._paused_until)
+                if self._timers:
+                    deadlines.append(self._timers[0][0])
                 wait = max(0.0, min(deadlines) - now) if deadlines else None
                 for key, _ in self._selector.select(wait):
                     if key.data is None:
-                        self._wake_read.recv(64)
+                        self._drain_wake()
                     elif key.data == "listener":
                         self._accept(key.fileobj)
+                    elif isinstance(key.data, _Watched):
+                        self._selector.unregister(key.fileobj)
+                        self._pool.submit(key.data.on_readable)
                     else:
                         self._read_hello(key.data)
                 now = time.monotonic()
@@ -424,11 +602,41 @@ class AuthenticatedServer:
                     self._paused_until = 0.0
                     for listener in self._listeners:
                         self._selector.register(listener, selectors.EVENT_READ, "listener")
+                self._run_due_timers(now)
         except Exception:  # a bug here must not pass silently: the server would stop admitting
             log.exception("%s stopped admitting connections", self._what)
         finally:
             for pending in list(self._unproven.values()):
                 self._drop(pending, "shutting down")
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_read.recv(4096):
+                pass
+        except OSError:  # BlockingIOError: drained
+            pass
+
+    def _register_watched(self) -> None:
+        with self._lock:
+            watched, self._to_watch = self._to_watch, []
+        for each in watched:
+            try:
+                self._selector.register(each.conn, selectors.EVENT_READ, each)
+            except (ValueError, OSError) as error:  # closed meanwhile: its reader finds out
+                log.debug("%s: cannot watch a connection (%s)", self._what, error)
+                self._pool.submit(each.on_readable)
+            except KeyError:  # watched twice: a bug, which must not stop the loop
+                log.exception("%s: a connection was watched twice", self._what)
+
+    def _run_due_timers(self, now: float) -> None:
+        due = []
+        with self._lock:
+            while self._timers and self._timers[0][0] <= now:
+                timer = heapq.heappop(self._timers)[2]
+                if not timer.cancelled:
+                    due.append(timer)
+        for timer in due:
+            self._pool.submit(timer.call)
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -443,9 +651,9 @@ class AuthenticatedServer:
             for other in self._listeners:
                 self._selector.unregister(other)
             return
-        if len(self._unproven) >= MAX_UNPROVEN:
+        if len(self._unproven) >= self._max_unproven:
             oldest = next(iter(self._unproven.values()))
-            self._drop(oldest, f"more than {MAX_UNPROVEN} connections in their handshake")
+            self._drop(oldest, f"more than {self._max_unproven} connections in their handshake")
         peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and peer else "a local socket"
         nonce = os.urandom(NONCE_SIZE)
         try:
@@ -493,16 +701,23 @@ class AuthenticatedServer:
         if partition is None:
             conn.close()
             return
+        proven = Proven(conn, partition, pending.peer_text, session_key)
         with self._lock:
             if self._closed:
                 conn.close()
                 return
             self._connections.add(conn)
-            self._threads = {thread for thread in self._threads if thread.is_alive()}  # the ended ones need no join
-            thread = threading.Thread(target=self._run, args=(Proven(conn, partition, pending.peer_text, session_key),),
-                                      daemon=True, name=self._thread_name)
-            self._threads.add(thread)
-        thread.start()
+            if self._pool is not None:
+                thread = None
+            else:
+                self._threads = {thread for thread in self._threads if thread.is_alive()}  # ended: no join needed
+                thread = threading.Thread(target=self._run, args=(proven,), daemon=True, name=self._thread_name)
+                self._threads.add(thread)
+        if thread is not None:
+            thread.start()
+        elif not self._pool.submit(functools.partial(self._serve, proven)):
+            self.discard(conn)
+            conn.close()
 
     def _check_hello(self, pending: _Unproven) -> tuple[int | None, str, bytes, bytes]:
         """(the client's partition or None, why it was refused, the answer, the session key)."""
@@ -539,17 +754,18 @@ class AuthenticatedServer:
             proven.sock.close()  # the thread stays listed until it has ended, so close() joins it
 
     def close(self) -> None:
-        """Stop accepting, cut every connection, and wait for the threads (each wait
-        bounded; one that overruns is named in the log). Whatever a ``serve`` waits on
-        must be ended before, or by the cut."""
+        """Stop accepting and watching, cut every connection, and wait for the threads (each
+        wait bounded; one that overruns is named in the log): a pool's threads first finish
+        the calls already handed to them. Whatever a ``serve`` waits on must be ended before,
+        or by the cut. Connections a pooled server still watched are cut, not closed: their
+        owner closes them."""
         with self._lock:
             self._closed = True
             connections = list(self._connections)
             threads = list(self._threads)
-        try:
-            self._wake_write.send(b"x")
-        except OSError:
-            pass
+            self._to_watch.clear()
+            self._timers.clear()
+        self._wake()
         self._acceptor.join(CLOSE_TIMEOUT)
         for listener in self._listeners:
             listener.close()
@@ -557,6 +773,8 @@ class AuthenticatedServer:
         for thread in threads:
             thread.join(CLOSE_TIMEOUT)
         late = [thread.name for thread in [self._acceptor, *threads] if thread.is_alive()]
+        if self._pool is not None:
+            late += self._pool.close(CLOSE_TIMEOUT)
         if late:
             log.warning("%s: %d threads still running %g s after close: %s", self._what, len(late),
                         CLOSE_TIMEOUT, late)

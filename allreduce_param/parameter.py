@@ -64,7 +64,8 @@ class AllReduceParameter:
 
     Make it on the driver and use it inside ``rdd.barrier().mapPartitions(task)``: every
     task calls ``connect()``. ``timeout`` bounds every wait for a peer, in seconds;
-    ``fetch_threads`` is how many peers are fetched from at once (default: all);
+    ``fetch_threads`` is how many peers are fetched from at once (default 16, or all when
+    fewer: a few threads keep the link busy, and they do not grow with the partitions);
     ``allow_nonfinite`` lets NaN/Inf gradients through instead of raising;
     ``unix_sockets`` lets peers on the same host talk over Unix sockets (Linux), which are
     faster than loopback TCP; cross-host peers always use TCP. ``shared_memory`` (with
@@ -547,6 +548,9 @@ class ConnectedParameter:
                              "BSP a step calls aggregate_gradient_partition and send_weight_partition itself")
         if self._owner is not None:
             raise UsageError(f"serve_updates() was called twice on partition {self.partition_id}")
+        # a thread per source, not a bounded pool: the owner takes whichever gradient comes
+        # first, and a source's next one may wait for weights this owner publishes only after
+        # another source's (ssp's clock), so a fetch queued behind a waiting one could be stuck
         self._owner = BackgroundOwner(
             self._moves, self._peers.channel(self.partition_num, "owner"), self.strategy, self.layout,
             self._weight, self._gradient, self._start, update, int(steps), on_steps_done,

@@ -50,6 +50,14 @@ PART_LENGTH = 1 << 19
 #: The most a part can take encoded, whatever the codec: what a shared send buffer holds.
 LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
 
+#: The worker channel's fetch threads unless ``AllReduceParameter(fetch_threads=...)`` says
+#: otherwise (never more than the peers): how many peers it fetches from at once. Each
+#: thread pulls one peer's parts back to back, so a few keep a link busy, and the rest
+#: queue: under every strategy a fetch of the worker's waits only for blocks its peer
+#: publishes without waiting for this partition's later work, so queued fetches are late,
+#: never stuck (docs/DESIGN.md, "Scaling").
+FETCH_THREADS = 16
+
 
 class Channel:
     """One thread's way to the peers: its own connections, fetch threads and landing buffers.
@@ -102,8 +110,9 @@ class PeerGroup:
     """This partition's server and its connections to the peers of one parameter.
 
     Starts serving, meets the peers through ``rendezvous`` (once), and makes the worker's
-    channel (one fetch thread per peer unless the parameter says fewer) and the control
-    channel (one thread, for small blocks while an owner's channel may be waiting).
+    channel (``fetch_threads`` fetch threads, default ``FETCH_THREADS``, at most one per
+    peer) and the control channel (one thread, for small blocks while an owner's channel
+    may be waiting).
     """
 
     def __init__(self, param: AllReduceParameter, rendezvous: Rendezvous) -> None:
@@ -139,7 +148,7 @@ class PeerGroup:
             #: each host's leader exchanges for it; the others only within their host
             self.hierarchical = param.topology != "flat" and strategy.inline_owner and self.hosts.nested
             peers = self.partition_num - 1
-            self.worker = self.channel(min(param.fetch_threads or peers, peers), "fetch")
+            self.worker = self.channel(min(param.fetch_threads or FETCH_THREADS, peers), "fetch")
             # small blocks (choices, signals) on connections of their own, made at first use:
             # a background owner's channel may be waiting for a straggler's gradient meanwhile
             self.control = self.channel(1, "control")

@@ -14,6 +14,9 @@ version (in place, from shared memory, or while the server sends it) after a new
 replaced it, so a buffer is reused only when its version is neither kept nor *held*: a
 reader holds the version it was last served of a block until it asks for that block
 again or goes away.
+
+A get can also not wait (``get_or_notify``): a server that serves many connections with a
+few threads registers a callback instead of holding a thread while a version is awaited.
 """
 
 from __future__ import annotations
@@ -101,6 +104,25 @@ class BlockKey(NamedTuple):
 _RESERVED = -1  # a buffer handed out by reserve() and not yet put
 
 
+class Waiter:
+    """A get that found its version not there yet and did not wait (``get_or_notify``).
+
+    Its ``on_ready()`` is called once, when the version (or a newer one) is put or the store
+    closes; or never, when ``expire`` came first.
+    """
+
+    __slots__ = ("_store", "key", "version", "_on_ready", "fired")
+
+    def __init__(self, store: BlockStore, key: BlockKey, version: int, on_ready: Callable[[], None]) -> None:
+        self._store, self.key, self.version, self._on_ready = store, key, version, on_ready
+        self.fired = False  # on_ready was called, or the wait expired: nothing more will happen
+
+    def expire(self, timeout: float) -> FetchTimeoutError | None:
+        """End the wait at its timeout (``timeout``: how long it was, for the message): the
+        error a blocking get would have raised, or None when ``on_ready`` came first."""
+        return self._store._expire(self, timeout)
+
+
 class BlockStore:
     """Versioned blocks in memory, ``keep`` versions per key and at most ``max_bytes`` in all.
 
@@ -113,7 +135,7 @@ class BlockStore:
     ``new_buffer()`` makes a buffer to encode a block into (a ``bytearray``, or shared
     memory that peers read in place).
 
-    Thread-safe: the partition's threads reserve and put, the server's connection threads get.
+    Thread-safe: the partition's threads reserve and put, the server's threads get.
     """
 
     def __init__(self, keep: int | Mapping[int, int] = 1, max_bytes: int | None = None,
@@ -135,6 +157,7 @@ class BlockStore:
         self._bytes = 0
         self._closed = False
         self._closing_reason = ""
+        self._waiters: dict[BlockKey, list[Waiter]] = {}  # gets that did not wait, by key
         self._changed = threading.Condition()
 
     def keep(self, key: BlockKey) -> int:
@@ -201,6 +224,9 @@ class BlockStore:
                 self._buffer_versions[owner] = version
             self._bytes = after
             self._changed.notify_all()
+            ready = self._ready_waiters(key, version)
+        for waiter in ready:
+            waiter._on_ready()
 
     def get(self, key: BlockKey, version: int, timeout: float, *, newest: bool = False,
             reader: Hashable | None = None) -> tuple[int, Block]:
@@ -213,31 +239,35 @@ class BlockStore:
         it was already replaced, ``StoreClosedError`` when the store closes meanwhile.
         """
         with self._changed:
-            if version > self._asked.get(key, -1):
-                self._asked[key] = version
-                self._changed.notify_all()  # a producer may wait for this
-            if reader is not None:
-                self._holds.get(key, {}).pop(reader, None)
+            self._ask(key, version, reader)
             found = self._changed.wait_for(
                 lambda: self._closed or self._newest(key) >= version, timeout=timeout
             )
             self._raise_if_closed(key, version)
             if not found:
-                raise FetchTimeoutError(
-                    f"{key.describe(version)} was not published within {timeout:g} s "
-                    f"(newest there: {self._newest(key) if key in self._blocks else 'none'})"
-                )
-            versions = self._blocks[key]
-            if newest:
-                version = next(reversed(versions))
-            elif version not in versions:
-                raise StaleVersionError(
-                    f"{key.describe(version)} is no longer kept (kept: {list(versions)}); "
-                    "a peer fell behind further than the update strategy allows"
-                )
-            if reader is not None:
-                self._holds.setdefault(key, {})[reader] = version
-            return version, versions[version]
+                raise self._not_published(key, version, timeout)
+            return self._take(key, version, newest, reader)
+
+    def get_or_notify(self, key: BlockKey, version: int, on_ready: Callable[[], None], *, newest: bool = False,
+                      reader: Hashable | None = None) -> tuple[int, Block] | Waiter:
+        """``get`` without waiting: ``(version, block)`` when it is there (raising as ``get``
+        does when it was replaced or the store is closed), else a ``Waiter``.
+
+        The waiter's ``on_ready()`` is then called once the version (or, with ``newest``, one
+        at or above it) is put or the store closes, from the thread that put it or closed the
+        store, outside the store's lock: it must return at once and not raise (hand the
+        answer to another thread), which then asks again here. A waiter that should stop
+        waiting (its timeout) is ended with ``Waiter.expire``: the store keeps no clock.
+        ``reader`` holds as with ``get``.
+        """
+        with self._changed:
+            self._ask(key, version, reader)
+            if self._closed or self._newest(key) >= version:
+                self._raise_if_closed(key, version)
+                return self._take(key, version, newest, reader)
+            waiter = Waiter(self, key, version, on_ready)
+            self._waiters.setdefault(key, []).append(waiter)
+            return waiter
 
     def release(self, reader: Hashable) -> None:
         """Drop every hold of ``reader`` (its connection ended, or it is done reading)."""
@@ -249,6 +279,12 @@ class BlockStore:
         """The newest version of ``key`` in the store, or -1."""
         with self._changed:
             return self._newest(key)
+
+    @property
+    def waiting(self) -> int:
+        """How many gets wait through ``get_or_notify`` (holding no thread) right now."""
+        with self._changed:
+            return sum(len(waiters) for waiters in self._waiters.values())
 
     @property
     def nbytes(self) -> int:
@@ -275,8 +311,70 @@ class BlockStore:
             self._buffer_versions.clear()
             self._bytes = 0
             self._changed.notify_all()
+            ready = [waiter for waiters in self._waiters.values() for waiter in waiters]
+            self._waiters.clear()
+            for waiter in ready:
+                waiter.fired = True
+        for waiter in ready:
+            waiter._on_ready()
+
+    def _expire(self, waiter: Waiter, timeout: float) -> FetchTimeoutError | None:
+        with self._changed:
+            if waiter.fired:
+                return None
+            waiter.fired = True
+            waiters = self._waiters.get(waiter.key, [])
+            waiters.remove(waiter)
+            if not waiters:
+                self._waiters.pop(waiter.key, None)
+            return self._not_published(waiter.key, waiter.version, timeout)
 
     # ---- under the lock ------------------------------------------------------------------
+
+    def _ask(self, key: BlockKey, version: int, reader: Hashable | None) -> None:
+        """A reader asks for ``version``: a producer waiting for room may go on, and the
+        reader's hold of its last version of ``key`` ends."""
+        if version > self._asked.get(key, -1):
+            self._asked[key] = version
+            self._changed.notify_all()  # a producer may wait for this
+        if reader is not None:
+            self._holds.get(key, {}).pop(reader, None)
+
+    def _take(self, key: BlockKey, version: int, newest: bool, reader: Hashable | None) -> tuple[int, Block]:
+        """The block a get serves, once ``version`` (or a newer one) has been put."""
+        versions = self._blocks[key]
+        if newest:
+            version = next(reversed(versions))
+        elif version not in versions:
+            raise StaleVersionError(
+                f"{key.describe(version)} is no longer kept (kept: {list(versions)}); "
+                "a peer fell behind further than the update strategy allows"
+            )
+        if reader is not None:
+            self._holds.setdefault(key, {})[reader] = version
+        return version, versions[version]
+
+    def _not_published(self, key: BlockKey, version: int, timeout: float) -> FetchTimeoutError:
+        return FetchTimeoutError(
+            f"{key.describe(version)} was not published within {timeout:g} s "
+            f"(newest there: {self._newest(key) if key in self._blocks else 'none'})"
+        )
+
+    def _ready_waiters(self, key: BlockKey, version: int) -> list[Waiter]:
+        """The waiters of ``key`` that ``version``, just put, answers; no longer waiting."""
+        waiters = self._waiters.get(key)
+        if not waiters:
+            return []
+        ready = [waiter for waiter in waiters if waiter.version <= version]
+        if ready:
+            left = [waiter for waiter in waiters if waiter.version > version]
+            if left:
+                self._waiters[key] = left
+            else:
+                del self._waiters[key]
+            for waiter in ready:
+                waiter.fired = True
+        return ready
 
     def _newest(self, key: BlockKey) -> int:
         versions = self._blocks.get(key)

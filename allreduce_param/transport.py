@@ -17,7 +17,8 @@ Wire format (little-endian):
   two may lie apart, when a vector was published where it lies (``store.SplitBlock``).
 
 Every length is checked against what the block can be before a byte of it is read; a
-malformed frame closes that connection with a logged reason, never the server.
+malformed frame closes that connection with a logged reason, never the server. A client
+sends one request at a time on a connection and reads its answer before the next.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Callable, NamedTuple
 
 from .codec import HEADER_SIZE, Codec
@@ -52,7 +54,7 @@ from .network import (
     unix_sockets_available,
 )
 from .shm import SharedArenas, SharedMappings
-from .store import BlockKey, BlockKind, BlockStore, SplitBlock
+from .store import BlockKey, BlockKind, BlockStore, SplitBlock, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,12 @@ STATUS_SHARED = 5  # the block lies in shared segments: where follows (and, once
 _SHARED_PLACE = struct.Struct("<QQQQQ")
 
 MAX_ERROR_TEXT = 64 * 1024
+
+#: The threads a block server answers with, however many peers it serves.
+SERVE_THREADS = 8
+#: A block leaves in slices of at most this many bytes, each within the connect timeout: a
+#: reader that takes nothing for that long is taken for gone, and its connection closed.
+SEND_SLICE = 1 << 20
 
 
 def secret_fingerprint(secret: bytes, param_id: int) -> str:
@@ -117,6 +125,25 @@ def local_scope() -> str:
         return f"{socket.gethostname()}/unknown"
 
 
+class _Peer:
+    """A proven peer's connection, as the block server keeps it between its requests."""
+
+    __slots__ = ("conn", "sock", "partition", "peer_text", "local", "fds_passed", "request", "deadline", "timer",
+                 "ended")
+
+    def __init__(self, conn, proven: Proven) -> None:
+        self.conn = conn  # what requests are read from and answers written to
+        self.sock = proven.sock  # the socket under it
+        self.partition = proven.partition
+        self.peer_text = proven.peer_text
+        self.local = proven.sock.family == socket.AF_UNIX
+        self.fds_passed: set[int] = set()  # segments whose descriptor this peer already has
+        self.request: tuple | None = None  # (key, version, newest, op, wait) of the get being answered
+        self.deadline = 0.0  # when that get stops waiting
+        self.timer = None  # the server's timer for that deadline
+        self.ended = False
+
+
 class BlockServer:
     """Serves one partition's ``BlockStore`` to the peers that prove the secret.
 
@@ -125,10 +152,19 @@ class BlockServer:
     also on an abstract Unix socket (``local_name``), which peers on the same host use
     instead (faster than loopback TCP); ``advertise`` is the address peers are told
     (default: ``host``). Admission is ``network.AuthenticatedServer``'s: a handshake within
-    ``handshake_timeout`` seconds, a thread per proven peer, so that a get waiting for a
-    version never holds up the others. ``on_done(partition)`` is called when a proven peer
-    says it is done, or its connection ends. A get waits for a version at most
-    ``max_wait`` seconds, whatever the request asks.
+    ``handshake_timeout`` seconds. ``on_done(partition)`` is called when a proven peer says
+    it is done, or its connection ends. A get waits for a version at most ``max_wait``
+    seconds, whatever the request asks.
+
+    However many peers it serves, it holds ``threads`` threads (and the accept thread): the
+    accept loop watches the idle connections, a pool thread reads a request and answers it,
+    and a get for a version not published yet holds no thread while it waits: the store
+    calls back when the version comes (or it closes), the accept loop at the deadline.
+    Answers are sent from the pool threads, each slice of a block (``SEND_SLICE``) within the
+    handshake timeout, so a reader that stops reading holds one thread for that long at
+    most, never the others: sending whole blocks blocking keeps a connection wrapper
+    (``_serve``) free to frame each send as it likes, and a shared-memory answer's
+    descriptors in the same call as its bytes.
     """
 
     def __init__(
@@ -148,6 +184,7 @@ class BlockServer:
         ports: tuple[int, int] | None = None,
         advertise: str | None = None,
         handshake_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        threads: int = SERVE_THREADS,
     ) -> None:
         self.store = store
         self._max_wait = max_wait
@@ -155,11 +192,14 @@ class BlockServer:
         self._param_id = param_id
         self._partition_id = partition_id
         self._on_done = on_done or (lambda partition: None)
+        self._io_timeout = handshake_timeout
         # where the owner's blocks lie in shared memory, if they do
         self._shared = shared
+        self._lock = threading.Lock()
+        self._peers: set[_Peer] = set()
         self._server = AuthenticatedServer(
             secret, param_id, partition_num, self._serve, bind=host, port=port, ports=ports, advertise=advertise,
-            unix=unix, timeout=handshake_timeout, what=f"partition {partition_id}'s block server",
+            unix=unix, timeout=handshake_timeout, what=f"partition {partition_id}'s block server", pool=threads,
             thread_name=f"allreduce-serve-{partition_id}", accept_thread_name=f"allreduce-accept-{partition_id}")
         self.address: tuple[str, int] = self._server.address
         self.local_name = self._server.local_name
@@ -172,83 +212,165 @@ class BlockServer:
         return (self._server.advertised_host, self.address[1], secret_fingerprint(self._secret, self._param_id),
                 self.local_name, local_scope() if self.local_name else None)
 
-    # ---- serving a proven peer, on a thread of its own -----------------------------------
+    @property
+    def threads(self) -> int:
+        """How many threads answer (started so far; at most ``threads``)."""
+        return self._server.pool_threads
 
-    def _serve(self, peer: Proven) -> None:
+    # ---- serving the proven peers, a request at a time, on the pool's threads -------------
+
+    def _serve(self, proven: Proven) -> None:
+        """A peer proved the secret: from here its connection is ``conn``, made once from the
+        socket (the one place a wrapper of the connection would go), and every request is
+        read from it and every answer written to it."""
+        conn = proven.sock
+        conn.settimeout(self._io_timeout)  # a request comes whole; an answer's slice is taken in time
+        peer = _Peer(conn, proven)
+        with self._lock:
+            self._peers.add(peer)
+        self._await_request(peer)
+
+    def _await_request(self, peer: _Peer) -> None:
+        if not self._server.watch(peer.conn, functools.partial(self._read_request, peer)):
+            self._end(peer)  # closing
+
+    def _read_request(self, peer: _Peer) -> None:
+        request = bytearray(_REQUEST.size)
         try:
-            self._answer_requests(peer.sock, peer.partition, peer.peer_text)
-        except (OSError, EOFError) as error:
-            if not self._server.closed:
-                log.debug("connection from %s ended: %s", peer.peer_text, error)
-        finally:
-            self.store.release(peer.sock)
+            recv_exactly(peer.conn, memoryview(request))
+        except EOFError:
+            self._end(peer)
+            return
+        except OSError as error:
+            self._lost(peer, error)
+            return
+        magic, op, kind, source, destination, part, version, timeout_ms = _REQUEST.unpack(request)
+        newest, op = bool(op & FLAG_NEWEST), op & ~FLAG_NEWEST
+        if magic != MAGIC or op not in _OPS or kind not in BlockKind.NAMES:
+            log.warning(
+                "closed connection from partition %d at %s: malformed request frame %s",
+                peer.partition, peer.peer_text, bytes(request[:16]).hex(),
+            )
+            self._end(peer)
+            return
+        if op == OP_DONE:
+            self._on_done(peer.partition)
+            self._await_request(peer)
+            return
+        wait = min(timeout_ms / 1000.0, self._max_wait)
+        peer.request = (BlockKey(kind, source, destination, part), version, newest, op, wait)
+        peer.deadline = time.monotonic() + wait
+        self._answer(peer)
+
+    def _answer(self, peer: _Peer) -> None:
+        """Answer the peer's get if its version is there (or can never come); else leave a
+        waiter with the store and a timer for its deadline, and return."""
+        key, version, newest, op, wait = peer.request
+        if peer.timer is not None:
+            peer.timer.cancel()
+            peer.timer = None
+        try:
+            got = self.store.get_or_notify(key, version, functools.partial(self._version_ready, peer),
+                                           newest=newest, reader=peer)
+            if isinstance(got, Waiter):
+                timer = self._server.call_at(peer.deadline, functools.partial(self._expire, peer, got, wait))
+                peer.timer = timer
+                if got.fired:  # answered meanwhile, or about to be
+                    timer.cancel()
+                return
+            self._send_block(peer, op, *got)
+        except StaleVersionError as error:
+            self._send_error(peer, STATUS_STALE, str(error))
+        except StoreClosedError as error:  # this partition stops: the peer hears why, then the end
+            self._send_error(peer, STATUS_CLOSING, str(error), last=True)
+        except OSError as error:
+            self._lost(peer, error)
+        else:
+            self._await_request(peer)
+
+    def _version_ready(self, peer: _Peer) -> None:
+        """The store's call: the awaited version was put, or the store closed. On the thread
+        that did that, so the answer goes to the pool."""
+        self._server.submit(functools.partial(self._answer, peer))  # closing: close() ends the peer
+
+    def _expire(self, peer: _Peer, waiter: Waiter, wait: float) -> None:
+        """The get's deadline passed: answer TIMEOUT, unless its version came first."""
+        error = waiter.expire(wait)
+        if error is None:
+            return
+        peer.timer = None
+        self._send_error(peer, STATUS_TIMEOUT, str(error))
+
+    def _send_block(self, peer: _Peer, op: int, version: int, block) -> None:
+        conn = peer.conn
+        header, payload = block if isinstance(block, SplitBlock) else (block[:HEADER_SIZE], block[HEADER_SIZE:])
+        places = [self._shared.locate(header), self._shared.locate(payload)] \
+            if op == OP_GET_SHARED and peer.local and self._shared else [None]
+        if None in places:
+            Codec.seal(header, payload)  # its bytes leave this host's memory: they need their checksum
+            conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes, version) + header)
+            for start in range(0, payload.nbytes, SEND_SLICE):
+                conn.sendall(payload[start:start + SEND_SLICE])
+            return
+        (header_segment, header_offset), (payload_segment, payload_offset) = places
+        answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + _SHARED_PLACE.pack(
+            header_segment.id, header_offset, header.nbytes, payload_segment.id, payload_offset)
+        new = {segment.id: segment.fd for segment, _ in places if segment.id not in peer.fds_passed}
+        if new:  # the descriptors ride with the answer, once per connection
+            socket.send_fds(conn, [answer], list(new.values()))
+            peer.fds_passed.update(new)
+        else:
+            conn.sendall(answer)
+
+    def _send_error(self, peer: _Peer, status: int, text: str, last: bool = False) -> None:
+        """Answer with ``status`` and ``text``, then await the next request; with ``last``,
+        end the connection instead."""
+        data = text.encode("utf-8")[:MAX_ERROR_TEXT]
+        try:
+            peer.conn.sendall(_RESPONSE.pack(status, len(data), 0) + data)
+        except OSError as error:
+            self._lost(peer, error)
+            return
+        if last:
+            self._end(peer)
+        else:
+            self._await_request(peer)
+
+    def _lost(self, peer: _Peer, error: BaseException) -> None:
+        if not self._server.closed:
+            log.debug("connection from %s ended: %s", peer.peer_text, error)
+        self._end(peer)
+
+    def _end(self, peer: _Peer) -> None:
+        """The peer's connection is done: its holds go, and as it fetches nothing more, it
+        counts as done; then it is closed. Once."""
+        with self._lock:
+            if peer.ended:
+                return
+            peer.ended = True
+            self._peers.discard(peer)
+        if peer.timer is not None:
+            peer.timer.cancel()
+        try:
+            self.store.release(peer)
             # A peer whose connection ends fetches nothing more: as good as its "done".
             self._on_done(peer.partition)
-
-    def _answer_requests(self, conn: socket.socket, client_partition: int, peer_text: str) -> None:
-        request = bytearray(_REQUEST.size)
-        view = memoryview(request)
-        fds_passed: set[int] = set()  # segments whose descriptor this peer already has
-        local = conn.family == socket.AF_UNIX
-        while True:
-            try:
-                recv_exactly(conn, view)
-            except EOFError:
-                return
-            magic, op, kind, source, destination, part, version, timeout_ms = _REQUEST.unpack(request)
-            newest, op = bool(op & FLAG_NEWEST), op & ~FLAG_NEWEST
-            if magic != MAGIC or op not in _OPS or kind not in BlockKind.NAMES:
-                log.warning(
-                    "closed connection from partition %d at %s: malformed request frame %s",
-                    client_partition, peer_text, bytes(request[:16]).hex(),
-                )
-                return
-            if op == OP_DONE:
-                self._on_done(client_partition)
-                continue
-            key = BlockKey(kind, source, destination, part)
-            try:
-                version, block = self.store.get(key, version, min(timeout_ms / 1000.0, self._max_wait),
-                                                newest=newest, reader=conn)
-            except FetchTimeoutError as error:
-                self._send_error(conn, STATUS_TIMEOUT, str(error))
-            except StaleVersionError as error:
-                self._send_error(conn, STATUS_STALE, str(error))
-            except StoreClosedError as error:
-                self._send_error(conn, STATUS_CLOSING, str(error))
-                return
-            else:
-                header, payload = block if isinstance(block, SplitBlock) else (block[:HEADER_SIZE],
-                                                                               block[HEADER_SIZE:])
-                places = [self._shared.locate(header), self._shared.locate(payload)] \
-                    if op == OP_GET_SHARED and local and self._shared else [None]
-                if None in places:
-                    Codec.seal(header, payload)  # its bytes leave this host's memory: they need their checksum
-                    conn.sendall(_RESPONSE.pack(STATUS_OK, block.nbytes, version) + header)
-                    conn.sendall(payload)
-                    continue
-                (header_segment, header_offset), (payload_segment, payload_offset) = places
-                answer = _RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + _SHARED_PLACE.pack(
-                    header_segment.id, header_offset, header.nbytes, payload_segment.id, payload_offset)
-                new = {segment.id: segment.fd for segment, _ in places if segment.id not in fds_passed}
-                if new:  # the descriptors ride with the answer, once per connection
-                    socket.send_fds(conn, [answer], list(new.values()))
-                    fds_passed.update(new)
-                else:
-                    conn.sendall(answer)
-
-    @staticmethod
-    def _send_error(conn: socket.socket, status: int, text: str) -> None:
-        data = text.encode("utf-8")[:MAX_ERROR_TEXT]
-        conn.sendall(_RESPONSE.pack(status, len(data), 0) + data)
+        finally:
+            self._server.discard(peer.sock)
+            peer.conn.close()
 
     def close(self) -> None:
         """Stop accepting, close the store, cut every connection, and wait for the threads.
 
-        Closing the store first ends the gets that wait in it, so no thread outlives this.
+        Closing the store first answers every get that waits in it (with the reason), so no
+        thread outlives this; the connections that were idle are ended here.
         """
         self.store.close()
         self._server.close()
+        with self._lock:
+            left = list(self._peers)
+        for peer in left:
+            self._end(peer)
 
 
 class PeerClient:

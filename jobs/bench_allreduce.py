@@ -141,8 +141,10 @@ def codec_of(param: AllReduceParameter) -> str:
 
 
 def transport_of(param: AllReduceParameter) -> str:
-    return next(name for name, settings in TRANSPORTS.items()
-                if all(getattr(param, key) == value for key, value in settings.items()))
+    """The transport (with ``--fetch-threads``, and its fetch threads) ``param`` was made with."""
+    return max((name for name, settings in TRANSPORTS.items()
+                if all(getattr(param, key) == value for key, value in settings.items())),
+               key=lambda name: len(TRANSPORTS[name]))
 
 
 def engine_medians(report: list, config: tuple) -> tuple[float, list[float]]:
@@ -329,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="gradients of random noise, or 90%% zeros")
     parser.add_argument("--transports", default="shared",
                         help="how partitions on this host meet, of shared, unix, tcp (comma-separated)")
+    parser.add_argument("--fetch-threads", default=None,
+                        help="AllReduceParameter(fetch_threads=...) to compare, comma-separated (default: unset)")
     parser.add_argument("--partitions", type=int, default=None,
                         help="barrier tasks (default: the master's task slots)")
     parser.add_argument("--no-baselines", action="store_true", help="skip treeAggregate and gloo")
@@ -357,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.inside_link:
         bits_per_second(link)
         transports = ["tcp"]  # what peers on other hosts use
+    if args.fetch_threads:  # each transport once per fetch thread count, named "shared f8"
+        counts = [int(count) for count in args.fetch_threads.split(",")]
+        transports = [f"{transport} f{count}" for transport in transports for count in counts]
+        for transport in transports:
+            name, count = transport.rsplit(" f", 1)
+            TRANSPORTS[transport] = dict(TRANSPORTS[name], fetch_threads=int(count))
     partitions = args.partitions or local_slots(args.master)
     gloo_installed = not args.no_baselines and baselines.gloo_available()
 

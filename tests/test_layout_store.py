@@ -103,3 +103,52 @@ def test_store_memory_is_bounded():
     store.put(KEY, 1, bytes(90))  # replaces version 0: 90 bytes held
     with pytest.raises(Exception, match="over its limit of 100"):
         store.put(BlockKey(BlockKind.GRADIENT, 1, 0), 0, bytes(20))
+
+
+def test_a_get_that_does_not_wait_is_called_back_once_its_version_comes():
+    store = BlockStore()
+    called = []
+    store.put(KEY, 0, b"old")
+    assert bytes(store.get_or_notify(KEY, 0, lambda: called.append("never"))[1]) == b"old"  # there: at once
+    waiter = store.get_or_notify(KEY, 2, lambda: called.append("ready"), reader="r")
+    assert not isinstance(waiter, tuple) and store.waiting == 1
+    store.put(KEY, 1, b"not yet")
+    assert called == [] and store.waiting == 1
+    store.put(KEY, 2, b"new")
+    assert called == ["ready"] and store.waiting == 0 and waiter.fired
+    assert waiter.expire(5) is None  # the version came first: nothing to time out
+    assert bytes(store.get_or_notify(KEY, 2, lambda: called.append("again"), reader="r")[1]) == b"new"
+    assert called == ["ready"]
+
+
+def test_a_get_that_does_not_wait_expires_with_the_blocking_gets_text_and_is_never_called():
+    store = BlockStore()
+    called = []
+    waiter = store.get_or_notify(KEY, 3, lambda: called.append("late"))
+    error = waiter.expire(0.25)
+    assert isinstance(error, FetchTimeoutError) and store.waiting == 0
+    assert str(error) == ("weight block from partition 1 to partition 0, version 3 was not published within "
+                          "0.25 s (newest there: none)")
+    store.put(KEY, 3, b"late")
+    assert called == [] and waiter.expire(0.25) is None
+
+
+def test_closing_the_store_calls_every_waiter_back_and_asking_again_says_why():
+    store = BlockStore()
+    called = []
+    for version in range(3):
+        store.get_or_notify(KEY, version, lambda version=version: called.append(version))
+    store.close("partition 1 failed: ValueError: bad data")
+    assert sorted(called) == [0, 1, 2] and store.waiting == 0
+    with pytest.raises(StoreClosedError, match="partition 1 failed: ValueError: bad data"):
+        store.get_or_notify(KEY, 0, lambda: called.append("after"))
+    assert len(called) == 3
+
+
+def test_a_replaced_version_is_stale_for_a_get_that_does_not_wait():
+    store = BlockStore(keep=1)
+    store.put(KEY, 0, b"a")
+    store.put(KEY, 1, b"b")
+    with pytest.raises(StaleVersionError, match=r"version 0 is no longer kept \(kept: \[1\]\)"):
+        store.get_or_notify(KEY, 0, lambda: None)
+    assert store.get_or_notify(KEY, 0, lambda: None, newest=True)[0] == 1

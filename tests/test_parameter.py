@@ -695,3 +695,74 @@ def test_partitions_of_different_parameters_all_learn_it_at_the_meeting():
         assert error == (f"partition {i} met partitions {others} with another AllReduceParameter: the secrets "
                          "differ. Every partition must use the same AllReduceParameter object, made on the driver "
                          "(make it before the barrier stage; the tasks get it in their closure)")
+
+
+def engine_threads(partition_id: int) -> dict[str, int]:
+    names = [thread.name for thread in threading.enumerate()]
+    return {kind: sum(name == f"allreduce-{kind}-{partition_id}" or name.startswith(f"allreduce-{kind}-{partition_id}_")
+                      for name in names)  # a pool's thread: the prefix, _, its number
+            for kind in ("serve", "fetch", "accept")}
+
+
+@pytest.mark.parametrize("put", ["put_gradients", "stream_gradients"])
+def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threads(put):
+    """24 partitions with 2 fetch threads each: a partition's fetches of versions not yet
+    published queue behind each other, and every step is still exact; no partition holds
+    more threads than the bounds, whatever N."""
+    from allreduce_param.transport import SERVE_THREADS
+
+    partitions, steps = 24, 3
+    size = partitions * 40 + 7
+    weights, grads, counts = make_data(size, partitions, seed=24)
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, fetch_threads=2)
+
+    def body(p):
+        p.init(weights)
+        seen = []
+        for _ in range(steps):
+            p.get_weights()
+            if put == "put_gradients":
+                p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+            else:
+                with p.stream_gradients(grads[p.partition_id], count=counts[p.partition_id]) as stream:
+                    stream.ready(0, size)
+            p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
+            p.send_weight_partition()
+            seen.append(engine_threads(p.partition_id))
+        return p.get_weights().copy(), seen
+
+    results = raise_first(run_partitions(param, body))
+    expected = weights
+    for _ in range(steps):
+        _, expected = reference_step(expected, grads, counts)
+    for after, seen in results:
+        assert np.array_equal(after, expected)
+        for threads in seen:
+            assert threads["accept"] == 1 and 1 <= threads["serve"] <= SERVE_THREADS and threads["fetch"] <= 2
+    assert ours() == []
+
+
+def test_a_background_owner_with_more_partitions_than_fetch_threads_applies_every_gradient():
+    """ssp over 12 partitions with one fetch thread each: the workers' reads queue, the
+    owners (a thread per source) take every gradient once, and all end with the same weights."""
+    from allreduce_param import Strategy
+
+    partitions, steps = 12, 4
+    size = partitions * 10
+    weights, grads, counts = make_data(size, partitions, seed=12)
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, fetch_threads=1,
+                               strategy=Strategy("ssp", staleness=1))
+
+    def body(p):
+        p.init(weights)
+        p.serve_updates(lambda gradient, weight, step: weight.__isub__(LR * gradient), steps)
+        for _ in range(steps):
+            p.get_weights()
+            p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+        p.finish_updates()
+        return p.get_weights().copy(), sum(update.count for update in p.updates)
+
+    results = raise_first(run_partitions(param, body))
+    assert all(np.array_equal(after, results[0][0]) for after, _ in results)
+    assert all(applied == steps * sum(counts) for _, applied in results)  # every row of every step, once
+    assert ours() == []

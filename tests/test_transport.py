@@ -6,14 +6,26 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from allreduce_param import AllReduceParameter, AuthenticationError, ProtocolError
 from allreduce_param.store import BlockKey, BlockKind, BlockStore, SplitBlock
-from allreduce_param.network import MAGIC, NONCE_SIZE
-from allreduce_param.transport import BlockServer, PeerClient
+from allreduce_param.network import MAGIC, MAX_UNPROVEN, NONCE_SIZE, client_handshake, recv_exactly, unproven_limit
+from allreduce_param.transport import (
+    _REQUEST,
+    _RESPONSE,
+    OP_GET,
+    SERVE_THREADS,
+    STATUS_CLOSING,
+    STATUS_OK,
+    STATUS_STALE,
+    STATUS_TIMEOUT,
+    BlockServer,
+    PeerClient,
+)
 from conftest import raise_first, run_partitions
 
 SECRET = b"s" * 32
@@ -305,3 +317,197 @@ def test_a_client_cut_off_for_shutting_down_opens_no_new_connection():
     finally:
         shutting.close()
         listener.close()
+
+
+# ---- serving many connections with a bounded number of threads --------------------------
+
+def proven(server, partition: int) -> socket.socket:
+    """A raw connection to ``server`` that has proven the secret as ``partition``."""
+    sock = socket.create_connection(server.address, timeout=30)
+    client_handshake(sock, SECRET, 5, partition, "the test's server", "refused")
+    return sock
+
+
+def ask(sock: socket.socket, key: BlockKey, version: int, timeout_ms: int) -> None:
+    sock.sendall(_REQUEST.pack(MAGIC, OP_GET, key.kind, key.source, key.destination, key.part, version, timeout_ms))
+
+
+def answer(sock: socket.socket) -> tuple[int, int, bytes]:
+    """The next answer on ``sock``: status, version served, and its bytes."""
+    head = bytearray(_RESPONSE.size)
+    recv_exactly(sock, memoryview(head))
+    status, length, version = _RESPONSE.unpack(head)
+    body = bytearray(length)
+    recv_exactly(sock, memoryview(body))
+    return status, version, bytes(body)
+
+
+def serving_threads(partition: int = 0) -> int:
+    return sum(thread.name == f"allreduce-serve-{partition}" for thread in threading.enumerate())
+
+
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_many_gets_waiting_for_a_version_hold_a_bounded_number_of_threads_and_are_all_answered():
+    connections = 150
+    store, done = BlockStore(), []
+    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=200,
+                         on_done=done.append)
+    socks = [proven(server, 1 + i % 199) for i in range(connections)]
+    try:
+        for sock in socks:
+            ask(sock, KEY, 1, 60_000)
+        wait_until(lambda: store.waiting == connections, f"{store.waiting} of {connections} gets waiting")
+        assert 1 <= serving_threads() <= SERVE_THREADS and server.threads <= SERVE_THREADS
+        store.put(KEY, 0, b"not yet")
+        store.put(KEY, 1, b"v" * 5000)
+        assert all(answer(sock) == (STATUS_OK, 1, b"v" * 5000) for sock in socks)
+        for sock in socks:  # the connections stay: a second round, answered at once
+            ask(sock, KEY, 1, 60_000)
+        assert all(answer(sock) == (STATUS_OK, 1, b"v" * 5000) for sock in socks)
+        assert serving_threads() <= SERVE_THREADS and done == []
+    finally:
+        for sock in socks:
+            sock.close()
+        server.close()
+    assert serving_threads() == 0
+    assert sorted(done) == sorted(1 + i % 199 for i in range(connections))  # each ended connection is done once
+
+
+def test_waiting_gets_time_out_with_the_text_and_the_max_wait_and_their_connections_go_on():
+    store = BlockStore(keep=1)
+    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2,
+                         max_wait=0.5)
+    short, capped = [proven(server, 1) for _ in range(20)], [proven(server, 1) for _ in range(20)]
+    try:
+        for sock in short:
+            ask(sock, KEY, 7, 200)
+        for sock in capped:
+            ask(sock, KEY, 7, 60_000)  # the server waits max_wait at most
+        assert all(answer(sock) == (STATUS_TIMEOUT, 0, b"weight block from partition 0 to all, version 7 was not "
+                                    b"published within 0.2 s (newest there: none)") for sock in short)
+        assert all(answer(sock) == (STATUS_TIMEOUT, 0, b"weight block from partition 0 to all, version 7 was not "
+                                    b"published within 0.5 s (newest there: none)") for sock in capped)
+        assert store.waiting == 0 and serving_threads() <= SERVE_THREADS
+        store.put(KEY, 7, b"seven")
+        store.put(KEY, 8, b"eight")
+        for sock in short + capped:
+            ask(sock, KEY, 7, 60_000)
+        for sock in short + capped:
+            status, _, text = answer(sock)
+            assert status == STATUS_STALE and b"version 7 is no longer kept (kept: [8])" in text
+        for sock in short:
+            ask(sock, KEY, 8, 200)
+        assert all(answer(sock) == (STATUS_OK, 8, b"eight") for sock in short)
+    finally:
+        for sock in short + capped:
+            sock.close()
+        server.close()
+
+
+def test_a_store_closed_with_a_reason_answers_every_waiting_get_with_it():
+    store = BlockStore()
+    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2)
+    socks = [proven(server, 1) for _ in range(40)]
+    try:
+        for sock in socks:
+            ask(sock, KEY, 3, 60_000)
+        wait_until(lambda: store.waiting == len(socks), "the gets to wait")
+        store.close("partition 0 failed: ValueError: bad rows")  # as PeerGroup.fail does; the server stays
+        for sock in socks:
+            assert answer(sock) == (STATUS_CLOSING, 0, b"partition 0 failed: ValueError: bad rows")
+            assert_connection_closed(sock)
+    finally:
+        for sock in socks:
+            sock.close()
+        server.close()
+
+
+def test_closing_the_server_with_gets_waiting_ends_every_thread_and_every_connection():
+    store, done = BlockStore(), []
+    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=101,
+                         on_done=done.append, unix=True)
+    socks = [proven(server, 1 + i) for i in range(100)]
+    idle = proven(server, 100)  # proven, never asks
+    try:
+        for sock in socks:
+            ask(sock, KEY, 3, 60_000)
+        wait_until(lambda: store.waiting == len(socks), "the gets to wait")
+        server.close()
+        assert serving_threads() == 0 and not any(t.name == "allreduce-accept-0" for t in threading.enumerate())
+        assert sorted(done) == list(range(1, 101)) + [100]  # every connection ended, the idle one too
+        for sock in socks + [idle]:
+            sock.settimeout(30)
+            try:
+                data = sock.recv(1 << 16)
+            except ConnectionResetError:
+                data = b""
+            assert data == b"" or data[0] == STATUS_CLOSING  # told it closes, or cut
+    finally:
+        for sock in socks + [idle]:
+            sock.close()
+        server.close()
+
+
+def test_a_reader_that_stops_reading_holds_one_thread_for_a_while_and_nobody_else():
+    """A peer asks for a large block and never reads it: its answer stalls one pool thread
+    until the send gives up (a slice not taken within the handshake timeout) and the
+    connection is closed, while the others are answered."""
+    store, done = BlockStore(), []
+    store.put(KEY, 0, b"x" * (64 << 20))  # more than the socket buffers hold
+    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=3,
+                         handshake_timeout=2.0, on_done=done.append)
+    stuck = proven(server, 2)
+    others = [proven(server, 1) for _ in range(3 * SERVE_THREADS)]
+    try:
+        ask(stuck, KEY, 0, 60_000)
+        small = BlockKey(BlockKind.GRADIENT, 0, 1)
+        store.put(small, 0, b"s" * 100)
+        for _ in range(3):
+            for sock in others:
+                ask(sock, small, 0, 60_000)
+            assert all(answer(sock) == (STATUS_OK, 0, b"s" * 100) for sock in others)
+        wait_until(lambda: 2 in done, "the stuck reader's connection to end")
+        assert done == [2]  # only that one
+        assert_connection_closed_after_a_while(stuck)
+    finally:
+        for sock in others + [stuck]:
+            sock.close()
+        server.close()
+
+
+def assert_connection_closed_after_a_while(sock: socket.socket) -> None:
+    """Reading everything the server sent ends with EOF or a reset, not a hang."""
+    sock.settimeout(30)
+    while True:
+        try:
+            if not sock.recv(1 << 20):
+                return
+        except ConnectionResetError:
+            return
+
+
+def test_as_many_peers_as_twice_the_partitions_may_be_in_their_handshake_at_once():
+    """A server of 100 partitions lets 150 connections wait in their handshake at once (the
+    flood bound grows with the partitions): none is pushed out, each proves the secret."""
+    store = BlockStore()
+    store.put(KEY, 0, b"w")
+    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=100)
+    waiting = [socket.create_connection(server.address, timeout=30) for _ in range(150)]
+    try:
+        for sock in waiting:  # every one was accepted and greeted before any answers
+            assert len(sock.recv(len(MAGIC) + NONCE_SIZE, socket.MSG_PEEK | socket.MSG_WAITALL)) == 20
+        assert unproven_limit(100) == 200 > 150 > MAX_UNPROVEN
+        for i, sock in enumerate(waiting):
+            client_handshake(sock, SECRET, 5, 1 + i % 99, "the test's server", "refused")
+            ask(sock, KEY, 0, 1000)
+            assert answer(sock) == (STATUS_OK, 0, b"w")
+    finally:
+        for sock in waiting:
+            sock.close()
+        server.close()
