@@ -582,15 +582,27 @@ class ConnectedParameter:
     @_call
     def signal(self, version: int) -> None:
         """Tell every partition this one has done ``version`` of something (e.g. written a
-        checkpoint); see ``wait_for_signals``. Versions must increase."""
+        checkpoint); see ``wait_for_signals``. Versions must increase.
+
+        Hierarchical, a leader's signal stands for its whole host: it first waits until
+        every partition of its host has signalled ``version``, so that a waiter reads only
+        its own host's signals and the leaders', not a connection to every partition."""
+        if self._peers.is_leader:
+            self._wait_for(version, [p for p in self._peers.hosts.host(self.partition_id) if p != self.partition_id])
         self._moves.publish(BlockKind.SIGNAL, version, np.ones(1, np.float32))
 
     @_call
     def wait_for_signals(self, version: int) -> None:
         """Wait until every partition has signalled ``version`` (or a later one)."""
+        hosts = self._peers.hosts
+        self._wait_for(version, sorted({*hosts.host(self.partition_id), *hosts.leaders})
+                       if self.hierarchical else range(self.partition_num))
+
+    def _wait_for(self, version: int, sources) -> None:
+        """Wait until each partition of ``sources`` has signalled ``version`` or a later one."""
         ones = SliceLayout(self.partition_num, self.partition_num)  # one value from each
         pending = self._moves.fetch_all(self._peers.control, BlockKind.SIGNAL, WeightRead(version, exact=False),
-                                        ones, EVERY_PARTITION)
+                                        ones, EVERY_PARTITION, sources=sources)
         for futures in pending.values():
             futures[-1].result()
 

@@ -246,8 +246,8 @@ class PeerGroup:
         said it fetched them (or the timeout passes), so no peer loses a block it needs.
         Hierarchical, "done" goes through the leaders: a leader waits for its host, then
         tells the other leaders and waits for them, and only then tells its host; so no
-        partition stops serving before every partition anywhere is done fetching (the
-        control blocks, such as signals, still travel flat). ``join`` is as for ``shutdown``.
+        partition stops serving before every partition anywhere is done fetching. ``join``
+        is as for ``shutdown``.
         """
         if self._closed:
             return

@@ -7,6 +7,8 @@ TCP on 127.0.0.1. ``test_sim_hosts`` runs the same across real network namespace
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -206,3 +208,26 @@ def test_host_layout_orders_hosts_by_their_leaders_and_groups_any_partitions():
     assert hosts.neighbours(1, hierarchical=True) == (0, 3, 4, 5)
     assert hosts.neighbours(2, hierarchical=False) == (0, 1, 3, 4, 5)
     assert not HostLayout(["x"] * 4).nested and not HostLayout([None] * 4).nested
+
+
+def test_signals_go_through_the_leaders_and_the_waiter_sees_every_one():
+    hosts = LAYOUTS["interleaved"]  # partition 3 signals late, from another host, not a leader
+    zero_waits = threading.Event()
+    signalled: list[int] = []
+
+    def body(p):
+        if p.partition_id == 3:
+            zero_waits.wait(30)
+        if p.partition_id != 0:
+            signalled.append(p.partition_id)
+            p.signal(1)
+            return None
+        p.signal(1)
+        zero_waits.set()
+        p.wait_for_signals(1)
+        return sorted(signalled), p.connections["control"]
+
+    results = raise_first(run_partitions(AllReduceParameter(6, 10, timeout=30), body, hosts=hosts))
+    seen, control = results[0]
+    assert seen == [1, 2, 3, 4, 5]  # 3's signal came through its leader, 1
+    assert control == [1, 2, 4, 5]  # this host's partitions and the other leaders, not 3
