@@ -8,6 +8,11 @@ object, length-prefixed and tagged with HMAC-SHA256 under that connection's sess
 the tag covers the direction and the message's number on the connection, so a message
 cannot be sent back as an answer, replayed, dropped or reordered unnoticed. A message
 that is too long or wrongly tagged closes its connection, never the server.
+
+With ``encrypt`` (the fit's ``NetworkSettings.encrypt``) the connections are encrypted as
+the block connections are (``sealing.py``): the messages carry the fit's metrics and the
+servers' addresses, and a cluster that encrypts its traffic expects all of it to be. The
+tags stay: they cost little and keep this layer's guarantees whatever carries it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import threading
 from typing import Callable
 
 from .errors import AuthenticationError, ProtocolError
-from .network import DEFAULT_CONNECT_TIMEOUT, AuthenticatedServer, Proven, client_handshake, mac, tune
+from .network import DEFAULT_CONNECT_TIMEOUT, AuthenticatedServer, Proven, client_handshake, mac, seals, tune
+from .sealing import SealedConnection, seal_proven
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,13 @@ def _frame(key: bytes, direction: bytes, number: int, message: dict) -> bytes:
 def _read(stream, key: bytes, direction: bytes, number: int) -> dict | None:
     """Message ``number`` from ``direction`` on ``stream``; None at a clean end;
     ProtocolError or AuthenticationError for what must close the connection."""
+    try:
+        return _read_from(stream, key, direction, number)
+    except EOFError:  # a sealed connection that ended inside a record: as one that ended inside a message
+        raise ProtocolError("the connection closed inside a message") from None
+
+
+def _read_from(stream, key: bytes, direction: bytes, number: int) -> dict | None:
     head = stream.read(_LENGTH.size)
     if not head:
         return None
@@ -80,15 +93,18 @@ class MessageServer:
     ``reply(answer)`` sends an answer back on the same connection. Close it when done.
 
     Listens on ``host`` at a free port of ``ports`` (None: any); the tasks connect to
-    ``address``: ``advertise`` (default ``host``) and that port."""
+    ``address``: ``advertise`` (default ``host``) and that port. With ``encrypt`` the
+    connections are encrypted (its clients are made so)."""
 
     def __init__(self, host: str, on_message: Callable[[dict, Reply], None], *, advertise: str | None = None,
-                 ports: tuple[int, int] | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+                 ports: tuple[int, int] | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 encrypt: bool = False) -> None:
         self.secret = os.urandom(32)
         self._on_message = on_message
         self._connect_timeout = connect_timeout
+        self._encrypt = encrypt
         self._server = AuthenticatedServer(self.secret, MESSAGES_ID, 1, self._serve, bind=host, ports=ports,
-                                           advertise=advertise, timeout=connect_timeout,
+                                           advertise=advertise, timeout=connect_timeout, encrypt=encrypt,
                                            what="the driver's message server", thread_name="allreduce-messages",
                                            accept_thread_name="allreduce-messages-accept")
         self.bound_address: tuple[str, int] = self._server.address
@@ -96,9 +112,10 @@ class MessageServer:
 
     def client(self) -> MessageClient:
         """What a task uses to reach this server (it connects on first use)."""
-        return MessageClient(self.address, self.secret, self._connect_timeout)
+        return MessageClient(self.address, self.secret, self._connect_timeout, encrypt=self._encrypt)
 
     def _serve(self, task: Proven) -> None:
+        task = seal_proven(task)
         conn, key = task.sock, task.session_key
         send_lock = threading.Lock()
         sent = 0
@@ -138,26 +155,29 @@ class MessageClient:
     """A task's end of a ``MessageServer``: made on the driver, shipped in the closure
     (without its socket), connected on first use: within ``connect_timeout`` seconds,
     which also bounds each send (a driver that stops reading cannot stall a task). Sends
-    may come from several threads."""
+    may come from several threads. ``encrypt``: the server's choice (``MessageServer.client``
+    copies it)."""
 
     def __init__(self, address: tuple[str, int], secret: bytes,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, encrypt: bool = False) -> None:
         self.address = tuple(address)
         self._secret = secret
         self._connect_timeout = connect_timeout
-        self._sock: socket.socket | None = None
+        self._encrypt = encrypt
+        self._sock: socket.socket | SealedConnection | None = None
         self._stream = None
         self._key = b""
         self._sent = self._received = 0
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"address": self.address, "_secret": self._secret, "_connect_timeout": self._connect_timeout}
+        return {"address": self.address, "_secret": self._secret, "_connect_timeout": self._connect_timeout,
+                "_encrypt": self._encrypt}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["address"], state["_secret"], state["_connect_timeout"])
+        self.__init__(state["address"], state["_secret"], state["_connect_timeout"], state.get("_encrypt", False))
 
-    def _connected(self) -> socket.socket:
+    def _connected(self) -> socket.socket | SealedConnection:
         """The connection, opened and proven on first use; OSError when the driver cannot be
         reached, AuthenticationError or ProtocolError when what answers is not it."""
         if self._sock is None:
@@ -166,7 +186,10 @@ class MessageClient:
             try:
                 tune(sock)
                 self._key = client_handshake(sock, self._secret, MESSAGES_ID, 0, f"the driver at {host}:{port}",
-                                             "it does not know this job's secret (a server of another job?)")
+                                             "it does not know this job's secret (a server of another job?)",
+                                             encrypt=self._encrypt)
+                if seals(sock, self._encrypt):
+                    sock = SealedConnection(sock, self._key, client=True, peer_text=f"the driver at {host}:{port}")
             except EOFError as error:
                 sock.close()
                 raise ConnectionError(f"the driver at {host}:{port} closed the connection in the handshake") \

@@ -13,6 +13,13 @@ Server: one status byte, then its own HMAC(secret, "server" + ...) so the client
 talks to a holder of the secret too. A connection that fails it reads and writes nothing
 more. Both ends then share a session key, HMAC(secret, "session" + both nonces + ids),
 fresh for every connection (the messages are tagged with it).
+
+With ``NetworkSettings.encrypt`` a TCP connection is encrypted after the handshake
+(``sealing.py``, its keys from the session key). Whether it is counts as one of the ids:
+the MACs and the session key of a sealed connection cover ``sealing.CIPHER_NAME`` too, so
+an end that encrypts and one that does not never agree; the server, seeing that the
+client's MAC holds for the other choice, refuses it with its own status
+(``HELLO_OTHER_SEALING``), and the client's error names the setting.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple
 
 from .errors import AuthenticationError, ConfigurationError, NetworkError, ProtocolError
+from .sealing import CIPHER_NAME, cipher_class
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,9 @@ MAC_SIZE = 32
 _CLIENT_HELLO = struct.Struct(f"<4sII{NONCE_SIZE}s{MAC_SIZE}s")  # magic, param, partition, nonce, mac
 HELLO_OK = 0
 HELLO_REFUSED = 4
+#: The client proved the secret, but for the other choice of encryption (no block response
+#: status has this value).
+HELLO_OTHER_SEALING = 6
 
 #: Connections that may be in their handshake at once, at least; one more pushes out the
 #: oldest. A server of N partitions allows 2N (``unproven_limit``): every peer's channels
@@ -61,7 +72,14 @@ SPARK_SETTINGS = {
     "advertise_address": "spark.allreduce.advertiseAddress",
     "port_range": "spark.allreduce.portRange",
     "connect_timeout": "spark.allreduce.connectTimeout",
+    "encrypt": "spark.allreduce.encrypt",
 }
+#: Spark's own encryption settings: where either is "true" on the driver and ``encrypt`` is
+#: unset, the engine encrypts too (a cluster that encrypts its traffic expects all of it to be).
+SPARK_ENCRYPTION = ("spark.network.crypto.enabled", "spark.ssl.enabled")
+#: What the encryption settings say, in every place: how to turn it on or off.
+ENCRYPT_SETTINGS = (f"encrypt (AllReduceParameter, the fit's settings) or the Spark setting "
+                    f"{SPARK_SETTINGS['encrypt']}; unset, it follows {' and '.join(SPARK_ENCRYPTION)} on the driver")
 #: Per host, these environment variables (set in each machine's spark-env.sh, or a pod's
 #: environment) win over the settings: where a host's address is its own.
 ENVIRONMENT = {"bind_address": "ALLREDUCE_BIND_ADDRESS", "advertise_address": "ALLREDUCE_ADVERTISE_ADDRESS"}
@@ -74,6 +92,15 @@ def unproven_limit(partition_num: int) -> int:
     handshake at once: enough for every peer's worker and owner channels to connect at the
     same moment, and never fewer than ``MAX_UNPROVEN``."""
     return max(MAX_UNPROVEN, 2 * partition_num)
+
+
+def parse_flag(value, where: str) -> bool | None:
+    """``True``, ``False``, ``"true"`` / ``"false"`` (as Spark writes them, any case) or None."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ConfigurationError(f"{where}={value!r} must be true or false")
 
 
 def mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -134,12 +161,17 @@ class NetworkSettings:
     servers may take, ``(first, last)`` (None: any free one). ``connect_timeout``: how long
     a connection and its handshake may take; the waits that follow from it (the meeting
     at the driver, a failed partition's last words) are derived here, in one place.
+    ``encrypt``: whether connections over TCP (between hosts, or all of them without Unix
+    sockets) are encrypted (``sealing.py``); Unix sockets and shared memory, which never
+    leave the host, are not. ``of`` turns it on where it is unset and the driver's Spark
+    encrypts its own traffic (``SPARK_ENCRYPTION``).
     """
 
     bind_address: str | None = None
     advertise_address: str | None = None
     port_range: tuple[int, int] | None = None
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bind_address", _check_address(self.bind_address, "bind_address", bind=True))
@@ -149,15 +181,24 @@ class NetworkSettings:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigurationError(f"connect_timeout must be a positive number of seconds, got {timeout!r}")
         object.__setattr__(self, "connect_timeout", float(timeout))
+        if self.encrypt is not None and not isinstance(self.encrypt, bool):
+            raise ConfigurationError(f"encrypt must be True, False or None (follow Spark), got {self.encrypt!r}")
+        object.__setattr__(self, "encrypt", bool(self.encrypt))
+        if self.encrypt:
+            cipher_class()  # missing: say what to install, here on the driver rather than in every task
 
     @classmethod
     def of(cls, values: Mapping[str, object], spark_setting: Callable[[str], str | None] = lambda name: None
            ) -> NetworkSettings:
         """Settings from ``values`` (arguments by field name; None: unset), each unset one
-        from its Spark setting (``SPARK_SETTINGS``) through ``spark_setting(name)``."""
-        chosen = {}
+        from its Spark setting (``SPARK_SETTINGS``) through ``spark_setting(name)``;
+        ``encrypt``, when neither sets it, on where one of Spark's own encryption settings
+        (``SPARK_ENCRYPTION``) is true."""
+        chosen = {"encrypt": _encryption(values.get("encrypt"), spark_setting)}
         for name, spark_name in SPARK_SETTINGS.items():
             value = values.get(name)
+            if name == "encrypt":
+                continue
             if value is None:
                 value = spark_setting(spark_name)
                 if value is not None and name == "connect_timeout":
@@ -226,6 +267,26 @@ class NetworkSettings:
         """How long a failed partition keeps telling its peers why, at most (they ask within
         a connect timeout, or have hung up)."""
         return self.connect_timeout
+
+
+def _encryption(value, spark_setting: Callable[[str], str | None]) -> bool:
+    """``encrypt`` as given, else as ``spark.allreduce.encrypt`` says, else on where one of
+    Spark's own encryption settings is true; ConfigurationError, naming what turned it on,
+    when it is on and the cipher's package is missing."""
+    if value is not None:
+        on, where = parse_flag(value, "encrypt"), "encrypt=True"
+    else:
+        spark_name = SPARK_SETTINGS["encrypt"]
+        on, where = parse_flag(spark_setting(spark_name), spark_name), f"{spark_name}=true"
+        if on is None:
+            spark_on = [key for key in SPARK_ENCRYPTION if str(spark_setting(key)).strip().lower() == "true"]
+            on, where = bool(spark_on), f"{' and '.join(spark_on)} true on the driver (so the engine encrypts too)"
+    if on:
+        try:
+            cipher_class()
+        except ConfigurationError as error:
+            raise ConfigurationError(f"{where}: {error}") from None
+    return on
 
 
 def is_loopback(address: str) -> bool:
@@ -300,23 +361,44 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def seals(sock, encrypt: bool) -> bool:
+    """Whether a connection is encrypted (``sealing.py``): with ``encrypt`` on, one that can
+    leave the host (TCP); a Unix socket never."""
+    return bool(encrypt) and sock.family != socket.AF_UNIX
+
+
+def _ids(param_id: int, partition_id: int, sealed: bool) -> bytes:
+    """What the handshake's MACs and the session key bind besides the nonces: the parameter,
+    the client's partition, and whether the connection is encrypted (and how)."""
+    return struct.pack("<II", param_id, partition_id) + (CIPHER_NAME if sealed else b"")
+
+
 def client_handshake(sock: socket.socket, secret: bytes, param_id: int, partition_id: int,
-                     server_text: str, refused: str) -> bytes:
+                     server_text: str, refused: str, encrypt: bool = False) -> bytes:
     """Prove the secret to the server on ``sock`` and check its proof; the session key.
 
-    AuthenticationError (with ``refused`` when the server refused us), ProtocolError when
-    the other end is no allreduce-param server; OSError and EOFError as the socket gives."""
+    With ``encrypt``, a TCP connection (``seals``) is agreed to be encrypted: the caller
+    wraps it in a ``sealing.SealedConnection`` with the key. AuthenticationError (with
+    ``refused`` when the server refused us), ConfigurationError when the server knows the
+    secret but does not make the same choice about encryption, ProtocolError when the other
+    end is no allreduce-param server; OSError and EOFError as the socket gives."""
     greeting = bytearray(len(MAGIC) + NONCE_SIZE)
     recv_exactly(sock, memoryview(greeting))
     if greeting[: len(MAGIC)] != MAGIC:
         raise ProtocolError(f"{server_text} is not an allreduce-param server")
     server_nonce = bytes(greeting[len(MAGIC):])
     client_nonce = os.urandom(NONCE_SIZE)
-    ids = struct.pack("<II", param_id, partition_id)
+    sealed = seals(sock, encrypt)
+    ids = _ids(param_id, partition_id, sealed)
     sock.sendall(_CLIENT_HELLO.pack(MAGIC, param_id, partition_id, client_nonce,
                                     mac(secret, b"client", server_nonce, client_nonce, ids)))
     status = bytearray(1)
     recv_exactly(sock, memoryview(status))
+    if status[0] == HELLO_OTHER_SEALING:
+        raise ConfigurationError(
+            f"{server_text} refused this connection: this end {'encrypts' if sealed else 'does not encrypt'} it and "
+            f"that server {'does not' if sealed else 'does'}. Both ends must make the same choice: "
+            f"{ENCRYPT_SETTINGS}; every task must use the one AllReduceParameter made on the driver")
     if status[0] != HELLO_OK:
         raise AuthenticationError(f"{server_text} refused this connection: {refused}")
     proof = bytearray(MAC_SIZE)
@@ -328,12 +410,14 @@ def client_handshake(sock: socket.socket, secret: bytes, param_id: int, partitio
 
 class Proven(NamedTuple):
     """A connection that proved the secret: the socket, the client's partition, where it
-    came from (for messages), and the session key both ends now share."""
+    came from (for messages), the session key both ends now share, and whether both agreed
+    to encrypt it (``sealing.seal_proven`` wraps it then)."""
 
     sock: socket.socket
     partition: int
     peer_text: str
     session_key: bytes
+    sealed: bool = False
 
 
 class _Unproven:
@@ -460,12 +544,14 @@ class AuthenticatedServer:
     accepting briefly and never ends it. A partition id is taken from a connection only
     once it has proven the secret. The bound on connections in their handshake grows with
     ``partition_num`` (``unproven_limit``), so all peers connecting at once are admitted.
+    With ``encrypt``, a TCP connection must agree to be encrypted (``Proven.sealed``); one
+    that proves the secret for the other choice is refused with ``HELLO_OTHER_SEALING``.
     """
 
     def __init__(self, secret: bytes, param_id: int, partition_num: int, serve: Callable[[Proven], None], *,
                  bind: str, what: str, port: int = 0, ports: tuple[int, int] | None = None,
                  advertise: str | None = None, unix: bool = False, timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 pool: int | None = None, thread_name: str = "allreduce-serve",
+                 pool: int | None = None, encrypt: bool = False, thread_name: str = "allreduce-serve",
                  accept_thread_name: str = "allreduce-accept") -> None:
         self._secret = secret
         self._param_id = param_id
@@ -473,6 +559,7 @@ class AuthenticatedServer:
         self._serve = serve
         self._what = what
         self._timeout = timeout
+        self._encrypt = encrypt
         self._thread_name = thread_name
         self._max_unproven = unproven_limit(partition_num)
         _check_address(bind, f"{what}'s bind address", bind=True)  # whoever chose it: never every interface
@@ -685,7 +772,7 @@ class AuthenticatedServer:
             return
         self._selector.unregister(pending.sock)
         del self._unproven[pending.sock]
-        partition, reason, answer, session_key = self._check_hello(pending)
+        partition, reason, answer, session_key, sealed = self._check_hello(pending)
         conn = pending.sock
         if partition is None:  # said here first: the refused client hears it next
             log.warning("%s refused connection from %s: %s", self._what, pending.peer_text, reason)
@@ -701,7 +788,7 @@ class AuthenticatedServer:
         if partition is None:
             conn.close()
             return
-        proven = Proven(conn, partition, pending.peer_text, session_key)
+        proven = Proven(conn, partition, pending.peer_text, session_key, sealed)
         with self._lock:
             if self._closed:
                 conn.close()
@@ -719,14 +806,22 @@ class AuthenticatedServer:
             self.discard(conn)
             conn.close()
 
-    def _check_hello(self, pending: _Unproven) -> tuple[int | None, str, bytes, bytes]:
-        """(the client's partition or None, why it was refused, the answer, the session key)."""
+    def _check_hello(self, pending: _Unproven) -> tuple[int | None, str, bytes, bytes, bool]:
+        """(the client's partition or None, why it was refused, the answer, the session key,
+        whether the connection is encrypted)."""
         magic, param_id, partition, client_nonce, client_mac = _CLIENT_HELLO.unpack(pending.hello)
-        ids = struct.pack("<II", param_id, partition)
+        sealed = seals(pending.sock, self._encrypt)
+        ids = _ids(param_id, partition, sealed)
         expected = mac(self._secret, b"client", pending.nonce, client_nonce, ids)
         if magic != MAGIC:
             reason = f"bad magic {bytes(magic)!r}, not an allreduce-param client"
         elif not hmac.compare_digest(client_mac, expected):
+            if pending.sock.family != socket.AF_UNIX and hmac.compare_digest(
+                    client_mac, mac(self._secret, b"client", pending.nonce, client_nonce,
+                                    _ids(param_id, partition, not sealed))):
+                reason = (f"it proved the secret but {'does not encrypt' if sealed else 'encrypts'} its traffic, "
+                          f"and this server {'does' if sealed else 'does not'}: {ENCRYPT_SETTINGS}")
+                return None, reason, bytes([HELLO_OTHER_SEALING]), b"", False
             reason = "it could not prove the secret"
         elif param_id != self._param_id:
             reason = f"it asked for parameter {param_id}, this server serves parameter {self._param_id}"
@@ -735,8 +830,8 @@ class AuthenticatedServer:
         else:
             proof = mac(self._secret, b"server", client_nonce, pending.nonce, ids)
             return (partition, "", bytes([HELLO_OK]) + proof,
-                    mac(self._secret, b"session", pending.nonce, client_nonce, ids))
-        return None, reason, bytes([HELLO_REFUSED]), b""
+                    mac(self._secret, b"session", pending.nonce, client_nonce, ids), sealed)
+        return None, reason, bytes([HELLO_REFUSED]), b"", False
 
     def _drop(self, pending: _Unproven, reason: str, quiet: bool = False) -> None:
         """Close a connection that never proved the secret."""

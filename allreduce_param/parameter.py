@@ -90,7 +90,12 @@ class AllReduceParameter:
     come from the Spark settings ``spark.allreduce.bindAddress``, ``...advertiseAddress``,
     ``...portRange`` and ``...connectTimeout`` of the driver's active session, when made
     there; the environment variables ``ALLREDUCE_BIND_ADDRESS`` and
-    ``ALLREDUCE_ADVERTISE_ADDRESS`` win on the host that sets them.
+    ``ALLREDUCE_ADVERTISE_ADDRESS`` win on the host that sets them. ``encrypt``: whether
+    the blocks that travel over TCP (to peers on other hosts, or to all with
+    ``unix_sockets=False``) are encrypted (AES-256-GCM, ``sealing.py``); Unix sockets and
+    shared memory never leave the host and are not. Unset (None), it is the Spark setting
+    ``spark.allreduce.encrypt``, else on where the session encrypts its own traffic
+    (``spark.network.crypto.enabled`` or ``spark.ssl.enabled`` true), else off.
     """
 
     def __init__(
@@ -111,11 +116,12 @@ class AllReduceParameter:
         advertise_address: str | None = None,
         port_range: str | tuple[int, int] | None = None,
         connect_timeout: float | None = None,
+        encrypt: bool | None = None,
         topology: Literal["auto", "hierarchical", "flat"] = "auto",
     ) -> None:
         self.network = NetworkSettings.from_active_spark(dict(
             bind_address=bind_address, advertise_address=advertise_address, port_range=port_range,
-            connect_timeout=connect_timeout))
+            connect_timeout=connect_timeout, encrypt=encrypt))
         self.layout = SliceLayout(size, partition_num)
         self.strategy = strategy or Strategy()
         self.strategy.check_partitions(partition_num)

@@ -136,7 +136,7 @@ class PeerGroup:
             self.store, param.secret, param.param_id, self.partition_id, bind, port,
             partition_num=self.partition_num, on_done=self.peer_done, unix=param.unix_sockets,
             shared=self.shared, max_wait=param.timeout, ports=param.network.port_range, advertise=advertise,
-            handshake_timeout=param.network.connect_timeout,
+            handshake_timeout=param.network.connect_timeout, encrypt=param.network.encrypt,
         )
         self._addresses: list = []
         try:
@@ -183,7 +183,7 @@ class PeerGroup:
                 (address.host, address.port), self._param.secret, self._param.param_id, self.partition_id, peer,
                 self.timeout,
                 local_name=address.local_name if same_scope else None,  # a Unix socket, and shared memory if on
-                handshake_timeout=self._param.network.connect_timeout,
+                handshake_timeout=self._param.network.connect_timeout, encrypt=self._param.network.encrypt,
             )
         channel = Channel(clients, threads, f"allreduce-{role}-{self.partition_id}", role)
         self._channels.append(channel)

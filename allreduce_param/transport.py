@@ -7,7 +7,9 @@ that version is in its store (or with an error once the wait times out).
 Wire format (little-endian):
 
 * Handshake: ``network.py``'s (each side proves the parameter's secret over fresh nonces);
-  the client's ids are the parameter id and its own partition.
+  the client's ids are the parameter id and its own partition. With ``encrypt``, a TCP
+  connection is a ``sealing.SealedConnection`` from then on: the frames below travel in
+  encrypted records; Unix sockets and shared memory stay as they are.
 * Request: op, block kind, source, destination, part, version, timeout in ms (fixed size).
   The op's ``FLAG_NEWEST`` bit asks for the newest version at or above ``version``.
 * Response: status, length, the version served; then ``length`` bytes (the encoded block,
@@ -50,9 +52,11 @@ from .network import (
     client_handshake,
     mac,
     recv_exactly,
+    seals,
     tune,
     unix_sockets_available,
 )
+from .sealing import SealedConnection, seal_proven
 from .shm import SharedArenas, SharedMappings
 from .store import BlockKey, BlockKind, BlockStore, SplitBlock, Waiter
 
@@ -154,7 +158,8 @@ class BlockServer:
     (default: ``host``). Admission is ``network.AuthenticatedServer``'s: a handshake within
     ``handshake_timeout`` seconds. ``on_done(partition)`` is called when a proven peer says
     it is done, or its connection ends. A get waits for a version at most ``max_wait``
-    seconds, whatever the request asks.
+    seconds, whatever the request asks. With ``encrypt``, connections over TCP are
+    encrypted (``sealing.py``).
 
     However many peers it serves, it holds ``threads`` threads (and the accept thread): the
     accept loop watches the idle connections, a pool thread reads a request and answers it,
@@ -185,6 +190,7 @@ class BlockServer:
         advertise: str | None = None,
         handshake_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         threads: int = SERVE_THREADS,
+        encrypt: bool = False,
     ) -> None:
         self.store = store
         self._max_wait = max_wait
@@ -199,7 +205,7 @@ class BlockServer:
         self._peers: set[_Peer] = set()
         self._server = AuthenticatedServer(
             secret, param_id, partition_num, self._serve, bind=host, port=port, ports=ports, advertise=advertise,
-            unix=unix, timeout=handshake_timeout, what=f"partition {partition_id}'s block server", pool=threads,
+            unix=unix, timeout=handshake_timeout, what=f"partition {partition_id}'s block server", pool=threads, encrypt=encrypt,
             thread_name=f"allreduce-serve-{partition_id}", accept_thread_name=f"allreduce-accept-{partition_id}")
         self.address: tuple[str, int] = self._server.address
         self.local_name = self._server.local_name
@@ -223,6 +229,7 @@ class BlockServer:
         """A peer proved the secret: from here its connection is ``conn``, made once from the
         socket (the one place a wrapper of the connection would go), and every request is
         read from it and every answer written to it."""
+        proven = seal_proven(proven)  # an encrypted connection: the frames travel in sealed records
         conn = proven.sock
         conn.settimeout(self._io_timeout)  # a request comes whole; an answer's slice is taken in time
         peer = _Peer(conn, proven)
@@ -243,6 +250,10 @@ class BlockServer:
             return
         except OSError as error:
             self._lost(peer, error)
+            return
+        except AllReduceError as error:  # an encrypted record that failed its tag or its length
+            log.warning("closed connection from partition %d at %s: %s", peer.partition, peer.peer_text, error)
+            self._end(peer)
             return
         magic, op, kind, source, destination, part, version, timeout_ms = _REQUEST.unpack(request)
         newest, op = bool(op & FLAG_NEWEST), op & ~FLAG_NEWEST
@@ -377,8 +388,9 @@ class PeerClient:
     """One authenticated connection to one peer's ``BlockServer``, used by one thread at a time.
 
     Connects on first use: to the peer's ``local_name`` Unix socket when given (a peer on
-    this host), else, or when that fails, over TCP. Errors name the peer, the block and the
-    version; any error on the connection closes it, and the next use connects anew.
+    this host), else, or when that fails, over TCP (encrypted with ``encrypt``). Errors name
+    the peer, the block and the version; any error on the connection closes it, and the
+    next use connects anew.
     """
 
     def __init__(
@@ -391,8 +403,10 @@ class PeerClient:
         timeout: float,
         local_name: str | None = None,
         handshake_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        encrypt: bool = False,
     ) -> None:
         self.address = address
+        self._encrypt = encrypt
         self._handshake_timeout = handshake_timeout
         self.local_name = local_name if unix_sockets_available() else None
         self.peer_partition = peer_partition
@@ -440,7 +454,7 @@ class PeerClient:
                 log.debug("no local socket for %s (%s), using TCP", self._peer_text, error)
         return socket.create_connection(self.address, timeout=self._handshake_timeout)
 
-    def _connect(self, what: str) -> socket.socket:
+    def _connect(self, what: str) -> socket.socket | SealedConnection:
         if self._aborted:
             raise StoreClosedError(f"this partition is shutting down: no new connection to {self._peer_text} "
                                    f"for {what}")
@@ -450,11 +464,12 @@ class PeerClient:
             raise self._lost(what, f"cannot be reached ({error})") from error
         try:
             tune(sock)
-            client_handshake(sock, self._secret, self._param_id, self._partition_id, self._peer_text,
-                             "the secrets differ. Every partition must use the same AllReduceParameter object, "
-                             "made on the driver")
+            key = client_handshake(sock, self._secret, self._param_id, self._partition_id, self._peer_text,
+                                   "the secrets differ. Every partition must use the same AllReduceParameter "
+                                   "object, made on the driver", encrypt=self._encrypt)
             sock.settimeout(None)
-            return sock
+            return SealedConnection(sock, key, client=True, peer_text=self._peer_text) \
+                if seals(sock, self._encrypt) else sock
         except AllReduceError:
             sock.close()
             raise

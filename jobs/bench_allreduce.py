@@ -14,6 +14,13 @@ treeAggregate the gradients) runs once per size.
     python jobs/bench_allreduce.py --sizes 10000000 --codecs raw,bf16 --loops readme,tuned
     python jobs/bench_allreduce.py --sizes 1000000 --codecs raw,lz4 --data sparse
     python jobs/bench_allreduce.py --sizes 10000000 --codecs raw,bf16 --link host,1gbit,10gbit
+    python jobs/bench_allreduce.py --sizes 1M,10M --codecs raw,lz4 --transports tcp,tcp-encrypted --no-baselines
+
+``--transports tcp,tcp-encrypted`` measures what encryption in transit costs
+(``AllReduceParameter(encrypt=True)``, AES-256-GCM records, ``sealing.py``): the same
+partitions over loopback TCP without and with it, in the same barrier stage of every round
+(their order swapped from one round to the next), and a second table gives the median of
+the per-round ratios, encrypted over plain, with their range.
 
 ``--link RATE,...`` simulates hosts joined by a link of that rate: for each rate the
 benchmark runs itself again (same arguments, ``--inside-link RATE`` instead of ``--link``)
@@ -65,10 +72,12 @@ if __name__ != "__main__":  # imported (bench_growth.py): the executors cannot i
 DENSE_CODECS = tuple(name for name in CODECS if not get_codec(name).sparse)
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "local"  # Spark settings for this machine
 PHASES = ("get", "put", "aggregate", "update", "send")
-#: How same-host partitions reach each other: AllReduceParameter settings per name.
-TRANSPORTS = {"shared": dict(unix_sockets=True, shared_memory=True),
-              "unix": dict(unix_sockets=True, shared_memory=False),
-              "tcp": dict(unix_sockets=False, shared_memory=False)}
+#: How same-host partitions reach each other: AllReduceParameter settings per name
+#: (``tcp-encrypted``: as peers on other hosts meet where the traffic is encrypted).
+TRANSPORTS = {"shared": dict(unix_sockets=True, shared_memory=True, encrypt=False),
+              "unix": dict(unix_sockets=True, shared_memory=False, encrypt=False),
+              "tcp": dict(unix_sockets=False, shared_memory=False, encrypt=False),
+              "tcp-encrypted": dict(unix_sockets=False, shared_memory=False, encrypt=True)}
 #: The step as users write it: ``readme`` is the README's loop word for word (``w =
 #: p.get_weights()``, ``p.weight_partition[:] -= 0.1 * g``); ``tuned`` fills a buffer of
 #: its own (``get_weights(out=w)``) and updates in place without a temporary.
@@ -142,8 +151,11 @@ def codec_of(param: AllReduceParameter) -> str:
 
 def transport_of(param: AllReduceParameter) -> str:
     """The transport (with ``--fetch-threads``, and its fetch threads) ``param`` was made with."""
+    def setting(key):
+        return param.network.encrypt if key == "encrypt" else getattr(param, key)
+
     return max((name for name, settings in TRANSPORTS.items()
-                if all(getattr(param, key) == value for key, value in settings.items())),
+                if all(setting(key) == value for key, value in settings.items())),
                key=lambda name: len(TRANSPORTS[name]))
 
 
@@ -168,10 +180,12 @@ def alternate(spark, partitions: int, params: list[AllReduceParameter], loops: l
     configs = [(param.size, codec_of(param), transport_of(param), loop) for param in params for loop in loops]
     rdd = spark.sparkContext.parallelize(range(partitions), partitions)
     task = engine_task(params, loops, steps, warmup, sparse)
+    swapped = engine_task(params[::-1], loops, steps, warmup, sparse)  # every other round: the other order
     engine = {config: [] for config in configs}
     gloo_ms = {param.size: [] for param in params}
-    for _ in range(rounds):
-        report = [entry for part in rdd.barrier().mapPartitions(task).collect() for entry in part]
+    for number in range(rounds):
+        stage = task if number % 2 == 0 else swapped
+        report = [entry for part in rdd.barrier().mapPartitions(stage).collect() for entry in part]
         for config in configs:
             engine[config].append(engine_medians(report, config))
         for size in gloo_ms if gloo else ():
@@ -283,6 +297,26 @@ def print_table(rows: list[dict], with_link: bool = False) -> None:
     sys.stdout.flush()
 
 
+def print_encryption_table(engine: dict) -> None:
+    """Plain TCP against encrypted TCP, for every size, codec and loop measured both ways:
+    their medians over the rounds, and the median of the per-round ratios with their range
+    (both ran in the same barrier stage of each round, so the machine's drift cancels)."""
+    lines = []
+    for (size, codec, transport, loop), sealed in engine.items():
+        plain = engine.get((size, codec, "tcp", loop))
+        if transport != "tcp-encrypted" or plain is None:
+            continue
+        ratios = [s / p for (s, _), (p, _) in zip(sealed, plain)]
+        plain_ms, sealed_ms = (statistics.median(total for total, _ in rounds) for rounds in (plain, sealed))
+        lines.append((label(size), codec + (f", {loop} loop" if len({key[3] for key in engine}) > 1 else ""),
+                      ms_text(plain_ms), ms_text(sealed_ms), f"{sealed_ms - plain_ms:+.2f}",
+                      f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"))
+    if lines:
+        print("\nencryption in transit (a step's median ms over TCP, without and with encrypt=True):")
+        print(render(("size", "codec", "tcp ms", "tcp-encrypted ms", "difference ms", "x tcp (range)"), lines))
+        sys.stdout.flush()
+
+
 def machine() -> str:
     try:
         with open("/proc/meminfo") as info:
@@ -360,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     link = args.inside_link or HOST
     if args.inside_link:
         bits_per_second(link)
-        transports = ["tcp"]  # what peers on other hosts use
+        transports = [name for name in transports if name.startswith("tcp")] or ["tcp"]  # as peers on other hosts
     if args.fetch_threads:  # each transport once per fetch thread count, named "shared f8"
         counts = [int(count) for count in args.fetch_threads.split(",")]
         transports = [f"{transport} f{count}" for transport in transports for count in counts]
@@ -401,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_baselines:
                 rows.append(gloo_row(link, size, partitions, gloo[size], tree))
         print_table(rows, with_link=bool(args.inside_link or args.results))
+        print_encryption_table(engine)
         if args.results:
             Path(args.results).write_text(json.dumps(rows))
     finally:

@@ -3,6 +3,7 @@ checked here: speed belongs in the benchmarks' own runs, never in a test)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,17 @@ def test_bench_allreduce_prints_a_row_per_codec_and_loop():
     assert [row[1] for row in engine] == ["allreduce-param raw, readme loop", "allreduce-param raw, tuned loop",
                                           "allreduce-param int8, readme loop", "allreduce-param int8, tuned loop"]
     assert all(row[0] == "10K" and float(row[2]) > 0 for row in engine)
+
+
+def test_bench_allreduce_compares_tcp_with_and_without_encryption():
+    out = run_job("bench_allreduce.py", "--master", "local[2]", "--sizes", "10000", "--codecs", "raw",
+                  "--transports", "tcp,tcp-encrypted", "--rounds", "2", "--steps", "2", "--warmup", "1",
+                  "--no-baselines")
+    assert [row[1] for row in rows(out, "allreduce-param")] == ["allreduce-param raw (tcp)",
+                                                                "allreduce-param raw (tcp-encrypted)"]
+    [row] = rows(out.split("encryption in transit")[1], "10K")
+    plain, sealed, ratio = float(row[2]), float(row[3]), row[5]
+    assert plain > 0 and sealed > 0 and re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", ratio)
 
 
 def test_bench_growth_prints_a_row_per_size():

@@ -189,7 +189,7 @@ class DistriOptimizer:
         param = AllReduceParameter(workers, size, codec=self.codec, gradient_codec=self.gradient_codec,
                                    timeout=self.timeout, strategy=self.strategy, bind_address=network.bind_address,
                                    advertise_address=network.advertise_address, port_range=network.port_range,
-                                   connect_timeout=network.connect_timeout)
+                                   connect_timeout=network.connect_timeout, encrypt=network.encrypt)
         checkpoints = None if self.checkpoint_dir is None else CheckpointSettings.for_new_fit(
             self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)
         with self._driver_end(spark, workers, network) as driver:
@@ -302,7 +302,7 @@ class DistriOptimizer:
                 progress.on_message(message)
 
         server = MessageServer(bind, on_message, advertise=advertise, ports=network.port_range,
-                               connect_timeout=network.connect_timeout)
+                               connect_timeout=network.connect_timeout, encrypt=network.encrypt)
         try:
             yield self._client_of(server, spark, network.connect_timeout)
         finally:

@@ -89,6 +89,11 @@ class FitSettings:
     connect_timeout: float | None = _setting(
         None, "seconds a connection and its handshake may take (None: spark.allreduce.connectTimeout, else 10); "
               "the meeting at the driver waits 3 times this for the last task", kind="Float")
+    encrypt: bool | None = _setting(
+        None, "encrypt the traffic that goes over TCP: blocks between workers on different hosts, and the "
+              "workers' messages to the driver (None: spark.allreduce.encrypt, else on where "
+              "spark.network.crypto.enabled or spark.ssl.enabled is true; same-host Unix sockets and shared "
+              "memory never are)", kind="Boolean")
     early_stopping_patience: int | None = _setting(
         None, "stop once the validation loss has not improved for this many epochs, and keep the best "
               "epoch's weights (needs validation data; None: train every epoch)", kind="Int")
