@@ -245,15 +245,22 @@ class HostLayout:
         partitions. Otherwise every partition is its host's leader, or there is one host."""
         return len(self.hosts) > 1 and any(len(members) > 1 for members in self.hosts)
 
+    def mates(self, partition: int) -> tuple[int, ...]:
+        """The other partitions on ``partition``'s host."""
+        return tuple(p for p in self.host(partition) if p != partition)
+
+    def other_leaders(self, partition: int) -> tuple[int, ...]:
+        """The other hosts' leaders when ``partition`` leads its host; none otherwise."""
+        if self.leader(partition) != partition:
+            return ()
+        return tuple(leader for leader in self.leaders if leader != partition)
+
     def neighbours(self, partition: int, hierarchical: bool) -> tuple[int, ...]:
         """The partitions ``partition`` exchanges blocks with: every other one when flat;
-        hierarchical, those on its host, and a leader also the other hosts' leaders."""
+        hierarchical, its host's, and a leader also the other hosts' leaders."""
         if not hierarchical:
             return tuple(p for p in range(self.partition_num) if p != partition)
-        near = [p for p in self.host(partition) if p != partition]
-        if self.leader(partition) == partition:
-            near += [leader for leader in self.leaders if leader != partition]
-        return tuple(sorted(near))
+        return tuple(sorted(self.mates(partition) + self.other_leaders(partition)))
 
     def __repr__(self) -> str:
         return f"HostLayout({[list(members) for members in self.hosts]})"

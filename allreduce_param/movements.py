@@ -410,13 +410,14 @@ class Movements:
         plan = part_plan(layout)
         pending: dict[tuple[int, int], list[Future]] = {}
         by_server: dict[int, list[_Fetch]] = {}
-        for source, destination in blocks:
-            slice_of = source if destination == EVERY_PARTITION else destination
-            parts = plan[slice_of]
-            room = None if into is None else into[layout.bounds(slice_of)]
-            futures = pending[(source, destination)] = [Future() for _ in parts]
-            server = source if via is None else via(source)
-            by_server.setdefault(server, []).append(_Fetch(source, destination, parts, futures, room))
+        for server, server_blocks in _by_server(blocks, via).items():
+            by_server[server] = []
+            for source, destination in server_blocks:
+                slice_of = _slice_of(source, destination)
+                parts = plan[slice_of]
+                room = None if into is None else into[layout.bounds(slice_of)]
+                futures = pending[(source, destination)] = [Future() for _ in parts]
+                by_server[server].append(_Fetch(source, destination, parts, futures, room))
         own = by_server.pop(self.partition_id, None) if channel is self.peers.worker else None
         for server, fetches in by_server.items():
             channel.pool.submit(self._fetch_from, channel, server, kind, read, fetches, follow_first)
@@ -495,11 +496,8 @@ class Movements:
         A block that crossed a socket is checked (its checksum included) before it is
         published; one read in place is copied and then checked unchanged. Returns one
         future per server, done when all its blocks are in."""
-        by_server: dict[int, list[tuple[int, int]]] = {}
-        for source, destination in blocks:
-            by_server.setdefault(source if via is None else via(source), []).append((source, destination))
         return [channel.pool.submit(self._relay_from, channel, server, kind, read, layout, server_blocks)
-                for server, server_blocks in by_server.items()]
+                for server, server_blocks in _by_server(blocks, via).items()]
 
     def _relay_from(self, channel: Channel, server: int, kind: int, read: WeightRead, layout: SliceLayout,
                     blocks: list[tuple[int, int]]) -> None:
@@ -509,7 +507,7 @@ class Movements:
         plan = part_plan(layout)
         try:
             for source, destination in blocks:
-                for part, (_, length) in enumerate(plan[source if destination == EVERY_PARTITION else destination]):
+                for part, (_, length) in enumerate(plan[_slice_of(source, destination)]):
                     key = BlockKey(kind, source, destination, part)
                     size = codec.max_encoded_size(length)
                     buffer = peers.store.reserve(key, version, peers.timeout)
@@ -533,6 +531,21 @@ class Movements:
         except BaseException as error:
             self._lost(channel, server, error)
             raise
+
+
+def _slice_of(source: int, destination: int) -> int:
+    """Whose slice block ``(source, destination)`` holds: the source's when it is for every
+    partition (a weight slice), else the destination's (its chunk of a gradient)."""
+    return source if destination == EVERY_PARTITION else destination
+
+
+def _by_server(blocks: list[tuple[int, int]], via: Callable[[int], int] | None) -> dict[int, list[tuple[int, int]]]:
+    """``blocks`` ``(source, destination)`` by who serves them (``via(source)``, default the
+    source), each server's in the order given."""
+    by_server: dict[int, list[tuple[int, int]]] = {}
+    for source, destination in blocks:
+        by_server.setdefault(source if via is None else via(source), []).append((source, destination))
+    return by_server
 
 
 class _Fetch(NamedTuple):

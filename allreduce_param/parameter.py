@@ -594,7 +594,7 @@ class ConnectedParameter:
         every partition of its host has signalled ``version``, so that a waiter reads only
         its own host's signals and the leaders', not a connection to every partition."""
         if self._peers.is_leader:
-            self._wait_for(version, [p for p in self._peers.hosts.host(self.partition_id) if p != self.partition_id])
+            self._wait_for(version, self._peers.hosts.mates(self.partition_id))
         self._moves.publish(BlockKind.SIGNAL, version, np.ones(1, np.float32))
 
     @_call

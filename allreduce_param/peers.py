@@ -252,11 +252,9 @@ class PeerGroup:
         if self._closed:
             return
         try:
-            near = self.hosts.neighbours(self.partition_id, hierarchical=False)
-            far: tuple[int, ...] = ()
-            if self.hierarchical:
-                near = tuple(p for p in self.hosts.host(self.partition_id) if p != self.partition_id)
-                far = tuple(p for p in self.hosts.leaders if p != self.partition_id) if self.is_leader else ()
+            me = self.partition_id
+            near, far = (self.hosts.mates(me), self.hosts.other_leaders(me)) if self.hierarchical \
+                else (self.hosts.neighbours(me, hierarchical=False), ())
             if far:
                 self._wait_for_peers(near)  # every partition of this host is done with us
                 self._say_done(far)
