@@ -165,6 +165,8 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     """
     from .train import DistriOptimizer, FitSettings
 
+    settings = job.get("train", {})
+    fit_settings = FitSettings.of(settings, where="[train]")  # a bad setting fails before Spark starts
     spark_section = job.get("spark", {})
     if not master and not under_spark_submit():  # under spark-submit, its --master wins
         master = spark_section.get("master", "local[*]")
@@ -175,8 +177,7 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
         train_df, test_df = load_data(spark, job.get("data", {}))
         model = build(models, job.get("model", {"kind": "MLP", "layers": [64, 128, 10]}), "model")
         optimizer = build(optim, job.get("optimizer", {"kind": "Adam", "lr": 1e-3}), "optimizer")
-        settings = job.get("train", {})
-        trainer = DistriOptimizer(model, optimizer, FitSettings.of(settings, where="[train]"))
+        trainer = DistriOptimizer(model, optimizer, fit_settings)
         print(f"training {model!r} with {optimizer!r}; {settings}", flush=True)
         started = time.perf_counter()
         result = trainer.fit(train_df, validation=test_df)

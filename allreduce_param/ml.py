@@ -112,12 +112,13 @@ class _AllReduceEstimator(_AllReduceParams):
         return self._set(validationIndicatorCol=value)
 
     def _fit(self, dataset):
+        settings = self._settings()  # a bad setting fails here, before the data's first Spark job
         features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
         weight_col = self.getWeightCol() if self.isDefined(self.weightCol) and self.getWeightCol() else None
         train, validation = self._split(dataset)
         n_features, num_classes = _describe(train, features_col, label_col, self._task)
         network = _network(self._task, n_features, self.getHiddenLayers(), num_classes)
-        trainer = self._trainer(network)
+        trainer = self._trainer(network, settings)
         try:
             trained = trainer.fit(train, features_col=features_col, label_col=label_col, validation=validation,
                                   weight_col=weight_col)
@@ -147,20 +148,33 @@ class _AllReduceEstimator(_AllReduceParams):
         marked = F.coalesce(F.col(column), F.lit(False))
         return dataset.filter(~marked), dataset.filter(marked)
 
-    def _trainer(self, network) -> DistriOptimizer:
-        """The DistriOptimizer these Params describe; its errors name the Params."""
+    def _settings(self) -> FitSettings:
+        """The FitSettings these Params describe, checked (on the driver, before any Spark
+        job: a conflict such as ``topology='hierarchical'`` with ``strategy='ssp'`` fails
+        first); its errors name the Params."""
+        try:
+            return FitSettings.of({spec.setting: self.getOrDefault(spec.name) for spec in estimator_params()})
+        except ConfigurationError as error:
+            raise self._naming_params(error) from error
+
+    def _trainer(self, network, settings: FitSettings | None = None) -> DistriOptimizer:
+        """The DistriOptimizer these Params describe (with ``settings``, when already made
+        from them); its errors name the Params."""
         name = self.getOptimizer().lower()
         if name not in OPTIMIZERS:
             raise ConfigurationError(f"optimizer={self.getOptimizer()!r} is not one of {', '.join(OPTIMIZERS)}")
-        specs = list(estimator_params())
+        settings = settings or self._settings()
         try:
-            settings = FitSettings.of({spec.setting: self.getOrDefault(spec.name) for spec in specs})
             return DistriOptimizer(network, OPTIMIZERS[name](lr=self.getStepSize()), settings)
         except ConfigurationError as error:
-            message = str(error)
-            for param, setting in [(spec.name, spec.setting) for spec in specs] + [("stepSize", "lr")]:
-                message = re.sub(rf"\b{setting}(?==| must)", param, message)
-            raise ConfigurationError(f"{type(self).__name__}: {message}") from error
+            raise self._naming_params(error) from error
+
+    def _naming_params(self, error: ConfigurationError) -> ConfigurationError:
+        """``error`` with the settings it names written as this Estimator's Params."""
+        message = str(error)
+        for param, setting in [(spec.name, spec.setting) for spec in estimator_params()] + [("stepSize", "lr")]:
+            message = re.sub(rf"\b{setting}(?==| must)", param, message)
+        return ConfigurationError(f"{type(self).__name__}: {message}")
 
 
 def _add_setting_params() -> None:

@@ -45,9 +45,6 @@ from .vectors import float32_vector, writable_output
 
 _next_param_id = itertools.count()
 
-#: How partitions on several hosts exchange (``AllReduceParameter(topology=...)``).
-TOPOLOGIES = ("auto", "hierarchical", "flat")
-
 
 class _Put(NamedTuple):
     """One put of a gradient, once checked: what its chunks are published with."""
@@ -125,20 +122,15 @@ class AllReduceParameter:
         self.layout = SliceLayout(size, partition_num)
         self.strategy = strategy or Strategy()
         self.strategy.check_partitions(partition_num)
-        if topology not in TOPOLOGIES:
-            raise ConfigurationError(f"topology={topology!r}: choose one of {', '.join(map(repr, TOPOLOGIES))}")
-        if topology == "hierarchical" and not self.strategy.inline_owner:
-            raise ConfigurationError(
-                f"topology='hierarchical' is for plain BSP: under {self.strategy.name!r}"
-                f"{' with backup workers' if self.strategy.backup_workers else ''} each owner takes the "
-                "partitions' gradients as they come, which a host sum would hold back; leave topology='auto'")
+        self.strategy.check_topology(topology)
         self.topology = topology
         # an unknown codec fails here, on the driver, not in every task
         self.codec, self.gradient_codec = codec_names(codec, gradient_codec)
         if not timeout > 0:
             raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if fetch_threads is not None and fetch_threads < 1:
-            raise ConfigurationError(f"fetch_threads must be at least 1, got {fetch_threads!r}")
+        if fetch_threads is not None and (isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int)
+                                          or fetch_threads < 1):
+            raise ConfigurationError(f"fetch_threads must be a positive whole number, got {fetch_threads!r}")
         self.timeout = float(timeout)
         self.fetch_threads = fetch_threads
         self.allow_nonfinite = allow_nonfinite

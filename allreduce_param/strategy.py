@@ -46,6 +46,11 @@ from .store import BlockKind
 
 STRATEGIES = ("bsp", "ssp", "asp")
 
+#: How partitions on several hosts exchange (``AllReduceParameter(topology=...)``): each host
+#: first sums its own and one partition per host exchanges for it, or every partition with
+#: every other; "auto" is the first where it changes anything (plain BSP, several hosts).
+TOPOLOGIES = ("auto", "hierarchical", "flat")
+
 #: ssp/asp: how many gradient versions a partition may publish that an owner has not yet
 #: asked for; one more waits. Two let the owner read one while the next is encoded.
 GRADIENT_BACKLOG = 2
@@ -100,6 +105,18 @@ class Strategy:
                 f"this fit has {partition_num}: every step needs at least one gradient; lower "
                 "backup_workers or raise num_workers"
             )
+
+    def check_topology(self, topology: object) -> None:
+        """Raise unless ``topology`` is one of ``TOPOLOGIES`` that this strategy can sync
+        with: ``"hierarchical"`` goes with plain BSP only."""
+        if not isinstance(topology, str) or topology not in TOPOLOGIES:
+            raise ConfigurationError(f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got {topology!r}")
+        if topology == "hierarchical" and not self.inline_owner:
+            fix = "backup_workers=0" if self.backup_workers else "strategy='bsp'"
+            raise ConfigurationError(
+                f"topology='hierarchical' goes with strategy='bsp' and no backup workers, not with "
+                f"{self.as_settings}: there each owner takes the partitions' gradients as they come, which a "
+                f"host's sum would hold back. Leave topology='auto' (flat under {self.as_settings}) or set {fix}")
 
     @property
     def as_settings(self) -> str:

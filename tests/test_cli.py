@@ -70,3 +70,24 @@ def test_the_main_job_with_a_cluster_master_says_to_use_spark_submit(capsys):
     error = capsys.readouterr().err
     assert status == 2 and "spark-submit --master spark://10.0.3.2:7077 --properties-file " \
                            "conf/cluster/standalone.conf" in error and "Traceback" not in error
+
+
+def test_a_job_files_engine_settings_are_checked_before_spark_starts(monkeypatch, capsys):
+    from allreduce_param import FitSettings
+    from allreduce_param import cli
+
+    job = apply_overrides({"train": {}}, ["train.topology=flat", "train.fetch_threads=4"])  # a bare word is text
+    assert (FitSettings.of(job["train"]).topology, FitSettings.of(job["train"]).fetch_threads) == ("flat", 4)
+
+    def no_spark(*args, **kwargs):
+        raise AssertionError("Spark started for a job whose settings are bad")
+
+    monkeypatch.setattr(cli, "local_spark", no_spark)
+    status = main(["train", "--conf", str(REPO / "conf" / "digits.toml"), "--set", "train.topology=hierarchical",
+                   "--set", "train.strategy=ssp", "--set", "train.staleness=2"])
+    error = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in error
+    assert error.startswith("error: topology='hierarchical' goes with strategy='bsp' and no backup workers, "
+                            "not with strategy='ssp'")
+    assert main(["train", "--conf", str(REPO / "conf" / "digits.toml"), "--set", "train.fetch_threads=0"]) == 2
+    assert "fetch_threads must be a positive whole number, got 0" in capsys.readouterr().err

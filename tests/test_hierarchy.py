@@ -187,9 +187,10 @@ def test_a_member_that_dies_fails_every_partition_naming_it():
 
 
 def test_other_strategies_stay_flat_and_hierarchical_is_refused_for_them():
-    with pytest.raises(ConfigurationError, match="plain BSP"):
+    with pytest.raises(ConfigurationError, match="topology='hierarchical' goes with strategy='bsp' and no backup "
+                                                 "workers, not with strategy='ssp'.* or set strategy='bsp'"):
         AllReduceParameter(4, 10, strategy=Strategy("ssp", staleness=1), topology="hierarchical")
-    with pytest.raises(ConfigurationError, match="topology='ring'"):
+    with pytest.raises(ConfigurationError, match="topology must be one of 'auto', 'hierarchical', 'flat', got 'ring'"):
         AllReduceParameter(4, 10, topology="ring")
     param = AllReduceParameter(4, 10, strategy=Strategy("asp"))
 

@@ -245,3 +245,32 @@ def test_every_param_has_a_setter_and_a_getter_as_mllibs_do():
     copied = classifier.copy({classifier.maxEpochs: 2})
     assert copied.getMaxEpochs() == 2 and classifier.getMaxEpochs() == 7
     assert AllReduceRegressor().getHiddenLayers() == [] and AllReduceRegressor().getSeed() == 0
+
+
+def test_topology_and_fetch_threads_params_save_load_and_are_checked_before_any_spark_job(spark, tmp_path):
+    from allreduce_param import FitSettings
+
+    classifier = AllReduceClassifier(topology="flat", fetchThreads=2, maxEpochs=1)
+    classifier.save(str(tmp_path / "set"))
+    loaded = AllReduceClassifier.load(str(tmp_path / "set"))
+    assert (loaded.getTopology(), loaded.getFetchThreads()) == ("flat", 2)
+    assert loaded._settings() == FitSettings(topology="flat", fetch_threads=2, epochs=1)
+    AllReduceRegressor().save(str(tmp_path / "defaults"))
+    defaults = AllReduceRegressor.load(str(tmp_path / "defaults"))
+    assert (defaults.getTopology(), defaults.getFetchThreads()) == ("auto", None)
+
+    # a conflict of settings fails in fit before the data's first Spark job (the data checks)
+    df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=100))
+    context, group = spark.sparkContext, "refused-on-the-driver"
+    context.setJobGroup(group, "a fit whose settings conflict")
+    try:
+        with pytest.raises(ConfigurationError, match="AllReduceClassifier: topology='hierarchical' goes with "
+                                                     "strategy='bsp' and no backup workers, not with "
+                                                     "strategy='ssp'.* or set strategy='bsp'"):
+            AllReduceClassifier(topology="hierarchical", strategy="ssp", staleness=1, showProgress=False).fit(df)
+        assert context.statusTracker().getJobIdsForGroup(group) == []
+        df.count()  # the tracker does see this group's jobs
+        assert context.statusTracker().getJobIdsForGroup(group) != []
+    finally:
+        context.setLocalProperty("spark.jobGroup.id", None)
+        context.setLocalProperty("spark.job.description", None)

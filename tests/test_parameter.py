@@ -263,6 +263,9 @@ def test_settings_are_checked_on_the_driver():
         AllReduceParameter(2, 0)
     with pytest.raises(ConfigurationError, match="partition_num must be a positive"):
         AllReduceParameter(0, 10)
+    for threads in (0, True, 2.5):
+        with pytest.raises(ConfigurationError, match=f"fetch_threads must be a positive whole number, got {threads}"):
+            AllReduceParameter(2, 10, fetch_threads=threads)
 
 
 def test_partition_count_mismatch_says_what_to_change():

@@ -29,6 +29,12 @@ def test_defaults_and_changes_by_name():
     ({"checkpoint_every": 5}, "checkpoint_every=5 goes with checkpoint_dir"),
     ({"overlap": "sometimes"}, "overlap must be True, False or 'auto'"),
     ({"partition_scheme": "hashed"}, "partition_scheme='hashed' is not a data-partition scheme"),
+    ({"topology": "ring"}, "topology must be one of 'auto', 'hierarchical', 'flat', got 'ring'"),
+    ({"topology": None}, "topology must be one of 'auto', 'hierarchical', 'flat', got None"),
+    ({"fetch_threads": 0}, "fetch_threads must be a positive whole number, got 0"),
+    ({"fetch_threads": -2}, "fetch_threads must be a positive whole number, got -2"),
+    ({"fetch_threads": True}, "fetch_threads must be a positive whole number, got True"),
+    ({"fetch_threads": 1.5}, "fetch_threads must be a positive whole number, got 1.5"),
 ])
 def test_a_bad_setting_fails_when_made_naming_it(changes, message):
     with pytest.raises(ConfigurationError, match=message):
@@ -74,3 +80,42 @@ def test_the_estimators_params_reach_the_distri_optimizer():
         AllReduceClassifier(epochs=3)
     with pytest.raises(ConfigurationError, match="AllReduceClassifier: maxEpochs must be a positive whole number"):
         AllReduceClassifier(maxEpochs=0)._trainer(models.SoftmaxRegression(4, 3))
+
+
+def test_topology_and_fetch_threads_are_settings_the_engine_gets_as_given():
+    settings = FitSettings()
+    assert (settings.topology, settings.fetch_threads) == ("auto", None)  # the engine's own defaults
+    trainer = DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), topology="flat", fetch_threads=2)
+    assert (trainer.topology, trainer.fetch_threads) == ("flat", 2)
+    assert FitSettings(topology="hierarchical", strategy="bsp").topology == "hierarchical"
+    classifier = AllReduceClassifier(topology="hierarchical", fetchThreads=4)
+    assert (classifier.getTopology(), classifier.getFetchThreads()) == ("hierarchical", 4)
+    assert classifier._trainer(models.SoftmaxRegression(4, 3)).settings == \
+        FitSettings(topology="hierarchical", fetch_threads=4)
+    with pytest.raises(ConfigurationError, match="AllReduceClassifier: fetchThreads must be a positive whole "
+                                                 "number, got 0"):
+        AllReduceClassifier(fetchThreads=0)._settings()
+
+
+@pytest.mark.parametrize("strategy, named, fix", [
+    ({"strategy": "ssp", "staleness": 2}, "strategy='ssp'", "strategy='bsp'"),
+    ({"strategy": "asp"}, "strategy='asp'", "strategy='bsp'"),
+    ({"backup_workers": 1}, "strategy='bsp', backup_workers=1", "backup_workers=0"),
+])
+def test_a_hierarchical_topology_under_another_strategy_than_plain_bsp_fails_on_the_driver(strategy, named, fix):
+    """Refused when the settings are made, in the driver's process, naming the strategy
+    setting that conflicts and what to change; "auto" under the same strategy is fine."""
+    expected = (f"topology='hierarchical' goes with strategy='bsp' and no backup workers, not with {named}: .*"
+                f"Leave topology='auto' \\(flat under {named}\\) or set {fix}$")
+    with pytest.raises(ConfigurationError, match=expected):
+        FitSettings(topology="hierarchical", **strategy)
+    with pytest.raises(ConfigurationError, match=expected):
+        DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), topology="hierarchical", **strategy)
+    assert FitSettings(topology="auto", **strategy).topology == "auto"
+    assert FitSettings(topology="flat", **strategy).topology == "flat"
+    params = {"strategy": "strategy", "staleness": "staleness", "backup_workers": "backupWorkers"}
+    classifier = AllReduceClassifier(topology="hierarchical", **{params[k]: v for k, v in strategy.items()})
+    with pytest.raises(ConfigurationError, match="AllReduceClassifier: topology='hierarchical' goes with "
+                                                 "strategy='bsp' and no backup workers, not with strategy=.*"
+                                                 f"or set {fix.replace('backup_workers', 'backupWorkers')}$"):
+        classifier._settings()

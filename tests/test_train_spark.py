@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import (
+    AllReduceParameter,
     ConfigurationError,
     DistriOptimizer,
     InputError,
@@ -65,6 +67,47 @@ def test_overlap_is_a_setting_of_the_fit_that_changes_no_weight(spark):
             for overlap in (True, False)]
     assert np.array_equal(fits[0].weights, fits[1].weights)
     assert fits[0].history.steps[-1]["loss"] < fits[0].history.steps[0]["loss"]
+
+
+class ReportingParameter(AllReduceParameter):
+    """The engine's parameter, unchanged but for its ``connect``: each task writes what its
+    copy of the parameter and its handle say into ``report_dir`` (local mode: a folder the
+    tasks and the test share). Shipped to the Python workers by value, as this module is."""
+
+    report_dir: str | None = None
+
+    def connect(self, rendezvous=None):
+        handle = super().connect(rendezvous)
+        try:
+            with open(os.path.join(self.report_dir, f"partition-{handle.partition_id}.json"), "w") as file:
+                json.dump({"topology": self.topology, "fetch_threads": self.fetch_threads,
+                           "hierarchical": handle.hierarchical}, file)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+
+def test_topology_and_fetch_threads_reach_the_parameter_the_tasks_sync_with(spark, monkeypatch, tmp_path):
+    from allreduce_param.train import distri
+
+    made = []
+
+    def making(*args, **kwargs):  # what DistriOptimizer.fit asks for, made as the engine makes it
+        param = ReportingParameter(*args, **kwargs)
+        param.report_dir = str(tmp_path)
+        made.append(param)
+        return param
+
+    monkeypatch.setattr(distri, "AllReduceParameter", making)
+    X, y = regression_data(rows=60)
+    result = DistriOptimizer(models.LinearRegression(5), optim.SGD(lr=0.1), batch_size=30, epochs=2, codec="raw",
+                             num_workers=3, progress=False, topology="flat", fetch_threads=1).fit(frame(spark, X, y))
+    assert len(result.history.steps) == 4 and result.history.steps[-1]["loss"] < result.history.steps[0]["loss"]
+    [param] = made
+    assert (param.topology, param.fetch_threads, param.partition_num) == ("flat", 1, 3)
+    reports = [json.loads((tmp_path / f"partition-{i}.json").read_text()) for i in range(3)]
+    assert reports == [{"topology": "flat", "fetch_threads": 1, "hierarchical": False}] * 3
 
 
 def test_cached_data_is_checked_once_and_other_data_anew(spark, monkeypatch):

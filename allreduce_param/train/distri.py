@@ -84,6 +84,16 @@ class DistriOptimizer:
     ``codec`` says how blocks travel (see ``allreduce_param.codec``); ``gradient_codec``
     another one for the gradients alone, such as ``"topk"`` with ``codec="int8"``. What a
     lossy codec rounds off a partition's gradient is kept and added to its next one.
+    ``topology`` says how partitions on several hosts sync: ``"auto"`` (the default) is
+    hierarchical under plain BSP on several hosts one of which has several partitions (each
+    host sums its own in shared memory and one partition per host exchanges with the other
+    hosts', so connections and each host's traffic grow with the hosts, not the
+    partitions), else flat; ``"flat"`` has every partition exchange with every other, and
+    ``"hierarchical"`` asks for the host sums, which only plain BSP (no backup workers) can
+    take: with another strategy it is refused here. A lossless codec gives the same weights
+    either way.
+    ``fetch_threads`` bounds how many peers a worker fetches from at once (None: the
+    engine's default; see ``AllReduceParameter``).
 
     ``checkpoint_dir`` (a local path, or a URL such as ``hdfs://`` or ``s3://`` that fsspec
     opens; on a cluster, storage every executor sees) makes the fit write checkpoints into
@@ -131,6 +141,7 @@ class DistriOptimizer:
         self.batch_size, self.epochs, self.num_workers, self.threads = s.batch_size, s.epochs, s.num_workers, s.threads
         self.seed, self.timeout, self.verbose, self.overlap = s.seed, s.timeout, s.verbose, s.overlap
         self.progress, self.log_path, self.listener = s.progress, s.log_path, s.listener
+        self.topology, self.fetch_threads = s.topology, s.fetch_threads
 
     def fit(self, data: DataFrame | RDD, features_col: str = "features", label_col: str = "label",
             validation: DataFrame | None = None, resume_from: str | None = None,
@@ -189,7 +200,8 @@ class DistriOptimizer:
         param = AllReduceParameter(workers, size, codec=self.codec, gradient_codec=self.gradient_codec,
                                    timeout=self.timeout, strategy=self.strategy, bind_address=network.bind_address,
                                    advertise_address=network.advertise_address, port_range=network.port_range,
-                                   connect_timeout=network.connect_timeout, encrypt=network.encrypt)
+                                   connect_timeout=network.connect_timeout, encrypt=network.encrypt,
+                                   topology=self.topology, fetch_threads=self.fetch_threads)
         checkpoints = None if self.checkpoint_dir is None else CheckpointSettings.for_new_fit(
             self.checkpoint_dir, self.checkpoint_every, self.checkpoint_keep)
         with self._driver_end(spark, workers, network) as driver:

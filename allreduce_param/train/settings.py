@@ -94,6 +94,16 @@ class FitSettings:
               "workers' messages to the driver (None: spark.allreduce.encrypt, else on where "
               "spark.network.crypto.enabled or spark.ssl.enabled is true; same-host Unix sockets and shared "
               "memory never are)", kind="Boolean")
+    topology: str = _setting(
+        "auto", "how partitions on several hosts sync: 'hierarchical' (each host sums its partitions in shared "
+                "memory and one partition per host exchanges with the other hosts', so connections and each "
+                "host's traffic grow with the hosts, not the partitions; plain BSP only), 'flat' (every "
+                "partition with every other) or 'auto' (hierarchical under plain BSP on several hosts one of "
+                "which has several partitions, else flat); a lossless codec gives the same weights either way",
+        kind="String")
+    fetch_threads: int | None = _setting(
+        None, "how many peers each worker fetches blocks from at once (None: the engine's default, 16, or every "
+              "peer when there are fewer); the others queue", kind="Int")
     early_stopping_patience: int | None = _setting(
         None, "stop once the validation loss has not improved for this many epochs, and keep the best "
               "epoch's weights (needs validation data; None: train every epoch)", kind="Int")
@@ -102,9 +112,9 @@ class FitSettings:
         kind="Float")
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "epochs", "num_workers"):
+        for name in ("batch_size", "epochs", "num_workers", "fetch_threads"):
             value = getattr(self, name)
-            if not (value is None and name == "num_workers") and (
+            if not (value is None and name in ("num_workers", "fetch_threads")) and (
                     isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
         codec_names(self.codec, self.gradient_codec)  # an unknown or misplaced codec, naming the codecs there are
@@ -119,6 +129,7 @@ class FitSettings:
         if self.model_averaging is not None and every == 1:
             raise ConfigurationError("model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
                                      "sync_every=1 every step averages the gradients")
+        strategy.check_topology(self.topology)  # a conflict fails before the fit's first Spark job
         check_scheme(self.partition_scheme)
         check_patience(self.early_stopping_patience, self.early_stopping_min_delta)
         check_strategy(self.early_stopping_patience, strategy)
