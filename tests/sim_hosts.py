@@ -23,18 +23,25 @@ How they are made, nothing in this process's own network namespace:
   the same way gives it the address; ready once every bridge port forwards and every
   ``eth0`` is up.
 
+``simulated_hosts(count, rate="1gbit")`` also shapes every link both ways, as the shell
+tool does with ``RATE``: a ``tc`` token bucket (``tbf rate RATE burst 256kb latency 50ms``)
+on each end of each veth pair, ``eth0`` in the host (what the host sends) and ``v<i>`` in
+the switch (what it receives). Without a rate the links are left as the kernel makes them.
+
 Torn down on every path: any process left in a host's or the switch's namespace is killed
 (and named in the teardown's error), then the holders; the kernel frees a namespace, its
 veth ends and the bridge with its last process. Checked afterwards: no process or open
 descriptor holds any of the namespaces, and this process's namespace has the links it
 had before. Skipped, with the reason, when not root or when ``unshare``, ``nsenter`` or
-``ip`` is missing or refused (a container may forbid namespaces, bridges or veth).
+``ip`` (and, given a rate, ``tc``) is missing or refused (a container may forbid
+namespaces, bridges, veth or the tbf queueing discipline).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import shutil
 import signal
@@ -48,6 +55,9 @@ import pytest
 SUBNET = "192.0.2"
 #: how long making the namespaces and links may take, in all
 READY_TIMEOUT = 60.0
+#: tbf's settings besides the rate (as ``../shared/tools/sim-hosts``): the burst must exceed
+#: one packet (up to 64 KiB with segmentation offload), the latency bounds the queue
+LINK_BURST, LINK_LATENCY = "256kb", "50ms"
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class Host:
 class SimulatedHosts:
     hosts: list[Host]
     switch: str  # the bridge's namespace
+    rate: str | None = None  # what tc limits each link to, each way (None: not limited)
 
     def run(self, host: Host, script: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
         """``sh -c script`` on ``host``, after checking it runs in that host's namespace."""
@@ -147,15 +158,20 @@ def _links_here() -> list[str]:
 
 
 @contextlib.contextmanager
-def simulated_hosts(count: int) -> Iterator[SimulatedHosts]:
-    """``count`` simulated hosts (h1..hN at 192.0.2.1..N) on one bridge; see the module."""
+def simulated_hosts(count: int, rate: str | None = None) -> Iterator[SimulatedHosts]:
+    """``count`` simulated hosts (h1..hN at 192.0.2.1..N) on one bridge; with ``rate``
+    (as tc writes it: ``100mbit``, ``1gbit``), each host's link limited to it both ways.
+    See the module."""
     if os.geteuid() != 0:
         pytest.skip("simulated hosts need root (network namespaces, a bridge, veth links)")
-    missing = [tool for tool in ("unshare", "nsenter", "ip") if shutil.which(tool) is None]
+    tools = ("unshare", "nsenter", "ip") + (("tc",) if rate else ())
+    missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"no {', '.join(missing)} on this machine (util-linux, iproute2)")
     if not 1 <= count <= 254:
         raise ValueError(f"{count} hosts: 1 to 254 fit {SUBNET}.0/24")
+    if rate is not None and not re.fullmatch(r"\d+(\.\d+)?([kmgt]i?)?(bit|bps)", rate):
+        raise ValueError(f"rate {rate!r}: write it as tc does, e.g. 100mbit, 1gbit")
     links_before = _links_here()
     holders: list[subprocess.Popen] = []
     deadline = time.monotonic() + READY_TIMEOUT
@@ -174,9 +190,12 @@ def simulated_hosts(count: int) -> Iterator[SimulatedHosts]:
             addressed = _in_namespace(host.prefix, namespace,
                                       f"ip addr add {host.address}/24 dev eth0 && ip link set eth0 up")
             assert addressed.returncode == 0, f"h{i}: {addressed.stderr}"
+            if rate:
+                _shape(host.prefix, namespace, "eth0", rate, f"h{i}")
+                _shape(switch_prefix, switch, f"v{i}", rate, f"the switch's end of h{i}'s link")
             hosts.append(host)
         assert len({host.namespace for host in hosts} | {switch}) == count + 1, "namespaces not distinct"
-        simulated = SimulatedHosts(hosts, switch)
+        simulated = SimulatedHosts(hosts, switch, rate)
         _wait_until_linked(simulated, switch_prefix, deadline)
         yield simulated
     finally:
@@ -201,6 +220,15 @@ def simulated_hosts(count: int) -> Iterator[SimulatedHosts]:
     assert not stray, f"processes left running on the simulated hosts (killed now): {stray}"
     assert not remaining, f"the simulated hosts' namespaces are still held: {remaining}"
     assert links_after == links_before, f"this namespace's links changed: {links_before} -> {links_after}"
+
+
+def _shape(prefix: tuple[str, ...], namespace: str, device: str, rate: str, where: str) -> None:
+    """Limit what ``device`` sends to ``rate`` (tc tbf); skips the test when tc refuses (a
+    kernel without the tbf queueing discipline, say), with tc's error."""
+    shaped = _in_namespace(prefix, namespace, f"tc qdisc add dev {device} root tbf rate {rate} "
+                                              f"burst {LINK_BURST} latency {LINK_LATENCY}")
+    if shaped.returncode != 0:
+        pytest.skip(f"could not limit {where}'s {device} to {rate} (tc qdisc add ... tbf): {shaped.stderr.strip()}")
 
 
 def _wait_until_linked(simulated: SimulatedHosts, switch_prefix: tuple[str, ...], deadline: float) -> None:

@@ -3,10 +3,15 @@ checked here: speed belongs in the benchmarks' own runs, never in a test)."""
 
 from __future__ import annotations
 
+import importlib
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,3 +70,70 @@ def test_bench_overlap_prints_a_row_per_model_and_codec():
         off, on = (float(cell.split()[0]) for cell in row[5:7])  # ratio), each rounded to 0.1 ms
         ratio = float(row[9].split()[0])
         assert off > 0 and on > 0 and (on - 0.05) / (off + 0.05) - 0.005 <= ratio <= (on + 0.05) / (off - 0.05) + 0.005
+
+
+def test_bench_hosts_times_every_configuration_across_simulated_hosts():
+    """2 simulated hosts x 2 slots on 1gbit links, one round: a row per configuration with
+    positive figures, the ratios as the figures give them, more bytes across the links flat
+    than hierarchical (L = 2 times), and the job's own check of every result against numpy.
+    Root only; skipped, with the job's reason, where network namespaces cannot be made.
+    About a minute: most of it the cluster's start and spark-submit's."""
+    if os.geteuid() != 0:
+        pytest.skip("bench_hosts.py needs root (network namespaces, veth links, tc)")
+    done = subprocess.run([sys.executable, str(REPO / "jobs" / "bench_hosts.py"), "--hosts", "2", "--slots", "2",
+                           "--sizes", "100K", "--rounds", "1", "--steps", "2", "--warmup", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    if done.returncode == 2 and "cannot make the simulated hosts" in done.stderr:
+        pytest.skip(done.stderr.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    topologies, encryption = out.split("encrypted against plain")
+    ratio = r"(\d+\.\d\d) \((\d+\.\d\d)-(\d+\.\d\d)\)"
+    table = rows(topologies, "| 100K")
+    assert [row[1:3] for row in table] == [["raw", "off"], ["raw", "on"]]
+    for row in table:
+        flat, hierarchical, flat_mb, hierarchical_mb = (float(cell) for cell in (row[3], row[4], row[6], row[7]))
+        median, low, high = map(float, re.fullmatch(ratio, row[5]).groups())
+        assert flat > 0 and hierarchical > 0 and median == low == high  # one round: one ratio
+        assert abs(median - hierarchical / flat) <= 0.01 + 0.06 * median  # the figures are rounded
+        assert flat_mb > hierarchical_mb > 0
+    table = rows(encryption, "| 100K")
+    assert [row[1:3] for row in table] == [["raw", "flat"], ["raw", "hierarchical"]]
+    for row in table:
+        assert float(row[3]) > 0 and float(row[4]) > 0 and re.fullmatch(ratio, row[5])
+    assert "checked: every configuration, every round: each partition's weights bit for bit numpy's float32 sums" \
+        in out
+    assert "the cluster and the simulated hosts are stopped" in out
+
+
+def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
+    """The job's check (no Spark here): numpy's float32 sums in the engine's order pass; one
+    value one ulp off, or the same sums taken in partition order instead of host by host,
+    stop the job naming the partition; a lossy codec's weights far from numpy's too."""
+    sys.path.insert(0, str(REPO / "jobs"))  # as bench_hosts.py imports its neighbours
+    try:
+        bench_hosts = importlib.import_module("bench_hosts")
+    finally:
+        sys.path.remove(str(REPO / "jobs"))
+    hosts, size, steps = [[0, 2], [1, 3]], 1000, 3
+    weights, _ = bench_hosts.expected_weights(size, steps, hosts)
+
+    def reports(seen, vector=None):
+        return [{"partition": i, "hosts": hosts,
+                 "entries": [{"size": size, "topology": "flat", "encrypt": False, "digest": bench_hosts.digest(w),
+                              "weights": vector if i == 0 else None}]} for i, w in enumerate(seen)]
+
+    bench_hosts.check(reports([weights] * 4), "raw", steps, True, {})
+    off = weights.copy()
+    off[7] = np.nextafter(off[7], np.float32(1))
+    with pytest.raises(SystemExit, match=r"partitions \[2\] differ from numpy"):
+        bench_hosts.check(reports([weights, weights, off, weights]), "raw", steps, True, {})
+    in_partition_order, _ = bench_hosts.expected_weights(size, steps, [[0, 1, 2, 3]])
+    assert bench_hosts.digest(in_partition_order) != bench_hosts.digest(weights)
+    with pytest.raises(SystemExit, match=r"partitions \[0, 1, 2, 3\] differ"):
+        bench_hosts.check(reports([in_partition_order] * 4), "raw", steps, True, {})
+    rounded = weights + np.float32(1e-3)  # a lossy codec's: the same on every partition, near numpy's
+    bench_hosts.check(reports([rounded] * 4, rounded), "int8", steps, True, {})
+    far = weights + np.float32(1.0)
+    with pytest.raises(SystemExit, match=r"partition 0's weights are 1 off numpy's"):
+        bench_hosts.check(reports([far] * 4, far), "int8", steps, True, {})

@@ -19,6 +19,9 @@ counts must be exactly those of ``flat_design`` and ``hierarchical_design`` (the
 the code makes them), and each cross-host connection must have carried exactly the bytes
 the wire format says (``connection_bytes``); the test prints them as tables.
 
+First, apart from the cluster, two hosts made with a ``rate``: tc limits each link both
+ways, and bytes sent either way take at least the time the rate allows.
+
 Root only (``sim_hosts`` skips, saying why, where namespaces cannot be made). About a
 minute and a half on the project's 2-core machine: 18 s to start the cluster, about a
 minute for spark-submit.
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -121,6 +126,65 @@ def connection_bytes(layout: SliceLayout, partition: int, peer: int, rounds: int
     there = next(members for members in hosts if peer in members)
     return (handshake + rounds * sum(per_fetch + 4 * layout.length(j) for j in here)
             + (rounds + 1) * sum(per_fetch + 4 * layout.length(j) for j in there))
+
+
+#: the shaped hosts' test: their links' rate, and how many bytes cross one each way
+RATE, RATE_BITS, SENT = "40mbit", 40e6, 2_500_000
+#: a receiver on a simulated host: says when it listens, counts what comes, answers the count
+_RECEIVER = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 5001))
+print("listening", flush=True)
+connection, _ = server.accept()
+received = 0
+while chunk := connection.recv(1 << 16):
+    received += len(chunk)
+connection.sendall(str(received).encode())
+"""
+#: a sender: the bytes, then the seconds from the first byte sent to the receiver's answer
+_SENDER = """
+import socket, sys, time
+connection = socket.create_connection((sys.argv[1], 5001), timeout=60)
+started = time.perf_counter()
+connection.sendall(bytes(int(sys.argv[2])))
+connection.shutdown(socket.SHUT_WR)
+print(connection.recv(64).decode(), time.perf_counter() - started)
+"""
+
+
+def _send(hosts, source, target) -> tuple[int, float]:
+    """SENT bytes over TCP from ``source`` to ``target``: (bytes received, seconds)."""
+    receiver = subprocess.Popen([*target.prefix, sys.executable, "-c", _RECEIVER, target.address],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        assert receiver.stdout.readline().strip() == "listening", receiver.stderr.read()
+        sent = hosts.run(source, f"{sys.executable} -c '{_SENDER}' {target.address} {SENT}", timeout=60)
+        assert sent.returncode == 0, sent.stderr
+        receiver.wait(30)
+    finally:
+        receiver.kill()
+        receiver.wait()
+        receiver.stdout.close()
+        receiver.stderr.close()
+    received, seconds = sent.stdout.split()
+    return int(received), float(seconds)
+
+
+def test_a_rate_limits_the_links_of_simulated_hosts_both_ways():
+    """``simulated_hosts(2, rate=...)``: tbf at that rate on each host's eth0, and a transfer
+    each way between the two takes at least what the rate allows (an unshaped veth moves
+    these bytes in milliseconds). The first tbf passes a burst of 256 KiB at once."""
+    with simulated_hosts(2, rate=RATE) as made:
+        assert made.rate == RATE
+        for host in made.hosts:
+            shown = made.run(host, "tc qdisc show dev eth0").stdout
+            assert "tbf" in shown and "rate 40Mbit" in shown, (host.name, shown)
+        least = (SENT - 256 * 1024) * 8 / RATE_BITS
+        for source, target in (made.hosts, made.hosts[::-1]):
+            received, seconds = _send(made, source, target)
+            assert received == SENT
+            assert 0.8 * least <= seconds <= 10 * least, (f"{SENT:,} bytes {source.name} -> {target.name} at {RATE} "
+                                                          f"took {seconds:.3f} s; at least {least:.3f} s expected")
 
 
 @pytest.fixture(scope="module")
