@@ -174,10 +174,17 @@ def census(p, before: dict) -> dict:
                 unix["in"] += 1
             else:
                 unix["other"] += 1
-    names = [thread.name for thread in threading.enumerate()]
+    # A thread being started (a serve pool growing as a request comes in) is in the kernel's
+    # list a moment before Python's: take both once they agree (or as they are, at a deadline).
+    deadline = time.monotonic() + 10
+    while True:
+        kernel_threads, names = len(os.listdir("/proc/self/task")), [t.name for t in threading.enumerate()]
+        if kernel_threads == len(names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     engine = {kind: sum(name.startswith(f"allreduce-{kind}-") for name in names)
               for kind in ("accept", "serve", "fetch", "control")}
-    return {"kernel_threads": len(os.listdir("/proc/self/task")), "python_threads": len(names),
+    return {"kernel_threads": kernel_threads, "python_threads": len(names),
             "engine_threads": engine, "other_threads": sorted(n for n in names if not n.startswith("allreduce-")),
             "before": before, "tcp": tcp, "unix": unix, "server": list(own_address)}
 
