@@ -17,6 +17,7 @@ tags stay: they cost little and keep this layer's guarantees whatever carries it
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -54,17 +55,31 @@ def _frame(key: bytes, direction: bytes, number: int, message: dict) -> bytes:
     return _LENGTH.pack(len(body)) + body + _tag(key, direction, number, body)
 
 
-def _read(stream, key: bytes, direction: bytes, number: int) -> dict | None:
-    """Message ``number`` from ``direction`` on ``stream``; None at a clean end;
-    ProtocolError or AuthenticationError for what must close the connection."""
+def _read(conn, key: bytes, direction: bytes, number: int) -> dict | None:
+    """Message ``number`` from ``direction`` on ``conn`` (a socket or a sealed connection),
+    read to its last byte and not one further (so the next one's bytes make the socket
+    readable); None at a clean end; ProtocolError or AuthenticationError for what must
+    close the connection."""
     try:
-        return _read_from(stream, key, direction, number)
+        return _read_from(conn, key, direction, number)
     except EOFError:  # a sealed connection that ended inside a record: as one that ended inside a message
         raise ProtocolError("the connection closed inside a message") from None
 
 
-def _read_from(stream, key: bytes, direction: bytes, number: int) -> dict | None:
-    head = stream.read(_LENGTH.size)
+def _up_to(conn, size: int) -> bytes:
+    """``size`` bytes from ``conn``, or fewer where it ends."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        count = conn.recv_into(view[got:], size - got)
+        if count == 0:
+            break
+        got += count
+    return bytes(buffer[:got])
+
+
+def _read_from(conn, key: bytes, direction: bytes, number: int) -> dict | None:
+    head = _up_to(conn, _LENGTH.size)
     if not head:
         return None
     if len(head) < _LENGTH.size:
@@ -72,7 +87,7 @@ def _read_from(stream, key: bytes, direction: bytes, number: int) -> dict | None
     (length,) = _LENGTH.unpack(head)
     if length > MAX_MESSAGE:
         raise ProtocolError(f"a message of {length} bytes (at most {MAX_MESSAGE})")
-    body, tag = stream.read(length), stream.read(_TAG_SIZE)
+    body, tag = _up_to(conn, length), _up_to(conn, _TAG_SIZE)
     if len(body) < length or len(tag) < _TAG_SIZE:
         raise ProtocolError("the connection closed inside a message")
     if not hmac.compare_digest(tag, _tag(key, direction, number, body)):
@@ -87,14 +102,38 @@ def _read_from(stream, key: bytes, direction: bytes, number: int) -> dict | None
     return message
 
 
+class _Task:
+    """A task's proven connection to the message server: what it has sent so far, and how
+    to answer it (from any thread: an answer may come while the next message is read)."""
+
+    def __init__(self, proven: Proven) -> None:
+        self.conn, self.key, self.sock, self.peer_text = \
+            proven.sock, proven.session_key, proven.sock, proven.peer_text
+        self.received = self.sent = 0
+        self._send_lock = threading.Lock()
+
+    def reply(self, answer: dict) -> None:
+        with self._send_lock:
+            self.conn.sendall(_frame(self.key, b"driver", self.sent, answer))
+            self.sent += 1
+
+
 class MessageServer:
     """The driver's end: accepts the tasks' connections and hands each message to
-    ``on_message(message, reply)``, on that connection's own thread, in the order sent;
-    ``reply(answer)`` sends an answer back on the same connection. Close it when done.
+    ``on_message(message, reply)``, one at a time per connection and in the order sent;
+    ``reply(answer)`` sends an answer back on the same connection, then or later, from any
+    thread. Close it when done.
+
+    However many tasks connect, it holds ``THREADS`` threads and its accept loop's (the
+    loop watches the connections between messages): so ``on_message`` must not wait for
+    other tasks' messages. A meeting answers later instead (``rendezvous.MeetingPoint``).
 
     Listens on ``host`` at a free port of ``ports`` (None: any); the tasks connect to
     ``address``: ``advertise`` (default ``host``) and that port. With ``encrypt`` the
     connections are encrypted (its clients are made so)."""
+
+    #: The threads that read and handle the tasks' messages.
+    THREADS = 4
 
     def __init__(self, host: str, on_message: Callable[[dict, Reply], None], *, advertise: str | None = None,
                  ports: tuple[int, int] | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -103,9 +142,12 @@ class MessageServer:
         self._on_message = on_message
         self._connect_timeout = connect_timeout
         self._encrypt = encrypt
+        self._lock = threading.Lock()
+        self._tasks: set[_Task] = set()
         self._server = AuthenticatedServer(self.secret, MESSAGES_ID, 1, self._serve, bind=host, ports=ports,
                                            advertise=advertise, timeout=connect_timeout, encrypt=encrypt,
-                                           what="the driver's message server", thread_name="allreduce-messages",
+                                           what="the driver's message server", pool=self.THREADS,
+                                           thread_name="allreduce-messages",
                                            accept_thread_name="allreduce-messages-accept")
         self.bound_address: tuple[str, int] = self._server.address
         self.address: tuple[str, int] = (self._server.advertised_host, self.bound_address[1])
@@ -114,41 +156,57 @@ class MessageServer:
         """What a task uses to reach this server (it connects on first use)."""
         return MessageClient(self.address, self.secret, self._connect_timeout, encrypt=self._encrypt)
 
-    def _serve(self, task: Proven) -> None:
-        task = seal_proven(task)
-        conn, key = task.sock, task.session_key
-        send_lock = threading.Lock()
-        sent = 0
+    def _serve(self, proven: Proven) -> None:
+        task = _Task(seal_proven(proven))
+        task.conn.settimeout(self._connect_timeout)  # a message, once begun, comes whole
+        with self._lock:
+            self._tasks.add(task)
+        self._await(task)
 
-        def reply(answer: dict) -> None:
-            nonlocal sent
-            with send_lock:
-                conn.sendall(_frame(key, b"driver", sent, answer))
-                sent += 1
+    def _await(self, task: _Task) -> None:
+        if not self._server.watch(task.conn, functools.partial(self._read, task)):
+            self._end(task)  # closing
 
-        with conn.makefile("rb") as stream:
-            number = 0
-            while True:
-                try:
-                    message = _read(stream, key, b"task", number)
-                except (ProtocolError, AuthenticationError) as error:
-                    log.warning("closed the connection of a task at %s to the driver: %s", task.peer_text, error)
-                    return
-                except OSError:
-                    return  # closed by the task, or by close()
-                if message is None:
-                    return
-                number += 1
-                try:
-                    self._on_message(message, reply)
-                except OSError:
-                    return  # the answer could not be sent: the task is gone
-                except Exception:  # a listener's bug must not stop the messages
-                    log.exception("handling a task's message on the driver failed")
+    def _read(self, task: _Task) -> None:
+        """The task's next messages (those its connection has), each handled before the next."""
+        while True:
+            try:
+                message = _read(task.conn, task.key, b"task", task.received)
+            except (ProtocolError, AuthenticationError) as error:
+                log.warning("closed the connection of a task at %s to the driver: %s", task.peer_text, error)
+                message = None
+            except OSError:  # closed by the task, or by close(); or a message that stopped halfway
+                message = None
+            if message is None:
+                self._end(task)
+                return
+            task.received += 1
+            try:
+                self._on_message(message, task.reply)
+            except OSError:  # the answer could not be sent: the task is gone
+                self._end(task)
+                return
+            except Exception:  # a listener's bug must not stop the messages
+                log.exception("handling a task's message on the driver failed")
+            if not getattr(task.conn, "buffered", 0):  # a sealed record may hold the next one already
+                break
+        self._await(task)
+
+    def _end(self, task: _Task) -> None:
+        with self._lock:
+            if task not in self._tasks:
+                return
+            self._tasks.discard(task)
+        self._server.discard(task.sock)
+        task.conn.close()
 
     def close(self) -> None:
-        """Stop listening, close every connection, and wait for their threads."""
+        """Stop listening, close every connection, and wait for the threads."""
         self._server.close()
+        with self._lock:
+            left = list(self._tasks)
+        for task in left:
+            self._end(task)
 
 
 class MessageClient:
@@ -165,7 +223,6 @@ class MessageClient:
         self._connect_timeout = connect_timeout
         self._encrypt = encrypt
         self._sock: socket.socket | SealedConnection | None = None
-        self._stream = None
         self._key = b""
         self._sent = self._received = 0
         self._lock = threading.Lock()
@@ -197,7 +254,7 @@ class MessageClient:
             except BaseException:
                 sock.close()
                 raise
-            self._sock, self._stream = sock, sock.makefile("rb")
+            self._sock = sock
             self._sent = self._received = 0
         return self._sock
 
@@ -217,7 +274,7 @@ class MessageClient:
         sock = self._connected()
         sock.settimeout(timeout)
         try:
-            message = _read(self._stream, self._key, b"driver", self._received)
+            message = _read(sock, self._key, b"driver", self._received)
         finally:
             if self._sock is not None:
                 self._sock.settimeout(self._connect_timeout)
@@ -229,6 +286,5 @@ class MessageClient:
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:
-                self._stream.close()
                 self._sock.close()
-                self._sock, self._stream = None, None
+                self._sock = None

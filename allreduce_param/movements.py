@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import Future
-from typing import Callable, NamedTuple
+from typing import Callable, Generator, NamedTuple
 
 import numpy as np
 
 from .codec import Codec, get_codec, parse_header
 from .errors import AuthenticationError, CorruptBlockError, NonFiniteGradientError, PeerLostError
 from .layout import SliceLayout, split
-from .peers import PART_LENGTH, Channel, PeerGroup
+from .channels import Channel, FetchSteps, PeerGet, StoreGet, run_through
+from .peers import PART_LENGTH, PeerGroup
 from .store import EVERY_PARTITION, BlockKey, BlockKind, SplitBlock
 from .strategy import WeightRead
 
@@ -420,16 +421,17 @@ class Movements:
                 by_server[server].append(_Fetch(source, destination, parts, futures, room))
         own = by_server.pop(self.partition_id, None) if channel is self.peers.worker else None
         for server, fetches in by_server.items():
-            channel.pool.submit(self._fetch_from, channel, server, kind, read, fetches, follow_first)
+            channel.start(self._fetch_from(channel, server, kind, read, fetches, follow_first))
         if own:
-            self._fetch_from(channel, self.partition_id, kind, read, own, follow_first)
+            run_through(self._fetch_from(channel, self.partition_id, kind, read, own, follow_first))
         return pending
 
     def _fetch_from(self, channel: Channel, server: int, kind: int, read: WeightRead, fetches: list[_Fetch],
-                    follow_first: bool) -> None:
-        """Fetch ``fetches`` from ``server`` in order; after a failure the rest fail with it."""
+                    follow_first: bool) -> FetchSteps:
+        """Fetch ``fetches`` from ``server`` in order; after a failure the rest fail with it.
+        The steps of one fetch (``Channel.start``)."""
         for index, fetch in enumerate(fetches):
-            error = self._fetch_parts(channel, server, kind, read, fetch, follow_first)
+            error = yield from self._fetch_parts(channel, server, kind, read, fetch, follow_first)
             if error is not None:
                 for later in fetches[index + 1:]:
                     for future in later.futures:
@@ -437,9 +439,9 @@ class Movements:
                 return
 
     def _fetch_parts(self, channel: Channel, server: int, kind: int, read: WeightRead, fetch: _Fetch,
-                     follow_first: bool) -> BaseException | None:
+                     follow_first: bool) -> Generator[PeerGet | StoreGet, tuple, BaseException | None]:
         """Fetch and decode one block's parts from ``server`` in order, resolving one future per
-        part; the error, if one came.
+        part; the error, if one came. Yields where it may wait (``Channel.start``).
 
         A failure fails this part and every later one, so the caller sees it where it waits.
         """
@@ -458,12 +460,12 @@ class Movements:
             key = BlockKey(kind, source, destination, part)
             try:
                 if local:
-                    version, block = peers.store.get(key, read.version, peers.timeout,
-                                                     newest=not read.exact, reader=channel.reader)
+                    version, block = yield StoreGet(peers.store, key, read.version, peers.timeout,
+                                                    not read.exact, channel.reader)
                 else:
-                    version, block = channel.clients[server].fetch(
-                        key, read.version, size, None if receive is None else receive[offset:offset + size],
-                        in_place, newest=not read.exact)
+                    version, block = yield PeerGet(channel.clients[server], key, read.version, size,
+                                                   None if receive is None else receive[offset:offset + size],
+                                                   in_place, not read.exact)
                 block, payload = _header_and_payload(block)
                 header, values = codec.decode(
                     block, length, scratch=room[start:start + length], what=key.describe(version),

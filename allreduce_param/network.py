@@ -3,9 +3,9 @@
 Two servers use this: each partition's block server (``transport.BlockServer``) and the
 driver's message server (``messages.MessageServer``). Both listen where
 ``NetworkSettings`` says and admit only connections that prove a shared secret in the
-handshake below, on one accept loop. The block server then serves every proven
-connection with a few threads (``AuthenticatedServer``'s pooled mode: the loop watches the
-idle connections, a small pool answers); the message server gives each its own thread.
+handshake below, on one accept loop. Each then serves every proven connection with a few
+threads (``AuthenticatedServer``: the loop watches the idle connections, a small pool
+answers), however many connect.
 
 Handshake (little-endian). Server: ``MAGIC`` + 16-byte nonce. Client: magic, parameter id,
 own partition id, 16-byte nonce, HMAC-SHA256(secret, "client" + both nonces + ids).
@@ -24,16 +24,13 @@ client's MAC holds for the other choice, refuses it with its own status
 
 from __future__ import annotations
 
-import collections
 import errno
 import functools
 import hashlib
-import heapq
 import hmac
 import ipaddress
 import logging
 import os
-import selectors
 import socket
 import struct
 import sys
@@ -43,6 +40,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple
 
 from .errors import AuthenticationError, ConfigurationError, NetworkError, ProtocolError
+from .events import EventLoop, Timer
 from .sealing import CIPHER_NAME, cipher_class
 
 log = logging.getLogger(__name__)
@@ -421,97 +419,15 @@ class Proven(NamedTuple):
 
 
 class _Unproven:
-    """A connection in its handshake: what it has sent so far, and until when it may try."""
+    """A connection in its handshake: what it has sent so far, and the timer that drops it
+    when it has not proven the secret in time."""
 
-    __slots__ = ("sock", "peer_text", "nonce", "hello", "deadline")
+    __slots__ = ("sock", "peer_text", "nonce", "hello", "timer")
 
-    def __init__(self, sock: socket.socket, peer_text: str, nonce: bytes, deadline: float) -> None:
-        self.sock, self.peer_text, self.nonce, self.deadline = sock, peer_text, nonce, deadline
+    def __init__(self, sock: socket.socket, peer_text: str, nonce: bytes) -> None:
+        self.sock, self.peer_text, self.nonce = sock, peer_text, nonce
         self.hello = bytearray()
-
-
-class Timer:
-    """A call ``AuthenticatedServer.call_at`` will make at a deadline, unless cancelled."""
-
-    __slots__ = ("deadline", "call", "cancelled")
-
-    def __init__(self, deadline: float, call: Callable[[], None]) -> None:
-        self.deadline, self.call, self.cancelled = deadline, call, False
-
-    def cancel(self) -> None:
-        """Do not make the call (it may be under way already)."""
-        self.cancelled = True
-
-
-class _Watched:
-    """A proven connection the accept loop watches for its next bytes, for a pooled server."""
-
-    __slots__ = ("conn", "on_readable")
-
-    def __init__(self, conn, on_readable: Callable[[], None]) -> None:
-        self.conn, self.on_readable = conn, on_readable
-
-
-class ServePool:
-    """At most ``size`` threads running the calls handed to ``submit``, in order; a thread is
-    started only when every running one is busy, and each ends at ``close``.
-
-    A bounded number of threads however many connections a server has: what it does for
-    one must not wait for another (the calls here only read, answer and register).
-    """
-
-    def __init__(self, size: int, name: str) -> None:
-        self._size, self._name = size, name
-        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
-        self._idle = 0  # threads waiting for a job
-        self._threads: list[threading.Thread] = []
-        self._closed = False
-        self._changed = threading.Condition()
-
-    def submit(self, call: Callable[[], None]) -> bool:
-        """Run ``call()`` on a pool thread soon; False (and nothing runs) once closed."""
-        with self._changed:
-            if self._closed:
-                return False
-            self._jobs.append(call)
-            if len(self._jobs) > self._idle and len(self._threads) < self._size:
-                thread = threading.Thread(target=self._work, daemon=True, name=self._name)
-                self._threads.append(thread)
-                thread.start()
-            else:
-                self._changed.notify()
-            return True
-
-    @property
-    def threads(self) -> int:
-        """How many threads the pool has started (at most its size)."""
-        return len(self._threads)
-
-    def _work(self) -> None:
-        while True:
-            with self._changed:
-                while not self._jobs and not self._closed:
-                    self._idle += 1
-                    self._changed.wait()
-                    self._idle -= 1
-                if not self._jobs:
-                    return
-                call = self._jobs.popleft()
-            try:
-                call()
-            except Exception:  # a bug in one answer must not take a thread of the pool
-                log.exception("a call on %s failed", self._name)
-
-    def close(self, timeout: float) -> list[str]:
-        """Take no more calls, let the threads finish those queued, and wait for each (at
-        most ``timeout`` seconds each); the names of those still running."""
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join(timeout)
-        return [thread.name for thread in threads if thread.is_alive()]
+        self.timer: Timer | None = None
 
 
 class AuthenticatedServer:
@@ -519,17 +435,12 @@ class AuthenticatedServer:
     partition in ``0..partition_num-1``), and runs ``serve(proven)`` for each. Close it when
     done.
 
-    Two ways to serve, one accept loop and one handshake for both:
-
-    - ``pool=None``: ``serve(proven)`` runs on a thread of its own and may block as long as
-      the connection lasts; the connection is closed when it returns. The driver's message
-      server: a task's message may wait there for the other tasks (the meeting).
-    - ``pool=k``: ``serve(proven)`` runs on one of at most k pool threads and must return
-      soon; the connection is then the caller's. It asks this server to ``watch`` it (the
-      accept loop selects on it and calls back on a pool thread once it has bytes to read),
-      to ``call_at`` a deadline, or to ``submit`` work, and says ``discard`` when it has
-      closed it. So a server with many idle or waiting connections holds k threads, not
-      one each: the block server.
+    ``serve(proven)`` runs on one of at most ``pool`` threads and must return soon; the
+    connection is then the caller's. It asks this server to ``watch`` it (the accept loop
+    selects on it and calls back on a pool thread once it has bytes to read), to ``call_at``
+    a deadline, or to ``submit`` work, and says ``discard`` when it has closed it. So a
+    server with many idle or waiting connections holds ``pool`` threads (and the loop's),
+    not one each.
 
     Listens on ``bind`` at a port of ``ports`` (None: any free one; ``port``, when not 0,
     exactly there) and, with ``unix``, also on an abstract Unix socket (``local_name``),
@@ -551,7 +462,7 @@ class AuthenticatedServer:
     def __init__(self, secret: bytes, param_id: int, partition_num: int, serve: Callable[[Proven], None], *,
                  bind: str, what: str, port: int = 0, ports: tuple[int, int] | None = None,
                  advertise: str | None = None, unix: bool = False, timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 pool: int | None = None, encrypt: bool = False, thread_name: str = "allreduce-serve",
+                 pool: int, encrypt: bool = False, thread_name: str = "allreduce-serve",
                  accept_thread_name: str = "allreduce-accept") -> None:
         self._secret = secret
         self._param_id = param_id
@@ -560,7 +471,6 @@ class AuthenticatedServer:
         self._what = what
         self._timeout = timeout
         self._encrypt = encrypt
-        self._thread_name = thread_name
         self._max_unproven = unproven_limit(partition_num)
         _check_address(bind, f"{what}'s bind address", bind=True)  # whoever chose it: never every interface
         # every peer may connect at once; the kernel caps the backlog at net.core.somaxconn
@@ -585,24 +495,12 @@ class AuthenticatedServer:
             self.local_name = name
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
-        self._pool = None if pool is None else ServePool(pool, thread_name)
-        self._to_watch: list[_Watched] = []  # handed over by pool threads, registered by the loop
-        self._timers: list[tuple[float, int, Timer]] = []  # a heap, by deadline
-        self._timer_count = 0  # a tie-breaker for the heap
         self._closed = False
         self._unproven: dict[socket.socket, _Unproven] = {}  # oldest first
-        self._paused_until = 0.0  # accept() failed: try again from then on
-        self._selector = selectors.DefaultSelector()
-        self._wake_read, self._wake_write = socket.socketpair()
-        for end in (self._wake_read, self._wake_write):
-            end.setblocking(False)
-        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        self._loop = EventLoop(what, threads=pool, pool_name=thread_name, loop_name=accept_thread_name)
         for each in self._listeners:
             each.setblocking(False)
-            self._selector.register(each, selectors.EVENT_READ, "listener")
-        self._acceptor = threading.Thread(target=self._admit, daemon=True, name=accept_thread_name)
-        self._acceptor.start()
+            self._loop.register(each, functools.partial(self._accept, each))
 
     @property
     def closed(self) -> bool:
@@ -611,7 +509,7 @@ class AuthenticatedServer:
     @property
     def pool_threads(self) -> int:
         """How many threads the pool has started (0 without one)."""
-        return 0 if self._pool is None else self._pool.threads
+        return self._loop.pool_threads
 
     # ---- for a pooled server: watching, deadlines, work ------------------------------------
 
@@ -620,110 +518,23 @@ class AuthenticatedServer:
         object made from it: anything with ``fileno()``) has bytes to read, or has ended;
         once, then it is no longer watched. False, and nothing is called, once the server
         is closing: the caller ends the connection."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._to_watch.append(_Watched(conn, on_readable))
-        self._wake()
-        return True
+        return not self._closed and self._loop.watch(conn, on_readable)
 
     def call_at(self, deadline: float, call: Callable[[], None]) -> Timer:
         """Call ``call()`` on a pool thread at ``deadline`` (``time.monotonic()``'s clock),
         unless the returned timer is cancelled first, or the server closes first."""
-        timer = Timer(deadline, call)
-        with self._lock:
-            self._timer_count += 1
-            heapq.heappush(self._timers, (deadline, self._timer_count, timer))
-            first = self._timers[0][2] is timer
-            if len(self._timers) > 64 and self._timer_count % 64 == 0:  # drop the cancelled now and then
-                live = [entry for entry in self._timers if not entry[2].cancelled]
-                if len(live) < len(self._timers) // 2:
-                    heapq.heapify(live)
-                    self._timers = live
-        if first:
-            self._wake()
-        return timer
+        return self._loop.call_at(deadline, call)
 
     def submit(self, call: Callable[[], None]) -> bool:
         """Run ``call()`` on a pool thread soon; False, and nothing runs, once closing."""
-        return self._pool.submit(call)
+        return self._loop.submit(call)
 
     def discard(self, sock: socket.socket) -> None:
         """A pooled connection's owner closed it: closing the server no longer cuts it."""
         with self._lock:
             self._connections.discard(sock)
 
-    def _wake(self) -> None:
-        try:
-            self._wake_write.send(b"x")
-        except OSError:  # full (the loop is waking anyway), or closed
-            pass
-
-    # ---- admitting: accept and handshake, on one thread -----------------------------------
-
-    def _admit(self) -> None:
-        try:
-            while not self._closed:
-                self._register_watched()
-                now = time.monotonic()
-                deadlines = [pending.deadline for pending in self._unproven.values()]
-                if self._paused_until:
-                    deadlines.append(self._paused_until)
-                if self._timers:
-                    deadlines.append(self._timers[0][0])
-                wait = max(0.0, min(deadlines) - now) if deadlines else None
-                for key, _ in self._selector.select(wait):
-                    if key.data is None:
-                        self._drain_wake()
-                    elif key.data == "listener":
-                        self._accept(key.fileobj)
-                    elif isinstance(key.data, _Watched):
-                        self._selector.unregister(key.fileobj)
-                        self._pool.submit(key.data.on_readable)
-                    else:
-                        self._read_hello(key.data)
-                now = time.monotonic()
-                for pending in [p for p in self._unproven.values() if p.deadline <= now]:
-                    self._drop(pending, f"no handshake within {self._timeout:g} s")
-                if self._paused_until and now >= self._paused_until:
-                    self._paused_until = 0.0
-                    for listener in self._listeners:
-                        self._selector.register(listener, selectors.EVENT_READ, "listener")
-                self._run_due_timers(now)
-        except Exception:  # a bug here must not pass silently: the server would stop admitting
-            log.exception("%s stopped admitting connections", self._what)
-        finally:
-            for pending in list(self._unproven.values()):
-                self._drop(pending, "shutting down")
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_read.recv(4096):
-                pass
-        except OSError:  # BlockingIOError: drained
-            pass
-
-    def _register_watched(self) -> None:
-        with self._lock:
-            watched, self._to_watch = self._to_watch, []
-        for each in watched:
-            try:
-                self._selector.register(each.conn, selectors.EVENT_READ, each)
-            except (ValueError, OSError) as error:  # closed meanwhile: its reader finds out
-                log.debug("%s: cannot watch a connection (%s)", self._what, error)
-                self._pool.submit(each.on_readable)
-            except KeyError:  # watched twice: a bug, which must not stop the loop
-                log.exception("%s: a connection was watched twice", self._what)
-
-    def _run_due_timers(self, now: float) -> None:
-        due = []
-        with self._lock:
-            while self._timers and self._timers[0][0] <= now:
-                timer = heapq.heappop(self._timers)[2]
-                if not timer.cancelled:
-                    due.append(timer)
-        for timer in due:
-            self._pool.submit(timer.call)
+    # ---- admitting: accept and handshake, on the loop's thread ---------------------------
 
     def _accept(self, listener: socket.socket) -> None:
         try:
@@ -734,9 +545,9 @@ class AuthenticatedServer:
             if self._closed:
                 return
             log.warning("%s: accept failed (%s); pausing new connections briefly", self._what, error)
-            self._paused_until = time.monotonic() + ACCEPT_PAUSE
             for other in self._listeners:
-                self._selector.unregister(other)
+                self._loop.unregister(other)
+            self._loop.call_at(time.monotonic() + ACCEPT_PAUSE, self._resume_accepting, on_loop=True)
             return
         if len(self._unproven) >= self._max_unproven:
             oldest = next(iter(self._unproven.values()))
@@ -752,9 +563,16 @@ class AuthenticatedServer:
             log.debug("connection from %s ended at once: %s", peer_text, error)
             conn.close()
             return
-        pending = _Unproven(conn, peer_text, nonce, time.monotonic() + self._timeout)
+        pending = _Unproven(conn, peer_text, nonce)
         self._unproven[conn] = pending
-        self._selector.register(conn, selectors.EVENT_READ, pending)
+        pending.timer = self._loop.call_at(
+            time.monotonic() + self._timeout,
+            functools.partial(self._drop, pending, f"no handshake within {self._timeout:g} s"), on_loop=True)
+        self._loop.register(conn, functools.partial(self._read_hello, pending))
+
+    def _resume_accepting(self) -> None:
+        for listener in self._listeners:
+            self._loop.register(listener, functools.partial(self._accept, listener))
 
     def _read_hello(self, pending: _Unproven) -> None:
         try:
@@ -770,8 +588,7 @@ class AuthenticatedServer:
         pending.hello += chunk
         if len(pending.hello) < _CLIENT_HELLO.size:
             return
-        self._selector.unregister(pending.sock)
-        del self._unproven[pending.sock]
+        self._forget(pending)
         partition, reason, answer, session_key, sealed = self._check_hello(pending)
         conn = pending.sock
         if partition is None:  # said here first: the refused client hears it next
@@ -794,15 +611,7 @@ class AuthenticatedServer:
                 conn.close()
                 return
             self._connections.add(conn)
-            if self._pool is not None:
-                thread = None
-            else:
-                self._threads = {thread for thread in self._threads if thread.is_alive()}  # ended: no join needed
-                thread = threading.Thread(target=self._run, args=(proven,), daemon=True, name=self._thread_name)
-                self._threads.add(thread)
-        if thread is not None:
-            thread.start()
-        elif not self._pool.submit(functools.partial(self._serve, proven)):
+        if not self._loop.submit(functools.partial(self._serve, proven)):
             self.discard(conn)
             conn.close()
 
@@ -835,47 +644,35 @@ class AuthenticatedServer:
 
     def _drop(self, pending: _Unproven, reason: str, quiet: bool = False) -> None:
         """Close a connection that never proved the secret."""
-        if self._unproven.pop(pending.sock, None) is not None:
-            self._selector.unregister(pending.sock)
+        self._forget(pending)
         (log.debug if quiet else log.info)("dropped an unproven connection from %s: %s", pending.peer_text, reason)
         pending.sock.close()
 
-    def _run(self, proven: Proven) -> None:
-        try:
-            self._serve(proven)
-        finally:
-            with self._lock:
-                self._connections.discard(proven.sock)
-            proven.sock.close()  # the thread stays listed until it has ended, so close() joins it
+    def _forget(self, pending: _Unproven) -> None:
+        """The connection's handshake is over: its bytes and deadline are no longer watched."""
+        if self._unproven.pop(pending.sock, None) is not None:
+            pending.timer.cancel()
+            self._loop.unregister(pending.sock)
 
     def close(self) -> None:
         """Stop accepting and watching, cut every connection, and wait for the threads (each
-        wait bounded; one that overruns is named in the log): a pool's threads first finish
-        the calls already handed to them. Whatever a ``serve`` waits on must be ended before,
-        or by the cut. Connections a pooled server still watched are cut, not closed: their
+        wait bounded; one that overruns is named in the log): the pool's threads first finish
+        the calls already handed to them. Connections still open are cut, not closed: their
         owner closes them."""
         with self._lock:
             self._closed = True
             connections = list(self._connections)
-            threads = list(self._threads)
-            self._to_watch.clear()
-            self._timers.clear()
-        self._wake()
-        self._acceptor.join(CLOSE_TIMEOUT)
+        stopped = self._loop.stop(CLOSE_TIMEOUT)
+        if stopped:  # else the loop's thread still has them: it is named below
+            for pending in list(self._unproven.values()):
+                self._drop(pending, "shutting down")
         for listener in self._listeners:
             listener.close()
         cut(connections)
-        for thread in threads:
-            thread.join(CLOSE_TIMEOUT)
-        late = [thread.name for thread in [self._acceptor, *threads] if thread.is_alive()]
-        if self._pool is not None:
-            late += self._pool.close(CLOSE_TIMEOUT)
+        late = self._loop.close(CLOSE_TIMEOUT)
         if late:
             log.warning("%s: %d threads still running %g s after close: %s", self._what, len(late),
                         CLOSE_TIMEOUT, late)
-        self._selector.close()
-        self._wake_read.close()
-        self._wake_write.close()
 
 
 def _listen_exactly(host: str, port: int, backlog: int, what: str) -> socket.socket:

@@ -9,9 +9,9 @@ waits for is the strategy's rule (``strategy.py``):
   the step, as the owner of slice 0 sees them arrive and publishes (a choice block);
 - ssp and asp: every gradient of every partition, in order, as it arrives.
 
-It fetches through a channel of its own (its own connections and threads), at most one
-request per producer at a time, so a block it has fetched stays valid until it has summed
-it. After each update it publishes the slice. An error stops the owner and closes the
+It fetches through a channel of its own (its own connections, and fetches that wait for a
+producer without holding a thread: ``channels.Channel``'s idle waits), at most one request
+per producer at a time, so a block it has fetched stays valid until it has summed it. After each update it publishes the slice. An error stops the owner and closes the
 partition's store with the reason, which the partition's next call then raises.
 """
 
@@ -32,7 +32,7 @@ from .strategy import Strategy, WeightRead
 
 if TYPE_CHECKING:
     from .movements import Movements, NonFiniteSum
-    from .peers import Channel
+    from .channels import Channel
 
 
 @contextlib.contextmanager

@@ -546,11 +546,12 @@ class ConnectedParameter:
                              "BSP a step calls aggregate_gradient_partition and send_weight_partition itself")
         if self._owner is not None:
             raise UsageError(f"serve_updates() was called twice on partition {self.partition_id}")
-        # a thread per source, not a bounded pool: the owner takes whichever gradient comes
-        # first, and a source's next one may wait for weights this owner publishes only after
-        # another source's (ssp's clock), so a fetch queued behind a waiting one could be stuck
+        # waiting idle: the owner takes whichever gradient comes first, and a source's next one
+        # may wait for weights this owner publishes only after another source's (ssp's clock),
+        # so a fetch that held a thread while it waited could keep a ready one queued for good
+        channel = self._peers.channel(self._peers.fetch_threads, "owner", idle_waits=True)
         self._owner = BackgroundOwner(
-            self._moves, self._peers.channel(self.partition_num, "owner"), self.strategy, self.layout,
+            self._moves, channel, self.strategy, self.layout,
             self._weight, self._gradient, self._start, update, int(steps), on_steps_done,
             check=self._nonfinite_check)
 

@@ -12,9 +12,10 @@ A ``PeerGroup`` is what a partition needs to reach the others, made once per ``c
 - the hosts (``layout.HostLayout``): which partitions share this one's scope, and whether
   the sync is hierarchical (each host's leader exchanges with the other leaders for its
   host) or flat (every partition with every other);
-- ``Channel``\\ s: each thread that fetches (the worker, a background owner, the control
-  blocks) has connections and fetch threads of its own; a connection is made at its first
-  use, so a hierarchical partition connects only to its host and, a leader, to the leaders;
+- ``channels.Channel``\\ s: each thread that fetches (the worker, a background owner, the
+  control blocks) has connections and fetch threads of its own; a connection is made at
+  its first use, so a hierarchical partition connects only to its host and, a leader, to
+  the leaders;
 - the end: ``close`` (say done, wait until every peer is, stop), ``fail`` (answer every
   peer with the reason for a short while, then stop), ``shutdown`` (stop at once).
 
@@ -25,11 +26,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Hashable
+from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-
+from .channels import Channel
 from .codec import get_codec
 from .errors import AllReduceError, AuthenticationError
 from .layout import HostLayout
@@ -57,53 +56,6 @@ LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
 #: publishes without waiting for this partition's later work, so queued fetches are late,
 #: never stuck (docs/DESIGN.md, "Scaling").
 FETCH_THREADS = 16
-
-
-class Channel:
-    """One thread's way to the peers: its own connections, fetch threads and landing buffers.
-
-    The worker and a background owner each fetch through their own channel, so that an
-    owner waiting for a slow partition's gradient never holds up the worker's reads. A
-    fetched block stays valid (in a receive buffer, a scratch array, or a peer's shared
-    memory) until the channel fetches the same source's next one.
-    """
-
-    def __init__(self, clients: dict[int, PeerClient], threads: int, name: str, role: str = "fetch") -> None:
-        self.clients = clients
-        self.role = role
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name) if threads else None
-        self.reader = object()  # who reads the own store through this channel (for its holds)
-        self.aborted = False  # abort() was called: a fetch failing now says nothing of the peer
-        self._receive: dict[Hashable, bytearray] = {}
-        self._scratch: dict[Hashable, np.ndarray] = {}
-
-    def receive_buffer(self, landing: Hashable, nbytes: int) -> memoryview:
-        """Where the blocks of ``landing`` (a source, or a source and destination) land:
-        reused, replaced by a larger one when too small."""
-        buffer = self._receive.get(landing)
-        if buffer is None or len(buffer) < nbytes:
-            buffer = self._receive[landing] = bytearray(nbytes)
-        return memoryview(buffer)
-
-    def scratch(self, landing: Hashable, length: int) -> np.ndarray:
-        """Float32 room to decode the lossy blocks of ``landing`` into, reused across fetches."""
-        scratch = self._scratch.get(landing)
-        if scratch is None or scratch.size < length:
-            scratch = self._scratch[landing] = np.empty(length, dtype=np.float32)
-        return scratch
-
-    def abort(self) -> None:
-        """Wake every fetch that waits on a peer; no new connection is made."""
-        self.aborted = True
-        for client in self.clients.values():
-            client.abort()
-
-    def close(self) -> None:
-        """Stop the fetch threads (after ``abort`` wakes any that wait) and the connections."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        for client in self.clients.values():
-            client.close()
 
 
 class PeerGroup:
@@ -147,8 +99,9 @@ class PeerGroup:
                                      for address in self._addresses])
             #: each host's leader exchanges for it; the others only within their host
             self.hierarchical = param.topology != "flat" and strategy.inline_owner and self.hosts.nested
-            peers = self.partition_num - 1
-            self.worker = self.channel(min(param.fetch_threads or FETCH_THREADS, peers), "fetch")
+            #: how many fetches a channel runs at once (a background owner's also reads its own store)
+            self.fetch_threads = min(param.fetch_threads or FETCH_THREADS, self.partition_num)
+            self.worker = self.channel(min(self.fetch_threads, self.partition_num - 1), "fetch")
             # small blocks (choices, signals) on connections of their own, made at first use:
             # a background owner's channel may be waiting for a straggler's gradient meanwhile
             self.control = self.channel(1, "control")
@@ -169,9 +122,9 @@ class PeerGroup:
                 "secrets differ. Every partition must use the same AllReduceParameter object, made on the driver "
                 "(make it before the barrier stage; the tasks get it in their closure)")
 
-    def channel(self, threads: int, role: str) -> Channel:
+    def channel(self, threads: int, role: str, idle_waits: bool = False) -> Channel:
         """A new set of connections to every peer (each connects on first use), with
-        ``threads`` fetch threads; closed with the group."""
+        ``threads`` fetch threads (and ``idle_waits``: see ``Channel``); closed with the group."""
         clients = {}
         for peer in range(self.partition_num):
             if peer == self.partition_id:
@@ -185,7 +138,7 @@ class PeerGroup:
                 local_name=address.local_name if same_scope else None,  # a Unix socket, and shared memory if on
                 handshake_timeout=self._param.network.connect_timeout, encrypt=self._param.network.encrypt,
             )
-        channel = Channel(clients, threads, f"allreduce-{role}-{self.partition_id}", role)
+        channel = Channel(clients, threads, f"allreduce-{role}-{self.partition_id}", role, idle_waits)
         self._channels.append(channel)
         return channel
 

@@ -102,12 +102,13 @@ def _by_partition(addresses: dict, partition_num: int) -> list[Address]:
 @dataclass
 class _Meeting:
     """One stage's meeting at a ``MeetingPoint``: each partition's address and the task that
-    gave it, until ``decided`` says ``"met"`` or ``"allgather"``."""
+    gave it, the replies owed, until ``decided`` says ``"met"`` or ``"allgather"``."""
 
-    deadline: float
     addresses: dict[int, list] = field(default_factory=dict)
     tasks: dict[int, int] = field(default_factory=dict)
+    replies: list[Reply] = field(default_factory=list)
     decided: str | None = None
+    timer: threading.Timer | None = None
 
 
 class MeetingPoint:
@@ -118,6 +119,9 @@ class MeetingPoint:
     the driver, or one that started very late), it tells those that came, and any that come
     after, to meet through ``allGather`` instead, where the others already are. Feed it the
     messages of a ``messages.MessageServer``: ``on_message`` takes those of kind ``meet``.
+    It never waits on the caller's thread: a task's answer is sent when its meeting is
+    decided, by the message that decides it or, at the patience's end, by a timer's thread
+    (one per open meeting).
     """
 
     def __init__(self, partition_num: int, patience: float = DEFAULT_PATIENCE,
@@ -126,10 +130,11 @@ class MeetingPoint:
         self.patience = patience
         self._on_met = on_met
         self._meetings: dict[int, _Meeting] = {}  # by stage id: the newest meeting of each
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
 
     def on_message(self, message: dict, reply: Reply) -> bool:
-        """Answer a ``meet`` message once its meeting is decided; False for other kinds.
+        """Take a ``meet`` message, to be answered through ``reply`` once its meeting is
+        decided; False for other kinds.
 
         A stage's meeting is open until decided; a ``meet`` after that is a retried stage's
         (Spark keeps the stage id), which opens the next. A partition that comes twice to an
@@ -138,37 +143,47 @@ class MeetingPoint:
         if message.get("kind") != "meet":
             return False
         stage, partition, task = message.get("stage"), int(message["partition"]), int(message.get("task", 0))
-        just_met = None
-        with self._changed:
+        with self._lock:
             meeting = self._meetings.get(stage)
             if meeting is None or meeting.decided is not None:
-                meeting = self._meetings[stage] = _Meeting(time.monotonic() + self.patience)
+                meeting = self._meetings[stage] = _Meeting()
+                meeting.timer = threading.Timer(self.patience, self._give_up, args=(meeting,))
+                meeting.timer.daemon = True
+                meeting.timer.start()
             if task >= meeting.tasks.get(partition, -1):
                 meeting.addresses[partition], meeting.tasks[partition] = message["address"], task
-            if len(meeting.addresses) == self.partition_num:
-                meeting.decided = "met"
-                self._changed.notify_all()
-                just_met = dict(meeting.addresses)
-            while meeting.decided is None:
-                left = meeting.deadline - time.monotonic()
-                if left <= 0:
-                    meeting.decided = "allgather"
-                    log.warning("only %d of %d tasks reached the driver within %g s to meet; they meet through "
-                                "allGather instead (a second or so more)", len(meeting.addresses),
-                                self.partition_num, self.patience)
-                    self._changed.notify_all()
-                    break
-                self._changed.wait(left)
-            answer = {"kind": meeting.decided}
-            if meeting.decided == "met":
-                answer["addresses"] = {str(k): v for k, v in meeting.addresses.items()}
-        if just_met is not None and self._on_met is not None:
+            meeting.replies.append(reply)
+            if len(meeting.addresses) < self.partition_num:
+                return True
+            meeting.decided = "met"
+            meeting.timer.cancel()
+            addresses = dict(meeting.addresses)
+        if self._on_met is not None:
             try:
-                self._on_met(just_met)
+                self._on_met(addresses)
             except Exception:  # a listener's bug must not keep the tasks from meeting
                 log.exception("a listener of the meeting failed")
-        reply(answer)
+        self._answer(meeting, {"kind": "met", "addresses": {str(k): v for k, v in addresses.items()}})
         return True
+
+    def _give_up(self, meeting: _Meeting) -> None:
+        """The patience is over: those that came meet through allGather."""
+        with self._lock:
+            if meeting.decided is not None:
+                return
+            meeting.decided = "allgather"
+            came = len(meeting.addresses)
+        log.warning("only %d of %d tasks reached the driver within %g s to meet; they meet through allGather "
+                    "instead (a second or so more)", came, self.partition_num, self.patience)
+        self._answer(meeting, {"kind": "allgather"})
+
+    @staticmethod
+    def _answer(meeting: _Meeting, answer: dict) -> None:
+        for reply in meeting.replies:  # decided: no more are added
+            try:
+                reply(answer)
+            except OSError as error:  # that task is gone; the others still hear
+                log.debug("a task left before its meeting was decided: %s", error)
 
 
 class DriverRendezvous(BarrierRendezvous):

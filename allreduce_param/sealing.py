@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import io
 import socket
 import struct
 from typing import TYPE_CHECKING, Any
@@ -194,12 +193,6 @@ class SealedConnection:
         self._left = self._left[taken:]
         return taken
 
-    def makefile(self, mode: str = "rb") -> io.BufferedReader:
-        """A buffered reader of the opened bytes (the messages read lines of them)."""
-        if mode != "rb":
-            raise ValueError(f"a SealedConnection reads only as 'rb', not {mode!r}")
-        return io.BufferedReader(_Reader(self))
-
     def _next_record(self) -> int | None:
         """Read the next record whole (its plaintext's length); None at an end between records."""
         head = memoryview(self._head)
@@ -243,17 +236,3 @@ class SealedConnection:
                 "changed, replayed, reordered or cut on the way, or is not of this connection; the connection "
                 "is closed") from None
         self._received += 1
-
-
-class _Reader(io.RawIOBase):
-    """The opened bytes of a ``SealedConnection`` as a raw stream, for ``io.BufferedReader``."""
-
-    def __init__(self, connection: SealedConnection) -> None:
-        super().__init__()
-        self._connection = connection
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        return self._connection.recv_into(buffer)

@@ -25,6 +25,7 @@ sends one request at a time on a connection and reads its answer before the next
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -384,6 +385,15 @@ class BlockServer:
             self._end(peer)
 
 
+class AnswerDue(NamedTuple):
+    """A get sent (``PeerClient.request``): its answer's first bytes make ``conn`` readable,
+    by ``deadline`` (``time.monotonic()``'s clock) or never."""
+
+    client: PeerClient
+    conn: object
+    deadline: float
+
+
 class PeerClient:
     """One authenticated connection to one peer's ``BlockServer``, used by one thread at a time.
 
@@ -415,7 +425,8 @@ class PeerClient:
         self._partition_id = partition_id
         self._timeout = timeout
         self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._asked: tuple | None = None  # (key, version, shared, newest) of the get sent last
         self._mappings = SharedMappings()
         self._pending_fds: list[int] = []  # descriptors that came with a response head
         self._passed_here: set[int] = set()  # segments whose descriptor this connection brought
@@ -493,50 +504,83 @@ class PeerClient:
         of views reads it there, in place: the peer keeps it as it is until this client
         asks for the same block again.
         """
-        what = key.describe(version)
-        keep_connection = False
         with self._lock:
+            self.request(key, version, shared, newest)
+            return self.answer(max_size, into)
+
+    def request(self, key: BlockKey, version: int, shared: bool = False, newest: bool = False) -> AnswerDue:
+        """The first half of ``fetch`` (the same arguments): send the get, and say where and
+        until when its answer comes, for a caller that waits for it without a thread. Then
+        ``answer`` reads it (or ``give_up`` ends the wait); nothing else uses the client
+        meanwhile."""
+        what = key.describe(version)
+        with self._lock, self._failing(what):
             sock = self._sock or self._connect(what)
             self._sock = sock
-            try:
-                # The server gives up waiting at the timeout and says so; the socket waits longer
-                # so that the server's answer, not a bare socket timeout, reaches the user.
-                sock.settimeout(self._timeout + self._handshake_timeout)
-                shared = shared and sock.family == socket.AF_UNIX
-                op = (OP_GET_SHARED if shared else OP_GET) | (FLAG_NEWEST if newest else 0)
-                sock.sendall(_REQUEST.pack(MAGIC, op, key.kind, key.source, key.destination, key.part,
-                                           version, int(self._timeout * 1000)))
-                status, length, served = self._receive_head(sock, shared)
-                if status not in (STATUS_OK, STATUS_SHARED):
-                    error = self._answer_error(status, length, sock, what)
-                    # a peer that waited in vain or no longer keeps a version says so cleanly
-                    keep_connection = status in (STATUS_TIMEOUT, STATUS_STALE)
-                    raise error
-                if length > max_size:
-                    raise ProtocolError(
-                        f"{self._peer_text} sent {length} bytes for {what}; such a block has at "
-                        f"most {max_size}"
-                    )
-                if served < version or (served != version and not newest):
-                    raise ProtocolError(f"{self._peer_text} answered {what} with version {served}")
-                if status == STATUS_SHARED:
-                    return served, self._shared_view(sock, length, what)
-                view = (into if into is not None else memoryview(bytearray(length)))[:length]
-                recv_exactly(sock, view)
-                return served, view
-            except AllReduceError:
-                if not keep_connection:
-                    self._drop()
-                raise
-            except socket.timeout as error:
-                self._drop()
-                raise FetchTimeoutError(
-                    f"{self._peer_text} did not answer for {what} within "
-                    f"{self._timeout + self._handshake_timeout:g} s"
-                ) from error
-            except (OSError, EOFError) as error:
-                self._drop()
-                raise self._lost(what, f"closed the connection ({error})") from error
+            # The server gives up waiting at the timeout and says so; the socket waits longer
+            # so that the server's answer, not a bare socket timeout, reaches the user.
+            sock.settimeout(self._timeout + self._handshake_timeout)
+            shared = shared and sock.family == socket.AF_UNIX
+            op = (OP_GET_SHARED if shared else OP_GET) | (FLAG_NEWEST if newest else 0)
+            sock.sendall(_REQUEST.pack(MAGIC, op, key.kind, key.source, key.destination, key.part,
+                                       version, int(self._timeout * 1000)))
+            self._asked = (key, version, shared, newest)
+            return AnswerDue(self, sock, time.monotonic() + self._timeout + self._handshake_timeout)
+
+    def answer(self, max_size: int, into: memoryview | None) -> tuple[int, memoryview | SplitBlock]:
+        """The second half of ``fetch``: read the answer to the get ``request`` sent, as
+        ``fetch`` says."""
+        key, version, shared, newest = self._asked
+        what = key.describe(version)
+        with self._lock, self._failing(what):
+            sock = self._sock
+            if sock is None:  # cut meanwhile (aborted)
+                raise self._lost(what, "was cut off by this partition")
+            status, length, served = self._receive_head(sock, shared)
+            if status not in (STATUS_OK, STATUS_SHARED):
+                raise self._answer_error(status, length, sock, what)
+            if length > max_size:
+                raise ProtocolError(
+                    f"{self._peer_text} sent {length} bytes for {what}; such a block has at "
+                    f"most {max_size}"
+                )
+            if served < version or (served != version and not newest):
+                raise ProtocolError(f"{self._peer_text} answered {what} with version {served}")
+            if status == STATUS_SHARED:
+                return served, self._shared_view(sock, length, what)
+            view = (into if into is not None else memoryview(bytearray(length)))[:length]
+            recv_exactly(sock, view)
+            return served, view
+
+    def give_up(self) -> FetchTimeoutError:
+        """End the wait for the answer to the get ``request`` sent, past its deadline: the
+        connection is closed (the answer may still come), the error says what was late."""
+        key, version, _, _ = self._asked
+        with self._lock:
+            self._drop()
+        return self._late(key.describe(version))
+
+    def _late(self, what: str) -> FetchTimeoutError:
+        return FetchTimeoutError(f"{self._peer_text} did not answer for {what} within "
+                                 f"{self._timeout + self._handshake_timeout:g} s")
+
+    @contextlib.contextmanager
+    def _failing(self, what: str):
+        """Any error on the connection closes it (but a peer's clean 'not in time' or 'no
+        longer kept'), and a socket's error becomes the engine's, naming the peer."""
+        try:
+            yield
+        except (FetchTimeoutError, StaleVersionError):  # the peer said so cleanly: the connection stays
+            raise
+        except AllReduceError:
+            self._drop()
+            raise
+        except socket.timeout as error:
+            self._drop()
+            raise self._late(what) from error
+        except (OSError, EOFError) as error:
+            self._drop()
+            raise self._lost(what, f"closed the connection ({error})") from error
 
     def _receive_head(self, sock: socket.socket, shared: bool) -> tuple[int, int, int]:
         """The response's status, length and version. A shared answer may carry a descriptor with its

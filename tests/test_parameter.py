@@ -747,7 +747,7 @@ def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threa
 
 def test_a_background_owner_with_more_partitions_than_fetch_threads_applies_every_gradient():
     """ssp over 12 partitions with one fetch thread each: the workers' reads queue, the
-    owners (a thread per source) take every gradient once, and all end with the same weights."""
+    owners (waiting idle, on one thread too) take every gradient once, and all end with the same weights."""
     from allreduce_param import Strategy
 
     partitions, steps = 12, 4
@@ -762,6 +762,41 @@ def test_a_background_owner_with_more_partitions_than_fetch_threads_applies_ever
         for _ in range(steps):
             p.get_weights()
             p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+        p.finish_updates()
+        return p.get_weights().copy(), sum(update.count for update in p.updates)
+
+    results = raise_first(run_partitions(param, body))
+    assert all(np.array_equal(after, results[0][0]) for after, _ in results)
+    assert all(applied == steps * sum(counts) for _, applied in results)  # every row of every step, once
+    assert ours() == []
+
+
+@pytest.mark.parametrize("strategy", ["asp", "ssp"])
+def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_source_is_behind(strategy):
+    """A background owner with one fetch thread and a source that holds its first gradient
+    back until another source has put all of its own: the owner must take the ready ones
+    meanwhile. A fetch that held the thread while it waited for the late source would keep
+    the others' queued, and the other source, whose next gradient waits until its last one
+    was read, could never finish: every partition would time out."""
+    from allreduce_param import Strategy
+
+    partitions, steps = 3, 4
+    size = partitions * 8
+    weights, grads, counts = make_data(size, partitions, seed=3)
+    rule = Strategy("asp") if strategy == "asp" else Strategy("ssp", staleness=steps)
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=20, fetch_threads=1, strategy=rule)
+    others_done = threading.Barrier(partitions)  # the late partition 0 waits for the others' last puts
+
+    def body(p):
+        p.init(weights)
+        p.serve_updates(lambda gradient, weight, step: weight.__isub__(LR * gradient), steps)
+        if p.partition_id == 0:
+            others_done.wait(timeout=30)
+        for _ in range(steps):
+            p.get_weights()
+            p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+        if p.partition_id != 0:
+            others_done.wait(timeout=30)
         p.finish_updates()
         return p.get_weights().copy(), sum(update.count for update in p.updates)
 

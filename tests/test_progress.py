@@ -3,7 +3,8 @@ step, and the meeting point where the partitions learn each other's addresses.""
 
 from __future__ import annotations
 
-import io
+import socket
+import time
 import logging
 import threading
 
@@ -100,13 +101,20 @@ def test_a_message_sent_again_or_back_is_refused(caplog):
     """Each tag covers the connection's key, the direction and the message's number."""
     key = b"k" * 32
     frame = _frame(key, b"task", 0, {"kind": "meet"})
-    assert _read(io.BytesIO(frame), key, b"task", 0) == {"kind": "meet"}
+
+    def read(key, direction, number):
+        sender, receiver = socket.socketpair()
+        with sender, receiver:
+            sender.sendall(frame)
+            return _read(receiver, key, direction, number)
+
+    assert read(key, b"task", 0) == {"kind": "meet"}
     with pytest.raises(AuthenticationError, match="message 0 from the driver has a wrong tag"):
-        _read(io.BytesIO(frame), key, b"driver", 0)  # a task's own message, sent back as an answer
+        read(key, b"driver", 0)  # a task's own message, sent back as an answer
     with pytest.raises(AuthenticationError, match="message 1 from the task has a wrong tag"):
-        _read(io.BytesIO(frame), key, b"task", 1)  # the same message again
+        read(key, b"task", 1)  # the same message again
     with pytest.raises(AuthenticationError):
-        _read(io.BytesIO(frame), b"o" * 32, b"task", 0)  # another connection's
+        read(b"o" * 32, b"task", 0)  # another connection's
     # on a live connection: a message replayed there closes it
     events = Events(expected=1)
     server = progress_server(1, events)
@@ -251,3 +259,58 @@ def test_the_bar_says_when_and_why_early_stopping_ended_the_fit(capsys, tmp_path
     assert "epoch 4: val_loss 0.1000, val_rmse 0.4472, best epoch 2" in text
     assert "stopped early: no better validation loss since epoch 2, whose weights the fit keeps" in text
     assert json.loads((tmp_path / "log.jsonl").read_text())["best_epoch"] == 2
+
+
+def test_tasks_waiting_at_the_meeting_hold_no_thread_of_the_driver():
+    """40 tasks meet; while 39 wait for the last, the message server holds its few threads,
+    not one per task, and then every task hears every address."""
+    partitions = 40
+    meeting = MeetingPoint(partitions, patience=60)
+    arrived = []
+    server = MessageServer("127.0.0.1", lambda message, reply: (meeting.on_message(message, reply),
+                                                                 arrived.append(message["partition"])))
+    clients = [server.client() for _ in range(partitions)]
+
+    def send(partition):
+        clients[partition].send({"kind": "meet", "stage": 3, "task": partition, "partition": partition,
+                                 "address": ["127.0.0.1", 6000 + partition]})
+
+    def message_threads():
+        return sum(thread.name == "allreduce-messages" for thread in threading.enumerate())
+
+    try:
+        for partition in range(partitions - 1):
+            send(partition)
+        deadline = time.monotonic() + 60
+        while len(arrived) < partitions - 1:
+            assert time.monotonic() < deadline, f"{len(arrived)} of {partitions - 1} meet messages handled"
+            time.sleep(0.01)
+        assert 1 <= message_threads() <= MessageServer.THREADS
+        send(partitions - 1)
+        answers = [client.receive(timeout=60) for client in clients]
+        assert all(answer["kind"] == "met" and len(answer["addresses"]) == partitions for answer in answers)
+        assert message_threads() <= MessageServer.THREADS
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+    assert message_threads() == 0
+
+
+def test_a_task_that_left_before_its_meeting_was_decided_does_not_keep_the_others_from_hearing():
+    meeting = MeetingPoint(3, patience=60)
+    arrived = []
+    server = MessageServer("127.0.0.1", lambda message, reply: (meeting.on_message(message, reply),
+                                                                 arrived.append(message["partition"])))
+    gone = server.client()
+    try:
+        gone.send({"kind": "meet", "stage": 4, "task": 0, "partition": 0, "address": ["127.0.0.1", 7000]})
+        deadline = time.monotonic() + 60
+        while arrived != [0]:
+            assert time.monotonic() < deadline, "the first meet message was not handled"
+            time.sleep(0.01)
+        gone.close()  # its task failed; Spark will retry it, but the two others are here first
+        answers = meet(server, [1, 2], stage=4)
+    finally:
+        server.close()
+    assert sorted(answers) == [1, 2] and all(answer["kind"] == "met" for answer in answers.values())
