@@ -756,12 +756,25 @@ def test_a_background_owner_with_more_partitions_than_fetch_threads_applies_ever
     param = AllReduceParameter(partitions, size, codec="raw", timeout=60, fetch_threads=1,
                                strategy=Strategy("ssp", staleness=1))
 
+    assert_owners_take_every_gradient(param, weights, grads, counts, steps)
+
+
+def assert_owners_take_every_gradient(param, weights, grads, counts, steps, partition_0_waits=None):
+    """Each partition puts ``steps`` gradients, its background owner updating its slice;
+    with ``partition_0_waits`` (a barrier), partition 0 starts putting only once every other
+    has put all of its own. Every partition must end with the same weights, every row of
+    every step applied once."""
+
     def body(p):
         p.init(weights)
         p.serve_updates(lambda gradient, weight, step: weight.__isub__(LR * gradient), steps)
+        if partition_0_waits is not None and p.partition_id == 0:
+            partition_0_waits.wait(timeout=30)
         for _ in range(steps):
             p.get_weights()
             p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+        if partition_0_waits is not None and p.partition_id != 0:
+            partition_0_waits.wait(timeout=30)
         p.finish_updates()
         return p.get_weights().copy(), sum(update.count for update in p.updates)
 
@@ -786,21 +799,4 @@ def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_s
     rule = Strategy("asp") if strategy == "asp" else Strategy("ssp", staleness=steps)
     param = AllReduceParameter(partitions, size, codec="raw", timeout=20, fetch_threads=1, strategy=rule)
     others_done = threading.Barrier(partitions)  # the late partition 0 waits for the others' last puts
-
-    def body(p):
-        p.init(weights)
-        p.serve_updates(lambda gradient, weight, step: weight.__isub__(LR * gradient), steps)
-        if p.partition_id == 0:
-            others_done.wait(timeout=30)
-        for _ in range(steps):
-            p.get_weights()
-            p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
-        if p.partition_id != 0:
-            others_done.wait(timeout=30)
-        p.finish_updates()
-        return p.get_weights().copy(), sum(update.count for update in p.updates)
-
-    results = raise_first(run_partitions(param, body))
-    assert all(np.array_equal(after, results[0][0]) for after, _ in results)
-    assert all(applied == steps * sum(counts) for _, applied in results)  # every row of every step, once
-    assert ours() == []
+    assert_owners_take_every_gradient(param, weights, grads, counts, steps, partition_0_waits=others_done)
