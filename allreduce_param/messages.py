@@ -29,7 +29,7 @@ from typing import Callable
 
 from .errors import AuthenticationError, ProtocolError
 from .network import DEFAULT_CONNECT_TIMEOUT, AuthenticatedServer, Proven, client_handshake, mac, seals, tune
-from .sealing import SealedConnection, seal_proven
+from .sealing import SealedConnection
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,7 @@ class _Task:
     to answer it (from any thread: an answer may come while the next message is read)."""
 
     def __init__(self, proven: Proven) -> None:
-        self.conn, self.key, self.sock, self.peer_text = \
-            proven.sock, proven.session_key, proven.sock, proven.peer_text
+        self.conn, self.key, self.peer_text = proven.sock, proven.session_key, proven.peer_text
         self.received = self.sent = 0
         self._send_lock = threading.Lock()
 
@@ -157,7 +156,7 @@ class MessageServer:
         return MessageClient(self.address, self.secret, self._connect_timeout, encrypt=self._encrypt)
 
     def _serve(self, proven: Proven) -> None:
-        task = _Task(seal_proven(proven))
+        task = _Task(proven)
         task.conn.settimeout(self._connect_timeout)  # a message, once begun, comes whole
         with self._lock:
             self._tasks.add(task)
@@ -197,7 +196,7 @@ class MessageServer:
             if task not in self._tasks:
                 return
             self._tasks.discard(task)
-        self._server.discard(task.sock)
+        self._server.discard(task.conn)
         task.conn.close()
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ from typing import Callable, Mapping, NamedTuple
 
 from .errors import AuthenticationError, ConfigurationError, NetworkError, ProtocolError
 from .events import EventLoop, Timer
-from .sealing import CIPHER_NAME, cipher_class
+from .sealing import CIPHER_NAME, SealedConnection, cipher_class, seal_proven
 
 log = logging.getLogger(__name__)
 
@@ -407,11 +407,11 @@ def client_handshake(sock: socket.socket, secret: bytes, param_id: int, partitio
 
 
 class Proven(NamedTuple):
-    """A connection that proved the secret: the socket, the client's partition, where it
-    came from (for messages), the session key both ends now share, and whether both agreed
-    to encrypt it (``sealing.seal_proven`` wraps it then)."""
+    """A connection that proved the secret: the socket (a ``sealing.SealedConnection``
+    around it when both agreed to encrypt it: ``sealed``), the client's partition, where it
+    came from (for messages), and the session key both ends now share."""
 
-    sock: socket.socket
+    sock: socket.socket | SealedConnection
     partition: int
     peer_text: str
     session_key: bytes
@@ -605,15 +605,16 @@ class AuthenticatedServer:
         if partition is None:
             conn.close()
             return
-        proven = Proven(conn, partition, pending.peer_text, session_key, sealed)
+        # from here the connection is what serve gets: the frames travel in sealed records if agreed
+        proven = seal_proven(Proven(conn, partition, pending.peer_text, session_key, sealed))
         with self._lock:
             if self._closed:
-                conn.close()
+                proven.sock.close()
                 return
-            self._connections.add(conn)
+            self._connections.add(proven.sock)
         if not self._loop.submit(functools.partial(self._serve, proven)):
-            self.discard(conn)
-            conn.close()
+            self.discard(proven.sock)
+            proven.sock.close()
 
     def _check_hello(self, pending: _Unproven) -> tuple[int | None, str, bytes, bytes, bool]:
         """(the client's partition or None, why it was refused, the answer, the session key,

@@ -57,7 +57,7 @@ from .network import (
     tune,
     unix_sockets_available,
 )
-from .sealing import SealedConnection, seal_proven
+from .sealing import SealedConnection
 from .shm import SharedArenas, SharedMappings
 from .store import BlockKey, BlockKind, BlockStore, SplitBlock, Waiter
 
@@ -133,15 +133,13 @@ def local_scope() -> str:
 class _Peer:
     """A proven peer's connection, as the block server keeps it between its requests."""
 
-    __slots__ = ("conn", "sock", "partition", "peer_text", "local", "fds_passed", "request", "deadline", "timer",
-                 "ended")
+    __slots__ = ("conn", "partition", "peer_text", "local", "fds_passed", "request", "deadline", "timer", "ended")
 
-    def __init__(self, conn, proven: Proven) -> None:
-        self.conn = conn  # what requests are read from and answers written to
-        self.sock = proven.sock  # the socket under it
+    def __init__(self, proven: Proven) -> None:
+        self.conn = proven.sock  # what requests are read from and answers written to (sealed, if agreed)
         self.partition = proven.partition
         self.peer_text = proven.peer_text
-        self.local = proven.sock.family == socket.AF_UNIX
+        self.local = self.conn.family == socket.AF_UNIX
         self.fds_passed: set[int] = set()  # segments whose descriptor this peer already has
         self.request: tuple | None = None  # (key, version, newest, op, wait) of the get being answered
         self.deadline = 0.0  # when that get stops waiting
@@ -168,9 +166,10 @@ class BlockServer:
     calls back when the version comes (or it closes), the accept loop at the deadline.
     Answers are sent from the pool threads, each slice of a block (``SEND_SLICE``) within the
     handshake timeout, so a reader that stops reading holds one thread for that long at
-    most, never the others: sending whole blocks blocking keeps a connection wrapper
-    (``_serve``) free to frame each send as it likes, and a shared-memory answer's
-    descriptors in the same call as its bytes.
+    most, never the others: sending whole blocks blocking keeps a connection wrapper (made
+    by ``network.AuthenticatedServer`` as it hands a proven connection over) free to frame
+    each send as it likes, and a shared-memory answer's descriptors in the same call as
+    its bytes.
     """
 
     def __init__(
@@ -227,13 +226,10 @@ class BlockServer:
     # ---- serving the proven peers, a request at a time, on the pool's threads -------------
 
     def _serve(self, proven: Proven) -> None:
-        """A peer proved the secret: from here its connection is ``conn``, made once from the
-        socket (the one place a wrapper of the connection would go), and every request is
-        read from it and every answer written to it."""
-        proven = seal_proven(proven)  # an encrypted connection: the frames travel in sealed records
-        conn = proven.sock
-        conn.settimeout(self._io_timeout)  # a request comes whole; an answer's slice is taken in time
-        peer = _Peer(conn, proven)
+        """A peer proved the secret: every request is read from its connection (sealed, if
+        agreed) and every answer written to it."""
+        peer = _Peer(proven)
+        peer.conn.settimeout(self._io_timeout)  # a request comes whole; an answer's slice is taken in time
         with self._lock:
             self._peers.add(peer)
         self._await_request(peer)
@@ -368,7 +364,7 @@ class BlockServer:
             # A peer whose connection ends fetches nothing more: as good as its "done".
             self._on_done(peer.partition)
         finally:
-            self._server.discard(peer.sock)
+            self._server.discard(peer.conn)
             peer.conn.close()
 
     def close(self) -> None:

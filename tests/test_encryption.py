@@ -14,6 +14,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -244,6 +245,24 @@ def test_a_unix_socket_is_never_encrypted_whatever_the_ends_say():
         assert not isinstance(client._sock, SealedConnection)
     finally:
         client.close()
+        server.close()
+
+
+def test_an_ended_encrypted_connection_is_forgotten_by_its_server():
+    """The server tracks what it serves (the sealed connection, not the socket under it),
+    so each one that ends is let go: a long fit's reconnects do not pile up."""
+    server = block_server(True)
+    try:
+        for _ in range(5):
+            client = PeerClient(server.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True)
+            _, block = client.fetch(BlockKey(BlockKind.WEIGHT, 0, 0, 0), 1, 4096, None)
+            assert isinstance(client._sock, SealedConnection) and bytes(block[:12]) == b"block bytes "
+            client.close()
+        deadline = time.monotonic() + 30
+        while server._server._connections or server._peers:
+            assert time.monotonic() < deadline, (server._server._connections, server._peers)
+            time.sleep(0.01)
+    finally:
         server.close()
 
 
