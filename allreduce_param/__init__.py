@@ -5,9 +5,15 @@ parameter vector; gradients are reduce-scattered to the owners and weights all-g
 back through compressed blocks that the partitions serve to each other, without the driver.
 """
 
-from . import models, optim
-from .codec import CODECS
-from .errors import (
+from allreduce_param import _old_paths, models, optim
+from allreduce_param.engine.blocks.codec import CODECS
+from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.engine.movement.rendezvous import LocalRendezvous, Rendezvous, StaticRendezvous
+from allreduce_param.engine.parameter import AllReduceParameter, ConnectedParameter
+from allreduce_param.engine.strategy import STRATEGIES, Strategy
+from allreduce_param.engine.stream import GradientStream
+from allreduce_param.engine.wire.network import NetworkSettings
+from allreduce_param.errors import (
     AllReduceError,
     AuthenticationError,
     CodecOverflowError,
@@ -24,13 +30,12 @@ from .errors import (
     TrainingError,
     UsageError,
 )
-from .layout import SliceLayout
-from .network import NetworkSettings
-from .parameter import AllReduceParameter, ConnectedParameter
-from .rendezvous import BarrierRendezvous, LocalRendezvous, Rendezvous, StaticRendezvous
-from .strategy import STRATEGIES, Strategy
-from .stream import GradientStream
-from .train import DistriOptimizer, FitSettings, History, TrainedModel
+from allreduce_param.spark import surroundings as _spark_surroundings
+from allreduce_param.spark.rendezvous import BarrierRendezvous
+from allreduce_param.train import DistriOptimizer, FitSettings, History, TrainedModel
+
+_spark_surroundings.install()
+_old_paths.install()
 
 __version__ = "0.1.0"
 

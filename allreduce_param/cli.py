@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from . import models, optim
-from .errors import AllReduceError, ConfigurationError
-from .session import local_spark, start_python_workers, under_spark_submit
-from .train.arrow import float_lists
-from .train.spark_info import SparkInfo
+from allreduce_param import models, optim
+from allreduce_param.errors import AllReduceError, ConfigurationError
+from allreduce_param.spark.arrow import float_lists
+from allreduce_param.spark.info import SparkInfo
+from allreduce_param.spark.session import local_spark, start_python_workers, under_spark_submit
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,7 +49,9 @@ def apply_overrides(job: dict, overrides: list[str]) -> dict:
         name, _, value = override.partition("=")
         section, _, key = name.strip().rpartition(".")
         if not section or not key or not value:
-            raise ConfigurationError(f"--set {override!r}: write SECTION.KEY=VALUE, e.g. train.epochs=5")
+            raise ConfigurationError(
+                f"--set {override!r}: write SECTION.KEY=VALUE, e.g. train.epochs=5"
+            )
         try:
             parsed = tomllib.loads(f"value = {value}")["value"]
         except tomllib.TOMLDecodeError:
@@ -87,19 +89,27 @@ def load_data(spark, section: dict):
         digits = load_digits()
         X = (digits.data / 16.0).astype(np.float32)
         X_train, X_test, y_train, y_test = train_test_split(
-            X, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target)
+            X, digits.target, test_size=test_fraction, random_state=seed, stratify=digits.target
+        )
         return arrow_frame(spark, X_train, y_train), arrow_frame(spark, X_test, y_test)
     if source == "synthetic":
-        frame = synthetic(spark, int(section.get("rows", 1_000_000)), int(section.get("features", 100)),
-                          int(section.get("classes", 10)), seed, int(section.get("partitions", 0)) or None)
+        frame = synthetic(
+            spark,
+            int(section.get("rows", 1_000_000)),
+            int(section.get("features", 100)),
+            int(section.get("classes", 10)),
+            seed,
+            int(section.get("partitions", 0)) or None,
+        )
         return frame.randomSplit([1 - test_fraction, test_fraction], seed=seed)
     if source in ("libsvm", "parquet"):
         if "path" not in section:
             raise ConfigurationError(f"[data] source = {source!r} needs a path")
         frame = spark.read.format(source).load(section["path"])
         if "features_col" in section or "label_col" in section:
-            frame = frame.withColumnRenamed(section.get("features_col", "features"), "features") \
-                         .withColumnRenamed(section.get("label_col", "label"), "label")
+            frame = frame.withColumnRenamed(
+                section.get("features_col", "features"), "features"
+            ).withColumnRenamed(section.get("label_col", "label"), "label")
         return frame.randomSplit([1 - test_fraction, test_fraction], seed=seed)
     raise ConfigurationError(f"[data] source = {source!r} is not one of {DATA_SOURCES}")
 
@@ -112,10 +122,14 @@ def arrow_frame(spark, X: np.ndarray, y: np.ndarray):
     """
     import pyarrow as pa
 
-    return spark.createDataFrame(pa.table({"features": float_lists(X), "label": pa.array(np.asarray(y, np.float64))}))
+    return spark.createDataFrame(
+        pa.table({"features": float_lists(X), "label": pa.array(np.asarray(y, np.float64))})
+    )
 
 
-def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitions: int | None = None):
+def synthetic(
+    spark, rows: int, features: int, classes: int, seed: int, partitions: int | None = None
+):
     """A classification problem generated in the executors: Gaussian blobs, one per class."""
     import pyarrow as pa
 
@@ -129,10 +143,13 @@ def synthetic(spark, rows: int, features: int, classes: int, seed: int, partitio
             rng = np.random.default_rng([seed, int(ids[0])])
             labels = rng.integers(0, classes, len(ids))
             X = centres[labels] + rng.standard_normal((len(ids), features)).astype(np.float32)
-            yield pa.RecordBatch.from_arrays([float_lists(X), pa.array(labels.astype(np.float64))],
-                                             ["features", "label"])
+            yield pa.RecordBatch.from_arrays(
+                [float_lists(X), pa.array(labels.astype(np.float64))], ["features", "label"]
+            )
 
-    numbers = spark.range(0, rows, numPartitions=partitions or SparkInfo(spark).default_parallelism())
+    numbers = spark.range(
+        0, rows, numPartitions=partitions or SparkInfo(spark).default_parallelism()
+    )
     return numbers.mapInArrow(generate, "features array<float>, label double")
 
 
@@ -148,13 +165,17 @@ def spark_conf_dir(job: dict, job_file: str | Path) -> Path | None:
     if value is None or under_spark_submit():
         return None
     if not isinstance(value, str) or not value:
-        raise ConfigurationError(f"[spark] conf_dir = {value!r} in {job_file}: write a folder's path as text, "
-                                 "relative to the job file's folder, e.g. conf_dir = \"local\"")
+        raise ConfigurationError(
+            f"[spark] conf_dir = {value!r} in {job_file}: write a folder's path as text, "
+            'relative to the job file\'s folder, e.g. conf_dir = "local"'
+        )
     folder = (Path(job_file).resolve().parent / value).resolve()
     if not (folder / "spark-defaults.conf").is_file():
-        raise ConfigurationError(f"[spark] conf_dir = {value!r} in {job_file}: {folder} has no spark-defaults.conf; "
-                                 "name a folder that has one (relative to the job file's folder, e.g. \"local\" "
-                                 "for conf/local), or remove the setting to start Spark with its defaults")
+        raise ConfigurationError(
+            f"[spark] conf_dir = {value!r} in {job_file}: {folder} has no spark-defaults.conf; "
+            'name a folder that has one (relative to the job file\'s folder, e.g. "local" '
+            "for conf/local), or remove the setting to start Spark with its defaults"
+        )
     return folder
 
 
@@ -163,15 +184,21 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
 
     ``conf_dir``: the folder of Spark settings (``spark_conf_dir``), or None for Spark's own.
     """
-    from .train import DistriOptimizer, FitSettings
+    from allreduce_param.train import DistriOptimizer, FitSettings
 
     settings = job.get("train", {})
-    fit_settings = FitSettings.of(settings, where="[train]")  # a bad setting fails before Spark starts
+    fit_settings = FitSettings.of(
+        settings, where="[train]"
+    )  # a bad setting fails before Spark starts
     spark_section = job.get("spark", {})
     if not master and not under_spark_submit():  # under spark-submit, its --master wins
         master = spark_section.get("master", "local[*]")
-    spark = local_spark(master, spark_section.get("app_name", "allreduce-param train"), conf_dir,
-                        class_archive=spark_section.get("class_archive", True))
+    spark = local_spark(
+        master,
+        spark_section.get("app_name", "allreduce-param train"),
+        conf_dir,
+        class_archive=spark_section.get("class_archive", True),
+    )
     warming = start_python_workers(spark)  # while the data loads on the driver
     try:
         train_df, test_df = load_data(spark, job.get("data", {}))
@@ -184,15 +211,17 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
         elapsed = time.perf_counter() - started
         final = result.history.epochs[-1]
         metric = "accuracy" if model.task == "classification" else "rmse"
-        print_table([
-            ("train " + metric, f"{final.get('train_' + metric, float('nan')):.4f}"),
-            ("test " + metric, f"{final.get('val_' + metric, float('nan')):.4f}"),
-            ("train loss", f"{final.get('train_loss', float('nan')):.4f}"),
-            ("epochs", str(len(result.history.epochs))),
-            ("steps", str(len(result.history.steps))),
-            ("time", f"{elapsed:.1f} s"),
-            ("samples/s", f"{result.history.samples_per_second:,.0f}"),
-        ])
+        print_table(
+            [
+                ("train " + metric, f"{final.get('train_' + metric, float('nan')):.4f}"),
+                ("test " + metric, f"{final.get('val_' + metric, float('nan')):.4f}"),
+                ("train loss", f"{final.get('train_loss', float('nan')):.4f}"),
+                ("epochs", str(len(result.history.epochs))),
+                ("steps", str(len(result.history.steps))),
+                ("time", f"{elapsed:.1f} s"),
+                ("samples/s", f"{result.history.samples_per_second:,.0f}"),
+            ]
+        )
         output = job.get("output", {})
         if output.get("model_path"):
             result.save(output["model_path"])
@@ -220,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     trainer = commands.add_parser("train", help="train a model from a job file")
     trainer.add_argument("--conf", required=True, help="the job file (TOML), e.g. conf/digits.toml")
     trainer.add_argument("--master", help="override the job's Spark master")
-    trainer.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                         help="override one setting of the job file, e.g. train.epochs=5 (repeatable)")
+    trainer.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one setting of the job file, e.g. train.epochs=5 (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:  # no Java, bad settings, bad data: one line, no traceback (local_spark checks Java)
         job = apply_overrides(load_job(args.conf), args.set)

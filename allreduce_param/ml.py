@@ -18,10 +18,10 @@ import re
 from typing import Any
 
 import numpy as np
+from pyspark.ml.base import PredictionModel, Predictor
 from pyspark.ml.classification import ProbabilisticClassificationModel, ProbabilisticClassifier
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasStepSize, HasValidationIndicatorCol, HasWeightCol
-from pyspark.ml.base import PredictionModel, Predictor
 from pyspark.ml.util import (
     DefaultParamsReadable,
     DefaultParamsReader,
@@ -33,37 +33,57 @@ from pyspark.ml.util import (
     MLWriter,
 )
 
-from . import models, optim
-from .errors import ConfigurationError, InputError
-from .train.arrow import float_lists
-from .train.data import features_array
-from .train.distri import DistriOptimizer
-from .train.result import History, TrainedModel
-from .train.settings import FitSettings, estimator_params
-from .train.spark_info import is_connect
+from allreduce_param import models, optim
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.spark.arrow import float_lists
+from allreduce_param.spark.info import is_connect
+from allreduce_param.train.driver.data import features_array
+from allreduce_param.train.driver.distri import DistriOptimizer
+from allreduce_param.train.result import History, TrainedModel
+from allreduce_param.train.settings import FitSettings, estimator_params
 
 #: The optimizers the ``optimizer`` Param names.
-OPTIMIZERS = {"adam": optim.Adam, "adamw": optim.AdamW, "sgd": optim.SGD, "rmsprop": optim.RMSprop,
-              "adagrad": optim.Adagrad}
+OPTIMIZERS = {
+    "adam": optim.Adam,
+    "adamw": optim.AdamW,
+    "sgd": optim.SGD,
+    "rmsprop": optim.RMSprop,
+    "adagrad": optim.Adagrad,
+}
 
 #: ``DistriOptimizer.fit``'s arguments, as the Params that set them.
-_ARGUMENT_PARAMS = {"features_col": "featuresCol", "label_col": "labelCol", "weight_col": "weightCol"}
+_ARGUMENT_PARAMS = {
+    "features_col": "featuresCol",
+    "label_col": "labelCol",
+    "weight_col": "weightCol",
+}
 
 
 class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize):
     """The Params both Estimators and their Models share: the network's and the optimizer's
     here, and one per fit setting (``FitSettings``), added below from its fields."""
 
-    hiddenLayers = Param(Params._dummy(), "hiddenLayers",
-                         "widths of the hidden layers, e.g. [128, 64]; [] for a linear model",
-                         typeConverter=TypeConverters.toListInt)
-    optimizer = Param(Params._dummy(), "optimizer", f"the optimizer: {', '.join(OPTIMIZERS)}",
-                      typeConverter=TypeConverters.toString)
+    hiddenLayers = Param(
+        Params._dummy(),
+        "hiddenLayers",
+        "widths of the hidden layers, e.g. [128, 64]; [] for a linear model",
+        typeConverter=TypeConverters.toListInt,
+    )
+    optimizer = Param(
+        Params._dummy(),
+        "optimizer",
+        f"the optimizer: {', '.join(OPTIMIZERS)}",
+        typeConverter=TypeConverters.toString,
+    )
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self._setDefault(hiddenLayers=[], optimizer="adam", stepSize=0.001,
-                         **{spec.name: spec.default for spec in estimator_params()})
+        self._setDefault(
+            hiddenLayers=[],
+            optimizer="adam",
+            stepSize=0.001,
+            **{spec.name: spec.default for spec in estimator_params()},
+        )
 
     def getHiddenLayers(self) -> list[int]:
         """The widths of the hidden layers."""
@@ -87,8 +107,10 @@ class _AllReduceEstimator(_AllReduceParams):
         """Set Params by name (any of ``explainParams()``'s), e.g. ``setParams(maxEpochs=5)``."""
         unknown = sorted(name for name in params if not self.hasParam(name))
         if unknown:
-            raise ConfigurationError(f"{type(self).__name__} has no Param {', '.join(map(repr, unknown))}; "
-                                     f"its Params are {', '.join(sorted(param.name for param in self.params))}")
+            raise ConfigurationError(
+                f"{type(self).__name__} has no Param {', '.join(map(repr, unknown))}; "
+                f"its Params are {', '.join(sorted(param.name for param in self.params))}"
+            )
         return self._set(**params)
 
     def setHiddenLayers(self, value: list[int]):
@@ -114,15 +136,24 @@ class _AllReduceEstimator(_AllReduceParams):
     def _fit(self, dataset):
         settings = self._settings()  # a bad setting fails here, before the data's first Spark job
         features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
-        weight_col = self.getWeightCol() if self.isDefined(self.weightCol) and self.getWeightCol() else None
+        weight_col = (
+            self.getWeightCol() if self.isDefined(self.weightCol) and self.getWeightCol() else None
+        )
         train, validation = self._split(dataset)
         n_features, num_classes = _describe(train, features_col, label_col, self._task)
         network = _network(self._task, n_features, self.getHiddenLayers(), num_classes)
         trainer = self._trainer(network, settings)
         try:
-            trained = trainer.fit(train, features_col=features_col, label_col=label_col, validation=validation,
-                                  weight_col=weight_col)
-        except InputError as error:  # the data checks name DistriOptimizer's arguments: name the Params
+            trained = trainer.fit(
+                train,
+                features_col=features_col,
+                label_col=label_col,
+                validation=validation,
+                weight_col=weight_col,
+            )
+        except (
+            InputError
+        ) as error:  # the data checks name DistriOptimizer's arguments: name the Params
             message = str(error)
             for argument, param in _ARGUMENT_PARAMS.items():
                 message = message.replace(f"({argument})", f"({param})")
@@ -140,11 +171,15 @@ class _AllReduceEstimator(_AllReduceParams):
             return dataset, None
         column = self.getValidationIndicatorCol()
         if column not in dataset.columns:
-            raise InputError(f"validationIndicatorCol={column!r} is not a column of the data; its columns "
-                             f"are {sorted(dataset.columns)}")
+            raise InputError(
+                f"validationIndicatorCol={column!r} is not a column of the data; its columns "
+                f"are {sorted(dataset.columns)}"
+            )
         if not isinstance(dataset.schema[column].dataType, BooleanType):
-            raise InputError(f"validationIndicatorCol={column!r} is {dataset.schema[column].dataType.simpleString()}; "
-                             "it must be boolean (true: a validation row)")
+            raise InputError(
+                f"validationIndicatorCol={column!r} is {dataset.schema[column].dataType.simpleString()}; "
+                "it must be boolean (true: a validation row)"
+            )
         marked = F.coalesce(F.col(column), F.lit(False))
         return dataset.filter(~marked), dataset.filter(marked)
 
@@ -153,7 +188,9 @@ class _AllReduceEstimator(_AllReduceParams):
         job: a conflict such as ``topology='hierarchical'`` with ``strategy='ssp'`` fails
         first); its errors name the Params."""
         try:
-            return FitSettings.of({spec.setting: self.getOrDefault(spec.name) for spec in estimator_params()})
+            return FitSettings.of(
+                {spec.setting: self.getOrDefault(spec.name) for spec in estimator_params()}
+            )
         except ConfigurationError as error:
             raise self._naming_params(error) from error
 
@@ -162,7 +199,9 @@ class _AllReduceEstimator(_AllReduceParams):
         from them); its errors name the Params."""
         name = self.getOptimizer().lower()
         if name not in OPTIMIZERS:
-            raise ConfigurationError(f"optimizer={self.getOptimizer()!r} is not one of {', '.join(OPTIMIZERS)}")
+            raise ConfigurationError(
+                f"optimizer={self.getOptimizer()!r} is not one of {', '.join(OPTIMIZERS)}"
+            )
         settings = settings or self._settings()
         try:
             return DistriOptimizer(network, OPTIMIZERS[name](lr=self.getStepSize()), settings)
@@ -172,7 +211,9 @@ class _AllReduceEstimator(_AllReduceParams):
     def _naming_params(self, error: ConfigurationError) -> ConfigurationError:
         """``error`` with the settings it names written as this Estimator's Params."""
         message = str(error)
-        for param, setting in [(spec.name, spec.setting) for spec in estimator_params()] + [("stepSize", "lr")]:
+        for param, setting in [(spec.name, spec.setting) for spec in estimator_params()] + [
+            ("stepSize", "lr")
+        ]:
             message = re.sub(rf"\b{setting}(?==| must)", param, message)
         return ConfigurationError(f"{type(self).__name__}: {message}")
 
@@ -181,8 +222,16 @@ def _add_setting_params() -> None:
     """One Param per fit setting the Estimators have (``settings.estimator_params``), with
     its getter on the Params both share and its setter on the Estimators, as MLlib names them."""
     for spec in estimator_params():
-        converter = getattr(TypeConverters, f"to{spec.kind}") if spec.kind != "identity" else TypeConverters.identity
-        setattr(_AllReduceParams, spec.name, Param(Params._dummy(), spec.name, spec.doc, typeConverter=converter))
+        converter = (
+            getattr(TypeConverters, f"to{spec.kind}")
+            if spec.kind != "identity"
+            else TypeConverters.identity
+        )
+        setattr(
+            _AllReduceParams,
+            spec.name,
+            Param(Params._dummy(), spec.name, spec.doc, typeConverter=converter),
+        )
         title = spec.name[0].upper() + spec.name[1:]
 
         def getter(self, _name=spec.name):
@@ -191,7 +240,10 @@ def _add_setting_params() -> None:
         def setter(self, value, _name=spec.name):
             return self._set(**{_name: value})
 
-        getter.__doc__, setter.__doc__ = f"The value of {spec.name}: {spec.doc}.", f"Set {spec.name}: {spec.doc}."
+        getter.__doc__, setter.__doc__ = (
+            f"The value of {spec.name}: {spec.doc}.",
+            f"Set {spec.name}: {spec.doc}.",
+        )
         getter.__name__, setter.__name__ = f"get{title}", f"set{title}"
         setattr(_AllReduceParams, f"get{title}", getter)
         setattr(_AllReduceEstimator, f"set{title}", setter)
@@ -200,7 +252,9 @@ def _add_setting_params() -> None:
 _add_setting_params()
 
 
-class AllReduceClassifier(_AllReduceEstimator, ProbabilisticClassifier, DefaultParamsReadable, DefaultParamsWritable):
+class AllReduceClassifier(
+    _AllReduceEstimator, ProbabilisticClassifier, DefaultParamsReadable, DefaultParamsWritable
+):
     """A classifier trained data-parallel by allreduce; labels are class ids 0..k-1 (e.g. from
     ``StringIndexer``). k comes from the label column's metadata, or else its largest value.
 
@@ -217,7 +271,9 @@ class AllReduceClassifier(_AllReduceEstimator, ProbabilisticClassifier, DefaultP
         return AllReduceClassificationModel
 
 
-class AllReduceRegressor(_AllReduceEstimator, Predictor, DefaultParamsReadable, DefaultParamsWritable):
+class AllReduceRegressor(
+    _AllReduceEstimator, Predictor, DefaultParamsReadable, DefaultParamsWritable
+):
     """A regressor trained data-parallel by allreduce (squared error); the Model adds
     ``predictionCol``."""
 
@@ -241,7 +297,9 @@ class _AllReduceModel(_AllReduceParams, MLWritable, MLReadable):
     def trained(self) -> TrainedModel:
         """The fit's result: ``weights``, ``history`` (steps, epochs, phases), ``model``."""
         if self._trained is None:
-            raise InputError(f"{type(self).__name__} holds no weights: make it with fit() or load()")
+            raise InputError(
+                f"{type(self).__name__} holds no weights: make it with fit() or load()"
+            )
         return self._trained
 
     @property
@@ -269,7 +327,10 @@ class _AllReduceModel(_AllReduceParams, MLWritable, MLReadable):
         return _ModelReader(cls)
 
     def _scores(self, value) -> np.ndarray:
-        return self.trained.model.predict_raw(self.trained.weights, _row(value))[0].astype(np.float64)
+        return self.trained.model.predict_raw(self.trained.weights, _row(value))[0].astype(
+            np.float64
+        )
+
 
 class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationModel):
     """An ``AllReduceClassifier``'s fitted model."""
@@ -302,8 +363,10 @@ class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationM
             return None
         thresholds = np.asarray(self.getThresholds(), np.float64)
         if len(thresholds) != self.numClasses:
-            raise ConfigurationError(f"thresholds has {len(thresholds)} values; the model has {self.numClasses} "
-                                     "classes, one threshold each")
+            raise ConfigurationError(
+                f"thresholds has {len(thresholds)} values; the model has {self.numClasses} "
+                "classes, one threshold each"
+            )
         if (thresholds < 0).any() or (thresholds == 0).sum() > 1:
             raise ConfigurationError("thresholds must be >= 0, with at most one of them 0")
         return thresholds
@@ -320,19 +383,35 @@ class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationM
         width = self.numFeatures
 
         def scores(features: pd.Series) -> pd.DataFrame:
-            X = np.stack(features.to_numpy()).astype(np.float32) if len(features) else np.zeros((0, width), np.float32)
+            X = (
+                np.stack(features.to_numpy()).astype(np.float32)
+                if len(features)
+                else np.zeros((0, width), np.float32)
+            )
             raw = np.asarray(model.predict_raw(weights.value, X), np.float64)
             probability = _softmax(raw)
-            return pd.DataFrame({"raw": list(raw), "probability": list(probability),
-                                 "prediction": _classes(probability, thresholds).astype(np.float64)})
+            return pd.DataFrame(
+                {
+                    "raw": list(raw),
+                    "probability": list(probability),
+                    "prediction": _classes(probability, thresholds).astype(np.float64),
+                }
+            )
 
         scores.__annotations__ = {"features": pd.Series, "return": pd.DataFrame}
         kind = "raw array<double>, probability array<double>, prediction double"
         computed = "__allreduce_scores"
-        out = dataset.withColumn(computed, F.pandas_udf(scores, kind)(features_array(dataset, self.getFeaturesCol(), role="featuresCol")))
+        out = dataset.withColumn(
+            computed,
+            F.pandas_udf(scores, kind)(
+                features_array(dataset, self.getFeaturesCol(), role="featuresCol")
+            ),
+        )
         for param, field in ((self.rawPredictionCol, "raw"), (self.probabilityCol, "probability")):
             if self.getOrDefault(param):
-                out = out.withColumn(self.getOrDefault(param), array_to_vector(F.col(f"{computed}.{field}")))
+                out = out.withColumn(
+                    self.getOrDefault(param), array_to_vector(F.col(f"{computed}.{field}"))
+                )
         if self.getPredictionCol():
             out = out.withColumn(self.getPredictionCol(), F.col(f"{computed}.prediction"))
         return out.drop(computed)
@@ -351,7 +430,9 @@ class AllReduceRegressionModel(_AllReduceModel, PredictionModel):
         """``dataset`` with ``predictionCol``, computed in the executors through Arrow."""
         if not self.getPredictionCol():
             return dataset
-        return self.trained.predict(dataset, features_col=self.getFeaturesCol(), prediction_col=self.getPredictionCol())
+        return self.trained.predict(
+            dataset, features_col=self.getFeaturesCol(), prediction_col=self.getPredictionCol()
+        )
 
 
 class _ModelWriter(MLWriter):
@@ -373,15 +454,22 @@ class _ModelWriter(MLWriter):
         import pyarrow as pa
 
         trained = self.instance.trained
-        extra = {"numFeatures": int(trained.n_features), "numClasses": getattr(trained.model, "num_classes", None),
-                 "epochs": trained.history.epochs}
+        extra = {
+            "numFeatures": int(trained.n_features),
+            "numClasses": getattr(trained.model, "num_classes", None),
+            "epochs": trained.history.epochs,
+        }
         mode = "overwrite" if self.shouldOverwrite else "error"
-        metadata = DefaultParamsWriter._get_metadata_to_save(self.instance, self.sparkSession, extra)
-        self.sparkSession.createDataFrame([(metadata,)], ["value"]).coalesce(1).write.mode(mode).text(
-            os.path.join(path, "metadata"))  # as DefaultParamsWriter.saveMetadata writes it
+        metadata = DefaultParamsWriter._get_metadata_to_save(
+            self.instance, self.sparkSession, extra
+        )
+        self.sparkSession.createDataFrame([(metadata,)], ["value"]).coalesce(1).write.mode(
+            mode
+        ).text(os.path.join(path, "metadata"))  # as DefaultParamsWriter.saveMetadata writes it
         column = float_lists(np.reshape(trained.weights, (1, -1)))  # one row: the whole vector
         self.sparkSession.createDataFrame(pa.table({"weights": column})).write.mode(mode).parquet(
-            os.path.join(path, "data"))
+            os.path.join(path, "data")
+        )
 
 
 class _ModelReader(MLReader):
@@ -398,11 +486,17 @@ class _ModelReader(MLReader):
         DefaultParamsReader.getAndSetParams(instance, metadata)
         table = self.sparkSession.read.parquet(os.path.join(path, "data")).toArrow()
         weights = np.asarray(table.column("weights").combine_chunks().flatten(), np.float32)
-        network = _network(instance._task, metadata["numFeatures"], instance.getHiddenLayers(),
-                           metadata["numClasses"])
+        network = _network(
+            instance._task,
+            metadata["numFeatures"],
+            instance.getHiddenLayers(),
+            metadata["numClasses"],
+        )
         if weights.size != network.size:
-            raise InputError(f"{path} holds {weights.size} weights; the network its metadata describes has "
-                             f"{network.size}: the folder was changed or mixed with another model's")
+            raise InputError(
+                f"{path} holds {weights.size} weights; the network its metadata describes has "
+                f"{network.size}: the folder was changed or mixed with another model's"
+            )
         history = History(epochs=metadata.get("epochs", []))
         instance._trained = TrainedModel(network, weights, history, metadata["numFeatures"])
         return instance
@@ -426,24 +520,37 @@ def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int,
 
     features = features_array(train, features_col, role="featuresCol")
     if label_col not in train.columns:
-        raise InputError(f"the data has no column {label_col!r} (labelCol); its columns are {sorted(train.columns)}")
+        raise InputError(
+            f"the data has no column {label_col!r} (labelCol); its columns are {sorted(train.columns)}"
+        )
     features_meta = train.schema[features_col].metadata.get("ml_attr", {})
     n_features = features_meta.get("num_attrs")
     num_classes = None
     if task == "classification":
         label_meta = train.schema[label_col].metadata.get("ml_attr", {})
-        num_classes = label_meta.get("num_vals") or (len(label_meta["vals"]) if "vals" in label_meta else None)
+        num_classes = label_meta.get("num_vals") or (
+            len(label_meta["vals"]) if "vals" in label_meta else None
+        )
     if n_features is None or (task == "classification" and num_classes is None):
         width = F.size(features)
-        row = train.agg(F.max(label_col).alias("largest"), F.first(width, ignorenulls=True).alias("width")).first()
+        row = train.agg(
+            F.max(label_col).alias("largest"), F.first(width, ignorenulls=True).alias("width")
+        ).first()
         if row is None or row["width"] is None:
             raise InputError("the training data has no rows with features")
         n_features = n_features or int(row["width"])
         if task == "classification" and num_classes is None:
             largest = row["largest"]
-            if largest is None or not np.isfinite(largest) or largest < 0 or largest != int(largest):
-                raise InputError(f"the labels in {label_col!r} must be class ids 0, 1, 2, ... (the largest is "
-                                 f"{largest!r}); index string classes with StringIndexer")
+            if (
+                largest is None
+                or not np.isfinite(largest)
+                or largest < 0
+                or largest != int(largest)
+            ):
+                raise InputError(
+                    f"the labels in {label_col!r} must be class ids 0, 1, 2, ... (the largest is "
+                    f"{largest!r}); index string classes with StringIndexer"
+                )
             num_classes = max(int(largest) + 1, 2)
     return int(n_features), (None if num_classes is None else int(num_classes))
 
@@ -465,5 +572,7 @@ def _classes(probability: np.ndarray, thresholds: np.ndarray | None) -> np.ndarr
     if thresholds is None:
         return probability.argmax(axis=1)
     with np.errstate(divide="ignore"):
-        scaled = np.where(thresholds > 0, probability / np.where(thresholds > 0, thresholds, 1), np.inf)
+        scaled = np.where(
+            thresholds > 0, probability / np.where(thresholds > 0, thresholds, 1), np.inf
+        )
     return scaled.argmax(axis=1)

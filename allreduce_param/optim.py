@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigurationError, InputError
+from allreduce_param.errors import ConfigurationError, InputError
 
 __all__ = [
     "Optimizer",
@@ -660,7 +660,14 @@ class RMSprop(Optimizer):
     """
 
     _fields = (
-        "lr", "alpha", "eps", "momentum", "centered", "weight_decay", "schedule", "clip_norm"
+        "lr",
+        "alpha",
+        "eps",
+        "momentum",
+        "centered",
+        "weight_decay",
+        "schedule",
+        "clip_norm",
     )
 
     def __init__(

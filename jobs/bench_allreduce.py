@@ -55,13 +55,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import baselines  # jobs/baselines.py, beside this file
 import numpy as np
 
 from allreduce_param import CODECS, AllReduceParameter
-from allreduce_param.codec import get_codec
-from allreduce_param.session import java_problem, local_spark
-
-import baselines  # jobs/baselines.py, beside this file
+from allreduce_param.engine.blocks.codec import get_codec
+from allreduce_param.spark.session import java_problem, local_spark
 
 if __name__ != "__main__":  # imported (bench_growth.py): the executors cannot import jobs/,
     from pyspark import cloudpickle  # so the barrier task must travel with this module's code
@@ -74,10 +73,12 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "local"  # Spark setti
 PHASES = ("get", "put", "aggregate", "update", "send")
 #: How same-host partitions reach each other: AllReduceParameter settings per name
 #: (``tcp-encrypted``: as peers on other hosts meet where the traffic is encrypted).
-TRANSPORTS = {"shared": dict(unix_sockets=True, shared_memory=True, encrypt=False),
-              "unix": dict(unix_sockets=True, shared_memory=False, encrypt=False),
-              "tcp": dict(unix_sockets=False, shared_memory=False, encrypt=False),
-              "tcp-encrypted": dict(unix_sockets=False, shared_memory=False, encrypt=True)}
+TRANSPORTS = {
+    "shared": dict(unix_sockets=True, shared_memory=True, encrypt=False),
+    "unix": dict(unix_sockets=True, shared_memory=False, encrypt=False),
+    "tcp": dict(unix_sockets=False, shared_memory=False, encrypt=False),
+    "tcp-encrypted": dict(unix_sockets=False, shared_memory=False, encrypt=True),
+}
 #: The step as users write it: ``readme`` is the README's loop word for word (``w =
 #: p.get_weights()``, ``p.weight_partition[:] -= 0.1 * g``); ``tuned`` fills a buffer of
 #: its own (``get_weights(out=w)``) and updates in place without a temporary.
@@ -92,7 +93,9 @@ LOOPBACK_MTU = 65536
 LARGER_BURSTS = ("512kb", "1mb", "2mb")
 
 
-def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, warmup: int, sparse: bool):
+def engine_task(
+    params: list[AllReduceParameter], loops: list[str], steps: int, warmup: int, sparse: bool
+):
     """The barrier task: time every phase of ``warmup + steps`` steps for each parameter and loop."""
 
     def task(_rows):
@@ -112,7 +115,11 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
                 p.init(weights)
                 del weights
                 # error feedback, as the README asks of a lossy gradient codec (the trainer's way)
-                residual = np.zeros(param.size, np.float32) if get_codec(param.gradient_codec).lossy else None
+                residual = (
+                    np.zeros(param.size, np.float32)
+                    if get_codec(param.gradient_codec).lossy
+                    else None
+                )
                 for loop in loops:
                     timings = np.zeros((warmup + steps, len(PHASES)))
                     weights = np.empty(param.size, np.float32) if loop == "tuned" else None
@@ -137,7 +144,15 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
                         t5 = time.perf_counter()
                         timings[step] = np.diff((t0, t1, t2, t3, t4, t5))
                     del w, weights
-                    report.append((param.size, codec_of(param), transport_of(param), loop, timings[warmup:] * 1000.0))
+                    report.append(
+                        (
+                            param.size,
+                            codec_of(param),
+                            transport_of(param),
+                            loop,
+                            timings[warmup:] * 1000.0,
+                        )
+                    )
                 del gradient
         yield report
 
@@ -146,17 +161,27 @@ def engine_task(params: list[AllReduceParameter], loops: list[str], steps: int, 
 
 def codec_of(param: AllReduceParameter) -> str:
     """The codec as ``--codecs`` names it: ``int8``, or ``int8+topk`` with a gradient codec of its own."""
-    return param.codec if param.gradient_codec == param.codec else f"{param.codec}+{param.gradient_codec}"
+    return (
+        param.codec
+        if param.gradient_codec == param.codec
+        else f"{param.codec}+{param.gradient_codec}"
+    )
 
 
 def transport_of(param: AllReduceParameter) -> str:
     """The transport (with ``--fetch-threads``, and its fetch threads) ``param`` was made with."""
+
     def setting(key):
         return param.network.encrypt if key == "encrypt" else getattr(param, key)
 
-    return max((name for name, settings in TRANSPORTS.items()
-                if all(setting(key) == value for key, value in settings.items())),
-               key=lambda name: len(TRANSPORTS[name]))
+    return max(
+        (
+            name
+            for name, settings in TRANSPORTS.items()
+            if all(setting(key) == value for key, value in settings.items())
+        ),
+        key=lambda name: len(TRANSPORTS[name]),
+    )
 
 
 def engine_medians(report: list, config: tuple) -> tuple[float, list[float]]:
@@ -167,8 +192,18 @@ def engine_medians(report: list, config: tuple) -> tuple[float, list[float]]:
     return float(np.median(slowest_step)), [float(x) for x in np.median(slowest_phase, axis=0)]
 
 
-def alternate(spark, partitions: int, params: list[AllReduceParameter], loops: list[str], *, rounds: int,
-              steps: int, warmup: int, sparse: bool = False, gloo: bool = True) -> tuple[dict, dict]:
+def alternate(
+    spark,
+    partitions: int,
+    params: list[AllReduceParameter],
+    loops: list[str],
+    *,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    sparse: bool = False,
+    gloo: bool = True,
+) -> tuple[dict, dict]:
     """``rounds`` rounds of: one barrier stage of ``partitions`` tasks timing every parameter
     and loop (:func:`engine_task`), then gloo's ``all_reduce`` between ``partitions``
     processes at each parameter's size (when ``gloo``).
@@ -177,10 +212,16 @@ def alternate(spark, partitions: int, params: list[AllReduceParameter], loops: l
     medians])`` per round, and ``gloo_ms``: size -> one median ms per round (empty lists
     without gloo), for :func:`engine_row` and :func:`gloo_row`.
     """
-    configs = [(param.size, codec_of(param), transport_of(param), loop) for param in params for loop in loops]
+    configs = [
+        (param.size, codec_of(param), transport_of(param), loop)
+        for param in params
+        for loop in loops
+    ]
     rdd = spark.sparkContext.parallelize(range(partitions), partitions)
     task = engine_task(params, loops, steps, warmup, sparse)
-    swapped = engine_task(params[::-1], loops, steps, warmup, sparse)  # every other round: the other order
+    swapped = engine_task(
+        params[::-1], loops, steps, warmup, sparse
+    )  # every other round: the other order
     engine = {config: [] for config in configs}
     gloo_ms = {param.size: [] for param in params}
     for number in range(rounds):
@@ -189,7 +230,9 @@ def alternate(spark, partitions: int, params: list[AllReduceParameter], loops: l
         for config in configs:
             engine[config].append(engine_medians(report, config))
         for size in gloo_ms if gloo else ():
-            gloo_ms[size].append(baselines.gloo_allreduce_ms(size, processes=partitions, steps=steps, warmup=warmup))
+            gloo_ms[size].append(
+                baselines.gloo_allreduce_ms(size, processes=partitions, steps=steps, warmup=warmup)
+            )
     return engine, gloo_ms
 
 
@@ -199,19 +242,45 @@ def alternate(spark, partitions: int, params: list[AllReduceParameter], loops: l
 # engine's (median, phases) per round), gloo (gloo's ms per round), tree (treeAggregate's ms).
 
 
-def engine_row(link: str, size: int, partitions: int, name: str, rounds: list, gloo: list, tree=None) -> dict:
-    return dict(link=link, size=size, partitions=partitions, sync=name, kind="engine",
-                rounds=[[total, list(phases)] for total, phases in rounds], gloo=list(gloo), tree=tree)
+def engine_row(
+    link: str, size: int, partitions: int, name: str, rounds: list, gloo: list, tree=None
+) -> dict:
+    return dict(
+        link=link,
+        size=size,
+        partitions=partitions,
+        sync=name,
+        kind="engine",
+        rounds=[[total, list(phases)] for total, phases in rounds],
+        gloo=list(gloo),
+        tree=tree,
+    )
 
 
 def gloo_row(link: str, size: int, partitions: int, gloo: list, tree=None) -> dict:
-    return dict(link=link, size=size, partitions=partitions, sync="gloo all_reduce (torch)", kind="gloo",
-                rounds=None, gloo=list(gloo), tree=tree)
+    return dict(
+        link=link,
+        size=size,
+        partitions=partitions,
+        sync="gloo all_reduce (torch)",
+        kind="gloo",
+        rounds=None,
+        gloo=list(gloo),
+        tree=tree,
+    )
 
 
 def mllib_row(link: str, size: int, partitions: int, gloo: list, tree: float) -> dict:
-    return dict(link=link, size=size, partitions=partitions, sync="MLlib broadcast+treeAggregate",
-                kind="mllib", rounds=None, gloo=list(gloo), tree=tree)
+    return dict(
+        link=link,
+        size=size,
+        partitions=partitions,
+        sync="MLlib broadcast+treeAggregate",
+        kind="mllib",
+        rounds=None,
+        gloo=list(gloo),
+        tree=tree,
+    )
 
 
 def row_totals(row: dict) -> list[float] | None:
@@ -227,7 +296,10 @@ def row_phases(row: dict) -> list[str]:
     """The median over the rounds of each phase's figure, as text ('' but for the engine)."""
     if row["kind"] != "engine":
         return [""] * len(PHASES)
-    return [f"{statistics.median(phases[i] for _, phases in row['rounds']):,.1f}" for i in range(len(PHASES))]
+    return [
+        f"{statistics.median(phases[i] for _, phases in row['rounds']):,.1f}"
+        for i in range(len(PHASES))
+    ]
 
 
 def ratio_text(ours: list[float], gloo: list[float]) -> str:
@@ -254,9 +326,18 @@ def render(header: tuple, lines: list, left: int = 2) -> str:
     widths = [max(len(str(line[i])) for line in [header, *lines]) for i in range(len(header))]
 
     def show(line):
-        return "| " + " | ".join(str(cell).ljust(width) if i < left else str(cell).rjust(width)
-                                 for i, (cell, width) in enumerate(zip(line, widths))) + " |"
-    return "\n".join([show(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(show, lines)])
+        return (
+            "| "
+            + " | ".join(
+                str(cell).ljust(width) if i < left else str(cell).rjust(width)
+                for i, (cell, width) in enumerate(zip(line, widths))
+            )
+            + " |"
+        )
+
+    return "\n".join(
+        [show(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(show, lines)]
+    )
 
 
 def print_table(rows: list[dict], with_link: bool = False) -> None:
@@ -265,17 +346,36 @@ def print_table(rows: list[dict], with_link: bool = False) -> None:
     ``with_link``, a ``link`` column first and, for shaped links, the ring bound and the ratio
     to it."""
     links = [row for row in rows if row["link"] != HOST]
-    trees = any(row["tree"] for row in rows) or not links  # no treeAggregate in a namespace: no column
-    header = (*(("link",) if with_link else ()), "size", "sync", "median ms", *(f"{p} ms" for p in PHASES),
-              "x gloo (range)", *(("faster than treeAgg",) if trees else ()),
-              *(("ring bound ms", "x bound") if links else ()))
+    trees = (
+        any(row["tree"] for row in rows) or not links
+    )  # no treeAggregate in a namespace: no column
+    header = (
+        *(("link",) if with_link else ()),
+        "size",
+        "sync",
+        "median ms",
+        *(f"{p} ms" for p in PHASES),
+        "x gloo (range)",
+        *(("faster than treeAgg",) if trees else ()),
+        *(("ring bound ms", "x bound") if links else ()),
+    )
     lines = []
     for row in rows:
         start = (row["link"],) if with_link else ()
         totals = row_totals(row)
         if totals is None:
-            lines.append((*start, label(row["size"]), row["sync"], "not installed", *row_phases(row), "",
-                          *(("",) if trees else ()), *(("", "") if links else ())))
+            lines.append(
+                (
+                    *start,
+                    label(row["size"]),
+                    row["sync"],
+                    "not installed",
+                    *row_phases(row),
+                    "",
+                    *(("",) if trees else ()),
+                    *(("", "") if links else ()),
+                )
+            )
             continue
         value = statistics.median(totals)
         tree = row["tree"]
@@ -283,17 +383,30 @@ def print_table(rows: list[dict], with_link: bool = False) -> None:
         if links:
             bound = ("", "")
             if row["link"] != HOST:
-                ms = ring_bound_ms(4 * row["size"], row["partitions"], bits_per_second(row["link"]) / 8)
+                ms = ring_bound_ms(
+                    4 * row["size"], row["partitions"], bits_per_second(row["link"]) / 8
+                )
                 bound = (ms_text(ms), f"{value / ms:.2f}")
-        lines.append((*start, label(row["size"]), row["sync"], f"{value:,.1f}", *row_phases(row),
-                      ratio_text(totals, row["gloo"]), *((f"{tree / value:.1f}x" if tree else "",) if trees else ()),
-                      *bound))
+        lines.append(
+            (
+                *start,
+                label(row["size"]),
+                row["sync"],
+                f"{value:,.1f}",
+                *row_phases(row),
+                ratio_text(totals, row["gloo"]),
+                *((f"{tree / value:.1f}x" if tree else "",) if trees else ()),
+                *bound,
+            )
+        )
     print(render(header, lines, left=3 if with_link else 2))
     if links:
         counts = sorted({row["partitions"] for row in links})
-        print(f"ring bound: 2(N-1)/N x fp32 bytes / link rate (N = {', '.join(map(str, counts))}), what each "
-              "partition sends on a link of its own; here all N partitions share the one shaped loopback, "
-              "so nothing goes below N x the bound (x bound = N is the link's full rate).")
+        print(
+            f"ring bound: 2(N-1)/N x fp32 bytes / link rate (N = {', '.join(map(str, counts))}), what each "
+            "partition sends on a link of its own; here all N partitions share the one shaped loopback, "
+            "so nothing goes below N x the bound (x bound = N is the link's full rate)."
+        )
     sys.stdout.flush()
 
 
@@ -307,13 +420,29 @@ def print_encryption_table(engine: dict) -> None:
         if transport != "tcp-encrypted" or plain is None:
             continue
         ratios = [s / p for (s, _), (p, _) in zip(sealed, plain)]
-        plain_ms, sealed_ms = (statistics.median(total for total, _ in rounds) for rounds in (plain, sealed))
-        lines.append((label(size), codec + (f", {loop} loop" if len({key[3] for key in engine}) > 1 else ""),
-                      ms_text(plain_ms), ms_text(sealed_ms), f"{sealed_ms - plain_ms:+.2f}",
-                      f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"))
+        plain_ms, sealed_ms = (
+            statistics.median(total for total, _ in rounds) for rounds in (plain, sealed)
+        )
+        lines.append(
+            (
+                label(size),
+                codec + (f", {loop} loop" if len({key[3] for key in engine}) > 1 else ""),
+                ms_text(plain_ms),
+                ms_text(sealed_ms),
+                f"{sealed_ms - plain_ms:+.2f}",
+                f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+            )
+        )
     if lines:
-        print("\nencryption in transit (a step's median ms over TCP, without and with encrypt=True):")
-        print(render(("size", "codec", "tcp ms", "tcp-encrypted ms", "difference ms", "x tcp (range)"), lines))
+        print(
+            "\nencryption in transit (a step's median ms over TCP, without and with encrypt=True):"
+        )
+        print(
+            render(
+                ("size", "codec", "tcp ms", "tcp-encrypted ms", "difference ms", "x tcp (range)"),
+                lines,
+            )
+        )
         sys.stdout.flush()
 
 
@@ -325,8 +454,10 @@ def machine() -> str:
         memory = "? GiB"
     import pyspark
 
-    return (f"{platform.machine()}, {os.cpu_count()} cores, {memory}, {platform.system()} "
-            f"{platform.release()}, Python {platform.python_version()}, PySpark {pyspark.__version__}")
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, {memory}, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}, PySpark {pyspark.__version__}"
+    )
 
 
 def label(size: int) -> str:
@@ -343,58 +474,112 @@ def parse_sizes(text: str) -> list[int]:
     for part in text.split(","):
         found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", part)
         if not found:
-            raise SystemExit(f"cannot read size {part!r}: write float32 elements, e.g. 10000, 10K, 1M")
-        sizes.append(int(float(found.group(1)) * {"": 1, "k": 1_000, "m": 1_000_000}[found.group(2).lower()]))
+            raise SystemExit(
+                f"cannot read size {part!r}: write float32 elements, e.g. 10000, 10K, 1M"
+            )
+        sizes.append(
+            int(float(found.group(1)) * {"": 1, "k": 1_000, "m": 1_000_000}[found.group(2).lower()])
+        )
     return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
-    parser.add_argument("--sizes", default="10000,1000000,10000000",
-                        help="float32 elements, comma-separated (10K, 1M accepted)")
-    parser.add_argument("--codecs", default=",".join(DENSE_CODECS),
-                        help=f"of {', '.join(DENSE_CODECS)}; WEIGHTS+GRADIENTS (e.g. int8+topk) for a "
-                             "gradient codec of its own")
+    parser.add_argument(
+        "--sizes",
+        default="10000,1000000,10000000",
+        help="float32 elements, comma-separated (10K, 1M accepted)",
+    )
+    parser.add_argument(
+        "--codecs",
+        default=",".join(DENSE_CODECS),
+        help=f"of {', '.join(DENSE_CODECS)}; WEIGHTS+GRADIENTS (e.g. int8+topk) for a "
+        "gradient codec of its own",
+    )
     parser.add_argument("--loops", default="readme", help=f"the user's step, of {', '.join(LOOPS)}")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="alternating rounds (engine, gloo, engine, ...); the ratio is their median")
-    parser.add_argument("--steps", type=int, default=15, help="timed syncs per round, size, codec and loop")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="alternating rounds (engine, gloo, engine, ...); the ratio is their median",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=15, help="timed syncs per round, size, codec and loop"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed syncs first")
-    parser.add_argument("--data", choices=("dense", "sparse"), default="dense",
-                        help="gradients of random noise, or 90%% zeros")
-    parser.add_argument("--transports", default="shared",
-                        help="how partitions on this host meet, of shared, unix, tcp (comma-separated)")
-    parser.add_argument("--fetch-threads", default=None,
-                        help="AllReduceParameter(fetch_threads=...) to compare, comma-separated (default: unset)")
-    parser.add_argument("--partitions", type=int, default=None,
-                        help="barrier tasks (default: the master's task slots)")
+    parser.add_argument(
+        "--data",
+        choices=("dense", "sparse"),
+        default="dense",
+        help="gradients of random noise, or 90%% zeros",
+    )
+    parser.add_argument(
+        "--transports",
+        default="shared",
+        help="how partitions on this host meet, of shared, unix, tcp (comma-separated)",
+    )
+    parser.add_argument(
+        "--fetch-threads",
+        default=None,
+        help="AllReduceParameter(fetch_threads=...) to compare, comma-separated (default: unset)",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="barrier tasks (default: the master's task slots)",
+    )
     parser.add_argument("--no-baselines", action="store_true", help="skip treeAggregate and gloo")
-    parser.add_argument("--link", default=None,
-                        help="run once per link rate, each in a network namespace whose loopback tc limits "
-                             "to it (e.g. host,1gbit,10gbit; 'host' = no namespace); root, unshare, ip and tc "
-                             "needed")
-    parser.add_argument("--link-burst", default=LINK_BURST,
-                        help=f"tc tbf burst for --link (default {LINK_BURST}; larger ones are tried if tc refuses)")
-    parser.add_argument("--inside-link", default=None, help=argparse.SUPPRESS)  # the run in a namespace: its rate
-    parser.add_argument("--results", default=None, help=argparse.SUPPRESS)  # where that run leaves its rows (json)
+    parser.add_argument(
+        "--link",
+        default=None,
+        help="run once per link rate, each in a network namespace whose loopback tc limits "
+        "to it (e.g. host,1gbit,10gbit; 'host' = no namespace); root, unshare, ip and tc "
+        "needed",
+    )
+    parser.add_argument(
+        "--link-burst",
+        default=LINK_BURST,
+        help=f"tc tbf burst for --link (default {LINK_BURST}; larger ones are tried if tc refuses)",
+    )
+    parser.add_argument(
+        "--inside-link", default=None, help=argparse.SUPPRESS
+    )  # the run in a namespace: its rate
+    parser.add_argument(
+        "--results", default=None, help=argparse.SUPPRESS
+    )  # where that run leaves its rows (json)
     args = parser.parse_args(argv)
     if args.link:
-        return run_in_links(args.link.split(","), sys.argv[1:] if argv is None else argv, args.link_burst)
+        return run_in_links(
+            args.link.split(","), sys.argv[1:] if argv is None else argv, args.link_burst
+        )
     problem = java_problem()
     if problem:  # before anything else: say so, no traceback
         print(f"error: {problem}", file=sys.stderr)
         return 2
     sizes = parse_sizes(args.sizes)
-    codecs, loops, transports = args.codecs.split(","), args.loops.split(","), args.transports.split(",")
+    codecs, loops, transports = (
+        args.codecs.split(","),
+        args.loops.split(","),
+        args.transports.split(","),
+    )
     named = [part for codec in codecs for part in codec.split("+", 1)]
-    for name, chosen, known in (("loop", loops, LOOPS), ("codec", named, CODECS), ("transport", transports, TRANSPORTS)):
+    for name, chosen, known in (
+        ("loop", loops, LOOPS),
+        ("codec", named, CODECS),
+        ("transport", transports, TRANSPORTS),
+    ):
         if set(chosen) - set(known):
-            parser.error(f"unknown {name} {sorted(set(chosen) - set(known))}: choose of {', '.join(known)}")
+            parser.error(
+                f"unknown {name} {sorted(set(chosen) - set(known))}: choose of {', '.join(known)}"
+            )
     link = args.inside_link or HOST
     if args.inside_link:
         bits_per_second(link)
-        transports = [name for name in transports if name.startswith("tcp")] or ["tcp"]  # as peers on other hosts
+        transports = [name for name in transports if name.startswith("tcp")] or [
+            "tcp"
+        ]  # as peers on other hosts
     if args.fetch_threads:  # each transport once per fetch thread count, named "shared f8"
         counts = [int(count) for count in args.fetch_threads.split(",")]
         transports = [f"{transport} f{count}" for transport in transports for count in counts]
@@ -407,29 +592,63 @@ def main(argv: list[str] | None = None) -> int:
     spark = local_spark(args.master, "allreduce-param-bench", CONF_DIR)
     try:
         print(f"machine: {machine()}")
-        print(f"{partitions} partitions on {args.master}; {args.rounds} rounds alternating engine and gloo; "
-              f"each the median of {args.steps} steps after {args.warmup} warm-up; {args.data} gradients", flush=True)
+        print(
+            f"{partitions} partitions on {args.master}; {args.rounds} rounds alternating engine and gloo; "
+            f"each the median of {args.steps} steps after {args.warmup} warm-up; {args.data} gradients",
+            flush=True,
+        )
         if args.inside_link:
-            print(f"link: {link} (tc tbf rate {link} burst {args.link_burst} latency {LINK_LATENCY} on the loopback "
-                  "of a private network namespace); the engine over TCP, gloo over the same link; no treeAggregate",
-                  flush=True)
+            print(
+                f"link: {link} (tc tbf rate {link} burst {args.link_burst} latency {LINK_LATENCY} on the loopback "
+                "of a private network namespace); the engine over TCP, gloo over the same link; no treeAggregate",
+                flush=True,
+            )
         elif args.results:
             print("link: host (no namespace, no limit)", flush=True)
-        params = [AllReduceParameter(partitions, size, codec=codec.split("+")[0], gradient_codec=codec.split("+")[-1],
-                                     timeout=300, **TRANSPORTS[transport])
-                  for size in sizes for codec in codecs for transport in transports]
-        engine, gloo = alternate(spark, partitions, params, loops, rounds=args.rounds, steps=args.steps,
-                                 warmup=args.warmup, sparse=args.data == "sparse", gloo=gloo_installed)
+        params = [
+            AllReduceParameter(
+                partitions,
+                size,
+                codec=codec.split("+")[0],
+                gradient_codec=codec.split("+")[-1],
+                timeout=300,
+                **TRANSPORTS[transport],
+            )
+            for size in sizes
+            for codec in codecs
+            for transport in transports
+        ]
+        engine, gloo = alternate(
+            spark,
+            partitions,
+            params,
+            loops,
+            rounds=args.rounds,
+            steps=args.steps,
+            warmup=args.warmup,
+            sparse=args.data == "sparse",
+            gloo=gloo_installed,
+        )
         rows = []
         for size in sizes:
-            tree = None if args.no_baselines or args.inside_link else baselines.mllib_sync_ms(
-                spark, size, partitions=partitions, steps=5, warmup=1)
+            tree = (
+                None
+                if args.no_baselines or args.inside_link
+                else baselines.mllib_sync_ms(spark, size, partitions=partitions, steps=5, warmup=1)
+            )
             for (config_size, codec, transport, loop), rounds in engine.items():
                 if config_size != size:
                     continue
-                name = f"{codec}" + (f" ({transport})" if len(transports) > 1 or args.results else "") \
+                name = (
+                    f"{codec}"
+                    + (f" ({transport})" if len(transports) > 1 or args.results else "")
                     + (f", {loop} loop" if len(loops) > 1 else "")
-                rows.append(engine_row(link, size, partitions, f"allreduce-param {name}", rounds, gloo[size], tree))
+                )
+                rows.append(
+                    engine_row(
+                        link, size, partitions, f"allreduce-param {name}", rounds, gloo[size], tree
+                    )
+                )
             if tree is not None:
                 rows.append(mllib_row(link, size, partitions, gloo[size], tree))
             if not args.no_baselines:
@@ -447,16 +666,20 @@ def bits_per_second(rate: str) -> float:
     """``1gbit`` -> 1e9, as tc reads rates (k, m, g: powers of 1000)."""
     found = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
     if not found:
-        raise SystemExit(f"cannot read link rate {rate!r}: write it as tc does, e.g. 100mbit, 1gbit, 10gbit "
-                         f"(or '{HOST}' for no limit)")
+        raise SystemExit(
+            f"cannot read link rate {rate!r}: write it as tc does, e.g. 100mbit, 1gbit, 10gbit "
+            f"(or '{HOST}' for no limit)"
+        )
     return float(found.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[found.group(2)]
 
 
 def link_setup(rate: str, burst: str) -> str:
     """The shell commands that make a namespace's loopback a link of ``rate``; exit status 91
     when ``ip`` fails, 92 when ``tc`` does."""
-    return (f"ip link set lo up || exit 91; "
-            f"tc qdisc add dev lo root tbf rate {rate} burst {burst} latency {LINK_LATENCY} || exit 92; ")
+    return (
+        f"ip link set lo up || exit 91; "
+        f"tc qdisc add dev lo root tbf rate {rate} burst {burst} latency {LINK_LATENCY} || exit 92; "
+    )
 
 
 def link_problem(rate: str, burst: str) -> tuple[str | None, str]:
@@ -464,32 +687,53 @@ def link_problem(rate: str, burst: str) -> tuple[str | None, str]:
     the burst tc took (``burst`` or, if tc refuses it, a larger one), else ``(why, '')``."""
     missing = [tool for tool in ("unshare", "ip", "tc") if shutil.which(tool) is None]
     if missing:
-        return (f"--link needs the tools unshare (util-linux), ip and tc (iproute2); missing: {', '.join(missing)}"
-                " (apt-get install util-linux iproute2)"), ""
+        return (
+            f"--link needs the tools unshare (util-linux), ip and tc (iproute2); missing: {', '.join(missing)}"
+            " (apt-get install util-linux iproute2)"
+        ), ""
     found = re.fullmatch(r"(\d+(?:\.\d+)?)(b|k|kb|m|mb)?", burst.strip().lower())
     if not found:
         return f"--link-burst {burst!r}: write it as tc does, e.g. 256kb, 1mb", ""
-    if float(found.group(1)) * {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 2**20, "mb": 2**20}[found.group(2)] \
-            < LOOPBACK_MTU:
+    if (
+        float(found.group(1))
+        * {None: 1, "b": 1, "k": 1024, "kb": 1024, "m": 2**20, "mb": 2**20}[found.group(2)]
+        < LOOPBACK_MTU
+    ):
         # tc takes it, but tbf then drops every full-size packet on lo and the run hangs
-        return f"--link-burst {burst} is below the loopback's MTU ({LOOPBACK_MTU} bytes): take 256kb or more", ""
+        return (
+            f"--link-burst {burst} is below the loopback's MTU ({LOOPBACK_MTU} bytes): take 256kb or more",
+            "",
+        )
     refused = []
     for candidate in dict.fromkeys((burst, *LARGER_BURSTS)):
-        done = subprocess.run(["unshare", "-n", "sh", "-c", link_setup(rate, candidate)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["unshare", "-n", "sh", "-c", link_setup(rate, candidate)],
+            capture_output=True,
+            text=True,
+        )
         said = done.stderr.strip().replace("\n", "; ")
         if done.returncode == 0:
             if refused:
-                print(f"note: tc refused burst {burst} ({refused[0]}); using burst {candidate}", file=sys.stderr)
+                print(
+                    f"note: tc refused burst {burst} ({refused[0]}); using burst {candidate}",
+                    file=sys.stderr,
+                )
             return None, candidate
         if done.returncode == 91:
             return f"--link: 'ip link set lo up' failed inside the namespace: {said}", ""
         if done.returncode != 92:
-            why = "not running as root" if os.geteuid() != 0 else "root without CAP_SYS_ADMIN (a container?)"
+            why = (
+                "not running as root"
+                if os.geteuid() != 0
+                else "root without CAP_SYS_ADMIN (a container?)"
+            )
             return f"--link: 'unshare -n' is not permitted here ({why}): {said}", ""
         refused.append(f"burst {candidate}: {said}")
-    return f"--link: tc refused 'tbf rate {rate} latency {LINK_LATENCY}' with every burst tried: " \
-           + "; ".join(refused), ""
+    return (
+        f"--link: tc refused 'tbf rate {rate} latency {LINK_LATENCY}' with every burst tried: "
+        + "; ".join(refused),
+        "",
+    )
 
 
 def without_link(argv: list[str]) -> list[str]:
@@ -505,8 +749,14 @@ def without_link(argv: list[str]) -> list[str]:
     return rest
 
 
-def run_in_links(rates: list[str], argv: list[str], burst: str, script: str = __file__, group: str = "size",
-                 print_all=lambda rows: print_table(rows, with_link=True)) -> int:
+def run_in_links(
+    rates: list[str],
+    argv: list[str],
+    burst: str,
+    script: str = __file__,
+    group: str = "size",
+    print_all=lambda rows: print_table(rows, with_link=True),
+) -> int:
     """Run the benchmark ``script`` (this one by default) again once per rate, each inside a
     private network namespace with its loopback limited to the rate (``host``: as it is, no
     namespace); then ``print_all`` of their rows, grouped by the field ``group``, in the
@@ -534,22 +784,46 @@ def run_in_links(rates: list[str], argv: list[str], burst: str, script: str = __
                 command = [sys.executable, script, *rest, "--results", results]
                 environment = None
             else:
-                command = ["unshare", "-n", "sh", "-c", link_setup(rate, bursts[rate]) + 'exec "$0" "$@"',
-                           sys.executable, script, *rest, "--link-burst", bursts[rate], "--inside-link", rate,
-                           "--results", results]
+                command = [
+                    "unshare",
+                    "-n",
+                    "sh",
+                    "-c",
+                    link_setup(rate, bursts[rate]) + 'exec "$0" "$@"',
+                    sys.executable,
+                    script,
+                    *rest,
+                    "--link-burst",
+                    bursts[rate],
+                    "--inside-link",
+                    rate,
+                    "--results",
+                    results,
+                ]
                 # c10d's reverse lookups of 127.0.0.1 fail without a resolver in the namespace: harmless
-                environment = {**os.environ, "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
-            print(f"== link {rate}" + ("" if rate == HOST else f" (tc tbf burst {bursts[rate]})"), flush=True)
+                environment = {
+                    **os.environ,
+                    "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                }
+            print(
+                f"== link {rate}" + ("" if rate == HOST else f" (tc tbf burst {bursts[rate]})"),
+                flush=True,
+            )
             done = subprocess.run(command, env=environment)
             if done.returncode:
-                print(f"error: the run on link {rate} failed (exit status {done.returncode})", file=sys.stderr)
+                print(
+                    f"error: the run on link {rate} failed (exit status {done.returncode})",
+                    file=sys.stderr,
+                )
             status = status or done.returncode
             if os.path.exists(results):
                 rows += json.loads(Path(results).read_text())
     if len(rates) > 1 and rows:
         order = {rate: i for i, rate in enumerate(rates)}
         groups = {row[group]: None for row in rows}  # in the order they first came
-        rows.sort(key=lambda row: (list(groups).index(row[group]), order[row["link"]]))  # stable within
+        rows.sort(
+            key=lambda row: (list(groups).index(row[group]), order[row["link"]])
+        )  # stable within
         print(f"\n== all links ({', '.join(rates)})")
         print_all(rows)
     return status
@@ -557,7 +831,9 @@ def run_in_links(rates: list[str], argv: list[str], burst: str, script: str = __
 
 def local_slots(master: str) -> int:
     """How many tasks run at once on a local master: local[4] -> 4, local[*] -> the cores."""
-    found = re.fullmatch(r"local\[(\d+|\*)(?:,\d+)?\]|local-cluster\[(\d+),(\d+),\d+\]|local", master)
+    found = re.fullmatch(
+        r"local\[(\d+|\*)(?:,\d+)?\]|local-cluster\[(\d+),(\d+),\d+\]|local", master
+    )
     if not found:
         raise SystemExit(f"cannot tell the task slots of master {master!r}: pass --partitions")
     if found.group(2):

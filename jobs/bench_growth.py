@@ -38,12 +38,12 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 import baselines  # jobs/baselines.py, beside this file
 import bench_allreduce as bench
+import numpy as np
+
 from allreduce_param import CODECS, AllReduceParameter
-from allreduce_param.session import java_problem, local_spark
+from allreduce_param.spark.session import java_problem, local_spark
 
 DEFAULT_SIZES = "10K,100K,1M,10M,50M,200M"
 #: Default steps: 15 up to this many elements per step, fewer beyond (at least 6).
@@ -79,9 +79,19 @@ def measure(spark, partitions: int, size: int, args, gloo: bool) -> tuple[list, 
     """Alternating rounds at one size: (engine's (median, phases) per round, gloo's ms per
     round, steps, warm-up)."""
     steps, warmup = steps_for(size, args.steps), warmup_for(size, args.warmup)
-    param = AllReduceParameter(partitions, size, codec=args.codec, timeout=600, **bench.TRANSPORTS[args.transport])
-    engine, gloo_ms = bench.alternate(spark, partitions, [param], [args.loop], rounds=args.rounds, steps=steps,
-                                      warmup=warmup, gloo=gloo)
+    param = AllReduceParameter(
+        partitions, size, codec=args.codec, timeout=600, **bench.TRANSPORTS[args.transport]
+    )
+    engine, gloo_ms = bench.alternate(
+        spark,
+        partitions,
+        [param],
+        [args.loop],
+        rounds=args.rounds,
+        steps=steps,
+        warmup=warmup,
+        gloo=gloo,
+    )
     (rounds,) = engine.values()
     return rounds, gloo_ms[size], steps, warmup
 
@@ -94,13 +104,32 @@ def lines_for(rows: list[dict], bandwidth: float, lead) -> list[tuple]:
         totals = bench.row_totals(row)
         bound = bench.ring_bound_ms(4 * row["size"], row["partitions"], bandwidth)
         if totals is None:
-            lines.append((*lead(row), row["sync"], "not installed", *bench.row_phases(row), "", "",
-                          bench.ms_text(bound), ""))
+            lines.append(
+                (
+                    *lead(row),
+                    row["sync"],
+                    "not installed",
+                    *bench.row_phases(row),
+                    "",
+                    "",
+                    bench.ms_text(bound),
+                    "",
+                )
+            )
             continue
         value = statistics.median(totals)
-        lines.append((*lead(row), row["sync"], bench.ms_text(value), *bench.row_phases(row),
-                      f"{4 * row['size'] / value / 1e6:,.2f}", bench.ratio_text(totals, row["gloo"]),
-                      bench.ms_text(bound), f"{value / bound:.1f}"))
+        lines.append(
+            (
+                *lead(row),
+                row["sync"],
+                bench.ms_text(value),
+                *bench.row_phases(row),
+                f"{4 * row['size'] / value / 1e6:,.2f}",
+                bench.ratio_text(totals, row["gloo"]),
+                bench.ms_text(bound),
+                f"{value / bound:.1f}",
+            )
+        )
     return lines
 
 
@@ -111,12 +140,17 @@ def sizes_table(args, sizes: list[int], bandwidth: float, gloo: bool) -> None:
     partitions = args.partitions or bench.local_slots(args.master)
     spark = local_spark(args.master, "allreduce-param-growth", bench.CONF_DIR)
     try:
-        print(f"\n(a) per-sync time against size: {partitions} partitions on {args.master}; {args.rounds} rounds "
-              f"alternating engine and gloo; {args.codec}, {args.transport}, {args.loop} loop", flush=True)
+        print(
+            f"\n(a) per-sync time against size: {partitions} partitions on {args.master}; {args.rounds} rounds "
+            f"alternating engine and gloo; {args.codec}, {args.transport}, {args.loop} loop",
+            flush=True,
+        )
         rows = []
         for size in sizes:
             rounds, gloo_ms, steps, warmup = measure(spark, partitions, size, args, gloo)
-            print(f"  {bench.label(size)}: {steps} steps after {warmup} warm-up a round", flush=True)
+            print(
+                f"  {bench.label(size)}: {steps} steps after {warmup} warm-up a round", flush=True
+            )
             name = f"allreduce-param {args.codec}"
             rows.append(bench.engine_row("host", size, partitions, name, rounds, gloo_ms))
             if gloo:
@@ -124,8 +158,10 @@ def sizes_table(args, sizes: list[int], bandwidth: float, gloo: bool) -> None:
     finally:
         spark.stop()
     header = ("size", "sync", "median ms", *(f"{p} ms" for p in bench.PHASES), *TAIL)
-    print(bench.render(header, lines_for(rows, bandwidth, lambda row: (bench.label(row["size"]),))),
-          flush=True)
+    print(
+        bench.render(header, lines_for(rows, bandwidth, lambda row: (bench.label(row["size"]),))),
+        flush=True,
+    )
 
 
 def start_cluster(n: int) -> tuple[object, str]:
@@ -148,15 +184,21 @@ def start_cluster(n: int) -> tuple[object, str]:
     if spark is not None:
         spark.stop()
     fallback = f"local[{n}]"
-    print(f"  note: {master} could not start ({why}); falling back to {fallback} (one executor JVM)", flush=True)
+    print(
+        f"  note: {master} could not start ({why}); falling back to {fallback} (one executor JVM)",
+        flush=True,
+    )
     return local_spark(fallback, "allreduce-param-growth", bench.CONF_DIR), fallback
 
 
 def partitions_table(args, ns: list[int], bandwidth: float, gloo: bool) -> None:
     size = args.n_size
-    print(f"\n(b) per-sync time against partitions at {bench.label(size)}: local-cluster[N,1,{EXECUTOR_MB}] per N "
-          f"(on {os.cpu_count()} cores), gloo between N processes; {args.rounds} rounds alternating engine and "
-          f"gloo; {args.codec}, {args.transport}, {args.loop} loop", flush=True)
+    print(
+        f"\n(b) per-sync time against partitions at {bench.label(size)}: local-cluster[N,1,{EXECUTOR_MB}] per N "
+        f"(on {os.cpu_count()} cores), gloo between N processes; {args.rounds} rounds alternating engine and "
+        f"gloo; {args.codec}, {args.transport}, {args.loop} loop",
+        flush=True,
+    )
     rows = []
     for n in ns:
         spark, master = start_cluster(n)
@@ -165,8 +207,14 @@ def partitions_table(args, ns: list[int], bandwidth: float, gloo: bool) -> None:
         finally:
             spark.stop()
         print(f"  N={n} on {master}: {steps} steps after {warmup} warm-up a round", flush=True)
-        rows.append({**bench.engine_row("host", size, n, f"allreduce-param {args.codec}", rounds, gloo_ms),
-                     "master": master})
+        rows.append(
+            {
+                **bench.engine_row(
+                    "host", size, n, f"allreduce-param {args.codec}", rounds, gloo_ms
+                ),
+                "master": master,
+            }
+        )
         if gloo:
             rows.append({**bench.gloo_row("host", size, n, gloo_ms), "master": f"{n} processes"})
     header = ("N", "master", "size", "sync", "median ms", *(f"{p} ms" for p in bench.PHASES), *TAIL)
@@ -176,17 +224,40 @@ def partitions_table(args, ns: list[int], bandwidth: float, gloo: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tables", default="sizes,partitions", help="which tables: sizes, partitions or both")
-    parser.add_argument("--master", default="local[*]", help="Spark master of table (a) (default: local[*])")
-    parser.add_argument("--partitions", type=int, default=None,
-                        help="barrier tasks of table (a) (default: the master's task slots)")
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"table (a): float32 elements (default {DEFAULT_SIZES})")
+    parser.add_argument(
+        "--tables", default="sizes,partitions", help="which tables: sizes, partitions or both"
+    )
+    parser.add_argument(
+        "--master", default="local[*]", help="Spark master of table (a) (default: local[*])"
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="barrier tasks of table (a) (default: the master's task slots)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"table (a): float32 elements (default {DEFAULT_SIZES})",
+    )
     parser.add_argument("--ns", default="2,3,4", help="table (b): partition counts (default 2,3,4)")
     parser.add_argument("--n-size", default="10M", help="table (b): float32 elements (default 10M)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (engine, gloo, ...) per size and N")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"timed syncs per round (default: 15, fewer above {STEP_ELEMENTS // 15:,} elements, at least 6)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed syncs first (default: 3, 2 above 10M)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="alternating rounds (engine, gloo, ...) per size and N",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed syncs per round (default: 15, fewer above {STEP_ELEMENTS // 15:,} elements, at least 6)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed syncs first (default: 3, 2 above 10M)"
+    )
     parser.add_argument("--codec", default="raw", choices=CODECS)
     parser.add_argument("--transport", default="shared", choices=tuple(bench.TRANSPORTS))
     parser.add_argument("--loop", default="readme", choices=bench.LOOPS)
@@ -194,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tables = set(args.tables.split(","))
     if tables - {"sizes", "partitions"}:
-        parser.error(f"unknown tables {sorted(tables - {'sizes', 'partitions'})}: choose of sizes, partitions")
+        parser.error(
+            f"unknown tables {sorted(tables - {'sizes', 'partitions'})}: choose of sizes, partitions"
+        )
     if args.rounds < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--rounds and --steps must be at least 1")
     sizes = bench.parse_sizes(args.sizes)
@@ -210,8 +283,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bandwidth = copy_bandwidth()
     print(f"machine: {bench.machine()}")
-    print(f"memory copy: {bandwidth / 1e9:.2f} GB/s (np.copyto of 40 MB, median of 5); "
-          f"bound = 2(N-1)/N x bytes / that" + ("" if gloo else "; gloo: not installed or --no-gloo"), flush=True)
+    print(
+        f"memory copy: {bandwidth / 1e9:.2f} GB/s (np.copyto of 40 MB, median of 5); "
+        f"bound = 2(N-1)/N x bytes / that" + ("" if gloo else "; gloo: not installed or --no-gloo"),
+        flush=True,
+    )
     if "sizes" in tables:
         sizes_table(args, sizes, bandwidth, gloo)
     if "partitions" in tables:

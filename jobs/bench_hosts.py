@@ -34,8 +34,8 @@ small beside it).
 Everything the job starts (namespaces, the cluster's daemons, spark-submit and the
 executors) is stopped when it ends, on an error or Ctrl-C too; a second Ctrl-C does not
 interrupt that. Nothing leaves the namespaces: the driver, the cluster and the tasks all
-run inside them, on 192.0.2.x and the namespaces' own loopbacks. It uses the tests' helpers, so it needs pytest (``pip install -e
-'.[test]'``), and tc, ip, unshare and nsenter.
+run inside them, on 192.0.2.x and the namespaces' own loopbacks. It uses the tests' helpers,
+so it needs pytest (``pip install -e '.[test]'``), and tc, ip, unshare and nsenter.
 
     sudo .venv/bin/python jobs/bench_hosts.py                        # 4 hosts x 4 slots, 1gbit, 1M and 10M
     sudo .venv/bin/python jobs/bench_hosts.py --sizes 10M --rate 10gbit --rounds 7
@@ -58,11 +58,11 @@ import threading
 import time
 from pathlib import Path
 
+import bench_allreduce as bench  # jobs/bench_allreduce.py, beside this file: its table helpers
 import numpy as np
 
-import bench_allreduce as bench  # jobs/bench_allreduce.py, beside this file: its table helpers
 from allreduce_param import AllReduceParameter
-from allreduce_param.codec import get_codec
+from allreduce_param.engine.blocks.codec import get_codec
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -84,6 +84,7 @@ SEED = 12
 
 
 # ---- inside the tasks ------------------------------------------------------------------------
+
 
 def gradient_of(size: int, partition: int) -> np.ndarray:
     """Partition ``partition``'s gradient, the same every step (a task and the driver's check
@@ -125,7 +126,11 @@ def timed_task(params: list[AllReduceParameter], steps: int, warmup: int, keep_v
                 grad_sum[:] = gradients[param.size]
                 p.init(np.zeros(param.size, np.float32))
                 # error feedback, as the README asks of a lossy gradient codec
-                residual = np.zeros(param.size, np.float32) if get_codec(param.gradient_codec).lossy else None
+                residual = (
+                    np.zeros(param.size, np.float32)
+                    if get_codec(param.gradient_codec).lossy
+                    else None
+                )
                 reports_link = any(members[0] == p.partition_id for members in hosts)
                 times, sent_before = [], None
                 for step in range(warmup + steps):
@@ -140,11 +145,19 @@ def timed_task(params: list[AllReduceParameter], steps: int, warmup: int, keep_v
                     times.append((time.perf_counter() - started) * 1000.0)
                 sent_after = link_bytes_sent() if reports_link else None
                 w = p.get_weights()
-                entries.append({"size": param.size, "topology": param.topology, "encrypt": param.network.encrypt,
-                                "ms": times[warmup:], "digest": digest(w),
-                                "sent": None if sent_before is None or sent_after is None
-                                else sent_after - sent_before,
-                                "weights": w.copy() if keep_vector and p.partition_id == 0 else None})
+                entries.append(
+                    {
+                        "size": param.size,
+                        "topology": param.topology,
+                        "encrypt": param.network.encrypt,
+                        "ms": times[warmup:],
+                        "digest": digest(w),
+                        "sent": None
+                        if sent_before is None or sent_after is None
+                        else sent_after - sent_before,
+                        "weights": w.copy() if keep_vector and p.partition_id == 0 else None,
+                    }
+                )
                 del w, g, grad_sum
         yield {"partition": partition, "hosts": hosts, "entries": entries}
 
@@ -152,6 +165,7 @@ def timed_task(params: list[AllReduceParameter], steps: int, warmup: int, keep_v
 
 
 # ---- the driver, under spark-submit on h1 ----------------------------------------------------
+
 
 def expected_weights(size: int, steps: int, hosts: list[list[int]]) -> tuple[np.ndarray, float]:
     """The weights every partition must end with after ``steps`` steps from zeros, summed as
@@ -179,7 +193,9 @@ def check(reports: list[dict], codec: str, steps: int, first_round: bool, expect
     lossy = get_codec(codec).lossy
     hosts = reports[0]["hosts"]
     for index, entry in enumerate(reports[0]["entries"]):
-        name = f"{bench.label(entry['size'])} {codec} {entry['topology']}, encrypt={entry['encrypt']}"
+        name = (
+            f"{bench.label(entry['size'])} {codec} {entry['topology']}, encrypt={entry['encrypt']}"
+        )
         digests = {report["partition"]: report["entries"][index]["digest"] for report in reports}
         key = (entry["size"], json.dumps(hosts))
         if key not in expected:
@@ -189,18 +205,28 @@ def check(reports: list[dict], codec: str, steps: int, first_round: bool, expect
         if not lossy:
             wrong = sorted(partition for partition, seen in digests.items() if seen != wanted)
             if wrong:
-                raise SystemExit(f"error: {name}: the weights of partitions {wrong} differ from numpy's float32 "
-                                 f"sums after {steps} steps (hosts {hosts})")
+                raise SystemExit(
+                    f"error: {name}: the weights of partitions {wrong} differ from numpy's float32 "
+                    f"sums after {steps} steps (hosts {hosts})"
+                )
             continue
         if len(set(digests.values())) != 1:
-            raise SystemExit(f"error: {name}: the partitions ended with different weights: {digests}")
+            raise SystemExit(
+                f"error: {name}: the partitions ended with different weights: {digests}"
+            )
         if first_round:
-            [seen] = [report["entries"][index]["weights"] for report in reports if report["partition"] == 0]
+            [seen] = [
+                report["entries"][index]["weights"]
+                for report in reports
+                if report["partition"] == 0
+            ]
             error = float(np.abs(seen - weights).max())
             bound = LOSSY_TOLERANCE * LEARNING_RATE * steps * largest
             if not error <= bound:
-                raise SystemExit(f"error: {name}: partition 0's weights are {error:.3g} off numpy's after {steps} "
-                                 f"steps (at most {bound:.3g} allowed for a lossy codec)")
+                raise SystemExit(
+                    f"error: {name}: partition 0's weights are {error:.3g} off numpy's after {steps} "
+                    f"steps (at most {bound:.3g} allowed for a lossy codec)"
+                )
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -210,9 +236,19 @@ def run_driver(args: argparse.Namespace) -> int:
     partitions = args.hosts * args.slots
     spark = SparkSession.builder.appName("allreduce-param bench_hosts").getOrCreate()
     try:
-        params = [AllReduceParameter(partitions, size, codec=args.codec, timeout=PEER_TIMEOUT,
-                                     topology=topology, encrypt=encrypt)
-                  for size in args.sizes for encrypt in ENCRYPTIONS for topology in TOPOLOGIES]
+        params = [
+            AllReduceParameter(
+                partitions,
+                size,
+                codec=args.codec,
+                timeout=PEER_TIMEOUT,
+                topology=topology,
+                encrypt=encrypt,
+            )
+            for size in args.sizes
+            for encrypt in ENCRYPTIONS
+            for topology in TOPOLOGIES
+        ]
         rdd = spark.sparkContext.parallelize(range(partitions), partitions)
         figures = {id(param): [] for param in params}
         sent = {id(param): [] for param in params}
@@ -227,13 +263,30 @@ def run_driver(args: argparse.Namespace) -> int:
             hosts = reports[0]["hosts"]
             for index, param in enumerate(order):
                 steps = np.array([report["entries"][index]["ms"] for report in reports])
-                figures[id(param)].append(float(np.median(steps.max(axis=0))))  # the slowest partition's step
+                figures[id(param)].append(
+                    float(np.median(steps.max(axis=0)))
+                )  # the slowest partition's step
                 links = [report["entries"][index]["sent"] for report in reports]
                 sent[id(param)].append(sum(b for b in links if b is not None) / args.steps)
-            print(f"round {number + 1} of {args.rounds}: {time.monotonic() - started:.0f} s, checked", flush=True)
-        result = {"hosts": hosts, "codec": args.codec, "lossy": get_codec(args.codec).lossy,
-                  "configs": [{"size": param.size, "topology": param.topology, "encrypt": param.network.encrypt,
-                               "ms": figures[id(param)], "link_bytes": sent[id(param)]} for param in params]}
+            print(
+                f"round {number + 1} of {args.rounds}: {time.monotonic() - started:.0f} s, checked",
+                flush=True,
+            )
+        result = {
+            "hosts": hosts,
+            "codec": args.codec,
+            "lossy": get_codec(args.codec).lossy,
+            "configs": [
+                {
+                    "size": param.size,
+                    "topology": param.topology,
+                    "encrypt": param.network.encrypt,
+                    "ms": figures[id(param)],
+                    "link_bytes": sent[id(param)],
+                }
+                for param in params
+            ],
+        }
     finally:
         spark.stop()
     print(MARKER + json.dumps(result), flush=True)
@@ -241,6 +294,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 # ---- the tables ------------------------------------------------------------------------------
+
 
 def ratio_text(ours: list[float], theirs: list[float]) -> str:
     """The median of the per-round ratios ours/theirs, with their range."""
@@ -260,40 +314,95 @@ def print_tables(result: dict, args: argparse.Namespace) -> None:
         return f"{megabytes:,.1f}" if megabytes >= 10 else f"{megabytes:.3g}"
 
     codec = result["codec"]
-    lines = [(bench.label(size), codec, "on" if encrypt else "off", ms(size, "flat", encrypt),
-              ms(size, "hierarchical", encrypt),
-              ratio_text(configs[size, "hierarchical", encrypt]["ms"], configs[size, "flat", encrypt]["ms"]),
-              link_mb(size, "flat", encrypt), link_mb(size, "hierarchical", encrypt))
-             for size in args.sizes for encrypt in ENCRYPTIONS]
-    print("\nhierarchical against flat (a step's median ms; the ratio's median over rounds, and range):")
-    print(bench.render(("size", "codec", "encrypt", "flat ms", "hierarchical ms", "hierarchical / flat (range)",
-                        "flat link MB/step", "hierarchical link MB/step"), lines, left=3))
-    lines = [(bench.label(size), codec, topology, ms(size, topology, False), ms(size, topology, True),
-              ratio_text(configs[size, topology, True]["ms"], configs[size, topology, False]["ms"]))
-             for size in args.sizes for topology in TOPOLOGIES]
-    print("\nencrypted against plain (encrypt=True: AES-256-GCM on the TCP connections between hosts):")
-    print(bench.render(("size", "codec", "topology", "plain ms", "encrypted ms", "encrypted / plain (range)"),
-                       lines, left=3))
+    lines = [
+        (
+            bench.label(size),
+            codec,
+            "on" if encrypt else "off",
+            ms(size, "flat", encrypt),
+            ms(size, "hierarchical", encrypt),
+            ratio_text(
+                configs[size, "hierarchical", encrypt]["ms"], configs[size, "flat", encrypt]["ms"]
+            ),
+            link_mb(size, "flat", encrypt),
+            link_mb(size, "hierarchical", encrypt),
+        )
+        for size in args.sizes
+        for encrypt in ENCRYPTIONS
+    ]
+    print(
+        "\nhierarchical against flat (a step's median ms; the ratio's median over rounds, and range):"
+    )
+    print(
+        bench.render(
+            (
+                "size",
+                "codec",
+                "encrypt",
+                "flat ms",
+                "hierarchical ms",
+                "hierarchical / flat (range)",
+                "flat link MB/step",
+                "hierarchical link MB/step",
+            ),
+            lines,
+            left=3,
+        )
+    )
+    lines = [
+        (
+            bench.label(size),
+            codec,
+            topology,
+            ms(size, topology, False),
+            ms(size, topology, True),
+            ratio_text(configs[size, topology, True]["ms"], configs[size, topology, False]["ms"]),
+        )
+        for size in args.sizes
+        for topology in TOPOLOGIES
+    ]
+    print(
+        "\nencrypted against plain (encrypt=True: AES-256-GCM on the TCP connections between hosts):"
+    )
+    print(
+        bench.render(
+            ("size", "codec", "topology", "plain ms", "encrypted ms", "encrypted / plain (range)"),
+            lines,
+            left=3,
+        )
+    )
     rate = rate_bits(args.rate) / 8
-    bounds = ", ".join(f"{bench.label(size)} {bench.ms_text(2 * (args.hosts - 1) / args.hosts * 4 * size / rate * 1e3)} ms"
-                       for size in args.sizes)
-    print(f"\nlink bound: any allreduce moves at least 2(H-1)/H x the fp32 vector over each host's link, each way: "
-          f"at {args.rate}, {bounds}. Flat moves L = {args.slots} times that (every partition exchanges with every "
-          f"partition of the other hosts), hierarchical that (one leader per host). "
-          f"Hosts (partitions): {result['hosts']}.")
-    print("checked: every configuration, every round: "
-          + ("each partition's weights bit for bit numpy's float32 sums" if not result["lossy"] else
-             f"the same bits on every partition, within {LOSSY_TOLERANCE:.0%} of numpy's ({codec} is lossy)"),
-          flush=True)
+    bounds = ", ".join(
+        f"{bench.label(size)} {bench.ms_text(2 * (args.hosts - 1) / args.hosts * 4 * size / rate * 1e3)} ms"
+        for size in args.sizes
+    )
+    print(
+        f"\nlink bound: any allreduce moves at least 2(H-1)/H x the fp32 vector over each host's link, each way: "
+        f"at {args.rate}, {bounds}. Flat moves L = {args.slots} times that (every partition exchanges with every "
+        f"partition of the other hosts), hierarchical that (one leader per host). "
+        f"Hosts (partitions): {result['hosts']}."
+    )
+    print(
+        "checked: every configuration, every round: "
+        + (
+            "each partition's weights bit for bit numpy's float32 sums"
+            if not result["lossy"]
+            else f"the same bits on every partition, within {LOSSY_TOLERANCE:.0%} of numpy's ({codec} is lossy)"
+        ),
+        flush=True,
+    )
 
 
 # ---- the run: hosts, cluster, spark-submit ---------------------------------------------------
+
 
 def rate_bits(rate: str) -> float:
     """``1gbit`` -> 1e9 bits per second, as tc reads rates (k, m, g: powers of 1000)."""
     found = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
     if not found:
-        raise argparse.ArgumentTypeError(f"cannot read rate {rate!r}: write it as tc does, e.g. 100mbit, 1gbit")
+        raise argparse.ArgumentTypeError(
+            f"cannot read rate {rate!r}: write it as tc does, e.g. 100mbit, 1gbit"
+        )
     return float(found.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[found.group(2)]
 
 
@@ -329,8 +438,11 @@ def _echo_rounds(log: Path, stop: threading.Event) -> None:
 def run_benchmark(args: argparse.Namespace, argv: list[str]) -> int:
     """Make the hosts and the cluster, submit this job's driver there, print its tables."""
     if os.geteuid() != 0:
-        print("error: bench_hosts.py needs root: it makes network namespaces, a bridge and veth links, and tc "
-              "limits them (run it with sudo)", file=sys.stderr)
+        print(
+            "error: bench_hosts.py needs root: it makes network namespaces, a bridge and veth links, and tc "
+            "limits them (run it with sudo)",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, str(TESTS))
     try:
@@ -338,48 +450,82 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> int:
         from sim_hosts import simulated_hosts
         from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
     except ImportError as error:
-        print(f"error: bench_hosts.py makes its hosts and cluster with the tests' helpers (tests/sim_hosts.py, "
-              f"tests/spark_standalone.py), which need pytest: pip install -e '.[test]' ({error})", file=sys.stderr)
+        print(
+            f"error: bench_hosts.py makes its hosts and cluster with the tests' helpers (tests/sim_hosts.py, "
+            f"tests/spark_standalone.py), which need pytest: pip install -e '.[test]' ({error})",
+            file=sys.stderr,
+        )
         return 2
     signal.signal(signal.SIGINT, _interrupted)
     signal.signal(signal.SIGTERM, _interrupted)
     partitions = args.hosts * args.slots
     print(f"machine: {bench.machine()}; load average {os.getloadavg()[0]:.1f} at the start")
-    print(f"{args.hosts} simulated hosts x {args.slots} task slots ({partitions} partitions), each host's link "
-          f"{args.rate} both ways (tc tbf); {args.rounds} rounds alternating flat/hierarchical and plain/encrypted, "
-          f"each the median of {args.steps} steps after {args.warmup} warm-up; the README's loop, {args.codec}",
-          flush=True)
-    command = [str(SPARK_SUBMIT), "--properties-file", "conf/cluster/standalone.conf",
-               "--conf", f"spark.cores.max={partitions}", "--conf", f"spark.executor.cores={args.slots}",
-               "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
-               # a failure is the benchmark's result: no second attempt of the stage
-               "--conf", "spark.stage.maxConsecutiveAttempts=1",
-               str(Path(__file__).resolve()), *argv, "--inside-cluster"]
+    print(
+        f"{args.hosts} simulated hosts x {args.slots} task slots ({partitions} partitions), each host's link "
+        f"{args.rate} both ways (tc tbf); {args.rounds} rounds alternating flat/hierarchical and plain/encrypted, "
+        f"each the median of {args.steps} steps after {args.warmup} warm-up; the README's loop, {args.codec}",
+        flush=True,
+    )
+    command = [
+        str(SPARK_SUBMIT),
+        "--properties-file",
+        "conf/cluster/standalone.conf",
+        "--conf",
+        f"spark.cores.max={partitions}",
+        "--conf",
+        f"spark.executor.cores={args.slots}",
+        "--conf",
+        "spark.executor.memory=1g",
+        "--conf",
+        "spark.ui.enabled=false",
+        # a failure is the benchmark's result: no second attempt of the stage
+        "--conf",
+        "spark.stage.maxConsecutiveAttempts=1",
+        str(Path(__file__).resolve()),
+        *argv,
+        "--inside-cluster",
+    ]
     started = time.monotonic()
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-hosts-") as scratch, \
-                simulated_hosts(args.hosts, rate=args.rate) as made:
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-hosts-") as scratch,
+            simulated_hosts(args.hosts, rate=args.rate) as made,
+        ):
             first = made.hosts[0]
-            with standalone_cluster(Path(scratch) / "cluster", host=first.address, prefix=first.prefix,
-                                    cores=args.slots, environment=python_environment(),
-                                    worker_places=[(host.address, host.prefix) for host in made.hosts]) as cluster:
-                print(f"cluster up in {time.monotonic() - started:.0f} s: master {cluster.url}", flush=True)
+            with standalone_cluster(
+                Path(scratch) / "cluster",
+                host=first.address,
+                prefix=first.prefix,
+                cores=args.slots,
+                environment=python_environment(),
+                worker_places=[(host.address, host.prefix) for host in made.hosts],
+            ) as cluster:
+                print(
+                    f"cluster up in {time.monotonic() - started:.0f} s: master {cluster.url}",
+                    flush=True,
+                )
                 log, stop = Path(scratch) / "submit.log", threading.Event()
                 echo = threading.Thread(target=_echo_rounds, args=(log, stop), daemon=True)
                 echo.start()
                 try:
-                    status, output = cluster.run([command[0], "--master", cluster.url, *command[1:]], log,
-                                                 timeout=args.timeout)
+                    status, output = cluster.run(
+                        [command[0], "--master", cluster.url, *command[1:]],
+                        log,
+                        timeout=args.timeout,
+                    )
                 finally:
                     stop.set()
                     echo.join()
                 found = [line for line in output.splitlines() if line.startswith(MARKER)]
                 if status != 0 or len(found) != 1:
                     print(output[-6000:], file=sys.stderr)
-                    print(f"error: the driver (spark-submit on h1) exited with status {status}"
-                          + ("" if found else ", printing no result"), file=sys.stderr)
+                    print(
+                        f"error: the driver (spark-submit on h1) exited with status {status}"
+                        + ("" if found else ", printing no result"),
+                        file=sys.stderr,
+                    )
                     return 1
-                print_tables(json.loads(found[0][len(MARKER):]), args)
+                print_tables(json.loads(found[0][len(MARKER) :]), args)
     except pytest.skip.Exception as why:  # what simulated_hosts says when namespaces cannot be made
         print(f"error: cannot make the simulated hosts here: {why.msg}", file=sys.stderr)
         return 2
@@ -389,8 +535,11 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("interrupted: the cluster and the simulated hosts are stopped", file=sys.stderr)
         return 130
-    print(f"in all {time.monotonic() - started:.0f} s, load average {os.getloadavg()[0]:.1f} at the end; the cluster "
-          "and the simulated hosts are stopped", flush=True)
+    print(
+        f"in all {time.monotonic() - started:.0f} s, load average {os.getloadavg()[0]:.1f} at the end; the cluster "
+        "and the simulated hosts are stopped",
+        flush=True,
+    )
     return 0
 
 
@@ -398,20 +547,42 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=4, help="simulated hosts (default 4)")
-    parser.add_argument("--slots", type=int, default=4, help="task slots (worker cores) per host (default 4)")
-    parser.add_argument("--rate", type=_rate, default="1gbit",
-                        help="each host's link, each way, as tc writes it (default 1gbit)")
-    parser.add_argument("--sizes", default="1M,10M", help="float32 elements, comma-separated (default 1M,10M)")
-    parser.add_argument("--codec", default="raw", choices=bench.DENSE_CODECS, help="the codec (default raw)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; ratios are their median")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per round and configuration (default 5)")
+    parser.add_argument(
+        "--slots", type=int, default=4, help="task slots (worker cores) per host (default 4)"
+    )
+    parser.add_argument(
+        "--rate",
+        type=_rate,
+        default="1gbit",
+        help="each host's link, each way, as tc writes it (default 1gbit)",
+    )
+    parser.add_argument(
+        "--sizes", default="1M,10M", help="float32 elements, comma-separated (default 1M,10M)"
+    )
+    parser.add_argument(
+        "--codec", default="raw", choices=bench.DENSE_CODECS, help="the codec (default raw)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="alternating rounds; ratios are their median"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per round and configuration (default 5)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    parser.add_argument("--timeout", type=float, default=3 * 3600.0,
-                        help="seconds the driver may run in all (default 3 hours)")
-    parser.add_argument("--inside-cluster", action="store_true", help=argparse.SUPPRESS)  # the driver's run
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3 * 3600.0,
+        help="seconds the driver may run in all (default 3 hours)",
+    )
+    parser.add_argument(
+        "--inside-cluster", action="store_true", help=argparse.SUPPRESS
+    )  # the driver's run
     args = parser.parse_args(argv)
     if args.hosts < 2 or args.hosts > 254 or args.slots < 1:
-        parser.error("--hosts must be 2 to 254 (one host has nothing to compare) and --slots at least 1")
+        parser.error(
+            "--hosts must be 2 to 254 (one host has nothing to compare) and --slots at least 1"
+        )
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--rounds and --steps must be at least 1, --warmup at least 0")
     args.sizes = bench.parse_sizes(args.sizes)

@@ -30,12 +30,20 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+from bench_allreduce import (
+    HOST,
+    LINK_BURST,
+    bits_per_second,
+    local_slots,
+    machine,
+    render,
+    run_in_links,
+)
+
 from allreduce_param import AllReduceParameter, DistriOptimizer, models, optim
 from allreduce_param.cli import synthetic
-from allreduce_param.session import java_problem, local_spark
-from allreduce_param.train import distri
-
-from bench_allreduce import HOST, LINK_BURST, bits_per_second, local_slots, machine, render, run_in_links
+from allreduce_param.spark.session import java_problem, local_spark
+from allreduce_param.train.driver import distri
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "local"  # Spark settings for this machine
 MODELS = ("mlp", "torch")
@@ -68,57 +76,108 @@ def measure(train, model, codec: str, batch: int, rounds: int) -> dict:
     """``rounds`` alternating pairs of fits, overlap off and on; their step times."""
     times = {False: [], True: []}
     for number in range(rounds):
-        for overlap in ((False, True) if number % 2 == 0 else (True, False)):
-            fit = DistriOptimizer(model, optim.Adam(lr=1e-3), batch_size=batch, epochs=1, codec=codec,
-                                  progress=False, overlap=overlap, seed=0).fit(train)
+        for overlap in (False, True) if number % 2 == 0 else (True, False):
+            fit = DistriOptimizer(
+                model,
+                optim.Adam(lr=1e-3),
+                batch_size=batch,
+                epochs=1,
+                codec=codec,
+                progress=False,
+                overlap=overlap,
+                seed=0,
+            ).fit(train)
             times[overlap].append(step_times(fit.history))
     return times
 
 
 def row(link: str, kind: str, model, codec: str, partitions: int, times: dict) -> dict:
     ratios = [on[0] / off[0] for off, on in zip(times[False], times[True])]
-    return {"link": link, "model": kind, "parameters": model.size, "codec": codec, "partitions": partitions,
-            "off_ms": 1e3 * statistics.median(t[0] for t in times[False]),
-            "on_ms": 1e3 * statistics.median(t[0] for t in times[True]),
-            "off_sync_ms": 1e3 * statistics.median(t[1] for t in times[False]),
-            "on_sync_ms": 1e3 * statistics.median(t[1] for t in times[True]),
-            "ratio": statistics.median(ratios), "low": min(ratios), "high": max(ratios)}
+    return {
+        "link": link,
+        "model": kind,
+        "parameters": model.size,
+        "codec": codec,
+        "partitions": partitions,
+        "off_ms": 1e3 * statistics.median(t[0] for t in times[False]),
+        "on_ms": 1e3 * statistics.median(t[0] for t in times[True]),
+        "off_sync_ms": 1e3 * statistics.median(t[1] for t in times[False]),
+        "on_sync_ms": 1e3 * statistics.median(t[1] for t in times[True]),
+        "ratio": statistics.median(ratios),
+        "low": min(ratios),
+        "high": max(ratios),
+    }
 
 
 def print_rows(rows: list[dict]) -> None:
-    header = ("link", "model", "params", "codec", "N", "step off", "step on", "sync off", "sync on",
-              "on/off (range)")
-    lines = [(r["link"], r["model"], f"{r['parameters'] / 1e6:.1f}M", r["codec"], r["partitions"],
-              f"{r['off_ms']:.1f} ms", f"{r['on_ms']:.1f} ms", f"{r['off_sync_ms']:.1f} ms",
-              f"{r['on_sync_ms']:.1f} ms", f"{r['ratio']:.2f} ({r['low']:.2f}-{r['high']:.2f})")
-             for r in rows]
+    header = (
+        "link",
+        "model",
+        "params",
+        "codec",
+        "N",
+        "step off",
+        "step on",
+        "sync off",
+        "sync on",
+        "on/off (range)",
+    )
+    lines = [
+        (
+            r["link"],
+            r["model"],
+            f"{r['parameters'] / 1e6:.1f}M",
+            r["codec"],
+            r["partitions"],
+            f"{r['off_ms']:.1f} ms",
+            f"{r['on_ms']:.1f} ms",
+            f"{r['off_sync_ms']:.1f} ms",
+            f"{r['on_sync_ms']:.1f} ms",
+            f"{r['ratio']:.2f} ({r['low']:.2f}-{r['high']:.2f})",
+        )
+        for r in rows
+    ]
     print(render(header, lines, left=5))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)} (comma-separated)")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)} (comma-separated)"
+    )
     parser.add_argument("--layers", default="100,2048,1024,10", help="layer widths, inputs first")
-    parser.add_argument("--codecs", default="lz4", help="codecs, comma-separated (default lz4, the trainer's)")
+    parser.add_argument(
+        "--codecs", default="lz4", help="codecs, comma-separated (default lz4, the trainer's)"
+    )
     parser.add_argument("--rows", type=int, default=30000, help="generated training rows")
     parser.add_argument("--batch", type=int, default=1024, help="the global batch of a step")
     parser.add_argument("--rounds", type=int, default=4, help="alternating pairs of fits (off, on)")
-    parser.add_argument("--link", default=None, help="run once per link rate (e.g. host,1gbit), as bench_allreduce")
+    parser.add_argument(
+        "--link", default=None, help="run once per link rate (e.g. host,1gbit), as bench_allreduce"
+    )
     parser.add_argument("--link-burst", default=LINK_BURST, help=argparse.SUPPRESS)
     parser.add_argument("--inside-link", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.link:
-        return run_in_links(args.link.split(","), sys.argv[1:] if argv is None else argv, args.link_burst,
-                            script=__file__, group="model", print_all=print_rows)
+        return run_in_links(
+            args.link.split(","),
+            sys.argv[1:] if argv is None else argv,
+            args.link_burst,
+            script=__file__,
+            group="model",
+            print_all=print_rows,
+        )
     problem = java_problem()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     kinds = args.models.split(",")
     if set(kinds) - set(MODELS):
-        parser.error(f"unknown model {sorted(set(kinds) - set(MODELS))}: choose of {', '.join(MODELS)}")
+        parser.error(
+            f"unknown model {sorted(set(kinds) - set(MODELS))}: choose of {', '.join(MODELS)}"
+        )
     layers = [int(width) for width in args.layers.split(",")]
     link = args.inside_link or HOST
     if args.inside_link:
@@ -128,21 +187,32 @@ def main(argv: list[str] | None = None) -> int:
     spark = local_spark(args.master, "allreduce-param-bench-overlap", CONF_DIR)
     try:
         print(f"machine: {machine()}")
-        print(f"{partitions} partitions on {args.master}; {args.rows} rows of {layers[0]} features, batch "
-              f"{args.batch}; {args.rounds} rounds alternating overlap off and on; link {link}"
-              + (" (TCP between the partitions)" if args.inside_link else ""), flush=True)
-        train = synthetic(spark, args.rows, layers[0], layers[-1], seed=0, partitions=partitions).cache()
+        print(
+            f"{partitions} partitions on {args.master}; {args.rows} rows of {layers[0]} features, batch "
+            f"{args.batch}; {args.rounds} rounds alternating overlap off and on; link {link}"
+            + (" (TCP between the partitions)" if args.inside_link else ""),
+            flush=True,
+        )
+        train = synthetic(
+            spark, args.rows, layers[0], layers[-1], seed=0, partitions=partitions
+        ).cache()
         train.count()
         rows = []
         for kind in kinds:
             try:
                 model = make_model(kind, layers)
             except ImportError:
-                print(f"{kind}: torch is not installed (pip install -e '.[torch]'); left out", flush=True)
+                print(
+                    f"{kind}: torch is not installed (pip install -e '.[torch]'); left out",
+                    flush=True,
+                )
                 continue
             for codec in args.codecs.split(","):
-                with mock.patch.object(distri, "AllReduceParameter", tcp_only) if args.inside_link \
-                        else contextlib.nullcontext():
+                with (
+                    mock.patch.object(distri, "AllReduceParameter", tcp_only)
+                    if args.inside_link
+                    else contextlib.nullcontext()
+                ):
                     times = measure(train, model, codec, args.batch, args.rounds)
                 rows.append(row(link, kind, model, codec, partitions, times))
         print_rows(rows)

@@ -27,7 +27,7 @@ from statistics import median
 
 from allreduce_param import DistriOptimizer, models, optim
 from allreduce_param.cli import load_data
-from allreduce_param.session import java_problem, local_spark
+from allreduce_param.spark.session import java_problem, local_spark
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "local"  # Spark settings for this machine
 
@@ -73,21 +73,36 @@ def fit(model, train, test, args, settings: dict) -> tuple:
         if kind == "epoch" and not reached and (fields.get("val_accuracy") or 0) >= args.target:
             reached.append(time.perf_counter() - started)
 
-    result = DistriOptimizer(model, optim.Adam(lr=2e-3), batch_size=64, epochs=args.epochs, codec="raw",
-                             num_workers=args.workers, progress=False, listener=listen,
-                             **settings).fit(train, validation=test)
+    result = DistriOptimizer(
+        model,
+        optim.Adam(lr=2e-3),
+        batch_size=64,
+        epochs=args.epochs,
+        codec="raw",
+        num_workers=args.workers,
+        progress=False,
+        listener=listen,
+        **settings,
+    ).fit(train, validation=test)
     seconds = time.perf_counter() - started
-    return (seconds, len(result.history.steps), reached[0] if reached else None,
-            result.history.epochs[-1]["val_accuracy"], result.history.dropped.get(args.slow_partition, 0))
+    return (
+        seconds,
+        len(result.history.steps),
+        reached[0] if reached else None,
+        result.history.epochs[-1]["val_accuracy"],
+        result.history.dropped.get(args.slow_partition, 0),
+    )
 
 
 def machine() -> str:
     import pyspark
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"machine: {platform.machine()}, {os.cpu_count()} cores, {memory:.0f} GiB, "
-            f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
-            f"PySpark {pyspark.__version__}")
+    return (
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {memory:.0f} GiB, "
+        f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
+        f"PySpark {pyspark.__version__}"
+    )
 
 
 def main() -> int:
@@ -96,10 +111,16 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--slow-partition", type=int, default=1)
-    parser.add_argument("--slow-ms", type=float, default=6.0, help="sleep per step on the slow partition")
+    parser.add_argument(
+        "--slow-ms", type=float, default=6.0, help="sleep per step on the slow partition"
+    )
     parser.add_argument("--target", type=float, default=0.95, help="validation accuracy to time")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated names from the table")
-    parser.add_argument("--rounds", type=int, default=3, help="turns each strategy takes, alternating")
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated names from the table"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="turns each strategy takes, alternating"
+    )
     args = parser.parse_args()
     problem = java_problem()
     if problem:
@@ -115,9 +136,17 @@ def main() -> int:
         train, test = train.cache(), test.cache()
         train.count(), test.count()
         model = SlowPartition(models.MLP([64, 128, 10]), args.slow_partition, args.slow_ms / 1000)
-        warm = DistriOptimizer(model, optim.Adam(lr=2e-3), batch_size=64, epochs=1, num_workers=args.workers,
-                               progress=False)
-        warm.fit(train, validation=test)  # the first fit of a session pays for Python workers and JIT
+        warm = DistriOptimizer(
+            model,
+            optim.Adam(lr=2e-3),
+            batch_size=64,
+            epochs=1,
+            num_workers=args.workers,
+            progress=False,
+        )
+        warm.fit(
+            train, validation=test
+        )  # the first fit of a session pays for Python workers and JIT
         results: dict[str, list[tuple]] = {name: [] for name in chosen}
         for _ in range(args.rounds):
             for name in chosen:
@@ -129,21 +158,45 @@ def main() -> int:
         seconds, steps, reached, accuracy, dropped = zip(*results[name])
         to_target = [r for r in reached if r is not None]
         versus = [s / b for s, (b, *_) in zip(seconds, results["bsp"])] if "bsp" in results else []
-        rows.append((name, f"{median(seconds):.2f}", f"{median(st / s for st, s in zip(steps, seconds)):.0f}",
-                     f"{median(to_target):.2f}" if len(to_target) == len(reached) else "not always",
-                     f"{median(accuracy):.4f}", f"{median(versus):.2f}" if versus else "",
-                     f"{median(dropped):.0f} of {steps[0]}" if "backup_workers" in STRATEGIES[name] else ""))
+        rows.append(
+            (
+                name,
+                f"{median(seconds):.2f}",
+                f"{median(st / s for st, s in zip(steps, seconds)):.0f}",
+                f"{median(to_target):.2f}" if len(to_target) == len(reached) else "not always",
+                f"{median(accuracy):.4f}",
+                f"{median(versus):.2f}" if versus else "",
+                f"{median(dropped):.0f} of {steps[0]}"
+                if "backup_workers" in STRATEGIES[name]
+                else "",
+            )
+        )
     print(machine())
-    print(f"digits, MLP 64-128-10, Adam 2e-3, batch 64, {args.epochs} epochs, {args.workers} partitions on "
-          f"{args.master}; partition {args.slow_partition} sleeps {args.slow_ms:g} ms a step; "
-          f"medians of {args.rounds} alternating rounds")
-    header = ("strategy", "fit s", "steps/s", f"s to {args.target:g}", "test accuracy", "x bsp time",
-              "slow one dropped")
+    print(
+        f"digits, MLP 64-128-10, Adam 2e-3, batch 64, {args.epochs} epochs, {args.workers} partitions on "
+        f"{args.master}; partition {args.slow_partition} sleeps {args.slow_ms:g} ms a step; "
+        f"medians of {args.rounds} alternating rounds"
+    )
+    header = (
+        "strategy",
+        "fit s",
+        "steps/s",
+        f"s to {args.target:g}",
+        "test accuracy",
+        "x bsp time",
+        "slow one dropped",
+    )
     widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
-        print("| " + row[0].ljust(widths[0]) + " | " + " | ".join(v.rjust(w) for v, w in zip(row[1:], widths[1:])) + " |")
+        print(
+            "| "
+            + row[0].ljust(widths[0])
+            + " | "
+            + " | ".join(v.rjust(w) for v, w in zip(row[1:], widths[1:]))
+            + " |"
+        )
     return 0
 
 

@@ -101,17 +101,16 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
-
-import numpy as np
-
-from allreduce_param import DistriOptimizer, models, optim
-from allreduce_param.session import java_problem, local_spark
 
 import baselines  # jobs/, beside this file
+import numpy as np
 from bench_allreduce import CONF_DIR, machine, render
+
+from allreduce_param import DistriOptimizer, models, optim
+from allreduce_param.spark.session import java_problem, local_spark
 
 if __name__ != "__main__":  # imported (the tests): the executors cannot import jobs/,
     from pyspark import cloudpickle  # so the generator must travel with this module's code
@@ -156,7 +155,9 @@ class Dataset:
     def centres(self) -> np.ndarray:
         """(classes x clusters, informative) cluster centres; cluster c of class k is row k * clusters + c."""
         rng = np.random.default_rng([self.seed, 0])
-        return (rng.standard_normal((self.classes * self.clusters, self.informative)) * self.spread).astype(np.float32)
+        return (
+            rng.standard_normal((self.classes * self.clusters, self.informative)) * self.spread
+        ).astype(np.float32)
 
     def block(self, index: int, centres: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows ``index * BLOCK_ROWS`` onwards (up to BLOCK_ROWS, fewer at the end): features
@@ -166,9 +167,9 @@ class Dataset:
         labels = rng.integers(0, self.classes, count)
         cluster = rng.integers(0, self.clusters, count)
         X = np.empty((count, self.features), np.float32)
-        X[:, :self.informative] = centres[labels * self.clusters + cluster]
-        X[:, :self.informative] += rng.standard_normal((count, self.informative), dtype=np.float32)
-        X[:, self.informative:] = rng.standard_normal((count, self.noise), dtype=np.float32)
+        X[:, : self.informative] = centres[labels * self.clusters + cluster]
+        X[:, : self.informative] += rng.standard_normal((count, self.informative), dtype=np.float32)
+        X[:, self.informative :] = rng.standard_normal((count, self.noise), dtype=np.float32)
         is_test = rng.random(count) < self.test_fraction
         return X, labels, is_test
 
@@ -180,18 +181,22 @@ class Dataset:
         right = total = 0
         for index in range(min(rows, self.rows) // BLOCK_ROWS or 1):
             X, labels, _ = self.block(index, centres)
-            informative = X[:, :self.informative].astype(np.float64)
+            informative = X[:, : self.informative].astype(np.float64)
             squared = ((informative[:, None, :] - centres[None, :, :]) ** 2).sum(axis=2)
-            per_class = np.logaddexp.reduce(-0.5 * squared.reshape(len(X), self.classes, self.clusters), axis=2)
+            per_class = np.logaddexp.reduce(
+                -0.5 * squared.reshape(len(X), self.classes, self.clusters), axis=2
+            )
             right += int(np.sum(per_class.argmax(axis=1) == labels))
             total += len(X)
         return right / total
 
     def describe(self) -> str:
-        return (f"{self.rows:,} rows generated in the executors (seed {self.seed}): {self.classes} classes, each "
-                f"{self.clusters} Gaussian clusters (unit variance, centres N(0, {self.spread:g}^2)) in "
-                f"{self.informative} informative features, + {self.noise} pure-noise features; "
-                f"test fraction {self.test_fraction:g}")
+        return (
+            f"{self.rows:,} rows generated in the executors (seed {self.seed}): {self.classes} classes, each "
+            f"{self.clusters} Gaussian clusters (unit variance, centres N(0, {self.spread:g}^2)) in "
+            f"{self.informative} informative features, + {self.noise} pure-noise features; "
+            f"test fraction {self.test_fraction:g}"
+        )
 
 
 def generated_frames(spark, data: Dataset):
@@ -215,10 +220,13 @@ def generated_frames(spark, data: Dataset):
             values = pa.array(X.reshape(-1), pa.float32())
             offsets = pa.array(np.arange(0, X.size + 1, data.features, dtype=np.int32))
             yield pa.RecordBatch.from_arrays(
-                [pa.ListArray.from_arrays(offsets, values),
-                 pa.array(np.concatenate([p[1] for p in pieces]).astype(np.float64)),
-                 pa.array(np.concatenate([p[2] for p in pieces]))],
-                ["features", "label", "test"])
+                [
+                    pa.ListArray.from_arrays(offsets, values),
+                    pa.array(np.concatenate([p[1] for p in pieces]).astype(np.float64)),
+                    pa.array(np.concatenate([p[2] for p in pieces])),
+                ],
+                ["features", "label", "test"],
+            )
 
     numbers = spark.range(0, data.rows, numPartitions=spark.sparkContext.defaultParallelism)
     rows = numbers.mapInArrow(generate, "features array<float>, label double, test boolean")
@@ -243,10 +251,17 @@ def write_npy(frame, folder: Path, name: str) -> int:
     ``<name>_labels.npy`` (int64) in ``folder``; the row count."""
     table = frame.toArrow()
     if table.num_rows == 0:
-        raise ValueError(f"no {name} rows to write for TorchDistributor: raise --rows or --test-fraction")
+        raise ValueError(
+            f"no {name} rows to write for TorchDistributor: raise --rows or --test-fraction"
+        )
     features = table.column("features").combine_chunks()
     width = len(features[0])
-    X = features.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, width)
+    X = (
+        features.flatten()
+        .to_numpy(zero_copy_only=False)
+        .astype(np.float32, copy=False)
+        .reshape(-1, width)
+    )
     y = table.column("label").to_numpy().astype(np.int64)
     np.save(folder / f"{name}_features.npy", X)
     np.save(folder / f"{name}_labels.npy", y)
@@ -352,12 +367,21 @@ def run_ours(spark, name: str, model, train, test, settings: Settings) -> Run:
 
     def listen(kind: str, fields: dict) -> None:
         if kind == "epoch" and fields.get("val_accuracy") is not None:
-            run.evaluations.append((time.time(), int(fields["epoch"]) + 1, float(fields["val_accuracy"])))
+            run.evaluations.append(
+                (time.time(), int(fields["epoch"]) + 1, float(fields["val_accuracy"]))
+            )
 
     with BudgetGuard(spark, f"bench-train-{name}", run.started + settings.budget) as guard:
-        DistriOptimizer(model, optim.Adam(lr=settings.lr), batch_size=settings.batch_size,
-                        epochs=settings.epochs, codec=settings.codec, seed=settings.seed, progress=False,
-                        listener=listen).fit(train, validation=test)
+        DistriOptimizer(
+            model,
+            optim.Adam(lr=settings.lr),
+            batch_size=settings.batch_size,
+            epochs=settings.epochs,
+            codec=settings.codec,
+            seed=settings.seed,
+            progress=False,
+            listener=listen,
+        ).fit(train, validation=test)
         run.stopped = "epochs"
     if guard.cut_short:
         run.stopped = "budget"
@@ -379,9 +403,12 @@ def run_mllib(spark, train, test, settings: Settings) -> Run:
         test_vectors = test.select(array_to_vector("features").alias("features"), "label")
         weights, iterations = None, 0
         while True:
-            classifier = MultilayerPerceptronClassifier(layers=settings.layers, seed=settings.seed,
-                                                        maxIter=settings.mllib_iters_per_round,
-                                                        blockSize=settings.mllib_block_size)
+            classifier = MultilayerPerceptronClassifier(
+                layers=settings.layers,
+                seed=settings.seed,
+                maxIter=settings.mllib_iters_per_round,
+                blockSize=settings.mllib_block_size,
+            )
             if weights is not None:
                 classifier.setInitialWeights(weights)
             fitted = classifier.fit(vectors)
@@ -402,8 +429,17 @@ def run_mllib(spark, train, test, settings: Settings) -> Run:
     return run
 
 
-def distributed_training(folder: str, layers: list[int], lr: float, batch_size: int, epochs: int, seed: int,
-                         target: float, threads: int, interface: str | None) -> list[tuple[float, int, float]]:
+def distributed_training(
+    folder: str,
+    layers: list[int],
+    lr: float,
+    batch_size: int,
+    epochs: int,
+    seed: int,
+    target: float,
+    threads: int,
+    interface: str | None,
+) -> list[tuple[float, int, float]]:
     """TorchDistributor's training function, in each torchrun worker: DDP over gloo on the
     rows in ``folder``, each rank on its contiguous share of the training rows, with
     ``batch_size`` / world size rows per step. After each epoch rank 0 evaluates the test
@@ -429,7 +465,7 @@ def distributed_training(folder: str, layers: list[int], lr: float, batch_size: 
         X = numpy.load(os_env.path.join(folder, "train_features.npy"), mmap_mode="r")
         y = numpy.load(os_env.path.join(folder, "train_labels.npy"), mmap_mode="r")
         share = len(X) // world
-        X, y = X[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        X, y = X[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
         if rank == 0:
             X_test = torch.from_numpy(numpy.load(os_env.path.join(folder, "test_features.npy")))
             y_test = torch.from_numpy(numpy.load(os_env.path.join(folder, "test_labels.npy")))
@@ -444,7 +480,7 @@ def distributed_training(folder: str, layers: list[int], lr: float, batch_size: 
             order = numpy.random.default_rng([seed, epoch, rank]).permutation(share)
             model.train()
             for step in range(steps):
-                rows = numpy.sort(order[step * local_batch:(step + 1) * local_batch])
+                rows = numpy.sort(order[step * local_batch : (step + 1) * local_batch])
                 features, labels = torch.from_numpy(X[rows]), torch.from_numpy(y[rows])
                 optimizer.zero_grad(set_to_none=True)
                 loss_fn(model(features), labels).backward()
@@ -452,8 +488,15 @@ def distributed_training(folder: str, layers: list[int], lr: float, batch_size: 
             if rank == 0:
                 model.eval()
                 with torch.no_grad():
-                    right = sum(int((model.module(X_test[i:i + 65536]).argmax(dim=1) == y_test[i:i + 65536]).sum())
-                                for i in range(0, len(X_test), 65536))
+                    right = sum(
+                        int(
+                            (
+                                model.module(X_test[i : i + 65536]).argmax(dim=1)
+                                == y_test[i : i + 65536]
+                            ).sum()
+                        )
+                        for i in range(0, len(X_test), 65536)
+                    )
                 accuracy = right / len(X_test)
                 evaluations.append((clock.time(), epoch + 1, accuracy))
                 with open(os_env.path.join(folder, "evaluations.jsonl"), "a") as log:
@@ -478,15 +521,30 @@ def run_torch_distributor(spark, folder: Path, settings: Settings, one_machine: 
     interface = baselines._loopback_interface() if one_machine else None
     run = Run("torchdistributor", "epochs", time.time())
     with BudgetGuard(spark, "bench-train-torchdistributor", run.started + settings.budget) as guard:
-        evaluations = TorchDistributor(num_processes=settings.partitions, local_mode=False, use_gpu=False).run(
-            distributed_training, str(folder), settings.layers, settings.lr, settings.batch_size,
-            settings.epochs, settings.seed, settings.target, threads, interface)
+        evaluations = TorchDistributor(
+            num_processes=settings.partitions, local_mode=False, use_gpu=False
+        ).run(
+            distributed_training,
+            str(folder),
+            settings.layers,
+            settings.lr,
+            settings.batch_size,
+            settings.epochs,
+            settings.seed,
+            settings.target,
+            threads,
+            interface,
+        )
         run.evaluations = [tuple(entry) for entry in evaluations]
-        run.stopped = "target" if run.evaluations and run.evaluations[-1][2] >= settings.target else "epochs"
+        run.stopped = (
+            "target" if run.evaluations and run.evaluations[-1][2] >= settings.target else "epochs"
+        )
     if guard.cut_short:
         run.stopped = "budget"
         if log.exists():  # what rank 0 evaluated before the cancel
-            run.evaluations = [tuple(json.loads(line)) for line in log.read_text().splitlines() if line]
+            run.evaluations = [
+                tuple(json.loads(line)) for line in log.read_text().splitlines() if line
+            ]
     run.ended = time.time()
     return run
 
@@ -513,7 +571,14 @@ def summary_row(name: str, runs: list[Run], target: float, budget: float) -> tup
         seconds, to_target = f"not reached ({best_text})", ""
     totals = [run.total() for run in runs if run.total() is not None]
     ended = "/".join(dict.fromkeys(run.stopped for run in runs))
-    return (label, seconds, to_target, best_text, f"{statistics.median(totals):.1f}" if totals else "", ended)
+    return (
+        label,
+        seconds,
+        to_target,
+        best_text,
+        f"{statistics.median(totals):.1f}" if totals else "",
+        ended,
+    )
 
 
 def progress_line(run: Run, target: float, budget: float) -> str:
@@ -521,9 +586,15 @@ def progress_line(run: Run, target: float, budget: float) -> str:
     if run.problem:
         return f"{run.contender}: {run.problem}"
     hit = run.reached(target, budget)
-    return (f"{run.contender}: " + (f"{target:g} at {hit[0]:.1f} s" if hit else "target not reached")
-            + f", best {accuracy_text(run.best(budget))}, {run.total():.1f} s in all ({run.stopped}); {run.unit} "
-            + " ".join(f"{done}:{accuracy:.4f}@{at - run.started:.1f}s" for at, done, accuracy in run.evaluations))
+    return (
+        f"{run.contender}: "
+        + (f"{target:g} at {hit[0]:.1f} s" if hit else "target not reached")
+        + f", best {accuracy_text(run.best(budget))}, {run.total():.1f} s in all ({run.stopped}); {run.unit} "
+        + " ".join(
+            f"{done}:{accuracy:.4f}@{at - run.started:.1f}s"
+            for at, done, accuracy in run.evaluations
+        )
+    )
 
 
 def accuracy_text(accuracy: float | None) -> str:
@@ -531,7 +602,14 @@ def accuracy_text(accuracy: float | None) -> str:
 
 
 def header(target: float) -> tuple[str, ...]:
-    return ("contender", f"s to {target:g}", "to target", "best test accuracy", "total s", "ended at")
+    return (
+        "contender",
+        f"s to {target:g}",
+        "to target",
+        "best test accuracy",
+        "total s",
+        "ended at",
+    )
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -540,40 +618,84 @@ def header(target: float) -> tuple[str, ...]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
-    parser.add_argument("--rows", type=int, default=1_000_000, help="generated rows, train and test together")
-    parser.add_argument("--seed", type=int, default=0, help="the data, the split, the initial weights, the shuffles")
+    parser.add_argument(
+        "--rows", type=int, default=1_000_000, help="generated rows, train and test together"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the data, the split, the initial weights, the shuffles"
+    )
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--clusters", type=int, default=2, help="Gaussian clusters per class")
     parser.add_argument("--informative", type=int, default=30, help="features that carry the class")
     parser.add_argument("--noise", type=int, default=20, help="features of pure noise")
-    parser.add_argument("--spread", type=float, default=0.55,
-                        help="standard deviation of the cluster centres (the noise has 1): smaller overlaps more")
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=0.55,
+        help="standard deviation of the cluster centres (the noise has 1): smaller overlaps more",
+    )
     parser.add_argument("--test-fraction", type=float, default=0.1)
-    parser.add_argument("--hidden", default="64", help="hidden layer widths, comma-separated (e.g. 64 or 128,64)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate (ours and TorchDistributor)")
+    parser.add_argument(
+        "--hidden", default="64", help="hidden layer widths, comma-separated (e.g. 64 or 128,64)"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=2e-3, help="Adam's learning rate (ours and TorchDistributor)"
+    )
     parser.add_argument("--batch-size", type=int, default=1024, help="the global batch of a step")
-    parser.add_argument("--epochs", type=int, default=4,
-                        help="epochs of ours (which has no early stop) and at most of TorchDistributor")
-    parser.add_argument("--codec", default="raw", help="allreduce-param's codec (raw: the choice on one machine)")
-    parser.add_argument("--mllib-iters-per-round", type=int, default=20,
-                        help="L-BFGS iterations of each chained MLlib fit (test accuracy checked after each)")
-    parser.add_argument("--mllib-block-size", type=int, default=1024,
-                        help="MLlib's blockSize: rows stacked into one matrix (its default, 128, was 1.7x slower "
-                             "per iteration here)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=4,
+        help="epochs of ours (which has no early stop) and at most of TorchDistributor",
+    )
+    parser.add_argument(
+        "--codec", default="raw", help="allreduce-param's codec (raw: the choice on one machine)"
+    )
+    parser.add_argument(
+        "--mllib-iters-per-round",
+        type=int,
+        default=20,
+        help="L-BFGS iterations of each chained MLlib fit (test accuracy checked after each)",
+    )
+    parser.add_argument(
+        "--mllib-block-size",
+        type=int,
+        default=1024,
+        help="MLlib's blockSize: rows stacked into one matrix (its default, 128, was 1.7x slower "
+        "per iteration here)",
+    )
     parser.add_argument("--target", type=float, default=0.80, help="the test accuracy to time")
-    parser.add_argument("--budget", type=float, default=600.0, help="seconds each contender may take")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help=f"comma-separated, of {', '.join(CONTENDERS)}")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="times the whole set runs, each round starting one contender later; medians")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="skip the untimed barrier stage that pays Spark's first-time costs before the clocks")
-    parser.add_argument("--scratch", default=None,
-                        help="where TorchDistributor's .npy files go (default: the system's temporary folder; "
-                             "on a cluster, one every executor sees)")
-    parser.add_argument("--driver-memory", default="4g",
-                        help="spark.driver.memory: in local mode the executors live in the driver's JVM and "
-                             "hold the cached rows and MLlib's copy of them")
+    parser.add_argument(
+        "--budget", type=float, default=600.0, help="seconds each contender may take"
+    )
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help=f"comma-separated, of {', '.join(CONTENDERS)}",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the whole set runs, each round starting one contender later; medians",
+    )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed barrier stage that pays Spark's first-time costs before the clocks",
+    )
+    parser.add_argument(
+        "--scratch",
+        default=None,
+        help="where TorchDistributor's .npy files go (default: the system's temporary folder; "
+        "on a cluster, one every executor sees)",
+    )
+    parser.add_argument(
+        "--driver-memory",
+        default="4g",
+        help="spark.driver.memory: in local mode the executors live in the driver's JVM and "
+        "hold the cached rows and MLlib's copy of them",
+    )
     args = parser.parse_args(argv)
     args.contender_names = [name.strip() for name in args.contenders.split(",") if name.strip()]
     unknown = [name for name in args.contender_names if name not in CONTENDERS]
@@ -582,15 +704,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.hidden_layers = [int(width) for width in args.hidden.split(",")]
     except ValueError:
-        parser.error(f"--hidden {args.hidden!r}: write layer widths as whole numbers, e.g. 128 or 256,64")
-    for name in ("rows", "classes", "clusters", "informative", "batch_size", "epochs", "mllib_iters_per_round",
-                 "mllib_block_size", "rounds"):
+        parser.error(
+            f"--hidden {args.hidden!r}: write layer widths as whole numbers, e.g. 128 or 256,64"
+        )
+    for name in (
+        "rows",
+        "classes",
+        "clusters",
+        "informative",
+        "batch_size",
+        "epochs",
+        "mllib_iters_per_round",
+        "mllib_block_size",
+        "rounds",
+    ):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.classes < 2 or args.noise < 0 or not 0 < args.test_fraction < 1 or args.budget <= 0 \
-            or not 0 < args.target <= 1 or min(args.hidden_layers) < 1:
-        parser.error("need --classes >= 2, --noise >= 0, 0 < --test-fraction < 1, --budget > 0, "
-                     "0 < --target <= 1 and positive --hidden widths")
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
+    if (
+        args.classes < 2
+        or args.noise < 0
+        or not 0 < args.test_fraction < 1
+        or args.budget <= 0
+        or not 0 < args.target <= 1
+        or min(args.hidden_layers) < 1
+    ):
+        parser.error(
+            "need --classes >= 2, --noise >= 0, 0 < --test-fraction < 1, --budget > 0, "
+            "0 < --target <= 1 and positive --hidden widths"
+        )
     return args
 
 
@@ -600,12 +743,24 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    data = Dataset(args.rows, args.classes, args.clusters, args.informative, args.noise, args.spread,
-                   args.test_fraction, args.seed)
+    data = Dataset(
+        args.rows,
+        args.classes,
+        args.clusters,
+        args.informative,
+        args.noise,
+        args.spread,
+        args.test_fraction,
+        args.seed,
+    )
     torch_installed = importlib.util.find_spec("torch") is not None
     names = args.contender_names
-    spark = local_spark(args.master, "allreduce-param train benchmark", CONF_DIR,
-                        **{"spark.driver.memory": args.driver_memory})
+    spark = local_spark(
+        args.master,
+        "allreduce-param train benchmark",
+        CONF_DIR,
+        **{"spark.driver.memory": args.driver_memory},
+    )
     folder: Path | None = None
     runs: dict[str, list[Run]] = {name: [] for name in names}
     failures: list[str] = []
@@ -613,58 +768,102 @@ def main(argv: list[str] | None = None) -> int:
         partitions = spark.sparkContext.defaultParallelism
         train, test = generated_frames(spark, data)
         train, test = train.cache(), test.cache()
-        train_rows, test_rows = train.count(), test.count()  # generated and cached, before any clock
+        train_rows, test_rows = (
+            train.count(),
+            test.count(),
+        )  # generated and cached, before any clock
         if train_rows < args.batch_size:
-            raise SystemExit(f"error: {train_rows} training rows, fewer than --batch-size {args.batch_size}")
+            raise SystemExit(
+                f"error: {train_rows} training rows, fewer than --batch-size {args.batch_size}"
+            )
         if not args.no_warmup:
             warm_up(train)
-        settings = Settings([data.features, *args.hidden_layers, data.classes], args.lr, args.batch_size,
-                            args.epochs, args.seed, args.target, args.budget, args.codec,
-                            args.mllib_iters_per_round, args.mllib_block_size, partitions)
+        settings = Settings(
+            [data.features, *args.hidden_layers, data.classes],
+            args.lr,
+            args.batch_size,
+            args.epochs,
+            args.seed,
+            args.target,
+            args.budget,
+            args.codec,
+            args.mllib_iters_per_round,
+            args.mllib_block_size,
+            partitions,
+        )
         if torch_installed and "torchdistributor" in names:  # written once, not counted
             folder = Path(tempfile.mkdtemp(prefix="bench-train-", dir=args.scratch))
             write_npy(train, folder, "train")
             write_npy(test, folder, "test")
         contenders: dict[str, Callable[[], Run]] = {
-            "mlp": lambda: run_ours(spark, "mlp", models.MLP(settings.layers), train, test, settings),
-            "torchmodel": lambda: run_ours(spark, "torchmodel", models.TorchModel(torch_mlp(settings.layers)),
-                                           train, test, settings),
+            "mlp": lambda: run_ours(
+                spark, "mlp", models.MLP(settings.layers), train, test, settings
+            ),
+            "torchmodel": lambda: run_ours(
+                spark,
+                "torchmodel",
+                models.TorchModel(torch_mlp(settings.layers)),
+                train,
+                test,
+                settings,
+            ),
             "mllib": lambda: run_mllib(spark, train, test, settings),
-            "torchdistributor": lambda: run_torch_distributor(spark, folder, settings,
-                                                              one_machine=args.master.startswith("local")),
+            "torchdistributor": lambda: run_torch_distributor(
+                spark, folder, settings, one_machine=args.master.startswith("local")
+            ),
         }
         for round_number in range(args.rounds):
-            order = names[round_number % len(names):] + names[:round_number % len(names)]
+            order = names[round_number % len(names) :] + names[: round_number % len(names)]
             for name in order:
                 if name in NEEDS_TORCH and not torch_installed:
                     runs[name].append(Run(name, "", time.time(), problem="torch not installed"))
                     continue
                 try:
                     run = contenders[name]()
-                except Exception as error:  # the others still run; the row and the exit status say so
+                except (
+                    Exception
+                ) as error:  # the others still run; the row and the exit status say so
                     failures.append(f"{name}, round {round_number + 1}: {traceback.format_exc()}")
                     run = Run(name, "", time.time(), problem=f"failed: {type(error).__name__}")
                 runs[name].append(run)
-                print(f"round {round_number + 1}, {progress_line(run, args.target, args.budget)}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"round {round_number + 1}, {progress_line(run, args.target, args.budget)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         spark.stop()
 
     print(f"machine: {machine()}")
-    print(f"data: {data.describe()}; {train_rows:,} train / {test_rows:,} test rows, cached before timing; "
-          f"Bayes accuracy {data.bayes_accuracy():.4f} (on the generator's first {min(BAYES_ROWS, data.rows):,} rows)")
+    print(
+        f"data: {data.describe()}; {train_rows:,} train / {test_rows:,} test rows, cached before timing; "
+        f"Bayes accuracy {data.bayes_accuracy():.4f} (on the generator's first {min(BAYES_ROWS, data.rows):,} rows)"
+    )
     layers = "-".join(map(str, settings.layers))
-    print(f"model: MLP {layers} (ReLU); Adam lr {args.lr:g}, global batch {args.batch_size}, {args.epochs} epochs "
-          f"at most, seed {args.seed}; MLlib L-BFGS in rounds of {args.mllib_iters_per_round} iterations, blockSize "
-          f"{args.mllib_block_size}; "
-          f"{partitions} partitions / processes on {args.master}; codec {args.codec}")
-    print(f"time to test accuracy {args.target:g} from each contender's start (start-up included), budget "
-          f"{args.budget:g} s each" + (f"; medians of {args.rounds} rounds, each starting one contender later"
-                                       if args.rounds > 1 else ""))
-    print(render(header(args.target), [summary_row(name, runs[name], args.target, args.budget) for name in names],
-                 left=1))
+    print(
+        f"model: MLP {layers} (ReLU); Adam lr {args.lr:g}, global batch {args.batch_size}, {args.epochs} epochs "
+        f"at most, seed {args.seed}; MLlib L-BFGS in rounds of {args.mllib_iters_per_round} iterations, blockSize "
+        f"{args.mllib_block_size}; "
+        f"{partitions} partitions / processes on {args.master}; codec {args.codec}"
+    )
+    print(
+        f"time to test accuracy {args.target:g} from each contender's start (start-up included), budget "
+        f"{args.budget:g} s each"
+        + (
+            f"; medians of {args.rounds} rounds, each starting one contender later"
+            if args.rounds > 1
+            else ""
+        )
+    )
+    print(
+        render(
+            header(args.target),
+            [summary_row(name, runs[name], args.target, args.budget) for name in names],
+            left=1,
+        )
+    )
     sys.stdout.flush()
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)

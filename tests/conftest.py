@@ -8,13 +8,13 @@ Engine tests run N partitions as N threads of this process (real sockets on 127.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from allreduce_param import AllReduceParameter, LocalRendezvous, Rendezvous
-from allreduce_param.session import java_problem, prepare_local_environment
+from allreduce_param.spark.session import java_problem, prepare_local_environment
 
 #: the job files (digits.toml, synthetic.toml)
 JOB_FILES = Path(__file__).resolve().parents[1] / "conf"
@@ -27,11 +27,15 @@ prepare_local_environment()
 def spark(request):
     """The module's SparkSession: ``local[4]`` unless the module sets ``SPARK_MASTER``, with its
     ``SPARK_SETTINGS``; stopped when the module's tests are done."""
-    from allreduce_param.session import local_spark
+    from allreduce_param.spark.session import local_spark
 
     master = getattr(request.module, "SPARK_MASTER", "local[4]")
-    session = local_spark(master, f"allreduce-param {request.module.__name__}", CONF_DIR,
-                          **getattr(request.module, "SPARK_SETTINGS", {}))
+    session = local_spark(
+        master,
+        f"allreduce-param {request.module.__name__}",
+        CONF_DIR,
+        **getattr(request.module, "SPARK_SETTINGS", {}),
+    )
     yield session
     session.stop()
 
@@ -42,8 +46,12 @@ def pytest_sessionstart(session):
         pytest.exit(problem, returncode=3)
 
 
-def run_partitions(param: AllReduceParameter, body: Callable, timeout: float = 120.0,
-                   hosts: list[list[int]] | None = None) -> list:
+def run_partitions(
+    param: AllReduceParameter,
+    body: Callable,
+    timeout: float = 120.0,
+    hosts: list[list[int]] | None = None,
+) -> list:
     """Run ``body(p)`` on every partition of ``param``, one thread each; their results.
 
     ``p`` is the partition's connected handle, opened and closed here. Each result is the
@@ -55,7 +63,9 @@ def run_partitions(param: AllReduceParameter, body: Callable, timeout: float = 1
     """
     group = LocalRendezvous(param.partition_num)
     results: list = [None] * param.partition_num
-    scope_of = {p: f"test-host-{index}" for index, members in enumerate(hosts or []) for p in members}
+    scope_of = {
+        p: f"test-host-{index}" for index, members in enumerate(hosts or []) for p in members
+    }
 
     def partition(partition_id: int) -> None:
         member = group.member(partition_id)
@@ -86,8 +96,10 @@ class _Placed(Rendezvous):
         return self._member.bind_address()
 
     def exchange(self, address):
-        return [(*peer[:4], self._scope_of[index] if peer[3] else None)
-                for index, peer in enumerate(self._member.exchange(address))]
+        return [
+            (*peer[:4], self._scope_of[index] if peer[3] else None)
+            for index, peer in enumerate(self._member.exchange(address))
+        ]
 
 
 def train_on_threads(job, parts: list) -> list:
@@ -97,7 +109,7 @@ def train_on_threads(job, parts: list) -> list:
     records by kind, or its error."""
     import numpy as np
 
-    from allreduce_param.train.worker import train_partition
+    from allreduce_param.train.task.worker import train_partition
 
     group = LocalRendezvous(len(parts))
     outputs: list = [None] * len(parts)
@@ -111,7 +123,9 @@ def train_on_threads(job, parts: list) -> list:
         except BaseException as error:  # the test inspects it
             outputs[i] = error
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"partition-{i}") for i in range(len(parts))]
+    threads = [
+        threading.Thread(target=run, args=(i,), name=f"partition-{i}") for i in range(len(parts))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -127,7 +141,9 @@ def blobs(rows: int, features: int, classes: int, seed: int):
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, classes, rows)
     centres = rng.standard_normal((classes, features)).astype(np.float32) * 3
-    return (centres[labels] + rng.standard_normal((rows, features)).astype(np.float32)), labels.astype(np.float64)
+    return (
+        centres[labels] + rng.standard_normal((rows, features)).astype(np.float32)
+    ), labels.astype(np.float64)
 
 
 def raise_first(results: list) -> list:

@@ -29,7 +29,7 @@ def _address(hexadecimal: str) -> str:
     raw = bytes.fromhex(hexadecimal)
     if len(raw) == 4:
         return socket.inet_ntop(socket.AF_INET, raw[::-1])
-    address = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    address = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
     return str(address.ipv4_mapped or address)
 
 
@@ -45,7 +45,9 @@ def describe(pid: int) -> str:
     if "-m" in args[:-1]:
         what = "-m " + args[args.index("-m") + 1]
     else:
-        what = next((arg for arg in args[1:] if arg.startswith("org.apache.") or arg.endswith(".py")), "")
+        what = next(
+            (arg for arg in args[1:] if arg.startswith("org.apache.") or arg.endswith(".py")), ""
+        )
     return f"{os.path.basename(args[0])} {what} (pid {pid})".replace("  ", " ")
 
 
@@ -84,8 +86,15 @@ def listening_sockets() -> list[dict]:
                 continue
             address, port = local.rsplit(":", 1)
             pid = owners.get(inode)
-            found.append({"address": _address(address), "port": int(port, 16), "table": table, "pid": pid,
-                          "process": describe(pid) if pid else "no process found"})
+            found.append(
+                {
+                    "address": _address(address),
+                    "port": int(port, 16),
+                    "table": table,
+                    "pid": pid,
+                    "process": describe(pid) if pid else "no process found",
+                }
+            )
     return found
 
 
@@ -105,12 +114,23 @@ def main(epochs: int) -> int:
     spark = SparkSession.builder.appName("allreduce-param network namespace").getOrCreate()
     try:
         train, test = load_data(spark, {"source": "digits", "seed": 0})
-        result = DistriOptimizer(models.MLP([64, 32, 10]), optim.Adam(lr=0.01), batch_size=32, epochs=epochs,
-                                 num_workers=2, progress=False, listener=listener).fit(train, validation=test)
-        report = {"meetings": meetings, "accuracy": result.history.epochs[-1]["val_accuracy"],
-                  "epochs": len(result.history.epochs), "pid": os.getpid(),
-                  "namespace": os.readlink("/proc/self/ns/net"),
-                  "driver_host": spark.conf.get("spark.driver.host", None)}
+        result = DistriOptimizer(
+            models.MLP([64, 32, 10]),
+            optim.Adam(lr=0.01),
+            batch_size=32,
+            epochs=epochs,
+            num_workers=2,
+            progress=False,
+            listener=listener,
+        ).fit(train, validation=test)
+        report = {
+            "meetings": meetings,
+            "accuracy": result.history.epochs[-1]["val_accuracy"],
+            "epochs": len(result.history.epochs),
+            "pid": os.getpid(),
+            "namespace": os.readlink("/proc/self/ns/net"),
+            "driver_host": spark.conf.get("spark.driver.host", None),
+        }
     finally:
         spark.stop()
     print(MARKER + json.dumps(report), flush=True)

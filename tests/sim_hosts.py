@@ -47,8 +47,8 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 
@@ -86,21 +86,32 @@ def _namespace_of(pid: int) -> str:
     return os.readlink(f"/proc/{pid}/ns/net")
 
 
-def _in_namespace(prefix: tuple[str, ...], namespace: str, script: str, timeout: float = 30.0
-                  ) -> subprocess.CompletedProcess:
+def _in_namespace(
+    prefix: tuple[str, ...], namespace: str, script: str, timeout: float = 30.0
+) -> subprocess.CompletedProcess:
     """``sh -c script`` after ``prefix``, refusing (exit 97) to run anywhere but in ``namespace``."""
     guarded = f'[ "$(readlink /proc/self/ns/net)" = "{namespace}" ] || {{ echo "not in {namespace}" >&2; exit 97; }}\n'
-    return subprocess.run([*prefix, "sh", "-c", guarded + script], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [*prefix, "sh", "-c", guarded + script],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _holder(script: str, what: str, holders: list[subprocess.Popen], deadline: float) -> str:
     """Start a namespace's holder, ``script`` configuring it from inside; its namespace once
     it said ``ready``. Skips the test when the holder fails (namespaces refused, a missing
     kernel module), with its error."""
-    holder = subprocess.Popen(["unshare", "--net", "sh", "-c", f"{script} && echo ready && exec sleep infinity"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                              start_new_session=True, text=True)
+    holder = subprocess.Popen(
+        ["unshare", "--net", "sh", "-c", f"{script} && echo ready && exec sleep infinity"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
     holders.append(holder)
     ready, _, _ = select.select([holder.stdout], [], [], max(0.0, deadline - time.monotonic()))
     line = holder.stdout.readline() if ready else ""  # "" when it exited
@@ -108,10 +119,14 @@ def _holder(script: str, what: str, holders: list[subprocess.Popen], deadline: f
         with contextlib.suppress(ProcessLookupError):
             os.killpg(holder.pid, signal.SIGKILL)
         holder.wait(30)
-        pytest.skip(f"could not make the {what}'s network namespace (unshare --net; {script}): exit "
-                    f"{holder.returncode}: {holder.stderr.read().strip()}")
+        pytest.skip(
+            f"could not make the {what}'s network namespace (unshare --net; {script}): exit "
+            f"{holder.returncode}: {holder.stderr.read().strip()}"
+        )
     namespace = _namespace_of(holder.pid)
-    assert namespace != _namespace_of(os.getpid()), f"the {what}'s holder said ready in this process's namespace"
+    assert namespace != _namespace_of(os.getpid()), (
+        f"the {what}'s holder said ready in this process's namespace"
+    )
     return namespace
 
 
@@ -153,8 +168,14 @@ def describe(pid: int) -> str:
 
 def _links_here() -> list[str]:
     """This process's network namespace's link names (read only)."""
-    listed = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30)
-    return sorted(line.split(":")[1].strip().split("@")[0] for line in listed.stdout.splitlines() if ":" in line)
+    listed = subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30
+    )
+    return sorted(
+        line.split(":")[1].strip().split("@")[0]
+        for line in listed.stdout.splitlines()
+        if ":" in line
+    )
 
 
 @contextlib.contextmanager
@@ -176,25 +197,43 @@ def simulated_hosts(count: int, rate: str | None = None) -> Iterator[SimulatedHo
     holders: list[subprocess.Popen] = []
     deadline = time.monotonic() + READY_TIMEOUT
     try:
-        switch = _holder("ip link set lo up && ip link add br0 type bridge && ip link set br0 up", "switch",
-                         holders, deadline)
+        switch = _holder(
+            "ip link set lo up && ip link add br0 type bridge && ip link set br0 up",
+            "switch",
+            holders,
+            deadline,
+        )
         switch_prefix = ("nsenter", f"--net=/proc/{holders[0].pid}/ns/net")
         hosts = []
         for i in range(1, count + 1):
             namespace = _holder("ip link set lo up", f"host h{i}", holders, deadline)
-            host = Host(f"h{i}", f"{SUBNET}.{i}", namespace, ("nsenter", f"--net=/proc/{holders[-1].pid}/ns/net"))
-            made = _in_namespace(switch_prefix, switch, f"ip link add v{i} type veth peer name eth0 netns "
-                                 f"{holders[-1].pid} && ip link set v{i} master br0 && ip link set v{i} up")
+            host = Host(
+                f"h{i}",
+                f"{SUBNET}.{i}",
+                namespace,
+                ("nsenter", f"--net=/proc/{holders[-1].pid}/ns/net"),
+            )
+            made = _in_namespace(
+                switch_prefix,
+                switch,
+                f"ip link add v{i} type veth peer name eth0 netns "
+                f"{holders[-1].pid} && ip link set v{i} master br0 && ip link set v{i} up",
+            )
             if made.returncode != 0:
                 pytest.skip(f"could not link host h{i} to the bridge (veth): {made.stderr.strip()}")
-            addressed = _in_namespace(host.prefix, namespace,
-                                      f"ip addr add {host.address}/24 dev eth0 && ip link set eth0 up")
+            addressed = _in_namespace(
+                host.prefix,
+                namespace,
+                f"ip addr add {host.address}/24 dev eth0 && ip link set eth0 up",
+            )
             assert addressed.returncode == 0, f"h{i}: {addressed.stderr}"
             if rate:
                 _shape(host.prefix, namespace, "eth0", rate, f"h{i}")
                 _shape(switch_prefix, switch, f"v{i}", rate, f"the switch's end of h{i}'s link")
             hosts.append(host)
-        assert len({host.namespace for host in hosts} | {switch}) == count + 1, "namespaces not distinct"
+        assert len({host.namespace for host in hosts} | {switch}) == count + 1, (
+            "namespaces not distinct"
+        )
         simulated = SimulatedHosts(hosts, switch, rate)
         _wait_until_linked(simulated, switch_prefix, deadline)
         yield simulated
@@ -219,31 +258,51 @@ def simulated_hosts(count: int, rate: str | None = None) -> Iterator[SimulatedHo
         links_after = _links_here()
     assert not stray, f"processes left running on the simulated hosts (killed now): {stray}"
     assert not remaining, f"the simulated hosts' namespaces are still held: {remaining}"
-    assert links_after == links_before, f"this namespace's links changed: {links_before} -> {links_after}"
+    assert links_after == links_before, (
+        f"this namespace's links changed: {links_before} -> {links_after}"
+    )
 
 
 def _shape(prefix: tuple[str, ...], namespace: str, device: str, rate: str, where: str) -> None:
     """Limit what ``device`` sends to ``rate`` (tc tbf); skips the test when tc refuses (a
     kernel without the tbf queueing discipline, say), with tc's error."""
-    shaped = _in_namespace(prefix, namespace, f"tc qdisc add dev {device} root tbf rate {rate} "
-                                              f"burst {LINK_BURST} latency {LINK_LATENCY}")
+    shaped = _in_namespace(
+        prefix,
+        namespace,
+        f"tc qdisc add dev {device} root tbf rate {rate} burst {LINK_BURST} latency {LINK_LATENCY}",
+    )
     if shaped.returncode != 0:
-        pytest.skip(f"could not limit {where}'s {device} to {rate} (tc qdisc add ... tbf): {shaped.stderr.strip()}")
+        pytest.skip(
+            f"could not limit {where}'s {device} to {rate} (tc qdisc add ... tbf): {shaped.stderr.strip()}"
+        )
 
 
-def _wait_until_linked(simulated: SimulatedHosts, switch_prefix: tuple[str, ...], deadline: float) -> None:
+def _wait_until_linked(
+    simulated: SimulatedHosts, switch_prefix: tuple[str, ...], deadline: float
+) -> None:
     """Until every bridge port forwards and every host's eth0 is up (state UP)."""
     while True:
         ports = _in_namespace(switch_prefix, simulated.switch, "bridge -o link show")
-        forwarding = {line.split(":")[1].strip().split("@")[0] for line in ports.stdout.splitlines()
-                      if "state forwarding" in line}
-        up = [host.name for host in simulated.hosts
-              if "state UP" in simulated.run(host, "ip -o link show dev eth0").stdout]
-        if forwarding >= {f"v{i}" for i in range(1, len(simulated.hosts) + 1)} and len(up) == len(simulated.hosts):
+        forwarding = {
+            line.split(":")[1].strip().split("@")[0]
+            for line in ports.stdout.splitlines()
+            if "state forwarding" in line
+        }
+        up = [
+            host.name
+            for host in simulated.hosts
+            if "state UP" in simulated.run(host, "ip -o link show dev eth0").stdout
+        ]
+        if forwarding >= {f"v{i}" for i in range(1, len(simulated.hosts) + 1)} and len(up) == len(
+            simulated.hosts
+        ):
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"the simulated hosts' links did not come up in time: bridge ports forwarding "
-                        f"{sorted(forwarding)}, eth0 up on {up}\n{ports.stdout}{ports.stderr}", pytrace=False)
+            pytest.fail(
+                f"the simulated hosts' links did not come up in time: bridge ports forwarding "
+                f"{sorted(forwarding)}, eth0 up on {up}\n{ports.stdout}{ports.stderr}",
+                pytrace=False,
+            )
         time.sleep(0.1)
 
 
@@ -251,7 +310,9 @@ def _wait_for_none(namespaces: set[str], holders: set[int], timeout: float = 30.
     """Until no process or descriptor holds any of ``namespaces``; what still does after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
-        held = [describe(pid) for pid in _processes_in(namespaces, but=set())] + _descriptors_on(namespaces)
+        held = [describe(pid) for pid in _processes_in(namespaces, but=set())] + _descriptors_on(
+            namespaces
+        )
         if not held or time.monotonic() > deadline:
             return held
         time.sleep(0.1)

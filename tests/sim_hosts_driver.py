@@ -47,8 +47,9 @@ def gradient(size: int, seed: int, step: int, partition: int) -> tuple[np.ndarra
     return values, float(partition + 1)
 
 
-def expected_weights(partitions: int, size: int, rounds: int, seed: int,
-                     hosts: list[list[int]]) -> list[np.ndarray]:
+def expected_weights(
+    partitions: int, size: int, rounds: int, seed: int, hosts: list[list[int]]
+) -> list[np.ndarray]:
     """What every ``get_weights`` must give, round by round (ROUNDS + 1 of them), computed
     the way the engine sums (``layout.HostLayout``): on each host in partition order, then
     the host sums in host order (hosts by their first partition), in float32, divided by the
@@ -78,6 +79,7 @@ def digest(array: np.ndarray) -> str:
 
 # ---- the census of one task's process ---------------------------------------------------
 
+
 def _tcp_address(hexadecimal: str) -> tuple[str, int]:
     """A /proc/net/tcp{,6} ``ADDRESS:PORT`` as ``(ip, port)``; an IPv4-mapped IPv6 one as IPv4."""
     address, port = hexadecimal.rsplit(":", 1)
@@ -85,7 +87,7 @@ def _tcp_address(hexadecimal: str) -> tuple[str, int]:
     if len(raw) == 4:
         ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
     else:
-        words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+        words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
         ip = socket.inet_ntop(socket.AF_INET6, words).removeprefix("::ffff:")
     return ip, int(port, 16)
 
@@ -122,9 +124,14 @@ def census(p, before: dict) -> dict:
     peers = p._peers
     server = peers._server
     own_address = tuple(server.address)
-    peer_servers = {(a.host, a.port): j for j, a in enumerate(peers._addresses) if j != p.partition_id}
-    peer_names = {("\0" + a.local_name).encode(): j for j, a in enumerate(peers._addresses)
-                  if j != p.partition_id and a.local_name}
+    peer_servers = {
+        (a.host, a.port): j for j, a in enumerate(peers._addresses) if j != p.partition_id
+    }
+    peer_names = {
+        ("\0" + a.local_name).encode(): j
+        for j, a in enumerate(peers._addresses)
+        if j != p.partition_id and a.local_name
+    }
     own_name = ("\0" + server.local_name).encode() if server.local_name else None
     sockets = _own_sockets()
     tcp = {"out": [], "in": [], "listening": [], "other": []}
@@ -144,14 +151,21 @@ def census(p, before: dict) -> dict:
                 tcp["listening"].append(f"{local[0]}:{local[1]}")
             elif state == ESTABLISHED and remote in peer_servers:
                 acked, received = _bytes_moved(sockets[inode])
-                tcp["out"].append({"peer": peer_servers[remote], "remote": remote[0], "local": local[0],
-                                   "received": received, "acked": acked})
+                tcp["out"].append(
+                    {
+                        "peer": peer_servers[remote],
+                        "remote": remote[0],
+                        "local": local[0],
+                        "received": received,
+                        "acked": acked,
+                    }
+                )
             elif state == ESTABLISHED and local == own_address:
                 tcp["in"].append({"remote": remote[0]})
             else:
                 tcp["other"].append(f"{local[0]}:{local[1]}->{remote[0]}:{remote[1]} state {state}")
     unix = {"out": [], "in": 0, "listening": 0, "other": 0}
-    for inode, fd in sockets.items():
+    for fd in sockets.values():
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -178,21 +192,35 @@ def census(p, before: dict) -> dict:
     # list a moment before Python's: take both once they agree (or as they are, at a deadline).
     deadline = time.monotonic() + 10
     while True:
-        kernel_threads, names = len(os.listdir("/proc/self/task")), [t.name for t in threading.enumerate()]
+        kernel_threads, names = (
+            len(os.listdir("/proc/self/task")),
+            [t.name for t in threading.enumerate()],
+        )
         if kernel_threads == len(names) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
-    engine = {kind: sum(name.startswith(f"allreduce-{kind}-") for name in names)
-              for kind in ("accept", "serve", "fetch", "control")}
-    return {"kernel_threads": kernel_threads, "python_threads": len(names),
-            "engine_threads": engine, "other_threads": sorted(n for n in names if not n.startswith("allreduce-")),
-            "before": before, "tcp": tcp, "unix": unix, "server": list(own_address)}
+    engine = {
+        kind: sum(name.startswith(f"allreduce-{kind}-") for name in names)
+        for kind in ("accept", "serve", "fetch", "control")
+    }
+    return {
+        "kernel_threads": kernel_threads,
+        "python_threads": len(names),
+        "engine_threads": engine,
+        "other_threads": sorted(n for n in names if not n.startswith("allreduce-")),
+        "before": before,
+        "tcp": tcp,
+        "unix": unix,
+        "server": list(own_address),
+    }
 
 
 def _threads_now() -> dict:
-    return {"kernel_threads": len(os.listdir("/proc/self/task")),
-            "python_threads": threading.active_count(),
-            "names": sorted(thread.name for thread in threading.enumerate())}
+    return {
+        "kernel_threads": len(os.listdir("/proc/self/task")),
+        "python_threads": threading.active_count(),
+        "names": sorted(thread.name for thread in threading.enumerate()),
+    }
 
 
 def _threads_after(before: dict, timeout: float = 10.0) -> dict:
@@ -230,9 +258,18 @@ def task(param, rounds: int, seed: int):
             seen.append(digest(p.get_weights()))
             counted = census(p, before)
             remote_peers, connections, hierarchical = p.remote_peers, p.connections, p.hierarchical
-        yield {"partition": context.partitionId(), "pid": os.getpid(), "namespace": os.readlink("/proc/self/ns/net"),
-               "hierarchical": hierarchical, "connections": connections, "executor": context.getTaskInfos()[context.partitionId()].address, "seen": seen,
-               "remote_peers": remote_peers, "census": counted, "after": _threads_after(before)}
+        yield {
+            "partition": context.partitionId(),
+            "pid": os.getpid(),
+            "namespace": os.readlink("/proc/self/ns/net"),
+            "hierarchical": hierarchical,
+            "connections": connections,
+            "executor": context.getTaskInfos()[context.partitionId()].address,
+            "seen": seen,
+            "remote_peers": remote_peers,
+            "census": counted,
+            "after": _threads_after(before),
+        }
 
     return run
 
@@ -245,10 +282,15 @@ def main(partitions: int, size: int, rounds: int, seed: int) -> int:
     spark = SparkSession.builder.appName("allreduce-param simulated hosts").getOrCreate()
     try:
         rdd = spark.sparkContext.parallelize(range(partitions), partitions)
-        report = {"driver_pid": os.getpid(), "driver_namespace": os.readlink("/proc/self/ns/net"),
-                  "driver_host": spark.conf.get("spark.driver.host", None)}
+        report = {
+            "driver_pid": os.getpid(),
+            "driver_namespace": os.readlink("/proc/self/ns/net"),
+            "driver_host": spark.conf.get("spark.driver.host", None),
+        }
         for topology in ("flat", "hierarchical"):  # one barrier stage each, the same data
-            param = AllReduceParameter(partitions, size, codec="raw", timeout=120, topology=topology)
+            param = AllReduceParameter(
+                partitions, size, codec="raw", timeout=120, topology=topology
+            )
             started = time.monotonic()
             reports = rdd.barrier().mapPartitions(task(param, rounds, seed)).collect()
             report[topology] = {"tasks": reports, "stage_seconds": time.monotonic() - started}

@@ -21,9 +21,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import pyspark
 import pytest
@@ -57,23 +57,39 @@ class StandaloneCluster:
 
     def logs(self, characters: int = 3000) -> str:
         """The end of each daemon's log, for a failure's message."""
-        return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-characters:]}"
-                         for log in sorted(self.folder.glob("*.log")))
+        return "\n".join(
+            f"--- {log.name}:\n{log.read_text(errors='replace')[-characters:]}"
+            for log in sorted(self.folder.glob("*.log"))
+        )
 
-    def run(self, command: Sequence[str], log: Path, timeout: float, cwd: Path = REPO,
-            environment: dict[str, str] | None = None) -> tuple[int, str]:
+    def run(
+        self,
+        command: Sequence[str],
+        log: Path,
+        timeout: float,
+        cwd: Path = REPO,
+        environment: dict[str, str] | None = None,
+    ) -> tuple[int, str]:
         """Run ``command`` (after ``prefix``) with the cluster's environment and
         ``environment`` over it, its output in ``log``; (exit status, output). Its process
         group is killed when it ends, and when it runs past ``timeout`` (then a failure)."""
         with open(log, "w") as out:
-            process = subprocess.Popen([*self.prefix, *command], cwd=cwd,
-                                       env={**self.environment, **(environment or {})}, stdout=out,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            process = subprocess.Popen(
+                [*self.prefix, *command],
+                cwd=cwd,
+                env={**self.environment, **(environment or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{command[0]} ran past {timeout} s:\n{log.read_text(errors='replace')[-5000:]}\n{self.logs()}",
-                        pytrace=False)
+            pytest.fail(
+                f"{command[0]} ran past {timeout} s:\n{log.read_text(errors='replace')[-5000:]}\n{self.logs()}",
+                pytrace=False,
+            )
         finally:
             _stop(process)
         return process.returncode, log.read_text(errors="replace")
@@ -85,16 +101,33 @@ def python_environment() -> dict[str, str]:
     that Python imports the package from it on its own (installed editable, as in a fresh
     clone's ``.venv``), as when the tests run from a worktree with ``PYTHONPATH``."""
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-    found = subprocess.run([sys.executable, "-c", "import allreduce_param; print(allreduce_param.__file__)"],
-                           env=environment, cwd="/", capture_output=True, text=True, timeout=120)
-    installed = found.returncode == 0 and Path(found.stdout.strip()).resolve().parent == REPO / "allreduce_param"
+    found = subprocess.run(
+        [sys.executable, "-c", "import allreduce_param; print(allreduce_param.__file__)"],
+        env=environment,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    installed = (
+        found.returncode == 0
+        and Path(found.stdout.strip()).resolve().parent == REPO / "allreduce_param"
+    )
     return {"PYSPARK_PYTHON": sys.executable, **({} if installed else {"PYTHONPATH": str(REPO)})}
 
 
 @contextlib.contextmanager
-def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, cores: int = 1,
-                       memory: str = "1g", prefix: Sequence[str] = (), environment: dict[str, str] | None = None,
-                       timeout: float = 120.0, worker_places: Sequence[tuple[str, Sequence[str]]] | None = None):
+def standalone_cluster(
+    folder: Path,
+    host: str = "127.0.0.1",
+    workers: int = 2,
+    cores: int = 1,
+    memory: str = "1g",
+    prefix: Sequence[str] = (),
+    environment: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    worker_places: Sequence[tuple[str, Sequence[str]]] | None = None,
+):
     """A master and ``workers`` workers of ``cores`` cores and ``memory`` each, on ``host``;
     the ``StandaloneCluster`` once every worker has registered. Stopped (process groups
     killed) when the block ends, whether it fails or not, and when the start fails.
@@ -112,10 +145,14 @@ def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, 
     ``cluster.run`` stay on ``host`` with ``prefix``).
     """
     folder.mkdir(parents=True, exist_ok=True)
-    base = {key: value for key, value in os.environ.items()
-            if not key.startswith(("SPARK_", "PYSPARK_")) and key != "PYTHONPATH"}  # no setting of this process's
-    cluster = StandaloneCluster("", host, folder, {**base, "SPARK_LOCAL_IP": host, **(environment or {})},
-                                tuple(prefix))
+    base = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("SPARK_", "PYSPARK_")) and key != "PYTHONPATH"
+    }  # no setting of this process's
+    cluster = StandaloneCluster(
+        "", host, folder, {**base, "SPARK_LOCAL_IP": host, **(environment or {})}, tuple(prefix)
+    )
     # the master's REST submission server would take port 6066 (or the next free one): off
     daemons = folder / "daemons.conf"
     daemons.write_text("spark.master.rest.enabled false\n")
@@ -123,17 +160,53 @@ def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, 
     deadline = time.monotonic() + timeout
     try:
         cluster.processes["master"] = _start(
-            cluster, "master", [spark_class, "org.apache.spark.deploy.master.Master", "--host", host, "--port", "0",
-                                "--webui-port", "0", "--properties-file", str(daemons)])
-        cluster.url = _wait_for(cluster, "master", r"Starting Spark master at (spark://\S+)", 1, deadline)[0]
-        places = [(host, cluster.prefix)] * workers if worker_places is None else list(worker_places)
+            cluster,
+            "master",
+            [
+                spark_class,
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                host,
+                "--port",
+                "0",
+                "--webui-port",
+                "0",
+                "--properties-file",
+                str(daemons),
+            ],
+        )
+        cluster.url = _wait_for(
+            cluster, "master", r"Starting Spark master at (spark://\S+)", 1, deadline
+        )[0]
+        places = (
+            [(host, cluster.prefix)] * workers if worker_places is None else list(worker_places)
+        )
         for i, (address, where) in enumerate(places):
             cluster.processes[f"worker-{i}"] = _start(
-                cluster, f"worker-{i}", [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", address,
-                                         "--port", "0", "--webui-port", "0", "--cores", str(cores), "--memory", memory,
-                                         "--work-dir", str(folder / f"worker-{i}-work"),
-                                         "--properties-file", str(daemons), cluster.url],
-                prefix=where, local_ip=address)
+                cluster,
+                f"worker-{i}",
+                [
+                    spark_class,
+                    "org.apache.spark.deploy.worker.Worker",
+                    "--host",
+                    address,
+                    "--port",
+                    "0",
+                    "--webui-port",
+                    "0",
+                    "--cores",
+                    str(cores),
+                    "--memory",
+                    memory,
+                    "--work-dir",
+                    str(folder / f"worker-{i}-work"),
+                    "--properties-file",
+                    str(daemons),
+                    cluster.url,
+                ],
+                prefix=where,
+                local_ip=address,
+            )
         _wait_for(cluster, "master", r"Registering worker (\S+) with", len(places), deadline)
         yield cluster
     finally:
@@ -141,18 +214,35 @@ def standalone_cluster(folder: Path, host: str = "127.0.0.1", workers: int = 2, 
             _stop(process)
 
 
-def _start(cluster: StandaloneCluster, name: str, command: list[str], prefix: Sequence[str] | None = None,
-           local_ip: str | None = None) -> subprocess.Popen:
+def _start(
+    cluster: StandaloneCluster,
+    name: str,
+    command: list[str],
+    prefix: Sequence[str] | None = None,
+    local_ip: str | None = None,
+) -> subprocess.Popen:
     """``command`` (after the prefix: the cluster's, or ``prefix``) in a process group of its
     own, its output in ``<name>.log``; with ``local_ip`` as its SPARK_LOCAL_IP, when given."""
-    environment = cluster.environment if local_ip is None else {**cluster.environment, "SPARK_LOCAL_IP": local_ip}
+    environment = (
+        cluster.environment
+        if local_ip is None
+        else {**cluster.environment, "SPARK_LOCAL_IP": local_ip}
+    )
     with open(cluster.folder / f"{name}.log", "w") as out:
-        return subprocess.Popen([*(cluster.prefix if prefix is None else prefix), *command], env=environment,
-                                cwd=cluster.folder, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [*(cluster.prefix if prefix is None else prefix), *command],
+            env=environment,
+            cwd=cluster.folder,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
-def _wait_for(cluster: StandaloneCluster, name: str, pattern: str, count: int, deadline: float) -> list[str]:
+def _wait_for(
+    cluster: StandaloneCluster, name: str, pattern: str, count: int, deadline: float
+) -> list[str]:
     """The first group of ``pattern``'s matches in ``<name>.log`` once there are ``count`` of
     them; a failure, with the logs, when a daemon exits or the deadline passes first."""
     log = cluster.folder / f"{name}.log"
@@ -162,11 +252,17 @@ def _wait_for(cluster: StandaloneCluster, name: str, pattern: str, count: int, d
             return found
         for other, process in cluster.processes.items():
             if process.poll() is not None:
-                pytest.fail(f"the standalone cluster's {other} exited with {process.returncode} while we waited "
-                            f"for {count} x {pattern!r} in {log.name}:\n{cluster.logs()}", pytrace=False)
+                pytest.fail(
+                    f"the standalone cluster's {other} exited with {process.returncode} while we waited "
+                    f"for {count} x {pattern!r} in {log.name}:\n{cluster.logs()}",
+                    pytrace=False,
+                )
         if time.monotonic() > deadline:
-            pytest.fail(f"the standalone cluster did not start in time: {len(found)} of {count} x {pattern!r} "
-                        f"in {log.name}:\n{cluster.logs()}", pytrace=False)
+            pytest.fail(
+                f"the standalone cluster did not start in time: {len(found)} of {count} x {pattern!r} "
+                f"in {log.name}:\n{cluster.logs()}",
+                pytrace=False,
+            )
         time.sleep(0.2)
 
 

@@ -22,8 +22,13 @@ BUDGET = 120
 
 
 def run_job(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "jobs" / "bench_train.py"), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "bench_train.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -36,24 +41,50 @@ def test_every_contender_reaches_a_low_target_and_the_table_says_when():
     contenders = ["mlp", "mllib"]
     if importlib.util.find_spec("torch") is not None:
         contenders += ["torchmodel", "torchdistributor"]
-    done = run_job("--master", "local[2]", "--rows", "4000", "--batch-size", "128", "--epochs", "10",
-                   "--target", str(TARGET), "--budget", str(BUDGET), "--mllib-iters-per-round", "10",
-                   "--contenders", ",".join(contenders))
+    done = run_job(
+        "--master",
+        "local[2]",
+        "--rows",
+        "4000",
+        "--batch-size",
+        "128",
+        "--epochs",
+        "10",
+        "--target",
+        str(TARGET),
+        "--budget",
+        str(BUDGET),
+        "--mllib-iters-per-round",
+        "10",
+        "--contenders",
+        ",".join(contenders),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Bayes accuracy" in done.stdout and "machine:" in done.stdout
     rows = table_rows(done.stdout)
-    labels = {"mlp": "allreduce-param MLP (numpy)", "mllib": "MLlib MultilayerPerceptron (L-BFGS)",
-              "torchmodel": "allreduce-param TorchModel", "torchdistributor": "TorchDistributor DDP (gloo)"}
+    labels = {
+        "mlp": "allreduce-param MLP (numpy)",
+        "mllib": "MLlib MultilayerPerceptron (L-BFGS)",
+        "torchmodel": "allreduce-param TorchModel",
+        "torchdistributor": "TorchDistributor DDP (gloo)",
+    }
     assert [row[0] for row in rows] == [labels[name] for name in contenders], done.stdout
     for label, seconds, to_target, best, total, ended in rows:
-        assert not seconds.startswith("not reached"), f"{label} did not reach {TARGET}:\n{done.stdout}"
+        assert not seconds.startswith("not reached"), (
+            f"{label} did not reach {TARGET}:\n{done.stdout}"
+        )
         count, unit = to_target.split()
         assert int(count) >= 1 and unit in ("epoch", "epochs", "iterations"), to_target
-        assert 0 < float(seconds) <= float(total) <= BUDGET + 15, (label, seconds, total)  # plus a cancel's lag
+        assert 0 < float(seconds) <= float(total) <= BUDGET + 15, (
+            label,
+            seconds,
+            total,
+        )  # plus a cancel's lag
         assert TARGET <= float(best) <= 1, (label, best)
         # "budget": cut at the budget (a hung contender), and then its total says so
-        assert ended in ("target", "epochs") or (ended == "budget" and float(total) >= BUDGET - 5), \
-            (label, ended, total)
+        assert ended in ("target", "epochs") or (
+            ended == "budget" and float(total) >= BUDGET - 5
+        ), (label, ended, total)
 
 
 def import_job():
@@ -66,16 +97,38 @@ def import_job():
 
 def test_a_row_counts_only_what_came_within_the_budget():
     bench_train = import_job()
-    late = bench_train.Run("mlp", "epochs", started=100.0, evaluations=[(105.0, 1, 0.6), (112.0, 2, 0.9)],
-                           ended=113.0, stopped="epochs")
-    label, seconds, to_target, best, total, ended = bench_train.summary_row("mlp", [late], 0.8, budget=10)
-    assert (seconds, to_target, best, total, ended) == ("not reached (0.6000)", "", "0.6000", "13.0", "epochs")
-    on_time = bench_train.Run("mlp", "epochs", started=0.0, evaluations=[(4.0, 1, 0.7), (6.0, 2, 0.85)],
-                              ended=7.0, stopped="epochs")
+    late = bench_train.Run(
+        "mlp",
+        "epochs",
+        started=100.0,
+        evaluations=[(105.0, 1, 0.6), (112.0, 2, 0.9)],
+        ended=113.0,
+        stopped="epochs",
+    )
+    label, seconds, to_target, best, total, ended = bench_train.summary_row(
+        "mlp", [late], 0.8, budget=10
+    )
+    assert (seconds, to_target, best, total, ended) == (
+        "not reached (0.6000)",
+        "",
+        "0.6000",
+        "13.0",
+        "epochs",
+    )
+    on_time = bench_train.Run(
+        "mlp",
+        "epochs",
+        started=0.0,
+        evaluations=[(4.0, 1, 0.7), (6.0, 2, 0.85)],
+        ended=7.0,
+        stopped="epochs",
+    )
     row = bench_train.summary_row("mlp", [on_time, late], 0.8, budget=10)
     assert row[1:] == ("6.0 (1 of 2 rounds)", "2 epochs", "0.7250", "10.0", "epochs")  # medians
     missing = bench_train.Run("torchdistributor", "", 0.0, problem="torch not installed")
-    assert bench_train.summary_row("torchdistributor", [missing], 0.8, 10)[1] == "torch not installed"
+    assert (
+        bench_train.summary_row("torchdistributor", [missing], 0.8, 10)[1] == "torch not installed"
+    )
 
 
 def test_unknown_contender_is_refused_before_spark_starts():
@@ -87,10 +140,18 @@ def test_the_data_is_fixed_by_the_seed_and_overlaps():
     bench_train = import_job()
     data = bench_train.Dataset(rows=25_000, seed=3)
     X, y, is_test = data.block(2, data.centres())
-    X_again, y_again, is_test_again = bench_train.Dataset(rows=25_000, seed=3).block(2, data.centres())
+    X_again, y_again, is_test_again = bench_train.Dataset(rows=25_000, seed=3).block(
+        2, data.centres()
+    )
     assert X.shape == (5_000, 50) and X.dtype == np.float32  # the last block is the remainder
-    assert np.array_equal(X, X_again) and np.array_equal(y, y_again) and np.array_equal(is_test, is_test_again)
-    assert not np.array_equal(X, bench_train.Dataset(rows=25_000, seed=4).block(2, data.centres())[0])
+    assert (
+        np.array_equal(X, X_again)
+        and np.array_equal(y, y_again)
+        and np.array_equal(is_test, is_test_again)
+    )
+    assert not np.array_equal(
+        X, bench_train.Dataset(rows=25_000, seed=4).block(2, data.centres())[0]
+    )
     assert 0.05 < is_test.mean() < 0.15 and set(np.unique(y)) == set(range(10))
     assert abs(float(X[:, 30:].std()) - 1) < 0.05  # the noise features: N(0, 1)
     assert 0.7 < data.bayes_accuracy(20_000) < 0.9  # overlapping classes: well below 1

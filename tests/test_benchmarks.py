@@ -17,59 +17,142 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_job(*args: str) -> str:
-    done = subprocess.run([sys.executable, str(REPO / "jobs" / args[0]), *args[1:]], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / args[0]), *args[1:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
 def rows(table: str, name: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()
-            if line.startswith("|") and name in line]
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in table.splitlines()
+        if line.startswith("|") and name in line
+    ]
 
 
 def test_bench_allreduce_prints_a_row_per_codec_and_loop():
-    out = run_job("bench_allreduce.py", "--master", "local[2]", "--sizes", "10000", "--codecs", "raw,int8",
-                  "--loops", "readme,tuned", "--rounds", "1", "--steps", "2", "--warmup", "1", "--no-baselines")
+    out = run_job(
+        "bench_allreduce.py",
+        "--master",
+        "local[2]",
+        "--sizes",
+        "10000",
+        "--codecs",
+        "raw,int8",
+        "--loops",
+        "readme,tuned",
+        "--rounds",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--no-baselines",
+    )
     engine = rows(out, "allreduce-param")
-    assert [row[1] for row in engine] == ["allreduce-param raw, readme loop", "allreduce-param raw, tuned loop",
-                                          "allreduce-param int8, readme loop", "allreduce-param int8, tuned loop"]
+    assert [row[1] for row in engine] == [
+        "allreduce-param raw, readme loop",
+        "allreduce-param raw, tuned loop",
+        "allreduce-param int8, readme loop",
+        "allreduce-param int8, tuned loop",
+    ]
     assert all(row[0] == "10K" and float(row[2]) > 0 for row in engine)
 
 
 def test_bench_allreduce_compares_tcp_with_and_without_encryption():
-    out = run_job("bench_allreduce.py", "--master", "local[2]", "--sizes", "10000", "--codecs", "raw",
-                  "--transports", "tcp,tcp-encrypted", "--rounds", "2", "--steps", "2", "--warmup", "1",
-                  "--no-baselines")
-    assert [row[1] for row in rows(out, "allreduce-param")] == ["allreduce-param raw (tcp)",
-                                                                "allreduce-param raw (tcp-encrypted)"]
+    out = run_job(
+        "bench_allreduce.py",
+        "--master",
+        "local[2]",
+        "--sizes",
+        "10000",
+        "--codecs",
+        "raw",
+        "--transports",
+        "tcp,tcp-encrypted",
+        "--rounds",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--no-baselines",
+    )
+    assert [row[1] for row in rows(out, "allreduce-param")] == [
+        "allreduce-param raw (tcp)",
+        "allreduce-param raw (tcp-encrypted)",
+    ]
     [row] = rows(out.split("encryption in transit")[1], "10K")
     plain, sealed, ratio = float(row[2]), float(row[3]), row[5]
     assert plain > 0 and sealed > 0 and re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", ratio)
 
 
 def test_bench_growth_prints_a_row_per_size():
-    out = run_job("bench_growth.py", "--tables", "sizes", "--master", "local[2]", "--sizes", "10K,20K",
-                  "--rounds", "1", "--steps", "2", "--warmup", "1", "--no-gloo")
+    out = run_job(
+        "bench_growth.py",
+        "--tables",
+        "sizes",
+        "--master",
+        "local[2]",
+        "--sizes",
+        "10K,20K",
+        "--rounds",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--no-gloo",
+    )
     assert "memory copy:" in out
     assert [row[0] for row in rows(out, "allreduce-param raw")] == ["10K", "20K"]
 
 
 def test_bench_allreduce_refuses_an_unknown_codec():
-    done = subprocess.run([sys.executable, str(REPO / "jobs" / "bench_allreduce.py"), "--codecs", "zip"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "bench_allreduce.py"), "--codecs", "zip"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "unknown codec ['zip']" in done.stderr
 
 
 def test_bench_overlap_prints_a_row_per_model_and_codec():
-    out = run_job("bench_overlap.py", "--master", "local[2]", "--models", "mlp", "--layers", "8,16,16,3",
-                  "--codecs", "raw,lz4", "--rows", "600", "--batch", "64", "--rounds", "1")
+    out = run_job(
+        "bench_overlap.py",
+        "--master",
+        "local[2]",
+        "--models",
+        "mlp",
+        "--layers",
+        "8,16,16,3",
+        "--codecs",
+        "raw,lz4",
+        "--rows",
+        "600",
+        "--batch",
+        "64",
+        "--rounds",
+        "1",
+    )
     table = rows(out, "| host")
     assert [(row[1], row[3]) for row in table] == [("mlp", "raw"), ("mlp", "lz4")]
     for row in table:  # both step times measured, and their ratio printed from them (one round: its
         off, on = (float(cell.split()[0]) for cell in row[5:7])  # ratio), each rounded to 0.1 ms
         ratio = float(row[9].split()[0])
-        assert off > 0 and on > 0 and (on - 0.05) / (off + 0.05) - 0.005 <= ratio <= (on + 0.05) / (off - 0.05) + 0.005
+        assert (
+            off > 0
+            and on > 0
+            and (on - 0.05) / (off + 0.05) - 0.005 <= ratio <= (on + 0.05) / (off - 0.05) + 0.005
+        )
 
 
 def test_bench_hosts_times_every_configuration_across_simulated_hosts():
@@ -80,9 +163,28 @@ def test_bench_hosts_times_every_configuration_across_simulated_hosts():
     About a minute: most of it the cluster's start and spark-submit's."""
     if os.geteuid() != 0:
         pytest.skip("bench_hosts.py needs root (network namespaces, veth links, tc)")
-    done = subprocess.run([sys.executable, str(REPO / "jobs" / "bench_hosts.py"), "--hosts", "2", "--slots", "2",
-                           "--sizes", "100K", "--rounds", "1", "--steps", "2", "--warmup", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "jobs" / "bench_hosts.py"),
+            "--hosts",
+            "2",
+            "--slots",
+            "2",
+            "--sizes",
+            "100K",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode == 2 and "cannot make the simulated hosts" in done.stderr:
         pytest.skip(done.stderr.strip().splitlines()[-1])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -92,7 +194,9 @@ def test_bench_hosts_times_every_configuration_across_simulated_hosts():
     table = rows(topologies, "| 100K")
     assert [row[1:3] for row in table] == [["raw", "off"], ["raw", "on"]]
     for row in table:
-        flat, hierarchical, flat_mb, hierarchical_mb = (float(cell) for cell in (row[3], row[4], row[6], row[7]))
+        flat, hierarchical, flat_mb, hierarchical_mb = (
+            float(cell) for cell in (row[3], row[4], row[6], row[7])
+        )
         median, low, high = map(float, re.fullmatch(ratio, row[5]).groups())
         assert flat > 0 and hierarchical > 0 and median == low == high  # one round: one ratio
         assert abs(median - hierarchical / flat) <= 0.01 + 0.06 * median  # the figures are rounded
@@ -101,8 +205,10 @@ def test_bench_hosts_times_every_configuration_across_simulated_hosts():
     assert [row[1:3] for row in table] == [["raw", "flat"], ["raw", "hierarchical"]]
     for row in table:
         assert float(row[3]) > 0 and float(row[4]) > 0 and re.fullmatch(ratio, row[5])
-    assert "checked: every configuration, every round: each partition's weights bit for bit numpy's float32 sums" \
+    assert (
+        "checked: every configuration, every round: each partition's weights bit for bit numpy's float32 sums"
         in out
+    )
     assert "the cluster and the simulated hosts are stopped" in out
 
 
@@ -119,9 +225,22 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
     weights, _ = bench_hosts.expected_weights(size, steps, hosts)
 
     def reports(seen, vector=None):
-        return [{"partition": i, "hosts": hosts,
-                 "entries": [{"size": size, "topology": "flat", "encrypt": False, "digest": bench_hosts.digest(w),
-                              "weights": vector if i == 0 else None}]} for i, w in enumerate(seen)]
+        return [
+            {
+                "partition": i,
+                "hosts": hosts,
+                "entries": [
+                    {
+                        "size": size,
+                        "topology": "flat",
+                        "encrypt": False,
+                        "digest": bench_hosts.digest(w),
+                        "weights": vector if i == 0 else None,
+                    }
+                ],
+            }
+            for i, w in enumerate(seen)
+        ]
 
     bench_hosts.check(reports([weights] * 4), "raw", steps, True, {})
     off = weights.copy()
@@ -132,7 +251,9 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
     assert bench_hosts.digest(in_partition_order) != bench_hosts.digest(weights)
     with pytest.raises(SystemExit, match=r"partitions \[0, 1, 2, 3\] differ"):
         bench_hosts.check(reports([in_partition_order] * 4), "raw", steps, True, {})
-    rounded = weights + np.float32(1e-3)  # a lossy codec's: the same on every partition, near numpy's
+    rounded = weights + np.float32(
+        1e-3
+    )  # a lossy codec's: the same on every partition, near numpy's
     bench_hosts.check(reports([rounded] * 4, rounded), "int8", steps, True, {})
     far = weights + np.float32(1.0)
     with pytest.raises(SystemExit, match=r"partition 0's weights are 1 off numpy's"):

@@ -7,12 +7,20 @@ import json
 
 import numpy as np
 import pytest
+from conftest import blobs, train_on_threads
 
-from allreduce_param import AllReduceParameter, ConfigurationError, InputError, SliceLayout, Strategy, models, optim
+from allreduce_param import (
+    AllReduceParameter,
+    ConfigurationError,
+    InputError,
+    SliceLayout,
+    Strategy,
+    models,
+    optim,
+)
 from allreduce_param.train.checkpoint import MANIFEST, CheckpointSettings, load_part, newest
 from allreduce_param.train.result import STEP_FIELDS
-from allreduce_param.train.worker import TrainingJob
-from conftest import blobs, train_on_threads
+from allreduce_param.train.task.worker import TrainingJob
 
 
 def parts_of(rows: int, partitions: int, seed: int = 1):
@@ -27,13 +35,27 @@ def run(job: TrainingJob, parts) -> list[dict]:
     return outputs
 
 
-def job_for(parts, directory=None, every="epoch", keep=2, resume=None, strategy=None, epochs=3, **settings):
+def job_for(
+    parts, directory=None, every="epoch", keep=2, resume=None, strategy=None, epochs=3, **settings
+):
     model = models.MLP([5, 8, 3])
     optimizer = settings.pop("optimizer", optim.Adam(lr=0.01))
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60, strategy=strategy)
     checkpoints = None if directory is None else CheckpointSettings(str(directory), every, keep)
-    return TrainingJob(model, optimizer, param, batch_size=18, epochs=epochs, seed=3, threads=None, n_features=5,
-                       has_validation=False, checkpoints=checkpoints, resume=resume, **settings)
+    return TrainingJob(
+        model,
+        optimizer,
+        param,
+        batch_size=18,
+        epochs=epochs,
+        seed=3,
+        threads=None,
+        n_features=5,
+        has_validation=False,
+        checkpoints=checkpoints,
+        resume=resume,
+        **settings,
+    )
 
 
 def weights(outputs) -> np.ndarray:
@@ -41,7 +63,9 @@ def weights(outputs) -> np.ndarray:
 
 
 def losses(outputs, partition: int = 0) -> np.ndarray:
-    return np.frombuffer(outputs[partition]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))[:, 2]
+    return np.frombuffer(outputs[partition]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))[
+        :, 2
+    ]
 
 
 def folders(directory) -> dict[int, bool]:
@@ -55,10 +79,13 @@ def test_a_fit_keeps_its_newest_complete_checkpoints(tmp_path):
     assert folders(tmp_path) == {12: True, 15: True}  # 4, 8, 12 and the last step; two kept
     manifest = newest(str(tmp_path))
     assert manifest.step == 15 and manifest.partitions == 3
-    assert sorted(p.name for p in (tmp_path / "step-0000000015").iterdir()) == \
-        [MANIFEST] + [f"part-{i:05d}-of-00003.npz" for i in range(3)]
-    assert json.loads((tmp_path / "step-0000000015" / MANIFEST).read_text())["state_names"] == \
-        ["exp_avg", "exp_avg_sq"]
+    assert sorted(p.name for p in (tmp_path / "step-0000000015").iterdir()) == [MANIFEST] + [
+        f"part-{i:05d}-of-00003.npz" for i in range(3)
+    ]
+    assert json.loads((tmp_path / "step-0000000015" / MANIFEST).read_text())["state_names"] == [
+        "exp_avg",
+        "exp_avg_sq",
+    ]
 
 
 def test_each_epoch_by_default(tmp_path):
@@ -102,8 +129,12 @@ def test_a_checkpoint_loads_on_another_number_of_workers(tmp_path):
     parts = parts_of(90, 3)
     run(job_for(parts, tmp_path, every="epoch", keep=1, epochs=2), parts)
     manifest = newest(str(tmp_path))
-    full = {name: np.concatenate([load_part(manifest, i, SliceLayout(manifest.size, 3))[0][name] for i in range(3)])
-            for name in ("weights", "state/exp_avg", "state/exp_avg_sq")}
+    full = {
+        name: np.concatenate(
+            [load_part(manifest, i, SliceLayout(manifest.size, 3))[0][name] for i in range(3)]
+        )
+        for name in ("weights", "state/exp_avg", "state/exp_avg_sq")
+    }
     for workers in (1, 2, 5):
         layout = SliceLayout(manifest.size, workers)
         for i in range(workers):
@@ -121,16 +152,23 @@ def test_a_checkpoint_loads_on_another_number_of_workers(tmp_path):
         assert [share["epoch"] for share in json.loads(output["epochs"])] == [1, 2]
 
 
-@pytest.mark.parametrize("strategy", [Strategy("bsp", backup_workers=1), Strategy("ssp", 2), Strategy("asp")],
-                         ids=["backup workers", "ssp", "asp"])
+@pytest.mark.parametrize(
+    "strategy",
+    [Strategy("bsp", backup_workers=1), Strategy("ssp", 2), Strategy("asp")],
+    ids=["backup workers", "ssp", "asp"],
+)
 def test_the_background_owners_write_checkpoints_a_fit_continues_from(tmp_path, strategy):
     parts = parts_of(90, 3)
     first = run(job_for(parts, tmp_path, every="epoch", keep=5, strategy=strategy, epochs=2), parts)
     assert folders(tmp_path) == {5: True, 10: True}
     manifest = newest(str(tmp_path))
-    loaded = np.concatenate([load_part(manifest, i, SliceLayout(manifest.size, 3))[0]["weights"] for i in range(3)])
+    loaded = np.concatenate(
+        [load_part(manifest, i, SliceLayout(manifest.size, 3))[0]["weights"] for i in range(3)]
+    )
     assert np.array_equal(loaded, weights(first))  # the last checkpoint holds the final weights
-    more = run(job_for(parts, tmp_path / "more", strategy=strategy, epochs=4, resume=manifest), parts)
+    more = run(
+        job_for(parts, tmp_path / "more", strategy=strategy, epochs=4, resume=manifest), parts
+    )
     steps = np.frombuffer(more[0]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))
     assert len(steps) == 20 and list(steps[10:, 0]) == [2] * 5 + [3] * 5
 
@@ -148,13 +186,18 @@ def test_local_sgd_checkpoints_at_syncs_and_resumes_exactly(tmp_path):
 
 
 def test_settings_and_bad_checkpoints_are_refused_clearly(tmp_path):
-    with pytest.raises(ConfigurationError, match="checkpoint_every must be a positive whole number of steps or 'epoch'"):
+    with pytest.raises(
+        ConfigurationError,
+        match="checkpoint_every must be a positive whole number of steps or 'epoch'",
+    ):
         CheckpointSettings.for_new_fit(str(tmp_path), 0, 2)
-    with pytest.raises(ConfigurationError, match="checkpoint_keep must be a whole number >= 1, got 0"):
+    with pytest.raises(
+        ConfigurationError, match="checkpoint_keep must be a whole number >= 1, got 0"
+    ):
         CheckpointSettings.for_new_fit(str(tmp_path), "epoch", 0)
     assert newest(str(tmp_path)) is None
     (tmp_path / "step-0000000003").mkdir()
-    (tmp_path / "step-0000000003" / MANIFEST).write_text("{\"format\": \"something-else/9\"}")
+    (tmp_path / "step-0000000003" / MANIFEST).write_text('{"format": "something-else/9"}')
     with pytest.raises(InputError, match="holds a checkpoint in format 'something-else/9'"):
         newest(str(tmp_path))
     parts = parts_of(30, 1)
@@ -168,9 +211,14 @@ def test_a_checkpoint_dir_the_tasks_could_not_write_fails_on_the_driver(tmp_path
     from allreduce_param import DistriOptimizer
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigurationError, match=r"'dbfs:/ckpt': fsspec reads a scheme only before '://', so "
-                                                 r"this would be a local folder named 'dbfs:'"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"'dbfs:/ckpt': fsspec reads a scheme only before '://', so "
+        r"this would be a local folder named 'dbfs:'",
+    ):
         DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), checkpoint_dir="dbfs:/ckpt")
     with pytest.raises(ConfigurationError, match=r"cannot open checkpoint storage 'nosuch://ckpt'"):
-        DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), checkpoint_dir="nosuch://ckpt")
+        DistriOptimizer(
+            models.LinearRegression(3), optim.SGD(lr=0.1), checkpoint_dir="nosuch://ckpt"
+        )
     assert list(tmp_path.iterdir()) == []  # no folder named 'dbfs:' here

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from allreduce_param import ConfigurationError
-from allreduce_param.class_archive import CLASS_PATH_FOLDERS, PARTIAL, SUFFIX, UNUSED_DAYS, ClassArchive, archive_name
+from allreduce_param.spark.class_archive import (
+    CLASS_PATH_FOLDERS,
+    PARTIAL,
+    SUFFIX,
+    UNUSED_DAYS,
+    ClassArchive,
+    archive_name,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 HOTSPOT = 'openjdk version "17.0.9"\nOpenJDK Runtime Environment\nOpenJDK 64-Bit Server VM (build 17.0.9, mixed mode)'
@@ -29,7 +36,9 @@ def spark_home(folder: Path, jars: dict[str, bytes]) -> Path:
 def home(tmp_path, monkeypatch):
     for name in CLASS_PATH_FOLDERS:
         monkeypatch.delenv(name, raising=False)
-    return spark_home(tmp_path / "spark", {"spark-core.jar": b"core", "scala-library.jar": b"scala"})
+    return spark_home(
+        tmp_path / "spark", {"spark-core.jar": b"core", "scala-library.jar": b"scala"}
+    )
 
 
 def test_the_name_follows_the_java_and_the_class_path(home, tmp_path):
@@ -55,16 +64,20 @@ def test_no_archive_where_hotspot_could_not_make_one(home, monkeypatch):
 def test_a_folder_that_cannot_hold_it_is_named(home, tmp_path, monkeypatch):
     taken = tmp_path / "a-file"
     taken.write_text("")
-    with pytest.raises(ConfigurationError, match="a-file.*cannot hold the JVM's class archive.*class_archive=False"):
+    with pytest.raises(
+        ConfigurationError, match="a-file.*cannot hold the JVM's class archive.*class_archive=False"
+    ):
         ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, taken)
     monkeypatch.setenv("XDG_CACHE_HOME", str(taken))  # the default folder: quietly none
     assert ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home) is None
 
 
 def test_a_setting_that_is_not_a_folder_is_named():
-    from allreduce_param.session import local_spark
+    from allreduce_param.spark.session import local_spark
 
-    with pytest.raises(ConfigurationError, match="class_archive must be True, False or a folder, got 1"):
+    with pytest.raises(
+        ConfigurationError, match="class_archive must be True, False or a folder, got 1"
+    ):
         local_spark(class_archive=1)
 
 
@@ -82,12 +95,18 @@ def test_only_a_whole_archive_is_put_in_place(home, tmp_path):
     folder = tmp_path / "cache"
     archive = ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, folder)
     archive.partial.write_bytes(b"classes")
-    failed = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"], stdin=subprocess.PIPE)
+    failed = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.exit(1)"], stdin=subprocess.PIPE
+    )
     archive._save(failed)
     assert not archive.path.exists() and not archive.partial.exists() and not archive.claim.exists()
 
     archive = ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, folder)
-    old_archive, old_partial, recent = folder / f"spark-driver-old{SUFFIX}", folder / f"x{PARTIAL}", folder / f"new{SUFFIX}"
+    old_archive, old_partial, recent = (
+        folder / f"spark-driver-old{SUFFIX}",
+        folder / f"x{PARTIAL}",
+        folder / f"new{SUFFIX}",
+    )
     for file in (old_archive, old_partial, recent):
         file.write_bytes(b"x")
     long_ago = time.time() - (UNUSED_DAYS + 1) * 86400
@@ -95,17 +114,21 @@ def test_only_a_whole_archive_is_put_in_place(home, tmp_path):
     os.utime(old_partial, (long_ago, long_ago))
     archive.partial.write_bytes(b"classes")
     # a process that runs until its stdin ends, as Spark's gateway JVM does
-    running = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    running = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     archive._save(running)
     assert running.returncode == 0 and archive.path.read_bytes() == b"classes"
-    assert sorted(file.name for file in folder.iterdir()) == sorted([archive.path.name, recent.name])
+    assert sorted(file.name for file in folder.iterdir()) == sorted(
+        [archive.path.name, recent.name]
+    )
     user = ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, folder)
     assert not user.saving and user.java_options()[0] == f"-XX:SharedArchiveFile={archive.path}"
 
 
 SESSION = textwrap.dedent("""
     import sys
-    from allreduce_param.session import local_spark
+    from allreduce_param.spark.session import local_spark
     settings = {"spark.driver.extraJavaOptions": sys.argv[2]} if len(sys.argv) > 2 else {}
     spark = local_spark("local[1]", conf_dir=sys.argv[1] + "/conf", class_archive=sys.argv[1] + "/cache", **settings)
     system = spark.sparkContext._jvm.java.lang.System
@@ -123,13 +146,20 @@ def test_a_session_saves_the_archive_and_the_next_one_maps_it(tmp_path):
     environment = {key: value for key, value in os.environ.items() if key not in CLASS_PATH_FOLDERS}
 
     def session(*java_options: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, "-c", SESSION, str(tmp_path), *java_options], env=environment,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-c", SESSION, str(tmp_path), *java_options],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, done.stderr
         return done
 
     first = session()
-    assert "partitions 4" in first.stdout and "rows 5" in first.stdout  # conf/local/spark-defaults.conf read
+    assert (
+        "partitions 4" in first.stdout and "rows 5" in first.stdout
+    )  # conf/local/spark-defaults.conf read
     assert f"log4j {tmp_path / 'conf' / 'log4j2.properties'}" in first.stdout
     assert "saving the Spark driver's classes" in first.stderr
     saved = sorted((tmp_path / "cache").iterdir())
@@ -138,5 +168,9 @@ def test_a_session_saves_the_archive_and_the_next_one_maps_it(tmp_path):
     loaded = tmp_path / "loaded.log"
     second = session(f"-Xlog:class+load=info:file={loaded}")
     assert "rows 5" in second.stdout and "saving" not in second.stderr
-    spark_classes = [line for line in loaded.read_text().splitlines() if " org.apache.spark.SparkContext " in line]
+    spark_classes = [
+        line
+        for line in loaded.read_text().splitlines()
+        if " org.apache.spark.SparkContext " in line
+    ]
     assert spark_classes and "shared objects file (top)" in spark_classes[0]

@@ -1,4 +1,4 @@
-"""Tests of allreduce_param.codec: round trips, rounding, adaptivity, corruption, buffers."""
+"""Tests of allreduce_param.engine.blocks.codec: round trips, rounding, adaptivity, corruption, buffers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from allreduce_param.codec import (
+from allreduce_param.engine.blocks.codec import (
     CODECS,
     HEADER_SIZE,
     LZ4_CHUNK_BYTES,
@@ -228,16 +228,42 @@ def test_bf16_encode_is_bit_identical_to_the_carry_formula_over_every_input_clas
     ties = kept | 0x8000  # exactly halfway: even kept bits stay, odd ones round up
     near_ties = np.concatenate([kept | 0x7FFF, kept | 0x8001])
     subnormals = rng.integers(1, 0x800000, 20_000, dtype=np.uint64).astype(np.uint32)
-    specials = np.array([0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000,
-                         0x7FFFFFFF, 0x00008000, 0x00018000, 0x0000FFFF, 0x80000000, 0x00000000], np.uint32)
-    every = np.concatenate([patterns, ties, near_ties, subnormals, subnormals | 0x80000000, specials,
-                            specials | 0x80000000])
+    specials = np.array(
+        [
+            0x7F7F7FFF,
+            0x7F7F8000,
+            0x7F7FFFFF,
+            0x7F800000,
+            0x7F800001,
+            0x7FC00000,
+            0x7FFFFFFF,
+            0x00008000,
+            0x00018000,
+            0x0000FFFF,
+            0x80000000,
+            0x00000000,
+        ],
+        np.uint32,
+    )
+    every = np.concatenate(
+        [
+            patterns,
+            ties,
+            near_ties,
+            subnormals,
+            subnormals | 0x80000000,
+            specials,
+            specials | 0x80000000,
+        ]
+    )
     x = every.view(np.float32)
     block = get_codec(name).encode(x)
     _, y = get_codec(name).decode(block, x.size)
     assert np.array_equal(bits(y) >> 16, bf16_by_carry(x))
     if name == "bf16":  # the stream itself holds the same codes
-        assert np.array_equal(np.frombuffer(block, np.uint16, x.size, HEADER_SIZE), bf16_by_carry(x))
+        assert np.array_equal(
+            np.frombuffer(block, np.uint16, x.size, HEADER_SIZE), bf16_by_carry(x)
+        )
 
 
 @pytest.mark.parametrize("name", BF16)
@@ -272,8 +298,10 @@ def test_fp16_overflow_names_index_and_value():
     assert "70000.0" in str(info.value) and "bf16" in str(info.value)
 
 
-@pytest.mark.parametrize("value, ok", [(65504.0, True), (65519.0, True), (65520.0, False),
-                                       (-65520.0, False), (-1e30, False)])
+@pytest.mark.parametrize(
+    "value, ok",
+    [(65504.0, True), (65519.0, True), (65520.0, False), (-65520.0, False), (-1e30, False)],
+)
 def test_fp16_overflow_boundary(value, ok):
     x = np.array([1.0, value], dtype=np.float32)
     if ok:
@@ -444,7 +472,7 @@ def test_truncated_and_appended_blocks(name):
     message = corrupt(block[:-3], "truncated", name=name)
     assert "header says" in message
     corrupt(block + b"\0\0", r"extra bytes", name=name)
-    corrupt(block[:HEADER_SIZE - 1], f"shorter than the {HEADER_SIZE}-byte header", name=name)
+    corrupt(block[: HEADER_SIZE - 1], f"shorter than the {HEADER_SIZE}-byte header", name=name)
     corrupt(b"", "truncated: 0 bytes", name=name)
 
 
@@ -556,8 +584,10 @@ def test_decode_into_scratch(name):
     assert np.allclose(y, x, rtol=2.0**-8, atol=0)
 
 
-@pytest.mark.parametrize("scratch", [np.empty(999, np.float32), np.empty(1000, np.float64),
-                                     np.empty((10, 100), np.float32)])
+@pytest.mark.parametrize(
+    "scratch",
+    [np.empty(999, np.float32), np.empty(1000, np.float64), np.empty((10, 100), np.float32)],
+)
 def test_bad_scratch_is_a_configuration_error(scratch):
     block = encoded("bf16", make("normal", 1000))
     with pytest.raises(ConfigurationError, match="scratch must be"):
@@ -589,8 +619,12 @@ def test_header_fields():
     block = encoded("fp16", make("normal", 1000), count=4.0)
     header = parse_header(block)
     assert isinstance(header, BlockHeader)
-    assert (header.codec, header.length, header.payload_size, header.count) == ("fp16", 1000,
-                                                                                2000, 4.0)
+    assert (header.codec, header.length, header.payload_size, header.count) == (
+        "fp16",
+        1000,
+        2000,
+        4.0,
+    )
     assert header.encoded_size == len(block) == HEADER_SIZE + 2000
     assert not header.stored_raw
     with pytest.raises(AttributeError):
@@ -629,9 +663,12 @@ def test_codecs_are_safe_to_share_between_threads():
             header, y = get_codec(name).decode(block, x.size, scratch=scratch)
             expected = reference_bf16(x) if name in BF16 else None
             ok = header.count == seed and (
-                np.array_equal(bits(y) >> 16, expected) if expected is not None
-                else np.abs(y - x).max() <= np.abs(x).max() / 254 * (1 + 1e-5) if name == "int8"
-                else np.array_equal(y, topk_reference(x)) if name == "topk"
+                np.array_equal(bits(y) >> 16, expected)
+                if expected is not None
+                else np.abs(y - x).max() <= np.abs(x).max() / 254 * (1 + 1e-5)
+                if name == "int8"
+                else np.array_equal(y, topk_reference(x))
+                if name == "topk"
                 else np.allclose(y, x, rtol=2.0**-11, atol=2.0**-24)
             )
             del y
@@ -650,8 +687,11 @@ def test_a_header_names_its_block_and_a_read_of_another_block_is_refused():
     block = codec.encode(values, count=3.0, ids=(2, 1, 0, 4, 9))
     header, decoded = codec.decode(block, 100, expect=(2, 1, 0, 4, 9))
     assert header.ids == (2, 1, 0, 4, 9) and np.array_equal(decoded, values)
-    with pytest.raises(CorruptBlockError, match=r"gradient v8: its header names another block \(kind 2, from "
-                                                r"partition 1 to partition 0, part 4, version 9\): a protocol slip"):
+    with pytest.raises(
+        CorruptBlockError,
+        match=r"gradient v8: its header names another block \(kind 2, from "
+        r"partition 1 to partition 0, part 4, version 9\): a protocol slip",
+    ):
         codec.decode(block, 100, what="gradient v8", expect=(2, 1, 0, 4, 8))
 
 
@@ -662,9 +702,11 @@ def test_a_buffer_read_in_place_tells_whether_it_was_rewritten():
     header, _ = codec.decode(block, 100)
     assert codec.unchanged(out, header)
     del block
-    codec.encode(make("normal", 100), out=out, ids=(1, 0, 0xFFFFFFFF, 0, 6))  # the owner's next version
+    codec.encode(
+        make("normal", 100), out=out, ids=(1, 0, 0xFFFFFFFF, 0, 6)
+    )  # the owner's next version
     assert not codec.unchanged(out, header)
-    again, _ = codec.decode(memoryview(out)[:HEADER_SIZE + 400], 100)
+    again, _ = codec.decode(memoryview(out)[: HEADER_SIZE + 400], 100)
     rewriting = bytearray(out)
     struct.pack_into("<Q", rewriting, 48, 0xFFFFFFFFFFFFFFFF)  # an encode that has begun
     assert codec.unchanged(out, again) and not codec.unchanged(rewriting, again)
@@ -702,7 +744,14 @@ def test_int8_block_with_nan_or_inf_decodes_to_nan_everywhere(bad):
 
 def test_int8_is_lossy_and_the_exact_codecs_are_not():
     assert {name: get_codec(name).lossy for name in CODECS} == {
-        "raw": False, "lz4": False, "bf16": True, "fp16": True, "bf16-lz4": True, "int8": True, "topk": True}
+        "raw": False,
+        "lz4": False,
+        "bf16": True,
+        "fp16": True,
+        "bf16-lz4": True,
+        "int8": True,
+        "topk": True,
+    }
     assert [name for name in CODECS if get_codec(name).sparse] == ["topk"]
     assert [name for name in CODECS if get_codec(name).publishes_in_place] == ["raw"]
 
@@ -724,7 +773,10 @@ def test_a_header_without_its_payload_is_refused_and_raw_alone_publishes_in_plac
 
 def test_int8_truncated_block_is_refused():
     block = get_codec("int8").encode(make("normal", 100))
-    with pytest.raises(CorruptBlockError, match=r"header says 104 payload bytes but the block holds 103 \(truncated\)"):
+    with pytest.raises(
+        CorruptBlockError,
+        match=r"header says 104 payload bytes but the block holds 103 \(truncated\)",
+    ):
         get_codec("int8").decode(block[:-1], 100)
 
 
@@ -733,12 +785,16 @@ INT8_MAGNITUDES = [1e-45, 1e-42, 1e-40, 1e-38, 1e-37, 1e-30, 1e-3, 1.0, 1e3, 1e3
 
 def int8_parts(block: bytes | bytearray | memoryview, n: int) -> tuple[np.float32, np.ndarray]:
     """The scale and the codes of an int8 block."""
-    return (np.frombuffer(block, np.float32, 1, HEADER_SIZE)[0],
-            np.frombuffer(block, np.int8, n, HEADER_SIZE + 4))
+    return (
+        np.frombuffer(block, np.float32, 1, HEADER_SIZE)[0],
+        np.frombuffer(block, np.int8, n, HEADER_SIZE + 4),
+    )
 
 
 @pytest.mark.parametrize("magnitude", INT8_MAGNITUDES)
-@pytest.mark.parametrize("n", [1, 13, 1001, 262_145])  # none a multiple of 8; 262_145 spans two pieces
+@pytest.mark.parametrize(
+    "n", [1, 13, 1001, 262_145]
+)  # none a multiple of 8; 262_145 spans two pieces
 def test_int8_bound_holds_at_every_magnitude(magnitude, n):
     """Off by at most largest / 254 (plus float32 rounding) from float32 subnormals, where the
     scale is coarse, up to float32's largest values. The extremes are the codes -127 and 127
@@ -758,7 +814,9 @@ def test_int8_bound_holds_at_every_magnitude(magnitude, n):
     if scale >= np.finfo(np.float32).tiny:
         extremes = x[np.abs(x) == largest]
         assert codes[np.abs(x) == largest].tolist() == [127 if v > 0 else -127 for v in extremes]
-    assert float(scale) * 127 >= largest > float(np.nextafter(scale, np.float32(0))) * 127  # rounded up
+    assert (
+        float(scale) * 127 >= largest > float(np.nextafter(scale, np.float32(0))) * 127
+    )  # rounded up
 
 
 def test_int8_block_holding_float32_largest_value_decodes_finite():
@@ -768,7 +826,9 @@ def test_int8_block_holding_float32_largest_value_decodes_finite():
     scale, codes = int8_parts(block, 4)
     _, y = get_codec("int8").decode(block, 4)
     with np.errstate(over="ignore"):  # the next scale up would overflow: this one is the cap
-        assert np.isfinite(y).all() and np.isinf(np.float32(127) * np.nextafter(scale, np.float32(np.inf)))
+        assert np.isfinite(y).all() and np.isinf(
+            np.float32(127) * np.nextafter(scale, np.float32(np.inf))
+        )
     assert codes.tolist()[:2] == [127, -127]
     assert np.abs(y.astype(np.float64) - x).max() <= float(top) / 254 * (1 + 1e-5)
 
@@ -818,9 +878,11 @@ def test_int8_residual_of_an_unsealed_block_read_unchecked():
     scratch = np.full(100_010, 7.0, np.float32)
     _, y = codec.decode(block, x.size, scratch=scratch, checksum=False)
     residual = x - y
-    assert np.shares_memory(y, scratch) and (scratch[x.size:] == 7.0).all()
+    assert np.shares_memory(y, scratch) and (scratch[x.size :] == 7.0).all()
     assert np.abs(residual).max() <= np.abs(x).max() / 254 * (1 + 1e-5)
-    corrupt(bytes(block), "checksum mismatch", length=x.size, name="int8")  # unsealed: not for a socket
+    corrupt(
+        bytes(block), "checksum mismatch", length=x.size, name="int8"
+    )  # unsealed: not for a socket
 
 
 def test_int8_codec_id_is_appended_and_round_trips_through_the_header():
@@ -829,7 +891,12 @@ def test_int8_codec_id_is_appended_and_round_trips_through_the_header():
     assert block[3] == CODECS.index("int8") == 5
     header = parse_header(block)
     assert (header.codec, header.length, header.payload_size, header.count, header.stored_raw) == (
-        "int8", 100, 104, 3.0, False)
+        "int8",
+        100,
+        104,
+        3.0,
+        False,
+    )
     assert get_codec("int8").max_encoded_size(100) == header.encoded_size == len(block)
 
 
@@ -838,14 +905,26 @@ def test_int8_malformed_blocks_name_what_is_wrong():
     corrupt(bytes(good), "encoded with codec 'int8' but decoded as 'bf16'", length=100, name="bf16")
     fp16 = encoded("fp16", make("normal", 100))  # 200 payload bytes cannot be 100 int8 values
     fp16[3] = CODECS.index("int8")
-    corrupt(bytes(reseal(fp16)), "200 payload bytes, more than the 104 that 100 elements can take "
-            "with codec 'int8'", length=100, name="int8")
+    corrupt(
+        bytes(reseal(fp16)),
+        "200 payload bytes, more than the 104 that 100 elements can take with codec 'int8'",
+        length=100,
+        name="int8",
+    )
     short = bytearray(good[:-1])  # a consistent header, one value missing
     struct.pack_into("<Q", short, 16, 103)
-    corrupt(bytes(reseal(short)), "uncompressed payload of 103 bytes, 100 elements need 104", length=100,
-            name="int8")
-    corrupt(bytes(good[:HEADER_SIZE + 4]), r"header says 104 payload bytes but the block holds 4 \(truncated\)",
-            length=100, name="int8")
+    corrupt(
+        bytes(reseal(short)),
+        "uncompressed payload of 103 bytes, 100 elements need 104",
+        length=100,
+        name="int8",
+    )
+    corrupt(
+        bytes(good[: HEADER_SIZE + 4]),
+        r"header says 104 payload bytes but the block holds 4 \(truncated\)",
+        length=100,
+        name="int8",
+    )
     flipped = bytearray(good)
     flipped[HEADER_SIZE] ^= 0x40  # the scale
     corrupt(bytes(flipped), "checksum mismatch", length=100, name="int8")
@@ -871,8 +950,10 @@ def topk_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
 def topk_parts(block: bytes | bytearray | memoryview, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The indices and the values of a topk block of n values."""
     k = -(-n // 100)
-    return (np.frombuffer(block, np.uint32, k, HEADER_SIZE),
-            np.frombuffer(block, np.float32, k, HEADER_SIZE + 4 * k))
+    return (
+        np.frombuffer(block, np.uint32, k, HEADER_SIZE),
+        np.frombuffer(block, np.float32, k, HEADER_SIZE + 4 * k),
+    )
 
 
 def topk_reference(x: np.ndarray) -> np.ndarray:
@@ -880,7 +961,7 @@ def topk_reference(x: np.ndarray) -> np.ndarray:
     argpartition, so ties may pick others: callers use data without ties at the edge), zeros
     elsewhere."""
     k = -(-x.size // 100)
-    keep = np.argpartition(np.abs(x), x.size - k)[x.size - k:]
+    keep = np.argpartition(np.abs(x), x.size - k)[x.size - k :]
     out = np.zeros_like(x)
     out[keep] = x[keep]
     return out
@@ -895,7 +976,7 @@ def assert_top_k(x: np.ndarray, block: bytes | bytearray | memoryview) -> None:
     indices, kept = topk_parts(block, n)
     assert (np.diff(indices.astype(np.int64)) > 0).all()
     assert np.array_equal(bits(kept), bits(x[indices]))
-    largest = np.argpartition(np.abs(x), n - k)[n - k:]
+    largest = np.argpartition(np.abs(x), n - k)[n - k :]
     assert np.array_equal(np.sort(np.abs(kept)), np.sort(np.abs(x[largest])))
     _, y = get_codec("topk").decode(block, n)
     others = np.ones(n, bool)
@@ -932,7 +1013,7 @@ def test_topk_residual_is_what_was_not_sent():
     indices, _ = topk_parts(block, x.size)
     others = np.ones(x.size, bool)
     others[indices] = False
-    assert np.shares_memory(sent, scratch) and (scratch[x.size:] == 7.0).all()
+    assert np.shares_memory(sent, scratch) and (scratch[x.size :] == 7.0).all()
     assert not residual[indices].any()
     assert np.array_equal(bits(residual[others]), bits(x[others]))
 
@@ -946,7 +1027,9 @@ def test_topk_is_exact_where_the_sample_misleads_high(monkeypatch):
     x[::97] = 10 + make("normal", x[::97].size, seed=1)
     codec_format = type(get_codec("topk")._format)
     select, sizes = codec_format._select, []
-    monkeypatch.setattr(codec_format, "_select", staticmethod(lambda m, k: sizes.append(m.size) or select(m, k)))
+    monkeypatch.setattr(
+        codec_format, "_select", staticmethod(lambda m, k: sizes.append(m.size) or select(m, k))
+    )
     assert_top_k(x, encoded("topk", x))
     assert sizes == [n]
 
@@ -970,7 +1053,9 @@ def test_topk_with_many_ties_keeps_k_of_the_largest():
     assert (y == 5.0).sum() == 100 and (y[300:] == 0).all()
 
 
-@pytest.mark.parametrize("where", [0, 1, 97, 262_143, 262_144, -1])  # sampled or not; first and last piece
+@pytest.mark.parametrize(
+    "where", [0, 1, 97, 262_143, 262_144, -1]
+)  # sampled or not; first and last piece
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_topk_part_with_nan_or_inf_decodes_to_nan(where, bad):
     x = make("normal", 300_001)
@@ -979,19 +1064,35 @@ def test_topk_part_with_nan_or_inf_decodes_to_nan(where, bad):
     assert np.isnan(y).any()
 
 
-@pytest.mark.parametrize("x", [np.array([np.nan], np.float32), np.array([-np.inf, 1.0], np.float32),
-                               make("nonfinite", 1000), np.full(1000, np.inf, np.float32)])
+@pytest.mark.parametrize(
+    "x",
+    [
+        np.array([np.nan], np.float32),
+        np.array([-np.inf, 1.0], np.float32),
+        make("nonfinite", 1000),
+        np.full(1000, np.inf, np.float32),
+    ],
+)
 def test_topk_part_of_nan_or_inf_only_or_mostly_decodes_to_nan(x):
     _, y = get_codec("topk").decode(encoded("topk", x), x.size)
     assert np.isnan(y).any()
 
 
-@pytest.mark.parametrize("tamper, match", [
-    ("out of range", r"the topk block's indices are out of range: 1000 in a block of 1000 values"),
-    ("repeated", r"the topk block's indices are not increasing: index 4 is (\d+), after \1"),
-    ("swapped", r"the topk block's indices are not increasing: index 5 is"),
-    ("wrapped", r"not increasing: index 3 is 0, after 4294967295"),  # a u32 difference would wrap around
-])
+@pytest.mark.parametrize(
+    "tamper, match",
+    [
+        (
+            "out of range",
+            r"the topk block's indices are out of range: 1000 in a block of 1000 values",
+        ),
+        ("repeated", r"the topk block's indices are not increasing: index 4 is (\d+), after \1"),
+        ("swapped", r"the topk block's indices are not increasing: index 5 is"),
+        (
+            "wrapped",
+            r"not increasing: index 3 is 0, after 4294967295",
+        ),  # a u32 difference would wrap around
+    ],
+)
 def test_topk_block_with_bad_indices_is_refused(tamper, match):
     block = encoded("topk", make("normal", 1000))
     indices = np.frombuffer(block, np.uint32, 10, HEADER_SIZE)
@@ -1005,7 +1106,9 @@ def test_topk_block_with_bad_indices_is_refused(tamper, match):
         indices[2], indices[3] = 0xFFFFFFFF, 0
     del indices
     corrupt(bytes(reseal(block)), match, name="topk")
-    with pytest.raises(CorruptBlockError, match="the topk block's indices"):  # read in place, unchecked too
+    with pytest.raises(
+        CorruptBlockError, match="the topk block's indices"
+    ):  # read in place, unchecked too
         get_codec("topk").decode(bytes(block), 1000, checksum=False)
 
 

@@ -22,18 +22,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CONF_DIR
 from pyspark import cloudpickle
 
 from allreduce_param import ConfigurationError, DistriOptimizer, InputError, models, optim
-from allreduce_param.session import local_spark
-from allreduce_param.train.data import prepare, prepare_once
-from conftest import CONF_DIR
+from allreduce_param.spark.session import local_spark
+from allreduce_param.train.driver.data import prepare, prepare_once
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FEATURES, CLASSES = 4, 3
-
-
 
 
 class Marked(models.MLP):
@@ -82,9 +80,12 @@ def frame(spark, X, y, vectors=False, kind="array<double>"):
     if vectors:
         from pyspark.ml.linalg import Vectors
 
-        return spark.createDataFrame([(Vectors.dense(row), float(label)) for row, label in zip(X, y)],
-                                     ["features", "label"])
-    rows = [([None if v is None else float(v) for v in row], float(label)) for row, label in zip(X, y)]
+        return spark.createDataFrame(
+            [(Vectors.dense(row), float(label)) for row, label in zip(X, y)], ["features", "label"]
+        )
+    rows = [
+        ([None if v is None else float(v) for v in row], float(label)) for row, label in zip(X, y)
+    ]
     return spark.createDataFrame(rows, f"features {kind}, label double")
 
 
@@ -115,9 +116,12 @@ def test_nan_and_inf_in_a_vector_column_fail_on_the_driver(spark, tmp_path):
     X, y = blobs()
     X[7, 2], X[19, 0], X[40, 3] = np.nan, np.inf, -np.inf
     data = frame(spark, X, y, vectors=True)
-    refused(tmp_path, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data),
-            r"^the training column 'features' holds NaN, Inf or null in 3 rows \(e\.g\. row 7: NaN at "
-            r"element 2\); drop or fill them before training: df\.na\.drop\(\) or pyspark\.ml\.feature\.Imputer")
+    refused(
+        tmp_path,
+        lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data),
+        r"^the training column 'features' holds NaN, Inf or null in 3 rows \(e\.g\. row 7: NaN at "
+        r"element 2\); drop or fill them before training: df\.na\.drop\(\) or pyspark\.ml\.feature\.Imputer",
+    )
 
 
 def test_null_and_overflowing_elements_of_an_array_column_count_too(spark, tmp_path):
@@ -126,9 +130,12 @@ def test_null_and_overflowing_elements_of_an_array_column_count_too(spark, tmp_p
     rows[30, 1] = None  # a null element: NaN to the task's numpy matrix
     rows[33, 0] = 1e39  # beyond float32: Inf once the column is cast to array<float>
     data = frame(spark, rows, y)
-    refused(tmp_path, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data),
-            r"holds NaN, Inf or null in 2 rows \(e\.g\. row 30: null at element 1\).*"
-            r"a number beyond float32's \+-3\.4e38 becomes Inf too")
+    refused(
+        tmp_path,
+        lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data),
+        r"holds NaN, Inf or null in 2 rows \(e\.g\. row 30: null at element 1\).*"
+        r"a number beyond float32's \+-3\.4e38 becomes Inf too",
+    )
 
 
 def test_bad_validation_features_name_the_validation_data(spark, tmp_path):
@@ -136,9 +143,14 @@ def test_bad_validation_features_name_the_validation_data(spark, tmp_path):
     X_val, y_val = blobs(rows=12, seed=1)
     X_val[5, 1] = np.inf
     fit = lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(  # noqa: E731
-        frame(spark, X, y), validation=frame(spark, X_val, y_val))
-    refused(tmp_path, fit, r"^the validation column 'features' holds NaN, Inf or null in 1 rows "
-                           r"\(e\.g\. row 5: Inf at element 1\)")
+        frame(spark, X, y), validation=frame(spark, X_val, y_val)
+    )
+    refused(
+        tmp_path,
+        fit,
+        r"^the validation column 'features' holds NaN, Inf or null in 1 rows "
+        r"\(e\.g\. row 5: Inf at element 1\)",
+    )
 
 
 def test_the_first_bad_row_is_counted_across_uneven_partitions(spark):
@@ -160,8 +172,9 @@ def test_data_without_rows_is_refused_even_without_partitions(spark, partitions)
     empty = data.limit(0) if partitions == 0 else data.filter("label > 1").repartition(partitions)
     assert empty.rdd.getNumPartitions() == partitions
     with pytest.raises(InputError, match="the training data has no rows"):
-        DistriOptimizer(models.MLP([FEATURES, 3, CLASSES]), optim.SGD(lr=0.1), batch_size=8,
-                        progress=False).fit(empty)
+        DistriOptimizer(
+            models.MLP([FEATURES, 3, CLASSES]), optim.SGD(lr=0.1), batch_size=8, progress=False
+        ).fit(empty)
 
 
 def test_refusing_runs_the_check_job_only(spark, tmp_path):
@@ -171,7 +184,9 @@ def test_refusing_runs_the_check_job_only(spark, tmp_path):
     X[3, 0] = np.nan
     data = frame(spark, X, y)
     prepare_jobs = jobs_while(spark, lambda: prepare(data, "features", "label"))
-    fit_jobs = jobs_while(spark, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data))
+    fit_jobs = jobs_while(
+        spark, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data)
+    )
     assert 0 < len(fit_jobs) == len(prepare_jobs)
 
 
@@ -193,37 +208,54 @@ def jobs_while(spark, call) -> list[int]:
 def test_labels_beyond_the_models_classes(spark, tmp_path):
     X, y = blobs(rows=60)
     y = np.arange(60) % 11.0  # 0..10 for a 10-output MLP: 5 rows of label 10, the first at row 10
-    refused(tmp_path, lambda: trainer(Marked([FEATURES, 8, 10], tmp_path)).fit(frame(spark, X, y)),
-            r"^the training data has 5 rows whose label 'label' is 10 or more \(e\.g\. 10 at row 10; the "
-            r"largest is 10\), but the model has 10 classes \(ids 0\.\.9\): use a model with 11 outputs "
-            r"\(e\.g\. MLP\(\[\.\.\., 11\]\)")
+    refused(
+        tmp_path,
+        lambda: trainer(Marked([FEATURES, 8, 10], tmp_path)).fit(frame(spark, X, y)),
+        r"^the training data has 5 rows whose label 'label' is 10 or more \(e\.g\. 10 at row 10; the "
+        r"largest is 10\), but the model has 10 classes \(ids 0\.\.9\): use a model with 11 outputs "
+        r"\(e\.g\. MLP\(\[\.\.\., 11\]\)",
+    )
 
 
 def test_logistic_regression_takes_two_classes(spark, tmp_path):
     X, y = blobs()
     y_val = np.zeros(12)
     y_val[[4, 9]] = 2.0
-    fit = lambda: trainer(models.LogisticRegression(FEATURES)).fit(  # noqa: E731
-        frame(spark, X, (y > 0).astype(float)), validation=frame(spark, X[:12], y_val))
-    refused(tmp_path, fit, r"^the validation data has 2 rows whose label 'label' is 2 or more \(e\.g\. 2 at "
-                           r"row 4; the largest is 2\), but the model has 2 classes \(ids 0\.\.1\)")
+
+    def fit():
+        return trainer(models.LogisticRegression(FEATURES)).fit(
+            frame(spark, X, (y > 0).astype(float)), validation=frame(spark, X[:12], y_val)
+        )
+
+    refused(
+        tmp_path,
+        fit,
+        r"^the validation data has 2 rows whose label 'label' is 2 or more \(e\.g\. 2 at "
+        r"row 4; the largest is 2\), but the model has 2 classes \(ids 0\.\.1\)",
+    )
 
 
 def test_fractional_labels(spark, tmp_path):
     X, y = blobs()
     y[[9, 25]] = [1.5, 0.25]
-    refused(tmp_path, lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(frame(spark, X, y)),
-            r"^the training data has 2 rows whose label 'label' is not a whole number \(e\.g\. 1\.5 at row 9\), "
-            r"but a classification model takes class ids 0, 1, 2, \.\.\.: index the classes with "
-            r"pyspark\.ml\.feature\.StringIndexer")
+    refused(
+        tmp_path,
+        lambda: trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(frame(spark, X, y)),
+        r"^the training data has 2 rows whose label 'label' is not a whole number \(e\.g\. 1\.5 at row 9\), "
+        r"but a classification model takes class ids 0, 1, 2, \.\.\.: index the classes with "
+        r"pyspark\.ml\.feature\.StringIndexer",
+    )
 
 
 def test_a_model_without_num_classes_gets_the_whole_number_and_sign_checks(spark, tmp_path):
     X, y = blobs()
     y[[5, 6, 44]] = -1.0
-    refused(tmp_path, lambda: trainer(Unsized(tmp_path)).fit(frame(spark, X, y)),
-            r"^the training data has 3 rows whose label 'label' is negative \(e\.g\. -1 at row 5\), but a "
-            r"classification model takes class ids 0, 1, 2, \.\.\.: re-index")
+    refused(
+        tmp_path,
+        lambda: trainer(Unsized(tmp_path)).fit(frame(spark, X, y)),
+        r"^the training data has 3 rows whose label 'label' is negative \(e\.g\. -1 at row 5\), but a "
+        r"classification model takes class ids 0, 1, 2, \.\.\.: re-index",
+    )
     y[[5, 6, 44]] = 7.0  # a class it may have: not the driver's to judge
     prepare(frame(spark, X, y), "features", "label", task="classification", num_classes=None)
 
@@ -232,8 +264,11 @@ def test_infinite_regression_targets(spark, tmp_path):
     X, y = blobs()
     y[17] = -np.inf
     model = Marked([FEATURES, 1], tmp_path, task="regression")
-    refused(tmp_path, lambda: trainer(model).fit(frame(spark, X, y)),
-            r"^the training data has 1 rows whose label 'label' is infinite \(e\.g\. -Inf at row 17\)")
+    refused(
+        tmp_path,
+        lambda: trainer(model).fit(frame(spark, X, y)),
+        r"^the training data has 1 rows whose label 'label' is infinite \(e\.g\. -Inf at row 17\)",
+    )
     y[17] = 0.5  # fractional targets are a regression model's own
     prepare(frame(spark, X, y), "features", "label", task="regression")
 
@@ -252,18 +287,24 @@ def test_the_built_in_classifiers_say_how_many_classes():
 # ---- weights ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad, shown", [(None, "null"), (math.nan, "NaN"), (-0.5, "-0.5"), (math.inf, "Inf"),
-                                        (-math.inf, "-Inf")])
+@pytest.mark.parametrize(
+    "bad, shown",
+    [(None, "null"), (math.nan, "NaN"), (-0.5, "-0.5"), (math.inf, "Inf"), (-math.inf, "-Inf")],
+)
 def test_each_kind_of_bad_weight_is_counted_with_the_first_row(spark, bad, shown):
     X, y = blobs()
     w = [1.0] * len(y)
     for row in (9, 30, 41):
         w[row] = bad
     data = weighted_frame(spark, X, y, w)
-    with pytest.raises(InputError, match=(
+    with pytest.raises(
+        InputError,
+        match=(
             r"^the training data has 3 rows whose weight 'w' \(weight_col\) is null, NaN, negative or infinite "
             rf"\(e\.g\. {re.escape(shown)} at row 9\); a weight must be a finite number >= 0: fill them, e\.g\. "
-            r"df\.fillna\(1\.0, subset=\['w'\]\) for null and NaN, or filter them out")):
+            r"df\.fillna\(1\.0, subset=\['w'\]\) for null and NaN, or filter them out"
+        ),
+    ):
         prepare(data, "features", "label", weight_col="w")
     prepare(data, "features", "label")  # without weight_col the column is not the fit's
 
@@ -278,13 +319,24 @@ def test_the_first_bad_weight_is_counted_across_uneven_partitions(spark):
 
     rdd = spark.sparkContext.parallelize(range(len(sizes)), len(sizes)).flatMap(rows)
     data = spark.createDataFrame(rdd, "features array<float>, label double, w double")
-    with pytest.raises(InputError, match=r"^the training data has 2 rows whose weight 'w' \(weight_col\) is "
-                                         r"null, NaN, negative or infinite \(e\.g\. -Inf at row 12\)"):
+    with pytest.raises(
+        InputError,
+        match=r"^the training data has 2 rows whose weight 'w' \(weight_col\) is "
+        r"null, NaN, negative or infinite \(e\.g\. -Inf at row 12\)",
+    ):
         prepare(data, "features", "label", weight_col="w")
-    with pytest.raises(InputError, match=r"^the validation data has 2 rows whose weight 'w'.*\(e\.g\. -Inf at "
-                                         r"row 12\)"):
-        prepare(weighted_frame(spark, np.ones((10, 1)), np.zeros(10), [1.0] * 10), "features", "label", data,
-                weight_col="w")
+    with pytest.raises(
+        InputError,
+        match=r"^the validation data has 2 rows whose weight 'w'.*\(e\.g\. -Inf at "
+        r"row 12\)",
+    ):
+        prepare(
+            weighted_frame(spark, np.ones((10, 1)), np.zeros(10), [1.0] * 10),
+            "features",
+            "label",
+            data,
+            weight_col="w",
+        )
 
 
 def test_the_weight_checks_add_no_spark_job(spark):
@@ -293,44 +345,75 @@ def test_the_weight_checks_add_no_spark_job(spark):
     bad_features[3, 0] = np.nan
     w = [1.0] * len(y)
     w[3] = math.nan
-    unweighted_jobs = jobs_while(spark, lambda: prepare(frame(spark, bad_features, y), "features", "label"))
-    weighted_jobs = jobs_while(spark, lambda: prepare(weighted_frame(spark, X, y, w), "features", "label",
-                                                      weight_col="w"))
+    unweighted_jobs = jobs_while(
+        spark, lambda: prepare(frame(spark, bad_features, y), "features", "label")
+    )
+    weighted_jobs = jobs_while(
+        spark, lambda: prepare(weighted_frame(spark, X, y, w), "features", "label", weight_col="w")
+    )
     assert 0 < len(weighted_jobs) == len(unweighted_jobs)
 
 
 def test_a_missing_weight_column_is_named_with_the_columns_there(spark):
     X, y = blobs()
-    with pytest.raises(InputError, match=r"^the training data has no column 'w' \(weight_col\); its columns are "
-                                         r"\['features', 'label'\]$"):
+    with pytest.raises(
+        InputError,
+        match=r"^the training data has no column 'w' \(weight_col\); its columns are "
+        r"\['features', 'label'\]$",
+    ):
         prepare(frame(spark, X, y), "features", "label", weight_col="w")
-    with pytest.raises(InputError, match=r"^the validation data has no column 'w' \(weight_col\); its columns "
-                                         r"are \['features', 'label'\]$"):
-        prepare(weighted_frame(spark, X, y, [1.0] * len(y)), "features", "label", frame(spark, X, y),
-                weight_col="w")
+    with pytest.raises(
+        InputError,
+        match=r"^the validation data has no column 'w' \(weight_col\); its columns "
+        r"are \['features', 'label'\]$",
+    ):
+        prepare(
+            weighted_frame(spark, X, y, [1.0] * len(y)),
+            "features",
+            "label",
+            frame(spark, X, y),
+            weight_col="w",
+        )
 
 
 @pytest.mark.parametrize("kind", ["string", "boolean"])
 def test_a_weight_column_that_is_not_numeric_is_refused(spark, kind):
     X, y = blobs()
     weights = ["1.0"] * len(y) if kind == "string" else [True] * len(y)
-    with pytest.raises(InputError, match=rf"^the training weight column 'w' \(weight_col\) is {kind}; it must be "
-                                         r"numeric: a finite number >= 0 per row"):
+    with pytest.raises(
+        InputError,
+        match=rf"^the training weight column 'w' \(weight_col\) is {kind}; it must be "
+        r"numeric: a finite number >= 0 per row",
+    ):
         prepare(weighted_frame(spark, X, y, weights, kind), "features", "label", weight_col="w")
 
 
 def test_weights_that_sum_to_zero_are_refused_in_training_and_in_validation(spark):
     X, y = blobs()
     zeros, ones = [0.0] * len(y), [1.0] * len(y)
-    with pytest.raises(InputError, match=r"^the training data's weights in 'w' \(weight_col\) sum to 0: all its 48 "
-                                         r"rows have weight 0, so no row counts .*at least one row needs a weight > 0$"):
+    with pytest.raises(
+        InputError,
+        match=r"^the training data's weights in 'w' \(weight_col\) sum to 0: all its 48 "
+        r"rows have weight 0, so no row counts .*at least one row needs a weight > 0$",
+    ):
         prepare(weighted_frame(spark, X, y, zeros), "features", "label", weight_col="w")
-    with pytest.raises(InputError, match=r"^the validation data's weights in 'w' \(weight_col\) sum to 0: all its "
-                                         r"12 rows"):
-        prepare(weighted_frame(spark, X, y, ones), "features", "label",
-                weighted_frame(spark, X[:12], y[:12], zeros[:12]), weight_col="w")
-    with pytest.raises(InputError, match=r"^the training data's weights in 'w' \(weight_col\) sum to more than a "
-                                         r"float64 holds"):
+    with pytest.raises(
+        InputError,
+        match=r"^the validation data's weights in 'w' \(weight_col\) sum to 0: all its "
+        r"12 rows",
+    ):
+        prepare(
+            weighted_frame(spark, X, y, ones),
+            "features",
+            "label",
+            weighted_frame(spark, X[:12], y[:12], zeros[:12]),
+            weight_col="w",
+        )
+    with pytest.raises(
+        InputError,
+        match=r"^the training data's weights in 'w' \(weight_col\) sum to more than a "
+        r"float64 holds",
+    ):
         prepare(weighted_frame(spark, X, y, [1e308] * len(y)), "features", "label", weight_col="w")
 
 
@@ -339,16 +422,27 @@ def test_good_weights_become_the_weight_column(spark):
     X_val, y_val = blobs(rows=12, seed=1)
     w = [row % 4 for row in range(len(y))]  # whole numbers, 0 too; cast to double
     w_val = [2 * row + 1 for row in range(len(y_val))]
-    prepared, summary = prepare(weighted_frame(spark, X, y, w, "int"), "features", "label",
-                                weighted_frame(spark, X_val, y_val, w_val, "bigint"), weight_col="w")
+    prepared, summary = prepare(
+        weighted_frame(spark, X, y, w, "int"),
+        "features",
+        "label",
+        weighted_frame(spark, X_val, y_val, w_val, "bigint"),
+        weight_col="w",
+    )
     assert summary.weighted and summary.n_features == FEATURES
-    assert prepared.dtypes == [("features", "array<float>"), ("label", "double"), ("split", "int"),
-                               ("weight", "double")]
+    assert prepared.dtypes == [
+        ("features", "array<float>"),
+        ("label", "double"),
+        ("split", "int"),
+        ("weight", "double"),
+    ]
     rows = prepared.collect()
-    assert [(row.split, row.label, row.weight) for row in rows] == \
-        [(0, float(label), float(weight)) for label, weight in zip(y, w)] + \
-        [(1, float(label), float(weight)) for label, weight in zip(y_val, w_val)]
-    assert summary.sample[0].shape == (1, FEATURES) and len(summary.sample) == 2  # (X, y), as unweighted
+    assert [(row.split, row.label, row.weight) for row in rows] == [
+        (0, float(label), float(weight)) for label, weight in zip(y, w)
+    ] + [(1, float(label), float(weight)) for label, weight in zip(y_val, w_val)]
+    assert (
+        summary.sample[0].shape == (1, FEATURES) and len(summary.sample) == 2
+    )  # (X, y), as unweighted
     # unweighted: the three columns, as before
     plain, plain_summary = prepare(weighted_frame(spark, X, y, w, "int"), "features", "label")
     assert plain.columns == ["features", "label", "split"] and not plain_summary.weighted
@@ -362,7 +456,11 @@ def test_prepare_once_keeps_weighted_and_unweighted_checks_apart(spark):
         weighted = prepare_once(data, "features", "label", weight_col="w")
         assert weighted is not unweighted
         assert weighted[1].weighted and weighted[0].columns[-1] == "weight"
-        assert not unweighted[1].weighted and unweighted[0].columns == ["features", "label", "split"]
+        assert not unweighted[1].weighted and unweighted[0].columns == [
+            "features",
+            "label",
+            "split",
+        ]
         # each remembered under its own settings
         assert prepare_once(data, "features", "label") is unweighted
         assert prepare_once(data, "features", "label", weight_col="w") is weighted
@@ -384,7 +482,9 @@ def session_with(spark, master="local[4]", **settings):
         session.stop()
 
 
-def test_slots_count_spark_task_cpus_and_good_data_trains_with_dynamic_allocation_on_locally(spark, tmp_path):
+def test_slots_count_spark_task_cpus_and_good_data_trains_with_dynamic_allocation_on_locally(
+    spark, tmp_path
+):
     """local[4] with spark.task.cpus=2 has 2 slots. Spark ignores dynamic allocation in local
     mode and runs barrier stages there, so a fit is not refused for it: the one fit of this
     module with good data (a vector column, validation) runs here, on the 2 slots."""
@@ -393,30 +493,45 @@ def test_slots_count_spark_task_cpus_and_good_data_trains_with_dynamic_allocatio
     X_val, y_val = blobs(rows=24, seed=1)
     with session_with(spark, **settings) as session:
         data = frame(session, X, y, vectors=True)
-        with pytest.raises(ConfigurationError, match=r"^num_workers=3, but Spark has 2 task slots \(the cores of "
-                                                     r"local\[4\] / spark\.task\.cpus=2\); a barrier stage"):
+        with pytest.raises(
+            ConfigurationError,
+            match=r"^num_workers=3, but Spark has 2 task slots \(the cores of "
+            r"local\[4\] / spark\.task\.cpus=2\); a barrier stage",
+        ):
             trainer(Marked([FEATURES, 8, CLASSES], tmp_path), num_workers=3).fit(data)
         assert list(tmp_path.iterdir()) == []
         result = trainer(Marked([FEATURES, 8, CLASSES], tmp_path), lr=0.05).fit(
-            data, validation=frame(session, X_val, y_val))
+            data, validation=frame(session, X_val, y_val)
+        )
     assert result.history.epochs[-1]["val_accuracy"] >= 0.9
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["partition-0", "partition-1"]  # the marker works
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "partition-0",
+        "partition-1",
+    ]  # the marker works
 
 
 def test_dynamic_allocation_is_refused_where_spark_would_refuse_the_stage(spark, tmp_path):
     """Where Spark applies dynamic allocation, as on a cluster (checked by hand on
     local-cluster[1,1,1024], a slower session). In local mode Spark applies it only with
     spark.dynamicAllocation.testing=true: the same rule, Utils.isDynamicAllocationEnabled."""
-    settings = {"spark.dynamicAllocation.enabled": "true", "spark.dynamicAllocation.testing": "true"}
+    settings = {
+        "spark.dynamicAllocation.enabled": "true",
+        "spark.dynamicAllocation.testing": "true",
+    }
     X, y = blobs()
     with session_with(spark, **settings) as session:
         data = frame(session, X, y)
-        with pytest.raises(ConfigurationError, match=r"^spark\.dynamicAllocation\.enabled=true, but a barrier stage "
-                                                     r"\(the fit\) cannot run under dynamic allocation.*"
-                                                     r"spark\.dynamicAllocation\.enabled=false.*"
-                                                     r"spark\.executor\.instances=N"):
+        with pytest.raises(
+            ConfigurationError,
+            match=r"^spark\.dynamicAllocation\.enabled=true, but a barrier stage "
+            r"\(the fit\) cannot run under dynamic allocation.*"
+            r"spark\.dynamicAllocation\.enabled=false.*"
+            r"spark\.executor\.instances=N",
+        ):
             trainer(Marked([FEATURES, 8, CLASSES], tmp_path)).fit(data)
         assert list(tmp_path.iterdir()) == []
         # what the check spares the user: Spark's own refusal, once the stage is submitted
         with pytest.raises(Exception, match="BarrierJobRunWithDynamicAllocationException"):
-            session.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(lambda rows: rows).collect()
+            session.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(
+                lambda rows: rows
+            ).collect()

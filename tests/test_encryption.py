@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import raise_first, run_partitions
 
 from allreduce_param import (
     AllReduceParameter,
@@ -27,19 +28,31 @@ from allreduce_param import (
     NetworkSettings,
     ProtocolError,
 )
-from allreduce_param.messages import MessageClient, MessageServer
-from allreduce_param.network import _CLIENT_HELLO, MAC_SIZE, MAGIC, NONCE_SIZE, recv_exactly
-from allreduce_param.sealing import RECORD_SIZE, TAG_SIZE, SealedConnection, direction_keys
-from allreduce_param.store import BlockKey, BlockKind, BlockStore
-from allreduce_param.transport import BlockServer, PeerClient
-from conftest import raise_first, run_partitions
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
+from allreduce_param.engine.wire.blocks import BlockServer, PeerClient
+from allreduce_param.engine.wire.messages import MessageClient, MessageServer
+from allreduce_param.engine.wire.network import (
+    _CLIENT_HELLO,
+    MAC_SIZE,
+    MAGIC,
+    NONCE_SIZE,
+    recv_exactly,
+)
+from allreduce_param.engine.wire.sealing import (
+    RECORD_SIZE,
+    TAG_SIZE,
+    SealedConnection,
+    direction_keys,
+)
 
 SECRET = b"k" * 32
 SESSION = b"s" * 32
 _HEAD = struct.Struct("<I")
 
 
-def sealed_pair(in_place: bool = True) -> tuple[SealedConnection, SealedConnection, socket.socket, socket.socket]:
+def sealed_pair(
+    in_place: bool = True,
+) -> tuple[SealedConnection, SealedConnection, socket.socket, socket.socket]:
     """A client and a server end over a socket pair (sealing does not care what carries it),
     and the raw sockets under them."""
     left, right = socket.socketpair()
@@ -54,15 +67,17 @@ def records_of(data: bytes) -> list[bytes]:
     found = []
     while data:
         (size,) = _HEAD.unpack_from(data)
-        found.append(data[:_HEAD.size + size + TAG_SIZE])
-        data = data[_HEAD.size + size + TAG_SIZE:]
+        found.append(data[: _HEAD.size + size + TAG_SIZE])
+        data = data[_HEAD.size + size + TAG_SIZE :]
     return found
 
 
 def wire_of(send) -> bytes:
     """What ``send(client)`` puts on the wire, read raw at the other end."""
     client, _, left, right = sealed_pair()
-    sender = threading.Thread(target=lambda: (send(client), left.shutdown(socket.SHUT_WR)), daemon=True)
+    sender = threading.Thread(
+        target=lambda: (send(client), left.shutdown(socket.SHUT_WR)), daemon=True
+    )
     try:
         sender.start()  # a socket pair holds less than a long send: read meanwhile
         chunks = []
@@ -78,7 +93,9 @@ def wire_of(send) -> bytes:
 def open_raw(wire: bytes, wanted: int) -> bytes:
     """What a server end opens of ``wire`` (as if the client had sent it), ``wanted`` bytes."""
     client, server, left, right = sealed_pair()
-    sender = threading.Thread(target=lambda: (left.sendall(wire), left.shutdown(socket.SHUT_WR)), daemon=True)
+    sender = threading.Thread(
+        target=lambda: (left.sendall(wire), left.shutdown(socket.SHUT_WR)), daemon=True
+    )
     try:
         sender.start()
         into = bytearray(wanted)
@@ -92,6 +109,7 @@ def open_raw(wire: bytes, wanted: int) -> bytes:
 
 # ---- records --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("in_place", [True, False], ids=["encrypt_into", "copying"])
 def test_records_carry_every_length_and_a_long_send_is_cut_into_records(in_place):
     rng = np.random.default_rng(0)
@@ -101,7 +119,9 @@ def test_records_carry_every_length_and_a_long_send_is_cut_into_records(in_place
         sender = threading.Thread(target=lambda: [client.sendall(p) for p in payloads])
         sender.start()
         got = []
-        for payload in payloads:  # read in pieces that do not match the records: 7 bytes, then the rest
+        for (
+            payload
+        ) in payloads:  # read in pieces that do not match the records: 7 bytes, then the rest
             into = bytearray(len(payload))
             view = memoryview(into)
             first = min(7, len(payload))
@@ -116,12 +136,16 @@ def test_records_carry_every_length_and_a_long_send_is_cut_into_records(in_place
         recv_exactly(client, memoryview(answer))
         assert bytes(answer) == b"hiya"
         left.shutdown(socket.SHUT_WR)
-        assert server.recv_into(bytearray(10)) == 4 and server.recv_into(bytearray(10)) == 0  # an end between records
+        assert (
+            server.recv_into(bytearray(10)) == 4 and server.recv_into(bytearray(10)) == 0
+        )  # an end between records
     finally:
         left.close()
         right.close()
     wire = wire_of(lambda c: c.sendall(payloads[2]))
-    assert [len(r) for r in records_of(wire)] == [4 + RECORD_SIZE + TAG_SIZE] * 2 + [4 + 5 + TAG_SIZE]
+    assert [len(r) for r in records_of(wire)] == [4 + RECORD_SIZE + TAG_SIZE] * 2 + [
+        4 + 5 + TAG_SIZE
+    ]
     assert payloads[2][:64] not in wire and payloads[2][-64:] not in wire
 
 
@@ -134,7 +158,9 @@ def test_the_two_directions_have_keys_of_their_own():
 def test_a_changed_record_is_refused_naming_the_peer():
     wire = bytearray(wire_of(lambda c: c.sendall(b"a block's bytes" * 10)))
     wire[10] ^= 1
-    with pytest.raises(AuthenticationError, match=r"encrypted record 0 from the client failed its authentication"):
+    with pytest.raises(
+        AuthenticationError, match=r"encrypted record 0 from the client failed its authentication"
+    ):
         open_raw(bytes(wire), 150)
 
 
@@ -142,7 +168,9 @@ def test_a_replayed_reordered_or_dropped_record_is_refused():
     first, second = records_of(wire_of(lambda c: (c.sendall(b"one" * 20), c.sendall(b"two" * 20))))
     assert open_raw(first + second, 120) == b"one" * 20 + b"two" * 20
     for wire, number in ((first + first, 1), (second + first, 0), (second, 0)):
-        with pytest.raises(AuthenticationError, match=f"record {number} .* changed, replayed, reordered"):
+        with pytest.raises(
+            AuthenticationError, match=f"record {number} .* changed, replayed, reordered"
+        ):
             open_raw(wire, 120)
 
 
@@ -161,11 +189,11 @@ def test_a_record_sent_back_the_other_way_is_refused():
 
 def test_a_cut_length_or_record_is_refused_and_an_end_inside_a_record_is_an_end():
     record = wire_of(lambda c: c.sendall(b"z" * 100))
-    shorter = _HEAD.pack(50) + record[_HEAD.size:]
+    shorter = _HEAD.pack(50) + record[_HEAD.size :]
     with pytest.raises(AuthenticationError):
         open_raw(shorter, 50)
     with pytest.raises(ProtocolError, match=f"encrypted record of {RECORD_SIZE + 1} bytes"):
-        open_raw(_HEAD.pack(RECORD_SIZE + 1) + record[_HEAD.size:], 100)
+        open_raw(_HEAD.pack(RECORD_SIZE + 1) + record[_HEAD.size :], 100)
     with pytest.raises(ProtocolError, match="record of 0 bytes"):
         open_raw(_HEAD.pack(0), 1)
     with pytest.raises(EOFError, match="inside an encrypted record"):
@@ -205,30 +233,61 @@ def test_a_sealed_connection_has_no_other_socket_call():
 
 # ---- the handshake agrees -------------------------------------------------------------------
 
+
 def block_server(encrypt: bool, **kwargs) -> BlockServer:
     store = BlockStore()
     store.put(BlockKey(BlockKind.WEIGHT, 0, 0, 0), 1, b"block bytes " * 100)
-    return BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2,
-                       encrypt=encrypt, **kwargs)
+    return BlockServer(
+        store,
+        SECRET,
+        param_id=5,
+        partition_id=0,
+        host="127.0.0.1",
+        partition_num=2,
+        encrypt=encrypt,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("server_encrypts", [True, False])
-def test_ends_that_differ_about_encryption_are_refused_at_once_naming_the_setting(server_encrypts, caplog):
+def test_ends_that_differ_about_encryption_are_refused_at_once_naming_the_setting(
+    server_encrypts, caplog
+):
     server = block_server(server_encrypts)
-    client = PeerClient(server.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=not server_encrypts)
+    client = PeerClient(
+        server.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=not server_encrypts
+    )
     this, that = ("does not encrypt", "does") if server_encrypts else ("encrypts", "does not")
     try:
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.network"):
-            with pytest.raises(ConfigurationError, match=rf"refused this connection: this end {this} it and that "
-                                                         rf"server {that}\. .*spark\.allreduce\.encrypt"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+            with pytest.raises(
+                ConfigurationError,
+                match=rf"refused this connection: this end {this} it and that "
+                rf"server {that}\. .*spark\.allreduce\.encrypt",
+            ):
                 client.fetch(BlockKey(BlockKind.WEIGHT, 0, 0, 0), 1, 4096, None)
         assert any("it proved the secret but" in record.getMessage() for record in caplog.records)
-        same = PeerClient(server.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=server_encrypts)
+        same = PeerClient(
+            server.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=server_encrypts
+        )
         _, block = same.fetch(BlockKey(BlockKind.WEIGHT, 0, 0, 0), 1, 4096, None)
-        assert bytes(block[:12]) == b"block bytes " and isinstance(same._sock, SealedConnection) == server_encrypts
+        assert (
+            bytes(block[:12]) == b"block bytes "
+            and isinstance(same._sock, SealedConnection) == server_encrypts
+        )
         same.close()
-        stranger = PeerClient(server.address, b"x" * 32, 5, 1, peer_partition=0, timeout=5, encrypt=not server_encrypts)
-        with pytest.raises(AuthenticationError, match="the secrets differ"):  # not the secret: no word on encryption
+        stranger = PeerClient(
+            server.address,
+            b"x" * 32,
+            5,
+            1,
+            peer_partition=0,
+            timeout=5,
+            encrypt=not server_encrypts,
+        )
+        with pytest.raises(
+            AuthenticationError, match="the secrets differ"
+        ):  # not the secret: no word on encryption
             stranger.fetch(BlockKey(BlockKind.WEIGHT, 0, 0, 0), 1, 4096, None)
     finally:
         client.close()
@@ -237,8 +296,16 @@ def test_ends_that_differ_about_encryption_are_refused_at_once_naming_the_settin
 
 def test_a_unix_socket_is_never_encrypted_whatever_the_ends_say():
     server = block_server(True, unix=True)
-    client = PeerClient(server.address, SECRET, 5, 1, peer_partition=0, timeout=5, local_name=server.local_name,
-                        encrypt=False)
+    client = PeerClient(
+        server.address,
+        SECRET,
+        5,
+        1,
+        peer_partition=0,
+        timeout=5,
+        local_name=server.local_name,
+        encrypt=False,
+    )
     try:
         _, block = client.fetch(BlockKey(BlockKind.WEIGHT, 0, 0, 0), 1, 4096, None)
         assert bytes(block[:12]) == b"block bytes " and client._sock.family == socket.AF_UNIX
@@ -254,9 +321,13 @@ def test_an_ended_encrypted_connection_is_forgotten_by_its_server():
     server = block_server(True)
     try:
         for _ in range(5):
-            client = PeerClient(server.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True)
+            client = PeerClient(
+                server.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True
+            )
             _, block = client.fetch(BlockKey(BlockKind.WEIGHT, 0, 0, 0), 1, 4096, None)
-            assert isinstance(client._sock, SealedConnection) and bytes(block[:12]) == b"block bytes "
+            assert (
+                isinstance(client._sock, SealedConnection) and bytes(block[:12]) == b"block bytes "
+            )
             client.close()
         deadline = time.monotonic() + 30
         while server._server._connections or server._peers:
@@ -282,12 +353,15 @@ def test_the_message_connections_are_encrypted_and_must_agree_too():
         assert isinstance(client._sock, SealedConnection)
         client.close()
         import pickle
+
         shipped = pickle.loads(pickle.dumps(server.client()))  # as the closure carries it
         shipped.send({"n": 2})
         assert shipped.receive(30) == {"echo": 2}
         shipped.close()
         plain = MessageClient(server.address, server.secret, encrypt=False)
-        with pytest.raises(ConfigurationError, match="this end does not encrypt it and that server does"):
+        with pytest.raises(
+            ConfigurationError, match="this end does not encrypt it and that server does"
+        ):
             plain.send({"n": 3})
     finally:
         server.close()
@@ -295,11 +369,15 @@ def test_the_message_connections_are_encrypted_and_must_agree_too():
 
 # ---- through a relay that changes what passes -------------------------------------------------
 
+
 class Relay:
     """A TCP relay between a client and ``target``: after the handshake it forwards records
     whole, each through ``change(direction, number, record) -> [records to forward]``."""
 
-    HANDSHAKE = {"up": [_CLIENT_HELLO.size], "down": [len(MAGIC) + NONCE_SIZE, 1 + MAC_SIZE]}  # as each is sent
+    HANDSHAKE = {
+        "up": [_CLIENT_HELLO.size],
+        "down": [len(MAGIC) + NONCE_SIZE, 1 + MAC_SIZE],
+    }  # as each is sent
 
     def __init__(self, target: tuple[str, int], change) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -317,7 +395,9 @@ class Relay:
         far = socket.create_connection(self._target)
         self._sockets += [near, far]
         for direction, source, sink in (("up", near, far), ("down", far, near)):
-            thread = threading.Thread(target=self._pump, args=(direction, source, sink), daemon=True)
+            thread = threading.Thread(
+                target=self._pump, args=(direction, source, sink), daemon=True
+            )
             self._threads.append(thread)
             thread.start()
 
@@ -362,20 +442,35 @@ def flip(record: bytes) -> list[bytes]:
 def test_a_changed_answer_fails_the_fetch_and_a_replayed_request_costs_only_its_connection(caplog):
     server = block_server(True)
     key = BlockKey(BlockKind.WEIGHT, 0, 0, 0)
-    changed = Relay(server.address, lambda d, n, record: flip(record) if d == "down" and n == 1 else [record])
-    replayed = Relay(server.address, lambda d, n, record: [record, record] if d == "up" else [record])
+    changed = Relay(
+        server.address, lambda d, n, record: flip(record) if d == "down" and n == 1 else [record]
+    )
+    replayed = Relay(
+        server.address, lambda d, n, record: [record, record] if d == "up" else [record]
+    )
     try:
-        client = PeerClient(changed.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True)
-        with pytest.raises(AuthenticationError, match=r"record 1 from partition 0 at 127\.0\.0\.1:\d+ failed its "
-                                                      r"authentication"):
+        client = PeerClient(
+            changed.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True
+        )
+        with pytest.raises(
+            AuthenticationError,
+            match=r"record 1 from partition 0 at 127\.0\.0\.1:\d+ failed its "
+            r"authentication",
+        ):
             client.fetch(key, 1, 4096, None)  # the answer's head is record 0, the block record 1
         assert client._sock is None  # the connection is closed
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
-            repeating = PeerClient(replayed.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True)
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.blocks"):
+            repeating = PeerClient(
+                replayed.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True
+            )
             repeating.fetch(key, 1, 4096, None)  # the server reads the request, then its copy fails
-            with pytest.raises(Exception):  # the server closed the connection after the replay
+            with pytest.raises(Exception):  # noqa: B017 - the server closed the connection after the replay
                 repeating.fetch(key, 1, 4096, None)
-        [warning] = [r.getMessage() for r in caplog.records if "closed connection from partition 1" in r.getMessage()]
+        [warning] = [
+            r.getMessage()
+            for r in caplog.records
+            if "closed connection from partition 1" in r.getMessage()
+        ]
         assert "encrypted record 1 from 127.0.0.1" in warning and "replayed" in warning
         honest = PeerClient(server.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True)
         assert bytes(honest.fetch(key, 1, 4096, None)[1][:5]) == b"block"  # the server serves on
@@ -389,6 +484,7 @@ def test_a_changed_answer_fails_the_fetch_and_a_replayed_request_costs_only_its_
 
 # ---- the engine --------------------------------------------------------------------------------
 
+
 def sync(param: AllReduceParameter) -> list:
     """Two BSP steps of known gradients; each partition's weights after them, and the kinds of
     its worker channel's connections."""
@@ -398,7 +494,9 @@ def sync(param: AllReduceParameter) -> list:
         p.init(np.linspace(-1, 1, param.size, dtype=np.float32))
         for _ in range(2):
             p.get_weights()
-            p.put_gradients(rng.standard_normal(param.size).astype(np.float32), count=float(p.partition_id + 1))
+            p.put_gradients(
+                rng.standard_normal(param.size).astype(np.float32), count=float(p.partition_id + 1)
+            )
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
         kinds = {type(client._sock).__name__ for client in p._peers.worker.clients.values()}
@@ -425,16 +523,29 @@ def test_peers_on_one_host_keep_their_unix_sockets_under_encryption():
 
 # ---- the setting ------------------------------------------------------------------------------
 
+
 def test_the_setting_follows_the_argument_then_spark_allreduce_then_sparks_own_encryption():
     assert NetworkSettings.of({}).encrypt is False
     assert NetworkSettings.of({}, {"spark.network.crypto.enabled": "true"}.get).encrypt is True
     assert NetworkSettings.of({}, {"spark.ssl.enabled": "TRUE"}.get).encrypt is True
     assert NetworkSettings.of({}, {"spark.ssl.enabled": "false"}.get).encrypt is False
-    assert NetworkSettings.of({}, {"spark.allreduce.encrypt": "false", "spark.ssl.enabled": "true"}.get).encrypt \
+    assert (
+        NetworkSettings.of(
+            {}, {"spark.allreduce.encrypt": "false", "spark.ssl.enabled": "true"}.get
+        ).encrypt
         is False
-    assert NetworkSettings.of({"encrypt": True}, {"spark.allreduce.encrypt": "false"}.get).encrypt is True
-    assert NetworkSettings.of({"encrypt": False}, {"spark.network.crypto.enabled": "true"}.get).encrypt is False
-    with pytest.raises(ConfigurationError, match=r"spark.allreduce.encrypt='yes' must be true or false"):
+    )
+    assert (
+        NetworkSettings.of({"encrypt": True}, {"spark.allreduce.encrypt": "false"}.get).encrypt
+        is True
+    )
+    assert (
+        NetworkSettings.of({"encrypt": False}, {"spark.network.crypto.enabled": "true"}.get).encrypt
+        is False
+    )
+    with pytest.raises(
+        ConfigurationError, match=r"spark.allreduce.encrypt='yes' must be true or false"
+    ):
         NetworkSettings.of({}, {"spark.allreduce.encrypt": "yes"}.get)
     with pytest.raises(ConfigurationError, match="encrypt must be True, False or None"):
         NetworkSettings(encrypt="on")
@@ -446,9 +557,13 @@ def test_the_setting_follows_the_argument_then_spark_allreduce_then_sparks_own_e
 
 def test_encryption_without_its_package_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers.aead", None)
-    with pytest.raises(ConfigurationError, match=r"pip install 'cryptography>=41'.* on every executor"):
+    with pytest.raises(
+        ConfigurationError, match=r"pip install 'cryptography>=41'.* on every executor"
+    ):
         AllReduceParameter(2, 10, encrypt=True)
-    with pytest.raises(ConfigurationError, match=r"^spark.network.crypto.enabled true on the driver .*pip install"):
+    with pytest.raises(
+        ConfigurationError, match=r"^spark.network.crypto.enabled true on the driver .*pip install"
+    ):
         NetworkSettings.of({}, {"spark.network.crypto.enabled": "true"}.get)
     assert AllReduceParameter(2, 10).network.encrypt is False  # off: nothing needed
 
@@ -458,7 +573,12 @@ def test_the_estimators_and_job_files_have_the_setting():
 
     classifier = AllReduceClassifier(encrypt=True)
     assert classifier.getEncrypt() is True
-    assert classifier._trainer(__import__("allreduce_param").models.SoftmaxRegression(4, 3)).settings.encrypt is True
+    assert (
+        classifier._trainer(
+            __import__("allreduce_param").models.SoftmaxRegression(4, 3)
+        ).settings.encrypt
+        is True
+    )
     from allreduce_param.cli import apply_overrides
 
     job = apply_overrides({"train": {}}, ["train.encrypt=true"])
@@ -478,7 +598,9 @@ def encrypted_stage_task(param: AllReduceParameter):
             p.init(np.zeros(param.size, np.float32))
             p.put_gradients(np.full(param.size, p.partition_id + 1.0, np.float32), count=1.0)
             mean = p.aggregate_gradient_partition().copy()
-            kinds = sorted({type(client._sock).__name__ for client in p._peers.worker.clients.values()})
+            kinds = sorted(
+                {type(client._sock).__name__ for client in p._peers.worker.clients.values()}
+            )
         yield p.partition_id, float(mean.min()), float(mean.max()), kinds
 
     return task
@@ -486,13 +608,16 @@ def encrypted_stage_task(param: AllReduceParameter):
 
 def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
     from allreduce_param import DistriOptimizer, models, optim
-    from allreduce_param.train import distri
-    from allreduce_param.train.spark_info import SparkInfo
+    from allreduce_param.spark.info import SparkInfo
+    from allreduce_param.train.driver import distri
 
     assert spark.sparkContext.getConf().get("spark.network.crypto.enabled") == "true"
     param = AllReduceParameter(2, 3 * RECORD_SIZE // 4, codec="raw", unix_sockets=False)
     assert param.network.encrypt is True
-    assert NetworkSettings.of(FitSettings().network_values(), SparkInfo(spark).session_setting).encrypt is True
+    assert (
+        NetworkSettings.of(FitSettings().network_values(), SparkInfo(spark).session_setting).encrypt
+        is True
+    )
     spark.conf.set("spark.allreduce.encrypt", "false")  # the engine's own setting wins over Spark's
     try:
         assert AllReduceParameter(2, 10).network.encrypt is False
@@ -501,8 +626,12 @@ def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
     assert AllReduceParameter(2, 10, encrypt=False).network.encrypt is False
 
     # two Python workers, their blocks over encrypted TCP
-    results = sorted(spark.sparkContext.parallelize(range(2), 2).barrier()
-                     .mapPartitions(encrypted_stage_task(param)).collect())
+    results = sorted(
+        spark.sparkContext.parallelize(range(2), 2)
+        .barrier()
+        .mapPartitions(encrypted_stage_task(param))
+        .collect()
+    )
     assert results == [(0, 1.5, 1.5, ["SealedConnection"]), (1, 1.5, 1.5, ["SealedConnection"])]
 
     # a fit: its parameter and its driver's message server encrypt; the progress arrives
@@ -517,8 +646,13 @@ def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
     rng = np.random.default_rng(0)
     rows = [(rng.standard_normal(3).astype(np.float32), float(i % 3)) for i in range(32)]
     events = []
-    result = DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.05), batch_size=8, epochs=1, progress=False,
-                             listener=lambda kind, fields: events.append(kind)
-                             ).fit(spark.sparkContext.parallelize(rows, 2))
+    result = DistriOptimizer(
+        models.LinearRegression(3),
+        optim.SGD(lr=0.05),
+        batch_size=8,
+        epochs=1,
+        progress=False,
+        listener=lambda kind, fields: events.append(kind),
+    ).fit(spark.sparkContext.parallelize(rows, 2))
     assert made == [True]
     assert events.count("step") == len(result.history.steps) == 4 and "epoch" in events

@@ -29,9 +29,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from sim_hosts import simulated_hosts
 
 from allreduce_param import AllReduceParameter
-from sim_hosts import simulated_hosts
 
 SIZE = 65536  # 256 KiB a vector: a slice per partition of 128 KiB
 PORT = 45123  # the namespaces are new: every port is free
@@ -87,9 +87,15 @@ print(json.dumps({"kinds": kinds}), flush=True)
 
 def patterns() -> tuple[np.ndarray, list[np.ndarray]]:
     """Start weights and each partition's gradient: values that appear nowhere else."""
-    start = (np.arange(SIZE, dtype=np.float32) * np.float32(0.001) + np.float32(7.0)).astype(np.float32)
-    gradients = [(np.arange(SIZE, dtype=np.float32) * np.float32(0.25) + np.float32(1000 * (i + 1)))
-                 .astype(np.float32) for i in range(2)]
+    start = (np.arange(SIZE, dtype=np.float32) * np.float32(0.001) + np.float32(7.0)).astype(
+        np.float32
+    )
+    gradients = [
+        (np.arange(SIZE, dtype=np.float32) * np.float32(0.25) + np.float32(1000 * (i + 1))).astype(
+            np.float32
+        )
+        for i in range(2)
+    ]
     return start, gradients
 
 
@@ -99,10 +105,10 @@ def windows_found(capture: bytes, payloads: list[np.ndarray]) -> int:
     wanted = set()
     for payload in payloads:
         raw = payload.tobytes()
-        wanted.update(raw[i:i + WINDOW] for i in range(0, len(raw) - WINDOW + 1, WINDOW))
+        wanted.update(raw[i : i + WINDOW] for i in range(0, len(raw) - WINDOW + 1, WINDOW))
     found = set()
     for offset in range(len(capture) - WINDOW + 1):
-        piece = capture[offset:offset + WINDOW]
+        piece = capture[offset : offset + WINDOW]
         if piece in wanted:
             found.add(piece)
     return len(found)
@@ -117,7 +123,9 @@ def stop(process: subprocess.Popen) -> None:
     process.wait(30)
 
 
-def run_on_two_hosts(hosts, tmp_path: Path, encrypt: bool) -> tuple[bytes, list[np.ndarray], list[dict], tuple]:
+def run_on_two_hosts(
+    hosts, tmp_path: Path, encrypt: bool
+) -> tuple[bytes, list[np.ndarray], list[dict], tuple]:
     """One capture on h1's eth0 around one sync of two partitions, one per host."""
     h1, h2 = hosts.hosts
     start, gradients = patterns()
@@ -128,15 +136,35 @@ def run_on_two_hosts(hosts, tmp_path: Path, encrypt: bool) -> tuple[bytes, list[
     capture_file = tmp_path / f"capture-{encrypt}.bin"
     processes = []
     try:
-        capture = subprocess.Popen([*h1.prefix, sys.executable, "-c", CAPTURE, str(capture_file)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        capture = subprocess.Popen(
+            [*h1.prefix, sys.executable, "-c", CAPTURE, str(capture_file)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         processes.append(capture)
         assert capture.stdout.readline().strip() == "ready", "the capture did not start"
-        partitions = [subprocess.Popen([*host.prefix, sys.executable, "-c", PARTITION, str(param_file), str(i),
-                                        str(PORT), str(tmp_path / f"weights-{encrypt}-{i}.npy")],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
-                                       start_new_session=True)
-                      for i, host in enumerate((h1, h2))]
+        partitions = [
+            subprocess.Popen(
+                [
+                    *host.prefix,
+                    sys.executable,
+                    "-c",
+                    PARTITION,
+                    str(param_file),
+                    str(i),
+                    str(PORT),
+                    str(tmp_path / f"weights-{encrypt}-{i}.npy"),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=environment,
+                start_new_session=True,
+            )
+            for i, host in enumerate((h1, h2))
+        ]
         processes += partitions
         reports = []
         for i, process in enumerate(partitions):
@@ -164,8 +192,12 @@ def test_encrypted_blocks_cross_a_link_with_no_plaintext_and_the_same_sums(tmp_p
     expected = np.stack([start, start - mean])
     payloads = [start, *gradients, expected[1]]
     with simulated_hosts(2) as hosts:
-        plain, plain_weights, plain_reports, plain_counts = run_on_two_hosts(hosts, tmp_path, encrypt=False)
-        sealed, sealed_weights, sealed_reports, sealed_counts = run_on_two_hosts(hosts, tmp_path, encrypt=True)
+        plain, plain_weights, plain_reports, plain_counts = run_on_two_hosts(
+            hosts, tmp_path, encrypt=False
+        )
+        sealed, sealed_weights, sealed_reports, sealed_counts = run_on_two_hosts(
+            hosts, tmp_path, encrypt=True
+        )
     for weights in plain_weights + sealed_weights:
         assert np.array_equal(weights, expected)
     assert [report["kinds"] for report in plain_reports] == [["socket"]] * 2
@@ -177,7 +209,11 @@ def test_encrypted_blocks_cross_a_link_with_no_plaintext_and_the_same_sums(tmp_p
     assert len(plain) > least and len(sealed) > least
     total = len(payloads) * SIZE * 4 // WINDOW
     in_clear = windows_found(plain, payloads)
-    assert in_clear > total // 4, f"only {in_clear} of {total} windows in clear: does the capture see the link?"
+    assert in_clear > total // 4, (
+        f"only {in_clear} of {total} windows in clear: does the capture see the link?"
+    )
     assert windows_found(sealed, payloads) == 0
-    print(f"\ncaptured {len(plain):,} bytes in clear ({in_clear} of {total} payload windows found), "
-          f"{len(sealed):,} encrypted (none found)")
+    print(
+        f"\ncaptured {len(plain):,} bytes in clear ({in_clear} of {total} payload windows found), "
+        f"{len(sealed):,} encrypted (none found)"
+    )

@@ -18,26 +18,33 @@ from allreduce_param import (
     models,
     optim,
 )
-from allreduce_param.store import BlockKey, BlockKind, BlockStore
-from allreduce_param.train.worker import TrainingJob, train_partition
-from allreduce_param.transport import BlockServer, PeerClient
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
+from allreduce_param.engine.wire.blocks import BlockServer, PeerClient
+from allreduce_param.train.task.worker import TrainingJob, train_partition
 
 SECRET = b"s" * 32
 KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
 
 
 def test_every_error_is_ours_and_none_is_an_oserror():
-    errors = [value for value in vars(allreduce_param).values()
-              if isinstance(value, type) and issubclass(value, BaseException)]
+    errors = [
+        value
+        for value in vars(allreduce_param).values()
+        if isinstance(value, type) and issubclass(value, BaseException)
+    ]
     assert len(errors) >= 14
     for error in errors:
         assert issubclass(error, AllReduceError), error
-        assert not issubclass(error, OSError), error  # code catching socket errors never catches ours
+        assert not issubclass(error, OSError), (
+            error
+        )  # code catching socket errors never catches ours
 
 
 def test_each_answer_of_a_block_server_has_its_own_error_type():
     store = BlockStore(keep=1)
-    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2)
+    server = BlockServer(
+        store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2
+    )
     client = PeerClient(server.address, SECRET, 5, 1, peer_partition=0, timeout=0.2)
     try:
         store.put(KEY, 0, b"zero")
@@ -54,8 +61,10 @@ def test_each_answer_of_a_block_server_has_its_own_error_type():
         raised.append(type(failure.value))
         stranger.close()
         store.close("partition 0 failed: ValueError: boom")
-        with pytest.raises(PeerLostError, match="shut down while we fetched .*; it said: partition 0 failed: "
-                                                "ValueError: boom") as failure:
+        with pytest.raises(
+            PeerLostError,
+            match="shut down while we fetched .*; it said: partition 0 failed: ValueError: boom",
+        ) as failure:
             client.fetch(KEY, 1, 100, None)
         raised.append(type(failure.value))
         assert len(set(raised)) == 4
@@ -69,7 +78,17 @@ def test_a_task_that_cannot_meet_its_peers_names_its_partition():
     param = AllReduceParameter(2, model.size, codec="raw")
     job = TrainingJob(model, optim.SGD(lr=0.1), param, 4, 1, 0, None, 3, False)
     group = LocalRendezvous(3)  # three tasks for a parameter of two
-    with pytest.raises(TrainingError, match=r"^partition 1, meeting its peers: ConfigurationError: .* was made for 2 "
-                                            r"partitions but this stage has 3 tasks"):
-        list(train_partition(job, np.zeros((2, 3), np.float32), np.zeros(2), np.zeros(2, np.int32),
-                             rendezvous=group.member(1)))
+    with pytest.raises(
+        TrainingError,
+        match=r"^partition 1, meeting its peers: ConfigurationError: .* was made for 2 "
+        r"partitions but this stage has 3 tasks",
+    ):
+        list(
+            train_partition(
+                job,
+                np.zeros((2, 3), np.float32),
+                np.zeros(2),
+                np.zeros(2, np.int32),
+                rendezvous=group.member(1),
+            )
+        )

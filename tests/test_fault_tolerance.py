@@ -22,9 +22,17 @@ SPARK_MASTER = "local[2]"
 def data(spark):
     rng = np.random.default_rng(4)
     labels = rng.integers(0, 3, 240)
-    X = np.eye(3, 6, dtype=np.float32)[labels] * 3 + rng.standard_normal((240, 6)).astype(np.float32)
-    frame = spark.createDataFrame([(row.tolist(), float(label)) for row, label in zip(X, labels)],
-                                  "features array<float>, label double").repartition(3).cache()
+    X = np.eye(3, 6, dtype=np.float32)[labels] * 3 + rng.standard_normal((240, 6)).astype(
+        np.float32
+    )
+    frame = (
+        spark.createDataFrame(
+            [(row.tolist(), float(label)) for row, label in zip(X, labels)],
+            "features array<float>, label double",
+        )
+        .repartition(3)
+        .cache()
+    )
     frame.count()
     yield frame
     frame.unpersist()
@@ -57,9 +65,19 @@ class FailsOnce(models.MLP):
 
 
 def fit(data, model, folder, **settings):
-    return DistriOptimizer(model, optim.Adam(lr=0.01), batch_size=40, epochs=4, codec="raw", seed=1,
-                           progress=False, num_workers=2, checkpoint_dir=str(folder), checkpoint_every=4,
-                           **settings).fit(data)
+    return DistriOptimizer(
+        model,
+        optim.Adam(lr=0.01),
+        batch_size=40,
+        epochs=4,
+        codec="raw",
+        seed=1,
+        progress=False,
+        num_workers=2,
+        checkpoint_dir=str(folder),
+        checkpoint_every=4,
+        **settings,
+    ).fit(data)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +86,9 @@ def uninterrupted(data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kill", [False, True], ids=["a step raises", "the worker process dies"])
-def test_a_lost_task_is_retried_and_resumes_from_the_newest_checkpoint(data, uninterrupted, tmp_path, kill):
+def test_a_lost_task_is_retried_and_resumes_from_the_newest_checkpoint(
+    data, uninterrupted, tmp_path, kill
+):
     marks = tmp_path / "marks"
     marks.mkdir()
     result = fit(data, FailsOnce(str(marks), at=11, kill=kill), tmp_path / "checkpoints")
@@ -77,13 +97,23 @@ def test_a_lost_task_is_retried_and_resumes_from_the_newest_checkpoint(data, uni
     assert result.history.resumed == [8]
     assert np.array_equal(result.weights, uninterrupted.weights)
     assert len(result.history.steps) == len(uninterrupted.history.steps) == 24
-    assert [s["loss"] for s in result.history.steps] == [s["loss"] for s in uninterrupted.history.steps]
+    assert [s["loss"] for s in result.history.steps] == [
+        s["loss"] for s in uninterrupted.history.steps
+    ]
     assert result.history.checkpoints.startswith(str(tmp_path / "checkpoints"))
 
 
 def test_a_finished_fit_continues_from_its_last_checkpoint(data, uninterrupted, tmp_path):
-    longer = DistriOptimizer(models.MLP([6, 8, 3]), optim.Adam(lr=0.01), batch_size=40, epochs=6, codec="raw",
-                             seed=1, progress=False, num_workers=2)
+    longer = DistriOptimizer(
+        models.MLP([6, 8, 3]),
+        optim.Adam(lr=0.01),
+        batch_size=40,
+        epochs=6,
+        codec="raw",
+        seed=1,
+        progress=False,
+        num_workers=2,
+    )
     continued = longer.fit(data, resume_from=uninterrupted.history.checkpoints)
     straight = longer.fit(data)
     assert continued.history.resumed == [24]

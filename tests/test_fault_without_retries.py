@@ -8,9 +8,9 @@ import sys
 
 import pytest
 from pyspark import cloudpickle
+from test_fault_tolerance import FailsOnce
 
 from allreduce_param import DistriOptimizer, TrainingError, optim
-from test_fault_tolerance import FailsOnce
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(sys.modules["test_fault_tolerance"])
@@ -27,8 +27,10 @@ def data(spark):
     rng = np.random.default_rng(5)
     labels = rng.integers(0, 3, 120)
     X = rng.standard_normal((120, 6)).astype(np.float32)
-    return spark.createDataFrame([(row.tolist(), float(label)) for row, label in zip(X, labels)],
-                                 "features array<float>, label double")
+    return spark.createDataFrame(
+        [(row.tolist(), float(label)) for row, label in zip(X, labels)],
+        "features array<float>, label double",
+    )
 
 
 def test_the_error_says_a_retry_would_resume_and_which_setting_allows_it(data, tmp_path):
@@ -36,15 +38,28 @@ def test_the_error_says_a_retry_would_resume_and_which_setting_allows_it(data, t
     marks.mkdir()
     # at step 7: partition 1 needs partition 0's weights of step 7 for it, which partition 0
     # sends only after the manifest of step 6 (a fault at step 6 could beat that manifest)
-    trainer = DistriOptimizer(FailsOnce(str(marks), at=8, kill=False), optim.SGD(lr=0.1), batch_size=40, epochs=3,
-                              progress=False, num_workers=2, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2)
+    trainer = DistriOptimizer(
+        FailsOnce(str(marks), at=8, kill=False),
+        optim.SGD(lr=0.1),
+        batch_size=40,
+        epochs=3,
+        progress=False,
+        num_workers=2,
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=2,
+    )
     with pytest.raises(TrainingError) as failure:
         trainer.fit(data)
     message = str(failure.value)
-    assert message.startswith("partition 1, epoch 2, step 1: ValueError: a fault injected at call 8.")
-    found = re.search(r"Its newest checkpoint, of step 6, is (\S+): fit\(\.\.\., resume_from='(\S+)'\) "
-                      r"continues from it; the stage ran once \(spark.stage.maxConsecutiveAttempts=1\): "
-                      r"with 2 or more it resumes from the checkpoint on its own", message)
+    assert message.startswith(
+        "partition 1, epoch 2, step 1: ValueError: a fault injected at call 8."
+    )
+    found = re.search(
+        r"Its newest checkpoint, of step 6, is (\S+): fit\(\.\.\., resume_from='(\S+)'\) "
+        r"continues from it; the stage ran once \(spark.stage.maxConsecutiveAttempts=1\): "
+        r"with 2 or more it resumes from the checkpoint on its own",
+        message,
+    )
     assert found, message
     resumed = trainer.fit(data, resume_from=found.group(2))
     assert resumed.history.resumed == [6] and len(resumed.history.steps) == 9

@@ -12,10 +12,10 @@ import sys
 import threading
 
 import numpy as np
+from conftest import raise_first, run_partitions
 
 from allreduce_param import AllReduceParameter
-from allreduce_param.network import MAX_UNPROVEN
-from conftest import raise_first, run_partitions
+from allreduce_param.engine.wire.network import MAX_UNPROVEN
 
 FLOODER = """
 import os, resource, select, selectors, socket, sys
@@ -62,7 +62,9 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = open_descriptors() + 300
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
-    param = AllReduceParameter(2, size, codec="raw", timeout=60, unix_sockets=False)  # peers on the flooded port
+    param = AllReduceParameter(
+        2, size, codec="raw", timeout=60, unix_sockets=False
+    )  # peers on the flooded port
     served, flooded = threading.Event(), threading.Event()
     address, seen = {}, {}
 
@@ -86,8 +88,13 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
         assert served.wait(60)
         host, port = address["tcp"]
         filler = []
-        flooder = subprocess.Popen([sys.executable, "-c", FLOODER, host, str(port), str(connections)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        flooder = subprocess.Popen(
+            [sys.executable, "-c", FLOODER, host, str(port), str(connections)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             line = flooder.stdout.readline()
             assert line, flooder.stderr.read()
@@ -115,7 +122,7 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
 
     finished = threading.Event()
     failures = AcceptFailures()
-    logging.getLogger("allreduce_param.network").addHandler(failures)
+    logging.getLogger("allreduce_param.engine.wire.network").addHandler(failures)
     flooding = threading.Thread(target=flood)
     flooding.start()
     try:
@@ -124,8 +131,10 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
         finished.set()
         flooding.join(120)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        logging.getLogger("allreduce_param.network").removeHandler(failures)
-    assert seen["held"] == connections and seen["accept failed"]  # the flood came, and accept() failed
+        logging.getLogger("allreduce_param.engine.wire.network").removeHandler(failures)
+    assert (
+        seen["held"] == connections and seen["accept failed"]
+    )  # the flood came, and accept() failed
     # strangers cost at most MAX_UNPROVEN descriptors, whatever the flood
     assert seen["end"] - seen["after"] <= MAX_UNPROVEN + 16, seen
     expected = np.zeros(size, np.float32)

@@ -16,14 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from allreduce_param import AllReduceError, CorruptBlockError
-from allreduce_param.codec import CODECS, HEADER_SIZE, get_codec
-from allreduce_param.store import BlockKey, BlockKind, BlockStore
-from allreduce_param.network import _CLIENT_HELLO, MAGIC, NONCE_SIZE, mac
-from allreduce_param.transport import _REQUEST, OP_GET, STATUS_OK, BlockServer, PeerClient
+from allreduce_param.engine.blocks.codec import CODECS, HEADER_SIZE, get_codec
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
+from allreduce_param.engine.wire.blocks import _REQUEST, OP_GET, STATUS_OK, BlockServer, PeerClient
+from allreduce_param.engine.wire.network import _CLIENT_HELLO, MAGIC, NONCE_SIZE, mac
 
 SECRET = b"f" * 32
 KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
-CASES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+CASES = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 VALUES = np.arange(1000, dtype=np.float32)
 
 
@@ -31,7 +33,9 @@ VALUES = np.arange(1000, dtype=np.float32)
 def server():
     store = BlockStore()
     store.put(KEY, 0, get_codec("raw").encode(VALUES, ids=(KEY.kind, 0, KEY.destination, 0, 0)))
-    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2, max_wait=0.05)
+    served = BlockServer(
+        store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2, max_wait=0.05
+    )
     yield served
     served.close()
 
@@ -40,7 +44,9 @@ def honest_fetch_works(server) -> None:
     client = PeerClient(server.address, SECRET, 5, 1, peer_partition=0, timeout=5)
     try:
         version, block = client.fetch(KEY, 0, get_codec("raw").max_encoded_size(1000), None)
-        _, values = get_codec("raw").decode(block, 1000, expect=(KEY.kind, 0, KEY.destination, 0, 0))
+        _, values = get_codec("raw").decode(
+            block, 1000, expect=(KEY.kind, 0, KEY.destination, 0, 0)
+        )
         assert version == 0 and np.array_equal(values, VALUES)
     finally:
         client.close()
@@ -79,7 +85,11 @@ def authenticated(server) -> socket.socket:
         greeting += sock.recv(64)
     nonce = os.urandom(NONCE_SIZE)
     ids = struct.pack("<II", 5, 1)
-    sock.sendall(_CLIENT_HELLO.pack(MAGIC, 5, 1, nonce, mac(SECRET, b"client", greeting[len(MAGIC):], nonce, ids)))
+    sock.sendall(
+        _CLIENT_HELLO.pack(
+            MAGIC, 5, 1, nonce, mac(SECRET, b"client", greeting[len(MAGIC) :], nonce, ids)
+        )
+    )
     assert sock.recv(1) == bytes([STATUS_OK])
     sock.recv(32)
     return sock
@@ -87,10 +97,14 @@ def authenticated(server) -> socket.socket:
 
 @CASES
 @given(frames=st.binary(max_size=200), valid_first=st.booleans())
-def test_any_request_frames_from_a_proven_peer_leave_the_server_serving(server, frames, valid_first):
+def test_any_request_frames_from_a_proven_peer_leave_the_server_serving(
+    server, frames, valid_first
+):
     sock = authenticated(server)
     if valid_first:  # a good request, then the garbage on the same connection
-        frames = _REQUEST.pack(MAGIC, OP_GET, KEY.kind, KEY.source, KEY.destination, 0, 0, 1000) + frames
+        frames = (
+            _REQUEST.pack(MAGIC, OP_GET, KEY.kind, KEY.source, KEY.destination, 0, 0, 1000) + frames
+        )
     send_and_drain(sock, frames)
     honest_fetch_works(server)
 
@@ -130,12 +144,20 @@ class FakeServer:
 
 
 @CASES
-@given(answer=st.one_of(
-    st.binary(max_size=100),
-    st.tuples(st.integers(0, 255), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.binary(max_size=64))
-    .map(lambda t: struct.pack("<BQQ", *t[:3]) + t[3]),
-))
-def test_any_answer_to_a_fetch_is_an_error_of_ours_and_allocates_no_more_than_the_block_can_be(answer):
+@given(
+    answer=st.one_of(
+        st.binary(max_size=100),
+        st.tuples(
+            st.integers(0, 255),
+            st.integers(0, 2**64 - 1),
+            st.integers(0, 2**64 - 1),
+            st.binary(max_size=64),
+        ).map(lambda t: struct.pack("<BQQ", *t[:3]) + t[3]),
+    )
+)
+def test_any_answer_to_a_fetch_is_an_error_of_ours_and_allocates_no_more_than_the_block_can_be(
+    answer,
+):
     fake = FakeServer(answer)
     client = PeerClient(fake.listener.getsockname()[:2], SECRET, 5, 1, peer_partition=0, timeout=2)
     most = get_codec("raw").max_encoded_size(1000)
@@ -149,7 +171,9 @@ def test_any_answer_to_a_fetch_is_an_error_of_ours_and_allocates_no_more_than_th
         tracemalloc.stop()
         client.close()
         fake.close()
-    assert peak < most + (1 << 20)  # an answer's claimed length is checked before anything is allocated
+    assert peak < most + (
+        1 << 20
+    )  # an answer's claimed length is checked before anything is allocated
 
 
 @CASES
@@ -163,7 +187,11 @@ def test_any_bytes_decode_to_a_corrupt_block_error_or_to_the_declared_length(cod
 
 
 @CASES
-@given(codec=st.sampled_from(CODECS), position=st.integers(0, HEADER_SIZE + 4 * 64 - 1), flip=st.integers(1, 255))
+@given(
+    codec=st.sampled_from(CODECS),
+    position=st.integers(0, HEADER_SIZE + 4 * 64 - 1),
+    flip=st.integers(1, 255),
+)
 def test_any_changed_byte_of_a_block_is_found(codec, position, flip):
     values = np.linspace(-2, 2, 64, dtype=np.float32)
     block = bytearray(get_codec(codec).encode(values, ids=(2, 1, 0, 0, 3)))

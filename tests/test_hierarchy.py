@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import raise_first, run_partitions
 
 from allreduce_param import (
     AllReduceParameter,
@@ -19,9 +20,8 @@ from allreduce_param import (
     PeerLostError,
     Strategy,
 )
-from allreduce_param.layout import HostLayout
-from allreduce_param.peers import PART_LENGTH
-from conftest import raise_first, run_partitions
+from allreduce_param.engine.layout import HostLayout
+from allreduce_param.engine.movement.peers import PART_LENGTH
 
 LR = np.float32(0.25)
 STEPS = 3
@@ -30,8 +30,9 @@ STEPS = 3
 def reference(weights, grads, counts, hosts, steps=STEPS):
     """Every step's weights as the documented order gives them: on each host in partition
     order, then the host sums in host order; divided by the summed counts."""
-    order = HostLayout([next(h for h, members in enumerate(hosts) if p in members)
-                        for p in range(len(grads))]).hosts
+    order = HostLayout(
+        [next(h for h, members in enumerate(hosts) if p in members) for p in range(len(grads))]
+    ).hosts
     history, weights = [], weights.copy()
     for step in range(steps):
         history.append(weights.copy())
@@ -75,6 +76,7 @@ def steps(weights, grads, counts, stream=False, in_place=False):
             p.send_weight_partition()
         seen.append(p.get_weights().copy())
         return seen, p.hierarchical, p.connections, p.remote_peers
+
     return body
 
 
@@ -121,7 +123,9 @@ def test_streamed_and_in_place_gradients_give_the_same_bits(stream, in_place):
     weights, grads, counts = make(30011, 4, seed=3)
     expected = reference(weights, grads, counts, hosts)
     param = AllReduceParameter(4, 30011, codec="raw", timeout=30)
-    results = raise_first(run_partitions(param, steps(weights, grads, counts, stream, in_place), hosts=hosts))
+    results = raise_first(
+        run_partitions(param, steps(weights, grads, counts, stream, in_place), hosts=hosts)
+    )
     for p, (seen, hierarchical, _, _) in enumerate(results):
         assert hierarchical
         for got, want in zip(seen, expected):
@@ -145,9 +149,15 @@ def test_allreduce_and_the_exact_allreduce_go_through_the_hosts():
     vectors = [rng.standard_normal(777).astype(np.float32) for _ in range(6)]
 
     def body(p):
-        return p.allreduce(vectors[p.partition_id]), p.allreduce_exact([p.partition_id, 0.5]), p.hierarchical
+        return (
+            p.allreduce(vectors[p.partition_id]),
+            p.allreduce_exact([p.partition_id, 0.5]),
+            p.hierarchical,
+        )
 
-    results = raise_first(run_partitions(AllReduceParameter(6, 10, codec="raw", timeout=30), body, hosts=hosts))
+    results = raise_first(
+        run_partitions(AllReduceParameter(6, 10, codec="raw", timeout=30), body, hosts=hosts)
+    )
     host_sums = [vectors[0], vectors[1] + vectors[2] + vectors[3], vectors[4] + vectors[5]]
     expected = host_sums[0] + host_sums[1] + host_sums[2]
     for summed, exact, hierarchical in results:
@@ -163,7 +173,9 @@ def test_a_nan_gradient_is_named_by_its_partition():
     param = AllReduceParameter(4, 400, codec="raw", timeout=30)
     results = run_partitions(param, steps(weights, grads, counts), hosts=hosts)
     errors = [r for r in results if isinstance(r, NonFiniteGradientError)]
-    assert errors and all("partition 3" in str(e) and "index 123" in str(e) for e in errors), results
+    assert errors and all("partition 3" in str(e) and "index 123" in str(e) for e in errors), (
+        results
+    )
     assert all(isinstance(r, BaseException) for r in results)  # nobody goes on with it
 
 
@@ -179,7 +191,9 @@ def test_a_member_that_dies_fails_every_partition_naming_it():
             raise RuntimeError("the model blew up on partition 3")
         return body(p)
 
-    results = run_partitions(AllReduceParameter(4, 400, codec="raw", timeout=60), dying, hosts=hosts, timeout=90)
+    results = run_partitions(
+        AllReduceParameter(4, 400, codec="raw", timeout=60), dying, hosts=hosts, timeout=90
+    )
     assert isinstance(results[3], RuntimeError)
     for p in (0, 1, 2):
         assert isinstance(results[p], PeerLostError), (p, results[p])
@@ -187,10 +201,16 @@ def test_a_member_that_dies_fails_every_partition_naming_it():
 
 
 def test_other_strategies_stay_flat_and_hierarchical_is_refused_for_them():
-    with pytest.raises(ConfigurationError, match="topology='hierarchical' goes with strategy='bsp' and no backup "
-                                                 "workers, not with strategy='ssp'.* or set strategy='bsp'"):
+    with pytest.raises(
+        ConfigurationError,
+        match="topology='hierarchical' goes with strategy='bsp' and no backup "
+        "workers, not with strategy='ssp'.* or set strategy='bsp'",
+    ):
         AllReduceParameter(4, 10, strategy=Strategy("ssp", staleness=1), topology="hierarchical")
-    with pytest.raises(ConfigurationError, match="topology must be one of 'auto', 'hierarchical', 'flat', got 'ring'"):
+    with pytest.raises(
+        ConfigurationError,
+        match="topology must be one of 'auto', 'hierarchical', 'flat', got 'ring'",
+    ):
         AllReduceParameter(4, 10, topology="ring")
     param = AllReduceParameter(4, 10, strategy=Strategy("asp"))
 

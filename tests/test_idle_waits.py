@@ -10,11 +10,11 @@ from concurrent.futures import Future
 
 import pytest
 
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
+from allreduce_param.engine.movement.channels import Channel, PeerGet, StoreGet
+from allreduce_param.engine.wire.blocks import BlockServer, PeerClient
+from allreduce_param.engine.wire.network import AuthenticatedServer
 from allreduce_param.errors import FetchTimeoutError, PeerLostError, StoreClosedError
-from allreduce_param.network import AuthenticatedServer
-from allreduce_param.channels import Channel, PeerGet, StoreGet
-from allreduce_param.store import BlockKey, BlockKind, BlockStore
-from allreduce_param.transport import BlockServer, PeerClient
 
 SECRET = b"i" * 32
 PARAM = 9
@@ -57,8 +57,17 @@ def servers():
     def make(count: int, **options):
         for peer in range(count):
             store = BlockStore()
-            made.append(BlockServer(store, SECRET, PARAM, partition_id=2 + peer, host="127.0.0.1",
-                                    partition_num=2 + count, **options))
+            made.append(
+                BlockServer(
+                    store,
+                    SECRET,
+                    PARAM,
+                    partition_id=2 + peer,
+                    host="127.0.0.1",
+                    partition_num=2 + count,
+                    **options,
+                )
+            )
         return made
 
     yield make
@@ -66,12 +75,26 @@ def servers():
         server.close()
 
 
-def clients_of(servers, timeout: float = 30.0, handshake_timeout: float = 10.0) -> dict[int, PeerClient]:
-    return {2 + index: PeerClient(server.address, SECRET, PARAM, 1, 2 + index, timeout,
-                                  handshake_timeout=handshake_timeout) for index, server in enumerate(servers)}
+def clients_of(
+    servers, timeout: float = 30.0, handshake_timeout: float = 10.0
+) -> dict[int, PeerClient]:
+    return {
+        2 + index: PeerClient(
+            server.address,
+            SECRET,
+            PARAM,
+            1,
+            2 + index,
+            timeout,
+            handshake_timeout=handshake_timeout,
+        )
+        for index, server in enumerate(servers)
+    }
 
 
-def test_one_thread_serves_fetches_that_each_wait_on_another_peer_and_takes_each_as_it_comes(servers):
+def test_one_thread_serves_fetches_that_each_wait_on_another_peer_and_takes_each_as_it_comes(
+    servers,
+):
     peers = servers(12)
     own = BlockStore()
     channel = Channel(clients_of(peers), 1, NAME, "owner", idle_waits=True)
@@ -81,8 +104,10 @@ def test_one_thread_serves_fetches_that_each_wait_on_another_peer_and_takes_each
             channel.start(remote_fetch(client, KEY, 1, remote[partition]))
         mine = Future()
         channel.start(own_fetch(own, KEY, 1, 30.0, mine))
-        wait_until(lambda: all(peer.store.waiting == 1 for peer in peers) and own.waiting == 1,
-                   "every get waiting at its peer")
+        wait_until(
+            lambda: all(peer.store.waiting == 1 for peer in peers) and own.waiting == 1,
+            "every get waiting at its peer",
+        )
         assert channel_threads() <= 2  # the loop and one fetch thread, whatever the peers
         # the last peer publishes first: its block comes while the others still wait
         peers[-1].store.put(KEY, 1, b"last")
@@ -92,8 +117,9 @@ def test_one_thread_serves_fetches_that_each_wait_on_another_peer_and_takes_each
         assert mine.result(timeout=30) == (1, b"own")
         for index, peer in enumerate(peers[:-1]):
             peer.store.put(KEY, 1, f"peer {index}".encode())
-        assert [remote[2 + index].result(timeout=30) for index in range(11)] == \
-            [(1, f"peer {index}".encode()) for index in range(11)]
+        assert [remote[2 + index].result(timeout=30) for index in range(11)] == [
+            (1, f"peer {index}".encode()) for index in range(11)
+        ]
         # the connections stay: a second round, each block there already
         again = {partition: Future() for partition in channel.clients}
         for partition, client in channel.clients.items():
@@ -111,11 +137,20 @@ def test_a_peer_that_says_nothing_is_given_up_at_the_deadline_and_the_others_go_
     the wait ends at the client's deadline, the timeout plus the handshake's."""
     held = []  # the silent peer's connections: kept open, never read nor answered
 
-    quiet = AuthenticatedServer(SECRET, PARAM, 4, lambda proven: held.append(proven.sock), bind="127.0.0.1",
-                                what="a silent peer", pool=1)
+    quiet = AuthenticatedServer(
+        SECRET,
+        PARAM,
+        4,
+        lambda proven: held.append(proven.sock),
+        bind="127.0.0.1",
+        what="a silent peer",
+        pool=1,
+    )
     peers = servers(1)
-    clients = {2: PeerClient(quiet.address, SECRET, PARAM, 1, 2, timeout=0.4, handshake_timeout=0.4),
-               3: clients_of(peers)[2]}
+    clients = {
+        2: PeerClient(quiet.address, SECRET, PARAM, 1, 2, timeout=0.4, handshake_timeout=0.4),
+        3: clients_of(peers)[2],
+    }
     channel = Channel(clients, 1, NAME, "owner", idle_waits=True)
     try:
         late, other = Future(), Future()
@@ -124,9 +159,12 @@ def test_a_peer_that_says_nothing_is_given_up_at_the_deadline_and_the_others_go_
         channel.start(remote_fetch(clients[3], KEY, 1, other))
         peers[0].store.put(KEY, 1, b"here")
         assert other.result(timeout=30) == (1, b"here")  # not queued behind the silent peer
-        with pytest.raises(FetchTimeoutError, match=r"partition 2 at 127\.0\.0\.1:\d+ did not answer for "
-                                                    r"gradient block from partition 0 to partition 1, version 1 "
-                                                    r"within 0\.8 s"):
+        with pytest.raises(
+            FetchTimeoutError,
+            match=r"partition 2 at 127\.0\.0\.1:\d+ did not answer for "
+            r"gradient block from partition 0 to partition 1, version 1 "
+            r"within 0\.8 s",
+        ):
             late.result(timeout=30)
         assert time.monotonic() - started >= 0.8 and len(held) == 1
         assert not clients[2].connected  # dropped: its answer, if one came, would be out of turn
@@ -163,7 +201,9 @@ def test_aborting_the_channel_ends_every_wait_on_a_peer(servers):
         waiting = {partition: Future() for partition in channel.clients}
         for partition, client in channel.clients.items():
             channel.start(remote_fetch(client, KEY, 5, waiting[partition]))
-        wait_until(lambda: all(peer.store.waiting == 1 for peer in peers), "every get waiting at its peer")
+        wait_until(
+            lambda: all(peer.store.waiting == 1 for peer in peers), "every get waiting at its peer"
+        )
         channel.abort()
         for future in waiting.values():
             with pytest.raises(PeerLostError, match="partition [2-5] at 127.0.0.1"):

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from allreduce_param import ConfigurationError, FetchTimeoutError, SliceLayout, UsageError
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.errors import StaleVersionError, StoreClosedError
-from allreduce_param.store import BlockKey, BlockKind, BlockStore
 
 
 @pytest.mark.parametrize("partitions", range(1, 9))
@@ -21,7 +21,9 @@ def test_slices_tile_the_vector_and_differ_by_at_most_one(partitions):
         assert all(starts[i] + lengths[i] == starts[i + 1] for i in range(partitions - 1))
         assert max(lengths) - min(lengths) <= 1 and lengths == sorted(lengths, reverse=True)
         assert layout.max_length == max(lengths)
-        assert [layout.bounds(i) for i in range(partitions)] == [slice(s, s + n) for s, n in zip(starts, lengths)]
+        assert [layout.bounds(i) for i in range(partitions)] == [
+            slice(s, s + n) for s, n in zip(starts, lengths)
+        ]
 
 
 @pytest.mark.parametrize("partitions", range(1, 9))
@@ -30,8 +32,11 @@ def test_the_owners_of_a_range_are_the_slices_it_touches(partitions):
         layout = SliceLayout(size, partitions)
         for start in range(size + 1):
             for stop in range(start, size + 1):
-                touched = [p for p in range(partitions)
-                           if max(start, layout.start(p)) < min(stop, layout.start(p) + layout.length(p))]
+                touched = [
+                    p
+                    for p in range(partitions)
+                    if max(start, layout.start(p)) < min(stop, layout.start(p) + layout.length(p))
+                ]
                 assert list(layout.owners(start, stop)) == touched, (size, start, stop)
     with pytest.raises(ConfigurationError, match="elements 3:11 are outside the vector of 10"):
         SliceLayout(10, 4).owners(3, 11)
@@ -39,7 +44,12 @@ def test_the_owners_of_a_range_are_the_slices_it_touches(partitions):
 
 def test_the_formula_of_the_design():
     layout = SliceLayout(10, 4)  # q, r = 2, 2
-    assert [(layout.start(i), layout.length(i)) for i in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    assert [(layout.start(i), layout.length(i)) for i in range(4)] == [
+        (0, 3),
+        (3, 3),
+        (6, 2),
+        (8, 2),
+    ]
     small = SliceLayout(2, 5)
     assert [small.length(i) for i in range(5)] == [1, 1, 0, 0, 0]
     assert small.start(4) == 2
@@ -76,7 +86,10 @@ def test_store_get_waits_for_a_version_and_times_out_clearly():
     store.put(KEY, 1, b"new")
     waiter.join()
     assert got == [b"new"]
-    with pytest.raises(FetchTimeoutError, match="weight block from partition 1 to partition 0, version 2 was not published within 0.05 s"):
+    with pytest.raises(
+        FetchTimeoutError,
+        match="weight block from partition 1 to partition 0, version 2 was not published within 0.05 s",
+    ):
         store.get(KEY, 2, timeout=0.05)
 
 
@@ -109,7 +122,9 @@ def test_a_get_that_does_not_wait_is_called_back_once_its_version_comes():
     store = BlockStore()
     called = []
     store.put(KEY, 0, b"old")
-    assert bytes(store.get_or_notify(KEY, 0, lambda: called.append("never"))[1]) == b"old"  # there: at once
+    assert (
+        bytes(store.get_or_notify(KEY, 0, lambda: called.append("never"))[1]) == b"old"
+    )  # there: at once
     waiter = store.get_or_notify(KEY, 2, lambda: called.append("ready"), reader="r")
     assert not isinstance(waiter, tuple) and store.waiting == 1
     store.put(KEY, 1, b"not yet")
@@ -117,7 +132,9 @@ def test_a_get_that_does_not_wait_is_called_back_once_its_version_comes():
     store.put(KEY, 2, b"new")
     assert called == ["ready"] and store.waiting == 0 and waiter.fired
     assert waiter.expire(5) is None  # the version came first: nothing to time out
-    assert bytes(store.get_or_notify(KEY, 2, lambda: called.append("again"), reader="r")[1]) == b"new"
+    assert (
+        bytes(store.get_or_notify(KEY, 2, lambda: called.append("again"), reader="r")[1]) == b"new"
+    )
     assert called == ["ready"]
 
 
@@ -127,8 +144,10 @@ def test_a_get_that_does_not_wait_expires_with_the_blocking_gets_text_and_is_nev
     waiter = store.get_or_notify(KEY, 3, lambda: called.append("late"))
     error = waiter.expire(0.25)
     assert isinstance(error, FetchTimeoutError) and store.waiting == 0
-    assert str(error) == ("weight block from partition 1 to partition 0, version 3 was not published within "
-                          "0.25 s (newest there: none)")
+    assert str(error) == (
+        "weight block from partition 1 to partition 0, version 3 was not published within "
+        "0.25 s (newest there: none)"
+    )
     store.put(KEY, 3, b"late")
     assert called == [] and waiter.expire(0.25) is None
 

@@ -31,8 +31,10 @@ def blobs(spark, rows=600, seed=0, string_labels=False):
     X = centres[labels] + rng.standard_normal((rows, 4)) * 0.7
     X[:, 2:] *= 100.0
     names = np.array(["cat", "dog", "eel"])
-    data = [(*map(float, row), str(names[label]) if string_labels else float(label), bool(i % 5 == 0))
-            for i, (row, label) in enumerate(zip(X, labels))]
+    data = [
+        (*map(float, row), str(names[label]) if string_labels else float(label), bool(i % 5 == 0))
+        for i, (row, label) in enumerate(zip(X, labels))
+    ]
     return spark.createDataFrame(data, [*COLUMNS, "label", "is_validation"])
 
 
@@ -40,13 +42,19 @@ def linear(spark, rows=500, seed=1):
     rng = np.random.default_rng(seed)
     X = rng.standard_normal((rows, 3))
     y = X @ np.array([1.5, -2.0, 0.5]) + 3.0 + rng.standard_normal(rows) * 0.01
-    return spark.createDataFrame([(Vectors.dense(row), float(t)) for row, t in zip(X, y)], ["features", "label"])
+    return spark.createDataFrame(
+        [(Vectors.dense(row), float(t)) for row, t in zip(X, y)], ["features", "label"]
+    )
 
 
 def pipeline(classifier):
-    return Pipeline(stages=[VectorAssembler(inputCols=COLUMNS, outputCol="raw"),
-                            StandardScaler(inputCol="raw", outputCol="features", withMean=True),
-                            classifier])
+    return Pipeline(
+        stages=[
+            VectorAssembler(inputCols=COLUMNS, outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="features", withMean=True),
+            classifier,
+        ]
+    )
 
 
 def accuracy(predictions):
@@ -55,7 +63,9 @@ def accuracy(predictions):
 
 def test_a_pipeline_fits_and_its_model_adds_prediction_raw_prediction_and_probability(spark):
     df = blobs(spark).cache()
-    classifier = AllReduceClassifier(hiddenLayers=[16], stepSize=0.01, batchSize=64, maxEpochs=5, showProgress=False)
+    classifier = AllReduceClassifier(
+        hiddenLayers=[16], stepSize=0.01, batchSize=64, maxEpochs=5, showProgress=False
+    )
     model = pipeline(classifier).fit(df)
     fitted = model.stages[-1]
     assert isinstance(fitted, AllReduceClassificationModel)
@@ -68,17 +78,24 @@ def test_a_pipeline_fits_and_its_model_adds_prediction_raw_prediction_and_probab
         assert abs(sum(row.probability) - 1.0) < 1e-9
         assert int(np.argmax(row.rawPrediction)) == row.prediction
         # one row at a time gives what the vectorised transform gave
-        np.testing.assert_allclose(fitted.predictRaw(row.features).toArray(), row.rawPrediction.toArray(), rtol=1e-6)
+        np.testing.assert_allclose(
+            fitted.predictRaw(row.features).toArray(), row.rawPrediction.toArray(), rtol=1e-6
+        )
         assert fitted.predict(row.features) == row.prediction
     # an empty column Param leaves that column out
     fitted.setProbabilityCol("")
-    assert "probability" not in fitted.transform(model.stages[1].transform(model.stages[0].transform(df))).columns
+    assert (
+        "probability"
+        not in fitted.transform(model.stages[1].transform(model.stages[0].transform(df))).columns
+    )
     df.unpersist()
 
 
 def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(spark, tmp_path):
     df = blobs(spark, rows=300)
-    classifier = AllReduceClassifier(hiddenLayers=[8], stepSize=0.02, batchSize=32, maxEpochs=3, showProgress=False)
+    classifier = AllReduceClassifier(
+        hiddenLayers=[8], stepSize=0.02, batchSize=32, maxEpochs=3, showProgress=False
+    )
     model = pipeline(classifier).fit(df)
     path = str(tmp_path / "model")
     model.write().overwrite().save(path)
@@ -99,28 +116,45 @@ def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(spark, tmp_p
 
 
 def test_a_model_whose_weights_do_not_fit_its_metadata_is_refused(spark, tmp_path):
-    fitted = AllReduceRegressor(maxEpochs=1, batchSize=50, showProgress=False).fit(linear(spark, rows=100))
+    fitted = AllReduceRegressor(maxEpochs=1, batchSize=50, showProgress=False).fit(
+        linear(spark, rows=100)
+    )
     fitted.save(str(tmp_path / "m"))
     spark.createDataFrame([([1.0, 2.0],)], "weights array<float>").write.mode("overwrite").parquet(
-        str(tmp_path / "m" / "data"))
-    with pytest.raises(InputError, match="holds 2 weights; the network its metadata describes has 4"):
+        str(tmp_path / "m" / "data")
+    )
+    with pytest.raises(
+        InputError, match="holds 2 weights; the network its metadata describes has 4"
+    ):
         AllReduceRegressionModel.load(str(tmp_path / "m"))
 
 
 def test_string_classes_indexed_by_string_indexer_set_the_class_count(spark):
     df = blobs(spark, rows=300, string_labels=True)
-    stages = [StringIndexer(inputCol="label", outputCol="class"), VectorAssembler(inputCols=COLUMNS, outputCol="features"),
-              AllReduceClassifier(labelCol="class", maxEpochs=1, batchSize=64, showProgress=False)]
+    stages = [
+        StringIndexer(inputCol="label", outputCol="class"),
+        VectorAssembler(inputCols=COLUMNS, outputCol="features"),
+        AllReduceClassifier(labelCol="class", maxEpochs=1, batchSize=64, showProgress=False),
+    ]
     fitted = Pipeline(stages=stages).fit(df).stages[-1]
     assert fitted.numClasses == 3
 
 
 def test_cross_validator_picks_among_step_sizes(spark):
-    df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=400)).cache()
+    df = (
+        VectorAssembler(inputCols=COLUMNS, outputCol="features")
+        .transform(blobs(spark, rows=400))
+        .cache()
+    )
     classifier = AllReduceClassifier(batchSize=64, maxEpochs=2, showProgress=False)
     grid = ParamGridBuilder().addGrid(classifier.stepSize, [1e-5, 0.05]).build()
-    cv = CrossValidator(estimator=classifier, estimatorParamMaps=grid, numFolds=2, seed=3,
-                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+    cv = CrossValidator(
+        estimator=classifier,
+        estimatorParamMaps=grid,
+        numFolds=2,
+        seed=3,
+        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+    )
     fitted = cv.fit(df)
     assert len(fitted.avgMetrics) == 2 and fitted.avgMetrics[1] > fitted.avgMetrics[0]
     assert isinstance(fitted.bestModel, AllReduceClassificationModel)
@@ -140,21 +174,30 @@ def test_the_regressor_fits_a_line_and_train_validation_split_runs_over_it(spark
     fitted.save(str(tmp_path / "regressor"))
     loaded = AllReduceRegressionModel.load(str(tmp_path / "regressor"))
     np.testing.assert_array_equal(loaded.weights, fitted.weights)
-    tvs = TrainValidationSplit(estimator=regressor.copy({regressor.maxEpochs: 2}), trainRatio=0.75, seed=1,
-                               estimatorParamMaps=ParamGridBuilder().addGrid(regressor.hiddenLayers, [[], [4]]).build(),
-                               evaluator=RegressionEvaluator(metricName="rmse"))
+    tvs = TrainValidationSplit(
+        estimator=regressor.copy({regressor.maxEpochs: 2}),
+        trainRatio=0.75,
+        seed=1,
+        estimatorParamMaps=ParamGridBuilder().addGrid(regressor.hiddenLayers, [[], [4]]).build(),
+        evaluator=RegressionEvaluator(metricName="rmse"),
+    )
     assert len(tvs.fit(df).validationMetrics) == 2
     df.unpersist()
 
 
 def test_validation_rows_are_marked_by_the_indicator_column(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=300))
-    fitted = AllReduceClassifier(validationIndicatorCol="is_validation", maxEpochs=2, batchSize=64,
-                                 showProgress=False).fit(df)
+    fitted = AllReduceClassifier(
+        validationIndicatorCol="is_validation", maxEpochs=2, batchSize=64, showProgress=False
+    ).fit(df)
     assert all("val_accuracy" in epoch for epoch in fitted.history.epochs)
-    with pytest.raises(InputError, match="validationIndicatorCol='label' is double; it must be boolean"):
+    with pytest.raises(
+        InputError, match="validationIndicatorCol='label' is double; it must be boolean"
+    ):
         AllReduceClassifier(validationIndicatorCol="label", showProgress=False).fit(df)
-    with pytest.raises(InputError, match="validationIndicatorCol='nope' is not a column of the data"):
+    with pytest.raises(
+        InputError, match="validationIndicatorCol='nope' is not a column of the data"
+    ):
         AllReduceClassifier(validationIndicatorCol="nope", showProgress=False).fit(df)
 
 
@@ -165,10 +208,19 @@ def test_early_stopping_keeps_the_epoch_of_the_lowest_validation_loss(spark):
     X = rng.standard_normal((400, 2))
     validation = np.arange(400) % 4 == 0
     y = np.where(validation, X @ np.array([1.0, -0.5]), X @ np.array([2.0, -1.0]))
-    df = spark.createDataFrame([(Vectors.dense(row), float(t), bool(v)) for row, t, v in zip(X, y, validation)],
-                               ["features", "label", "is_validation"])
-    fitted = AllReduceRegressor(validationIndicatorCol="is_validation", earlyStoppingPatience=2, maxEpochs=40,
-                                optimizer="sgd", stepSize=0.05, batchSize=32, showProgress=False).fit(df)
+    df = spark.createDataFrame(
+        [(Vectors.dense(row), float(t), bool(v)) for row, t, v in zip(X, y, validation)],
+        ["features", "label", "is_validation"],
+    )
+    fitted = AllReduceRegressor(
+        validationIndicatorCol="is_validation",
+        earlyStoppingPatience=2,
+        maxEpochs=40,
+        optimizer="sgd",
+        stepSize=0.05,
+        batchSize=32,
+        showProgress=False,
+    ).fit(df)
     history = fitted.history
     losses = [epoch["val_loss"] for epoch in history.epochs]
     assert history.stopped_early and history.best_epoch == int(np.argmin(losses)) > 0
@@ -176,9 +228,14 @@ def test_early_stopping_keeps_the_epoch_of_the_lowest_validation_loss(spark):
     # the Model predicts with the best epoch's weights: its validation loss is the best one
     rows = fitted.transform(df.filter("is_validation")).select("label", "prediction").collect()
     squared = np.mean([(row.label - row.prediction) ** 2 for row in rows])
-    assert squared / 2 == pytest.approx(losses[history.best_epoch], rel=1e-4)  # the loss is half the squared error
-    with pytest.raises(InputError, match="early_stopping_patience=2 stops on the validation loss: pass validation "
-                                         "data.*set validationIndicatorCol"):
+    assert squared / 2 == pytest.approx(
+        losses[history.best_epoch], rel=1e-4
+    )  # the loss is half the squared error
+    with pytest.raises(
+        InputError,
+        match="early_stopping_patience=2 stops on the validation loss: pass validation "
+        "data.*set validationIndicatorCol",
+    ):
         AllReduceRegressor(earlyStoppingPatience=2, showProgress=False).fit(df)
 
 
@@ -188,28 +245,47 @@ def test_weight_col_trains_as_repeating_each_row_its_weight_times(spark):
     X = rng.standard_normal((120, 3))
     y = X @ np.array([1.5, -2.0, 0.5]) + rng.standard_normal(120)
     weight = rng.integers(0, 4, 120)
-    weighted = spark.createDataFrame([(Vectors.dense(row), float(t), int(w)) for row, t, w in zip(X, y, weight)],
-                                     ["features", "label", "w"])
-    repeated = spark.createDataFrame([(Vectors.dense(row), float(t)) for row, t, w in zip(X, y, weight)
-                                      for _ in range(w)], ["features", "label"])
-    settings = dict(optimizer="sgd", stepSize=0.1, batchSize=1000, maxEpochs=4, numWorkers=2, codec="raw",
-                    showProgress=False)
+    weighted = spark.createDataFrame(
+        [(Vectors.dense(row), float(t), int(w)) for row, t, w in zip(X, y, weight)],
+        ["features", "label", "w"],
+    )
+    repeated = spark.createDataFrame(
+        [(Vectors.dense(row), float(t)) for row, t, w in zip(X, y, weight) for _ in range(w)],
+        ["features", "label"],
+    )
+    settings = dict(
+        optimizer="sgd",
+        stepSize=0.1,
+        batchSize=1000,
+        maxEpochs=4,
+        numWorkers=2,
+        codec="raw",
+        showProgress=False,
+    )
     by_weight = AllReduceRegressor(weightCol="w", **settings).fit(weighted)
     by_rows = AllReduceRegressor(**settings).fit(repeated)
     np.testing.assert_allclose(by_weight.weights, by_rows.weights, rtol=1e-5, atol=1e-6)
-    assert by_weight.history.steps[0]["samples"] == weight.sum() == by_rows.history.steps[0]["samples"]
+    assert (
+        by_weight.history.steps[0]["samples"] == weight.sum() == by_rows.history.steps[0]["samples"]
+    )
     bad = weighted.withColumn("w", weighted.w - 1)
-    with pytest.raises(InputError, match=r"rows whose weight 'w' \(weightCol\) is null, NaN, negative or infinite"):
+    with pytest.raises(
+        InputError, match=r"rows whose weight 'w' \(weightCol\) is null, NaN, negative or infinite"
+    ):
         AllReduceRegressor(weightCol="w", **settings).fit(bad)
 
 
 def test_thresholds_choose_the_class_as_mllib_does(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=200))
     fitted = AllReduceClassifier(maxEpochs=1, batchSize=64, showProgress=False).fit(df)
-    fitted.setThresholds([1.0, 1.0, 0.0])  # a threshold of 0: its class wins wherever it is possible
+    fitted.setThresholds(
+        [1.0, 1.0, 0.0]
+    )  # a threshold of 0: its class wins wherever it is possible
     assert {row.prediction for row in fitted.transform(df).select("prediction").collect()} == {2.0}
     fitted.setThresholds([1.0, 1.0])
-    with pytest.raises(ConfigurationError, match="thresholds has 2 values; the model has 3 classes"):
+    with pytest.raises(
+        ConfigurationError, match="thresholds has 2 values; the model has 3 classes"
+    ):
         fitted.transform(df).collect()
 
 
@@ -217,9 +293,13 @@ def test_bad_settings_and_labels_name_the_param(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=100))
     with pytest.raises(InputError, match=r"the training data has no column 'w' \(weightCol\)"):
         AllReduceClassifier(weightCol="w", showProgress=False).fit(df)
-    with pytest.raises(ConfigurationError, match="optimizer='nadam' is not one of adam, adamw, sgd"):
+    with pytest.raises(
+        ConfigurationError, match="optimizer='nadam' is not one of adam, adamw, sgd"
+    ):
         AllReduceClassifier(optimizer="nadam").fit(df)
-    with pytest.raises(ConfigurationError, match="AllReduceClassifier: batchSize must be a positive whole number"):
+    with pytest.raises(
+        ConfigurationError, match="AllReduceClassifier: batchSize must be a positive whole number"
+    ):
         AllReduceClassifier(batchSize=0).fit(df)
     with pytest.raises(InputError, match="no column 'feats' \\(featuresCol\\)"):
         AllReduceClassifier(featuresCol="feats").fit(df)
@@ -229,25 +309,77 @@ def test_bad_settings_and_labels_name_the_param(spark):
 
 
 def test_every_param_has_a_setter_and_a_getter_as_mllibs_do():
-    classifier = AllReduceClassifier().setHiddenLayers([32, 16]).setOptimizer("sgd").setStepSize(0.1) \
-        .setBatchSize(128).setMaxEpochs(7).setCodec("bf16").setNumWorkers(2).setStrategy("ssp").setStaleness(3) \
-        .setBackupWorkers(0).setSyncEvery("epoch").setPartitionScheme("random").setCheckpointDir("/tmp/c") \
-        .setCheckpointEvery(50).setShowProgress(False).setSeed(11).setValidationIndicatorCol("v") \
-        .setEarlyStoppingPatience(3).setEarlyStoppingMinDelta(0.01)
-    assert (classifier.getHiddenLayers(), classifier.getOptimizer(), classifier.getStepSize(), classifier.getBatchSize(),
-            classifier.getMaxEpochs(), classifier.getCodec(), classifier.getNumWorkers(), classifier.getStrategy(),
-            classifier.getStaleness(), classifier.getBackupWorkers(), classifier.getSyncEvery(),
-            classifier.getPartitionScheme(), classifier.getCheckpointDir(), classifier.getCheckpointEvery(),
-            classifier.getShowProgress(), classifier.getSeed(), classifier.getValidationIndicatorCol(),
-            classifier.getEarlyStoppingPatience(), classifier.getEarlyStoppingMinDelta()) == \
-        ([32, 16], "sgd", 0.1, 128, 7, "bf16", 2, "ssp", 3, 0, "epoch", "random", "/tmp/c", 50, False, 11, "v",
-         3, 0.01)
+    classifier = (
+        AllReduceClassifier()
+        .setHiddenLayers([32, 16])
+        .setOptimizer("sgd")
+        .setStepSize(0.1)
+        .setBatchSize(128)
+        .setMaxEpochs(7)
+        .setCodec("bf16")
+        .setNumWorkers(2)
+        .setStrategy("ssp")
+        .setStaleness(3)
+        .setBackupWorkers(0)
+        .setSyncEvery("epoch")
+        .setPartitionScheme("random")
+        .setCheckpointDir("/tmp/c")
+        .setCheckpointEvery(50)
+        .setShowProgress(False)
+        .setSeed(11)
+        .setValidationIndicatorCol("v")
+        .setEarlyStoppingPatience(3)
+        .setEarlyStoppingMinDelta(0.01)
+    )
+    assert (
+        classifier.getHiddenLayers(),
+        classifier.getOptimizer(),
+        classifier.getStepSize(),
+        classifier.getBatchSize(),
+        classifier.getMaxEpochs(),
+        classifier.getCodec(),
+        classifier.getNumWorkers(),
+        classifier.getStrategy(),
+        classifier.getStaleness(),
+        classifier.getBackupWorkers(),
+        classifier.getSyncEvery(),
+        classifier.getPartitionScheme(),
+        classifier.getCheckpointDir(),
+        classifier.getCheckpointEvery(),
+        classifier.getShowProgress(),
+        classifier.getSeed(),
+        classifier.getValidationIndicatorCol(),
+        classifier.getEarlyStoppingPatience(),
+        classifier.getEarlyStoppingMinDelta(),
+    ) == (
+        [32, 16],
+        "sgd",
+        0.1,
+        128,
+        7,
+        "bf16",
+        2,
+        "ssp",
+        3,
+        0,
+        "epoch",
+        "random",
+        "/tmp/c",
+        50,
+        False,
+        11,
+        "v",
+        3,
+        0.01,
+    )
     copied = classifier.copy({classifier.maxEpochs: 2})
     assert copied.getMaxEpochs() == 2 and classifier.getMaxEpochs() == 7
     assert AllReduceRegressor().getHiddenLayers() == [] and AllReduceRegressor().getSeed() == 0
 
 
-def test_topology_and_fetch_threads_params_save_load_and_are_checked_before_any_spark_job(spark, tmp_path):
+def test_topology_and_fetch_threads_params_save_load_and_are_checked_before_any_spark_job(
+    spark, tmp_path
+):
     from allreduce_param import FitSettings
 
     classifier = AllReduceClassifier(topology="flat", fetchThreads=2, maxEpochs=1)
@@ -264,10 +396,15 @@ def test_topology_and_fetch_threads_params_save_load_and_are_checked_before_any_
     context, group = spark.sparkContext, "refused-on-the-driver"
     context.setJobGroup(group, "a fit whose settings conflict")
     try:
-        with pytest.raises(ConfigurationError, match="AllReduceClassifier: topology='hierarchical' goes with "
-                                                     "strategy='bsp' and no backup workers, not with "
-                                                     "strategy='ssp'.* or set strategy='bsp'"):
-            AllReduceClassifier(topology="hierarchical", strategy="ssp", staleness=1, showProgress=False).fit(df)
+        with pytest.raises(
+            ConfigurationError,
+            match="AllReduceClassifier: topology='hierarchical' goes with "
+            "strategy='bsp' and no backup workers, not with "
+            "strategy='ssp'.* or set strategy='bsp'",
+        ):
+            AllReduceClassifier(
+                topology="hierarchical", strategy="ssp", staleness=1, showProgress=False
+            ).fit(df)
         assert context.statusTracker().getJobIdsForGroup(group) == []
         df.count()  # the tracker does see this group's jobs
         assert context.statusTracker().getJobIdsForGroup(group) != []

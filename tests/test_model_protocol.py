@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from pyspark import cloudpickle
 
-from allreduce_param import ConfigurationError, DistriOptimizer, InputError, TrainedModel, models, optim
+from allreduce_param import (
+    ConfigurationError,
+    DistriOptimizer,
+    InputError,
+    TrainedModel,
+    models,
+    optim,
+)
 from allreduce_param.models.base import Model, merge_buffers
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -35,10 +42,16 @@ class Centred:
 
     def loss_and_grad(self, weights, X, y):
         if len(X):
-            self.mean = (self.mean * self.seen + X.astype(np.float64).sum(axis=0)) / (self.seen + len(X))
+            self.mean = (self.mean * self.seen + X.astype(np.float64).sum(axis=0)) / (
+                self.seen + len(X)
+            )
             self.seen += len(X)
-        error = (X - self.mean.astype(np.float32)) @ weights[:-1] + weights[-1] - y.astype(np.float32)
-        grad = np.concatenate([(X - self.mean.astype(np.float32)).T @ error, [error.sum()]]).astype(np.float32)
+        error = (
+            (X - self.mean.astype(np.float32)) @ weights[:-1] + weights[-1] - y.astype(np.float32)
+        )
+        grad = np.concatenate([(X - self.mean.astype(np.float32)).T @ error, [error.sum()]]).astype(
+            np.float32
+        )
         return float(0.5 * error @ error), grad, len(X)
 
     def predict(self, weights, X):
@@ -62,7 +75,11 @@ class Plain:
 
     def loss_and_grad(self, weights, X, y):
         error = X @ weights[:-1] + weights[-1] - y.astype(np.float32)
-        return float(0.5 * error @ error), np.concatenate([X.T @ error, [error.sum()]]).astype(np.float32), len(X)
+        return (
+            float(0.5 * error @ error),
+            np.concatenate([X.T @ error, [error.sum()]]).astype(np.float32),
+            len(X),
+        )
 
     def predict(self, weights, X):
         return X @ weights[:-1] + weights[-1]
@@ -80,19 +97,33 @@ def in_two_halves(spark, X, y):
     """A cached DataFrame of two partitions, the first half of the rows and the second: a fit
     of two workers trains each where it lies (``partition_scheme="as_is"``)."""
     rows = [(row.tolist(), float(label)) for row, label in zip(X, y)]
-    return spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), "features array<float>, label double").cache()
+    return spark.createDataFrame(
+        spark.sparkContext.parallelize(rows, 2), "features array<float>, label double"
+    ).cache()
 
 
 def test_a_model_without_task_trains_on_the_loss_alone(spark, capsys):
     X, y = data()
-    train = spark.createDataFrame([(r.tolist(), float(v)) for r, v in zip(X[:160], y[:160])],
-                                  "features array<float>, label double")
-    valid = spark.createDataFrame([(r.tolist(), float(v)) for r, v in zip(X[160:], y[160:])],
-                                  "features array<float>, label double")
+    train = spark.createDataFrame(
+        [(r.tolist(), float(v)) for r, v in zip(X[:160], y[:160])],
+        "features array<float>, label double",
+    )
+    valid = spark.createDataFrame(
+        [(r.tolist(), float(v)) for r, v in zip(X[160:], y[160:])],
+        "features array<float>, label double",
+    )
     events = []
-    result = DistriOptimizer(Plain(4), optim.Adam(lr=0.05), batch_size=32, epochs=30, num_workers=2,
-                             listener=lambda kind, fields: events.append((kind, fields))).fit(train, validation=valid)
-    assert not hasattr(Plain(4), "task") and not isinstance(getattr(result.model, "task", None), str)
+    result = DistriOptimizer(
+        Plain(4),
+        optim.Adam(lr=0.05),
+        batch_size=32,
+        epochs=30,
+        num_workers=2,
+        listener=lambda kind, fields: events.append((kind, fields)),
+    ).fit(train, validation=valid)
+    assert not hasattr(Plain(4), "task") and not isinstance(
+        getattr(result.model, "task", None), str
+    )
     epochs = result.history.epochs
     assert len(epochs) == 30
     assert all(set(epoch) == {"epoch", "loss", "val_loss"} for epoch in epochs[:-1]), epochs[0]
@@ -101,38 +132,60 @@ def test_a_model_without_task_trains_on_the_loss_alone(spark, capsys):
     # the losses reported are the model's own loss (0.5 squared error) of the final weights
     for rows, name in ((slice(0, 160), "train_loss"), (slice(160, None), "val_loss")):
         error = result.predict_numpy(X[rows]).astype(np.float64) - y[rows]
-        assert epochs[-1][name] == pytest.approx(0.5 * np.mean(error ** 2), rel=1e-4)
+        assert epochs[-1][name] == pytest.approx(0.5 * np.mean(error**2), rel=1e-4)
     assert [fields["epoch"] for kind, fields in events if kind == "epoch"] == list(range(30))
     # the progress bar printed an epoch line with the losses and no accuracy or RMSE
     printed = capsys.readouterr()
-    lines = [line for line in (printed.out + printed.err).splitlines() if line.startswith("epoch 29:")]
-    assert lines and "val_loss" in lines[0] and "accuracy" not in lines[0] and "rmse" not in lines[0]
+    lines = [
+        line for line in (printed.out + printed.err).splitlines() if line.startswith("epoch 29:")
+    ]
+    assert (
+        lines and "val_loss" in lines[0] and "accuracy" not in lines[0] and "rmse" not in lines[0]
+    )
 
 
 def test_buffers_come_back_merged_by_rows_and_predictions_use_them(spark):
     X, y = data(rows=240, seed=1)
     model = Centred(4)
-    result = DistriOptimizer(model, optim.Adam(lr=0.05), batch_size=40, epochs=3, num_workers=2, progress=False,
-                             partition_scheme="as_is").fit(in_two_halves(spark, X, y))
+    result = DistriOptimizer(
+        model,
+        optim.Adam(lr=0.05),
+        batch_size=40,
+        epochs=3,
+        num_workers=2,
+        progress=False,
+        partition_scheme="as_is",
+    ).fit(in_two_halves(spark, X, y))
     # each partition saw its own 120 rows 3 times (never the driver's check, never an
     # evaluation): its mean is theirs; merged by rows, the mean of all 240
-    np.testing.assert_allclose(result.buffers["mean"], X.astype(np.float64).mean(axis=0), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(
+        result.buffers["mean"], X.astype(np.float64).mean(axis=0), rtol=1e-9, atol=1e-9
+    )
     assert int(result.buffers["seen"]) == 3 * 120
     # the model given to the fit is as it was; predictions use the merged buffers
     assert model.seen == 0 and not model.mean.any()
     w = result.weights
-    np.testing.assert_allclose(result.predict_numpy(X), (X - result.buffers["mean"].astype(np.float32)) @ w[:-1] + w[-1],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        result.predict_numpy(X),
+        (X - result.buffers["mean"].astype(np.float32)) @ w[:-1] + w[-1],
+        rtol=1e-6,
+    )
     assert not np.allclose(result.predict_numpy(X), model.predict(w, X))
-    column = result.predict(spark.createDataFrame([(r.tolist(),) for r in X[:5]], "features array<float>"))
-    np.testing.assert_allclose([row["prediction"] for row in column.collect()], result.predict_numpy(X[:5]),
-                               rtol=1e-5)
+    column = result.predict(
+        spark.createDataFrame([(r.tolist(),) for r in X[:5]], "features array<float>")
+    )
+    np.testing.assert_allclose(
+        [row["prediction"] for row in column.collect()], result.predict_numpy(X[:5]), rtol=1e-5
+    )
 
 
 def test_save_and_load_keep_the_buffers(tmp_path):
     model = Centred(2)
-    result = TrainedModel(model, np.array([1, 2, 3], np.float32), buffers={"mean": np.array([0.5, -1.0]),
-                                                                             "seen": np.int64(7)})
+    result = TrainedModel(
+        model,
+        np.array([1, 2, 3], np.float32),
+        buffers={"mean": np.array([0.5, -1.0]), "seen": np.int64(7)},
+    )
     result.save(tmp_path / "m")
     loaded = TrainedModel.load(tmp_path / "m")
     assert sorted(loaded.buffers) == ["mean", "seen"] and int(loaded.buffers["seen"]) == 7
@@ -145,13 +198,19 @@ def test_save_and_load_keep_the_buffers(tmp_path):
 
 
 def test_merge_buffers_averages_floats_by_rows_and_takes_the_largest_counter():
-    merged = merge_buffers([({"m": np.float32([1, 2]), "n": np.int64(3), "flag": np.bool_(False)}, 1),
-                            ({"m": np.float32([3, 4]), "n": np.int64(5), "flag": np.bool_(True)}, 3),
-                            ({"m": np.float32([100, 100]), "n": np.int64(9), "flag": np.bool_(False)}, 0)])
+    merged = merge_buffers(
+        [
+            ({"m": np.float32([1, 2]), "n": np.int64(3), "flag": np.bool_(False)}, 1),
+            ({"m": np.float32([3, 4]), "n": np.int64(5), "flag": np.bool_(True)}, 3),
+            ({"m": np.float32([100, 100]), "n": np.int64(9), "flag": np.bool_(False)}, 0),
+        ]
+    )
     np.testing.assert_array_equal(merged["m"], np.float32([2.5, 3.5]))
     assert merged["m"].dtype == np.float32 and int(merged["n"]) == 9 and bool(merged["flag"])
     same = np.float32([0.1, 1 / 3])
-    assert np.array_equal(merge_buffers([({"m": same}, 7), ({"m": same}, 2)])["m"], same)  # bit for bit
+    assert np.array_equal(
+        merge_buffers([({"m": same}, 7), ({"m": same}, 2)])["m"], same
+    )  # bit for bit
     with pytest.raises(InputError, match=r"copy 1's buffers \['x'\] differ from copy 0's \['m'\]"):
         merge_buffers([({"m": same}, 1), ({"x": same}, 1)])
     with pytest.raises(InputError, match=r"copy 1's buffer 'm' has shape \(3,\), copy 0's \(2,\)"):
@@ -166,10 +225,15 @@ def test_export_npz_writes_named_tensors_or_the_flat_vector(tmp_path):
         assert sorted(saved.files) == sorted(mlp.tensors(weights))
         for name, value in mlp.tensors(weights).items():
             np.testing.assert_array_equal(saved[name], value)
-    with np.load(TrainedModel(Plain(2), np.arange(3, dtype=np.float32)).export_npz(tmp_path / "plain.npz")) as saved:
+    with np.load(
+        TrainedModel(Plain(2), np.arange(3, dtype=np.float32)).export_npz(tmp_path / "plain.npz")
+    ) as saved:
         assert saved.files == ["weights"] and saved["weights"].tolist() == [0, 1, 2]
-    with np.load(TrainedModel(Centred(2), np.zeros(3, np.float32),
-                              buffers={"mean": np.ones(2), "seen": np.int64(4)}).export_npz(tmp_path / "c.npz")) as saved:
+    with np.load(
+        TrainedModel(
+            Centred(2), np.zeros(3, np.float32), buffers={"mean": np.ones(2), "seen": np.int64(4)}
+        ).export_npz(tmp_path / "c.npz")
+    ) as saved:
         assert sorted(saved.files) == ["mean", "seen", "weights"] and int(saved["seen"]) == 4
 
 
@@ -181,15 +245,21 @@ def test_what_the_protocol_refuses_says_what_was_wrong(tmp_path):
         def buffers(self):
             return {}
 
-    with pytest.raises(ConfigurationError, match=r"says task = 'ranking'; a task is 'classification' or "
-                                                 r"'regression', or leave it out"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"says task = 'ranking'; a task is 'classification' or "
+        r"'regression', or leave it out",
+    ):
         DistriOptimizer(Ranker(2), optim.SGD(lr=0.1))
     with pytest.raises(ConfigurationError, match=r"has buffers\(\) but no set_buffers\(\)"):
         DistriOptimizer(HalfBuffers(2), optim.SGD(lr=0.1))
     with pytest.raises(InputError, match=r"keeps no buffers .* but buffers \['mean'\] were given"):
         TrainedModel(Plain(2), np.zeros(3, np.float32), buffers={"mean": np.zeros(2)})
-    with pytest.raises(ConfigurationError, match=r"state_dict\(\) is for a TorchModel's result; .* use "
-                                                 r"export_npz\(path\)"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"state_dict\(\) is for a TorchModel's result; .* use "
+        r"export_npz\(path\)",
+    ):
         TrainedModel(Plain(2), np.zeros(3, np.float32)).state_dict()
     (tmp_path / "folder").mkdir()
     with pytest.raises(InputError, match="that is a folder; give the path of the .npz file"):

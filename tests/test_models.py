@@ -14,9 +14,15 @@ import threading
 import numpy as np
 import pytest
 
+from allreduce_param.engine.layout import TensorLayout
 from allreduce_param.errors import InputError
-from allreduce_param.layout import TensorLayout
-from allreduce_param.models import MLP, LinearRegression, LogisticRegression, Model, SoftmaxRegression
+from allreduce_param.models import (
+    MLP,
+    LinearRegression,
+    LogisticRegression,
+    Model,
+    SoftmaxRegression,
+)
 
 # -- float64 reference losses (summed over rows), independent of the models' code ---------
 
@@ -162,11 +168,15 @@ def test_the_gradient_into_a_vector_is_the_same_and_comes_layer_by_layer_last_fi
     assert model.loss_and_grad_into(w, X, y, out, ready) == (loss, count)
     assert np.array_equal(out, grad)
     assert ranges == sorted(ranges, reverse=True) and ranges[0][1] == model.size
-    assert [stop for _, stop in ranges[1:]] == [start for start, _ in ranges[:-1]] and ranges[-1][0] == 0
+    assert [stop for _, stop in ranges[1:]] == [start for start, _ in ranges[:-1]] and ranges[-1][
+        0
+    ] == 0
     assert len(ranges) == len(model.layout.names) // 2  # one range per layer: its weights and bias
     out[:] = 1.0
     assert model.loss_and_grad_into(w, *sample(model, rows=0), out) == (0.0, 0) and not out.any()
-    with pytest.raises(InputError, match=r"loss_and_grad_into\(out=\): expected a writeable contiguous float32"):
+    with pytest.raises(
+        InputError, match=r"loss_and_grad_into\(out=\): expected a writeable contiguous float32"
+    ):
         model.loss_and_grad_into(w, X, y, np.zeros(model.size))
 
 
@@ -182,7 +192,9 @@ def test_an_override_of_loss_and_grad_is_not_skipped_by_the_inherited_optional_c
             return super().loss_and_grad_into(weights, X, y, out, ready)
 
     plain, overridden, both = MLP([2, 2]), Regularised([2, 2]), Streaming([2, 2])
-    assert optional_call(plain, "loss_and_grad_into", ("loss_and_grad",)) == plain.loss_and_grad_into
+    assert (
+        optional_call(plain, "loss_and_grad_into", ("loss_and_grad",)) == plain.loss_and_grad_into
+    )
     assert optional_call(overridden, "loss_and_grad_into", ("loss_and_grad",)) is None
     assert optional_call(both, "loss_and_grad_into", ("loss_and_grad",)) == both.loss_and_grad_into
     assert optional_call(overridden, "loss_and_predictions", ("loss_and_grad", "predict")) is None
@@ -194,7 +206,7 @@ def test_an_override_of_loss_and_grad_is_not_skipped_by_the_inherited_optional_c
 
 
 def test_evaluation_gives_the_same_with_or_without_loss_and_predictions(model):
-    from allreduce_param.train.worker import evaluate
+    from allreduce_param.train.task.worker import evaluate
 
     class Plain:  # the model's protocol without the optional call
         task = model.task
@@ -359,7 +371,10 @@ def test_mlp_regression_fits_a_curve():
         (lambda: MLP([]), "at least 2 layer widths"),
         (lambda: MLP([4, 0, 2]), "width #1 must be a whole number >= 1"),
         (lambda: MLP([4, 2.5, 2]), "width #1"),
-        (lambda: MLP([4, 8, 2], activation="sigmoid"), "unknown activation 'sigmoid'.*'relu', 'tanh'"),
+        (
+            lambda: MLP([4, 8, 2], activation="sigmoid"),
+            "unknown activation 'sigmoid'.*'relu', 'tanh'",
+        ),
         (lambda: MLP([4, 8, 2], task="ranking"), "unknown task 'ranking'"),
         (lambda: MLP([4, 8, 1]), "at least 2 outputs"),
         (lambda: SoftmaxRegression(4, 1), "n_classes must be a whole number >= 2, got 1"),
@@ -384,7 +399,9 @@ def test_feature_count_mismatch_names_expected_and_got(model):
         model.predict(w, wide)
     with pytest.raises(ValueError, match="2-D"):
         model.predict(w, X[0])
-    with pytest.raises(ValueError, match=f"{model.size} parameters, got shape \\({model.size - 1},\\)"):
+    with pytest.raises(
+        ValueError, match=f"{model.size} parameters, got shape \\({model.size - 1},\\)"
+    ):
         model.loss_and_grad(w[:-1], X, y)
     with pytest.raises(ValueError, match="expected shape"):
         model.loss_and_grad(w, X, y[:2])
@@ -423,7 +440,10 @@ def test_pickle_round_trip_keeps_the_model(model):
 def test_repr_and_protocol():
     assert repr(LinearRegression(3)) == "LinearRegression(n_features=3)"
     assert repr(SoftmaxRegression(3, 4)) == "SoftmaxRegression(n_features=3, n_classes=4)"
-    assert repr(MLP([64, 128, 10])) == "MLP(layers=[64, 128, 10], activation='relu', task='classification')"
+    assert (
+        repr(MLP([64, 128, 10]))
+        == "MLP(layers=[64, 128, 10], activation='relu', task='classification')"
+    )
     assert MLP([2, 3], task="regression") != MLP([2, 3], task="classification")
     for make in MODELS.values():
         model = make()
@@ -506,7 +526,10 @@ def test_torch_model_without_torch_says_how_to_get_it(monkeypatch):
     from allreduce_param.models import TorchModel
 
     monkeypatch.setitem(sys.modules, "torch", None)  # as on a machine without PyTorch
-    with pytest.raises(ConfigurationError, match=r"TorchModel needs PyTorch: pip install 'allreduce-param\[torch\]'"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"TorchModel needs PyTorch: pip install 'allreduce-param\[torch\]'",
+    ):
         TorchModel(lambda: None)
 
 
@@ -528,7 +551,11 @@ def test_whole_sample_weights_count_a_row_as_often_as_repeating_it(make):
     if model.task == "classification":
         y = rng.integers(0, model.num_classes, 9).astype(np.float64)
     else:
-        y = rng.standard_normal((9, outputs)).astype(np.float32) if outputs > 1 else rng.standard_normal(9)
+        y = (
+            rng.standard_normal((9, outputs)).astype(np.float32)
+            if outputs > 1
+            else rng.standard_normal(9)
+        )
     weights = model.init(np.random.default_rng(1))
     counts = np.array([0, 1, 2, 3, 1, 0, 4, 1, 2])
     loss, grad, count = model.loss_and_grad(weights, X, y, sample_weight=counts)
@@ -550,7 +577,10 @@ def test_bad_sample_weights_are_refused_naming_what_is_wrong():
     model = SoftmaxRegression(2, 2)
     weights = model.init(np.random.default_rng(0))
     X, y = np.zeros((3, 2), np.float32), np.array([0.0, 1.0, 0.0])
-    with pytest.raises(InputError, match="sample_weight has shape \\(2,\\); it needs one weight per row of X, shape \\(3,\\)"):
+    with pytest.raises(
+        InputError,
+        match="sample_weight has shape \\(2,\\); it needs one weight per row of X, shape \\(3,\\)",
+    ):
         model.loss_and_grad(weights, X, y, sample_weight=[1.0, 2.0])
     for bad in ([1.0, -1.0, 1.0], [1.0, np.nan, 1.0], [np.inf, 1.0, 1.0]):
         with pytest.raises(InputError, match="negative, NaN or infinite weight"):

@@ -24,7 +24,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from namespace_driver import MARKER, describe
 from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
 
@@ -58,34 +57,59 @@ def namespace():
     says so on its stdout. Torn down by killing the holder; any process the tests left in it
     is killed too, and named as the teardown's error."""
     if os.geteuid() != 0:
-        pytest.skip("a network namespace with an address of its own needs root (unshare -n, ip addr add)")
+        pytest.skip(
+            "a network namespace with an address of its own needs root (unshare -n, ip addr add)"
+        )
     missing = [tool for tool in ("unshare", "nsenter", "ip") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"no {', '.join(missing)} on this machine (util-linux, iproute2)")
-    script = f"ip link set lo up && ip addr add {ADDRESS}/32 dev lo && echo ready && exec sleep infinity"
-    holder = subprocess.Popen(["unshare", "--net", "sh", "-c", script], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    script = (
+        f"ip link set lo up && ip addr add {ADDRESS}/32 dev lo && echo ready && exec sleep infinity"
+    )
+    holder = subprocess.Popen(
+        ["unshare", "--net", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
     try:
-        ready, _, _ = select.select([holder.stdout], [], [], 30)  # "ready" once configured; "" if it exits
+        ready, _, _ = select.select(
+            [holder.stdout], [], [], 30
+        )  # "ready" once configured; "" if it exits
         line = holder.stdout.readline() if ready else ""
         if line.strip() != "ready":
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(holder.pid, signal.SIGKILL)  # still starting after 30 s
             holder.wait(30)
-            pytest.skip(f"could not make a network namespace with {ADDRESS} (unshare --net, ip addr add: exit "
-                        f"{holder.returncode}): {holder.stderr.read().strip()}")
+            pytest.skip(
+                f"could not make a network namespace with {ADDRESS} (unshare --net, ip addr add: exit "
+                f"{holder.returncode}): {holder.stderr.read().strip()}"
+            )
         ours, theirs = os.readlink("/proc/self/ns/net"), os.readlink(f"/proc/{holder.pid}/ns/net")
-        assert theirs != ours, "unshare --net said it was ready in this process's own network namespace"
+        assert theirs != ours, (
+            "unshare --net said it was ready in this process's own network namespace"
+        )
         prefix = ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
-        seen = subprocess.run([*prefix, "ip", "-4", "-o", "addr", "show", "dev", "lo"], capture_output=True,
-                              text=True, timeout=30)
+        seen = subprocess.run(
+            [*prefix, "ip", "-4", "-o", "addr", "show", "dev", "lo"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if seen.returncode != 0:
             pytest.skip(f"nsenter into the new network namespace failed: {seen.stderr.strip()}")
-        assert f"inet {ADDRESS}/32" in seen.stdout and "inet 127.0.0.1/8" in seen.stdout, seen.stdout
+        assert f"inet {ADDRESS}/32" in seen.stdout and "inet 127.0.0.1/8" in seen.stdout, (
+            seen.stdout
+        )
         yield {"prefix": prefix, "namespace": theirs}
     finally:
-        left = _processes_in(os.readlink(f"/proc/{holder.pid}/ns/net"), holder.pid) \
-            if holder.poll() is None else []
+        left = (
+            _processes_in(os.readlink(f"/proc/{holder.pid}/ns/net"), holder.pid)
+            if holder.poll() is None
+            else []
+        )
         stray = [describe(pid) for pid in left]
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
@@ -101,33 +125,53 @@ def namespace():
 @pytest.fixture(scope="module")
 def cluster(namespace, tmp_path_factory):
     """A master and two one-core workers on 192.0.2.1 in the namespace; stopped before it."""
-    with standalone_cluster(tmp_path_factory.mktemp("namespace-cluster"), host=ADDRESS,
-                            prefix=namespace["prefix"], environment=python_environment()) as running:
+    with standalone_cluster(
+        tmp_path_factory.mktemp("namespace-cluster"),
+        host=ADDRESS,
+        prefix=namespace["prefix"],
+        environment=python_environment(),
+    ) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def fit(cluster, tmp_path_factory):
     """The driver's report of a fit through spark-submit in the namespace, and its output."""
-    command = [str(SPARK_SUBMIT), "--master", cluster.url, "--properties-file", "conf/cluster/standalone.conf",
-               "--conf", f"spark.allreduce.portRange={PORTS[0]}-{PORTS[1]}", str(DRIVER), str(EPOCHS)]
-    status, output = cluster.run(command, tmp_path_factory.mktemp("namespace-fit") / "submit.log", timeout=240)
+    command = [
+        str(SPARK_SUBMIT),
+        "--master",
+        cluster.url,
+        "--properties-file",
+        "conf/cluster/standalone.conf",
+        "--conf",
+        f"spark.allreduce.portRange={PORTS[0]}-{PORTS[1]}",
+        str(DRIVER),
+        str(EPOCHS),
+    ]
+    status, output = cluster.run(
+        command, tmp_path_factory.mktemp("namespace-fit") / "submit.log", timeout=240
+    )
     assert status == 0, f"spark-submit exited with {status}:\n{output[-6000:]}\n{cluster.logs()}"
     lines = [line for line in output.splitlines() if line.startswith(MARKER)]
     assert len(lines) == 1, output[-6000:]
-    return json.loads(lines[0][len(MARKER):]), output
+    return json.loads(lines[0][len(MARKER) :]), output
 
 
 def _listing(sockets: list[dict]) -> str:
-    return "\n".join(f"  {s['address']}:{s['port']} ({s['table']}) {s['process']}"
-                     for s in sorted(sockets, key=lambda s: (s["address"], s["port"])))
+    return "\n".join(
+        f"  {s['address']}:{s['port']} ({s['table']}) {s['process']}"
+        for s in sorted(sockets, key=lambda s: (s["address"], s["port"]))
+    )
 
 
 def test_the_fit_trains_on_both_workers_inside_the_namespace(fit, cluster, namespace):
     report, output = fit
     assert report["namespace"] == namespace["namespace"] != os.readlink("/proc/self/ns/net")
     assert report["driver_host"] == ADDRESS, report["driver_host"]
-    assert report["epochs"] == EPOCHS and report["accuracy"] > 0.85, (report["accuracy"], output[-3000:])
+    assert report["epochs"] == EPOCHS and report["accuracy"] > 0.85, (
+        report["accuracy"],
+        output[-3000:],
+    )
     # an executor of the application in each worker's work dir, and the barrier stage on both
     executors = [sorted(work.glob("app-*/*/stderr")) for work in cluster.worker_dirs()]
     assert [len(found) for found in executors] == [1, 1], executors
@@ -145,8 +189,9 @@ def test_the_engines_listeners_are_on_the_address_and_none_on_loopback(fit):
     hosts = {address.rsplit(":", 1)[0] for address in engine}
     assert hosts == {ADDRESS}, f"the engine advertised {engine}, not {ADDRESS} alone; {everything}"
     ports = [int(address.rsplit(":", 1)[1]) for address in engine]
-    assert len(set(ports)) == len(ports) and all(PORTS[0] <= port <= PORTS[1] for port in ports), \
+    assert len(set(ports)) == len(ports) and all(PORTS[0] <= port <= PORTS[1] for port in ports), (
         f"{engine}: not distinct ports of spark.allreduce.portRange={PORTS[0]}-{PORTS[1]}; {everything}"
+    )
     # each advertised port is listened on at 192.0.2.1 exactly, by one socket: not on every
     # address (0.0.0.0, ::), not on 127.0.0.1 too
     for address, port in zip(engine, ports):
@@ -154,14 +199,24 @@ def test_the_engines_listeners_are_on_the_address_and_none_on_loopback(fit):
         assert [s["address"] for s in on_port] == [ADDRESS], f"{address}: {on_port}\n{everything}"
     # the driver's own server is this driver's
     driver_socket = next(s for s in sockets if s["port"] == ports[0])
-    assert driver_socket["pid"] == report["pid"], f"{driver_socket}, driver pid {report['pid']}\n{everything}"
+    assert driver_socket["pid"] == report["pid"], (
+        f"{driver_socket}, driver pid {report['pid']}\n{everything}"
+    )
     # whatever does listen on loopback is not the engine's (here: the py4j gateway in the
     # driver's JVM, PySpark's accumulator server in the driver's Python, each executor's
     # Python daemon and the executor's socket for it): no socket of the engine's range there
     loopback = [s for s in sockets if s["address"] in ("127.0.0.1", "::1")]
     engines = [s for s in loopback if PORTS[0] <= s["port"] <= PORTS[1]]
-    assert not engines, f"listening on loopback in the engine's port range:\n{_listing(engines)}\n" \
-                        f"every loopback listener:\n{_listing(loopback)}"
+    assert not engines, (
+        f"listening on loopback in the engine's port range:\n{_listing(engines)}\n"
+        f"every loopback listener:\n{_listing(loopback)}"
+    )
     # and nothing of the engine's on every address either
-    wildcard = [s for s in sockets if s["address"] in ("0.0.0.0", "::") and PORTS[0] <= s["port"] <= PORTS[1]]
-    assert not wildcard, f"listening on every address in the engine's port range:\n{_listing(wildcard)}"
+    wildcard = [
+        s
+        for s in sockets
+        if s["address"] in ("0.0.0.0", "::") and PORTS[0] <= s["port"] <= PORTS[1]
+    ]
+    assert not wildcard, (
+        f"listening on every address in the engine's port range:\n{_listing(wildcard)}"
+    )

@@ -14,15 +14,28 @@ NOTEBOOK = Path(__file__).resolve().parent.parent / "jobs" / "pipeline.ipynb"
 def test_the_pipeline_notebook_runs_top_to_bottom(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # a cell that raises makes execute() raise CellExecutionError, naming the cell
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
+    NotebookClient(
+        notebook,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()
+    outputs = [
+        output
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", [])
+    ]
     text = "".join(output.get("text", "") for output in outputs if output.output_type == "stream")
     accuracy = float(re.search(r"^test accuracy (\S+)$", text, re.M).group(1))
     assert accuracy > 0.9
-    assert any("image/png" in output.get("data", {}) for output in outputs), "the loss curve was not drawn"
+    assert any("image/png" in output.get("data", {}) for output in outputs), (
+        "the loss curve was not drawn"
+    )
     assert re.search(r"^best stepSize 0\.005$", text, re.M)
     reloaded = re.search(r"^reloaded test accuracy (\S+)$", text, re.M).group(1)
     assert reloaded == re.search(r"^best model test accuracy (\S+)$", text, re.M).group(1)
     # the live bar drew as a notebook widget
-    assert any("application/vnd.jupyter.widget-view+json" in output.get("data", {}) for output in outputs)
+    assert any(
+        "application/vnd.jupyter.widget-view+json" in output.get("data", {}) for output in outputs
+    )

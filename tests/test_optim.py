@@ -146,20 +146,49 @@ def torch_optimizer(opt: Optimizer, params):
     torch = pytest.importorskip("torch")
     o = torch.optim
     if isinstance(opt, SGD):
-        return o.SGD(params, lr=opt.lr, momentum=opt.momentum, nesterov=opt.nesterov,
-                     weight_decay=opt.weight_decay)
+        return o.SGD(
+            params,
+            lr=opt.lr,
+            momentum=opt.momentum,
+            nesterov=opt.nesterov,
+            weight_decay=opt.weight_decay,
+        )
     if isinstance(opt, AdamW):
-        return o.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                       weight_decay=opt.weight_decay, amsgrad=opt.amsgrad)
+        return o.AdamW(
+            params,
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            amsgrad=opt.amsgrad,
+        )
     if isinstance(opt, Adam):
-        return o.Adam(params, lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                      weight_decay=opt.weight_decay, amsgrad=opt.amsgrad)
+        return o.Adam(
+            params,
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            amsgrad=opt.amsgrad,
+        )
     if isinstance(opt, Adagrad):
-        return o.Adagrad(params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay,
-                         initial_accumulator_value=opt.initial_accumulator_value)
+        return o.Adagrad(
+            params,
+            lr=opt.lr,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            initial_accumulator_value=opt.initial_accumulator_value,
+        )
     if isinstance(opt, RMSprop):
-        return o.RMSprop(params, lr=opt.lr, alpha=opt.alpha, eps=opt.eps, momentum=opt.momentum,
-                         centered=opt.centered, weight_decay=opt.weight_decay)
+        return o.RMSprop(
+            params,
+            lr=opt.lr,
+            alpha=opt.alpha,
+            eps=opt.eps,
+            momentum=opt.momentum,
+            centered=opt.centered,
+            weight_decay=opt.weight_decay,
+        )
     raise AssertionError(opt)  # pragma: no cover
 
 
@@ -182,8 +211,9 @@ def test_matches_torch(name):
     np.testing.assert_allclose(w, param.detach().numpy(), rtol=1e-5, atol=1e-6)
     torch_state = reference_opt.state[param]
     for key in state:  # the state arrays carry torch's names
-        np.testing.assert_allclose(state[key], torch_state[key].numpy(), rtol=1e-5, atol=1e-6,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            state[key], torch_state[key].numpy(), rtol=1e-5, atol=1e-6, err_msg=key
+        )
 
 
 # ---------------------------------------------------------------------------- sharding
@@ -291,7 +321,10 @@ def test_state_layout():
     assert list(Adam().init_state(5)) == ["exp_avg", "exp_avg_sq"]
     assert list(AdamW(amsgrad=True).init_state(5)) == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
     assert list(RMSprop(momentum=0.5, centered=True).init_state(5)) == [
-        "square_avg", "momentum_buffer", "grad_avg"]
+        "square_avg",
+        "momentum_buffer",
+        "grad_avg",
+    ]
     state = Adagrad(initial_accumulator_value=0.25).init_state(4)
     assert state["sum"].dtype == np.float32 and np.all(state["sum"] == 0.25)
     for array in Adam(amsgrad=True).init_state(7).values():
@@ -344,7 +377,16 @@ def test_linear_warmup():
     assert [s.factor(k) for k in range(7)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0]
     then_step = LinearWarmup(4, after=StepLR(2, 0.5))
     assert [then_step.factor(k) for k in range(9)] == [
-        0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 0.5, 0.5, 0.25]
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        1.0,
+        1.0,
+        0.5,
+        0.5,
+        0.25,
+    ]
     then_cosine = LinearWarmup(2, after=CosineLR(10, 0.0))
     assert then_cosine.factor(2) == 1.0  # the cosine starts at the end of warm-up
     assert then_cosine.factor(7) == pytest.approx(0.5)
@@ -458,8 +500,9 @@ def test_repr_is_readable_and_evaluable():
         "schedule=LinearWarmup(warmup_steps=5, after=StepLR(step_size=10, gamma=0.5)), "
         "clip_norm=None)"
     )
-    namespace = {c.__name__: c for c in (SGD, Adam, AdamW, Adagrad, RMSprop, StepLR, CosineLR,
-                                          LinearWarmup)}
+    namespace = {
+        c.__name__: c for c in (SGD, Adam, AdamW, Adagrad, RMSprop, StepLR, CosineLR, LinearWarmup)
+    }
     for name, opt in CONFIGS.items():
         assert eval(repr(opt), namespace) == opt, name  # noqa: S307 - our own repr
 

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import raise_first, run_partitions
 
 from allreduce_param import (
     CODECS,
@@ -19,7 +20,6 @@ from allreduce_param import (
     PeerLostError,
     UsageError,
 )
-from conftest import raise_first, run_partitions
 
 LR = np.float32(0.125)
 
@@ -55,7 +55,9 @@ def one_step(weights, grads, counts):
 @pytest.mark.parametrize("partitions", [2, 3, 4])
 @pytest.mark.parametrize("size_name", ["one", "partitions-1", "prime", "millions"])
 def test_raw_step_is_exact_and_identical_everywhere(partitions, size_name):
-    size = {"one": 1, "partitions-1": max(1, partitions - 1), "prime": 7919, "millions": 2_000_003}[size_name]
+    size = {"one": 1, "partitions-1": max(1, partitions - 1), "prime": 7919, "millions": 2_000_003}[
+        size_name
+    ]
     weights, grads, counts = make_data(size, partitions, seed=size)
     param = AllReduceParameter(partitions, size, codec="raw", timeout=30)
     results = raise_first(run_partitions(param, one_step(weights, grads, counts)))
@@ -67,7 +69,9 @@ def test_raw_step_is_exact_and_identical_everywhere(partitions, size_name):
         assert np.array_equal(after, updated)
 
 
-@pytest.mark.parametrize("codec", [c for c in CODECS if c not in ("raw", "topk")])  # topk: gradients only
+@pytest.mark.parametrize(
+    "codec", [c for c in CODECS if c not in ("raw", "topk")]
+)  # topk: gradients only
 def test_every_codec_within_its_bound_and_identical_everywhere(codec):
     size, partitions = 50_021, 3
     weights, grads, counts = make_data(size, partitions, seed=7)
@@ -76,15 +80,25 @@ def test_every_codec_within_its_bound_and_identical_everywhere(codec):
     mean, updated = reference_step(weights, grads, counts)
     # each of the N chunks and the published weights are rounded once by the codec
     gradient = np.concatenate([r[1] for r in results])
-    if codec == "int8":  # off by at most half a step, the step being a part's largest magnitude / 127
+    if (
+        codec == "int8"
+    ):  # off by at most half a step, the step being a part's largest magnitude / 127
         bound = sum(np.abs(g).max() for g in grads) / 254 / sum(counts)
         assert np.all(np.abs(gradient - mean) <= 1.01 * bound)
-        assert np.all(np.abs(results[0][2] - updated) <= np.abs(updated).max() / 254 * 1.01 + LR * 1.01 * bound)
+        assert np.all(
+            np.abs(results[0][2] - updated)
+            <= np.abs(updated).max() / 254 * 1.01 + LR * 1.01 * bound
+        )
     else:
         relative = {"lz4": 0.0, "bf16": 2.0**-8, "bf16-lz4": 2.0**-8, "fp16": 2.0**-11}[codec]
-        bound = relative * (functools.reduce(np.add, [np.abs(g) for g in grads]) / sum(counts)) + 1e-30
+        bound = (
+            relative * (functools.reduce(np.add, [np.abs(g) for g in grads]) / sum(counts)) + 1e-30
+        )
         assert np.all(np.abs(gradient - mean) <= 1.01 * bound)
-        assert np.all(np.abs(results[0][2] - updated) <= relative * np.abs(updated) + LR * 1.01 * bound + 1e-30)
+        assert np.all(
+            np.abs(results[0][2] - updated)
+            <= relative * np.abs(updated) + LR * 1.01 * bound + 1e-30
+        )
     for _, _, after in results[1:]:
         assert np.array_equal(after.view(np.uint32), results[0][2].view(np.uint32))
     if codec == "lz4":
@@ -95,10 +109,16 @@ def test_uneven_counts_and_an_empty_partition_give_the_exact_mean():
     size, partitions = 1001, 3
     rng = np.random.default_rng(3)
     samples = [rng.standard_normal((n, size)).astype(np.float32) for n in (5, 0, 17)]
-    grads = [s.sum(axis=0, dtype=np.float32) if len(s) else np.zeros(size, np.float32) for s in samples]
+    grads = [
+        s.sum(axis=0, dtype=np.float32) if len(s) else np.zeros(size, np.float32) for s in samples
+    ]
     counts = [float(len(s)) for s in samples]
     weights = np.zeros(size, np.float32)
-    results = raise_first(run_partitions(AllReduceParameter(partitions, size, "raw"), one_step(weights, grads, counts)))
+    results = raise_first(
+        run_partitions(
+            AllReduceParameter(partitions, size, "raw"), one_step(weights, grads, counts)
+        )
+    )
     mean = functools.reduce(np.add, grads) / np.float32(22)
     assert np.array_equal(np.concatenate([r[1] for r in results]), mean)
     exact = np.concatenate(samples).astype(np.float64).mean(axis=0)
@@ -121,8 +141,10 @@ def test_avg_divides_by_the_given_number():
 def test_allreduce_any_length(op):
     partitions = 3
     rng = np.random.default_rng(11)
-    vectors = {length: [rng.standard_normal(length).astype(np.float32) for _ in range(partitions)]
-               for length in (1, 2, 5, 10_007)}
+    vectors = {
+        length: [rng.standard_normal(length).astype(np.float32) for _ in range(partitions)]
+        for length in (1, 2, 5, 10_007)
+    }
 
     def body(p):
         return {length: p.allreduce(vs[p.partition_id], op=op) for length, vs in vectors.items()}
@@ -174,16 +196,25 @@ def expect_error(param, body, error_type, *fragments):
     return results
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    (np.zeros(99, np.float32), "expected a 1-D vector of 100 elements, got shape (99,)"),
-    (np.zeros((10, 10), np.float32), "got shape (10, 10)"),
-    (np.zeros(100, np.int64), "expected floating-point values, got dtype int64"),
-])
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        (np.zeros(99, np.float32), "expected a 1-D vector of 100 elements, got shape (99,)"),
+        (np.zeros((10, 10), np.float32), "got shape (10, 10)"),
+        (np.zeros(100, np.int64), "expected floating-point values, got dtype int64"),
+    ],
+)
 def test_wrong_vectors_are_refused(bad, fragment):
     def body(p):
         p.init(bad)
 
-    expect_error(AllReduceParameter(1, 100, "raw"), body, InputError, "init(weights) on partition 0", fragment)
+    expect_error(
+        AllReduceParameter(1, 100, "raw"),
+        body,
+        InputError,
+        "init(weights) on partition 0",
+        fragment,
+    )
 
 
 def test_float64_vectors_are_taken_as_float32():
@@ -210,8 +241,14 @@ def test_nan_gradient_names_partition_and_step():
             p.send_weight_partition()
             p.get_weights()
 
-    results = expect_error(AllReduceParameter(2, 1000, "raw", timeout=20), body, NonFiniteGradientError,
-                           "partition 1 for step 1", "index 777", "allow_nonfinite=True")
+    results = expect_error(
+        AllReduceParameter(2, 1000, "raw", timeout=20),
+        body,
+        NonFiniteGradientError,
+        "partition 1 for step 1",
+        "index 777",
+        "allow_nonfinite=True",
+    )
     # the healthy partition is not left hanging: it fails as its peer went away
     assert isinstance(results[0], PeerLostError)
 
@@ -224,25 +261,42 @@ def test_nan_gradient_passes_when_allowed():
         p.put_gradients(grads[p.partition_id])
         return p.aggregate_gradient_partition().copy()
 
-    results = raise_first(run_partitions(AllReduceParameter(2, 10, "raw", allow_nonfinite=True), body))
+    results = raise_first(
+        run_partitions(AllReduceParameter(2, 10, "raw", allow_nonfinite=True), body)
+    )
     assert np.all(np.isinf(np.concatenate(results)))
 
 
-@pytest.mark.parametrize("calls, fragment", [
-    (["get_weights"], "get_weights() on partition 0 came before init(weights)"),
-    (["send_weight_partition"], "send_weight_partition() on partition 0 came before init(weights)"),
-    (["init", "aggregate"], "aggregate_gradient_partition() on partition 0 came before put_gradients()"),
-    (["init", "put", "put"], "put_gradients() was called twice on partition 0"),
-    (["init", "init"], "init() was called twice on partition 0"),
-    (["init", "send_weight_partition", "send_weight_partition"],
-     "send_weight_partition() was called twice on partition 0 with no aggregate_gradient_partition()"),
-])
+@pytest.mark.parametrize(
+    "calls, fragment",
+    [
+        (["get_weights"], "get_weights() on partition 0 came before init(weights)"),
+        (
+            ["send_weight_partition"],
+            "send_weight_partition() on partition 0 came before init(weights)",
+        ),
+        (
+            ["init", "aggregate"],
+            "aggregate_gradient_partition() on partition 0 came before put_gradients()",
+        ),
+        (["init", "put", "put"], "put_gradients() was called twice on partition 0"),
+        (["init", "init"], "init() was called twice on partition 0"),
+        (
+            ["init", "send_weight_partition", "send_weight_partition"],
+            "send_weight_partition() was called twice on partition 0 with no aggregate_gradient_partition()",
+        ),
+    ],
+)
 def test_calls_out_of_order_are_refused(calls, fragment):
     def body(p):
         for call in calls:
-            {"get_weights": p.get_weights, "send_weight_partition": p.send_weight_partition,
-             "init": lambda: p.init(np.zeros(8)), "put": lambda: p.put_gradients(np.zeros(8)),
-             "aggregate": p.aggregate_gradient_partition}[call]()
+            {
+                "get_weights": p.get_weights,
+                "send_weight_partition": p.send_weight_partition,
+                "init": lambda: p.init(np.zeros(8)),
+                "put": lambda: p.put_gradients(np.zeros(8)),
+                "aggregate": p.aggregate_gradient_partition,
+            }[call]()
 
     expect_error(AllReduceParameter(1, 8, "raw"), body, UsageError, fragment)
 
@@ -264,14 +318,19 @@ def test_settings_are_checked_on_the_driver():
     with pytest.raises(ConfigurationError, match="partition_num must be a positive"):
         AllReduceParameter(0, 10)
     for threads in (0, True, 2.5):
-        with pytest.raises(ConfigurationError, match=f"fetch_threads must be a positive whole number, got {threads}"):
+        with pytest.raises(
+            ConfigurationError,
+            match=f"fetch_threads must be a positive whole number, got {threads}",
+        ):
             AllReduceParameter(2, 10, fetch_threads=threads)
 
 
 def test_partition_count_mismatch_says_what_to_change():
     from allreduce_param import LocalRendezvous
 
-    with pytest.raises(ConfigurationError, match="made for 3 partitions but this stage has 2 tasks"):
+    with pytest.raises(
+        ConfigurationError, match="made for 3 partitions but this stage has 2 tasks"
+    ):
         AllReduceParameter(3, 10).connect(LocalRendezvous(2).member(0))
 
 
@@ -293,7 +352,9 @@ def test_a_silent_peer_times_out_naming_peer_block_and_version(unix_sockets):
         finally:
             released.set()
 
-    results = run_partitions(AllReduceParameter(2, 10, "raw", timeout=1.5, unix_sockets=unix_sockets), body)
+    results = run_partitions(
+        AllReduceParameter(2, 10, "raw", timeout=1.5, unix_sockets=unix_sockets), body
+    )
     error = results[0]
     assert isinstance(error, FetchTimeoutError), results
     assert "partition 1 at 127.0.0.1:" in str(error)
@@ -311,18 +372,22 @@ def test_a_peer_that_dies_mid_step_fails_the_others_promptly(unix_sockets):
         return p.aggregate_gradient_partition()
 
     # a long timeout: the survivors must notice the lost peer, not wait it out
-    results = run_partitions(AllReduceParameter(3, 1000, "raw", timeout=600, unix_sockets=unix_sockets), body,
-                             timeout=60)
+    results = run_partitions(
+        AllReduceParameter(3, 1000, "raw", timeout=600, unix_sockets=unix_sockets), body, timeout=60
+    )
     assert str(results[2]) == "partition 2 crashed"
     survivors = results[:2]
     assert all(isinstance(error, PeerLostError) for error in survivors), results
     # the crashed partition keeps answering with its reason until its peers hang up, so
     # every survivor names the root cause, first hand or relayed by the other survivor
     for error in survivors:
-        assert re.search(r"while we fetched (weight|gradient) block from partition \d+ .*; it said: "
-                         r"partition \d failed: .*partition 2 failed: RuntimeError: partition 2 crashed$",
-                         str(error)) or str(error).endswith(
-            "it said: partition 2 failed: RuntimeError: partition 2 crashed"), str(error)
+        assert re.search(
+            r"while we fetched (weight|gradient) block from partition \d+ .*; it said: "
+            r"partition \d failed: .*partition 2 failed: RuntimeError: partition 2 crashed$",
+            str(error),
+        ) or str(error).endswith(
+            "it said: partition 2 failed: RuntimeError: partition 2 crashed"
+        ), str(error)
 
 
 def test_a_partition_that_finishes_first_serves_until_its_peers_are_done():
@@ -340,7 +405,9 @@ def test_a_partition_that_finishes_first_serves_until_its_peers_are_done():
         return p.get_weights()
 
     results = raise_first(run_partitions(AllReduceParameter(2, 10, "raw", timeout=30), body))
-    assert np.array_equal(results[1], np.arange(10.0, dtype=np.float32) + np.r_[np.ones(5), np.zeros(5)])
+    assert np.array_equal(
+        results[1], np.arange(10.0, dtype=np.float32) + np.r_[np.ones(5), np.zeros(5)]
+    )
 
 
 def ours() -> list[str]:
@@ -371,12 +438,18 @@ def test_no_thread_outlives_the_handle_on_any_path():
 
 def test_exact_allreduce_keeps_counts_whole_under_a_lossy_codec():
     def body(p):
-        counts = np.array([4095.0, 1797.0, 16_000_001.0, 2.0 ** 51 + p.partition_id])
-        return p.allreduce_exact(counts), p.allreduce_exact(counts * 2), p.allreduce(counts.astype(np.float32))
+        counts = np.array([4095.0, 1797.0, 16_000_001.0, 2.0**51 + p.partition_id])
+        return (
+            p.allreduce_exact(counts),
+            p.allreduce_exact(counts * 2),
+            p.allreduce(counts.astype(np.float32)),
+        )
 
-    for exact, again, rounded in raise_first(run_partitions(AllReduceParameter(3, 10, codec="bf16"), body)):
+    for exact, again, rounded in raise_first(
+        run_partitions(AllReduceParameter(3, 10, codec="bf16"), body)
+    ):
         assert exact.dtype == np.float64
-        assert exact.tolist() == [3 * 4095.0, 3 * 1797.0, 48_000_003.0, 3 * 2.0 ** 51 + 3]
+        assert exact.tolist() == [3 * 4095.0, 3 * 1797.0, 48_000_003.0, 3 * 2.0**51 + 3]
         assert again.tolist() == (2 * exact).tolist()  # a second call reads its own version
         assert rounded[0] != 3 * 4095.0  # what the fit's own codec would have made of it
 
@@ -385,8 +458,12 @@ def test_exact_allreduce_refuses_what_is_not_a_vector():
     def body(p):
         p.allreduce_exact(np.zeros((2, 2)))
 
-    expect_error(AllReduceParameter(1, 10), body, InputError,
-                 "allreduce_exact(values) on partition 0: expected a non-empty 1-D vector, got shape (2, 2)")
+    expect_error(
+        AllReduceParameter(1, 10),
+        body,
+        InputError,
+        "allreduce_exact(values) on partition 0: expected a non-empty 1-D vector, got shape (2, 2)",
+    )
 
 
 def test_close_then_an_error_surfaces_the_error_and_closes_once():
@@ -410,22 +487,30 @@ def test_a_handle_that_failed_partway_takes_no_more_calls():
         bad[0] = np.nan  # in partition 0's chunk: its owner finds it as it sums
         p.put_gradients(bad if p.partition_id == 1 else np.ones(size, np.float32))
         if p.partition_id == 0:
-            with pytest.raises(NonFiniteGradientError, match="the gradient of partition 1 for step 0 .* index 0"):
+            with pytest.raises(
+                NonFiniteGradientError, match="the gradient of partition 1 for step 0 .* index 0"
+            ):
                 p.aggregate_gradient_partition()
-            with pytest.raises(UsageError, match=r"get_weights\(\) on partition 0: this handle failed in an earlier "
-                                                 r"call \(NonFiniteGradientError: .*\); .* connect again"):
+            with pytest.raises(
+                UsageError,
+                match=r"get_weights\(\) on partition 0: this handle failed in an earlier "
+                r"call \(NonFiniteGradientError: .*\); .* connect again",
+            ):
                 p.get_weights()
             return "refused"
         p.aggregate_gradient_partition()  # its own chunk is finite: the step is half done
         return "stepped"
 
-    assert run_partitions(AllReduceParameter(2, size, "raw", timeout=30), body) == ["refused", "stepped"]
+    assert run_partitions(AllReduceParameter(2, size, "raw", timeout=30), body) == [
+        "refused",
+        "stepped",
+    ]
 
 
 def test_descriptors_and_buffers_do_not_grow_with_the_model():
     """A 100x larger vector takes no more shared-memory descriptors, and under BSP each block
     part has one buffer (every reader is done with a version before the next is made)."""
-    from allreduce_param.store import BlockKey, BlockKind
+    from allreduce_param.engine.blocks.store import BlockKey, BlockKind
 
     def body(p):
         grads = np.full(p.layout.size, 1.0, np.float32)
@@ -435,23 +520,32 @@ def test_descriptors_and_buffers_do_not_grow_with_the_model():
             p.put_gradients(grads)
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
-        buffers = {p._peers.store.buffer_count(BlockKey(kind, p.partition_id, destination, 0))
-                   for kind, destination in ((BlockKind.WEIGHT, 0xFFFFFFFF), (BlockKind.GRADIENT, 1 - p.partition_id))}
+        buffers = {
+            p._peers.store.buffer_count(BlockKey(kind, p.partition_id, destination, 0))
+            for kind, destination in (
+                (BlockKind.WEIGHT, 0xFFFFFFFF),
+                (BlockKind.GRADIENT, 1 - p.partition_id),
+            )
+        }
         return p._peers.shared.count, buffers
 
     for size in (100_000, 10_000_000):
         results = raise_first(run_partitions(AllReduceParameter(2, size, "raw", timeout=60), body))
-        assert all(segments == 1 and buffers == {1} for segments, buffers in results), (size, results)
+        assert all(segments == 1 and buffers == {1} for segments, buffers in results), (
+            size,
+            results,
+        )
 
 
 def test_get_weights_without_out_refills_one_array():
     """The README's ``w = p.get_weights()`` costs no new 40 MB a step: the handle fills one
     array again, and the values are each step's weights."""
+
     def body(p):
         p.init(np.zeros(p.layout.size, np.float32))
         first = p.get_weights()
         seen = []
-        for step in range(3):
+        for _ in range(3):
             w = p.get_weights()
             seen.append((w is first, float(w[0])))
             p.put_gradients(np.ones(p.layout.size, np.float32))
@@ -463,13 +557,15 @@ def test_get_weights_without_out_refills_one_array():
         assert seen == [(True, 0.0), (True, -1.0), (True, -2.0)]
 
 
-@pytest.mark.parametrize("peer_scope, family", [(None, "AF_UNIX"), ("another-machine/1", "AF_INET")])
+@pytest.mark.parametrize(
+    "peer_scope, family", [(None, "AF_UNIX"), ("another-machine/1", "AF_INET")]
+)
 def test_peers_meet_by_scope_not_by_host_name(peer_scope, family):
     """Spark may name a task's host "localhost" while its server reports 127.0.0.1: peers of
     one machine and network namespace still meet over Unix sockets and shared memory; a peer
     that says it is elsewhere is reached over TCP."""
     from allreduce_param import LocalRendezvous
-    from allreduce_param.rendezvous import Rendezvous
+    from allreduce_param.engine.movement.rendezvous import Rendezvous
 
     group = LocalRendezvous(2)
 
@@ -505,7 +601,7 @@ def test_peers_meet_by_scope_not_by_host_name(peer_scope, family):
 
 def test_error_feedback_keeps_what_the_codec_rounds_off():
     # 1 + 2**-10 is 1.0 in bf16: without feedback every step loses 2**-10 per partition
-    gradient = np.full(8, 1.0 + 2.0 ** -10, np.float32)
+    gradient = np.full(8, 1.0 + 2.0**-10, np.float32)
     steps = 64
 
     def body(p, feedback):
@@ -519,10 +615,11 @@ def test_error_feedback_keeps_what_the_codec_rounds_off():
             p.send_weight_partition()
         return total
 
-    exact = steps * 2 * (1.0 + 2.0 ** -10)
-    for feedback, worst in ((False, 0.1), (True, 2 * 2.0 ** -7)):
-        results = raise_first(run_partitions(AllReduceParameter(2, 8, "bf16"),
-                                             lambda p: body(p, feedback)))
+    exact = steps * 2 * (1.0 + 2.0**-10)
+    for feedback, worst in ((False, 0.1), (True, 2 * 2.0**-7)):
+        results = raise_first(
+            run_partitions(AllReduceParameter(2, 8, "bf16"), lambda p, f=feedback: body(p, f))
+        )
         error = np.abs(np.concatenate(results) - exact).max()
         assert (error <= worst) if feedback else (error >= worst), (feedback, error)
 
@@ -532,17 +629,22 @@ def test_a_residual_of_the_wrong_shape_is_refused():
         p.init(np.zeros(10))
         p.put_gradients(np.ones(10), residual=np.zeros(9, np.float32))
 
-    expect_error(AllReduceParameter(1, 10, "bf16"), body, InputError,
-                 "put_gradients(residual=) on partition 0: expected a writeable contiguous float32 array "
-                 "of shape (10,), got dtype float32, shape (9,)")
+    expect_error(
+        AllReduceParameter(1, 10, "bf16"),
+        body,
+        InputError,
+        "put_gradients(residual=) on partition 0: expected a writeable contiguous float32 array "
+        "of shape (10,), got dtype float32, shape (9,)",
+    )
 
 
 def in_place_steps(grads, counts, steps: int = 3):
     """A body that computes each step's gradient into ``gradient_buffer()`` (step ``s``
     scales the partition's gradient by ``s + 1``); each step's mean and weights, and what
     the store kept of the last gradient chunk published for the next partition."""
+
     def body(p):
-        from allreduce_param.store import BlockKey, BlockKind
+        from allreduce_param.engine.blocks.store import BlockKey, BlockKind
 
         p.init(np.zeros(p.layout.size, np.float32))
         g = p.gradient_buffer()
@@ -553,7 +655,9 @@ def in_place_steps(grads, counts, steps: int = 3):
             np.multiply(grads[p.partition_id], np.float32(step + 1), out=g)
             p.put_gradients(g, count=counts[p.partition_id])
             peer = (p.partition_id + 1) % p.partition_num
-            _, kept = p._peers.store.get(BlockKey(BlockKind.GRADIENT, p.partition_id, peer, 0), step, 1.0)
+            _, kept = p._peers.store.get(
+                BlockKey(BlockKind.GRADIENT, p.partition_id, peer, 0), step, 1.0
+            )
             mean = p.aggregate_gradient_partition().copy()
             p.weight_partition[:] -= LR * mean
             p.send_weight_partition()
@@ -574,16 +678,18 @@ def test_a_gradient_in_the_engines_buffer_is_published_where_it_lies_and_exact(t
     weights = np.zeros(size, np.float32)
     for step in range(3):
         mean, weights = reference_step(weights, [g * np.float32(step + 1) for g in grads], counts)
-        for partition_id, (seen, final) in enumerate(results):
+        for partition_id, (seen, _final) in enumerate(results):
             got, kept = seen[step]
             assert np.array_equal(got, mean[param.layout.bounds(partition_id)])
             assert type(kept).__name__ == "SplitBlock", "the gradient was copied into the store"
-    for seen, final in results:
+    for _seen, final in results:
         assert np.array_equal(final, weights)
 
 
 @pytest.mark.parametrize("codec, strategy", [("bf16", None), ("raw", "asp")])
-def test_the_engines_gradient_buffer_is_copied_where_it_cannot_be_published_in_place(codec, strategy):
+def test_the_engines_gradient_buffer_is_copied_where_it_cannot_be_published_in_place(
+    codec, strategy
+):
     """A lossy codec encodes, and a background owner reads gradients while the next is
     computed: there the buffer is copied at put, like any vector, and stays writable."""
     from allreduce_param import Strategy
@@ -606,8 +712,9 @@ def test_the_engines_gradient_buffer_is_copied_where_it_cannot_be_published_in_p
             p.finish_updates()
         return means
 
-    param = AllReduceParameter(2, 1000, codec=codec, timeout=60,
-                               strategy=Strategy(strategy) if strategy else None)
+    param = AllReduceParameter(
+        2, 1000, codec=codec, timeout=60, strategy=Strategy(strategy) if strategy else None
+    )
     for means in raise_first(run_partitions(param, body)):
         assert means and all(np.array_equal(mean, np.ones(500, np.float32)) for mean in means)
 
@@ -615,6 +722,7 @@ def test_the_engines_gradient_buffer_is_copied_where_it_cannot_be_published_in_p
 def test_the_engines_gradient_buffer_is_read_only_while_peers_read_it():
     """After a put in place peers read the buffer until the next ``get_weights``: writing
     it meanwhile is refused, not silently sent half-changed."""
+
     def body(p):
         p.init(np.zeros(p.layout.size, np.float32))
         g = p.gradient_buffer()
@@ -631,7 +739,9 @@ def test_the_engines_gradient_buffer_is_read_only_while_peers_read_it():
         g[0] = 2.0  # every peer has summed it
         return float(g[0])
 
-    assert raise_first(run_partitions(AllReduceParameter(2, 100, codec="raw", timeout=60), body)) == [2.0, 2.0]
+    assert raise_first(
+        run_partitions(AllReduceParameter(2, 100, codec="raw", timeout=60), body)
+    ) == [2.0, 2.0]
 
 
 def test_topk_gradients_with_error_feedback_lose_nothing_over_the_steps():
@@ -649,7 +759,9 @@ def test_topk_gradients_with_error_feedback_lose_nothing_over_the_steps():
             p.get_weights()
             p.put_gradients(grads[p.partition_id], count=counts[p.partition_id], residual=residual)
             mean = p.aggregate_gradient_partition()
-            assert np.count_nonzero(mean) <= 2 * -(-p.slice_length // 100)  # 1 % from each partition
+            assert np.count_nonzero(mean) <= 2 * -(
+                -p.slice_length // 100
+            )  # 1 % from each partition
             summed += mean.astype(np.float64) * sum(counts)
             p.weight_partition[:] -= mean
             p.send_weight_partition()
@@ -663,7 +775,9 @@ def test_topk_gradients_with_error_feedback_lose_nothing_over_the_steps():
     for partition_id, (summed, _, weights, own) in enumerate(results):
         bounds = param.layout.bounds(partition_id)
         np.testing.assert_allclose(summed + held[bounds], put[bounds], rtol=1e-5, atol=1e-4)
-        assert np.array_equal(weights[bounds], own)  # raw weights: every partition sees the owner's bits
+        assert np.array_equal(
+            weights[bounds], own
+        )  # raw weights: every partition sees the owner's bits
 
 
 def test_a_sparse_codec_cannot_carry_weights():
@@ -695,16 +809,23 @@ def test_partitions_of_different_parameters_all_learn_it_at_the_meeting():
         thread.join(60)
     for i, error in enumerate(errors):
         others = [peer for peer in range(3) if peer != i]
-        assert error == (f"partition {i} met partitions {others} with another AllReduceParameter: the secrets "
-                         "differ. Every partition must use the same AllReduceParameter object, made on the driver "
-                         "(make it before the barrier stage; the tasks get it in their closure)")
+        assert error == (
+            f"partition {i} met partitions {others} with another AllReduceParameter: the secrets "
+            "differ. Every partition must use the same AllReduceParameter object, made on the driver "
+            "(make it before the barrier stage; the tasks get it in their closure)"
+        )
 
 
 def engine_threads(partition_id: int) -> dict[str, int]:
     names = [thread.name for thread in threading.enumerate()]
-    return {kind: sum(name == f"allreduce-{kind}-{partition_id}" or name.startswith(f"allreduce-{kind}-{partition_id}_")
-                      for name in names)  # a pool's thread: the prefix, _, its number
-            for kind in ("serve", "fetch", "accept")}
+    return {
+        kind: sum(
+            name == f"allreduce-{kind}-{partition_id}"
+            or name.startswith(f"allreduce-{kind}-{partition_id}_")
+            for name in names
+        )  # a pool's thread: the prefix, _, its number
+        for kind in ("serve", "fetch", "accept")
+    }
 
 
 @pytest.mark.parametrize("put", ["put_gradients", "stream_gradients"])
@@ -712,7 +833,7 @@ def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threa
     """24 partitions with 2 fetch threads each: a partition's fetches of versions not yet
     published queue behind each other, and every step is still exact; no partition holds
     more threads than the bounds, whatever N."""
-    from allreduce_param.transport import SERVE_THREADS
+    from allreduce_param.engine.wire.blocks import SERVE_THREADS
 
     partitions, steps = 24, 3
     size = partitions * 40 + 7
@@ -727,7 +848,9 @@ def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threa
             if put == "put_gradients":
                 p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
             else:
-                with p.stream_gradients(grads[p.partition_id], count=counts[p.partition_id]) as stream:
+                with p.stream_gradients(
+                    grads[p.partition_id], count=counts[p.partition_id]
+                ) as stream:
                     stream.ready(0, size)
             p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
             p.send_weight_partition()
@@ -741,7 +864,11 @@ def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threa
     for after, seen in results:
         assert np.array_equal(after, expected)
         for threads in seen:
-            assert threads["accept"] == 1 and 1 <= threads["serve"] <= SERVE_THREADS and threads["fetch"] <= 2
+            assert (
+                threads["accept"] == 1
+                and 1 <= threads["serve"] <= SERVE_THREADS
+                and threads["fetch"] <= 2
+            )
     assert ours() == []
 
 
@@ -753,8 +880,14 @@ def test_a_background_owner_with_more_partitions_than_fetch_threads_applies_ever
     partitions, steps = 12, 4
     size = partitions * 10
     weights, grads, counts = make_data(size, partitions, seed=12)
-    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, fetch_threads=1,
-                               strategy=Strategy("ssp", staleness=1))
+    param = AllReduceParameter(
+        partitions,
+        size,
+        codec="raw",
+        timeout=60,
+        fetch_threads=1,
+        strategy=Strategy("ssp", staleness=1),
+    )
 
     assert_owners_take_every_gradient(param, weights, grads, counts, steps)
 
@@ -780,12 +913,16 @@ def assert_owners_take_every_gradient(param, weights, grads, counts, steps, part
 
     results = raise_first(run_partitions(param, body))
     assert all(np.array_equal(after, results[0][0]) for after, _ in results)
-    assert all(applied == steps * sum(counts) for _, applied in results)  # every row of every step, once
+    assert all(
+        applied == steps * sum(counts) for _, applied in results
+    )  # every row of every step, once
     assert ours() == []
 
 
 @pytest.mark.parametrize("strategy", ["asp", "ssp"])
-def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_source_is_behind(strategy):
+def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_source_is_behind(
+    strategy,
+):
     """A background owner with one fetch thread and a source that holds its first gradient
     back until another source has put all of its own: the owner must take the ready ones
     meanwhile. A fetch that held the thread while it waited for the late source would keep
@@ -797,6 +934,12 @@ def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_s
     size = partitions * 8
     weights, grads, counts = make_data(size, partitions, seed=3)
     rule = Strategy("asp") if strategy == "asp" else Strategy("ssp", staleness=steps)
-    param = AllReduceParameter(partitions, size, codec="raw", timeout=20, fetch_threads=1, strategy=rule)
-    others_done = threading.Barrier(partitions)  # the late partition 0 waits for the others' last puts
-    assert_owners_take_every_gradient(param, weights, grads, counts, steps, partition_0_waits=others_done)
+    param = AllReduceParameter(
+        partitions, size, codec="raw", timeout=20, fetch_threads=1, strategy=rule
+    )
+    others_done = threading.Barrier(
+        partitions
+    )  # the late partition 0 waits for the others' last puts
+    assert_owners_take_every_gradient(
+        param, weights, grads, counts, steps, partition_0_waits=others_done
+    )

@@ -15,7 +15,7 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import ConfigurationError
-from allreduce_param.train.data import (
+from allreduce_param.train.driver.data import (
     ORDER_COLUMNS,
     TRAIN,
     VALIDATION,
@@ -24,7 +24,7 @@ from allreduce_param.train.data import (
     arrays_from_pairs,
     prepare,
 )
-from allreduce_param.train.partitioning import (
+from allreduce_param.train.driver.partitioning import (
     SCHEMES,
     check_scheme,
     murmur3_int,
@@ -45,8 +45,6 @@ WORKERS = 4  # the session's task slots, so a barrier stage can read every place
 VALIDATION_BASE = 100
 
 
-
-
 def weight_of(label):
     """A weighted row's weight, from its label: 0 for every fifth row (a weight may be 0), else
     one no other row has."""
@@ -60,23 +58,33 @@ def frame(spark, sizes, base=0.0, weighted=False):
 
     def rows(p):
         labels = [float(base + starts[p] + j) for j in range(sizes[p])]
-        return [([label, -1.0], label, weight_of(label)) if weighted else ([label, -1.0], label) for label in labels]
+        return [
+            ([label, -1.0], label, weight_of(label)) if weighted else ([label, -1.0], label)
+            for label in labels
+        ]
 
     rdd = spark.sparkContext.parallelize(range(len(sizes)), len(sizes)).flatMap(rows)
-    return spark.createDataFrame(rdd, "features array<float>, label double" + (", w double" if weighted else ""))
+    return spark.createDataFrame(
+        rdd, "features array<float>, label double" + (", w double" if weighted else "")
+    )
 
 
 def pairs(spark, sizes):
     """An RDD of (features, label) pairs with exactly ``sizes[p]`` rows in partition p."""
     starts = [sum(sizes[:p]) for p in range(len(sizes))]
     return spark.sparkContext.parallelize(range(len(sizes)), len(sizes)).flatMap(
-        lambda p: [([float(starts[p] + j)], float(starts[p] + j)) for j in range(sizes[p])])
+        lambda p: [([float(starts[p] + j)], float(starts[p] + j)) for j in range(sizes[p])]
+    )
 
 
 @pytest.fixture(scope="module")
 def data(spark):
-    prepared, summary = prepare(frame(spark, TRAIN_SIZES), "features", "label",
-                                frame(spark, VALIDATION_SIZES, VALIDATION_BASE))
+    prepared, summary = prepare(
+        frame(spark, TRAIN_SIZES),
+        "features",
+        "label",
+        frame(spark, VALIDATION_SIZES, VALIDATION_BASE),
+    )
     return prepared, summary
 
 
@@ -95,9 +103,14 @@ def expected(scheme, workers, seed, n_train, n_validation=0):
                 placed[worker].append((xxhash64(seed, worker, i), i))
     for worker in placed:
         worker.sort()
-    return [[(TRAIN, float(i)) for _, i in worker]
-            + [(VALIDATION, float(VALIDATION_BASE + i)) for i in range(worker_id, n_validation, workers)]
-            for worker_id, worker in enumerate(placed)]
+    return [
+        [(TRAIN, float(i)) for _, i in worker]
+        + [
+            (VALIDATION, float(VALIDATION_BASE + i))
+            for i in range(worker_id, n_validation, workers)
+        ]
+        for worker_id, worker in enumerate(placed)
+    ]
 
 
 def glom(df):
@@ -112,12 +125,18 @@ def glom(df):
 
     parts = df.rdd.glom().map(rows_of).collect()
     assert all(label == first for part in parts for _, label, first, _ in part)
-    assert all(weight == (weight_of(label) if weighted else None) for part in parts for _, label, _, weight in part)
+    assert all(
+        weight == (weight_of(label) if weighted else None)
+        for part in parts
+        for _, label, _, weight in part
+    )
     return [[(split, label) for split, label, _, _ in part] for part in parts]
 
 
 def glom_pairs(rdd):
-    parts = rdd.glom().map(lambda rows: [(float(f[0]), float(label)) for f, label in rows]).collect()
+    parts = (
+        rdd.glom().map(lambda rows: [(float(f[0]), float(label)) for f, label in rows]).collect()
+    )
     assert all(label == first for part in parts for first, label in part)
     return [[label for _, label in part] for part in parts]
 
@@ -137,18 +156,40 @@ def read_in_barrier(df, weighted=False):
         weights = [None] * len(y) if weight is None else weight.tolist()
         kind = "none" if weight is None else f"{weight.dtype} {weight.shape}"
         yield pa.RecordBatch.from_pydict(
-            {"partition": [partition] * len(y), "position": list(range(len(y))), "split": split.tolist(),
-             "label": y.tolist(), "weight": weights, "kind": [kind] * len(y)},
-            schema=pa.schema([("partition", pa.int64()), ("position", pa.int64()), ("split", pa.int64()),
-                              ("label", pa.float64()), ("weight", pa.float64()), ("kind", pa.string())]))
+            {
+                "partition": [partition] * len(y),
+                "position": list(range(len(y))),
+                "split": split.tolist(),
+                "label": y.tolist(),
+                "weight": weights,
+                "kind": [kind] * len(y),
+            },
+            schema=pa.schema(
+                [
+                    ("partition", pa.int64()),
+                    ("position", pa.int64()),
+                    ("split", pa.int64()),
+                    ("label", pa.float64()),
+                    ("weight", pa.float64()),
+                    ("kind", pa.string()),
+                ]
+            ),
+        )
 
-    out = df.mapInArrow(task, "partition long, position long, split long, label double, weight double, kind string",
-                        barrier=True).collect()
+    out = df.mapInArrow(
+        task,
+        "partition long, position long, split long, label double, weight double, kind string",
+        barrier=True,
+    ).collect()
     parts = [[] for _ in range(df.rdd.getNumPartitions())]
     for row in sorted(out, key=lambda r: (r.partition, r.position)):
         parts[row.partition].append((row.split, row.label))
     for row in out:  # a float64 weight per row of its partition, each its own row's
-        want = (f"float64 ({len(parts[row.partition])},)", weight_of(row.label)) if weighted else ("none", None)
+        want = (
+            (f"float64 ({len(parts[row.partition])},)", weight_of(row.label))
+            if weighted
+            else ("none", None)
+        )
         assert (row.kind, row.weight) == want, row
     return parts
 
@@ -170,14 +211,19 @@ def read_pairs_in_barrier(rdd):
 
 def test_an_unknown_scheme_names_the_setting_and_the_choices():
     assert [check_scheme(scheme) for scheme in SCHEMES] == list(SCHEMES)
-    with pytest.raises(ConfigurationError, match=r"partition_scheme='bogus'.*as_is, contiguous, round_robin, "
-                                                 r"random, overlap_reshuffle"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"partition_scheme='bogus'.*as_is, contiguous, round_robin, "
+        r"random, overlap_reshuffle",
+    ):
         check_scheme("bogus")
 
 
 def test_bad_workers_and_seeds_are_refused(data):
     prepared, summary = data
-    with pytest.raises(ConfigurationError, match="num_workers must be a positive whole number, got 0"):
+    with pytest.raises(
+        ConfigurationError, match="num_workers must be a positive whole number, got 0"
+    ):
         place_rows(prepared, 0, "random", 0, summary.partition_counts)
     with pytest.raises(ConfigurationError, match="seed must be a whole number"):
         place_pairs(None, 2, "random", 1.5)
@@ -188,15 +234,26 @@ def test_bad_workers_and_seeds_are_refused(data):
 def test_the_hashes_are_sparks_and_each_key_lands_on_its_partition(spark):
     from pyspark.sql import functions as F
 
-    ids = spark.range(-50, 50).select(
-        F.col("id"), F.hash(F.col("id").cast("int")).alias("murmur3"),
-        F.xxhash64(F.lit(-7).cast("long"), F.col("id")).alias("two"),
-        F.xxhash64(F.lit(3).cast("long"), F.lit(5).cast("long"), F.col("id")).alias("three")).collect()
+    ids = (
+        spark.range(-50, 50)
+        .select(
+            F.col("id"),
+            F.hash(F.col("id").cast("int")).alias("murmur3"),
+            F.xxhash64(F.lit(-7).cast("long"), F.col("id")).alias("two"),
+            F.xxhash64(F.lit(3).cast("long"), F.lit(5).cast("long"), F.col("id")).alias("three"),
+        )
+        .collect()
+    )
     assert [r.murmur3 for r in ids] == [murmur3_int(r.id) for r in ids]
     assert [r.two for r in ids] == [xxhash64(-7, r.id) for r in ids]
     assert [r.three for r in ids] == [xxhash64(3, 5, r.id) for r in ids]
     keys = partition_keys(7)
-    landed = spark.createDataFrame([(key,) for key in keys], "key int").repartition(7, "key").rdd.glom().collect()
+    landed = (
+        spark.createDataFrame([(key,) for key in keys], "key int")
+        .repartition(7, "key")
+        .rdd.glom()
+        .collect()
+    )
     assert [[row.key for row in part] for part in landed] == [[key] for key in keys]
 
 
@@ -206,20 +263,32 @@ def test_the_hashes_are_sparks_and_each_key_lands_on_its_partition(spark):
 def test_prepare_counts_the_rows_of_each_split_and_partition(data):
     _, summary = data
     train = [PartitionCount(TRAIN, p, rows, 0) for p, rows in enumerate(TRAIN_SIZES) if rows]
-    validation = [PartitionCount(VALIDATION, len(TRAIN_SIZES) + p, rows, 0)
-                  for p, rows in enumerate(VALIDATION_SIZES) if rows]
+    validation = [
+        PartitionCount(VALIDATION, len(TRAIN_SIZES) + p, rows, 0)
+        for p, rows in enumerate(VALIDATION_SIZES)
+        if rows
+    ]
     assert summary.partition_counts == tuple(train + validation)
-    assert (summary.rows(TRAIN), summary.rows(VALIDATION)) == (sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
+    assert (summary.rows(TRAIN), summary.rows(VALIDATION)) == (
+        sum(TRAIN_SIZES),
+        sum(VALIDATION_SIZES),
+    )
     assert summary.n_features == 2 and summary.sample[1].tolist() == [0.0]
     # every partition of the union, the empty ones too, as Spark counts them
-    assert summary.partition_num == len(TRAIN_SIZES) + len(VALIDATION_SIZES) == data[0].rdd.getNumPartitions()
+    assert (
+        summary.partition_num
+        == len(TRAIN_SIZES) + len(VALIDATION_SIZES)
+        == data[0].rdd.getNumPartitions()
+    )
 
 
 # ---- the DataFrame path ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("scheme", INDEXED)
-def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_reads_them(data, scheme):
+def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_reads_them(
+    data, scheme
+):
     prepared, summary = data
     placed = place_rows(prepared, WORKERS, scheme, 5, summary.partition_counts)
     assert placed.columns == ["features", "label", "split", *ORDER_COLUMNS]
@@ -232,15 +301,23 @@ def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_read
 
 def test_as_is_deals_each_partitions_rows_in_turn_where_it_cannot_keep_them(data):
     prepared, summary = data
-    assert rows_in_place(prepared, WORKERS, "as_is", summary) is None  # not cached, and validation rows
+    assert (
+        rows_in_place(prepared, WORKERS, "as_is", summary) is None
+    )  # not cached, and validation rows
     parts = glom(place_rows(prepared, WORKERS, "as_is", 5, summary.partition_counts))
     assert len(parts) == WORKERS
     assert sorted(row for part in parts for row in part) == sorted(
-        row for part in expected("round_robin", WORKERS, 0, sum(TRAIN_SIZES), sum(VALIDATION_SIZES)) for row in part)
+        row
+        for part in expected("round_robin", WORKERS, 0, sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
+        for row in part
+    )
     assert all(part == sorted(part) for part in parts)  # by (split, i)
     starts = [sum(TRAIN_SIZES[:p]) for p in range(len(TRAIN_SIZES))]
     for start, size in zip(starts, TRAIN_SIZES):  # each input partition's rows spread evenly
-        shares = [sum(start <= label < start + size for split, label in part if split == TRAIN) for part in parts]
+        shares = [
+            sum(start <= label < start + size for split, label in part if split == TRAIN)
+            for part in parts
+        ]
         assert max(shares) - min(shares) <= 1
     again = place_rows(prepared, WORKERS, "as_is", 5, summary.partition_counts)
     assert read_in_barrier(again) == parts
@@ -253,8 +330,12 @@ def test_as_is_keeps_cached_partitions_one_per_worker_as_they_lie(spark):
         assert summary.cached and summary.partition_num == 4
         kept = rows_in_place(prepared, 4, "as_is", summary)
         assert kept is prepared
-        assert read_in_barrier(kept) == [[(TRAIN, 0.0), (TRAIN, 1.0), (TRAIN, 2.0)], [],
-                                         [(TRAIN, float(i)) for i in range(3, 8)], [(TRAIN, 8.0), (TRAIN, 9.0)]]
+        assert read_in_barrier(kept) == [
+            [(TRAIN, 0.0), (TRAIN, 1.0), (TRAIN, 2.0)],
+            [],
+            [(TRAIN, float(i)) for i in range(3, 8)],
+            [(TRAIN, 8.0), (TRAIN, 9.0)],
+        ]
         # any other scheme, another worker count, or validation rows: the shuffle places them
         assert rows_in_place(prepared, 4, "contiguous", summary) is None
         assert rows_in_place(prepared, 3, "as_is", summary) is None
@@ -268,8 +349,13 @@ def test_as_is_keeps_cached_partitions_one_per_worker_as_they_lie(spark):
 
 @pytest.fixture(scope="module")
 def weighted_data(spark):
-    return prepare(frame(spark, TRAIN_SIZES, weighted=True), "features", "label",
-                   frame(spark, VALIDATION_SIZES, VALIDATION_BASE, weighted=True), weight_col="w")
+    return prepare(
+        frame(spark, TRAIN_SIZES, weighted=True),
+        "features",
+        "label",
+        frame(spark, VALIDATION_SIZES, VALIDATION_BASE, weighted=True),
+        weight_col="w",
+    )
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -296,28 +382,41 @@ def test_cached_weighted_partitions_kept_as_they_lie_keep_their_weights(spark):
         prepared, summary = prepare(train, "features", "label", weight_col="w")
         kept = rows_in_place(prepared, 4, "as_is", summary)
         assert kept is prepared and summary.weighted
-        assert read_in_barrier(kept, weighted=True) == [[(TRAIN, 0.0), (TRAIN, 1.0), (TRAIN, 2.0)], [],
-                                                        [(TRAIN, float(i)) for i in range(3, 8)],
-                                                        [(TRAIN, 8.0), (TRAIN, 9.0)]]
+        assert read_in_barrier(kept, weighted=True) == [
+            [(TRAIN, 0.0), (TRAIN, 1.0), (TRAIN, 2.0)],
+            [],
+            [(TRAIN, float(i)) for i in range(3, 8)],
+            [(TRAIN, 8.0), (TRAIN, 9.0)],
+        ]
     finally:
         train.unpersist()
 
 
 def test_the_placement_of_cached_data_is_planned_once_per_setting(spark, data):
-    train, validation = frame(spark, [3, 0, 5, 2]).cache(), frame(spark, [2, 2], VALIDATION_BASE).cache()
+    train, validation = (
+        frame(spark, [3, 0, 5, 2]).cache(),
+        frame(spark, [2, 2], VALIDATION_BASE).cache(),
+    )
     try:
         prepared, summary = prepare(train, "features", "label", validation)
         first = place_rows_once(prepared, 4, "random", 7, summary)
         assert place_rows_once(prepared, 4, "random", 7, summary) is first
-        others = [place_rows_once(prepared, 3, "random", 7, summary), place_rows_once(prepared, 4, "random", 8, summary),
-                  place_rows_once(prepared, 4, "contiguous", 7, summary)]
-        assert all(other is not first for other in others) and len({id(other) for other in others}) == 3
+        others = [
+            place_rows_once(prepared, 3, "random", 7, summary),
+            place_rows_once(prepared, 4, "random", 8, summary),
+            place_rows_once(prepared, 4, "contiguous", 7, summary),
+        ]
+        assert (
+            all(other is not first for other in others)
+            and len({id(other) for other in others}) == 3
+        )
         # the kept plan places the rows as a new one does
         assert glom(first) == glom(place_rows(prepared, 4, "random", 7, summary.partition_counts))
         # data not cached may change between fits: planned anew, from its own counts
         uncached, uncached_summary = data
-        assert place_rows_once(uncached, 4, "random", 7, uncached_summary) is not \
-            place_rows_once(uncached, 4, "random", 7, uncached_summary)
+        assert place_rows_once(uncached, 4, "random", 7, uncached_summary) is not place_rows_once(
+            uncached, 4, "random", 7, uncached_summary
+        )
     finally:
         train.unpersist()
         validation.unpersist()
@@ -332,14 +431,24 @@ def test_a_shuffled_partition_is_put_in_order_by_its_keys(weighted):
     rows = [(1, 5, 0), (0, 9, 2), (0, 9, 1), (0, 3, 7), (1, 2, 3)]
     fields = [("features", pa.list_(pa.float32())), ("label", pa.float64()), ("split", pa.int32())]
     fields += [("weight", pa.float64())] if weighted else []
-    batches = [pa.RecordBatch.from_pydict({
-        "features": [[float(k), float(k)] for k, _ in enumerate(part, start)],
-        "label": [float(k) for k, _ in enumerate(part, start)],
-        "split": [split for split, _, _ in part],
-        **({"weight": [weight_of(k) for k, _ in enumerate(part, start)]} if weighted else {}),
-        "_order": [order for _, order, _ in part], "_i": [i for _, _, i in part]},
-        schema=pa.schema(fields + [("_order", pa.int64()), ("_i", pa.int64())]))
-        for start, part in ((0, rows[:3]), (3, rows[3:]))]
+    batches = [
+        pa.RecordBatch.from_pydict(
+            {
+                "features": [[float(k), float(k)] for k, _ in enumerate(part, start)],
+                "label": [float(k) for k, _ in enumerate(part, start)],
+                "split": [split for split, _, _ in part],
+                **(
+                    {"weight": [weight_of(k) for k, _ in enumerate(part, start)]}
+                    if weighted
+                    else {}
+                ),
+                "_order": [order for _, order, _ in part],
+                "_i": [i for _, _, i in part],
+            },
+            schema=pa.schema(fields + [("_order", pa.int64()), ("_i", pa.int64())]),
+        )
+        for start, part in ((0, rows[:3]), (3, rows[3:]))
+    ]
     X, y, split, weight = arrays_from_arrow(batches, 2)
     assert y.tolist() == [3.0, 2.0, 1.0, 4.0, 0.0]  # (0,3,7) (0,9,1) (0,9,2) (1,2,3) (1,5,0)
     assert split.tolist() == [0, 0, 0, 1, 1]
@@ -349,7 +458,9 @@ def test_a_shuffled_partition_is_put_in_order_by_its_keys(weighted):
     else:
         assert weight is None
     # as they came, without the keys (the data's own partitions)
-    X, y, split, weight = arrays_from_arrow([batch.select(batch.schema.names[:-2]) for batch in batches], 2)
+    X, y, split, weight = arrays_from_arrow(
+        [batch.select(batch.schema.names[:-2]) for batch in batches], 2
+    )
     assert y.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and (X[:, 0] == y).all()
     if weighted:
         assert weight.tolist() == [weight_of(label) for label in y]
@@ -375,7 +486,9 @@ def test_another_seed_gives_another_placement(data, scheme):
 
 
 def test_more_workers_than_rows_leave_partitions_empty(spark):
-    prepared, summary = prepare(frame(spark, [0, 2, 0, 1]), "features", "label", frame(spark, [1], VALIDATION_BASE))
+    prepared, summary = prepare(
+        frame(spark, [0, 2, 0, 1]), "features", "label", frame(spark, [1], VALIDATION_BASE)
+    )
     for scheme in SCHEMES:
         parts = glom(place_rows(prepared, 7, scheme, 1, summary.partition_counts))
         assert len(parts) == 7, scheme
@@ -388,7 +501,11 @@ def test_more_workers_than_rows_leave_partitions_empty(spark):
 def test_a_barrier_stage_reads_empty_partitions(spark):
     prepared, summary = prepare(frame(spark, [2, 1]), "features", "label")
     placed = place_rows(prepared, WORKERS, "contiguous", 0, summary.partition_counts)
-    assert read_in_barrier(placed) == expected("contiguous", WORKERS, 0, 3) == [[(0, 0.0)], [(0, 1.0)], [(0, 2.0)], []]
+    assert (
+        read_in_barrier(placed)
+        == expected("contiguous", WORKERS, 0, 3)
+        == [[(0, 0.0)], [(0, 1.0)], [(0, 2.0)], []]
+    )
 
 
 def test_partitions_holding_both_splits_keep_each_splits_order(spark):
@@ -397,23 +514,31 @@ def test_partitions_holding_both_splits_keep_each_splits_order(spark):
     train = frame(spark, [6, 5]).repartition(3, "label")
     validation = frame(spark, [4], VALIDATION_BASE).repartition(3, "label")
     prepared, summary = prepare(train, "features", "label", validation)
-    assert prepared.rdd.getNumPartitions() == 3 and any(count.start > 0 for count in summary.partition_counts)
+    assert prepared.rdd.getNumPartitions() == 3 and any(
+        count.start > 0 for count in summary.partition_counts
+    )
     order = {TRAIN: [], VALIDATION: []}
     for part in glom(prepared):
         for split, label in part:
             order[split].append(label)
     for scheme in ("contiguous", "random"):
         parts = glom(place_rows(prepared, 3, scheme, 2, summary.partition_counts))
-        want = [[(split, order[split][int(label) % VALIDATION_BASE]) for split, label in part]
-                for part in expected(scheme, 3, 2, 11, 4)]
+        want = [
+            [(split, order[split][int(label) % VALIDATION_BASE]) for split, label in part]
+            for part in expected(scheme, 3, 2, 11, 4)
+        ]
         assert parts == want, scheme
 
 
 def test_a_local_relation_is_indexed_in_its_own_order(spark):
-    values = spark.sql("SELECT array(CAST(id AS FLOAT)) AS features, CAST(id AS DOUBLE) AS label "
-                       "FROM VALUES (0), (1), (2), (3), (4) AS t(id)")
+    values = spark.sql(
+        "SELECT array(CAST(id AS FLOAT)) AS features, CAST(id AS DOUBLE) AS label "
+        "FROM VALUES (0), (1), (2), (3), (4) AS t(id)"
+    )
     prepared, summary = prepare(values, "features", "label")
-    assert glom(place_rows(prepared, 2, "contiguous", 0, summary.partition_counts)) == expected("contiguous", 2, 0, 5)
+    assert glom(place_rows(prepared, 2, "contiguous", 0, summary.partition_counts)) == expected(
+        "contiguous", 2, 0, 5
+    )
 
 
 def test_rows_that_do_not_match_the_counts_fail_the_shuffle(spark, data):
@@ -429,8 +554,12 @@ def test_rows_that_do_not_match_the_counts_fail_the_shuffle(spark, data):
 @pytest.mark.parametrize("scheme", INDEXED)
 def test_each_scheme_places_pairs_exactly_and_a_barrier_stage_reads_them(spark, scheme):
     parts = glom_pairs(place_pairs(pairs(spark, TRAIN_SIZES), WORKERS, scheme, 5))
-    assert parts == [[label for _, label in part] for part in expected(scheme, WORKERS, 5, sum(TRAIN_SIZES))]
-    assert read_pairs_in_barrier(place_pairs(pairs(spark, TRAIN_SIZES), WORKERS, scheme, 5)) == parts
+    assert parts == [
+        [label for _, label in part] for part in expected(scheme, WORKERS, 5, sum(TRAIN_SIZES))
+    ]
+    assert (
+        read_pairs_in_barrier(place_pairs(pairs(spark, TRAIN_SIZES), WORKERS, scheme, 5)) == parts
+    )
 
 
 def test_pairs_as_is_are_rdd_repartition_in_index_order(spark):
@@ -443,8 +572,12 @@ def test_pairs_as_is_are_rdd_repartition_in_index_order(spark):
 @pytest.mark.parametrize("scheme", ["random", "overlap_reshuffle"])
 def test_pairs_follow_the_seed(spark, scheme):
     parts = glom_pairs(place_pairs(pairs(spark, TRAIN_SIZES), WORKERS, scheme, 6))
-    assert parts == [[label for _, label in part] for part in expected(scheme, WORKERS, 6, sum(TRAIN_SIZES))]
-    assert parts != [[label for _, label in part] for part in expected(scheme, WORKERS, 5, sum(TRAIN_SIZES))]
+    assert parts == [
+        [label for _, label in part] for part in expected(scheme, WORKERS, 6, sum(TRAIN_SIZES))
+    ]
+    assert parts != [
+        [label for _, label in part] for part in expected(scheme, WORKERS, 5, sum(TRAIN_SIZES))
+    ]
 
 
 def test_more_workers_than_pairs_leave_partitions_empty(spark):
@@ -452,4 +585,6 @@ def test_more_workers_than_pairs_leave_partitions_empty(spark):
         parts = glom_pairs(place_pairs(pairs(spark, [0, 2, 1]), 7, scheme, 1))
         assert len(parts) == 7, scheme
         if scheme != "as_is":
-            assert parts == [[label for _, label in part] for part in expected(scheme, 7, 1, 3)], scheme
+            assert parts == [[label for _, label in part] for part in expected(scheme, 7, 1, 3)], (
+                scheme
+            )

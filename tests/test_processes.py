@@ -38,8 +38,10 @@ def test_static_addresses_sync_plain_processes():
     addresses = [("127.0.0.1", port) for port in free_loopback_ports(partitions)]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=partition, args=(param, addresses, i, results))
-                 for i in range(partitions)]
+    processes = [
+        context.Process(target=partition, args=(param, addresses, i, results))
+        for i in range(partitions)
+    ]
     for process in processes:
         process.start()
     try:
@@ -51,7 +53,7 @@ def test_static_addresses_sync_plain_processes():
                 process.kill()
     # gradient sums 1+2+3 over 3 partitions x 2 samples: the mean is 1
     expected = np.arange(size, dtype=np.float32) - np.float32(6.0) / np.float32(6.0)
-    for partition_id, weights, total in got:
+    for _partition_id, weights, total in got:
         assert isinstance(weights, np.ndarray), weights
         assert np.array_equal(weights, expected)
         assert np.array_equal(total, np.full(3, 3.0, np.float32))
@@ -61,8 +63,11 @@ def test_static_addresses_sync_plain_processes():
 def test_a_process_that_never_starts_is_named_after_the_timeout():
     own, absent = free_loopback_ports(2)
     param = AllReduceParameter(2, 10, codec="raw")
-    with pytest.raises(UsageError, match=rf"partition 1 at 127.0.0.1:{absent} did not start serving within "
-                                         r"0.3 s .*start all 2 processes with the same address list"):
+    with pytest.raises(
+        UsageError,
+        match=rf"partition 1 at 127.0.0.1:{absent} did not start serving within "
+        r"0.3 s .*start all 2 processes with the same address list",
+    ):
         param.connect(StaticRendezvous(0, [("127.0.0.1", own), ("127.0.0.1", absent)], timeout=0.3))
 
 
@@ -89,7 +94,9 @@ def test_a_peer_lost_without_a_word_points_at_executor_memory():
     addresses = [("127.0.0.1", port) for port in free_loopback_ports(2)]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=vanish, args=(param, addresses, i, results)) for i in range(2)]
+    processes = [
+        context.Process(target=vanish, args=(param, addresses, i, results)) for i in range(2)
+    ]
     for process in processes:
         process.start()
     try:
@@ -99,6 +106,11 @@ def test_a_peer_lost_without_a_word_points_at_executor_memory():
             process.join(60)
             if process.is_alive():
                 process.kill()
-    assert partition_id == 0 and outcome.startswith("PeerLostError: partition 1 at 127.0.0.1"), outcome
-    assert "without a word: its task failed or its executor was lost, often killed for using too much memory" \
-        in outcome and "spark.executor.memory" in outcome
+    assert partition_id == 0 and outcome.startswith("PeerLostError: partition 1 at 127.0.0.1"), (
+        outcome
+    )
+    assert (
+        "without a word: its task failed or its executor was lost, often killed for using too much memory"
+        in outcome
+        and "spark.executor.memory" in outcome
+    )

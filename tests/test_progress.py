@@ -3,16 +3,22 @@ step, and the meeting point where the partitions learn each other's addresses.""
 
 from __future__ import annotations
 
-import socket
-import time
 import logging
+import socket
 import threading
+import time
 
 import pytest
 
+from allreduce_param.engine.movement.rendezvous import MeetingPoint, _by_partition
+from allreduce_param.engine.wire.messages import (
+    MAX_MESSAGE,
+    MessageClient,
+    MessageServer,
+    _frame,
+    _read,
+)
 from allreduce_param.errors import AuthenticationError, UsageError
-from allreduce_param.messages import MAX_MESSAGE, MessageClient, MessageServer, _frame, _read
-from allreduce_param.rendezvous import MeetingPoint, _by_partition
 from allreduce_param.train.progress import ProgressMerger, ProgressReporter
 from allreduce_param.train.result import STEP_FIELDS, merge_step
 
@@ -58,13 +64,17 @@ def test_a_client_without_the_secret_is_refused_in_the_handshake_and_others_go_o
     events = Events(expected=1)
     server = progress_server(1, events)
     try:
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.network"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
             stranger = MessageClient(server.address, b"x" * 32)
-            with pytest.raises(AuthenticationError, match="refused this connection: it does not know this job's"):
+            with pytest.raises(
+                AuthenticationError, match="refused this connection: it does not know this job's"
+            ):
                 stranger.send({"kind": "epoch", "epoch": 9})
             stranger.close()
             quiet = ProgressReporter(MessageClient(server.address, b"x" * 32))
-            quiet.send("start", partition=0, steps=1, epochs=1)  # a reporter says nothing, and stops
+            quiet.send(
+                "start", partition=0, steps=1, epochs=1
+            )  # a reporter says nothing, and stops
             assert quiet._broken
             good = ProgressReporter(server.client())
             good.send("epoch", epoch=0, val_loss=0.5)
@@ -82,7 +92,7 @@ def test_a_too_long_message_closes_that_connection_only(caplog):
     server = progress_server(1, events)
     rogue = server.client()
     try:
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.messages"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.messages"):
             sock = rogue._connected()  # proven
             sock.sendall((MAX_MESSAGE + 1).to_bytes(4, "little"))
             sock.settimeout(30)
@@ -121,8 +131,10 @@ def test_a_message_sent_again_or_back_is_refused(caplog):
     client = server.client()
     try:
         client.send({"kind": "epoch", "epoch": 0, "val_loss": 0.5})
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.messages"):
-            client._sock.sendall(_frame(client._key, b"task", 0, {"kind": "epoch", "epoch": 0, "val_loss": 0.5}))
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.messages"):
+            client._sock.sendall(
+                _frame(client._key, b"task", 0, {"kind": "epoch", "epoch": 0, "val_loss": 0.5})
+            )
             client._sock.settimeout(30)
             assert client._sock.recv(1) == b""
         assert events.done.wait(30)
@@ -155,7 +167,9 @@ def test_a_driver_that_stops_reading_cannot_stall_a_task():
     reporter = ProgressReporter(server.client())
     try:
         sent = 0
-        while not reporter._broken and sent < 10_000:  # each 64 KiB: the buffers hold a few MiB at most
+        while (
+            not reporter._broken and sent < 10_000
+        ):  # each 64 KiB: the buffers hold a few MiB at most
             reporter.send("step", filler="x" * (64 << 10))
             sent += 1
         assert stuck.is_set() and reporter._broken, sent
@@ -168,14 +182,18 @@ def test_a_driver_that_stops_reading_cannot_stall_a_task():
 def test_a_resumed_attempt_drops_what_the_failed_one_left_half_reported():
     events = Events(expected=2)
     started = Events(expected=1)
-    server = progress_server(2, lambda kind, fields: (events(kind, fields), kind == "start" and started(kind, fields)))
+    server = progress_server(
+        2, lambda kind, fields: (events(kind, fields), kind == "start" and started(kind, fields))
+    )
     reporters = [ProgressReporter(server.client()) for _ in range(2)]
     try:
         # the failed attempt: only partition 0 reported step 3
         reporters[0].send("step", partition=0, record=record(0, 3, 9.0, 2, 0.1))
         reporters[0].send("start", partition=0, steps=4, epochs=1, resumed=[0, 3], done=3)
         assert started.done.wait(30)
-        reporters[1].send("step", partition=1, record=record(0, 3, 4.0, 2, 0.3))  # the new attempt's
+        reporters[1].send(
+            "step", partition=1, record=record(0, 3, 4.0, 2, 0.3)
+        )  # the new attempt's
         reporters[0].send("step", partition=0, record=record(0, 3, 2.0, 2, 0.2))
         assert events.done.wait(30)
     finally:
@@ -193,8 +211,15 @@ def meet(server, partitions, stage=7, tasks=None):
     def one(partition):
         client = server.client()
         try:
-            client.send({"kind": "meet", "stage": stage, "task": (tasks or {}).get(partition, partition),
-                         "partition": partition, "address": ["127.0.0.1", 5000 + partition]})
+            client.send(
+                {
+                    "kind": "meet",
+                    "stage": stage,
+                    "task": (tasks or {}).get(partition, partition),
+                    "partition": partition,
+                    "address": ["127.0.0.1", 5000 + partition],
+                }
+            )
             answers[partition] = client.receive(timeout=60)
         finally:
             client.close()
@@ -216,17 +241,22 @@ def test_the_meeting_point_answers_every_task_with_every_address_once_all_came()
     finally:
         server.close()
     for found in (answers, again):
-        assert sorted(found) == [0, 1, 2] and all(answer["kind"] == "met" for answer in found.values())
+        assert sorted(found) == [0, 1, 2] and all(
+            answer["kind"] == "met" for answer in found.values()
+        )
         for answer in found.values():
-            assert _by_partition(answer["addresses"], 3) == [("127.0.0.1", 5000), ("127.0.0.1", 5001),
-                                                             ("127.0.0.1", 5002)]
+            assert _by_partition(answer["addresses"], 3) == [
+                ("127.0.0.1", 5000),
+                ("127.0.0.1", 5001),
+                ("127.0.0.1", 5002),
+            ]
 
 
 def test_tasks_at_the_meeting_point_go_to_allgather_when_one_never_comes(caplog):
     meeting = MeetingPoint(3, patience=0.5)
     server = MessageServer("127.0.0.1", meeting.on_message)
     try:
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.rendezvous"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.movement.rendezvous"):
             answers = meet(server, [0, 2])  # partition 1 cannot reach the driver
     finally:
         server.close()
@@ -245,10 +275,25 @@ def test_the_bar_says_when_and_why_early_stopping_ended_the_fit(capsys, tmp_path
     from allreduce_param.train.progress import ProgressBar
     from allreduce_param.train.result import merge_epoch
 
-    shares = [{"epoch": 4, "partition": p, "task": "regression", "val": [1.0, 2.0, 10.0], "best_epoch": 2,
-               "stopped": True} for p in range(2)]
+    shares = [
+        {
+            "epoch": 4,
+            "partition": p,
+            "task": "regression",
+            "val": [1.0, 2.0, 10.0],
+            "best_epoch": 2,
+            "stopped": True,
+        }
+        for p in range(2)
+    ]
     merged = merge_epoch(shares)
-    assert merged == {"epoch": 4, "best_epoch": 2, "stopped": True, "val_loss": 0.1, "val_rmse": pytest.approx(0.2 ** 0.5)}
+    assert merged == {
+        "epoch": 4,
+        "best_epoch": 2,
+        "stopped": True,
+        "val_loss": 0.1,
+        "val_rmse": pytest.approx(0.2**0.5),
+    }
     with open(tmp_path / "log.jsonl", "w") as log:
         bar = ProgressBar(show=True, log_file=log)
         bar("start", {"partition": 0, "steps": 5, "epochs": 10})
@@ -257,7 +302,10 @@ def test_the_bar_says_when_and_why_early_stopping_ended_the_fit(capsys, tmp_path
     shown = capsys.readouterr()
     text = shown.out + shown.err
     assert "epoch 4: val_loss 0.1000, val_rmse 0.4472, best epoch 2" in text
-    assert "stopped early: no better validation loss since epoch 2, whose weights the fit keeps" in text
+    assert (
+        "stopped early: no better validation loss since epoch 2, whose weights the fit keeps"
+        in text
+    )
     assert json.loads((tmp_path / "log.jsonl").read_text())["best_epoch"] == 2
 
 
@@ -267,13 +315,25 @@ def test_tasks_waiting_at_the_meeting_hold_no_thread_of_the_driver():
     partitions = 40
     meeting = MeetingPoint(partitions, patience=60)
     arrived = []
-    server = MessageServer("127.0.0.1", lambda message, reply: (meeting.on_message(message, reply),
-                                                                 arrived.append(message["partition"])))
+    server = MessageServer(
+        "127.0.0.1",
+        lambda message, reply: (
+            meeting.on_message(message, reply),
+            arrived.append(message["partition"]),
+        ),
+    )
     clients = [server.client() for _ in range(partitions)]
 
     def send(partition):
-        clients[partition].send({"kind": "meet", "stage": 3, "task": partition, "partition": partition,
-                                 "address": ["127.0.0.1", 6000 + partition]})
+        clients[partition].send(
+            {
+                "kind": "meet",
+                "stage": 3,
+                "task": partition,
+                "partition": partition,
+                "address": ["127.0.0.1", 6000 + partition],
+            }
+        )
 
     def message_threads():
         return sum(thread.name == "allreduce-messages" for thread in threading.enumerate())
@@ -283,12 +343,16 @@ def test_tasks_waiting_at_the_meeting_hold_no_thread_of_the_driver():
             send(partition)
         deadline = time.monotonic() + 60
         while len(arrived) < partitions - 1:
-            assert time.monotonic() < deadline, f"{len(arrived)} of {partitions - 1} meet messages handled"
+            assert time.monotonic() < deadline, (
+                f"{len(arrived)} of {partitions - 1} meet messages handled"
+            )
             time.sleep(0.01)
         assert 1 <= message_threads() <= MessageServer.THREADS
         send(partitions - 1)
         answers = [client.receive(timeout=60) for client in clients]
-        assert all(answer["kind"] == "met" and len(answer["addresses"]) == partitions for answer in answers)
+        assert all(
+            answer["kind"] == "met" and len(answer["addresses"]) == partitions for answer in answers
+        )
         assert message_threads() <= MessageServer.THREADS
     finally:
         for client in clients:
@@ -300,11 +364,18 @@ def test_tasks_waiting_at_the_meeting_hold_no_thread_of_the_driver():
 def test_a_task_that_left_before_its_meeting_was_decided_does_not_keep_the_others_from_hearing():
     meeting = MeetingPoint(3, patience=60)
     arrived = []
-    server = MessageServer("127.0.0.1", lambda message, reply: (meeting.on_message(message, reply),
-                                                                 arrived.append(message["partition"])))
+    server = MessageServer(
+        "127.0.0.1",
+        lambda message, reply: (
+            meeting.on_message(message, reply),
+            arrived.append(message["partition"]),
+        ),
+    )
     gone = server.client()
     try:
-        gone.send({"kind": "meet", "stage": 4, "task": 0, "partition": 0, "address": ["127.0.0.1", 7000]})
+        gone.send(
+            {"kind": "meet", "stage": 4, "task": 0, "partition": 0, "address": ["127.0.0.1", 7000]}
+        )
         deadline = time.monotonic() + 60
         while arrived != [0]:
             assert time.monotonic() < deadline, "the first meet message was not handled"

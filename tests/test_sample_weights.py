@@ -9,11 +9,11 @@ import json
 
 import numpy as np
 import pytest
+from conftest import blobs, raise_first, train_on_threads
 
 from allreduce_param import AllReduceParameter, InputError, models, optim
 from allreduce_param.train.result import STEP_FIELDS
-from allreduce_param.train.worker import SubBatches, TrainingJob, evaluate
-from conftest import blobs, raise_first, train_on_threads
+from allreduce_param.train.task.worker import SubBatches, TrainingJob, evaluate
 
 
 def uneven_parts(sizes=(7, 19, 30), features=3, seed=4) -> list:
@@ -30,11 +30,23 @@ def uneven_parts(sizes=(7, 19, 30), features=3, seed=4) -> list:
 
 def job_for(model, parts, **settings) -> TrainingJob:
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
-    settings = {"batch_size": sum(len(part[0]) for part in parts), "epochs": 1, "seed": 2, "threads": None,
-                "optimizer": optim.SGD(lr=0.1), **settings}
+    settings = {
+        "batch_size": sum(len(part[0]) for part in parts),
+        "epochs": 1,
+        "seed": 2,
+        "threads": None,
+        "optimizer": optim.SGD(lr=0.1),
+        **settings,
+    }
     optimizer = settings.pop("optimizer")
-    return TrainingJob(model, optimizer, param, n_features=parts[0][0].shape[1],
-                       has_validation=any(len(part) > 2 and (part[2] == 1).any() for part in parts), **settings)
+    return TrainingJob(
+        model,
+        optimizer,
+        param,
+        n_features=parts[0][0].shape[1],
+        has_validation=any(len(part) > 2 and (part[2] == 1).any() for part in parts),
+        **settings,
+    )
 
 
 def trained(job, parts) -> tuple[np.ndarray, list]:
@@ -42,8 +54,11 @@ def trained(job, parts) -> tuple[np.ndarray, list]:
     return np.frombuffer(outputs[0]["weights"], np.float32), outputs
 
 
-@pytest.mark.parametrize("how", [{"overlap": False}, {"overlap": True}, {"overlap": False, "threads": 2}],
-                         ids=["whole", "streamed", "threads"])
+@pytest.mark.parametrize(
+    "how",
+    [{"overlap": False}, {"overlap": True}, {"overlap": False, "threads": 2}],
+    ids=["whole", "streamed", "threads"],
+)
 def test_one_full_batch_step_is_the_weighted_mean_of_the_row_gradients(how):
     model = models.LinearRegression(3)
     parts = uneven_parts()
@@ -53,21 +68,32 @@ def test_one_full_batch_step_is_the_weighted_mean_of_the_row_gradients(how):
     total, weight_sum = np.zeros(model.size), 0.0
     for X, y, _, weight in parts:
         for row in range(len(X)):
-            _, grad, _ = model.loss_and_grad(start, X[row:row + 1], y[row:row + 1])
+            _, grad, _ = model.loss_and_grad(start, X[row : row + 1], y[row : row + 1])
             total += weight[row] * grad.astype(np.float64)
             weight_sum += weight[row]
     np.testing.assert_allclose(weights, start - 0.1 * total / weight_sum, rtol=1e-5, atol=1e-6)
     step = np.frombuffer(outputs[1]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))
-    assert step[0, STEP_FIELDS.index("samples")] == pytest.approx(parts[1][3].sum())  # the weights' sum
+    assert step[0, STEP_FIELDS.index("samples")] == pytest.approx(
+        parts[1][3].sum()
+    )  # the weights' sum
 
 
 def test_whole_weights_train_as_repeated_rows_do():
     X, y = blobs(60, 4, 3, seed=5)
     weight = np.random.default_rng(6).integers(0, 4, 60).astype(np.float64)
     weighted = [(X[i::2], y[i::2], np.zeros(30, np.int32), weight[i::2]) for i in range(2)]
-    repeated = [(np.repeat(X[i::2], weight[i::2].astype(int), axis=0), np.repeat(y[i::2], weight[i::2].astype(int)))
-                for i in range(2)]
-    settings = {"batch_size": 400, "epochs": 6, "optimizer": optim.Adam(lr=0.05)}  # full batch: one step an epoch
+    repeated = [
+        (
+            np.repeat(X[i::2], weight[i::2].astype(int), axis=0),
+            np.repeat(y[i::2], weight[i::2].astype(int)),
+        )
+        for i in range(2)
+    ]
+    settings = {
+        "batch_size": 400,
+        "epochs": 6,
+        "optimizer": optim.Adam(lr=0.05),
+    }  # full batch: one step an epoch
     by_weight, _ = trained(job_for(models.MLP([4, 8, 3]), weighted, **settings), weighted)
     by_rows, _ = trained(job_for(models.MLP([4, 8, 3]), repeated, **settings), repeated)
     np.testing.assert_allclose(by_weight, by_rows, rtol=1e-4, atol=1e-5)
@@ -81,14 +107,18 @@ def test_evaluation_weighs_the_validation_and_training_rows():
     for X, y, _, weight in parts:
         half = len(X) // 2
         split = np.zeros(len(X), np.int32)
-        split[:len(X) - half] = 1
+        split[: len(X) - half] = 1
         labels, weights = y.copy(), weight.copy()
         labels[:half], weights[:half] = 1e6, 0.0
         with_validation.append((X, labels, split, weights))
-    weights, outputs = trained(job_for(model, with_validation, batch_size=16, epochs=2), with_validation)
+    weights, outputs = trained(
+        job_for(model, with_validation, batch_size=16, epochs=2), with_validation
+    )
     shares = [json.loads(output["epochs"])[-1] for output in outputs]
     loss_sum, _, count = np.sum([share["val"] for share in shares], axis=0)
-    X, y, w = (np.concatenate([part[k][part[2] == 1] for part in with_validation]) for k in (0, 1, 3))
+    X, y, w = (
+        np.concatenate([part[k][part[2] == 1] for part in with_validation]) for k in (0, 1, 3)
+    )
     z = X.astype(np.float64) @ weights[:3] + weights[3]
     assert count == pytest.approx(w.sum())
     assert loss_sum / count == pytest.approx(np.sum(w * 0.5 * (z - y) ** 2) / w.sum(), rel=1e-5)
@@ -126,7 +156,10 @@ def test_a_weighted_fit_streams_only_through_a_call_that_takes_the_weights():
     errors = [output for output in outputs if isinstance(output, BaseException)]
     assert len(errors) == len(parts)
     for error in errors:  # a partition whose peer failed first says so, naming the peer's reason
-        with pytest.raises(Exception, match=r"loss_and_grad_into gave count=\d+ for a batch of \d+ rows of weights "
-                                            r"summing to .*it must be the sum of the sample weights"):
+        with pytest.raises(
+            Exception,
+            match=r"loss_and_grad_into gave count=\d+ for a batch of \d+ rows of weights "
+            r"summing to .*it must be the sum of the sample weights",
+        ):
             raise error
     assert any(isinstance(error.__cause__, InputError) for error in errors)

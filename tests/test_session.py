@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from allreduce_param import ConfigurationError
-from allreduce_param.session import java_problem, local_spark
+from allreduce_param.spark.session import java_problem, local_spark
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,8 +43,9 @@ def test_java_home_without_java(monkeypatch, tmp_path):
     assert f"JAVA_HOME={tmp_path} has no bin/java" in java_problem()
 
 
-@pytest.mark.parametrize("line, major", [('openjdk version "11.0.2" 2019-01-15', 11),
-                                         ('java version "1.8.0_392"', 8)])
+@pytest.mark.parametrize(
+    "line, major", [('openjdk version "11.0.2" 2019-01-15', 11), ('java version "1.8.0_392"', 8)]
+)
 def test_an_old_java_is_named(monkeypatch, tmp_path, line, major):
     fake_java(tmp_path, line)
     monkeypatch.setenv("JAVA_HOME", str(tmp_path))
@@ -54,32 +55,68 @@ def test_an_old_java_is_named(monkeypatch, tmp_path, line, major):
 
 
 def test_the_main_job_says_so_and_exits_without_a_traceback(tmp_path):
-    environment = {**os.environ, "JAVA_HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
-    done = subprocess.run([sys.executable, str(REPO / "jobs" / "bench_allreduce.py")], env=environment,
-                          capture_output=True, text=True, timeout=120)
+    environment = {
+        **os.environ,
+        "JAVA_HOME": str(tmp_path),
+        "PATH": str(Path(sys.executable).parent),
+    }
+    done = subprocess.run(
+        [sys.executable, str(REPO / "jobs" / "bench_allreduce.py")],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "has no bin/java" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_train_command_says_so_and_exits_without_a_traceback(tmp_path):
-    environment = {**os.environ, "JAVA_HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent)}
-    done = subprocess.run([sys.executable, str(REPO / "jobs" / "train.py"), "--conf", str(REPO / "conf" / "digits.toml")],
-                          env=environment, capture_output=True, text=True, timeout=120)
+    environment = {
+        **os.environ,
+        "JAVA_HOME": str(tmp_path),
+        "PATH": str(Path(sys.executable).parent),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "jobs" / "train.py"),
+            "--conf",
+            str(REPO / "conf" / "digits.toml"),
+        ],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
-    assert "has no bin/java" in done.stderr and "apt-get install" in done.stderr and "Traceback" not in done.stderr
+    assert (
+        "has no bin/java" in done.stderr
+        and "apt-get install" in done.stderr
+        and "Traceback" not in done.stderr
+    )
 
 
-@pytest.mark.parametrize("master, example", [("spark://10.0.3.2:7077", "standalone.conf"), ("yarn", "yarn.conf"),
-                                             ("k8s://https://10.0.3.1:6443", "kubernetes.conf")])
+@pytest.mark.parametrize(
+    "master, example",
+    [
+        ("spark://10.0.3.2:7077", "standalone.conf"),
+        ("yarn", "yarn.conf"),
+        ("k8s://https://10.0.3.1:6443", "kubernetes.conf"),
+    ],
+)
 def test_a_cluster_master_is_refused_with_the_spark_submit_command(master, example):
     # a local session's loopback addresses would keep that cluster's executors from the driver
-    with pytest.raises(ConfigurationError, match=rf"spark-submit --master {master} --properties-file "
-                                                 rf"conf/cluster/{example} jobs/train.py"):
+    with pytest.raises(
+        ConfigurationError,
+        match=rf"spark-submit --master {master} --properties-file "
+        rf"conf/cluster/{example} jobs/train.py",
+    ):
         local_spark(master)  # refused before any JVM starts
 
 
 def test_under_spark_submit_nothing_of_this_machine_is_applied(monkeypatch, tmp_path):
-    import allreduce_param.session as session
+    import allreduce_param.spark.session as session
 
     built = []
 
@@ -104,7 +141,14 @@ def test_under_spark_submit_nothing_of_this_machine_is_applied(monkeypatch, tmp_
     monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # as spark-submit's Python has it
     monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
     monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
-    monkeypatch.setattr(session, "_java", lambda: pytest.fail("no Java check: the JVM runs already"))
-    assert local_spark(None, conf_dir=tmp_path / "missing", **{"spark.task.maxFailures": "1"}) == "session"
-    assert built == [("spark.task.maxFailures", "1")]  # no conf_dir, no SPARK_CONF_DIR for the executors
+    monkeypatch.setattr(
+        session, "_java", lambda: pytest.fail("no Java check: the JVM runs already")
+    )
+    assert (
+        local_spark(None, conf_dir=tmp_path / "missing", **{"spark.task.maxFailures": "1"})
+        == "session"
+    )
+    assert built == [
+        ("spark.task.maxFailures", "1")
+    ]  # no conf_dir, no SPARK_CONF_DIR for the executors
     assert "SPARK_LOCAL_IP" not in os.environ and "PYSPARK_PYTHON" not in os.environ

@@ -14,35 +14,54 @@ from allreduce_param.train.settings import estimator_params
 
 def test_defaults_and_changes_by_name():
     settings = FitSettings()
-    assert (settings.batch_size, settings.epochs, settings.codec, settings.strategy) == (256, 10, "lz4", "bsp")
+    assert (settings.batch_size, settings.epochs, settings.codec, settings.strategy) == (
+        256,
+        10,
+        "lz4",
+        "bsp",
+    )
     changed = settings.replace(batch_size=64, strategy="ssp", staleness=2)
     assert (changed.batch_size, changed.strategy, changed.staleness) == (64, "ssp", 2)
     assert settings.batch_size == 256  # frozen: a change is a new object
     assert FitSettings.of(changed.as_dict()) == changed
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"epochs": 0}, "epochs must be a positive whole number, got 0"),
-    ({"batch_size": True}, "batch_size must be a positive whole number, got True"),
-    ({"codec": "zip"}, "zip"),
-    ({"sync_every": 4, "strategy": "asp"}, "sync_every=4 \\(local SGD\\) goes with strategy='bsp'"),
-    ({"checkpoint_every": 5}, "checkpoint_every=5 goes with checkpoint_dir"),
-    ({"overlap": "sometimes"}, "overlap must be True, False or 'auto'"),
-    ({"partition_scheme": "hashed"}, "partition_scheme='hashed' is not a data-partition scheme"),
-    ({"topology": "ring"}, "topology must be one of 'auto', 'hierarchical', 'flat', got 'ring'"),
-    ({"topology": None}, "topology must be one of 'auto', 'hierarchical', 'flat', got None"),
-    ({"fetch_threads": 0}, "fetch_threads must be a positive whole number, got 0"),
-    ({"fetch_threads": -2}, "fetch_threads must be a positive whole number, got -2"),
-    ({"fetch_threads": True}, "fetch_threads must be a positive whole number, got True"),
-    ({"fetch_threads": 1.5}, "fetch_threads must be a positive whole number, got 1.5"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"epochs": 0}, "epochs must be a positive whole number, got 0"),
+        ({"batch_size": True}, "batch_size must be a positive whole number, got True"),
+        ({"codec": "zip"}, "zip"),
+        (
+            {"sync_every": 4, "strategy": "asp"},
+            "sync_every=4 \\(local SGD\\) goes with strategy='bsp'",
+        ),
+        ({"checkpoint_every": 5}, "checkpoint_every=5 goes with checkpoint_dir"),
+        ({"overlap": "sometimes"}, "overlap must be True, False or 'auto'"),
+        (
+            {"partition_scheme": "hashed"},
+            "partition_scheme='hashed' is not a data-partition scheme",
+        ),
+        (
+            {"topology": "ring"},
+            "topology must be one of 'auto', 'hierarchical', 'flat', got 'ring'",
+        ),
+        ({"topology": None}, "topology must be one of 'auto', 'hierarchical', 'flat', got None"),
+        ({"fetch_threads": 0}, "fetch_threads must be a positive whole number, got 0"),
+        ({"fetch_threads": -2}, "fetch_threads must be a positive whole number, got -2"),
+        ({"fetch_threads": True}, "fetch_threads must be a positive whole number, got True"),
+        ({"fetch_threads": 1.5}, "fetch_threads must be a positive whole number, got 1.5"),
+    ],
+)
 def test_a_bad_setting_fails_when_made_naming_it(changes, message):
     with pytest.raises(ConfigurationError, match=message):
         FitSettings().replace(**changes)
 
 
 def test_an_unknown_name_is_refused_with_the_names_there_are():
-    with pytest.raises(ConfigurationError, match="\\[train\\]: 'epoch' is not a setting; the settings are .*epochs"):
+    with pytest.raises(
+        ConfigurationError, match="\\[train\\]: 'epoch' is not a setting; the settings are .*epochs"
+    ):
         FitSettings.of({"epoch": 3}, where="[train]")
     with pytest.raises(ConfigurationError, match="DistriOptimizer: 'bogus', 'lr' are not settings"):
         DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), bogus=1, lr=0.1)
@@ -60,53 +79,83 @@ def test_distri_optimizer_takes_a_settings_object_with_changes_by_name():
 def test_every_setting_the_estimators_have_is_a_param_with_its_default_getter_and_setter():
     specs = list(estimator_params())
     fields = {item.name: item for item in dataclasses.fields(FitSettings)}
-    assert {spec.setting for spec in specs} == {name for name, item in fields.items() if item.metadata["estimator"]}
+    assert {spec.setting for spec in specs} == {
+        name for name, item in fields.items() if item.metadata["estimator"]
+    }
     for estimator in (AllReduceClassifier(), AllReduceRegressor()):
         for spec in specs:
             title = spec.name[0].upper() + spec.name[1:]
             assert estimator.hasParam(spec.name), spec.name
             assert getattr(estimator, f"get{title}")() == fields[spec.setting].default
             assert getattr(estimator, f"set{title}") is not None
-    assert {"maxEpochs", "showProgress", "batchSize", "checkpointKeep", "gradientCodec"} <= {s.name for s in specs}
+    assert {"maxEpochs", "showProgress", "batchSize", "checkpointKeep", "gradientCodec"} <= {
+        s.name for s in specs
+    }
 
 
 def test_the_estimators_params_reach_the_distri_optimizer():
-    classifier = AllReduceClassifier(maxEpochs=3, codec="raw", timeout=60.0, verbose=True, numWorkers=2,
-                                     stepSize=0.05, optimizer="sgd")
+    classifier = AllReduceClassifier(
+        maxEpochs=3,
+        codec="raw",
+        timeout=60.0,
+        verbose=True,
+        numWorkers=2,
+        stepSize=0.05,
+        optimizer="sgd",
+    )
     trainer = classifier._trainer(models.SoftmaxRegression(4, 3))
-    assert trainer.settings == FitSettings(epochs=3, codec="raw", timeout=60.0, verbose=True, num_workers=2)
+    assert trainer.settings == FitSettings(
+        epochs=3, codec="raw", timeout=60.0, verbose=True, num_workers=2
+    )
     assert trainer.optimizer == optim.SGD(lr=0.05)
-    with pytest.raises(ConfigurationError, match="AllReduceClassifier has no Param 'epochs'; its Params are"):
+    with pytest.raises(
+        ConfigurationError, match="AllReduceClassifier has no Param 'epochs'; its Params are"
+    ):
         AllReduceClassifier(epochs=3)
-    with pytest.raises(ConfigurationError, match="AllReduceClassifier: maxEpochs must be a positive whole number"):
+    with pytest.raises(
+        ConfigurationError, match="AllReduceClassifier: maxEpochs must be a positive whole number"
+    ):
         AllReduceClassifier(maxEpochs=0)._trainer(models.SoftmaxRegression(4, 3))
 
 
 def test_topology_and_fetch_threads_are_settings_the_engine_gets_as_given():
     settings = FitSettings()
-    assert (settings.topology, settings.fetch_threads) == ("auto", None)  # the engine's own defaults
+    assert (settings.topology, settings.fetch_threads) == (
+        "auto",
+        None,
+    )  # the engine's own defaults
     trainer = DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), topology="flat", fetch_threads=2)
     assert (trainer.topology, trainer.fetch_threads) == ("flat", 2)
     assert FitSettings(topology="hierarchical", strategy="bsp").topology == "hierarchical"
     classifier = AllReduceClassifier(topology="hierarchical", fetchThreads=4)
     assert (classifier.getTopology(), classifier.getFetchThreads()) == ("hierarchical", 4)
-    assert classifier._trainer(models.SoftmaxRegression(4, 3)).settings == \
-        FitSettings(topology="hierarchical", fetch_threads=4)
-    with pytest.raises(ConfigurationError, match="AllReduceClassifier: fetchThreads must be a positive whole "
-                                                 "number, got 0"):
+    assert classifier._trainer(models.SoftmaxRegression(4, 3)).settings == FitSettings(
+        topology="hierarchical", fetch_threads=4
+    )
+    with pytest.raises(
+        ConfigurationError,
+        match="AllReduceClassifier: fetchThreads must be a positive whole number, got 0",
+    ):
         AllReduceClassifier(fetchThreads=0)._settings()
 
 
-@pytest.mark.parametrize("strategy, named, fix", [
-    ({"strategy": "ssp", "staleness": 2}, "strategy='ssp'", "strategy='bsp'"),
-    ({"strategy": "asp"}, "strategy='asp'", "strategy='bsp'"),
-    ({"backup_workers": 1}, "strategy='bsp', backup_workers=1", "backup_workers=0"),
-])
-def test_a_hierarchical_topology_under_another_strategy_than_plain_bsp_fails_on_the_driver(strategy, named, fix):
+@pytest.mark.parametrize(
+    "strategy, named, fix",
+    [
+        ({"strategy": "ssp", "staleness": 2}, "strategy='ssp'", "strategy='bsp'"),
+        ({"strategy": "asp"}, "strategy='asp'", "strategy='bsp'"),
+        ({"backup_workers": 1}, "strategy='bsp', backup_workers=1", "backup_workers=0"),
+    ],
+)
+def test_a_hierarchical_topology_under_another_strategy_than_plain_bsp_fails_on_the_driver(
+    strategy, named, fix
+):
     """Refused when the settings are made, in the driver's process, naming the strategy
     setting that conflicts and what to change; "auto" under the same strategy is fine."""
-    expected = (f"topology='hierarchical' goes with strategy='bsp' and no backup workers, not with {named}: .*"
-                f"Leave topology='auto' \\(flat under {named}\\) or set {fix}$")
+    expected = (
+        f"topology='hierarchical' goes with strategy='bsp' and no backup workers, not with {named}: .*"
+        f"Leave topology='auto' \\(flat under {named}\\) or set {fix}$"
+    )
     with pytest.raises(ConfigurationError, match=expected):
         FitSettings(topology="hierarchical", **strategy)
     with pytest.raises(ConfigurationError, match=expected):
@@ -114,8 +163,13 @@ def test_a_hierarchical_topology_under_another_strategy_than_plain_bsp_fails_on_
     assert FitSettings(topology="auto", **strategy).topology == "auto"
     assert FitSettings(topology="flat", **strategy).topology == "flat"
     params = {"strategy": "strategy", "staleness": "staleness", "backup_workers": "backupWorkers"}
-    classifier = AllReduceClassifier(topology="hierarchical", **{params[k]: v for k, v in strategy.items()})
-    with pytest.raises(ConfigurationError, match="AllReduceClassifier: topology='hierarchical' goes with "
-                                                 "strategy='bsp' and no backup workers, not with strategy=.*"
-                                                 f"or set {fix.replace('backup_workers', 'backupWorkers')}$"):
+    classifier = AllReduceClassifier(
+        topology="hierarchical", **{params[k]: v for k, v in strategy.items()}
+    )
+    with pytest.raises(
+        ConfigurationError,
+        match="AllReduceClassifier: topology='hierarchical' goes with "
+        "strategy='bsp' and no backup workers, not with strategy=.*"
+        f"or set {fix.replace('backup_workers', 'backupWorkers')}$",
+    ):
         classifier._settings()

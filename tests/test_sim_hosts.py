@@ -37,15 +37,15 @@ import time
 from pathlib import Path
 
 import pytest
-
-from allreduce_param.codec import HEADER_SIZE
-from allreduce_param.layout import SliceLayout
-from allreduce_param.network import MAC_SIZE, MAGIC, NONCE_SIZE
-from allreduce_param.peers import FETCH_THREADS
-from allreduce_param.transport import _RESPONSE, SERVE_THREADS
 from sim_hosts import simulated_hosts
 from sim_hosts_driver import MARKER, digest, expected_weights
 from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
+
+from allreduce_param.engine.blocks.codec import HEADER_SIZE
+from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.engine.movement.peers import FETCH_THREADS
+from allreduce_param.engine.wire.blocks import _RESPONSE, SERVE_THREADS
+from allreduce_param.engine.wire.network import MAC_SIZE, MAGIC, NONCE_SIZE
 
 HOSTS = 4
 PER_HOST = 4  # cores per worker: task slots per host
@@ -69,7 +69,8 @@ def flat_design(partitions: int, per_host: int, fetch_threads: int | None = None
       connections) and its pool of serve threads, grown on demand (a thread only when
       none is idle) to at most ``SERVE_THREADS`` whatever N (a connection's read and answer
       may be queued at once): 1 <= serve <= SERVE_THREADS; the worker channel's fetch
-      pool, which ThreadPoolExecutor grows likewise to at most F = min(fetch_threads, N - 1), default min(``FETCH_THREADS``, N - 1), and keeps
+      pool, which ThreadPoolExecutor grows likewise to at most F = min(fetch_threads, N - 1),
+      default min(``FETCH_THREADS``, N - 1), and keeps
       until close: 1 <= fetch <= F; the control channel none (it connects and starts its one
       thread at the first ``wait_for_signals``).
     - In all, N(N - 1) connections: N(N - L) TCP across hosts (2 L^2 between each pair
@@ -78,13 +79,24 @@ def flat_design(partitions: int, per_host: int, fetch_threads: int | None = None
     remote, local = partitions - per_host, per_host - 1
     most = min(fetch_threads or FETCH_THREADS, partitions - 1)
     serving = SERVE_THREADS
-    return {"tcp_out": remote, "tcp_in": remote, "unix_out": local, "unix_in": local,
-            "accept": 1, "serve": (1, serving), "fetch": (1, most), "control": 0,
-            "threads": (1 + 1 + 1, 1 + serving + most),
-            "tcp_connections": partitions * remote, "unix_connections": partitions * local}
+    return {
+        "tcp_out": remote,
+        "tcp_in": remote,
+        "unix_out": local,
+        "unix_in": local,
+        "accept": 1,
+        "serve": (1, serving),
+        "fetch": (1, most),
+        "control": 0,
+        "threads": (1 + 1 + 1, 1 + serving + most),
+        "tcp_connections": partitions * remote,
+        "unix_connections": partitions * local,
+    }
 
 
-def hierarchical_design(hosts: int, per_host: int, leader: bool, fetch_threads: int | None = None) -> dict:
+def hierarchical_design(
+    hosts: int, per_host: int, leader: bool, fetch_threads: int | None = None
+) -> dict:
     """The hierarchical design, per task process: H hosts of L partitions, BSP.
 
     - A leader's worker channel connects to the other H - 1 leaders over TCP and, as every
@@ -100,14 +112,28 @@ def hierarchical_design(hosts: int, per_host: int, leader: bool, fetch_threads: 
     remote, local = (hosts - 1 if leader else 0), per_host - 1
     most = min(fetch_threads or FETCH_THREADS, partitions - 1)
     serving = SERVE_THREADS
-    return {"tcp_out": remote, "tcp_in": remote, "unix_out": local, "unix_in": local,
-            "accept": 1, "serve": (1, serving), "fetch": (1, most), "control": 0,
-            "threads": (1 + 1 + 1, 1 + serving + most),
-            "tcp_connections": hosts * (hosts - 1), "unix_connections": partitions * local}
+    return {
+        "tcp_out": remote,
+        "tcp_in": remote,
+        "unix_out": local,
+        "unix_in": local,
+        "accept": 1,
+        "serve": (1, serving),
+        "fetch": (1, most),
+        "control": 0,
+        "threads": (1 + 1 + 1, 1 + serving + most),
+        "tcp_connections": hosts * (hosts - 1),
+        "unix_connections": partitions * local,
+    }
 
 
-def connection_bytes(layout: SliceLayout, partition: int, peer: int, rounds: int,
-                     hosts: list[list[int]] | None = None) -> int:
+def connection_bytes(
+    layout: SliceLayout,
+    partition: int,
+    peer: int,
+    rounds: int,
+    hosts: list[list[int]] | None = None,
+) -> int:
     """What partition ``partition``'s TCP connection to ``peer``'s server has received after
     ``rounds`` BSP steps and a last ``get_weights``: the server's greeting and its answer to
     the handshake, then per fetch a response head, a block header and the float32 payload.
@@ -120,12 +146,18 @@ def connection_bytes(layout: SliceLayout, partition: int, peer: int, rounds: int
     handshake = len(MAGIC) + NONCE_SIZE + 1 + MAC_SIZE
     per_fetch = _RESPONSE.size + HEADER_SIZE
     if hosts is None:
-        return (handshake + rounds * (per_fetch + 4 * layout.length(partition))
-                + (rounds + 1) * (per_fetch + 4 * layout.length(peer)))
+        return (
+            handshake
+            + rounds * (per_fetch + 4 * layout.length(partition))
+            + (rounds + 1) * (per_fetch + 4 * layout.length(peer))
+        )
     here = next(members for members in hosts if partition in members)
     there = next(members for members in hosts if peer in members)
-    return (handshake + rounds * sum(per_fetch + 4 * layout.length(j) for j in here)
-            + (rounds + 1) * sum(per_fetch + 4 * layout.length(j) for j in there))
+    return (
+        handshake
+        + rounds * sum(per_fetch + 4 * layout.length(j) for j in here)
+        + (rounds + 1) * sum(per_fetch + 4 * layout.length(j) for j in there)
+    )
 
 
 #: the shaped hosts' test: their links' rate, and how many bytes cross one each way
@@ -154,11 +186,18 @@ print(connection.recv(64).decode(), time.perf_counter() - started)
 
 def _send(hosts, source, target) -> tuple[int, float]:
     """SENT bytes over TCP from ``source`` to ``target``: (bytes received, seconds)."""
-    receiver = subprocess.Popen([*target.prefix, sys.executable, "-c", _RECEIVER, target.address],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    receiver = subprocess.Popen(
+        [*target.prefix, sys.executable, "-c", _RECEIVER, target.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert receiver.stdout.readline().strip() == "listening", receiver.stderr.read()
-        sent = hosts.run(source, f"{sys.executable} -c '{_SENDER}' {target.address} {SENT}", timeout=60)
+        sent = hosts.run(
+            source, f"{sys.executable} -c '{_SENDER}' {target.address} {SENT}", timeout=60
+        )
         assert sent.returncode == 0, sent.stderr
         receiver.wait(30)
     finally:
@@ -183,8 +222,10 @@ def test_a_rate_limits_the_links_of_simulated_hosts_both_ways():
         for source, target in (made.hosts, made.hosts[::-1]):
             received, seconds = _send(made, source, target)
             assert received == SENT
-            assert 0.8 * least <= seconds <= 10 * least, (f"{SENT:,} bytes {source.name} -> {target.name} at {RATE} "
-                                                          f"took {seconds:.3f} s; at least {least:.3f} s expected")
+            assert 0.8 * least <= seconds <= 10 * least, (
+                f"{SENT:,} bytes {source.name} -> {target.name} at {RATE} "
+                f"took {seconds:.3f} s; at least {least:.3f} s expected"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +239,15 @@ def cluster(hosts, tmp_path_factory):
     """The master on h1, one 4-core worker on each host; stopped before the hosts are."""
     first = hosts.hosts[0]
     started = time.monotonic()
-    with standalone_cluster(tmp_path_factory.mktemp("sim-hosts-cluster"), host=first.address, prefix=first.prefix,
-                            cores=PER_HOST, memory="1g", environment=python_environment(),
-                            worker_places=[(host.address, host.prefix) for host in hosts.hosts]) as running:
+    with standalone_cluster(
+        tmp_path_factory.mktemp("sim-hosts-cluster"),
+        host=first.address,
+        prefix=first.prefix,
+        cores=PER_HOST,
+        memory="1g",
+        environment=python_environment(),
+        worker_places=[(host.address, host.prefix) for host in hosts.hosts],
+    ) as running:
         running.started_in = time.monotonic() - started
         yield running
 
@@ -208,16 +255,34 @@ def cluster(hosts, tmp_path_factory):
 @pytest.fixture(scope="module")
 def stage(cluster, tmp_path_factory):
     """The driver's report of the barrier stage, run with spark-submit on h1."""
-    command = [str(SPARK_SUBMIT), "--master", cluster.url, "--properties-file", "conf/cluster/standalone.conf",
-               "--conf", f"spark.cores.max={PARTITIONS}", "--conf", f"spark.executor.cores={PER_HOST}",
-               "--conf", "spark.executor.memory=1g", "--conf", "spark.ui.enabled=false",
-               str(DRIVER), str(PARTITIONS), str(SIZE), str(ROUNDS), str(SEED)]
+    command = [
+        str(SPARK_SUBMIT),
+        "--master",
+        cluster.url,
+        "--properties-file",
+        "conf/cluster/standalone.conf",
+        "--conf",
+        f"spark.cores.max={PARTITIONS}",
+        "--conf",
+        f"spark.executor.cores={PER_HOST}",
+        "--conf",
+        "spark.executor.memory=1g",
+        "--conf",
+        "spark.ui.enabled=false",
+        str(DRIVER),
+        str(PARTITIONS),
+        str(SIZE),
+        str(ROUNDS),
+        str(SEED),
+    ]
     started = time.monotonic()
-    status, output = cluster.run(command, tmp_path_factory.mktemp("sim-hosts-stage") / "submit.log", timeout=240)
+    status, output = cluster.run(
+        command, tmp_path_factory.mktemp("sim-hosts-stage") / "submit.log", timeout=240
+    )
     assert status == 0, f"spark-submit exited with {status}:\n{output[-6000:]}\n{cluster.logs()}"
     lines = [line for line in output.splitlines() if line.startswith(MARKER)]
     assert len(lines) == 1, output[-6000:]
-    report = json.loads(lines[0][len(MARKER):])
+    report = json.loads(lines[0][len(MARKER) :])
     report["submit_seconds"] = time.monotonic() - started
     return report
 
@@ -243,10 +308,14 @@ def test_sixteen_partitions_on_four_hosts_get_the_exact_float32_sums(stage, host
     tasks = stage[topology]["tasks"]
     assert sorted(task["partition"] for task in tasks) == list(range(PARTITIONS))
     assert all(task["hierarchical"] == (topology == "hierarchical") for task in tasks)
-    expected = [digest(weights) for weights in expected_weights(PARTITIONS, SIZE, ROUNDS, SEED,
-                                                                _groups(tasks, hosts))]
+    expected = [
+        digest(weights)
+        for weights in expected_weights(PARTITIONS, SIZE, ROUNDS, SEED, _groups(tasks, hosts))
+    ]
     wrong = {task["partition"]: task["seen"] for task in tasks if task["seen"] != expected}
-    assert not wrong, f"get_weights differed from numpy's float32 sums on partitions {sorted(wrong)}"
+    assert not wrong, (
+        f"get_weights differed from numpy's float32 sums on partitions {sorted(wrong)}"
+    )
     # four tasks on each simulated host: in its namespace, on its executor, serving on its address
     by_namespace = _hosts_by_namespace(hosts)
     placed = collections.Counter(by_namespace[task["namespace"]].name for task in tasks)
@@ -255,7 +324,10 @@ def test_sixteen_partitions_on_four_hosts_get_the_exact_float32_sums(stage, host
         host = by_namespace[task["namespace"]]
         assert task["executor"].rsplit(":", 1)[0] == host.address, (task["executor"], host)
         assert task["census"]["server"][0] == host.address, (task["census"]["server"], host)
-    assert stage["driver_namespace"] == hosts.hosts[0].namespace and stage["driver_host"] == hosts.hosts[0].address
+    assert (
+        stage["driver_namespace"] == hosts.hosts[0].namespace
+        and stage["driver_host"] == hosts.hosts[0].address
+    )
     assert len({task["pid"] for task in tasks}) == PARTITIONS  # one process per task
 
 
@@ -268,33 +340,45 @@ def _table(stage, hosts, topology) -> str:
         engine = c["engine_threads"]
         added = c["kernel_threads"] - c["before"]["kernel_threads"]
         threads = f"{engine['accept']}+{engine['serve']}+{engine['fetch']}+{engine['control']}"
-        rows.append(f"{host_of[task['partition']].name:>4} {task['partition']:>4} {task['pid']:>7} "
-                    f"{c['kernel_threads']:>7} {added:>6}  {threads:>15}  {len(c['tcp']['out']):>7} "
-                    f"{len(c['tcp']['in']):>6} {len(c['unix']['out']):>8} {c['unix']['in']:>7}  "
-                    f"{len(c['tcp']['other']):>9}")
-    received = sorted({entry["received"] for task in tasks for entry in task["census"]["tcp"]["out"]})
+        rows.append(
+            f"{host_of[task['partition']].name:>4} {task['partition']:>4} {task['pid']:>7} "
+            f"{c['kernel_threads']:>7} {added:>6}  {threads:>15}  {len(c['tcp']['out']):>7} "
+            f"{len(c['tcp']['in']):>6} {len(c['unix']['out']):>8} {c['unix']['in']:>7}  "
+            f"{len(c['tcp']['other']):>9}"
+        )
+    received = sorted(
+        {entry["received"] for task in tasks for entry in task["census"]["tcp"]["out"]}
+    )
     layout = SliceLayout(SIZE, PARTITIONS)
     handshake = len(MAGIC) + NONCE_SIZE + 1 + MAC_SIZE
     fetch = _RESPONSE.size + HEADER_SIZE + 4 * layout.length(0)
     tcp = sum(len(task["census"]["tcp"]["out"]) for task in tasks)
     unix = sum(len(task["census"]["unix"]["out"]) for task in tasks)
     fetches = (2 * ROUNDS + 1) * (1 if topology == "flat" else PER_HOST)
-    what = (f"{ROUNDS} chunks and {ROUNDS + 1} slices" if topology == "flat" else
-            f"{ROUNDS} x {PER_HOST} host sums and {ROUNDS + 1} x {PER_HOST} slices")
+    what = (
+        f"{ROUNDS} chunks and {ROUNDS + 1} slices"
+        if topology == "flat"
+        else f"{ROUNDS} x {PER_HOST} host sums and {ROUNDS + 1} x {PER_HOST} slices"
+    )
     head = "host part     pid threads  added  acc+srv+fch+ctl  tcp-out tcp-in unix-out unix-in  other-tcp\n"
-    return (f"\n{topology}: {HOSTS} hosts x {PER_HOST} partitions, {SIZE} float32, {ROUNDS} steps; cluster up in "
-            f"{stage['cluster_seconds']:.1f} s, spark-submit {stage['submit_seconds']:.1f} s "
-            f"(this barrier stage {stage[topology]['stage_seconds']:.1f} s)\n"
-            "threads: the task process's (/proc/self/task) before close; added: since before connect();\n"
-            "acc+srv+fch+ctl: the engine's accept, serve, fetch and control threads; other-tcp: PySpark's own\n"
-            + head + "\n".join(rows)
-            + f"\nin all: {tcp} TCP connections across hosts, {unix} Unix connections within hosts\n"
-            f"bytes each cross-host connection received: {', '.join(map(str, received))} (the wire format's: "
-            f"{handshake} handshake + {fetches} fetches x {fetch}, {what})\n")
+    return (
+        f"\n{topology}: {HOSTS} hosts x {PER_HOST} partitions, {SIZE} float32, {ROUNDS} steps; cluster up in "
+        f"{stage['cluster_seconds']:.1f} s, spark-submit {stage['submit_seconds']:.1f} s "
+        f"(this barrier stage {stage[topology]['stage_seconds']:.1f} s)\n"
+        "threads: the task process's (/proc/self/task) before close; added: since before connect();\n"
+        "acc+srv+fch+ctl: the engine's accept, serve, fetch and control threads; other-tcp: PySpark's own\n"
+        + head
+        + "\n".join(rows)
+        + f"\nin all: {tcp} TCP connections across hosts, {unix} Unix connections within hosts\n"
+        f"bytes each cross-host connection received: {', '.join(map(str, received))} (the wire format's: "
+        f"{handshake} handshake + {fetches} fetches x {fetch}, {what})\n"
+    )
 
 
 @pytest.mark.parametrize("topology", ["flat", "hierarchical"])
-def test_connections_and_threads_per_process_are_the_designs(stage, hosts, cluster, capsys, topology):
+def test_connections_and_threads_per_process_are_the_designs(
+    stage, hosts, cluster, capsys, topology
+):
     stage["cluster_seconds"] = cluster.started_in
     table = _table(stage, hosts, topology)
     with capsys.disabled():
@@ -320,18 +404,23 @@ def test_connections_and_threads_per_process_are_the_designs(stage, hosts, clust
         outgoing = c["tcp"]["out"]
         assert len(outgoing) == design["tcp_out"], where
         assert {entry["peer"] for entry in outgoing} == far, where
-        assert all(entry["local"] == here.address and entry["remote"] == host_of[entry["peer"]].address
-                   for entry in outgoing), where
+        assert all(
+            entry["local"] == here.address and entry["remote"] == host_of[entry["peer"]].address
+            for entry in outgoing
+        ), where
         # and each carried exactly what the wire format says: the handshake, the steps' blocks
         for entry in outgoing:
-            assert entry["received"] == connection_bytes(layout, i, entry["peer"], ROUNDS,
-                                                         None if topology == "flat" else groups), where
+            assert entry["received"] == connection_bytes(
+                layout, i, entry["peer"], ROUNDS, None if topology == "flat" else groups
+            ), where
         # TCP in: from each partition that connects to this one from another host
         incoming = collections.Counter(entry["remote"] for entry in c["tcp"]["in"])
         assert sum(incoming.values()) == design["tcp_in"], where
         assert incoming == collections.Counter(host_of[j].address for j in far), where
         # Unix: one out to each partition on this host, as many in; the server listens on both
-        assert sorted(c["unix"]["out"]) == sorted(beside) and len(beside) == design["unix_out"], where
+        assert sorted(c["unix"]["out"]) == sorted(beside) and len(beside) == design["unix_out"], (
+            where
+        )
         assert c["unix"]["in"] == design["unix_in"] and c["unix"]["listening"] == 1, where
         assert c["tcp"]["listening"] == [f"{here.address}:{c['server'][1]}"], where
         assert task["remote_peers"] == design["tcp_out"], where
@@ -346,9 +435,16 @@ def test_connections_and_threads_per_process_are_the_designs(stage, hosts, clust
         assert c["kernel_threads"] - c["before"]["kernel_threads"] == added, where
         assert c["python_threads"] - c["before"]["python_threads"] == added, where
         # and went with close()
-        assert task["after"] == c["before"], f"partition {i}: threads before connect {c['before']}, after close " \
-                                             f"{task['after']}"
-    assert sum(len(task["census"]["tcp"]["out"]) for task in tasks) == design["tcp_connections"] \
+        assert task["after"] == c["before"], (
+            f"partition {i}: threads before connect {c['before']}, after close {task['after']}"
+        )
+    assert (
+        sum(len(task["census"]["tcp"]["out"]) for task in tasks)
+        == design["tcp_connections"]
         == sum(len(task["census"]["tcp"]["in"]) for task in tasks)
-    assert sum(len(task["census"]["unix"]["out"]) for task in tasks) == design["unix_connections"] \
+    )
+    assert (
+        sum(len(task["census"]["unix"]["out"]) for task in tasks)
+        == design["unix_connections"]
         == sum(task["census"]["unix"]["in"] for task in tasks)
+    )

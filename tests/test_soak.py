@@ -9,10 +9,10 @@ import os
 import threading
 
 import numpy as np
+from conftest import raise_first, run_partitions
 
 from allreduce_param import AllReduceParameter
-from allreduce_param.transport import SERVE_THREADS
-from conftest import raise_first, run_partitions
+from allreduce_param.engine.wire.blocks import SERVE_THREADS
 
 SYNCS, WARM = 20_000, 2_000
 
@@ -50,7 +50,10 @@ def test_twenty_thousand_syncs_leave_memory_threads_and_descriptors_flat():
     results = raise_first(run_partitions(param, body, timeout=600))
     assert np.array_equal(results[0], results[1])
     np.testing.assert_allclose(results[0], np.full(size, -1.5e-4 * SYNCS, np.float32), rtol=1e-3)
-    (rss_warm, threads_warm, _, fds_warm), (rss_end, threads_end, serving, fds_end) = samples[WARM], samples[SYNCS - 1]
+    (rss_warm, threads_warm, _, fds_warm), (rss_end, threads_end, serving, fds_end) = (
+        samples[WARM],
+        samples[SYNCS - 1],
+    )
     assert threads_end == threads_warm and fds_end == fds_warm, samples
     assert serving <= 2 * SERVE_THREADS, samples
     assert rss_end - rss_warm < 8 * 1024, samples  # KiB: 18,000 more syncs, under 8 MiB more

@@ -21,8 +21,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 LR = np.float32(0.5)
 
 
-
-
 def digest(array: np.ndarray) -> str:
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array, np.float32).tobytes())
 
@@ -51,11 +49,22 @@ def step_task(params: list[AllReduceParameter], seed: int):
                 p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
                 p.send_weight_partition()
                 after = p.get_weights()
-                transports = sorted({client._sock.family.name for client in p._peers.peers.values()})
+                transports = sorted(
+                    {client._sock.family.name for client in p._peers.peers.values()}
+                )
                 if any(client._mappings._maps for client in p._peers.peers.values()):
                     transports.append("shared memory")
-                report.append((param.size, param.codec, p.partition_id, digest(before), digest(after),
-                               after if param.size < 100_000 else None, transports))
+                report.append(
+                    (
+                        param.size,
+                        param.codec,
+                        p.partition_id,
+                        digest(before),
+                        digest(after),
+                        after if param.size < 100_000 else None,
+                        transports,
+                    )
+                )
         yield report
 
     return task
@@ -72,17 +81,27 @@ def run_stage(spark, partitions: int, task):
     return [entry for report in rdd.barrier().mapPartitions(task).collect() for entry in report]
 
 
-TRANSPORTS = {"shared memory": dict(unix_sockets=True, shared_memory=True),
-              "unix sockets": dict(unix_sockets=True, shared_memory=False),
-              "tcp": dict(unix_sockets=False, shared_memory=False)}
-SEEN = {"shared memory": ("AF_UNIX", "shared memory"), "unix sockets": ("AF_UNIX",), "tcp": ("AF_INET",)}
+TRANSPORTS = {
+    "shared memory": dict(unix_sockets=True, shared_memory=True),
+    "unix sockets": dict(unix_sockets=True, shared_memory=False),
+    "tcp": dict(unix_sockets=False, shared_memory=False),
+}
+SEEN = {
+    "shared memory": ("AF_UNIX", "shared memory"),
+    "unix sockets": ("AF_UNIX",),
+    "tcp": ("AF_INET",),
+}
 
 
-@pytest.mark.parametrize("partitions, transport", [(2, "shared memory"), (3, "tcp"), (4, "unix sockets")])
+@pytest.mark.parametrize(
+    "partitions, transport", [(2, "shared memory"), (3, "tcp"), (4, "unix sockets")]
+)
 def test_raw_sync_is_exact_on_every_partition(spark, partitions, transport):
     sizes = sorted({1, max(1, partitions - 1), 7919, 3_000_017})
-    params = [AllReduceParameter(partitions, size, codec="raw", timeout=60, **TRANSPORTS[transport])
-              for size in sizes]
+    params = [
+        AllReduceParameter(partitions, size, codec="raw", timeout=60, **TRANSPORTS[transport])
+        for size in sizes
+    ]
     seed = 100 + partitions
     report = run_stage(spark, partitions, step_task(params, seed))
     assert len(report) == partitions * len(sizes)
@@ -97,11 +116,18 @@ def test_raw_sync_is_exact_on_every_partition(spark, partitions, transport):
 
 def test_every_codec_in_spark_is_bit_identical_across_partitions_and_within_bound(spark):
     size, partitions, seed = 20_011, 2, 7
-    params = [AllReduceParameter(partitions, size, codec=codec, timeout=60)
-              for codec in ("lz4", "bf16", "fp16", "bf16-lz4")]
+    params = [
+        AllReduceParameter(partitions, size, codec=codec, timeout=60)
+        for codec in ("lz4", "bf16", "fp16", "bf16-lz4")
+    ]
     report = run_stage(spark, partitions, step_task(params, seed))
     exact = expected_after(size, seed, partitions)
-    for codec, relative in (("lz4", 0.0), ("bf16", 2.0**-7), ("fp16", 2.0**-10), ("bf16-lz4", 2.0**-7)):
+    for codec, relative in (
+        ("lz4", 0.0),
+        ("bf16", 2.0**-7),
+        ("fp16", 2.0**-10),
+        ("bf16-lz4", 2.0**-7),
+    ):
         rows = [row for row in report if row[1] == codec]
         assert len(rows) == partitions and len({row[4] for row in rows}) == 1, codec
         # start weights and gradients are rounded by the codec: a few ulps of the codec apart
@@ -118,13 +144,16 @@ def test_uneven_partitions_and_an_empty_one_give_the_exact_mean(spark):
         samples = list(partition_rows)
         with param.connect() as p:
             p.init(np.zeros(size, np.float32))
-            gradient = np.sum(samples, axis=0, dtype=np.float32) if samples else np.zeros(size, np.float32)
+            gradient = (
+                np.sum(samples, axis=0, dtype=np.float32) if samples else np.zeros(size, np.float32)
+            )
             p.put_gradients(gradient, count=len(samples))
             yield p.partition_id, len(samples), p.aggregate_gradient_partition().copy()
 
     # 7 rows over 3 partitions, the first emptied: uneven counts and an empty partition
     rdd = spark.sparkContext.parallelize(rows, 3).mapPartitionsWithIndex(
-        lambda index, it: iter(()) if index == 0 else it)
+        lambda index, it: iter(()) if index == 0 else it
+    )
     parts = rdd.glom().collect()
     assert len(parts[0]) == 0 and len(parts[1]) != len(parts[2])
     result = sorted(rdd.barrier().mapPartitions(task).collect(), key=lambda entry: entry[0])
@@ -186,8 +215,11 @@ def update(gradient, weights, step):
     weights -= gradient
 
 
-@pytest.mark.parametrize("strategy", [Strategy(), Strategy("bsp", backup_workers=1), Strategy("asp")],
-                         ids=["bsp", "backup workers", "asp"])
+@pytest.mark.parametrize(
+    "strategy",
+    [Strategy(), Strategy("bsp", backup_workers=1), Strategy("asp")],
+    ids=["bsp", "backup workers", "asp"],
+)
 def test_a_second_stage_in_the_same_session_starts_clean(spark, strategy):
     def stage(param):
         def task(_rows):
@@ -213,10 +245,16 @@ def test_a_second_stage_in_the_same_session_starts_clean(spark, strategy):
     rdd = spark.sparkContext.parallelize(range(2), 2)
     for _ in range(2):
         param = AllReduceParameter(2, 5000, codec="lz4", strategy=strategy)
-        for pid, before, during, after, total in rdd.barrier().mapPartitions(stage(param)).collect():
+        for pid, before, during, after, total in (
+            rdd.barrier().mapPartitions(stage(param)).collect()
+        ):
             assert before == [] and after == [], f"worker {pid}: {before} before, {after} after"
-            assert any(name.startswith("allreduce-serve") for name in during)  # the count means something
-            assert strategy.inline_owner or any(name.startswith("allreduce-owner") for name in during)
+            assert any(
+                name.startswith("allreduce-serve") for name in during
+            )  # the count means something
+            assert strategy.inline_owner or any(
+                name.startswith("allreduce-owner") for name in during
+            )
             assert total == [3.0] * 10
 
 
@@ -230,8 +268,10 @@ def test_a_parameter_made_inside_the_task_is_refused_clearly(spark):
 
     with pytest.raises(Exception) as failure:
         spark.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(task).collect()
-    assert "the secrets differ. Every partition must use the same AllReduceParameter object, " \
-           "made on the driver" in str(failure.value)
+    assert (
+        "the secrets differ. Every partition must use the same AllReduceParameter object, "
+        "made on the driver" in str(failure.value)
+    )
 
 
 def meeting_task(links):
@@ -241,7 +281,7 @@ def meeting_task(links):
     def task(_rows):
         from pyspark import BarrierTaskContext
 
-        from allreduce_param.rendezvous import DriverRendezvous
+        from allreduce_param.spark.rendezvous import DriverRendezvous
 
         partition = BarrierTaskContext.get().partitionId()
         own = ("127.0.0.1", 6000 + partition)
@@ -251,8 +291,8 @@ def meeting_task(links):
 
 
 def test_tasks_meet_at_the_driver_and_fall_back_to_allgather_where_it_is_out_of_reach(spark):
-    from allreduce_param.messages import MessageClient, MessageServer
-    from allreduce_param.rendezvous import MeetingPoint
+    from allreduce_param.engine.movement.rendezvous import MeetingPoint
+    from allreduce_param.engine.wire.messages import MessageClient, MessageServer
 
     expected = [("127.0.0.1", 6000), ("127.0.0.1", 6001)]
     rdd = spark.sparkContext.parallelize(range(2), 2)
@@ -262,8 +302,10 @@ def test_tasks_meet_at_the_driver_and_fall_back_to_allgather_where_it_is_out_of_
         meeting = MeetingPoint(2, patience=2.0)
         server = MessageServer("127.0.0.1", meeting.on_message)
         try:
-            links = [server.client() if partition in reachable else MessageClient(nobody, server.secret)
-                     for partition in range(2)]
+            links = [
+                server.client() if partition in reachable else MessageClient(nobody, server.secret)
+                for partition in range(2)
+            ]
             found = dict(rdd.barrier().mapPartitions(meeting_task(links)).collect())
         finally:
             server.close()
@@ -271,4 +313,6 @@ def test_tasks_meet_at_the_driver_and_fall_back_to_allgather_where_it_is_out_of_
         # where partition 1 never came, the driver told partition 0 to use allGather
         assert len(meeting._meetings) == (1 if reachable else 0)
         if reachable:
-            assert next(iter(meeting._meetings.values())).decided == ("met" if len(reachable) == 2 else "allgather")
+            assert next(iter(meeting._meetings.values())).decided == (
+                "met" if len(reachable) == 2 else "allgather"
+            )

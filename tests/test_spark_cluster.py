@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import sys
 
+import test_spark
 from pyspark import cloudpickle
+from test_spark import digest, expected_after, run_stage, start_weights, step_task
 
 from allreduce_param import AllReduceParameter
-
-import test_spark
-from test_spark import digest, expected_after, run_stage, start_weights, step_task
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(test_spark)
@@ -22,8 +21,11 @@ def test_two_executors_sync_exactly_and_bit_identically(spark):
     sizes = [1, 7919, 2_000_003]
     seed = 42
     # raw through shared memory between the executors' workers, lz4 over TCP
-    params = [AllReduceParameter(2, size, codec=codec, timeout=60, unix_sockets=codec == "raw")
-              for size in sizes for codec in ("raw", "lz4")]
+    params = [
+        AllReduceParameter(2, size, codec=codec, timeout=60, unix_sockets=codec == "raw")
+        for size in sizes
+        for codec in ("raw", "lz4")
+    ]
 
     def where(_rows):
         from pyspark import BarrierTaskContext
@@ -43,4 +45,6 @@ def test_two_executors_sync_exactly_and_bit_identically(spark):
             assert sorted(row[2] for row in rows) == [0, 1]
             assert {row[3] for row in rows} == {digest(start_weights(size, seed))}
             assert {row[4] for row in rows} == {expected}, (size, codec)
-            assert {tuple(row[6]) for row in rows} == {("AF_UNIX", "shared memory") if codec == "raw" else ("AF_INET",)}
+            assert {tuple(row[6]) for row in rows} == {
+                ("AF_UNIX", "shared memory") if codec == "raw" else ("AF_INET",)
+            }

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
 
 EPOCHS = 4
@@ -21,16 +20,30 @@ EPOCHS = 4
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two workers of one core each on 127.0.0.1, stopped when the module's tests are done."""
-    with standalone_cluster(tmp_path_factory.mktemp("standalone"), environment=python_environment()) as running:
+    with standalone_cluster(
+        tmp_path_factory.mktemp("standalone"), environment=python_environment()
+    ) as running:
         yield running
 
 
 def test_the_readme_recipe_trains_the_main_job_on_a_standalone_cluster(cluster, tmp_path):
     # the README's command, from the checkout; --set only keeps it short and writes the model here
-    command = [str(SPARK_SUBMIT), "--master", cluster.url, "--properties-file", "conf/cluster/standalone.conf",
-               "jobs/train.py", "--conf", "conf/digits.toml",
-               "--set", f"train.epochs={EPOCHS}", "--set", f"output.model_path='{tmp_path / 'model'}'",
-               "--set", "output.loss_curve=''"]
+    command = [
+        str(SPARK_SUBMIT),
+        "--master",
+        cluster.url,
+        "--properties-file",
+        "conf/cluster/standalone.conf",
+        "jobs/train.py",
+        "--conf",
+        "conf/digits.toml",
+        "--set",
+        f"train.epochs={EPOCHS}",
+        "--set",
+        f"output.model_path='{tmp_path / 'model'}'",
+        "--set",
+        "output.loss_curve=''",
+    ]
     status, output = cluster.run(command, tmp_path / "submit.log", timeout=240)
     assert status == 0, f"{output[-6000:]}\n{cluster.logs()}"
     accuracy = re.search(r"\| test accuracy\s+\|\s+([\d.]+) \|", output)
@@ -42,4 +55,7 @@ def test_the_readme_recipe_trains_the_main_job_on_a_standalone_cluster(cluster, 
     executors = [sorted(work.glob("app-*/*/stderr")) for work in cluster.worker_dirs()]
     assert [len(found) for found in executors] == [1, 1], executors
     assert "scheduled all the 2 tasks for barrier stage" in output, output[-3000:]
-    assert f"epoch {EPOCHS - 1}: val_loss" in output and "tasks reached the driver within" not in output
+    assert (
+        f"epoch {EPOCHS - 1}: val_loss" in output
+        and "tasks reached the driver within" not in output
+    )

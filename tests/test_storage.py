@@ -52,12 +52,24 @@ class Shifted:
 
 def trained(with_buffers: bool = True) -> TrainedModel:
     """A model as a fit would return it, with a short history."""
-    history = History(steps=[{"epoch": 0, "step": step, "loss": 1.0 / (step + 1), "samples": 8} for step in range(6)],
-                      epochs=[{"epoch": 0, "loss": 0.4, "val_loss": 0.5}], seconds=1.5)
+    history = History(
+        steps=[
+            {"epoch": 0, "step": step, "loss": 1.0 / (step + 1), "samples": 8} for step in range(6)
+        ],
+        epochs=[{"epoch": 0, "loss": 0.4, "val_loss": 0.5}],
+        seconds=1.5,
+    )
     if with_buffers:
-        return TrainedModel(Shifted(3), np.array([1, 2, 3, 4], np.float32), history, n_features=3,
-                            buffers={"shift": np.array([0.5, -1.0, 2.0])})
-    return TrainedModel(models.LinearRegression(3), np.array([1, 2, 3, 4], np.float32), history, n_features=3)
+        return TrainedModel(
+            Shifted(3),
+            np.array([1, 2, 3, 4], np.float32),
+            history,
+            n_features=3,
+            buffers={"shift": np.array([0.5, -1.0, 2.0])},
+        )
+    return TrainedModel(
+        models.LinearRegression(3), np.array([1, 2, 3, 4], np.float32), history, n_features=3
+    )
 
 
 def assert_same(loaded: TrainedModel, saved: TrainedModel) -> None:
@@ -65,7 +77,10 @@ def assert_same(loaded: TrainedModel, saved: TrainedModel) -> None:
     assert sorted(loaded.buffers) == sorted(saved.buffers)
     for name, value in saved.buffers.items():
         np.testing.assert_array_equal(loaded.buffers[name], value)
-    assert loaded.history.steps == saved.history.steps and loaded.history.epochs == saved.history.epochs
+    assert (
+        loaded.history.steps == saved.history.steps
+        and loaded.history.epochs == saved.history.epochs
+    )
     assert loaded.n_features == saved.n_features
     X = np.array([[1.0, 0.0, 2.0], [0.5, 0.5, 0.5]], np.float32)
     np.testing.assert_array_equal(loaded.predict_numpy(X), saved.predict_numpy(X))
@@ -92,7 +107,12 @@ def test_a_relative_local_path_works_as_before(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = trained()
     model.save("out/model")
-    assert files(tmp_path / "out" / "model") == ["buffers.npz", "meta.json", "model.pkl", "weights.npy"]
+    assert files(tmp_path / "out" / "model") == [
+        "buffers.npz",
+        "meta.json",
+        "model.pkl",
+        "weights.npy",
+    ]
     assert_same(TrainedModel.load("out/model"), model)
     assert_same(TrainedModel.load(tmp_path / "out" / "model"), model)  # a Path, absolute
     exported = model.export_npz("out/tensors.npz")
@@ -101,7 +121,9 @@ def test_a_relative_local_path_works_as_before(tmp_path, monkeypatch):
         assert sorted(saved.files) == ["shift", "weights"]
     assert model.history.plot("out/curves/loss.png") == Path("out/curves/loss.png")
     assert (tmp_path / "out" / "curves" / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    model.history.plot("out/curves/loss.svg")  # the suffix names the format, as matplotlib's savefig takes it
+    model.history.plot(
+        "out/curves/loss.svg"
+    )  # the suffix names the format, as matplotlib's savefig takes it
     assert "<svg" in (tmp_path / "out" / "curves" / "loss.svg").read_text()
     trained(with_buffers=False).save("out/model")  # over the earlier save: its buffers go
     assert files(tmp_path / "out" / "model") == ["meta.json", "model.pkl", "weights.npy"]
@@ -115,7 +137,9 @@ def test_a_file_url_round_trip_writes_the_same_folder(tmp_path):
     model.save(url)
     assert files(tmp_path / "by-url") == ["buffers.npz", "meta.json", "model.pkl", "weights.npy"]
     assert_same(TrainedModel.load(url), model)
-    assert_same(TrainedModel.load(tmp_path / "by-url"), model)  # the same files, read as a local folder
+    assert_same(
+        TrainedModel.load(tmp_path / "by-url"), model
+    )  # the same files, read as a local folder
     exported = model.export_npz(url + "/export/tensors.npz")
     assert exported == url + "/export/tensors.npz"
     with np.load(tmp_path / "by-url" / "export" / "tensors.npz") as saved:
@@ -134,7 +158,9 @@ def test_hadoop_writes_and_reads_a_scheme_fsspec_does_not_know(viewfs, tmp_path)
     assert isinstance(locate(url, "save the model to"), HadoopLocation)
     model.save(url)
     assert files(tmp_path / "model") == ["buffers.npz", "meta.json", "model.pkl", "weights.npy"]
-    assert_same(TrainedModel.load(tmp_path / "model"), model)  # what Hadoop wrote, read from the disk
+    assert_same(
+        TrainedModel.load(tmp_path / "model"), model
+    )  # what Hadoop wrote, read from the disk
     assert_same(TrainedModel.load(url), model)  # and back through Hadoop
     trained(with_buffers=False).save(url)  # over the earlier save: Hadoop removes its buffers
     assert files(tmp_path / "model") == ["meta.json", "model.pkl", "weights.npy"]
@@ -167,35 +193,61 @@ def test_loading_what_is_not_there_names_the_path(viewfs, tmp_path):
         TrainedModel.load(f"{viewfs}/empty")
     trained().save(f"{viewfs}/broken")
     (tmp_path / "broken" / "weights.npy").unlink()
-    with pytest.raises(FileNotFoundError, match=r"broken/weights.npy: java.io.FileNotFoundException"):
+    with pytest.raises(
+        FileNotFoundError, match=r"broken/weights.npy: java.io.FileNotFoundException"
+    ):
         TrainedModel.load(f"{viewfs}/broken")
 
 
 def test_a_scheme_nobody_knows_says_so_and_what_would_reach_it(spark, tmp_path, monkeypatch):
-    with pytest.raises(ConfigurationError, match=r"cannot save the model to 'nosuch://x/model': fsspec cannot open it "
-                                                 r".*Protocol not known: nosuch.*Hadoop cannot either "
-                                                 r".*No FileSystem for scheme \"nosuch\".*connector for nosuch:"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"cannot save the model to 'nosuch://x/model': fsspec cannot open it "
+        r".*Protocol not known: nosuch.*Hadoop cannot either "
+        r".*No FileSystem for scheme \"nosuch\".*connector for nosuch:",
+    ):
         trained().save("nosuch://x/model")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigurationError, match=r"fsspec takes it for a local path.*No FileSystem for scheme \"dbfs\""):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"fsspec takes it for a local path.*No FileSystem for scheme \"dbfs\"",
+    ):
         trained().save("dbfs:/models/m")
     assert os.listdir(tmp_path) == []  # not a local folder called "dbfs:"
     if importlib.util.find_spec("s3fs") is None:
-        with pytest.raises(ConfigurationError, match=r"Install s3fs.*S3AFileSystem.*pip install s3fs.*connector for s3a:"):
+        with pytest.raises(
+            ConfigurationError,
+            match=r"Install s3fs.*S3AFileSystem.*pip install s3fs.*connector for s3a:",
+        ):
             TrainedModel.load("s3a://bucket/model")
 
 
 def test_without_spark_the_error_says_to_install_or_start_one(tmp_path):
-    program = ("from allreduce_param import TrainedModel\n"
-               "for url in ('s3://bucket/model', 'viewfs://cluster/model'):\n"
-               "    try:\n"
-               "        TrainedModel.load(url)\n"
-               "    except Exception as error:\n"
-               "        print(type(error).__name__, error)\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    program = (
+        "from allreduce_param import TrainedModel\n"
+        "for url in ('s3://bucket/model', 'viewfs://cluster/model'):\n"
+        "    try:\n"
+        "        TrainedModel.load(url)\n"
+        "    except Exception as error:\n"
+        "        print(type(error).__name__, error)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     s3, viewfs = done.stdout.splitlines()
-    assert s3.startswith("ConfigurationError cannot load the model from 's3://bucket/model': fsspec cannot open it")
-    assert "no classic SparkSession runs in this process" in s3 and "Either pip install s3fs, or" in s3
-    assert "Protocol not known: viewfs" in viewfs and "a FileSystem for viewfs: (its connector)" in viewfs
+    assert s3.startswith(
+        "ConfigurationError cannot load the model from 's3://bucket/model': fsspec cannot open it"
+    )
+    assert (
+        "no classic SparkSession runs in this process" in s3 and "Either pip install s3fs, or" in s3
+    )
+    assert (
+        "Protocol not known: viewfs" in viewfs
+        and "a FileSystem for viewfs: (its connector)" in viewfs
+    )

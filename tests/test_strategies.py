@@ -12,11 +12,17 @@ import threading
 
 import numpy as np
 import pytest
-
-from allreduce_param import AllReduceParameter, ConfigurationError, FetchTimeoutError, Strategy, UsageError
-from allreduce_param.store import BlockKey, BlockKind, BlockStore
-from allreduce_param.strategy import CLOCK_SHIFT, GRADIENT_BACKLOG
 from conftest import raise_first, run_partitions
+
+from allreduce_param import (
+    AllReduceParameter,
+    ConfigurationError,
+    FetchTimeoutError,
+    Strategy,
+    UsageError,
+)
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
+from allreduce_param.engine.strategy import CLOCK_SHIFT, GRADIENT_BACKLOG
 
 LR = np.float32(0.5)
 SIZE = 1_100_001  # three parts per slice with N = 2: parts travel and are taken separately
@@ -25,7 +31,10 @@ SIZE = 1_100_001  # three parts per slice with N = 2: parts travel and are taken
 def gradients(partitions: int, steps: int, size: int = SIZE) -> list[list[np.ndarray]]:
     """A distinct gradient sum for every partition and step (exact in float32)."""
     rng = np.random.default_rng(7)
-    return [[rng.integers(-8, 8, size).astype(np.float32) for _ in range(steps)] for _ in range(partitions)]
+    return [
+        [rng.integers(-8, 8, size).astype(np.float32) for _ in range(steps)]
+        for _ in range(partitions)
+    ]
 
 
 def counts(partitions: int) -> list[float]:
@@ -36,7 +45,9 @@ def sgd(gradient: np.ndarray, weights: np.ndarray, step: int) -> None:
     weights -= LR * gradient
 
 
-def replay(param: AllReduceParameter, start: np.ndarray, grads, sums_by_owner: list[list]) -> np.ndarray:
+def replay(
+    param: AllReduceParameter, start: np.ndarray, grads, sums_by_owner: list[list]
+) -> np.ndarray:
     """The weights the owners' update logs imply: each update is the exact mean over the rows
     of the gradients it took, summed in partition order; ``sums_by_owner[j]`` gives, for each
     of owner j's updates, which (partition, step) gradients it took."""
@@ -57,30 +68,45 @@ def replay(param: AllReduceParameter, start: np.ndarray, grads, sums_by_owner: l
 # ---- the rules ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("settings, message", [
-    (("ssp", None, 0), "strategy='ssp' needs staleness=s"),
-    (("ssp", 0, 0), "staleness must be a whole number >= 1, got 0; staleness 0 is strategy='bsp'"),
-    (("bsp", 2, 0), "staleness=2 goes with strategy='ssp', not strategy='bsp'"),
-    (("asp", 0, 1), "staleness=0 goes with strategy='ssp'"),
-    (("asp", None, 1), "backup_workers=1 goes with strategy='bsp'"),
-    (("bsp", None, -1), "backup_workers must be a whole number >= 0, got -1"),
-    (("hogwild", None, 0), "strategy='hogwild' is not one of bsp, ssp, asp"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (("ssp", None, 0), "strategy='ssp' needs staleness=s"),
+        (
+            ("ssp", 0, 0),
+            "staleness must be a whole number >= 1, got 0; staleness 0 is strategy='bsp'",
+        ),
+        (("bsp", 2, 0), "staleness=2 goes with strategy='ssp', not strategy='bsp'"),
+        (("asp", 0, 1), "staleness=0 goes with strategy='ssp'"),
+        (("asp", None, 1), "backup_workers=1 goes with strategy='bsp'"),
+        (("bsp", None, -1), "backup_workers must be a whole number >= 0, got -1"),
+        (("hogwild", None, 0), "strategy='hogwild' is not one of bsp, ssp, asp"),
+    ],
+)
 def test_wrong_strategy_settings_name_the_setting(settings, message):
     with pytest.raises(ConfigurationError, match=message):
         Strategy(*settings)
 
 
 def test_backup_workers_need_more_partitions_than_backups():
-    with pytest.raises(ConfigurationError, match="backup_workers=2 needs more than 2 workers, this fit has 2"):
+    with pytest.raises(
+        ConfigurationError, match="backup_workers=2 needs more than 2 workers, this fit has 2"
+    ):
         AllReduceParameter(2, 10, strategy=Strategy("bsp", backup_workers=2))
 
 
 def test_each_strategy_keeps_exactly_what_a_reader_can_ask_for():
-    assert Strategy().keep() == {BlockKind.WEIGHT: 1, BlockKind.GRADIENT: 1, BlockKind.REDUCE_INPUT: 1,
-                                 BlockKind.REDUCE_OUTPUT: 1, BlockKind.CHOICE: 1, BlockKind.SIGNAL: 1,
-                                 BlockKind.GRADIENT_HOST_SUM: 1, BlockKind.REDUCE_INPUT_HOST_SUM: 1,
-                                 BlockKind.METADATA: 2}
+    assert Strategy().keep() == {
+        BlockKind.WEIGHT: 1,
+        BlockKind.GRADIENT: 1,
+        BlockKind.REDUCE_INPUT: 1,
+        BlockKind.REDUCE_OUTPUT: 1,
+        BlockKind.CHOICE: 1,
+        BlockKind.SIGNAL: 1,
+        BlockKind.GRADIENT_HOST_SUM: 1,
+        BlockKind.REDUCE_INPUT_HOST_SUM: 1,
+        BlockKind.METADATA: 2,
+    }
     assert Strategy("bsp", backup_workers=1).keep()[BlockKind.GRADIENT] == 1
     for name, staleness in (("ssp", 3), ("asp", None)):
         strategy = Strategy(name, staleness)
@@ -121,7 +147,9 @@ def test_a_newest_read_takes_the_newest_at_or_above_what_it_asks():
         store.put(KEY, version, b"%d" % version)
     assert store.get(KEY, 5, timeout=1, newest=True)[0] == 9
     got = []
-    reader = threading.Thread(target=lambda: got.append(store.get(KEY, 10, timeout=30, newest=True)[0]))
+    reader = threading.Thread(
+        target=lambda: got.append(store.get(KEY, 10, timeout=30, newest=True)[0])
+    )
     reader.start()
     store.put(KEY, 12, b"12")
     reader.join()
@@ -133,8 +161,11 @@ def test_a_producer_waits_for_its_owner_instead_of_dropping_a_gradient():
     store = BlockStore(keep=2, wait_for_readers={BlockKind.GRADIENT})
     for version in (0, 1):
         store.put(key, version, store.reserve(key, version, timeout=1))
-    with pytest.raises(FetchTimeoutError, match=r"partition 1 did not take gradient block from partition 0 to "
-                                                r"partition 1, version 0 within 0.05 s"):
+    with pytest.raises(
+        FetchTimeoutError,
+        match=r"partition 1 did not take gradient block from partition 0 to "
+        r"partition 1, version 0 within 0.05 s",
+    ):
         store.reserve(key, 2, timeout=0.05)
     store.get(key, 0, timeout=1)
     store.get(key, 1, timeout=1)  # the owner has asked past version 0: it may go
@@ -219,7 +250,9 @@ def test_backup_workers_go_on_without_the_straggler_and_use_exactly_the_rest():
     steps, partitions, late_step = 5, 3, 1
     grads = gradients(partitions, steps, size=300_007)
     start = np.ones(300_007, np.float32)
-    param = AllReduceParameter(partitions, 300_007, "raw", timeout=60, strategy=Strategy("bsp", backup_workers=1))
+    param = AllReduceParameter(
+        partitions, 300_007, "raw", timeout=60, strategy=Strategy("bsp", backup_workers=1)
+    )
     step_done = threading.Event()
 
     def body(p):
@@ -236,7 +269,9 @@ def test_backup_workers_go_on_without_the_straggler_and_use_exactly_the_rest():
                 break
             if p.partition_id == 2 and version == late_step:
                 assert step_done.wait(60), "the owners waited for the straggler"
-            p.put_gradients(grads[p.partition_id][version], count=counts(partitions)[p.partition_id])
+            p.put_gradients(
+                grads[p.partition_id][version], count=counts(partitions)[p.partition_id]
+            )
         p.finish_updates()
         return read, p.get_weights(), p.updates
 
@@ -248,7 +283,10 @@ def test_backup_workers_go_on_without_the_straggler_and_use_exactly_the_rest():
         assert all(len(update.sources) == partitions - 1 for update in updates)
         assert 2 not in updates[late_step].sources  # its gradient came too late and was dropped
         assert read == sorted(read) and read[-1] == steps
-    logs = [[[(source, update.step) for source in update.sources] for update in result[2]] for result in results]
+    logs = [
+        [[(source, update.step) for source in update.sources] for update in result[2]]
+        for result in results
+    ]
     finals = [result[1] for result in results]
     assert all(np.array_equal(final, finals[0]) for final in finals)
     np.testing.assert_array_equal(finals[0], replay(param, start, grads, logs))
@@ -259,8 +297,11 @@ def test_the_bsp_calls_are_refused_under_a_background_owner():
 
     def body(p):
         p.init(np.zeros(10))
-        with pytest.raises(UsageError, match=r"aggregate_gradient_partition\(\) is BSP's; under 'asp' the "
-                                             r"background owner that serve_updates\(\) starts"):
+        with pytest.raises(
+            UsageError,
+            match=r"aggregate_gradient_partition\(\) is BSP's; under 'asp' the "
+            r"background owner that serve_updates\(\) starts",
+        ):
             p.aggregate_gradient_partition()
         with pytest.raises(UsageError, match=r"finish_updates\(\) came before serve_updates\(\)"):
             p.finish_updates()

@@ -9,10 +9,10 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import raise_first, run_partitions
 
 from allreduce_param import AllReduceParameter, InputError, PeerLostError, UsageError
-from allreduce_param.store import BlockKey, BlockKind
-from conftest import raise_first, run_partitions
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind
 
 LR = np.float32(0.125)
 SIZE, PARTITIONS, STEPS = 1_100_003, 3, 3  # three parts per chunk
@@ -31,6 +31,7 @@ def steps(grads, counts, how: str, residuals: bool = False):
     step + 1) put whole (``how="put"``), or streamed range by range in a random order, each
     range written just before it is reported (``"stream"``), or streamed with no range
     reported (``"silent"``); each step's mean and the final weights (and residual)."""
+
     def body(p):
         p.init(np.zeros(p.layout.size, np.float32))
         g = p.gradient_buffer()
@@ -43,7 +44,9 @@ def steps(grads, counts, how: str, residuals: bool = False):
                 g[:] = value
                 p.put_gradients(g, count=counts[p.partition_id], residual=residual)
             else:
-                with p.stream_gradients(g, count=counts[p.partition_id], residual=residual) as stream:
+                with p.stream_gradients(
+                    g, count=counts[p.partition_id], residual=residual
+                ) as stream:
                     for start, stop in pieces(p.layout.size, seed=10 * step + p.partition_id):
                         g[start:stop] = value[start:stop]
                         if how == "stream":
@@ -58,12 +61,23 @@ def steps(grads, counts, how: str, residuals: bool = False):
 
 def make_grads(seed: int = 3):
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(SIZE).astype(np.float32) for _ in range(PARTITIONS)], [10.0, 13.0, 0.0]
+    return [rng.standard_normal(SIZE).astype(np.float32) for _ in range(PARTITIONS)], [
+        10.0,
+        13.0,
+        0.0,
+    ]
 
 
-@pytest.mark.parametrize("codec, transport", [
-    ("raw", {}), ("raw", {"shared_memory": False}), ("raw", {"unix_sockets": False}), ("lz4", {}), ("bf16", {}),
-])
+@pytest.mark.parametrize(
+    "codec, transport",
+    [
+        ("raw", {}),
+        ("raw", {"shared_memory": False}),
+        ("raw", {"unix_sockets": False}),
+        ("lz4", {}),
+        ("bf16", {}),
+    ],
+)
 def test_a_streamed_gradient_gives_the_bits_a_put_gives(codec, transport):
     """Whatever order the ranges come in, with or without any reported, and with error
     feedback under a lossy codec: the same means, weights and residuals as put_gradients."""
@@ -76,7 +90,9 @@ def test_a_streamed_gradient_gives_the_bits_a_put_gives(codec, transport):
 
     expected = run("put")
     for how in ("stream", "silent"):
-        for (means, weights, residual), (want_means, want_weights, want_residual) in zip(run(how), expected):
+        for (means, weights, residual), (want_means, want_weights, want_residual) in zip(
+            run(how), expected
+        ):
             assert all(np.array_equal(got, want) for got, want in zip(means, want_means))
             assert np.array_equal(weights, want_weights)
             if lossy:
@@ -98,28 +114,61 @@ def test_a_whole_chunk_is_published_before_the_stream_closes():
         with p.stream_gradients(g, count=1.0) as stream:
             stream.ready(bounds.start, bounds.stop)
             # blocks until published: the stream is still open, so ready() published it
-            version, block = p._peers.store.get(BlockKey(BlockKind.GRADIENT, p.partition_id, peer, 0), 0, 10.0)
+            version, block = p._peers.store.get(
+                BlockKey(BlockKind.GRADIENT, p.partition_id, peer, 0), 0, 10.0
+            )
             assert version == 0 and block is not None
             del block
             assert set(p._prefetched) == {peer}  # the own chunk's fetch from the peer is running
         return p.aggregate_gradient_partition().copy()
 
-    results = raise_first(run_partitions(AllReduceParameter(2, size, codec="raw", timeout=30), body))
+    results = raise_first(
+        run_partitions(AllReduceParameter(2, size, codec="raw", timeout=30), body)
+    )
     assert all(np.array_equal(mean, np.full(500, 1.5, np.float32)) for mean in results)
 
 
-@pytest.mark.parametrize("misuse, error, fragment", [
-    (lambda p, s: s.ready(-1, 5), InputError, "ready(-1, 5) lies outside the gradient vector of 100"),
-    (lambda p, s: s.ready(90, 101), InputError, "ready(90, 101) lies outside"),
-    (lambda p, s: (s.ready(10, 20), s.ready(15, 30)), InputError, "ready(15, 30) overlaps ready(10, 20)"),
-    (lambda p, s: (s.ready(30, 40), s.ready(10, 20), s.ready(5, 12)), InputError,
-     "ready(5, 12) overlaps ready(10, 20)"),
-    (lambda p, s: (s.ready(0, 10), s.ready(20, 30), s.ready(10, 21)), InputError,
-     "ready(10, 21) overlaps ready(20, 30)"),
-    (lambda p, s: p.aggregate_gradient_partition(), UsageError, "gradient stream is still open"),
-    (lambda p, s: p.put_gradients(np.zeros(100)), UsageError, "put_gradients() on partition 0 came while"),
-    (lambda p, s: (s.close(), s.ready(0, 1)), UsageError, "ready(0, 1) came after the stream was closed"),
-])
+@pytest.mark.parametrize(
+    "misuse, error, fragment",
+    [
+        (
+            lambda p, s: s.ready(-1, 5),
+            InputError,
+            "ready(-1, 5) lies outside the gradient vector of 100",
+        ),
+        (lambda p, s: s.ready(90, 101), InputError, "ready(90, 101) lies outside"),
+        (
+            lambda p, s: (s.ready(10, 20), s.ready(15, 30)),
+            InputError,
+            "ready(15, 30) overlaps ready(10, 20)",
+        ),
+        (
+            lambda p, s: (s.ready(30, 40), s.ready(10, 20), s.ready(5, 12)),
+            InputError,
+            "ready(5, 12) overlaps ready(10, 20)",
+        ),
+        (
+            lambda p, s: (s.ready(0, 10), s.ready(20, 30), s.ready(10, 21)),
+            InputError,
+            "ready(10, 21) overlaps ready(20, 30)",
+        ),
+        (
+            lambda p, s: p.aggregate_gradient_partition(),
+            UsageError,
+            "gradient stream is still open",
+        ),
+        (
+            lambda p, s: p.put_gradients(np.zeros(100)),
+            UsageError,
+            "put_gradients() on partition 0 came while",
+        ),
+        (
+            lambda p, s: (s.close(), s.ready(0, 1)),
+            UsageError,
+            "ready(0, 1) came after the stream was closed",
+        ),
+    ],
+)
 def test_misuse_of_a_stream_is_refused_with_what_to_do(misuse, error, fragment):
     def body(p):
         p.init(np.zeros(100))
@@ -134,7 +183,9 @@ def test_misuse_of_a_stream_is_refused_with_what_to_do(misuse, error, fragment):
 def test_an_error_during_backward_fails_the_handle_and_reaches_the_peers():
     """A model that raises mid-stream leaves a half-published gradient: the handle takes no
     more calls, and the peer waiting for the missing chunk hears why rather than hang."""
-    weights_read = threading.Barrier(2)  # both are past get_weights: the peer then waits on the chunk
+    weights_read = threading.Barrier(
+        2
+    )  # both are past get_weights: the peer then waits on the chunk
 
     def body(p):
         p.init(np.zeros(100))

@@ -5,14 +5,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the torch adapter needs PyTorch: pip install -e '.[torch]'")
+torch = pytest.importorskip(
+    "torch", reason="the torch adapter needs PyTorch: pip install -e '.[torch]'"
+)
 
-from allreduce_param import AllReduceParameter, DistriOptimizer, InputError, TrainedModel, models, optim  # noqa: E402
-from allreduce_param.models.base import merge_buffers  # noqa: E402
-from allreduce_param.train.checkpoint import CheckpointSettings, load_buffers, newest  # noqa: E402
-from allreduce_param.train.worker import TrainingJob, buffers_from_payload  # noqa: E402
 from conftest import train_on_threads  # noqa: E402
 from test_train_loop import blobs, reference_fit, run_workers  # noqa: E402
+
+from allreduce_param import (  # noqa: E402
+    AllReduceParameter,
+    DistriOptimizer,
+    InputError,
+    TrainedModel,
+    models,
+    optim,
+)  # noqa: E402
+from allreduce_param.models.base import merge_buffers  # noqa: E402
+from allreduce_param.train.checkpoint import CheckpointSettings, load_buffers, newest  # noqa: E402
+from allreduce_param.train.task.worker import TrainingJob, buffers_from_payload  # noqa: E402
 
 SPARK_MASTER = "local[2]"
 
@@ -28,12 +38,17 @@ def test_loss_and_gradient_are_torchs_own_summed_over_rows():
     loss, grad, count = model.loss_and_grad(weights, X, y)
     module = net()
     torch.nn.utils.vector_to_parameters(torch.from_numpy(weights.copy()), module.parameters())
-    expected = torch.nn.functional.cross_entropy(module(torch.from_numpy(X)), torch.from_numpy(y.astype(np.int64)),
-                                                 reduction="sum")
+    expected = torch.nn.functional.cross_entropy(
+        module(torch.from_numpy(X)), torch.from_numpy(y.astype(np.int64)), reduction="sum"
+    )
     expected.backward()
     assert count == 9 and np.isclose(loss, expected.item(), rtol=1e-6)
-    np.testing.assert_allclose(grad, torch.cat([p.grad.reshape(-1) for p in module.parameters()]).numpy(),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        grad,
+        torch.cat([p.grad.reshape(-1) for p in module.parameters()]).numpy(),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert model.loss_and_grad(weights, X[:0], y[:0])[2] == 0
 
 
@@ -51,7 +66,9 @@ def test_the_gradient_into_a_vector_comes_parameter_by_parameter_as_autograd_fin
 
     assert model.loss_and_grad_into(weights, X, y, out, ready) == (loss, count)
     assert np.array_equal(out, grad)
-    sizes = [p.numel() for p in net().parameters()]  # 72, 12, 36, 3: the last layer's are the last 39
+    sizes = [
+        p.numel() for p in net().parameters()
+    ]  # 72, 12, 36, 3: the last layer's are the last 39
     assert sorted(ranges) == [(0, 72), (72, 84), (84, 120), (120, 123)]
     assert set(ranges[:2]) == {(84, 120), (120, 123)} and sum(sizes) == model.size
 
@@ -61,7 +78,11 @@ def test_loss_and_predictions_are_the_loss_and_predict_without_a_backward_pass(l
     model = models.TorchModel(net, loss=loss)
     weights = model.init(np.random.default_rng(1))
     X, y = blobs(9, 6, 3, seed=2)
-    y = y if loss == "cross_entropy" else np.random.default_rng(3).standard_normal((9, 3)).astype(np.float32)
+    y = (
+        y
+        if loss == "cross_entropy"
+        else np.random.default_rng(3).standard_normal((9, 3)).astype(np.float32)
+    )
     total, predictions, count = model.loss_and_predictions(weights, X, y)
     assert count == 9 and total == pytest.approx(model.loss_and_grad(weights, X, y)[0], rel=1e-6)
     np.testing.assert_array_equal(predictions, model.predict(weights, X))
@@ -71,8 +92,12 @@ def test_loss_and_predictions_are_the_loss_and_predict_without_a_backward_pass(l
 
 def test_init_is_reproducible_from_the_seed():
     model = models.TorchModel(net)
-    assert np.array_equal(model.init(np.random.default_rng(3)), model.init(np.random.default_rng(3)))
-    assert not np.array_equal(model.init(np.random.default_rng(3)), model.init(np.random.default_rng(4)))
+    assert np.array_equal(
+        model.init(np.random.default_rng(3)), model.init(np.random.default_rng(3))
+    )
+    assert not np.array_equal(
+        model.init(np.random.default_rng(3)), model.init(np.random.default_rng(4))
+    )
 
 
 def test_a_torch_module_trains_under_bsp_like_single_process():
@@ -83,7 +108,9 @@ def test_a_torch_module_trains_under_bsp_like_single_process():
     outputs = run_workers(TrainingJob(model, optimizer, param, 16, 3, 7, 2, 6, False), parts)
     assert all(isinstance(output, dict) for output in outputs), outputs
     expected = reference_fit(model, optimizer, parts, batch_size=16, epochs=3, seed=7)
-    np.testing.assert_allclose(np.frombuffer(outputs[0]["weights"], np.float32), expected, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        np.frombuffer(outputs[0]["weights"], np.float32), expected, rtol=2e-5, atol=2e-6
+    )
 
 
 def test_bad_settings():
@@ -101,9 +128,14 @@ def test_bad_settings():
 def normed(dropout: float = 0.5):
     """BatchNorm on the input (a cumulative average: ``momentum=None``), a hidden layer with
     BatchNorm (the default momentum) and Dropout after it: every buffer the fit keeps."""
-    return torch.nn.Sequential(torch.nn.BatchNorm1d(6, momentum=None), torch.nn.Linear(6, 16),
-                               torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
-                               torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(
+        torch.nn.BatchNorm1d(6, momentum=None),
+        torch.nn.Linear(6, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(16, 3),
+    )
 
 
 def loaded(model, weights, buffers=None):
@@ -125,7 +157,9 @@ def test_training_calls_run_in_train_mode_and_predictions_in_eval_mode():
     predictions = model.predict(weights, X)
     assert np.array_equal(predictions, model.predict(weights, X))
     loss, both, _ = model.loss_and_predictions(weights, X, y)
-    assert np.array_equal(both, predictions) and loss == model.loss_and_predictions(weights, X, y)[0]
+    assert (
+        np.array_equal(both, predictions) and loss == model.loss_and_predictions(weights, X, y)[0]
+    )
     for name, value in model.buffers().items():  # predicting read the buffers and changed none
         assert np.array_equal(value, trained[name]), name
     module = loaded(model, weights, trained).eval()  # torch's own eval mode, the same buffers
@@ -141,7 +175,9 @@ def test_threads_copies_buffers_merge_weighted_by_their_rows():
     X, y = blobs(32, 6, 3, seed=5)
     start = model.buffers()
     shares = [(X[:8], y[:8]), (X[8:], y[8:])]
-    threads = [threading.Thread(target=model.loss_and_grad, args=(weights, *share)) for share in shares]
+    threads = [
+        threading.Thread(target=model.loss_and_grad, args=(weights, *share)) for share in shares
+    ]
     for thread in threads:
         thread.start()
         thread.join()  # one after the other: each thread's copy sees its own share only
@@ -150,7 +186,9 @@ def test_threads_copies_buffers_merge_weighted_by_their_rows():
         module = loaded(model, weights, start)
         module.train()
         module(torch.from_numpy(share))
-        expected.append(({k: v.numpy() for k, v in module.state_dict().items() if "running" in k}, len(share)))
+        expected.append(
+            ({k: v.numpy() for k, v in module.state_dict().items() if "running" in k}, len(share))
+        )
     merged = model.buffers()
     for name, value in merge_buffers(expected).items():
         np.testing.assert_allclose(merged[name], value, rtol=1e-6, atol=1e-7)
@@ -168,10 +206,16 @@ def test_set_buffers_applies_them_and_names_what_is_wrong():
     assert np.array_equal(model.buffers()["0.running_mean"], buffers["0.running_mean"])
     module = loaded(model, weights, buffers).eval()
     with torch.no_grad():
-        np.testing.assert_array_equal(model.predict(weights, X), module(torch.from_numpy(X)).argmax(1).numpy())
+        np.testing.assert_array_equal(
+            model.predict(weights, X), module(torch.from_numpy(X)).argmax(1).numpy()
+        )
     with pytest.raises(InputError, match=r"missing \['0.running_var'\], unexpected \['extra'\]"):
-        model.set_buffers({**{k: v for k, v in buffers.items() if k != "0.running_var"}, "extra": np.zeros(1)})
-    with pytest.raises(InputError, match=r"buffer '2.running_mean' has shape \(3,\), the module's \(16,\)"):
+        model.set_buffers(
+            {**{k: v for k, v in buffers.items() if k != "0.running_var"}, "extra": np.zeros(1)}
+        )
+    with pytest.raises(
+        InputError, match=r"buffer '2.running_mean' has shape \(3,\), the module's \(16,\)"
+    ):
         model.set_buffers({**buffers, "2.running_mean": np.zeros(3, np.float32)})
     assert models.TorchModel(net).buffers() == {}
 
@@ -181,17 +225,32 @@ def test_checkpoints_keep_each_partitions_buffers_and_a_resume_ends_with_the_sam
     parts = [(X[i::3], y[i::3]) for i in range(3)]
 
     def job(directory, resume=None):
-        model = models.TorchModel(lambda: normed(dropout=0.0))  # no Dropout: the fit is deterministic
+        model = models.TorchModel(
+            lambda: normed(dropout=0.0)
+        )  # no Dropout: the fit is deterministic
         param = AllReduceParameter(3, model.size, codec="raw", timeout=60)
-        return TrainingJob(model, optim.Adam(lr=0.01), param, 18, 3, 3, None, 6, False,
-                           checkpoints=CheckpointSettings(str(directory), 4, 10), resume=resume)
+        return TrainingJob(
+            model,
+            optim.Adam(lr=0.01),
+            param,
+            18,
+            3,
+            3,
+            None,
+            6,
+            False,
+            checkpoints=CheckpointSettings(str(directory), 4, 10),
+            resume=resume,
+        )
 
     whole = train_on_threads(job(tmp_path / "whole"), parts)
     middle = newest(str(tmp_path / "whole" / "step-0000000008"))
     resumed = train_on_threads(job(tmp_path / "resumed", resume=middle), parts)
     for before, after in zip(whole, resumed):
         assert isinstance(before, dict) and isinstance(after, dict), (before, after)
-        (kept, rows), (again, rows_again) = (buffers_from_payload(o["buffers"]) for o in (before, after))
+        (kept, rows), (again, rows_again) = (
+            buffers_from_payload(o["buffers"]) for o in (before, after)
+        )
         assert rows == rows_again == 30 and int(kept["0.num_batches_tracked"]) == 15
         for name in kept:
             np.testing.assert_array_equal(again[name], kept[name])
@@ -210,10 +269,20 @@ def normed_fit(spark):
     X, y = blobs(80, 6, 3, seed=8)
     X[:40] += 2.0  # the halves differ: their merge is not either one's
     rows = [(row.tolist(), float(label)) for row, label in zip(X, y)]
-    df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), "features array<float>, label double").cache()
+    df = spark.createDataFrame(
+        spark.sparkContext.parallelize(rows, 2), "features array<float>, label double"
+    ).cache()
     model = models.TorchModel(normed)
-    result = DistriOptimizer(model, optim.Adam(lr=0.01), batch_size=80, epochs=3, num_workers=2, progress=False,
-                             partition_scheme="as_is", seed=1).fit(df)
+    result = DistriOptimizer(
+        model,
+        optim.Adam(lr=0.01),
+        batch_size=80,
+        epochs=3,
+        num_workers=2,
+        progress=False,
+        partition_scheme="as_is",
+        seed=1,
+    ).fit(df)
     return model, result, X, df
 
 
@@ -223,12 +292,20 @@ def test_a_fits_buffers_are_the_partitions_merged_by_rows(normed_fit):
     # the input's BatchNorm sees the data itself: each partition's statistics are those of
     # its 40 rows (the same batch each step, a cumulative average), merged by rows
     halves = [X[:40].astype(np.float64), X[40:].astype(np.float64)]
-    np.testing.assert_allclose(buffers["0.running_mean"], X.astype(np.float64).mean(axis=0), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(buffers["0.running_var"], np.mean([h.var(axis=0, ddof=1) for h in halves], axis=0),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        buffers["0.running_mean"], X.astype(np.float64).mean(axis=0), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        buffers["0.running_var"],
+        np.mean([h.var(axis=0, ddof=1) for h in halves], axis=0),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     assert int(buffers["0.num_batches_tracked"]) == 3 and int(buffers["2.num_batches_tracked"]) == 3
     # the hidden BatchNorm's moved from their start (zeros and ones)
-    assert np.abs(buffers["2.running_mean"]).min() > 0 and not np.allclose(buffers["2.running_var"], 1.0)
+    assert np.abs(buffers["2.running_mean"]).min() > 0 and not np.allclose(
+        buffers["2.running_var"], 1.0
+    )
     # the model given to the fit keeps its own
     assert not model.module[0].running_mean.any() and int(model.module[0].num_batches_tracked) == 0
 

@@ -7,12 +7,16 @@ import threading
 
 import numpy as np
 import pytest
-
-from allreduce_param import AllReduceParameter, TrainingError, models, optim
-from allreduce_param.train.batching import epoch_order, global_batch_sizes, share_bounds, steps_per_epoch
-from allreduce_param.train.worker import STEP_FIELDS, TrainingJob
 from conftest import blobs, train_on_threads
 
+from allreduce_param import AllReduceParameter, TrainingError, models, optim
+from allreduce_param.train.task.batching import (
+    epoch_order,
+    global_batch_sizes,
+    share_bounds,
+    steps_per_epoch,
+)
+from allreduce_param.train.task.worker import STEP_FIELDS, TrainingJob
 
 run_workers = train_on_threads
 
@@ -31,12 +35,14 @@ def reference_fit(model, optimizer, parts, batch_size: int, epochs: int, seed: i
         for step in range(steps):
             if sizes[step] == 0:
                 continue
-            take = [orders[i][cuts[i][step]:cuts[i][step + 1]] for i in range(len(parts))]
+            take = [orders[i][cuts[i][step] : cuts[i][step + 1]] for i in range(len(parts))]
             X = np.concatenate([parts[i][0][rows] for i, rows in enumerate(take)])
             y = np.concatenate([parts[i][1][rows] for i, rows in enumerate(take)])
             _, grad, count = model.loss_and_grad(weights, X, y)
             grad = grad / np.float32(count)
-            scale = optim.clip_scale(float(np.dot(grad.astype(np.float64), grad)), optimizer.clip_norm)
+            scale = optim.clip_scale(
+                float(np.dot(grad.astype(np.float64), grad)), optimizer.clip_norm
+            )
             optimizer.step(weights, grad, state, global_step, grad_scale=scale)
             global_step += 1
     return weights
@@ -59,8 +65,17 @@ def test_bsp_steps_equal_single_process_minibatch_training(case):
     model = models.MLP([6, 16, 3])
     optimizer = optim.SGD(lr=0.1, momentum=0.9, clip_norm=clip)
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
-    job = TrainingJob(model, optimizer, param, batch_size=32, epochs=3, seed=5, threads=threads,
-                      n_features=6, has_validation=False)
+    job = TrainingJob(
+        model,
+        optimizer,
+        param,
+        batch_size=32,
+        epochs=3,
+        seed=5,
+        threads=threads,
+        n_features=6,
+        has_validation=False,
+    )
     outputs = run_workers(job, parts)
     for output in outputs:
         assert isinstance(output, dict), output
@@ -99,16 +114,34 @@ def test_overlapping_the_sync_with_backward_changes_no_bit_of_the_fit(codec):
     for overlap in (True, False):
         Counted.calls = {}
         param = AllReduceParameter(3, model.size, codec=codec, timeout=60)
-        job = TrainingJob(model, optim.Adam(lr=0.01, clip_norm=1.0), param, batch_size=24, epochs=2, seed=3,
-                          threads=None, n_features=6, has_validation=False, overlap=overlap)
+        job = TrainingJob(
+            model,
+            optim.Adam(lr=0.01, clip_norm=1.0),
+            param,
+            batch_size=24,
+            epochs=2,
+            seed=3,
+            threads=None,
+            n_features=6,
+            has_validation=False,
+            overlap=overlap,
+        )
         outputs = run_workers(job, parts)
         assert all(isinstance(output, dict) for output in outputs), outputs
         steps = np.frombuffer(outputs[0]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))
-        fits[overlap] = (np.frombuffer(outputs[0]["weights"], np.float32), steps[:, :4], dict(Counted.calls))
+        fits[overlap] = (
+            np.frombuffer(outputs[0]["weights"], np.float32),
+            steps[:, :4],
+            dict(Counted.calls),
+        )
     assert np.array_equal(fits[True][0], fits[False][0])
-    assert np.array_equal(fits[True][1], fits[False][1])  # epoch, step, loss and count of every step
+    assert np.array_equal(
+        fits[True][1], fits[False][1]
+    )  # epoch, step, loss and count of every step
     streamed, whole = fits[True][2], fits[False][2]  # loss_and_grad calls loss_and_grad_into
-    assert streamed["into"] - streamed["loss_and_grad"] == 3 * len(fits[True][1])  # each step streamed
+    assert streamed["into"] - streamed["loss_and_grad"] == 3 * len(
+        fits[True][1]
+    )  # each step streamed
     assert whole["into"] == whole["loss_and_grad"] >= 3 * len(fits[True][1])  # none streamed
 
 
@@ -120,8 +153,17 @@ def test_overlap_auto_streams_where_a_peer_is_reached_over_the_network(transport
     model = Counted([6, 8, 3])
     Counted.calls = {}
     param = AllReduceParameter(2, model.size, codec="lz4", timeout=60, **transport)
-    job = TrainingJob(model, optim.SGD(lr=0.1), param, batch_size=20, epochs=1, seed=0, threads=None,
-                      n_features=6, has_validation=False)  # overlap="auto", the default
+    job = TrainingJob(
+        model,
+        optim.SGD(lr=0.1),
+        param,
+        batch_size=20,
+        epochs=1,
+        seed=0,
+        threads=None,
+        n_features=6,
+        has_validation=False,
+    )  # overlap="auto", the default
     outputs = run_workers(job, [(X[:30], y[:30]), (X[30:], y[30:])])
     assert all(isinstance(output, dict) for output in outputs), outputs
     steps = len(np.frombuffer(outputs[0]["steps"], np.float64).reshape(-1, len(STEP_FIELDS)))
@@ -147,18 +189,23 @@ def test_a_failing_step_names_partition_epoch_and_step():
     outputs = run_workers(job, [(X[:20], y[:20]), (poisoned, y[20:])])
     assert isinstance(outputs[1], TrainingError)
     assert str(outputs[1]) == "partition 1, epoch 0, step 0: ValueError: a poisoned row"
-    assert isinstance(outputs[0], TrainingError) and "partition 0, epoch 0, step 0: PeerLostError" in str(outputs[0])
+    assert isinstance(
+        outputs[0], TrainingError
+    ) and "partition 0, epoch 0, step 0: PeerLostError" in str(outputs[0])
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"batch_size": 0}, "batch_size must be a positive whole number, got 0"),
-    ({"epochs": 1.5}, "epochs must be a positive whole number, got 1.5"),
-    ({"num_workers": 0}, "num_workers must be a positive whole number, got 0"),
-    ({"codec": "zip"}, "unknown codec 'zip'"),
-    ({"threads": 0}, "threads must be a positive count or a list of positive workloads, got 0"),
-    ({"threads": [1.0, -2.0]}, r"threads must be .* got \[1.0, -2.0\]"),
-    ({"overlap": "sometimes"}, "overlap must be True, False or 'auto', got 'sometimes'"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"batch_size": 0}, "batch_size must be a positive whole number, got 0"),
+        ({"epochs": 1.5}, "epochs must be a positive whole number, got 1.5"),
+        ({"num_workers": 0}, "num_workers must be a positive whole number, got 0"),
+        ({"codec": "zip"}, "unknown codec 'zip'"),
+        ({"threads": 0}, "threads must be a positive count or a list of positive workloads, got 0"),
+        ({"threads": [1.0, -2.0]}, r"threads must be .* got \[1.0, -2.0\]"),
+        ({"overlap": "sometimes"}, "overlap must be True, False or 'auto', got 'sometimes'"),
+    ],
+)
 def test_settings_are_checked_when_the_optimizer_is_made(settings, message):
     from allreduce_param import ConfigurationError, DistriOptimizer
 
@@ -169,18 +216,25 @@ def test_settings_are_checked_when_the_optimizer_is_made(settings, message):
 def test_a_model_without_the_protocol_is_refused():
     from allreduce_param import ConfigurationError, DistriOptimizer
 
-    with pytest.raises(ConfigurationError, match=r"has no init\(\) method; a model needs init\(rng\), loss_and_grad"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"has no init\(\) method; a model needs init\(rng\), loss_and_grad",
+    ):
         DistriOptimizer(object(), optim.SGD(lr=0.1))
 
 
 # ---- strategies and sync frequencies ---------------------------------------------------------
 
 from allreduce_param import Strategy  # noqa: E402
-from allreduce_param.train.result import History  # noqa: E402
-from allreduce_param.train.result import UPDATE_FIELDS  # noqa: E402
+from allreduce_param.train.result import (  # noqa: E402
+    UPDATE_FIELDS,
+    History,  # noqa: E402
+)
 
 
-def reference_local_sgd(model, optimizer, parts, batch_size, epochs, seed, every, averaging) -> np.ndarray:
+def reference_local_sgd(
+    model, optimizer, parts, batch_size, epochs, seed, every, averaging
+) -> np.ndarray:
     """Each partition steps its own model; at every sync (every ``every`` steps and at each
     epoch's end) the models are averaged by rows, or the updates summed, in partition order."""
     counts = [len(X) for X, _ in parts]
@@ -195,7 +249,7 @@ def reference_local_sgd(model, optimizer, parts, batch_size, epochs, seed, every
         for i, (X, y) in enumerate(parts):
             order = epoch_order(len(X), seed, epoch, i)
             cuts = share_bounds(len(X), i, len(parts), steps)
-            take = order[cuts[step]:cuts[step + 1]]
+            take = order[cuts[step] : cuts[step + 1]]
             _, grad, count = model.loss_and_grad(local[i], X[take], y[take])
             if count:
                 optimizer.step(local[i], grad, states[i], index, grad_scale=1.0 / count)
@@ -219,13 +273,26 @@ def test_local_sgd_equals_its_single_process_reference(every, averaging):
     parts = [(X[a:b], y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     model, optimizer = models.MLP([5, 8, 3]), optim.Adam(lr=0.01)
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
-    job = TrainingJob(model, optimizer, param, batch_size=16, epochs=2, seed=4, threads=None, n_features=5,
-                      has_validation=False, sync_every=every, model_averaging=averaging)
+    job = TrainingJob(
+        model,
+        optimizer,
+        param,
+        batch_size=16,
+        epochs=2,
+        seed=4,
+        threads=None,
+        n_features=5,
+        has_validation=False,
+        sync_every=every,
+        model_averaging=averaging,
+    )
     outputs = run_workers(job, parts)
     for output in outputs:
         assert isinstance(output, dict), output
     expected = reference_local_sgd(model, optimizer, parts, 16, 2, 4, every, averaging)
-    np.testing.assert_allclose(np.frombuffer(outputs[0]["weights"], np.float32), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.frombuffer(outputs[0]["weights"], np.float32), expected, rtol=1e-5, atol=1e-6
+    )
 
 
 class StepListener:
@@ -258,19 +325,38 @@ class Straggler(models.SoftmaxRegression):
         listener = Straggler.listener
         if threading.current_thread().name == Straggler.slow and listener is not None:
             with listener.changed:
-                assert listener.changed.wait_for(lambda: sum(listener.steps.values()) >= Straggler.ahead, 60)
+                assert listener.changed.wait_for(
+                    lambda: sum(listener.steps.values()) >= Straggler.ahead, 60
+                )
             Straggler.listener = None
         return super().loss_and_grad(weights, X, y)
 
 
-def train_with_straggler(parts, strategy: Strategy, ahead: int, lr: float, batch_size: int) -> History:
+def train_with_straggler(
+    parts, strategy: Strategy, ahead: int, lr: float, batch_size: int
+) -> History:
     """Three epochs of SGD on ``parts``, one partition each, the last of them held back at
     its first step until the others have reported ``ahead`` steps; the merged history."""
-    Straggler.listener, Straggler.ahead, Straggler.slow = StepListener(), ahead, f"partition-{len(parts) - 1}"
+    Straggler.listener, Straggler.ahead, Straggler.slow = (
+        StepListener(),
+        ahead,
+        f"partition-{len(parts) - 1}",
+    )
     model = Straggler(4, 3)
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60, strategy=strategy)
-    job = TrainingJob(model, optim.SGD(lr=lr), param, batch_size=batch_size, epochs=3, seed=0, threads=None,
-                      n_features=4, has_validation=False, driver=Straggler.listener, report_progress=True)
+    job = TrainingJob(
+        model,
+        optim.SGD(lr=lr),
+        param,
+        batch_size=batch_size,
+        epochs=3,
+        seed=0,
+        threads=None,
+        n_features=4,
+        has_validation=False,
+        driver=Straggler.listener,
+        report_progress=True,
+    )
     outputs = run_workers(job, parts)
     for output in outputs:
         assert isinstance(output, dict), output
@@ -280,15 +366,20 @@ def train_with_straggler(parts, strategy: Strategy, ahead: int, lr: float, batch
 def merged_history(outputs, partitions: int) -> History:
     steps = [np.frombuffer(o["steps"], np.float64).reshape(-1, len(STEP_FIELDS)) for o in outputs]
     shares = [share for o in outputs for share in json.loads(o["epochs"])]
-    updates = [np.frombuffer(o["updates"], np.float64).reshape(-1, len(UPDATE_FIELDS) + partitions)
-               for o in outputs if "updates" in o]
+    updates = [
+        np.frombuffer(o["updates"], np.float64).reshape(-1, len(UPDATE_FIELDS) + partitions)
+        for o in outputs
+        if "updates" in o
+    ]
     return History.from_records(steps, shares, 1.0, updates)
 
 
 def test_backup_workers_leave_out_a_straggler_and_count_it():
     X, y = blobs(180, 4, 3, seed=5)
     parts = [(X[i::3], y[i::3]) for i in range(3)]
-    history = train_with_straggler(parts, Strategy("bsp", backup_workers=1), ahead=8, lr=0.2, batch_size=30)
+    history = train_with_straggler(
+        parts, Strategy("bsp", backup_workers=1), ahead=8, lr=0.2, batch_size=30
+    )
     assert len(history.steps) == 18  # every step recorded by every partition, computed or skipped
     # one partition left out of every step, the same for every slice; the straggler most
     assert all(step["dropped"] == 1 for step in history.steps) and history.dropped.get(2, 0) >= 4
@@ -302,8 +393,17 @@ def test_asynchronous_strategies_train_and_record_their_staleness(strategy):
     parts = [(X[:100], y[:100]), (X[100:], y[100:])]
     model = models.MLP([4, 8, 3])
     param = AllReduceParameter(2, model.size, codec="raw", timeout=60, strategy=strategy)
-    job = TrainingJob(model, optim.Adam(lr=0.02), param, batch_size=24, epochs=4, seed=0, threads=2,
-                      n_features=4, has_validation=False)
+    job = TrainingJob(
+        model,
+        optim.Adam(lr=0.02),
+        param,
+        batch_size=24,
+        epochs=4,
+        seed=0,
+        threads=2,
+        n_features=4,
+        has_validation=False,
+    )
     outputs = run_workers(job, parts)
     for output in outputs:
         assert isinstance(output, dict), output

@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 import pytest
+from conftest import raise_first, run_partitions
 
 from allreduce_param import AllReduceParameter, AuthenticationError, ProtocolError
-from allreduce_param.store import BlockKey, BlockKind, BlockStore, SplitBlock
-from allreduce_param.network import MAGIC, MAX_UNPROVEN, NONCE_SIZE, client_handshake, recv_exactly, unproven_limit
-from allreduce_param.transport import (
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore, SplitBlock
+from allreduce_param.engine.wire.blocks import (
     _REQUEST,
     _RESPONSE,
     OP_GET,
@@ -26,7 +26,14 @@ from allreduce_param.transport import (
     BlockServer,
     PeerClient,
 )
-from conftest import raise_first, run_partitions
+from allreduce_param.engine.wire.network import (
+    MAGIC,
+    MAX_UNPROVEN,
+    NONCE_SIZE,
+    client_handshake,
+    recv_exactly,
+    unproven_limit,
+)
 
 SECRET = b"s" * 32
 
@@ -60,7 +67,9 @@ def probe(address, payload: bytes) -> socket.socket:
 def server():
     store = BlockStore()
     store.put(BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF), 0, b"w" * 1000)
-    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2)
+    served = BlockServer(
+        store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2
+    )
     yield served
     served.close()
 
@@ -75,7 +84,10 @@ KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
 def test_the_right_secret_fetches_a_block(server):
     honest = client(server)
     try:
-        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1]) == b"w" * 1000
+        assert (
+            bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1])
+            == b"w" * 1000
+        )
     finally:
         honest.close()
 
@@ -85,11 +97,16 @@ def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
     intruder = client(server, secret=b"x" * 32)
     try:
         honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.network"):
-            with pytest.raises(AuthenticationError, match="refused this connection: the secrets differ"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+            with pytest.raises(
+                AuthenticationError, match="refused this connection: the secrets differ"
+            ):
                 intruder.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
         assert "could not prove the secret" in caplog.text
-        assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1]) == b"w" * 1000
+        assert (
+            bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1])
+            == b"w" * 1000
+        )
     finally:
         honest.close()
         intruder.close()
@@ -97,7 +114,7 @@ def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
 
 def test_right_secret_for_another_parameter_is_refused(server, caplog):
     other = client(server, param_id=6)
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.network"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
         with pytest.raises(AuthenticationError):
             other.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
     assert "it asked for parameter 6, this server serves parameter 5" in caplog.text
@@ -106,7 +123,9 @@ def test_right_secret_for_another_parameter_is_refused(server, caplog):
 
 def test_a_server_that_cannot_prove_the_secret_is_not_trusted():
     store = BlockStore()
-    impostor = BlockServer(store, b"i" * 32, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2)
+    impostor = BlockServer(
+        store, b"i" * 32, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2
+    )
     try:
         # the impostor refuses us, as its secret differs: the client learns nothing from it
         with pytest.raises(AuthenticationError):
@@ -115,39 +134,51 @@ def test_a_server_that_cannot_prove_the_secret_is_not_trusted():
         impostor.close()
 
 
-@pytest.mark.parametrize("garbage", [
-    os.urandom(88),                # random bytes where the hello belongs
-    b"\x00" * 88,                  # zeros
-    b"GET / HTTP/1.1\r\n\r\n" * 5,  # someone else's protocol
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        os.urandom(88),  # random bytes where the hello belongs
+        b"\x00" * 88,  # zeros
+        b"GET / HTTP/1.1\r\n\r\n" * 5,  # someone else's protocol
+    ],
+)
 def test_garbage_hello_closes_that_connection_only(server, caplog, garbage):
     honest = client(server)
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.network"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
         sock = probe(server.address, garbage)
         assert_connection_closed(sock)
         sock.close()
     assert "refused connection from 127.0.0.1" in caplog.text
-    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1]) == b"w" * 1000
+    assert (
+        bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1])
+        == b"w" * 1000
+    )
     honest.close()
 
 
 def test_a_malformed_request_after_a_good_handshake_closes_that_connection(server, caplog):
     rogue = client(server)
     rogue.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))  # authenticated
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.transport"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.blocks"):
         rogue._sock.sendall(b"\xff" * 32)
         assert_connection_closed(rogue._sock)
     assert "malformed request frame" in caplog.text
     rogue.close()
     honest = client(server)
-    assert bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1]) == b"w" * 1000
+    assert (
+        bytes(honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))[1])
+        == b"w" * 1000
+    )
     honest.close()
 
 
 def test_a_block_longer_than_it_can_be_is_refused_before_it_is_read(server):
     greedy = client(server)
-    with pytest.raises(ProtocolError, match=r"sent 1000 bytes for weight block from partition 0 to all, "
-                                            r"version 0; such a block has at most 999"):
+    with pytest.raises(
+        ProtocolError,
+        match=r"sent 1000 bytes for weight block from partition 0 to all, "
+        r"version 0; such a block has at most 999",
+    ):
         greedy.fetch(KEY, 0, max_size=999, into=memoryview(bytearray(1000)))
     greedy.close()
 
@@ -169,7 +200,12 @@ def test_intruders_during_a_real_run_do_not_disturb_it():
                 target = p._peers.peers[1].address
                 intruder = PeerClient(target, b"x" * 32, 0, 0, 1, timeout=5)
                 with pytest.raises(AuthenticationError):
-                    intruder.fetch(BlockKey(BlockKind.WEIGHT, 1, 0xFFFFFFFF), step + 1, 10**6, memoryview(bytearray(10**6)))
+                    intruder.fetch(
+                        BlockKey(BlockKind.WEIGHT, 1, 0xFFFFFFFF),
+                        step + 1,
+                        10**6,
+                        memoryview(bytearray(10**6)),
+                    )
                 intruder.close()
                 sock = probe(target, os.urandom(200))
                 assert_connection_closed(sock)
@@ -186,7 +222,9 @@ def test_intruders_during_a_real_run_do_not_disturb_it():
 def test_a_peer_on_this_host_is_reached_over_its_unix_socket():
     store = BlockStore()
     store.put(KEY, 0, b"u" * 100)
-    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2, unix=True)
+    served = BlockServer(
+        store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2, unix=True
+    )
     try:
         assert served.local_name
         local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
@@ -194,12 +232,16 @@ def test_a_peer_on_this_host_is_reached_over_its_unix_socket():
         assert local._sock.family == socket.AF_UNIX
         local.close()
         # a Unix socket that is not there (another network namespace): TCP instead
-        elsewhere = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name="no-such-socket")
+        elsewhere = PeerClient(
+            served.address, SECRET, 5, 1, 0, timeout=5, local_name="no-such-socket"
+        )
         assert bytes(elsewhere.fetch(KEY, 0, 100, memoryview(bytearray(100)))[1]) == b"u" * 100
         assert elsewhere._sock.family == socket.AF_INET
         elsewhere.close()
         # the Unix socket demands the secret as TCP does
-        intruder = PeerClient(served.address, b"x" * 32, 5, 1, 0, timeout=5, local_name=served.local_name)
+        intruder = PeerClient(
+            served.address, b"x" * 32, 5, 1, 0, timeout=5, local_name=served.local_name
+        )
         with pytest.raises(AuthenticationError):
             intruder.fetch(KEY, 0, 100, memoryview(bytearray(100)))
         intruder.close()
@@ -208,7 +250,7 @@ def test_a_peer_on_this_host_is_reached_over_its_unix_socket():
 
 
 def test_a_peer_on_this_host_reads_shared_blocks_in_place():
-    from allreduce_param.shm import SharedArenas
+    from allreduce_param.engine.blocks.shm import SharedArenas
 
     arenas = SharedArenas(arena_size=4096)
     first, second = arenas.buffer(100), arenas.buffer(100)  # two blocks in one segment
@@ -217,14 +259,24 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
     store.put(KEY, 0, first[:5])
     other = BlockKey(BlockKind.GRADIENT, 0, 1)
     store.put(other, 0, second[:6])
-    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2,
-                         unix=True, shared=arenas)
+    served = BlockServer(
+        store,
+        SECRET,
+        param_id=5,
+        partition_id=0,
+        host="127.0.0.1",
+        partition_num=2,
+        unix=True,
+        shared=arenas,
+    )
     local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
     tcp = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
     try:
         _, view = local.fetch(KEY, 0, 100, None, shared=True)
         assert joined(view) == b"first" and len(local._mappings._maps) == 1
-        assert joined(local.fetch(other, 0, 100, None, shared=True)[1]) == b"second"  # at its offset
+        assert (
+            joined(local.fetch(other, 0, 100, None, shared=True)[1]) == b"second"
+        )  # at its offset
         first[:5] = b"again"  # the owner writes its next version in place
         store.put(KEY, 1, first[:5])
         assert joined(local.fetch(KEY, 1, 100, None, shared=True)[1]) == b"again"
@@ -242,35 +294,58 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
 
 def joined(block) -> bytes:
     """A fetched block's bytes, read in one piece or in place as a header and a payload."""
-    return bytes(block.header) + bytes(block.payload) if isinstance(block, SplitBlock) else bytes(block)
+    return (
+        bytes(block.header) + bytes(block.payload)
+        if isinstance(block, SplitBlock)
+        else bytes(block)
+    )
 
 
 def test_a_block_whose_header_and_payload_lie_apart_is_served_whole():
     """A vector published where it lies (its header in one shared segment, its payload in
     another): a same-host peer reads both in place, getting both descriptors in one answer
     and again on a new connection; over TCP the two travel as one block, checksummed."""
-    from allreduce_param.codec import get_codec
-    from allreduce_param.shm import SharedArenas
+    from allreduce_param.engine.blocks.codec import get_codec
+    from allreduce_param.engine.blocks.shm import SharedArenas
 
     arenas = SharedArenas(arena_size=4096)
     raw = get_codec("raw")
-    header_room, payload_room = arenas.buffer(64), arenas.buffer(8192)  # the second gets its own segment
+    header_room, payload_room = (
+        arenas.buffer(64),
+        arenas.buffer(8192),
+    )  # the second gets its own segment
     values = np.frombuffer(payload_room, np.float32)
     values[:] = np.arange(2048, dtype=np.float32)
     ids = (BlockKind.GRADIENT, 0, 1, 0, 3)
     store = BlockStore()
-    store.put(BlockKey(*ids[:4]), 3, SplitBlock(raw.encode_header(2048, count=2.0, out=header_room, ids=ids),
-                                                payload_room), buffer=header_room)
-    served = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2,
-                         unix=True, shared=arenas)
+    store.put(
+        BlockKey(*ids[:4]),
+        3,
+        SplitBlock(raw.encode_header(2048, count=2.0, out=header_room, ids=ids), payload_room),
+        buffer=header_room,
+    )
+    served = BlockServer(
+        store,
+        SECRET,
+        param_id=5,
+        partition_id=0,
+        host="127.0.0.1",
+        partition_num=2,
+        unix=True,
+        shared=arenas,
+    )
     local = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5, local_name=served.local_name)
     tcp = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
     try:
         assert arenas.count == 2
         for _ in range(2):
-            _, block = local.fetch(BlockKey(*ids[:4]), 3, raw.max_encoded_size(2048), None, shared=True)
+            _, block = local.fetch(
+                BlockKey(*ids[:4]), 3, raw.max_encoded_size(2048), None, shared=True
+            )
             assert isinstance(block, SplitBlock) and len(local._mappings._maps) == 2
-            header, got = raw.decode(block.header, 2048, expect=ids, checksum=False, payload=block.payload)
+            header, got = raw.decode(
+                block.header, 2048, expect=ids, checksum=False, payload=block.payload
+            )
             assert header.count == 2.0 and np.array_equal(got, values)
             del block, got
             local._drop()  # a new connection: the descriptors come again, and are not mapped twice
@@ -288,14 +363,18 @@ def test_a_block_whose_header_and_payload_lie_apart_is_served_whole():
 def test_a_shared_answer_naming_a_segment_never_passed_is_refused():
     """A peer that points at shared memory whose descriptor it never passed on this
     connection gets a ProtocolError naming the segment, and no descriptor is left open."""
-    from allreduce_param.transport import _SHARED_PLACE
+    from allreduce_param.engine.wire.blocks import _SHARED_PLACE
 
     peer = PeerClient(("127.0.0.1", 9), SECRET, 5, 1, 0, timeout=5)
     ours, theirs = socket.socketpair()
     try:
         theirs.sendall(_SHARED_PLACE.pack(99, 0, 64, 99, 64))
-        with pytest.raises(ProtocolError, match=r"passed 0 descriptors with .*shared segments \[99\]"):
-            peer._shared_view(ours, 128, "gradient block from partition 0 to partition 1, version 0")
+        with pytest.raises(
+            ProtocolError, match=r"passed 0 descriptors with .*shared segments \[99\]"
+        ):
+            peer._shared_view(
+                ours, 128, "gradient block from partition 0 to partition 1, version 0"
+            )
     finally:
         ours.close()
         theirs.close()
@@ -310,7 +389,10 @@ def test_a_client_cut_off_for_shutting_down_opens_no_new_connection():
     shutting = PeerClient(listener.getsockname()[:2], SECRET, 5, 1, 0, timeout=5)
     try:
         shutting.abort()
-        with pytest.raises(StoreClosedError, match="this partition is shutting down: no new connection to partition 0"):
+        with pytest.raises(
+            StoreClosedError,
+            match="this partition is shutting down: no new connection to partition 0",
+        ):
             shutting.fetch(KEY, 0, 100, None)
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody came
@@ -321,6 +403,7 @@ def test_a_client_cut_off_for_shutting_down_opens_no_new_connection():
 
 # ---- serving many connections with a bounded number of threads --------------------------
 
+
 def proven(server, partition: int) -> socket.socket:
     """A raw connection to ``server`` that has proven the secret as ``partition``."""
     sock = socket.create_connection(server.address, timeout=30)
@@ -329,7 +412,11 @@ def proven(server, partition: int) -> socket.socket:
 
 
 def ask(sock: socket.socket, key: BlockKey, version: int, timeout_ms: int) -> None:
-    sock.sendall(_REQUEST.pack(MAGIC, OP_GET, key.kind, key.source, key.destination, key.part, version, timeout_ms))
+    sock.sendall(
+        _REQUEST.pack(
+            MAGIC, OP_GET, key.kind, key.source, key.destination, key.part, version, timeout_ms
+        )
+    )
 
 
 def answer(sock: socket.socket) -> tuple[int, int, bytes]:
@@ -356,13 +443,22 @@ def wait_until(condition, what: str, timeout: float = 30.0) -> None:
 def test_many_gets_waiting_for_a_version_hold_a_bounded_number_of_threads_and_are_all_answered():
     connections = 150
     store, done = BlockStore(), []
-    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=200,
-                         on_done=done.append)
+    server = BlockServer(
+        store,
+        SECRET,
+        param_id=5,
+        partition_id=0,
+        host="127.0.0.1",
+        partition_num=200,
+        on_done=done.append,
+    )
     socks = [proven(server, 1 + i % 199) for i in range(connections)]
     try:
         for sock in socks:
             ask(sock, KEY, 1, 60_000)
-        wait_until(lambda: store.waiting == connections, f"{store.waiting} of {connections} gets waiting")
+        wait_until(
+            lambda: store.waiting == connections, f"{store.waiting} of {connections} gets waiting"
+        )
         assert 1 <= serving_threads() <= SERVE_THREADS and server.threads <= SERVE_THREADS
         store.put(KEY, 0, b"not yet")
         store.put(KEY, 1, b"v" * 5000)
@@ -376,23 +472,42 @@ def test_many_gets_waiting_for_a_version_hold_a_bounded_number_of_threads_and_ar
             sock.close()
         server.close()
     assert serving_threads() == 0
-    assert sorted(done) == sorted(1 + i % 199 for i in range(connections))  # each ended connection is done once
+    assert sorted(done) == sorted(
+        1 + i % 199 for i in range(connections)
+    )  # each ended connection is done once
 
 
 def test_waiting_gets_time_out_with_the_text_and_the_max_wait_and_their_connections_go_on():
     store = BlockStore(keep=1)
-    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2,
-                         max_wait=0.5)
+    server = BlockServer(
+        store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2, max_wait=0.5
+    )
     short, capped = [proven(server, 1) for _ in range(20)], [proven(server, 1) for _ in range(20)]
     try:
         for sock in short:
             ask(sock, KEY, 7, 200)
         for sock in capped:
             ask(sock, KEY, 7, 60_000)  # the server waits max_wait at most
-        assert all(answer(sock) == (STATUS_TIMEOUT, 0, b"weight block from partition 0 to all, version 7 was not "
-                                    b"published within 0.2 s (newest there: none)") for sock in short)
-        assert all(answer(sock) == (STATUS_TIMEOUT, 0, b"weight block from partition 0 to all, version 7 was not "
-                                    b"published within 0.5 s (newest there: none)") for sock in capped)
+        assert all(
+            answer(sock)
+            == (
+                STATUS_TIMEOUT,
+                0,
+                b"weight block from partition 0 to all, version 7 was not "
+                b"published within 0.2 s (newest there: none)",
+            )
+            for sock in short
+        )
+        assert all(
+            answer(sock)
+            == (
+                STATUS_TIMEOUT,
+                0,
+                b"weight block from partition 0 to all, version 7 was not "
+                b"published within 0.5 s (newest there: none)",
+            )
+            for sock in capped
+        )
         assert store.waiting == 0 and serving_threads() <= SERVE_THREADS
         store.put(KEY, 7, b"seven")
         store.put(KEY, 8, b"eight")
@@ -412,13 +527,17 @@ def test_waiting_gets_time_out_with_the_text_and_the_max_wait_and_their_connecti
 
 def test_a_store_closed_with_a_reason_answers_every_waiting_get_with_it():
     store = BlockStore()
-    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2)
+    server = BlockServer(
+        store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=2
+    )
     socks = [proven(server, 1) for _ in range(40)]
     try:
         for sock in socks:
             ask(sock, KEY, 3, 60_000)
         wait_until(lambda: store.waiting == len(socks), "the gets to wait")
-        store.close("partition 0 failed: ValueError: bad rows")  # as PeerGroup.fail does; the server stays
+        store.close(
+            "partition 0 failed: ValueError: bad rows"
+        )  # as PeerGroup.fail does; the server stays
         for sock in socks:
             assert answer(sock) == (STATUS_CLOSING, 0, b"partition 0 failed: ValueError: bad rows")
             assert_connection_closed(sock)
@@ -430,8 +549,16 @@ def test_a_store_closed_with_a_reason_answers_every_waiting_get_with_it():
 
 def test_closing_the_server_with_gets_waiting_ends_every_thread_and_every_connection():
     store, done = BlockStore(), []
-    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=101,
-                         on_done=done.append, unix=True)
+    server = BlockServer(
+        store,
+        SECRET,
+        param_id=5,
+        partition_id=0,
+        host="127.0.0.1",
+        partition_num=101,
+        on_done=done.append,
+        unix=True,
+    )
     socks = [proven(server, 1 + i) for i in range(100)]
     idle = proven(server, 100)  # proven, never asks
     try:
@@ -439,8 +566,12 @@ def test_closing_the_server_with_gets_waiting_ends_every_thread_and_every_connec
             ask(sock, KEY, 3, 60_000)
         wait_until(lambda: store.waiting == len(socks), "the gets to wait")
         server.close()
-        assert serving_threads() == 0 and not any(t.name == "allreduce-accept-0" for t in threading.enumerate())
-        assert sorted(done) == list(range(1, 101)) + [100]  # every connection ended, the idle one too
+        assert serving_threads() == 0 and not any(
+            t.name == "allreduce-accept-0" for t in threading.enumerate()
+        )
+        assert sorted(done) == list(range(1, 101)) + [
+            100
+        ]  # every connection ended, the idle one too
         for sock in socks + [idle]:
             sock.settimeout(30)
             try:
@@ -460,8 +591,16 @@ def test_a_reader_that_stops_reading_holds_one_thread_for_a_while_and_nobody_els
     connection is closed, while the others are answered."""
     store, done = BlockStore(), []
     store.put(KEY, 0, b"x" * (64 << 20))  # more than the socket buffers hold
-    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=3,
-                         handshake_timeout=2.0, on_done=done.append)
+    server = BlockServer(
+        store,
+        SECRET,
+        param_id=5,
+        partition_id=0,
+        host="127.0.0.1",
+        partition_num=3,
+        handshake_timeout=2.0,
+        on_done=done.append,
+    )
     stuck = proven(server, 2)
     others = [proven(server, 1) for _ in range(3 * SERVE_THREADS)]
     try:
@@ -497,11 +636,15 @@ def test_as_many_peers_as_twice_the_partitions_may_be_in_their_handshake_at_once
     flood bound grows with the partitions): none is pushed out, each proves the secret."""
     store = BlockStore()
     store.put(KEY, 0, b"w")
-    server = BlockServer(store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=100)
+    server = BlockServer(
+        store, SECRET, param_id=5, partition_id=0, host="127.0.0.1", partition_num=100
+    )
     waiting = [socket.create_connection(server.address, timeout=30) for _ in range(150)]
     try:
         for sock in waiting:  # every one was accepted and greeted before any answers
-            assert len(sock.recv(len(MAGIC) + NONCE_SIZE, socket.MSG_PEEK | socket.MSG_WAITALL)) == 20
+            assert (
+                len(sock.recv(len(MAGIC) + NONCE_SIZE, socket.MSG_PEEK | socket.MSG_WAITALL)) == 20
+            )
         assert unproven_limit(100) == 200 > 150 > MAX_UNPROVEN
         for i, sock in enumerate(waiting):
             client_handshake(sock, SECRET, 5, 1 + i % 99, "the test's server", "refused")

@@ -11,9 +11,16 @@ vectorised float32 numpy, picklable, stateless, and safe to call from several th
 - ``TorchModel(module, loss="cross_entropy")``: any ``torch.nn.Module`` (extra ``[torch]``).
 """
 
-from .base import Model
-from .linear import LinearRegression, LogisticRegression, SoftmaxRegression
-from .mlp import MLP
-from .torch_module import TorchModel
+from allreduce_param.models.base import Model
+from allreduce_param.models.linear import LinearRegression, LogisticRegression, SoftmaxRegression
+from allreduce_param.models.mlp import MLP
+from allreduce_param.models.torch_module import TorchModel
 
-__all__ = ["Model", "LinearRegression", "LogisticRegression", "SoftmaxRegression", "MLP", "TorchModel"]
+__all__ = [
+    "Model",
+    "LinearRegression",
+    "LogisticRegression",
+    "SoftmaxRegression",
+    "MLP",
+    "TorchModel",
+]

@@ -11,11 +11,12 @@ optional; ``Model``'s docstring lists each, and what the trainer does without it
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import ConfigurationError, InputError
+from allreduce_param.errors import ConfigurationError, InputError
 
 CLASSIFICATION = "classification"
 REGRESSION = "regression"
@@ -122,23 +123,32 @@ def model_task(model: Any) -> str | None:
     none; any other value is a ``ConfigurationError`` that names it."""
     task = getattr(model, "task", None)
     if task is not None and task not in TASKS:
-        raise ConfigurationError(f"the model {model!r} says task = {task!r}; a task is 'classification' or "
-                                 "'regression', or leave it out (None) to train on the loss alone")
+        raise ConfigurationError(
+            f"the model {model!r} says task = {task!r}; a task is 'classification' or "
+            "'regression', or leave it out (None) to train on the loss alone"
+        )
     return task
 
 
 def has_buffers(model: Any) -> bool:
     """Whether the model keeps buffers (has both ``buffers()`` and ``set_buffers()``); one
     without the other is a ``ConfigurationError`` that says which is missing."""
-    getter, setter = callable(getattr(model, "buffers", None)), callable(getattr(model, "set_buffers", None))
+    getter, setter = (
+        callable(getattr(model, "buffers", None)),
+        callable(getattr(model, "set_buffers", None)),
+    )
     if getter != setter:
         missing, present = ("set_buffers", "buffers") if getter else ("buffers", "set_buffers")
-        raise ConfigurationError(f"the model {model!r} has {present}() but no {missing}(): a model with "
-                                 "buffers needs both (see allreduce_param.models.base.Model)")
+        raise ConfigurationError(
+            f"the model {model!r} has {present}() but no {missing}(): a model with "
+            "buffers needs both (see allreduce_param.models.base.Model)"
+        )
     return getter
 
 
-def merge_buffers(pieces: Sequence[tuple[Mapping[str, np.ndarray], float]]) -> dict[str, np.ndarray]:
+def merge_buffers(
+    pieces: Sequence[tuple[Mapping[str, np.ndarray], float]],
+) -> dict[str, np.ndarray]:
     """One set of buffers from several copies' ``(buffers, rows)``: each floating-point
     buffer the mean weighted by ``rows`` (summed in float64, so equal copies give the same
     bits back), each integer or boolean one (a counter) the largest. Copies with no rows
@@ -152,11 +162,15 @@ def merge_buffers(pieces: Sequence[tuple[Mapping[str, np.ndarray], float]]) -> d
     first = pieces[0][0]
     for index, (buffers, _) in enumerate(pieces[1:], start=1):
         if set(buffers) != set(first):
-            raise InputError(f"copy {index}'s buffers {sorted(buffers)} differ from copy 0's {sorted(first)}")
+            raise InputError(
+                f"copy {index}'s buffers {sorted(buffers)} differ from copy 0's {sorted(first)}"
+            )
         for name, value in buffers.items():
             if np.shape(value) != np.shape(first[name]):
-                raise InputError(f"copy {index}'s buffer {name!r} has shape {np.shape(value)}, copy 0's "
-                                 f"{np.shape(first[name])}")
+                raise InputError(
+                    f"copy {index}'s buffer {name!r} has shape {np.shape(value)}, copy 0's "
+                    f"{np.shape(first[name])}"
+                )
     merged: dict[str, np.ndarray] = {}
     for name, value in first.items():
         values = [np.asarray(buffers[name]) for buffers, _ in pieces]
@@ -185,7 +199,9 @@ def takes_sample_weight(method) -> bool:
         parameters = inspect.signature(method).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
         return False
-    return any(p.name == "sample_weight" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return any(
+        p.name == "sample_weight" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+    )
 
 
 def optional_call(model, name: str, instead_of: tuple[str, ...]):

@@ -15,14 +15,15 @@ per hidden layer. A model holds no mutable state, so threads can share it.
 from __future__ import annotations
 
 import operator
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import ConfigurationError, InputError
-from ..vectors import writable_output
-from ..layout import TensorLayout
-from .base import batch_count
+from allreduce_param.engine.layout import TensorLayout
+from allreduce_param.engine.vectors import writable_output
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.models.base import batch_count
 
 
 class Activation(NamedTuple):
@@ -67,7 +68,9 @@ def positive_int(value, what: str, minimum: int = 1) -> int:
     try:
         number = operator.index(value)
     except TypeError:
-        raise ConfigurationError(f"{what} must be a whole number >= {minimum}, got {value!r}") from None
+        raise ConfigurationError(
+            f"{what} must be a whole number >= {minimum}, got {value!r}"
+        ) from None
     if number < minimum:
         raise ConfigurationError(f"{what} must be a whole number >= {minimum}, got {number}")
     return number
@@ -142,7 +145,11 @@ class DenseNetwork:
         return flat
 
     def loss_and_grad(
-        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None
+        self,
+        weights: np.ndarray,
+        X: np.ndarray,
+        y: np.ndarray,
+        sample_weight: np.ndarray | None = None,
     ) -> tuple[float, np.ndarray, float]:
         """``(loss_sum, grad_sum, count)`` over the rows of ``X``; see ``Model``. With
         ``sample_weight`` (one weight >= 0 per row), each row's loss and gradient count its
@@ -154,8 +161,13 @@ class DenseNetwork:
         return loss, grad, count
 
     def loss_and_grad_into(
-        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray,
-        ready: Callable[[int, int], None] | None = None, sample_weight: np.ndarray | None = None,
+        self,
+        weights: np.ndarray,
+        X: np.ndarray,
+        y: np.ndarray,
+        out: np.ndarray,
+        ready: Callable[[int, int], None] | None = None,
+        sample_weight: np.ndarray | None = None,
     ) -> tuple[float, float]:
         """``(loss_sum, count)``, the gradient sum written into ``out``; ``ready(start, stop)``
         is called as each layer's gradient (its weights and bias, which lie side by side)
@@ -179,7 +191,11 @@ class DenseNetwork:
         return loss, batch_count(rows, sample_weight)
 
     def loss_and_predictions(
-        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None
+        self,
+        weights: np.ndarray,
+        X: np.ndarray,
+        y: np.ndarray,
+        sample_weight: np.ndarray | None = None,
     ) -> tuple[float, np.ndarray, float]:
         """``(loss_sum, predictions, count)``: the loss ``loss_and_grad`` gives and what
         ``predict`` gives, from one forward pass and no backward one (for evaluation)."""
@@ -191,7 +207,11 @@ class DenseNetwork:
         targets = self._head.targets(y, X.shape[0], self._layers[-1])
         z = self._forward(self.layout.views(weights), X)[-1]
         predictions = np.array(self._head.predict(z))  # a copy: the loss overwrites z
-        return self._head.loss_and_delta(z, targets, sample_weight), predictions, batch_count(X.shape[0], sample_weight)
+        return (
+            self._head.loss_and_delta(z, targets, sample_weight),
+            predictions,
+            batch_count(X.shape[0], sample_weight),
+        )
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class ids (int64) for classification, float32 values for regression."""
@@ -225,8 +245,13 @@ class DenseNetwork:
             outputs.append(z)
         return outputs
 
-    def _backward(self, params: dict[str, np.ndarray], outputs: list[np.ndarray], grad: np.ndarray,
-                  ready: Callable[[int, int], None] | None = None) -> None:
+    def _backward(
+        self,
+        params: dict[str, np.ndarray],
+        outputs: list[np.ndarray],
+        grad: np.ndarray,
+        ready: Callable[[int, int], None] | None = None,
+    ) -> None:
         """The flat gradient into ``grad``, given ``outputs[-1]`` already holding ``d loss / d z``;
         ``ready(start, stop)`` after each layer's part of it.
 
@@ -263,11 +288,15 @@ class DenseNetwork:
             return None
         weight = np.asarray(sample_weight, dtype=np.float64)
         if weight.shape != (rows,):
-            raise InputError(f"{self!r}: sample_weight has shape {weight.shape}; it needs one weight per row of "
-                             f"X, shape ({rows},)")
+            raise InputError(
+                f"{self!r}: sample_weight has shape {weight.shape}; it needs one weight per row of "
+                f"X, shape ({rows},)"
+            )
         if not (np.isfinite(weight).all() and (weight >= 0).all()):
-            raise InputError(f"{self!r}: sample_weight holds a negative, NaN or infinite weight; each must be a "
-                             "finite number >= 0")
+            raise InputError(
+                f"{self!r}: sample_weight holds a negative, NaN or infinite weight; each must be a "
+                "finite number >= 0"
+            )
         return weight
 
     def _check_features(self, X) -> np.ndarray:
@@ -277,9 +306,7 @@ class DenseNetwork:
         if X.ndim != 2:
             raise InputError(f"{self!r}: X must be 2-D (rows, features), got shape {X.shape}")
         if X.shape[1] != self.n_features:
-            raise InputError(
-                f"{self!r}: X has {X.shape[1]} features, expected {self.n_features}"
-            )
+            raise InputError(f"{self!r}: X has {X.shape[1]} features, expected {self.n_features}")
         return X
 
     # -- identity -------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .dense import DenseNetwork, positive_int
-from .losses import SigmoidCrossEntropy, SoftmaxCrossEntropy, SquaredError
+from allreduce_param.models.dense import DenseNetwork, positive_int
+from allreduce_param.models.losses import SigmoidCrossEntropy, SoftmaxCrossEntropy, SquaredError
 
 
 class LinearRegression(DenseNetwork):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigurationError, InputError
-from .base import CLASSIFICATION, REGRESSION
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.models.base import CLASSIFICATION, REGRESSION
 
 
 def class_ids(y, rows: int, n_classes: int) -> np.ndarray:
@@ -32,7 +32,9 @@ def class_ids(y, rows: int, n_classes: int) -> np.ndarray:
     elif y.dtype.kind == "f":
         ids = y.astype(np.intp)
         if not np.array_equal(ids, y):
-            raise InputError("labels: class ids must be whole numbers, got fractional or non-finite values")
+            raise InputError(
+                "labels: class ids must be whole numbers, got fractional or non-finite values"
+            )
     else:
         raise InputError(f"labels: class ids must be integers, got dtype {y.dtype}")
     if rows:
@@ -63,10 +65,14 @@ class SquaredError:
             return y.reshape(rows, 1)
         if y.shape != (rows, n_outputs):
             expected = f"({rows},)" if n_outputs == 1 else f"({rows}, {n_outputs})"
-            raise InputError(f"targets: expected shape {expected} to match the rows of X, got {y.shape}")
+            raise InputError(
+                f"targets: expected shape {expected} to match the rows of X, got {y.shape}"
+            )
         return y
 
-    def loss_and_delta(self, z: np.ndarray, targets: np.ndarray, sample_weight: np.ndarray | None = None) -> float:
+    def loss_and_delta(
+        self, z: np.ndarray, targets: np.ndarray, sample_weight: np.ndarray | None = None
+    ) -> float:
         """The summed loss; ``z`` becomes the residual ``z - y`` (its gradient). With
         ``sample_weight``, each row's loss and gradient times its weight."""
         np.subtract(z, targets, out=z)
@@ -108,14 +114,19 @@ class SigmoidCrossEntropy:
         signs[ids == 1] = -1.0
         return signs
 
-    def loss_and_delta(self, z: np.ndarray, signs: np.ndarray, sample_weight: np.ndarray | None = None) -> float:
+    def loss_and_delta(
+        self, z: np.ndarray, signs: np.ndarray, sample_weight: np.ndarray | None = None
+    ) -> float:
         """The summed log loss; ``z`` becomes ``sigmoid(z) - y``. With ``sample_weight``,
         each row's loss and gradient times its weight."""
         logits = z[:, 0]
         t = logits * signs
         softplus = np.logaddexp(np.float32(0.0), t)
-        loss = float(softplus.sum(dtype=np.float64) if sample_weight is None
-                     else softplus.astype(np.float64) @ sample_weight)
+        loss = float(
+            softplus.sum(dtype=np.float64)
+            if sample_weight is None
+            else softplus.astype(np.float64) @ sample_weight
+        )
         np.subtract(t, softplus, out=t)
         np.exp(t, out=t)
         np.multiply(t, signs, out=logits)
@@ -152,7 +163,9 @@ class SoftmaxCrossEntropy:
         """Class ids in ``0..n_outputs-1``."""
         return class_ids(y, rows, n_outputs)
 
-    def loss_and_delta(self, z: np.ndarray, ids: np.ndarray, sample_weight: np.ndarray | None = None) -> float:
+    def loss_and_delta(
+        self, z: np.ndarray, ids: np.ndarray, sample_weight: np.ndarray | None = None
+    ) -> float:
         """The summed cross-entropy; ``z`` becomes ``softmax(z) - onehot(y)``. With
         ``sample_weight``, each row's loss and gradient times its weight."""
         rows = np.arange(z.shape[0])

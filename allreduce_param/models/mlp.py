@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from ..errors import ConfigurationError
-from .base import CLASSIFICATION, REGRESSION, TASKS
-from .dense import ACTIVATIONS, DenseNetwork, positive_int
-from .losses import SoftmaxCrossEntropy, SquaredError
+from allreduce_param.errors import ConfigurationError
+from allreduce_param.models.base import CLASSIFICATION, REGRESSION, TASKS
+from allreduce_param.models.dense import ACTIVATIONS, DenseNetwork, positive_int
+from allreduce_param.models.losses import SoftmaxCrossEntropy, SquaredError
 
 
 class MLP(DenseNetwork):
@@ -27,7 +27,9 @@ class MLP(DenseNetwork):
         try:
             widths = list(layers)
         except TypeError:
-            raise ConfigurationError(f"MLP layers must be a list of layer widths, got {layers!r}") from None
+            raise ConfigurationError(
+                f"MLP layers must be a list of layer widths, got {layers!r}"
+            ) from None
         if len(widths) < 2:
             raise ConfigurationError(
                 f"MLP needs at least 2 layer widths (inputs and outputs), got {widths!r}"
@@ -38,7 +40,9 @@ class MLP(DenseNetwork):
                 f"unknown activation {activation!r}; choose one of {', '.join(map(repr, ACTIVATIONS))}"
             )
         if task not in TASKS:
-            raise ConfigurationError(f"unknown task {task!r}; choose one of {', '.join(map(repr, TASKS))}")
+            raise ConfigurationError(
+                f"unknown task {task!r}; choose one of {', '.join(map(repr, TASKS))}"
+            )
         if task == CLASSIFICATION and widths[-1] < 2:
             raise ConfigurationError(
                 f"a classification MLP needs at least 2 outputs (one per class), got {widths[-1]}; "

@@ -20,13 +20,14 @@ import copy
 import functools
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigurationError, InputError
-from ..vectors import writable_output
-from .base import merge_buffers
+from allreduce_param.engine.vectors import writable_output
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.models.base import merge_buffers
 
 LOSSES = ("cross_entropy", "mse")
 _INIT_LOCK = threading.Lock()  # torch's random state is global to the process
@@ -69,9 +70,13 @@ class TorchModel:
         torch = _torch()
         if loss not in LOSSES:
             raise ConfigurationError(f"TorchModel(loss={loss!r}): loss must be one of {LOSSES}")
-        self.module = module() if callable(module) and not isinstance(module, torch.nn.Module) else module
+        self.module = (
+            module() if callable(module) and not isinstance(module, torch.nn.Module) else module
+        )
         if not isinstance(self.module, torch.nn.Module):
-            raise ConfigurationError(f"TorchModel needs a torch.nn.Module, got {type(self.module).__name__}")
+            raise ConfigurationError(
+                f"TorchModel needs a torch.nn.Module, got {type(self.module).__name__}"
+            )
         self.loss = loss
         self.task = "classification" if loss == "cross_entropy" else "regression"
         self._names = [name for name, _ in self.module.named_parameters()]
@@ -82,7 +87,9 @@ class TorchModel:
         by_id = {id(p): name for name, p in self.module.named_parameters()}
         buffer_ids = {id(b) for _, b in self.module.named_buffers(remove_duplicate=False)}
         entries = self.module.state_dict(keep_vars=True)
-        self._parameter_keys = {key: by_id[id(value)] for key, value in entries.items() if id(value) in by_id}
+        self._parameter_keys = {
+            key: by_id[id(value)] for key, value in entries.items() if id(value) in by_id
+        }
         self._buffer_keys = [key for key, value in entries.items() if id(value) in buffer_ids]
         self._reset_copies()
 
@@ -125,7 +132,11 @@ class TorchModel:
                 if layer is not module and hasattr(layer, "reset_parameters"):
                     layer.reset_parameters()
             with torch.no_grad():
-                return torch.nn.utils.parameters_to_vector(module.parameters()).numpy().astype(np.float32)
+                return (
+                    torch.nn.utils.parameters_to_vector(module.parameters())
+                    .numpy()
+                    .astype(np.float32)
+                )
 
     def _parameters(self, weights: np.ndarray, requires_grad: bool) -> dict:
         torch = _torch()
@@ -135,7 +146,7 @@ class TorchModel:
         parameters, start = {}, 0
         for name, shape in zip(self._names, self._shapes):
             count = int(np.prod(shape))
-            parameters[name] = flat[start:start + count].view(shape).requires_grad_(requires_grad)
+            parameters[name] = flat[start : start + count].view(shape).requires_grad_(requires_grad)
             start += count
         return parameters
 
@@ -155,13 +166,21 @@ class TorchModel:
         buffers = {key: torch.from_numpy(value) for key, value in self.buffers().items()}
         return torch.func.functional_call(own.module, {**parameters, **buffers}, inputs)
 
-    def loss_and_grad(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
+    def loss_and_grad(
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
+    ) -> tuple[float, np.ndarray, int]:
         grad = np.empty(self.size, dtype=np.float32)
         loss, rows = self.loss_and_grad_into(weights, X, y, grad)
         return loss, grad, rows
 
-    def loss_and_grad_into(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, out: np.ndarray,
-                           ready: Callable[[int, int], None] | None = None) -> tuple[float, int]:
+    def loss_and_grad_into(
+        self,
+        weights: np.ndarray,
+        X: np.ndarray,
+        y: np.ndarray,
+        out: np.ndarray,
+        ready: Callable[[int, int], None] | None = None,
+    ) -> tuple[float, int]:
         """``(loss_sum, count)``, the gradient sum written into ``out``: each parameter's part
         as autograd finishes it (a hook on the parameter), then ``ready(start, stop)`` for
         it, so that it can be sent while backward goes on (last layers first)."""
@@ -175,7 +194,9 @@ class TorchModel:
         start = 0
         for tensor in parameters.values():
             stop = start + tensor.numel()
-            tensor.register_hook(functools.partial(self._gradient_done, flat_out, start, stop, ready))
+            tensor.register_hook(
+                functools.partial(self._gradient_done, flat_out, start, stop, ready)
+            )
             start = stop
         loss = self._loss(self._forward(parameters, X, train=True), y)
         torch.autograd.grad(loss, list(parameters.values()))  # the hooks keep what it gives
@@ -192,11 +213,15 @@ class TorchModel:
         """The summed loss of ``output`` against the labels ``y``."""
         torch = _torch()
         if self.loss == "cross_entropy":
-            return torch.nn.functional.cross_entropy(output, torch.from_numpy(np.asarray(y, np.int64)), reduction="sum")
+            return torch.nn.functional.cross_entropy(
+                output, torch.from_numpy(np.asarray(y, np.int64)), reduction="sum"
+            )
         target = torch.from_numpy(np.asarray(y, np.float32)).reshape(output.shape)
         return 0.5 * torch.sum((output - target) ** 2)
 
-    def loss_and_predictions(self, weights: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, int]:
+    def loss_and_predictions(
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
+    ) -> tuple[float, np.ndarray, int]:
         """``(loss_sum, predictions, count)`` from one forward pass without gradients, in eval
         mode (evaluation)."""
         torch = _torch()
@@ -217,8 +242,11 @@ class TorchModel:
         """Class ids (int64) or values (float32) from the module's output."""
         if self.task == "classification":
             return output.argmax(dim=1).numpy().astype(np.int64)
-        return output.reshape(rows, -1).squeeze(1).numpy().astype(np.float32) if output.shape[-1] == 1 \
+        return (
+            output.reshape(rows, -1).squeeze(1).numpy().astype(np.float32)
+            if output.shape[-1] == 1
             else output.numpy().astype(np.float32)
+        )
 
     # ---- buffers and named tensors (see allreduce_param.models.base.Model) ----------------
 
@@ -242,16 +270,23 @@ class TorchModel:
         """``buffers`` as arrays of the module's buffers' dtypes; an error names a missing,
         unexpected or misshapen one."""
         expected = self._buffers_of(self.module)
-        missing, unexpected = sorted(set(expected) - set(buffers)), sorted(set(buffers) - set(expected))
+        missing, unexpected = (
+            sorted(set(expected) - set(buffers)),
+            sorted(set(buffers) - set(expected)),
+        )
         if missing or unexpected:
-            raise InputError(f"{self!r}.{what}: the buffers must be {sorted(expected)}; "
-                             f"missing {missing}, unexpected {unexpected}")
+            raise InputError(
+                f"{self!r}.{what}: the buffers must be {sorted(expected)}; "
+                f"missing {missing}, unexpected {unexpected}"
+            )
         checked = {}
         for key, value in expected.items():
             given = np.asarray(buffers[key])
             if given.shape != value.shape:
-                raise InputError(f"{self!r}.{what}: buffer {key!r} has shape {given.shape}, the module's "
-                                 f"{value.shape}")
+                raise InputError(
+                    f"{self!r}.{what}: buffer {key!r} has shape {given.shape}, the module's "
+                    f"{value.shape}"
+                )
             checked[key] = np.array(given, dtype=value.dtype)  # a 0-d one stays 0-d
         return checked
 
@@ -276,17 +311,21 @@ class TorchModel:
         flat = np.asarray(weights).reshape(-1)
         for name, shape in zip(self._names, self._shapes):
             count = int(np.prod(shape))
-            views[name] = flat[start:start + count].reshape(shape)
+            views[name] = flat[start : start + count].reshape(shape)
             start += count
         return {key: views[name] for key, name in self._parameter_keys.items()}
 
-    def state_dict(self, weights: np.ndarray, buffers: Mapping[str, np.ndarray] | None = None) -> OrderedDict:
+    def state_dict(
+        self, weights: np.ndarray, buffers: Mapping[str, np.ndarray] | None = None
+    ) -> OrderedDict:
         """What ``module.load_state_dict`` takes: the parameters from ``weights``, the buffers
         from ``buffers`` (default: ``buffers()``), other entries (extra state) the module's
         own; in the module's own order, torch tensors that share no memory with the inputs."""
         torch = _torch()
         tensors = self.tensors(weights)
-        checked = self._checked_buffers(self.buffers() if buffers is None else buffers, "state_dict")
+        checked = self._checked_buffers(
+            self.buffers() if buffers is None else buffers, "state_dict"
+        )
         result = OrderedDict()
         for key, value in self.module.state_dict().items():
             if key in tensors:

@@ -42,10 +42,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigurationError, InputError
-from ..layout import SliceLayout
-from ..models.base import merge_buffers
-from .storage import fsspec_filesystem
+from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.models.base import merge_buffers
+from allreduce_param.train.storage import fsspec_filesystem
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,18 @@ class CheckpointSettings:
         """Settings for a new fit: its own folder under ``root``, named by time and a random tag."""
         if every is None:
             every = "epoch"
-        if every != "epoch" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ConfigurationError(f"checkpoint_every must be a positive whole number of steps or 'epoch', "
-                                     f"got {every!r}")
+        if every != "epoch" and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ConfigurationError(
+                f"checkpoint_every must be a positive whole number of steps or 'epoch', "
+                f"got {every!r}"
+            )
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigurationError(f"checkpoint_keep must be a whole number >= 1, got {keep!r}")
-        fsspec_filesystem(str(root), _PURPOSE)  # a URL the tasks could not write fails here, on the driver
+        fsspec_filesystem(
+            str(root), _PURPOSE
+        )  # a URL the tasks could not write fails here, on the driver
         name = f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         return cls(posixpath.join(str(root).rstrip("/"), name), every, keep)
 
@@ -103,11 +109,16 @@ class Manifest:
     state_names: tuple[str, ...]
     local_state: bool
     settings: dict
-    early_stopping: dict | None = None  # EarlyStopping.state() at the checkpoint, if the fit stops early
+    early_stopping: dict | None = (
+        None  # EarlyStopping.state() at the checkpoint, if the fit stops early
+    )
 
     @property
     def parts(self) -> list[str]:
-        return [posixpath.join(self.folder, _part_name(i, self.partitions)) for i in range(self.partitions)]
+        return [
+            posixpath.join(self.folder, _part_name(i, self.partitions))
+            for i in range(self.partitions)
+        ]
 
 
 def _part_name(partition: int, partitions: int) -> str:
@@ -123,11 +134,20 @@ def read_manifest(folder: str) -> Manifest | None:
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     if meta.get("format") != FORMAT:
-        raise InputError(f"{folder} holds a checkpoint in format {meta.get('format')!r}; this version "
-                         f"reads {FORMAT}")
-    return Manifest(folder.rstrip("/"), int(meta["step"]), int(meta["partitions"]), int(meta["size"]),
-                    tuple(meta["state_names"]), bool(meta["local_state"]), dict(meta.get("settings", {})),
-                    meta.get("early_stopping"))
+        raise InputError(
+            f"{folder} holds a checkpoint in format {meta.get('format')!r}; this version "
+            f"reads {FORMAT}"
+        )
+    return Manifest(
+        folder.rstrip("/"),
+        int(meta["step"]),
+        int(meta["partitions"]),
+        int(meta["size"]),
+        tuple(meta["state_names"]),
+        bool(meta["local_state"]),
+        dict(meta.get("settings", {})),
+        meta.get("early_stopping"),
+    )
 
 
 def newest(location: str) -> Manifest | None:
@@ -136,7 +156,7 @@ def newest(location: str) -> Manifest | None:
     fs, path = fsspec_filesystem(location, _PURPOSE)
     if fs.exists(posixpath.join(path, MANIFEST)):
         return read_manifest(location)
-    for step, folder in sorted(_step_folders(fs, path), reverse=True):
+    for _step, folder in sorted(_step_folders(fs, path), reverse=True):
         manifest = read_manifest(posixpath.join(location.rstrip("/"), posixpath.basename(folder)))
         if manifest is not None:
             return manifest
@@ -174,8 +194,14 @@ class CheckpointWriter:
     def _folder(self, step: int) -> str:
         return posixpath.join(self._root, f"step-{step:010d}")
 
-    def write_part(self, step: int, partition: int, partitions: int, arrays: dict[str, np.ndarray],
-                   records: dict[str, Any]) -> None:
+    def write_part(
+        self,
+        step: int,
+        partition: int,
+        partitions: int,
+        arrays: dict[str, np.ndarray],
+        records: dict[str, Any],
+    ) -> None:
         """Write this partition's part of the checkpoint of ``step``: ``arrays`` (its weight
         slice and optimizer state) and ``records`` (its step records, epoch shares, ...)."""
         folder = self._folder(step)
@@ -185,15 +211,30 @@ class CheckpointWriter:
         with self._fs.open(posixpath.join(folder, _part_name(partition, partitions)), "wb") as file:
             file.write(_npz_bytes(payload))
 
-    def write_manifest(self, step: int, partitions: int, size: int, state_names: tuple[str, ...],
-                       local_state: bool, settings: dict, early_stopping: dict | None = None) -> None:
+    def write_manifest(
+        self,
+        step: int,
+        partitions: int,
+        size: int,
+        state_names: tuple[str, ...],
+        local_state: bool,
+        settings: dict,
+        early_stopping: dict | None = None,
+    ) -> None:
         """Partition 0, once every part of ``step`` is written: make the checkpoint complete,
         then remove complete ones beyond ``keep`` and incomplete ones older than it.
         ``early_stopping``: the fit's ``EarlyStopping.state()``, the same on every partition."""
         folder = self._folder(step)
-        meta = {"format": FORMAT, "step": step, "partitions": partitions, "size": size,
-                "state_names": list(state_names), "local_state": local_state, "settings": settings,
-                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "partitions": partitions,
+            "size": size,
+            "state_names": list(state_names),
+            "local_state": local_state,
+            "settings": settings,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         if early_stopping is not None:
             meta["early_stopping"] = early_stopping
         temporary = posixpath.join(folder, f".{MANIFEST}.{secrets.token_hex(4)}")
@@ -212,14 +253,18 @@ class CheckpointWriter:
             self._fs.rm(found, recursive=True)
 
 
-def load_part(manifest: Manifest, partition: int, layout: SliceLayout) -> tuple[dict[str, np.ndarray], dict]:
+def load_part(
+    manifest: Manifest, partition: int, layout: SliceLayout
+) -> tuple[dict[str, np.ndarray], dict]:
     """This partition's slice of a checkpoint (``weights``, and ``state/<name>`` for each
     optimizer state, cut to ``layout``'s slice whatever the checkpoint's own cut), and its
     records when the number of partitions is the same (else empty). With local SGD,
     ``local/<name>``: this partition's own whole optimizer state."""
     if layout.size != manifest.size:
-        raise InputError(f"the checkpoint {manifest.folder} holds {manifest.size} weights; this model has "
-                         f"{layout.size}")
+        raise InputError(
+            f"the checkpoint {manifest.folder} holds {manifest.size} weights; this model has "
+            f"{layout.size}"
+        )
     start, stop = layout.start(partition), layout.start(partition) + layout.length(partition)
     names = ["weights"] + [f"state/{name}" for name in manifest.state_names]
     pieces: dict[str, list[np.ndarray]] = {name: [] for name in names}
@@ -233,16 +278,23 @@ def load_part(manifest: Manifest, partition: int, layout: SliceLayout) -> tuple[
         if not wanted and (old_start >= stop or old_start + old_length <= start or old_length == 0):
             continue
         with fs.open(url, "rb") as file, np.load(io.BytesIO(file.read())) as part:
-            low, high = max(start, old_start) - old_start, min(stop, old_start + old_length) - old_start
+            low, high = (
+                max(start, old_start) - old_start,
+                min(stop, old_start + old_length) - old_start,
+            )
             for name in names:
-                pieces[name].append(part[name][low:max(low, high)])
+                pieces[name].append(part[name][low : max(low, high)])
             if wanted:
                 records = json.loads(part["records.json"].tobytes())
                 for name in part.files:
                     if name.startswith("local/"):
                         records.setdefault("arrays", {})[name] = part[name]
-    arrays = {name: np.ascontiguousarray(np.concatenate(chunks), dtype=np.float32) if chunks
-              else np.zeros(0, np.float32) for name, chunks in pieces.items()}
+    arrays = {
+        name: np.ascontiguousarray(np.concatenate(chunks), dtype=np.float32)
+        if chunks
+        else np.zeros(0, np.float32)
+        for name, chunks in pieces.items()
+    }
     arrays.update(records.pop("arrays", {}))
     return arrays, records
 
@@ -260,12 +312,16 @@ def load_best(manifest: Manifest) -> np.ndarray | None:
             slices.append(part["best/weights"])
     best = np.concatenate(slices).astype(np.float32, copy=False)
     if best.size != manifest.size:
-        raise InputError(f"the checkpoint {manifest.folder} holds best weights of {best.size} elements, "
-                         f"not {manifest.size}: its parts do not belong together")
+        raise InputError(
+            f"the checkpoint {manifest.folder} holds best weights of {best.size} elements, "
+            f"not {manifest.size}: its parts do not belong together"
+        )
     return best
 
 
-def load_buffers(manifest: Manifest, partition: int, partitions: int) -> dict[str, np.ndarray] | None:
+def load_buffers(
+    manifest: Manifest, partition: int, partitions: int
+) -> dict[str, np.ndarray] | None:
     """The model buffers partition ``partition`` of ``partitions`` resumes with: its own
     part's when the checkpoint has as many partitions, else every part's merged (weighted by
     their training rows); None when the checkpoint holds no buffers."""
@@ -274,7 +330,11 @@ def load_buffers(manifest: Manifest, partition: int, partitions: int) -> dict[st
     pieces = []
     for url in urls:
         with fs.open(url, "rb") as file, np.load(io.BytesIO(file.read())) as part:
-            buffers = {name[len("buffers/"):]: part[name] for name in part.files if name.startswith("buffers/")}
+            buffers = {
+                name[len("buffers/") :]: part[name]
+                for name in part.files
+                if name.startswith("buffers/")
+            }
             if not buffers:
                 return None
             pieces.append((buffers, json.loads(part["records.json"].tobytes()).get("rows", 1)))

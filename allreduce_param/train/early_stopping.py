@@ -10,24 +10,35 @@ local SGD (``check_strategy``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigurationError
-from ..strategy import Strategy
+from allreduce_param.engine.strategy import Strategy
+from allreduce_param.errors import ConfigurationError
 
 
 def check_patience(patience: Any, min_delta: Any) -> None:
     """A ConfigurationError naming the setting, unless ``patience`` is None or a whole
     number >= 1 and ``min_delta`` a finite number >= 0."""
-    if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
-        raise ConfigurationError(f"early_stopping_patience must be a whole number of epochs >= 1 (or None: "
-                                 f"train every epoch), got {patience!r}")
-    if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0 \
-            or not math.isfinite(min_delta):
-        raise ConfigurationError(f"early_stopping_min_delta must be a finite number >= 0, got {min_delta!r}")
+    if patience is not None and (
+        isinstance(patience, bool) or not isinstance(patience, int) or patience < 1
+    ):
+        raise ConfigurationError(
+            f"early_stopping_patience must be a whole number of epochs >= 1 (or None: "
+            f"train every epoch), got {patience!r}"
+        )
+    if (
+        isinstance(min_delta, bool)
+        or not isinstance(min_delta, (int, float))
+        or not min_delta >= 0
+        or not math.isfinite(min_delta)
+    ):
+        raise ConfigurationError(
+            f"early_stopping_min_delta must be a finite number >= 0, got {min_delta!r}"
+        )
 
 
 def check_strategy(patience: int | None, strategy: Strategy) -> None:
@@ -37,7 +48,8 @@ def check_strategy(patience: int | None, strategy: Strategy) -> None:
         raise ConfigurationError(
             f"early_stopping_patience goes with strategy='bsp' and no backup workers (sync_every=k or "
             f"'epoch' too), not with {strategy.as_settings}: there the partitions end an epoch on weights "
-            "of different steps, so no one validation loss belongs to it")
+            "of different steps, so no one validation loss belongs to it"
+        )
 
 
 @dataclass
@@ -74,8 +86,11 @@ class EarlyStopping:
 
     def state(self) -> dict:
         """What a checkpoint's manifest keeps (the weights go in the parts, by slice)."""
-        return {"best_loss": None if math.isinf(self.best_loss) else self.best_loss,
-                "best_epoch": self.best_epoch, "since_best": self.since_best}
+        return {
+            "best_loss": None if math.isinf(self.best_loss) else self.best_loss,
+            "best_epoch": self.best_epoch,
+            "since_best": self.since_best,
+        }
 
     def restore(self, state: dict | None, best_weights: np.ndarray | None) -> None:
         """Continue from a checkpoint's ``state()`` and best weights (a checkpoint without

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 import numpy as np
 
-from ..errors import AllReduceError
-from ..messages import MessageClient
+from allreduce_param.engine.wire.messages import MessageClient
+from allreduce_param.errors import AllReduceError
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,13 @@ class ProgressReporter:
             return
         try:
             self.link.send({"kind": kind, **fields})
-        except (OSError, AllReduceError) as error:  # out of reach, or what answers is not our driver
-            log.warning("progress reports to the driver at %s:%s stopped: %s", *self.link.address[:2], error)
+        except (
+            OSError,
+            AllReduceError,
+        ) as error:  # out of reach, or what answers is not our driver
+            log.warning(
+                "progress reports to the driver at %s:%s stopped: %s", *self.link.address[:2], error
+            )
             self._broken = True
             self.close()
 
@@ -56,9 +62,13 @@ class ProgressMerger:
     several connections' threads at once.
     """
 
-    def __init__(self, partitions: int, merge: Callable[[np.ndarray], dict],
-                 on_event: Callable[[str, dict], None],
-                 merge_epoch: Callable[[list[dict]], dict] | None = None) -> None:
+    def __init__(
+        self,
+        partitions: int,
+        merge: Callable[[np.ndarray], dict],
+        on_event: Callable[[str, dict], None],
+        merge_epoch: Callable[[list[dict]], dict] | None = None,
+    ) -> None:
         self._partitions = partitions
         self._merge = merge
         self._merge_epoch = merge_epoch
@@ -116,7 +126,9 @@ class ProgressBar:
             if kind == "start" and self._bar is None:
                 from tqdm.auto import tqdm
 
-                self._bar = tqdm(total=fields["steps"] * fields["epochs"], unit="step", dynamic_ncols=True)
+                self._bar = tqdm(
+                    total=fields["steps"] * fields["epochs"], unit="step", dynamic_ncols=True
+                )
             if kind == "start" and fields.get("done") and self._resumed != fields["done"]:
                 self._resumed = fields["done"]
                 self._bar.n = fields["done"]
@@ -124,19 +136,27 @@ class ProgressBar:
                 self._bar.refresh()
             elif kind == "step" and self._bar is not None:
                 seconds = sum(v for k, v in fields.items() if k.endswith("_s"))
-                self._bar.set_postfix(epoch=fields["epoch"], loss=f"{fields['loss']:.4f}",
-                                      samples_s=f"{fields['samples'] / seconds:,.0f}" if seconds else "-",
-                                      refresh=False)  # update() redraws, at tqdm's own pace
+                self._bar.set_postfix(
+                    epoch=fields["epoch"],
+                    loss=f"{fields['loss']:.4f}",
+                    samples_s=f"{fields['samples'] / seconds:,.0f}" if seconds else "-",
+                    refresh=False,
+                )  # update() redraws, at tqdm's own pace
                 self._bar.update(1)
             elif kind == "epoch" and self._bar is not None:
-                shown = ", ".join(f"{k} {v:.4f}" for k, v in fields.items()
-                                  if isinstance(v, float) and k != "epoch")
+                shown = ", ".join(
+                    f"{k} {v:.4f}"
+                    for k, v in fields.items()
+                    if isinstance(v, float) and k != "epoch"
+                )
                 if fields.get("best_epoch") is not None:
                     shown += f", best epoch {fields['best_epoch']}"
                 self._bar.write(f"epoch {fields['epoch']}: {shown}")
                 if fields.get("stopped"):
-                    self._bar.write(f"stopped early: no better validation loss since epoch {fields['best_epoch']}, "
-                                    "whose weights the fit keeps")
+                    self._bar.write(
+                        f"stopped early: no better validation loss since epoch {fields['best_epoch']}, "
+                        "whose weights the fit keeps"
+                    )
 
     def close(self) -> None:
         if self._bar is not None:

@@ -11,11 +11,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConfigurationError, InputError
-from ..models.base import has_buffers
-from .data import features_array
-from .spark_info import SparkInfo
-from .storage import Location, locate
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.models.base import has_buffers
+from allreduce_param.spark.info import SparkInfo
+from allreduce_param.train.driver.data import features_array
+from allreduce_param.train.storage import Location, locate
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -25,8 +25,19 @@ READS = ("allreduce-param-model/1", FORMAT)
 
 #: The fields of a partition's per-step record (a float64 row). ``staleness``: how many
 #: steps older than the step the weights it computed on were (0 under BSP).
-STEP_FIELDS = ("epoch", "step", "loss_sum", "samples",
-               "get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s", "staleness")
+STEP_FIELDS = (
+    "epoch",
+    "step",
+    "loss_sum",
+    "samples",
+    "get_s",
+    "compute_s",
+    "put_s",
+    "aggregate_s",
+    "update_s",
+    "send_s",
+    "staleness",
+)
 
 #: The fields of a background owner's update record (with backup workers), followed by
 #: one 0/1 column per partition: whether the update took that partition's gradient.
@@ -38,9 +49,12 @@ def merge_step(rows: np.ndarray) -> dict:
     the mean loss over the rows computed, the samples (rows; with sample weights, their
     sum), and the slowest partition's phases and the largest staleness."""
     loss_sum, samples = rows[:, 2].sum(), rows[:, 3].sum()
-    entry = {"epoch": int(rows[0, 0]), "step": int(rows[0, 1]),
-             "loss": float(loss_sum / samples) if samples else float("nan"),
-             "samples": int(samples) if float(samples).is_integer() else float(samples)}
+    entry = {
+        "epoch": int(rows[0, 0]),
+        "step": int(rows[0, 1]),
+        "loss": float(loss_sum / samples) if samples else float("nan"),
+        "samples": int(samples) if float(samples).is_integer() else float(samples),
+    }
     entry.update({name: float(rows[:, i].max()) for i, name in enumerate(STEP_FIELDS) if i >= 4})
     entry["staleness"] = int(entry["staleness"])
     return entry
@@ -65,8 +79,9 @@ def merge_epoch(shares: list[dict]) -> dict:
         if metric is None:
             continue
         value = metric_sum / count if count else None
-        merged[f"{name}_{metric}"] = None if value is None else float(value if metric == "accuracy"
-                                                                      else np.sqrt(value))
+        merged[f"{name}_{metric}"] = (
+            None if value is None else float(value if metric == "accuracy" else np.sqrt(value))
+        )
     return merged
 
 
@@ -78,15 +93,30 @@ def merge_epoch(shares: list[dict]) -> dict:
 PHASES = ("checks", "launch", "data", "meeting", "training", "result")
 
 
-def fit_phases(started: float, submitted: float, finished: float, task_clocks: list[dict]) -> dict[str, float]:
+def fit_phases(
+    started: float, submitted: float, finished: float, task_clocks: list[dict]
+) -> dict[str, float]:
     """Each of ``PHASES``' seconds, from the driver's ``time.time()`` at ``fit()``'s start,
     at the stage's submission and at the end, and each task's (``started``, ``loaded``,
     ``met``, ``trained``). A phase ends when its last task is through it, so the phases add
     up to the whole fit; executors' clocks are taken to agree with the driver's (on one
     machine they are the same clock; on a cluster they differ by the clock sync's error)."""
-    last = {mark: max(clock[mark] for clock in task_clocks) for mark in ("started", "loaded", "met", "trained")}
-    marks = [started, submitted, last["started"], last["loaded"], last["met"], last["trained"], finished]
-    for index in range(1, len(marks)):  # another machine's clock a little off must not make a phase negative
+    last = {
+        mark: max(clock[mark] for clock in task_clocks)
+        for mark in ("started", "loaded", "met", "trained")
+    }
+    marks = [
+        started,
+        submitted,
+        last["started"],
+        last["loaded"],
+        last["met"],
+        last["trained"],
+        finished,
+    ]
+    for index in range(
+        1, len(marks)
+    ):  # another machine's clock a little off must not make a phase negative
         marks[index] = min(max(marks[index], marks[index - 1]), finished)
     return {name: marks[index + 1] - marks[index] for index, name in enumerate(PHASES)}
 
@@ -139,8 +169,13 @@ class History:
         return f"fit {self.seconds:.2f} s: {parts}"
 
     @classmethod
-    def from_records(cls, step_records: list[np.ndarray], epoch_shares: list[dict], seconds: float,
-                     update_records: list[np.ndarray] | None = None) -> History:
+    def from_records(
+        cls,
+        step_records: list[np.ndarray],
+        epoch_shares: list[dict],
+        seconds: float,
+        update_records: list[np.ndarray] | None = None,
+    ) -> History:
         """Merge the partitions' step records (each steps x STEP_FIELDS) step by step, their
         shares of each epoch's metrics epoch by epoch, and the owners' update records."""
         by_epoch: dict[int, list[dict]] = {}
@@ -154,7 +189,7 @@ class History:
         dropped: dict[int, int] = {}
         if update_records:
             updates = np.concatenate(update_records)
-            taken = updates[:, len(UPDATE_FIELDS):].astype(bool)
+            taken = updates[:, len(UPDATE_FIELDS) :].astype(bool)
             for index, entry in enumerate(steps):  # the updates of global step `index`
                 by_all = taken[updates[:, 1] == index].all(axis=0)
                 entry["dropped"] = int((~by_all).sum())
@@ -163,8 +198,11 @@ class History:
         for epoch in epochs:
             in_epoch = [s for s in steps if s["epoch"] == epoch["epoch"]]
             samples = sum(s["samples"] for s in in_epoch)
-            epoch["loss"] = sum(s["loss"] * s["samples"] for s in in_epoch if s["samples"]) / samples \
-                if samples else None
+            epoch["loss"] = (
+                sum(s["loss"] * s["samples"] for s in in_epoch if s["samples"]) / samples
+                if samples
+                else None
+            )
         return cls(steps, epochs, seconds, dropped)
 
     def plot(self, path: str | os.PathLike) -> Path | str:
@@ -179,11 +217,18 @@ class History:
         try:
             from matplotlib.figure import Figure
         except ImportError:
-            raise ConfigurationError("History.plot needs matplotlib: pip install 'allreduce-param[plot]'") from None
+            raise ConfigurationError(
+                "History.plot needs matplotlib: pip install 'allreduce-param[plot]'"
+            ) from None
         figure = Figure(figsize=(7, 4), layout="tight")
         axes = figure.add_subplot()
-        axes.plot([s["loss"] for s in self.steps], linewidth=0.7, alpha=0.5, label="step loss (train)")
-        ends = np.cumsum([sum(1 for s in self.steps if s["epoch"] == e["epoch"]) for e in self.epochs]) - 1
+        axes.plot(
+            [s["loss"] for s in self.steps], linewidth=0.7, alpha=0.5, label="step loss (train)"
+        )
+        ends = (
+            np.cumsum([sum(1 for s in self.steps if s["epoch"] == e["epoch"]) for e in self.epochs])
+            - 1
+        )
         for key, label in (("loss", "epoch mean (train)"), ("val_loss", "validation")):
             points = [(x, e[key]) for x, e in zip(ends, self.epochs) if e.get(key) is not None]
             if points:
@@ -195,7 +240,9 @@ class History:
         axes.legend()
         target = locate(path, "write the loss curve to")
         target.parent.make_folder()
-        kind = os.path.splitext(target.url)[1].lstrip(".").lower() or "png"  # as savefig(path) would take it
+        kind = (
+            os.path.splitext(target.url)[1].lstrip(".").lower() or "png"
+        )  # as savefig(path) would take it
         with target.open_write() as file:
             figure.savefig(file, dpi=100, format=kind)
         return _returned(target)
@@ -217,13 +264,21 @@ class TrainedModel:
     ``TorchModel``'s as torch's ``load_state_dict`` takes them.
     """
 
-    def __init__(self, model: Any, weights: np.ndarray, history: History | None = None,
-                 n_features: int | None = None, buffers: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        weights: np.ndarray,
+        history: History | None = None,
+        n_features: int | None = None,
+        buffers: dict[str, np.ndarray] | None = None,
+    ) -> None:
         self.model = model
         self.weights = weights
         self.history = history or History()
         self.n_features = n_features
-        self._broadcast: tuple | None = None  # (SparkContext or Connect session, the weights array, its broadcast)
+        self._broadcast: tuple | None = (
+            None  # (SparkContext or Connect session, the weights array, its broadcast)
+        )
         self.buffers = buffers
 
     @property
@@ -237,8 +292,10 @@ class TrainedModel:
         predictor = self.model
         if value:
             if not has_buffers(self.model):
-                raise InputError(f"{self.model!r} keeps no buffers (it has no buffers() and set_buffers()), "
-                                 f"but buffers {sorted(value)} were given")
+                raise InputError(
+                    f"{self.model!r} keeps no buffers (it has no buffers() and set_buffers()), "
+                    f"but buffers {sorted(value)} were given"
+                )
             predictor = copy.deepcopy(self.model)
             predictor.set_buffers(value)  # checks the names and shapes
         self._buffers, self._predictor = value, predictor
@@ -275,7 +332,9 @@ class TrainedModel:
         """Predictions for the rows of a float32 matrix (with the fit's buffers, if any)."""
         return self._predictor.predict(self.weights, np.asarray(X, dtype=np.float32))
 
-    def predict(self, df: DataFrame, features_col: str = "features", prediction_col: str = "prediction") -> DataFrame:
+    def predict(
+        self, df: DataFrame, features_col: str = "features", prediction_col: str = "prediction"
+    ) -> DataFrame:
         """``df`` with a ``prediction_col`` column added (computed in the executors).
 
         The weights reach the executors as one broadcast, kept for this model's later calls.
@@ -287,7 +346,11 @@ class TrainedModel:
         model, weights = self._predictor, self.weights_broadcast(df.sparkSession)
 
         def predict(features):
-            X = np.stack(features.to_numpy()).astype(np.float32) if len(features) else np.zeros((0, 1), np.float32)
+            X = (
+                np.stack(features.to_numpy()).astype(np.float32)
+                if len(features)
+                else np.zeros((0, 1), np.float32)
+            )
             return pd.Series(np.asarray(model.predict(weights.value, X), dtype=np.float64))
 
         # real types, not strings: this module postpones annotations, pandas_udf reads them
@@ -313,11 +376,20 @@ class TrainedModel:
         elif buffers.exists():  # an earlier save's in the same folder
             buffers.remove()
         folder.child("model.pkl").write_bytes(cloudpickle.dumps(self.model))
-        meta = {"format": FORMAT, "model": repr(self.model), "n_features": self.n_features,
-                "history": {"steps": self.history.steps, "epochs": self.history.epochs,
-                            "dropped": {str(k): v for k, v in self.history.dropped.items()},
-                            "resumed": self.history.resumed, "checkpoints": self.history.checkpoints,
-                            "seconds": self.history.seconds, "phases": self.history.phases}}
+        meta = {
+            "format": FORMAT,
+            "model": repr(self.model),
+            "n_features": self.n_features,
+            "history": {
+                "steps": self.history.steps,
+                "epochs": self.history.epochs,
+                "dropped": {str(k): v for k, v in self.history.dropped.items()},
+                "resumed": self.history.resumed,
+                "checkpoints": self.history.checkpoints,
+                "seconds": self.history.seconds,
+                "phases": self.history.phases,
+            },
+        }
         folder.child("meta.json").write_bytes(json.dumps(meta, indent=1).encode())
 
     @classmethod
@@ -328,20 +400,35 @@ class TrainedModel:
         folder = locate(path, "load the model from")
         meta_file = folder.child("meta.json")
         if not meta_file.is_file():
-            held = "holds no saved model (no meta.json)" if folder.exists() else "does not exist: no saved model there"
+            held = (
+                "holds no saved model (no meta.json)"
+                if folder.exists()
+                else "does not exist: no saved model there"
+            )
             raise InputError(f"{folder} {held}")
         meta = json.loads(meta_file.read_bytes())
         if meta.get("format") not in READS:
-            raise InputError(f"{folder} was saved in format {meta.get('format')!r}; this version reads "
-                             f"{' and '.join(READS)}")
+            raise InputError(
+                f"{folder} was saved in format {meta.get('format')!r}; this version reads "
+                f"{' and '.join(READS)}"
+            )
         model = pickle.loads(folder.child("model.pkl").read_bytes())
         saved = meta["history"]
-        history = History(saved["steps"], saved["epochs"], saved["seconds"],
-                          {int(k): v for k, v in saved.get("dropped", {}).items()},
-                          saved.get("resumed", []), saved.get("checkpoints"), saved.get("phases", {}))
+        history = History(
+            saved["steps"],
+            saved["epochs"],
+            saved["seconds"],
+            {int(k): v for k, v in saved.get("dropped", {}).items()},
+            saved.get("resumed", []),
+            saved.get("checkpoints"),
+            saved.get("phases", {}),
+        )
         buffers = None
         if folder.child("buffers.npz").is_file():
-            with folder.child("buffers.npz").open_read() as file, np.load(file, allow_pickle=False) as saved_buffers:
+            with (
+                folder.child("buffers.npz").open_read() as file,
+                np.load(file, allow_pickle=False) as saved_buffers,
+            ):
                 buffers = {name: saved_buffers[name] for name in saved_buffers.files}
         with folder.child("weights.npy").open_read() as file:
             weights = np.load(file, allow_pickle=False)
@@ -352,11 +439,16 @@ class TrainedModel:
         ``tensors(weights)`` where it has it (the built-in models: ``w1``, ``b1``, ...;
         ``TorchModel``: its state_dict's names), else the flat vector as ``"weights"``."""
         tensors = getattr(self.model, "tensors", None)
-        named = {name: np.asarray(value) for name, value in tensors(self.weights).items()} if callable(tensors) \
+        named = (
+            {name: np.asarray(value) for name, value in tensors(self.weights).items()}
+            if callable(tensors)
             else {"weights": np.asarray(self.weights)}
+        )
         clash = sorted(set(named) & set(self.buffers))
         if clash:
-            raise InputError(f"{self.model!r} names both a tensor and a buffer {clash}; rename one to export them")
+            raise InputError(
+                f"{self.model!r} names both a tensor and a buffer {clash}; rename one to export them"
+            )
         return {**named, **self.buffers}
 
     def export_npz(self, path: str | os.PathLike) -> Path | str:
@@ -366,7 +458,9 @@ class TrainedModel:
         path or a URL, as ``save`` takes them. The file's ``Path``, or for a URL the URL."""
         target = locate(path, "export the model to")
         if target.is_dir():
-            raise InputError(f"export_npz({str(path)!r}): that is a folder; give the path of the .npz file to write")
+            raise InputError(
+                f"export_npz({str(path)!r}): that is a folder; give the path of the .npz file to write"
+            )
         target.parent.make_folder()
         with target.open_write() as file:
             write_npz(file, self.named_tensors())
@@ -378,8 +472,10 @@ class TrainedModel:
         ``state_dict(weights, buffers)``)."""
         make = getattr(self.model, "state_dict", None)
         if not callable(make):
-            raise ConfigurationError(f"state_dict() is for a TorchModel's result; {self.model!r} has no "
-                                     "state_dict(weights, buffers): use export_npz(path) for its named tensors")
+            raise ConfigurationError(
+                f"state_dict() is for a TorchModel's result; {self.model!r} has no "
+                "state_dict(weights, buffers): use export_npz(path) for its named tensors"
+            )
         return make(self.weights, self.buffers or None)
 
 

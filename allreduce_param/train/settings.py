@@ -10,30 +10,38 @@ the job files the key, from this class.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
-from ..codec import codec_names
-from ..errors import ConfigurationError
-from ..network import SPARK_SETTINGS, NetworkSettings
-from ..strategy import Strategy
-from .checkpoint import CheckpointSettings
-from .early_stopping import check_patience, check_strategy
-from .partitioning import check_scheme
-from .worker import workload_shares
-
+from allreduce_param.engine.blocks.codec import codec_names
+from allreduce_param.engine.strategy import Strategy
+from allreduce_param.engine.wire.network import SPARK_SETTINGS, NetworkSettings
+from allreduce_param.errors import ConfigurationError
+from allreduce_param.train.checkpoint import CheckpointSettings
+from allreduce_param.train.driver.partitioning import check_scheme
+from allreduce_param.train.early_stopping import check_patience, check_strategy
+from allreduce_param.train.task.worker import workload_shares
 
 #: The settings ``NetworkSettings`` has too (and reads from Spark settings when unset).
 NETWORK_FIELDS = tuple(SPARK_SETTINGS)
 
 
-def _setting(default: Any, doc: str, *, param: str | None = None, kind: str = "identity",
-             estimator: bool = True) -> Any:
+def _setting(
+    default: Any,
+    doc: str,
+    *,
+    param: str | None = None,
+    kind: str = "identity",
+    estimator: bool = True,
+) -> Any:
     """A field of FitSettings. ``param``: the Estimators' Param name, when it is not the field's
     name in camelCase; ``kind``: the Param's type (pyspark's ``TypeConverters.to...``, or
     ``identity`` where a value may be of two kinds); ``estimator``: whether the Estimators
     have it (not for what only Python code can give, such as a callable)."""
-    return field(default=default, metadata={"doc": doc, "param": param, "kind": kind, "estimator": estimator})
+    return field(
+        default=default, metadata={"doc": doc, "param": param, "kind": kind, "estimator": estimator}
+    )
 
 
 @dataclass(frozen=True)
@@ -41,103 +49,182 @@ class FitSettings:
     """The settings of a fit; every one has a default. Checked when made, so a bad one fails
     before any data moves, with a message that names it."""
 
-    batch_size: int = _setting(256, "the global batch of a step, split over the workers by their share of the rows",
-                               kind="Int")
+    batch_size: int = _setting(
+        256,
+        "the global batch of a step, split over the workers by their share of the rows",
+        kind="Int",
+    )
     epochs: int = _setting(10, "passes over the training rows", param="maxEpochs", kind="Int")
-    codec: str = _setting("lz4", "how blocks travel between the workers: lz4, raw, bf16, fp16, int8, ...",
-                          kind="String")
-    gradient_codec: str | None = _setting(None, "another codec for the gradients alone, e.g. topk (None: codec)",
-                                          kind="String")
-    num_workers: int | None = _setting(None, "partitions that train (None: one per partition of the data, up "
-                                             "to Spark's task slots)", kind="Int")
+    codec: str = _setting(
+        "lz4",
+        "how blocks travel between the workers: lz4, raw, bf16, fp16, int8, ...",
+        kind="String",
+    )
+    gradient_codec: str | None = _setting(
+        None, "another codec for the gradients alone, e.g. topk (None: codec)", kind="String"
+    )
+    num_workers: int | None = _setting(
+        None,
+        "partitions that train (None: one per partition of the data, up to Spark's task slots)",
+        kind="Int",
+    )
     threads: int | Sequence[float] | None = _setting(
-        None, "split each partition's batch over threads: a count, or relative workloads", estimator=False)
-    seed: int = _setting(0, "the seed of the initial weights and the shuffles: the same seed, the same fit",
-                         kind="Int")
-    timeout: float = _setting(300.0, "seconds a worker waits for a peer before the fit fails", kind="Float")
-    progress: bool = _setting(True, "show the fit's live progress bar", param="showProgress", kind="Boolean")
-    log_path: str | None = _setting(None, "a file to append each step and epoch to, as JSON lines", kind="String")
+        None,
+        "split each partition's batch over threads: a count, or relative workloads",
+        estimator=False,
+    )
+    seed: int = _setting(
+        0,
+        "the seed of the initial weights and the shuffles: the same seed, the same fit",
+        kind="Int",
+    )
+    timeout: float = _setting(
+        300.0, "seconds a worker waits for a peer before the fit fails", kind="Float"
+    )
+    progress: bool = _setting(
+        True, "show the fit's live progress bar", param="showProgress", kind="Boolean"
+    )
+    log_path: str | None = _setting(
+        None, "a file to append each step and epoch to, as JSON lines", kind="String"
+    )
     listener: Callable[[str, dict], None] | None = _setting(
-        None, "a callable(kind, fields) given the start, every step and every epoch", estimator=False)
+        None,
+        "a callable(kind, fields) given the start, every step and every epoch",
+        estimator=False,
+    )
     strategy: str = _setting("bsp", "how the workers synchronise: bsp, ssp or asp", kind="String")
-    staleness: int | None = _setting(None, "ssp: how many steps a worker may run ahead of the slowest",
-                                     kind="Int")
-    backup_workers: int = _setting(0, "bsp: a step goes on without the slowest b workers' gradients", kind="Int")
-    sync_every: int | str = _setting(1, "local SGD: train k steps between syncs, or 'epoch' (1: sync every step)")
-    model_averaging: bool | None = _setting(None, "local SGD: average the models (True) or sum their updates",
-                                            kind="Boolean")
-    partition_scheme: str = _setting("as_is", "which rows each worker trains on: as_is, contiguous, round_robin, "
-                                              "random, overlap_reshuffle", kind="String")
-    checkpoint_dir: str | None = _setting(None, "where the fit writes checkpoints (storage every executor sees)",
-                                          kind="String")
-    checkpoint_every: int | str | None = _setting(None, "checkpoint every k steps or 'epoch' (None: each epoch)")
+    staleness: int | None = _setting(
+        None, "ssp: how many steps a worker may run ahead of the slowest", kind="Int"
+    )
+    backup_workers: int = _setting(
+        0, "bsp: a step goes on without the slowest b workers' gradients", kind="Int"
+    )
+    sync_every: int | str = _setting(
+        1, "local SGD: train k steps between syncs, or 'epoch' (1: sync every step)"
+    )
+    model_averaging: bool | None = _setting(
+        None, "local SGD: average the models (True) or sum their updates", kind="Boolean"
+    )
+    partition_scheme: str = _setting(
+        "as_is",
+        "which rows each worker trains on: as_is, contiguous, round_robin, "
+        "random, overlap_reshuffle",
+        kind="String",
+    )
+    checkpoint_dir: str | None = _setting(
+        None, "where the fit writes checkpoints (storage every executor sees)", kind="String"
+    )
+    checkpoint_every: int | str | None = _setting(
+        None, "checkpoint every k steps or 'epoch' (None: each epoch)"
+    )
     checkpoint_keep: int = _setting(2, "how many of the newest checkpoints to keep", kind="Int")
     verbose: bool = _setting(False, "print where the fit's time went when it ends", kind="Boolean")
-    overlap: bool | str = _setting("auto", "send each chunk of a gradient while backward computes the rest: "
-                                           "True, False or 'auto'")
+    overlap: bool | str = _setting(
+        "auto",
+        "send each chunk of a gradient while backward computes the rest: True, False or 'auto'",
+    )
     bind_address: str | None = _setting(
-        None, "where the workers' block servers and the driver's message server listen (None: the Spark setting "
-              "spark.allreduce.bindAddress, else the address Spark gives each process; one address, never every "
-              "interface)",
-        kind="String")
+        None,
+        "where the workers' block servers and the driver's message server listen (None: the Spark setting "
+        "spark.allreduce.bindAddress, else the address Spark gives each process; one address, never every "
+        "interface)",
+        kind="String",
+    )
     advertise_address: str | None = _setting(
-        None, "the address the others are told to connect to (None: spark.allreduce.advertiseAddress, else the "
-              "bind address when set, else Spark's)", kind="String")
+        None,
+        "the address the others are told to connect to (None: spark.allreduce.advertiseAddress, else the "
+        "bind address when set, else Spark's)",
+        kind="String",
+    )
     port_range: str | None = _setting(
-        None, "the ports those servers may take, 'FIRST-LAST' (None: spark.allreduce.portRange, else any free "
-              "port); allow one per task on each executor, and one for the driver", kind="String")
+        None,
+        "the ports those servers may take, 'FIRST-LAST' (None: spark.allreduce.portRange, else any free "
+        "port); allow one per task on each executor, and one for the driver",
+        kind="String",
+    )
     connect_timeout: float | None = _setting(
-        None, "seconds a connection and its handshake may take (None: spark.allreduce.connectTimeout, else 10); "
-              "the meeting at the driver waits 3 times this for the last task", kind="Float")
+        None,
+        "seconds a connection and its handshake may take (None: spark.allreduce.connectTimeout, else 10); "
+        "the meeting at the driver waits 3 times this for the last task",
+        kind="Float",
+    )
     encrypt: bool | None = _setting(
-        None, "encrypt the traffic that goes over TCP: blocks between workers on different hosts, and the "
-              "workers' messages to the driver (None: spark.allreduce.encrypt, else on where "
-              "spark.network.crypto.enabled or spark.ssl.enabled is true; same-host Unix sockets and shared "
-              "memory never are)", kind="Boolean")
+        None,
+        "encrypt the traffic that goes over TCP: blocks between workers on different hosts, and the "
+        "workers' messages to the driver (None: spark.allreduce.encrypt, else on where "
+        "spark.network.crypto.enabled or spark.ssl.enabled is true; same-host Unix sockets and shared "
+        "memory never are)",
+        kind="Boolean",
+    )
     topology: str = _setting(
-        "auto", "how partitions on several hosts sync: 'hierarchical' (each host sums its partitions in shared "
-                "memory and one partition per host exchanges with the other hosts', so connections and each "
-                "host's traffic grow with the hosts, not the partitions; plain BSP only), 'flat' (every "
-                "partition with every other) or 'auto' (hierarchical under plain BSP on several hosts one of "
-                "which has several partitions, else flat); a lossless codec gives the same weights either way",
-        kind="String")
+        "auto",
+        "how partitions on several hosts sync: 'hierarchical' (each host sums its partitions in shared "
+        "memory and one partition per host exchanges with the other hosts', so connections and each "
+        "host's traffic grow with the hosts, not the partitions; plain BSP only), 'flat' (every "
+        "partition with every other) or 'auto' (hierarchical under plain BSP on several hosts one of "
+        "which has several partitions, else flat); a lossless codec gives the same weights either way",
+        kind="String",
+    )
     fetch_threads: int | None = _setting(
-        None, "how many peers each worker fetches blocks from at once (None: the engine's default, 16, or every "
-              "peer when there are fewer); the others queue", kind="Int")
+        None,
+        "how many peers each worker fetches blocks from at once (None: the engine's default, 16, or every "
+        "peer when there are fewer); the others queue",
+        kind="Int",
+    )
     early_stopping_patience: int | None = _setting(
-        None, "stop once the validation loss has not improved for this many epochs, and keep the best "
-              "epoch's weights (needs validation data; None: train every epoch)", kind="Int")
+        None,
+        "stop once the validation loss has not improved for this many epochs, and keep the best "
+        "epoch's weights (needs validation data; None: train every epoch)",
+        kind="Int",
+    )
     early_stopping_min_delta: float = _setting(
-        0.0, "how much lower than the best so far a validation loss must be to count as an improvement",
-        kind="Float")
+        0.0,
+        "how much lower than the best so far a validation loss must be to count as an improvement",
+        kind="Float",
+    )
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "num_workers", "fetch_threads"):
             value = getattr(self, name)
             if not (value is None and name in ("num_workers", "fetch_threads")) and (
-                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
-        codec_names(self.codec, self.gradient_codec)  # an unknown or misplaced codec, naming the codecs there are
+        codec_names(
+            self.codec, self.gradient_codec
+        )  # an unknown or misplaced codec, naming the codecs there are
         workload_shares(self.threads)
         strategy = Strategy(self.strategy, self.staleness, self.backup_workers)
         every = self.sync_every
-        if every != "epoch" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ConfigurationError(f"sync_every must be a positive whole number of steps or 'epoch', got {every!r}")
+        if every != "epoch" and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ConfigurationError(
+                f"sync_every must be a positive whole number of steps or 'epoch', got {every!r}"
+            )
         if every != 1 and not strategy.inline_owner:
-            raise ConfigurationError(f"sync_every={every!r} (local SGD) goes with strategy='bsp' and no backup "
-                                     f"workers, not with {strategy.as_settings}")
+            raise ConfigurationError(
+                f"sync_every={every!r} (local SGD) goes with strategy='bsp' and no backup "
+                f"workers, not with {strategy.as_settings}"
+            )
         if self.model_averaging is not None and every == 1:
-            raise ConfigurationError("model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
-                                     "sync_every=1 every step averages the gradients")
+            raise ConfigurationError(
+                "model_averaging goes with sync_every=k or 'epoch' (local SGD); with "
+                "sync_every=1 every step averages the gradients"
+            )
         strategy.check_topology(self.topology)  # a conflict fails before the fit's first Spark job
         check_scheme(self.partition_scheme)
         check_patience(self.early_stopping_patience, self.early_stopping_min_delta)
         check_strategy(self.early_stopping_patience, strategy)
         if self.checkpoint_dir is None and self.checkpoint_every is not None:
-            raise ConfigurationError(f"checkpoint_every={self.checkpoint_every!r} goes with checkpoint_dir, the "
-                                     "storage to write the checkpoints to")
+            raise ConfigurationError(
+                f"checkpoint_every={self.checkpoint_every!r} goes with checkpoint_dir, the "
+                "storage to write the checkpoints to"
+            )
         if self.checkpoint_dir is not None:
-            CheckpointSettings.for_new_fit(str(self.checkpoint_dir), self.checkpoint_every, self.checkpoint_keep)
+            CheckpointSettings.for_new_fit(
+                str(self.checkpoint_dir), self.checkpoint_every, self.checkpoint_keep
+            )
         NetworkSettings.of(self.network_values())
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
@@ -149,9 +236,11 @@ class FitSettings:
         names = {item.name for item in dataclasses.fields(cls)}
         unknown = sorted(set(settings) - names)
         if unknown:
-            raise ConfigurationError(f"{where}: {', '.join(map(repr, unknown))} "
-                                     f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; "
-                                     f"the settings are {', '.join(sorted(names))}")
+            raise ConfigurationError(
+                f"{where}: {', '.join(map(repr, unknown))} "
+                f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; "
+                f"the settings are {', '.join(sorted(names))}"
+            )
         return cls(**settings)
 
     def replace(self, **changes: Any) -> FitSettings:

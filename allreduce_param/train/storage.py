@@ -29,16 +29,18 @@ import sys
 from abc import ABC, abstractmethod
 from typing import IO, Any
 
-from ..errors import ConfigurationError
+from allreduce_param.errors import ConfigurationError
 
 #: A URL's scheme: two characters or more, so that a Windows drive (``C:/x``) is a path.
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]+):")
 
 #: What fsspec needs to open a scheme, for the error when it cannot.
-_FSSPEC_NEEDS = {**dict.fromkeys(("s3", "s3a"), "pip install s3fs"),
-                 **dict.fromkeys(("gs", "gcs"), "pip install gcsfs"),
-                 **dict.fromkeys(("abfs", "abfss", "az", "adl"), "pip install adlfs"),
-                 "hdfs": "give pyarrow its libhdfs (JAVA_HOME, HADOOP_HOME, CLASSPATH=$(hadoop classpath --glob))"}
+_FSSPEC_NEEDS = {
+    **dict.fromkeys(("s3", "s3a"), "pip install s3fs"),
+    **dict.fromkeys(("gs", "gcs"), "pip install gcsfs"),
+    **dict.fromkeys(("abfs", "abfss", "az", "adl"), "pip install adlfs"),
+    "hdfs": "give pyarrow its libhdfs (JAVA_HOME, HADOOP_HOME, CLASSPATH=$(hadoop classpath --glob))",
+}
 
 #: How many bytes cross py4j per call on the Hadoop route (each call is one message).
 _CHUNK = 4 << 20
@@ -54,15 +56,18 @@ def fsspec_filesystem(url: str, purpose: str) -> tuple[Any, str]:
         raise ConfigurationError(
             f"cannot open {purpose} {url!r}: fsspec reads a scheme only before '://', so this would be a local "
             f"folder named '{scheme}:'. Give a URL that fsspec opens on every machine (hdfs://..., s3://...), or "
-            f"the path of a mount every machine shares (on Databricks: /dbfs/...)")
+            f"the path of a mount every machine shares (on Databricks: /dbfs/...)"
+        )
     try:
         return fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as error:
         raise ConfigurationError(f"cannot open {purpose} {url!r}: {error}") from None
     except OSError as error:  # e.g. hdfs:// where pyarrow finds no libhdfs or JVM
         need = _FSSPEC_NEEDS.get(scheme or "", "")
-        raise ConfigurationError(f"cannot open {purpose} {url!r}: {type(error).__name__}: {error}"
-                                 + (f"; {need}" if need else "")) from None
+        raise ConfigurationError(
+            f"cannot open {purpose} {url!r}: {type(error).__name__}: {error}"
+            + (f"; {need}" if need else "")
+        ) from None
 
 
 def scheme_of(path: str | os.PathLike) -> str | None:
@@ -184,8 +189,12 @@ class HadoopLocation(Location):
 
     def __init__(self, url: str, context: Any, java_path: Any = None) -> None:
         super().__init__(url)
-        self._context = context  # the classic SparkContext whose JVM and Hadoop configuration are used
-        self._path = java_path if java_path is not None else context._jvm.org.apache.hadoop.fs.Path(url)
+        self._context = (
+            context  # the classic SparkContext whose JVM and Hadoop configuration are used
+        )
+        self._path = (
+            java_path if java_path is not None else context._jvm.org.apache.hadoop.fs.Path(url)
+        )
         self._fs = self._path.getFileSystem(context._jsc.hadoopConfiguration())
 
     def child(self, name: str) -> HadoopLocation:
@@ -264,7 +273,7 @@ class _HadoopWriter(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _CHUNK):
-            self._location._call(self._stream.write, bytes(view[start:start + _CHUNK]))
+            self._location._call(self._stream.write, bytes(view[start : start + _CHUNK]))
         return len(view)
 
     def close(self) -> None:
@@ -279,9 +288,11 @@ def _os_error(error: Any, url: str) -> OSError:
     """A Java exception from Hadoop as the ``OSError`` a local file would have raised."""
     java = error.java_exception
     name, message = java.getClass().getName(), java.getMessage()
-    kind = {"java.io.FileNotFoundException": FileNotFoundError,
-            "org.apache.hadoop.security.AccessControlException": PermissionError,
-            "org.apache.hadoop.fs.FileAlreadyExistsException": FileExistsError}.get(name, OSError)
+    kind = {
+        "java.io.FileNotFoundException": FileNotFoundError,
+        "org.apache.hadoop.security.AccessControlException": PermissionError,
+        "org.apache.hadoop.fs.FileAlreadyExistsException": FileExistsError,
+    }.get(name, OSError)
     return kind(f"{url}: {name}: {message}")
 
 
@@ -322,18 +333,22 @@ def _open_with_fsspec(url: str, scheme: str) -> tuple[tuple[Any, str] | None, st
 def _hadoop_location(url: str, scheme: str, purpose: str, fsspec_problem: str) -> HadoopLocation:
     """``url`` through the classic SparkContext's Hadoop, or the ``ConfigurationError`` that
     says why neither library reaches it."""
-    fsspec_way = _FSSPEC_NEEDS.get(scheme, f"install a package that gives fsspec the scheme {scheme}://")
+    fsspec_way = _FSSPEC_NEEDS.get(
+        scheme, f"install a package that gives fsspec the scheme {scheme}://"
+    )
     context = _classic_context()
     if context is None:
         if _under_connect():
             raise ConfigurationError(
                 f"cannot {purpose} {url!r}: {fsspec_problem}, and this process is a Spark Connect client, "
                 f"with no JVM of its own to reach it through Spark's Hadoop. Either {fsspec_way}, or use a "
-                f"local path and copy the files to {scheme}: with a tool of that storage")
+                f"local path and copy the files to {scheme}: with a tool of that storage"
+            )
         raise ConfigurationError(
             f"cannot {purpose} {url!r}: {fsspec_problem}, and no classic SparkSession runs in this process "
             f"to reach it through Hadoop. Either {fsspec_way}, or call this on the driver of a classic "
-            f"SparkSession whose Hadoop has a FileSystem for {scheme}: (its connector)")
+            f"SparkSession whose Hadoop has a FileSystem for {scheme}: (its connector)"
+        )
     from py4j.protocol import Py4JJavaError
 
     try:
@@ -344,12 +359,15 @@ def _hadoop_location(url: str, scheme: str, purpose: str, fsspec_problem: str) -
     raise ConfigurationError(
         f"cannot {purpose} {url!r}: {fsspec_problem}, and the SparkSession's Hadoop cannot either "
         f"({hadoop_problem}). Either {fsspec_way}, or give Spark a Hadoop connector for {scheme}: (its jar, "
-        f"e.g. through spark.jars.packages, and its spark.hadoop.fs.{scheme}.* settings)")
+        f"e.g. through spark.jars.packages, and its spark.hadoop.fs.{scheme}.* settings)"
+    )
 
 
 def _classic_context() -> Any:
     """The running classic SparkContext of this process (the driver), or None."""
-    if "pyspark" not in sys.modules:  # nobody started Spark here; importing it would not change that
+    if (
+        "pyspark" not in sys.modules
+    ):  # nobody started Spark here; importing it would not change that
         return None
     from pyspark import SparkContext
 

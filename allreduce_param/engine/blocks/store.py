@@ -1,0 +1,459 @@
+"""BlockStore: the versioned, bounded blocks one partition publishes for its peers.
+
+A partition puts encoded blocks here (its gradient chunks for their owners, its weight
+slice for everyone); the block server hands them out to peers that ask for a version. A
+get for a version that is not there yet waits for it, so a fast partition simply blocks
+until a slow one publishes: this is how steps synchronise without a Spark ``barrier()``.
+
+How many versions of a block are kept, and whether a producer waits for its reader
+instead of dropping a version nobody took, follow from the update strategy
+(``strategy.Strategy.keep``): under BSP one version each.
+
+The store also owns the buffers blocks are encoded into. A reader may still be reading a
+version (in place, from shared memory, or while the server sends it) after a newer one
+replaced it, so a buffer is reused only when its version is neither kept nor *held*: a
+reader holds the version it was last served of a block until it asks for that block
+again or goes away.
+
+A get can also not wait (``get_or_notify``): a server that serves many connections with a
+few threads registers a callback instead of holding a thread while a version is awaited.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Hashable, Mapping
+from typing import NamedTuple, Union
+
+from allreduce_param.errors import (
+    AllReduceError,
+    ConfigurationError,
+    FetchTimeoutError,
+    StaleVersionError,
+    StoreClosedError,
+    UsageError,
+)
+
+#: ``BlockKey.destination`` of a block meant for every peer (a weight slice).
+EVERY_PARTITION = 0xFFFFFFFF
+
+Buffer = Union[bytearray, mmap.mmap, memoryview]  # noqa: UP007 - what blocks are encoded into
+
+
+class SplitBlock(NamedTuple):
+    """A block whose header and payload lie in different buffers: a vector published where
+    it lies (the payload is the caller's memory; only the header was written)."""
+
+    header: memoryview
+    payload: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.nbytes + self.payload.nbytes
+
+
+Block = Union[memoryview, SplitBlock]  # noqa: UP007 - what the store keeps and serves
+
+
+class BlockKind:
+    """What a block holds; the numbers go on the wire."""
+
+    WEIGHT = 1  # an owner's weight slice, for every partition
+    GRADIENT = 2  # a partition's gradient chunk, for the chunk's owner
+    REDUCE_INPUT = 3  # allreduce(): a chunk of the input, for the chunk's owner
+    REDUCE_OUTPUT = 4  # allreduce(): an owner's reduced slice, for every partition
+    CHOICE = 5  # backup workers: which partitions' gradients a step takes, for every owner
+    SIGNAL = 6  # "I have done v" (a checkpoint written), for whoever waits for everyone's
+    METADATA = (
+        7  # allreduce_exact(): a partition's float64 values (counts, norms), for every partition
+    )
+    # hierarchical sync: a host's sum of its partitions' chunks for one owner, made by its leader
+    GRADIENT_HOST_SUM = 8
+    REDUCE_INPUT_HOST_SUM = 9
+
+    NAMES = {
+        WEIGHT: "weight",
+        GRADIENT: "gradient",
+        REDUCE_INPUT: "allreduce input",
+        REDUCE_OUTPUT: "allreduce output",
+        CHOICE: "step choice",
+        SIGNAL: "signal",
+        METADATA: "metadata",
+        GRADIENT_HOST_SUM: "host sum of gradients",
+        REDUCE_INPUT_HOST_SUM: "host sum of allreduce inputs",
+    }
+    #: the kind a leader sums a host's blocks of each summed kind into
+    HOST_SUM = {GRADIENT: GRADIENT_HOST_SUM, REDUCE_INPUT: REDUCE_INPUT_HOST_SUM}
+
+
+class BlockKey(NamedTuple):
+    """Which block: its kind, the partition that made it, the one it is for, and which part.
+
+    A large slice travels as several parts, so that a peer can fetch the first while the
+    owner still encodes the next.
+    """
+
+    kind: int
+    source: int
+    destination: int
+    part: int = 0
+
+    def describe(self, version: int | None = None) -> str:
+        """For error messages: 'gradient block from partition 2 to partition 0, version 7'."""
+        kind = BlockKind.NAMES.get(self.kind, f"kind-{self.kind}")
+        target = "all" if self.destination == EVERY_PARTITION else f"partition {self.destination}"
+        text = f"{kind} block from partition {self.source} to {target}"
+        if self.part:
+            text += f" (part {self.part})"
+        return text if version is None else f"{text}, version {version}"
+
+
+_RESERVED = -1  # a buffer handed out by reserve() and not yet put
+
+
+class Waiter:
+    """A get that found its version not there yet and did not wait (``get_or_notify``).
+
+    Its ``on_ready()`` is called once, when the version (or a newer one) is put or the store
+    closes; or never, when ``expire`` came first.
+    """
+
+    __slots__ = ("_store", "key", "version", "_on_ready", "fired")
+
+    def __init__(
+        self, store: BlockStore, key: BlockKey, version: int, on_ready: Callable[[], None]
+    ) -> None:
+        self._store, self.key, self.version, self._on_ready = store, key, version, on_ready
+        self.fired = False  # on_ready was called, or the wait expired: nothing more will happen
+
+    def expire(self, timeout: float) -> FetchTimeoutError | None:
+        """End the wait at its timeout (``timeout``: how long it was, for the message): the
+        error a blocking get would have raised, or None when ``on_ready`` came first."""
+        return self._store._expire(self, timeout)
+
+
+class BlockStore:
+    """Versioned blocks in memory, ``keep`` versions per key and at most ``max_bytes`` in all.
+
+    ``keep`` is one number for every key or one per ``BlockKind``. For the kinds in
+    ``wait_for_readers`` a producer's ``reserve`` waits until the oldest kept version has
+    been asked past, rather than dropping it unread. For the kinds in ``reuse_at_once`` the
+    update strategy guarantees that every reader is done with a version before the next is
+    published, so the next takes its buffer at once: one buffer per block, whatever readers
+    still hold (were the guarantee broken, the readers' check after use would say so).
+    ``new_buffer()`` makes a buffer to encode a block into (a ``bytearray``, or shared
+    memory that peers read in place).
+
+    Thread-safe: the partition's threads reserve and put, the server's threads get.
+    """
+
+    def __init__(
+        self,
+        keep: int | Mapping[int, int] = 1,
+        max_bytes: int | None = None,
+        wait_for_readers: Collection[int] = (),
+        reuse_at_once: Collection[int] = (),
+        new_buffer: Callable[[], Buffer] = bytearray,
+    ) -> None:
+        self._keep = dict(keep) if isinstance(keep, Mapping) else None
+        self._default_keep = keep if isinstance(keep, int) else 1
+        if any(n < 1 for n in [self._default_keep, *(self._keep or {}).values()]):
+            raise ConfigurationError(
+                f"a block store must keep at least one version, got keep={keep}"
+            )
+        self.max_bytes = max_bytes
+        self._wait_for_readers = frozenset(wait_for_readers)
+        self._reuse_at_once = frozenset(reuse_at_once)
+        self._new_buffer = new_buffer
+        self._blocks: dict[BlockKey, OrderedDict[int, Block]] = {}
+        self._asked: dict[BlockKey, int] = {}  # the highest version any reader asked for
+        self._holds: dict[BlockKey, dict[Hashable, int]] = {}  # reader -> version last served
+        self._buffers: dict[BlockKey, list[Buffer]] = {}
+        self._buffer_versions: dict[int, int] = {}  # id(buffer) -> the version it holds
+        self._bytes = 0
+        self._closed = False
+        self._closing_reason = ""
+        self._waiters: dict[BlockKey, list[Waiter]] = {}  # gets that did not wait, by key
+        self._changed = threading.Condition()
+
+    def keep(self, key: BlockKey) -> int:
+        """How many versions of ``key`` are kept."""
+        return (
+            self._default_keep
+            if self._keep is None
+            else self._keep.get(key.kind, self._default_keep)
+        )
+
+    def reserve(self, key: BlockKey, version: int, timeout: float) -> Buffer:
+        """A buffer to encode ``version`` of ``key`` into, then ``put``; no reader uses it.
+
+        For a kind that waits for its readers, first waits (up to ``timeout``) until
+        publishing ``version`` drops no version that was never asked past.
+        """
+        with self._changed:
+            if key.kind in self._wait_for_readers:
+                ready = self._changed.wait_for(
+                    lambda: self._closed or self._room(key), timeout=timeout
+                )
+                self._raise_if_closed(key, version)
+                if not ready:
+                    reader = f"partition {key.destination}"
+                    raise FetchTimeoutError(
+                        f"{reader} did not take {key.describe(self._oldest(key))} within {timeout:g} s, so "
+                        f"{key.describe(version)} has no room: the owner is stuck or much slower"
+                    )
+            for buffer in self._buffers.setdefault(key, []):
+                if key.kind in self._reuse_at_once or not self._in_use(key, buffer):
+                    break
+            else:
+                buffer = self._new_buffer()
+                self._buffers[key].append(buffer)
+            self._buffer_versions[id(buffer)] = _RESERVED
+            return buffer
+
+    def put(
+        self,
+        key: BlockKey,
+        version: int,
+        block: bytes | bytearray | memoryview | SplitBlock,
+        buffer: Buffer | memoryview | None = None,
+    ) -> None:
+        """Publish ``block`` as ``version`` of ``key`` and wake the gets waiting for it.
+
+        The store keeps a reference, not a copy: the caller must not change ``block`` while
+        the version is kept (a buffer from ``reserve`` is safe to write until it is put;
+        pass it as ``buffer`` when ``block``, or a split block's header, lies in it).
+        Versions of a key must increase; the oldest beyond ``keep`` go.
+        """
+        view = block if isinstance(block, SplitBlock) else memoryview(block).cast("B")
+        with self._changed:
+            self._raise_if_closed(key, version, "cannot publish")
+            versions = self._blocks.setdefault(key, OrderedDict())
+            if versions and version <= next(reversed(versions)):
+                raise UsageError(
+                    f"{key.describe(version)} was published after version {next(reversed(versions))}: "
+                    "versions must increase; every partition must make the same calls in the same order"
+                )
+            dropping = list(versions)[: max(0, len(versions) + 1 - self.keep(key))]
+            after = self._bytes + view.nbytes - sum(versions[v].nbytes for v in dropping)
+            if self.max_bytes is not None and after > self.max_bytes:
+                raise AllReduceError(
+                    f"the block store would hold {after} bytes with {key.describe(version)}, "
+                    f"over its limit of {self.max_bytes}: more blocks are published than are fetched"
+                )
+            for old in dropping:
+                del versions[old]
+            versions[version] = view
+            if buffer is None:
+                buffer = (view.header if isinstance(view, SplitBlock) else view).obj
+            owner = id(buffer)
+            if owner in self._buffer_versions:
+                self._buffer_versions[owner] = version
+            self._bytes = after
+            self._changed.notify_all()
+            ready = self._ready_waiters(key, version)
+        for waiter in ready:
+            waiter._on_ready()
+
+    def get(
+        self,
+        key: BlockKey,
+        version: int,
+        timeout: float,
+        *,
+        newest: bool = False,
+        reader: Hashable | None = None,
+    ) -> tuple[int, Block]:
+        """``(version, block)``: ``version`` of ``key``, or with ``newest`` the newest version at
+        or above it; waits up to ``timeout`` seconds for it to be put.
+
+        ``reader`` (a connection, a thread's role) then holds the version served until its
+        next get of ``key`` or ``release``, so its buffer is not rewritten while being read.
+        Raises ``FetchTimeoutError`` when it does not come in time, ``StaleVersionError`` when
+        it was already replaced, ``StoreClosedError`` when the store closes meanwhile.
+        """
+        with self._changed:
+            self._ask(key, version, reader)
+            found = self._changed.wait_for(
+                lambda: self._closed or self._newest(key) >= version, timeout=timeout
+            )
+            self._raise_if_closed(key, version)
+            if not found:
+                raise self._not_published(key, version, timeout)
+            return self._take(key, version, newest, reader)
+
+    def get_or_notify(
+        self,
+        key: BlockKey,
+        version: int,
+        on_ready: Callable[[], None],
+        *,
+        newest: bool = False,
+        reader: Hashable | None = None,
+    ) -> tuple[int, Block] | Waiter:
+        """``get`` without waiting: ``(version, block)`` when it is there (raising as ``get``
+        does when it was replaced or the store is closed), else a ``Waiter``.
+
+        The waiter's ``on_ready()`` is then called once the version (or, with ``newest``, one
+        at or above it) is put or the store closes, from the thread that put it or closed the
+        store, outside the store's lock: it must return at once and not raise (hand the
+        answer to another thread), which then asks again here. A waiter that should stop
+        waiting (its timeout) is ended with ``Waiter.expire``: the store keeps no clock.
+        ``reader`` holds as with ``get``.
+        """
+        with self._changed:
+            self._ask(key, version, reader)
+            if self._closed or self._newest(key) >= version:
+                self._raise_if_closed(key, version)
+                return self._take(key, version, newest, reader)
+            waiter = Waiter(self, key, version, on_ready)
+            self._waiters.setdefault(key, []).append(waiter)
+            return waiter
+
+    def release(self, reader: Hashable) -> None:
+        """Drop every hold of ``reader`` (its connection ended, or it is done reading)."""
+        with self._changed:
+            for holders in self._holds.values():
+                holders.pop(reader, None)
+
+    def newest(self, key: BlockKey) -> int:
+        """The newest version of ``key`` in the store, or -1."""
+        with self._changed:
+            return self._newest(key)
+
+    @property
+    def waiting(self) -> int:
+        """How many gets wait through ``get_or_notify`` (holding no thread) right now."""
+        with self._changed:
+            return sum(len(waiters) for waiters in self._waiters.values())
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of all kept blocks."""
+        with self._changed:
+            return self._bytes
+
+    def buffer_count(self, key: BlockKey) -> int:
+        """How many buffers ``key`` has needed so far (bounded by kept + held versions + 1)."""
+        with self._changed:
+            return len(self._buffers.get(key, ()))
+
+    def close(self, reason: str = "") -> None:
+        """Drop every block and fail every waiting (and later) get with ``StoreClosedError``.
+
+        ``reason``, when given, is that error's message: why this partition stops.
+        """
+        with self._changed:
+            self._closed = True
+            self._closing_reason = self._closing_reason or reason
+            self._blocks.clear()
+            self._holds.clear()
+            self._buffers.clear()
+            self._buffer_versions.clear()
+            self._bytes = 0
+            self._changed.notify_all()
+            ready = [waiter for waiters in self._waiters.values() for waiter in waiters]
+            self._waiters.clear()
+            for waiter in ready:
+                waiter.fired = True
+        for waiter in ready:
+            waiter._on_ready()
+
+    def _expire(self, waiter: Waiter, timeout: float) -> FetchTimeoutError | None:
+        with self._changed:
+            if waiter.fired:
+                return None
+            waiter.fired = True
+            waiters = self._waiters.get(waiter.key, [])
+            waiters.remove(waiter)
+            if not waiters:
+                self._waiters.pop(waiter.key, None)
+            return self._not_published(waiter.key, waiter.version, timeout)
+
+    # ---- under the lock ------------------------------------------------------------------
+
+    def _ask(self, key: BlockKey, version: int, reader: Hashable | None) -> None:
+        """A reader asks for ``version``: a producer waiting for room may go on, and the
+        reader's hold of its last version of ``key`` ends."""
+        if version > self._asked.get(key, -1):
+            self._asked[key] = version
+            self._changed.notify_all()  # a producer may wait for this
+        if reader is not None:
+            self._holds.get(key, {}).pop(reader, None)
+
+    def _take(
+        self, key: BlockKey, version: int, newest: bool, reader: Hashable | None
+    ) -> tuple[int, Block]:
+        """The block a get serves, once ``version`` (or a newer one) has been put."""
+        versions = self._blocks[key]
+        if newest:
+            version = next(reversed(versions))
+        elif version not in versions:
+            raise StaleVersionError(
+                f"{key.describe(version)} is no longer kept (kept: {list(versions)}); "
+                "a peer fell behind further than the update strategy allows"
+            )
+        if reader is not None:
+            self._holds.setdefault(key, {})[reader] = version
+        return version, versions[version]
+
+    def _not_published(self, key: BlockKey, version: int, timeout: float) -> FetchTimeoutError:
+        return FetchTimeoutError(
+            f"{key.describe(version)} was not published within {timeout:g} s "
+            f"(newest there: {self._newest(key) if key in self._blocks else 'none'})"
+        )
+
+    def _ready_waiters(self, key: BlockKey, version: int) -> list[Waiter]:
+        """The waiters of ``key`` that ``version``, just put, answers; no longer waiting."""
+        waiters = self._waiters.get(key)
+        if not waiters:
+            return []
+        ready = [waiter for waiter in waiters if waiter.version <= version]
+        if ready:
+            left = [waiter for waiter in waiters if waiter.version > version]
+            if left:
+                self._waiters[key] = left
+            else:
+                del self._waiters[key]
+            for waiter in ready:
+                waiter.fired = True
+        return ready
+
+    def _newest(self, key: BlockKey) -> int:
+        versions = self._blocks.get(key)
+        return next(reversed(versions)) if versions else -1
+
+    def _oldest(self, key: BlockKey) -> int:
+        versions = self._blocks.get(key)
+        return next(iter(versions)) if versions else -1
+
+    def _room(self, key: BlockKey) -> bool:
+        """Whether a new version of ``key`` would drop only versions a reader asked past."""
+        versions = self._blocks.get(key)
+        return (
+            not versions
+            or len(versions) < self.keep(key)
+            or self._oldest(key) < self._asked.get(key, -1)
+        )
+
+    def _in_use(self, key: BlockKey, buffer: Buffer) -> bool:
+        version = self._buffer_versions.get(id(buffer), _RESERVED)
+        return (
+            version == _RESERVED
+            or version in self._blocks.get(key, ())
+            or version in self._holds.get(key, {}).values()
+        )
+
+    def _raise_if_closed(self, key: BlockKey, version: int, doing: str = "") -> None:
+        if self._closed:
+            if doing:
+                raise StoreClosedError(
+                    f"{doing} {key.describe(version)}: "
+                    f"{self._closing_reason or 'the block store is closed'}"
+                )
+            raise StoreClosedError(
+                self._closing_reason
+                or f"{key.describe(version)} was asked for while the store closed"
+            )

@@ -1,0 +1,338 @@
+"""The peer group: one partition's server, its connections to every peer, and how they end.
+
+A ``PeerGroup`` is what a partition needs to reach the others, made once per ``connect()``:
+
+- the own ``BlockStore`` (where its published blocks wait for the peers), its encode
+  buffers (in shared memory when same-host peers may read them in place), and the
+  ``BlockServer`` that serves it;
+- the address exchange: what this partition advertises, and how it reads a peer's
+  (``(host, port)``, plus a Unix socket name and the kernel scope it lives in; a peer in
+  the same scope, i.e. this machine and network namespace, is reached over the Unix
+  socket, and its blocks in shared memory are read in place);
+- the hosts (``layout.HostLayout``): which partitions share this one's scope, and whether
+  the sync is hierarchical (each host's leader exchanges with the other leaders for its
+  host) or flat (every partition with every other);
+- ``channels.Channel``\\ s: each thread that fetches (the worker, a background owner, the
+  control blocks) has connections and fetch threads of its own; a connection is made at
+  its first use, so a hierarchical partition connects only to its host and, a leader, to
+  the leaders;
+- the end: ``close`` (say done, wait until every peer is, stop), ``fail`` (answer every
+  peer with the reason for a short while, then stop), ``shutdown`` (stop at once).
+
+It moves no data itself: ``movements.py`` does, through the store and the channels here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from allreduce_param.engine.blocks.codec import get_codec
+from allreduce_param.engine.blocks.shm import SharedArenas, shared_memory_available
+from allreduce_param.engine.blocks.store import BlockStore
+from allreduce_param.engine.layout import HostLayout
+from allreduce_param.engine.movement.channels import Channel
+from allreduce_param.engine.movement.rendezvous import Rendezvous
+from allreduce_param.engine.wire.blocks import BlockServer, PeerClient, parse_address
+from allreduce_param.errors import AllReduceError, AuthenticationError
+
+if TYPE_CHECKING:
+    from allreduce_param.engine.parameter import AllReduceParameter
+
+log = logging.getLogger(__name__)
+
+#: Elements per part: blocks travel in parts of at most this many values (2 MiB of
+#: float32), so that encoding, the wire and summing overlap (see ``movements.py``).
+PART_LENGTH = 1 << 19
+
+#: The most a part can take encoded, whatever the codec: what a shared send buffer holds.
+LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
+
+#: The worker channel's fetch threads unless ``AllReduceParameter(fetch_threads=...)`` says
+#: otherwise (never more than the peers): how many peers it fetches from at once. Each
+#: thread pulls one peer's parts back to back, so a few keep a link busy, and the rest
+#: queue: under every strategy a fetch of the worker's waits only for blocks its peer
+#: publishes without waiting for this partition's later work, so queued fetches are late,
+#: never stuck (docs/DESIGN.md, "Scaling").
+FETCH_THREADS = 16
+
+
+class PeerGroup:
+    """This partition's server and its connections to the peers of one parameter.
+
+    Starts serving, meets the peers through ``rendezvous`` (once), and makes the worker's
+    channel (``fetch_threads`` fetch threads, default ``FETCH_THREADS``, at most one per
+    peer) and the control channel (one thread, for small blocks while an owner's channel
+    may be waiting).
+    """
+
+    def __init__(self, param: AllReduceParameter, rendezvous: Rendezvous) -> None:
+        self.partition_id = rendezvous.partition_id
+        self.partition_num = param.partition_num
+        self.timeout = param.timeout
+        self._param = param
+        self._closed = False
+        self._done_peers: set[int] = set()
+        self._done_changed = threading.Condition()
+        self._channels: list[Channel] = []
+        strategy = param.strategy
+        # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
+        self.shared = (
+            SharedArenas()
+            if param.unix_sockets and param.shared_memory and shared_memory_available()
+            else None
+        )
+        self.store = BlockStore(
+            keep=strategy.keep(),
+            wait_for_readers=strategy.waits_for_readers(),
+            reuse_at_once=strategy.read_before_next(),
+            new_buffer=self._new_buffer,
+        )
+        host, port = rendezvous.bind_address()
+        bind, advertise = param.network.addresses(host)
+        self._server = BlockServer(
+            self.store,
+            param.secret,
+            param.param_id,
+            self.partition_id,
+            bind,
+            port,
+            partition_num=self.partition_num,
+            on_done=self.peer_done,
+            unix=param.unix_sockets,
+            shared=self.shared,
+            max_wait=param.timeout,
+            ports=param.network.port_range,
+            advertise=advertise,
+            handshake_timeout=param.network.connect_timeout,
+            encrypt=param.network.encrypt,
+        )
+        self._addresses: list = []
+        try:
+            self._addresses = [
+                parse_address(address)
+                for address in rendezvous.exchange(self._server.advertised_address)
+            ]
+            self._check_fingerprints()
+            self.hosts = HostLayout(
+                [
+                    address.scope if address.local_name is not None and param.unix_sockets else None
+                    for address in self._addresses
+                ]
+            )
+            #: each host's leader exchanges for it; the others only within their host
+            self.hierarchical = (
+                param.topology != "flat" and strategy.inline_owner and self.hosts.nested
+            )
+            #: how many fetches a channel runs at once (a background owner's also reads its own store)
+            self.fetch_threads = min(param.fetch_threads or FETCH_THREADS, self.partition_num)
+            self.worker = self.channel(min(self.fetch_threads, self.partition_num - 1), "fetch")
+            # small blocks (choices, signals) on connections of their own, made at first use:
+            # a background owner's channel may be waiting for a straggler's gradient meanwhile
+            self.control = self.channel(1, "control")
+        except BaseException:
+            self.shutdown()
+            raise
+        self.peers = self.worker.clients
+
+    def _check_fingerprints(self) -> None:
+        """Refuse, on every partition at once, peers that serve another parameter (each
+        task made its own AllReduceParameter instead of using the driver's)."""
+        own = self._addresses[self.partition_id].fingerprint
+        others = [
+            peer
+            for peer, address in enumerate(self._addresses)
+            if address.fingerprint is not None and own is not None and address.fingerprint != own
+        ]
+        if others:
+            raise AuthenticationError(
+                f"partition {self.partition_id} met partitions {others} with another AllReduceParameter: the "
+                "secrets differ. Every partition must use the same AllReduceParameter object, made on the driver "
+                "(make it before the barrier stage; the tasks get it in their closure)"
+            )
+
+    def channel(self, threads: int, role: str, idle_waits: bool = False) -> Channel:
+        """A new set of connections to every peer (each connects on first use), with
+        ``threads`` fetch threads (and ``idle_waits``: see ``Channel``); closed with the group."""
+        clients = {}
+        for peer in range(self.partition_num):
+            if peer == self.partition_id:
+                continue
+            address = self._addresses[peer]
+            # the same machine and network namespace as this partition's own server says it is in
+            same_scope = (
+                address.local_name is not None
+                and address.scope == self._addresses[self.partition_id].scope
+            )
+            clients[peer] = PeerClient(
+                (address.host, address.port),
+                self._param.secret,
+                self._param.param_id,
+                self.partition_id,
+                peer,
+                self.timeout,
+                local_name=address.local_name
+                if same_scope
+                else None,  # a Unix socket, and shared memory if on
+                handshake_timeout=self._param.network.connect_timeout,
+                encrypt=self._param.network.encrypt,
+            )
+        channel = Channel(
+            clients, threads, f"allreduce-{role}-{self.partition_id}", role, idle_waits
+        )
+        self._channels.append(channel)
+        return channel
+
+    def reads_in_place(self, channel: Channel, server: int) -> bool:
+        """Whether the blocks ``server`` serves are read where they lie: the own store, or a
+        peer's shared memory on this host. Such bytes never crossed a socket."""
+        if server == self.partition_id:
+            return True
+        return self.shared is not None and channel.clients[server].local_name is not None
+
+    def server_of(self, source: int) -> int:
+        """Who serves ``source``'s weight slices and host sums to this partition: ``source``
+        itself when flat or on this host; hierarchical, this host's leader for the others
+        (the leader itself reads them from its own store, where it relays them)."""
+        if not self.hierarchical or self.hosts.leader(source) == self.hosts.leader(
+            self.partition_id
+        ):
+            return source
+        return self.hosts.leader(self.partition_id)
+
+    def connections(self) -> dict[str, list[int]]:
+        """The peers this partition holds a connection to now, by channel (``"fetch"``, the
+        worker's; ``"control"``; ``"owner"``): what its sync has needed so far."""
+        return {
+            channel.role: sorted(
+                peer for peer, client in channel.clients.items() if client.connected
+            )
+            for channel in self._channels
+        }
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this partition exchanges with the other hosts for its host (hierarchical)."""
+        return self.hierarchical and self.hosts.leader(self.partition_id) == self.partition_id
+
+    @property
+    def remote_peers(self) -> int:
+        """How many peers are reached over TCP (on other hosts, or with Unix sockets off)
+        rather than over a Unix socket on this host."""
+        return sum(
+            self.worker.clients[peer].local_name is None
+            for peer in self.hosts.neighbours(self.partition_id, self.hierarchical)
+        )
+
+    def room(self, nbytes: int) -> memoryview:
+        """``nbytes`` of writable memory whose contents can be published where they lie: in
+        shared memory when same-host peers may read it in place; freed with the group."""
+        return memoryview(bytearray(nbytes)) if self.shared is None else self.shared.buffer(nbytes)
+
+    def _new_buffer(self):
+        """Room to encode one part into: shared memory when peers may read it in place."""
+        return bytearray() if self.shared is None else self.shared.buffer(LARGEST_PART)
+
+    # ---- the end -------------------------------------------------------------------------
+
+    def peer_done(self, partition: int) -> None:
+        """``partition`` fetches nothing more from us: it said so, hung up, or is gone."""
+        with self._done_changed:
+            self._done_peers.add(partition)
+            self._done_changed.notify_all()
+
+    def close(self, join: Callable[[], None] = lambda: None) -> None:
+        """Finish cleanly: tell the peers we are done, wait until they are, then stop.
+
+        A partition that finishes first keeps serving its last blocks until every peer has
+        said it fetched them (or the timeout passes), so no peer loses a block it needs.
+        Hierarchical, "done" goes through the leaders: a leader waits for its host, then
+        tells the other leaders and waits for them, and only then tells its host; so no
+        partition stops serving before every partition anywhere is done fetching. ``join``
+        is as for ``shutdown``.
+        """
+        if self._closed:
+            return
+        try:
+            me = self.partition_id
+            near, far = (
+                (self.hosts.mates(me), self.hosts.other_leaders(me))
+                if self.hierarchical
+                else (self.hosts.neighbours(me, hierarchical=False), ())
+            )
+            if far:
+                self._wait_for_peers(near)  # every partition of this host is done with us
+                self._say_done(far)
+                self._wait_for_peers(far)  # and every other host is
+            self._say_done(near)
+            if not far:
+                self._wait_for_peers(near)
+        finally:
+            self.shutdown(join)
+
+    def _say_done(self, partitions) -> None:
+        for partition in partitions:
+            try:
+                self.peers[partition].done()
+            except AllReduceError as error:
+                log.warning("partition %d: %s", self.partition_id, error)
+
+    def fail(self, reason: str, join: Callable[[], None] = lambda: None) -> None:
+        """Stop after an error, telling the peers why.
+
+        Every fetch a peer makes is answered with ``reason`` (so its error names the root
+        cause, whichever failure Spark reports first) until each peer has hung up, said it
+        is done, is known to be gone, or refused us for want of our secret (then it is not
+        of this parameter), or the network settings' ``failure_linger`` passes (it is only
+        for a clearer message: the root cause in every peer's error); then it stops.
+        """
+        if self._closed:  # closed already (e.g. close() then an error): nothing left to say
+            return
+        self.store.close(reason)
+        for channel in self._channels:
+            channel.abort()
+        self._wait_for_peers(
+            self.hosts.neighbours(self.partition_id, self.hierarchical),
+            min(self.timeout, self._param.network.failure_linger),
+        )
+        self.shutdown(join)
+
+    def _wait_for_peers(self, partitions, timeout: float | None = None) -> bool:
+        """Wait until each of ``partitions`` is done with us (at most ``timeout``, default the
+        parameter's); log those that are not."""
+        with self._done_changed:
+            done = self._done_changed.wait_for(
+                lambda: self._done_peers.issuperset(partitions),
+                timeout=self.timeout if timeout is None else timeout,
+            )
+            missing = sorted(set(partitions) - self._done_peers)
+        if not done:
+            log.warning(
+                "partition %d stopped waiting for partitions %s to say they were done",
+                self.partition_id,
+                missing,
+            )
+        return done
+
+    @property
+    def closed(self) -> bool:
+        """Whether the group has stopped (closed, failed or shut down)."""
+        return self._closed
+
+    def shutdown(self, join: Callable[[], None] = lambda: None) -> None:
+        """Stop at once: cut the connections, stop the server (which closes the store), then
+        call ``join`` (where a thread that waits on the store ends), then stop the fetch
+        threads and free the shared memory. Once."""
+        if self._closed:
+            return
+        self._closed = True
+        for channel in self._channels:
+            channel.abort()
+        self._server.close()
+        join()
+        for channel in self._channels:
+            channel.close()
+        if self.shared is not None:
+            self.shared.close()

@@ -1,0 +1,721 @@
+"""Training data: checked and shaped on the driver, turned into numpy arrays inside the task.
+
+On the driver, ``prepare`` checks the columns before any task starts (a missing column, a
+vector of the wrong length, NaN labels, ragged rows, NaN or Inf features, and for a
+classifier labels that are no class id each get a clear error) and shapes the DataFrame
+into ``features: array<float>, label: double, split: int`` (0 train, 1 validation). With a
+column of sample weights (``weight_col``) it adds a fourth, ``weight: double``, after them:
+each weight must be a finite number >= 0, and each split's weights must not all be 0 (the
+gradient is the weighted mean; a split that weighs nothing has none). Without one the
+DataFrame keeps the three columns, and nothing changes for an unweighted fit. Every
+row check is part of its one pass over the data (numpy over Arrow batches, one Spark stage),
+so a bad row fails the fit there, in seconds, not as a NonFiniteGradientError or a label
+error at some step of the barrier stage.
+Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into one
+contiguous float32 matrix, once, with no per-row Python objects, in the order the rows
+were placed in; the labels, splits and (weighted data) weights come as arrays in that order.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import operator
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.spark import arrow
+from allreduce_param.spark.info import SparkInfo
+
+TRAIN, VALIDATION = 0, 1
+#: The columns a prepared DataFrame has, and their Spark types; prepared with ``weight_col``
+#: it has a fourth after them, ``WEIGHT_COLUMN double`` (``prepared_columns`` lists them).
+PREPARED_SCHEMA = "features array<float>, label double, split int"
+#: The prepared column of sample weights (float64), where the data has them.
+WEIGHT_COLUMN = "weight"
+#: The columns a shuffled placement adds (``partitioning.place_rows``): a partition's rows
+#: belong in (split, _order, _i) order. A shuffle delivers them in no fixed order, and
+#: ``arrays_from_arrow`` sorts the keys in numpy for less than Spark's sort of whole rows.
+ORDER_COLUMNS = ("_order", "_i")
+
+
+class PartitionCount(NamedTuple):
+    """How many rows of one split one partition of the prepared DataFrame holds, and where.
+
+    ``partition`` is the partition's index in the prepared DataFrame (``spark_partition_id()``);
+    its rows of ``split`` are consecutive, from position ``start`` in the partition (a
+    partition can hold rows of both splits when Spark's union keeps its inputs' partitioning).
+    With these, a row's index in the data follows from its partition and position alone.
+    """
+
+    split: int
+    partition: int
+    rows: int
+    start: int
+
+
+@dataclass(frozen=True, eq=False)  # one summary per check: compared (and hashed) by identity
+class DataSummary:
+    """What the driver learnt about the data while checking it.
+
+    ``partition_counts``: one ``PartitionCount`` per (split, partition) of the prepared
+    DataFrame that holds rows of that split, sorted by split then partition; what
+    ``partitioning.place_rows`` needs to place rows by their index without a job of its own.
+    ``partition_num``: how many partitions the prepared DataFrame has, empty ones too (the
+    tasks of the checks' job), so the driver need not ask Spark again. ``cached``: whether
+    the data checked was cached (``df.cache()``), so its partitions stay the ones counted.
+    ``weighted``: whether it was prepared with ``weight_col``, so its rows carry the
+    ``weight`` column (``prepared_columns(summary.weighted)`` are its columns): what
+    ``partitioning.place_rows_once`` goes by, without asking Spark for the schema (under
+    Spark Connect a round trip).
+    """
+
+    n_features: int
+    sample: tuple  # one training row as (X [1, n_features] float32, y [1]), to try the model on
+    partition_counts: tuple[PartitionCount, ...] = ()
+    partition_num: int | None = None
+    cached: bool = False
+    weighted: bool = False
+
+    def rows(self, split: int = TRAIN) -> int:
+        """How many rows of ``split`` (TRAIN or VALIDATION) the data has."""
+        return sum(count.rows for count in self.partition_counts if count.split == split)
+
+
+def prepared_columns(weighted: bool = False) -> tuple[str, ...]:
+    """The columns of a prepared DataFrame, in order: ``features, label, split``, then
+    ``weight`` for data prepared with ``weight_col`` (``DataSummary.weighted``)."""
+    return (
+        ("features", "label", "split", WEIGHT_COLUMN)
+        if weighted
+        else ("features", "label", "split")
+    )
+
+
+#: monotonically_increasing_id() holds the partition index above this many bits.
+_POSITION_BITS = 33
+
+
+def prepare(
+    df,
+    features_col: str,
+    label_col: str,
+    validation=None,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    weight_col: str | None = None,
+):
+    """Check ``df`` (and ``validation``) and shape them for training; (DataFrame, DataSummary).
+
+    Runs one Spark job of one stage for both DataFrames (row counts per split and partition,
+    vector lengths, missing labels, non-finite features, the labels a classifier cannot take,
+    and with ``weight_col`` the weights' checks and sums). Its counts are of the returned
+    DataFrame's own partitions, so ``partitioning.place_rows`` on that DataFrame can index
+    its rows without counting again.
+
+    ``task`` is the model's (``"classification"`` or ``"regression"``); for classification
+    every label must be a whole number >= 0, and below ``num_classes`` when the model says
+    how many classes it has (``Model.num_classes``). ``weight_col`` names a numeric column
+    of sample weights, in ``validation`` too (its rows are weighted in evaluation): each
+    must be a finite number >= 0, and each DataFrame's weights must sum to more than 0; the
+    result then has the ``weight`` column and ``DataSummary.weighted``. Each error names the
+    data, the column, how many rows are bad and the first of them (its index from 0 in the
+    DataFrame's order).
+    """
+    classes = _class_count(num_classes) if task == "classification" else None
+    frames = [("training", df, TRAIN)] + (
+        [("validation", validation, VALIDATION)] if validation is not None else []
+    )
+    parts = [
+        _shape(frame, features_col, label_col, name, split, weight_col)
+        for name, frame, split in frames
+    ]
+    prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
+    weighted = weight_col is not None
+    checks = _row_checks(task == "classification", classes, weight_col)
+    stats_by_split, partition_num = _statistics(prepared, checks, classes, weighted)
+    lengths, counts = [], []
+    for name, _, split in frames:
+        stats = stats_by_split.get(split)
+        if stats is None or stats["rows"] == 0:
+            raise InputError(f"the {name} data has no rows")
+        if stats["bad_labels"]:
+            raise InputError(
+                f"the {name} data has {stats['bad_labels']} rows whose label {label_col!r} is null or NaN; "
+                f"drop or fill them first, e.g. df.dropna(subset=[{label_col!r}])"
+            )
+        if stats["missing_features"]:
+            raise InputError(
+                f"the {name} data has {stats['missing_features']} rows without {features_col!r}"
+            )
+        if stats["shortest"] != stats["longest"]:
+            raise InputError(
+                f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
+                f"{stats['longest']} elements; every row needs the same length"
+            )
+        for check in checks:
+            if stats[check.name]:
+                raise InputError(check.message(name, features_col, label_col, classes, stats))
+        if weighted:
+            _check_weight_sum(name, weight_col, stats)
+        lengths.append(stats["longest"])
+        counts.extend(
+            PartitionCount(
+                split,
+                int(part["partition"]),
+                int(part["rows"]),
+                int(part["first"]) & ((1 << _POSITION_BITS) - 1),
+            )
+            for part in stats["partitions"]
+        )
+        if split == TRAIN:
+            sample = (
+                np.asarray([stats["first_features"]], np.float32),
+                np.asarray([stats["first_label"]]),
+            )
+    if len(lengths) == 2 and lengths[0] != lengths[1]:
+        raise InputError(
+            f"training vectors have {lengths[0]} elements but validation vectors {lengths[1]}"
+        )
+    cached = all(_cached(frame) for _, frame, _ in frames)
+    return prepared, DataSummary(
+        int(lengths[0]), sample, tuple(sorted(counts)), partition_num, cached, weighted=weighted
+    )
+
+
+#: How many checked cached DataFrames ``prepare_once`` remembers (the newest).
+CHECKED_KEEP = 8
+_checked: list[tuple[tuple, list, tuple]] = []  # (settings, frames, prepare's result), newest last
+_checked_lock = threading.Lock()  # fits may run on several threads of one driver
+
+
+def prepare_once(
+    df,
+    features_col: str,
+    label_col: str,
+    validation=None,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    weight_col: str | None = None,
+):
+    """``prepare``, once per cached data: for DataFrames that are cached (``df.cache()``), the
+    result of an earlier call with the same settings on the same data, if this process made
+    one, without its Spark job; otherwise ``prepare`` itself.
+
+    Several fits on the same cached data (tuning a learning rate, a grid search) then check
+    it once. Only cached DataFrames are remembered: their rows stay what they were when
+    checked, where a DataFrame read anew from its source might not. The same data means
+    the same query (``sameSemantics``) over the same cache; the same settings include
+    ``weight_col`` (a weighted fit's prepared data has a column an unweighted one's lacks).
+    """
+    frames = [df] if validation is None else [df, validation]
+    if not all(_cached(frame) for frame in frames):
+        return prepare(
+            df,
+            features_col,
+            label_col,
+            validation,
+            task=task,
+            num_classes=num_classes,
+            weight_col=weight_col,
+        )
+    settings = (
+        SparkInfo(df.sparkSession).application_id,
+        features_col,
+        label_col,
+        task,
+        num_classes,
+        weight_col,
+    )
+    with _checked_lock:
+        earlier = list(reversed(_checked))
+    for earlier_settings, earlier_frames, result in earlier:
+        if (
+            earlier_settings == settings
+            and len(earlier_frames) == len(frames)
+            and all(_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames))
+        ):
+            return result
+    result = prepare(
+        df,
+        features_col,
+        label_col,
+        validation,
+        task=task,
+        num_classes=num_classes,
+        weight_col=weight_col,
+    )
+    with _checked_lock:
+        _checked.append((settings, frames, result))
+        del _checked[:-CHECKED_KEEP]
+    return result
+
+
+def _cached(frame) -> bool:
+    """Whether ``frame`` itself is cached (persisted at some storage level)."""
+    level = frame.storageLevel
+    return level.useMemory or level.useDisk or level.useOffHeap
+
+
+def _class_count(num_classes) -> int | None:
+    """The model's ``num_classes`` as an int >= 1, or None when it does not say."""
+    if num_classes is None:
+        return None
+    try:
+        count = None if isinstance(num_classes, bool) else operator.index(num_classes)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ConfigurationError(
+            f"the model's num_classes must be a whole number >= 1 (or None), got {num_classes!r}"
+        )
+    return count
+
+
+class _RowCheck(NamedTuple):
+    """A condition no row may meet: its name (its count's key in the statistics, and its
+    condition's in ``_bad_rows``) and the message's wording."""
+
+    name: str
+    message: object  # (data name, features_col, label_col, classes, stats) -> str
+
+
+def _row_checks(
+    classification: bool, classes: int | None, weight_col: str | None = None
+) -> list[_RowCheck]:
+    """The row conditions ``prepare`` refuses, in the order it reports them.
+
+    Features: NaN, +/-Inf or null elements (a double beyond float32's range became Inf when
+    the column was cast). Labels: +/-Inf (null and NaN are counted apart, as before); for a
+    classifier also fractional, negative, and (when the model says) >= its class count.
+    Weights (with ``weight_col``): null, NaN, negative or +/-Inf.
+    """
+    checks = [
+        _RowCheck("nonfinite_features", _nonfinite_features),
+        _RowCheck("infinite_labels", _infinite_labels),
+    ]
+    if classification:
+        checks += [
+            _RowCheck("fractional_labels", _fractional_labels),
+            _RowCheck("negative_labels", _negative_labels),
+        ]
+        if classes is not None:
+            checks.append(_RowCheck("too_large_labels", _too_large_labels))
+    if weight_col is not None:
+        checks.append(_RowCheck("bad_weights", functools.partial(_bad_weights, weight_col)))
+    return checks
+
+
+def _bad_rows(
+    labels: np.ndarray,
+    bad_features: np.ndarray,
+    classes: int | None,
+    weights: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Each row check's condition over a batch: which rows meet it (null labels are NaN here,
+    and meet none: ``bad_labels`` counts them; null weights are NaN here too, and bad)."""
+    with np.errstate(invalid="ignore"):
+        whole = np.abs(labels) < np.inf
+        bad = {
+            "nonfinite_features": bad_features,
+            "infinite_labels": np.abs(labels) == np.inf,
+            "fractional_labels": whole & (labels != np.round(labels)),
+            "negative_labels": whole & (labels < 0),
+            "too_large_labels": whole & (labels >= (np.inf if classes is None else classes)),
+        }
+        if weights is not None:
+            bad["bad_weights"] = ~(np.isfinite(weights) & (weights >= 0))
+        return bad
+
+
+def _nonfinite_features(name, features_col, label_col, classes, stats) -> str:
+    example = stats["nonfinite_features_first"]["value"]
+    return (
+        f"the {name} column {features_col!r} holds NaN, Inf or null in {stats['nonfinite_features']} rows "
+        f"(e.g. row {_first_bad_row(stats, 'nonfinite_features')}: {_number(example['value'])} at element "
+        f"{example['index']}); drop or fill them before training: df.na.drop() or "
+        "pyspark.ml.feature.Imputer on the input columns (before VectorAssembler) for NaN and null, and "
+        "filter out or replace infinite values (a number beyond float32's +-3.4e38 becomes Inf too)"
+    )
+
+
+def _infinite_labels(name, features_col, label_col, classes, stats) -> str:
+    return (
+        f"the {name} data has {stats['infinite_labels']} rows whose label {label_col!r} is infinite "
+        f"({_example(stats, 'infinite_labels')}); drop or fix them first, e.g. "
+        f"df.filter(F.abs({label_col!r}) < float('inf'))"
+    )
+
+
+def _fractional_labels(name, features_col, label_col, classes, stats) -> str:
+    return (
+        f"the {name} data has {stats['fractional_labels']} rows whose label {label_col!r} is not a whole "
+        f"number ({_example(stats, 'fractional_labels')}), but a classification model takes class ids "
+        "0, 1, 2, ...: index the classes with pyspark.ml.feature.StringIndexer, or fit a regression model"
+    )
+
+
+def _negative_labels(name, features_col, label_col, classes, stats) -> str:
+    return (
+        f"the {name} data has {stats['negative_labels']} rows whose label {label_col!r} is negative "
+        f"({_example(stats, 'negative_labels')}), but a classification model takes class ids 0, 1, 2, ...: "
+        "re-index the classes with pyspark.ml.feature.StringIndexer"
+    )
+
+
+def _too_large_labels(name, features_col, label_col, classes, stats) -> str:
+    largest = int(stats["too_large_labels_largest"])
+    return (
+        f"the {name} data has {stats['too_large_labels']} rows whose label {label_col!r} is {classes} or "
+        f"more ({_example(stats, 'too_large_labels')}; the largest is {largest}), but the model has "
+        f"{classes} classes (ids 0..{classes - 1}): use a model with {largest + 1} outputs (e.g. "
+        f"MLP([..., {largest + 1}]) or SoftmaxRegression(n_features, {largest + 1})), or re-index the "
+        "classes with pyspark.ml.feature.StringIndexer"
+    )
+
+
+def _bad_weights(weight_col, name, features_col, label_col, classes, stats) -> str:
+    return (
+        f"the {name} data has {stats['bad_weights']} rows whose weight {weight_col!r} (weight_col) is null, NaN, "
+        f"negative or infinite ({_example(stats, 'bad_weights')}); a weight must be a finite number >= 0: "
+        f"fill them, e.g. df.fillna(1.0, subset=[{weight_col!r}]) for null and NaN, or filter them out, e.g. "
+        f"df.filter((F.col({weight_col!r}) >= 0) & (F.col({weight_col!r}) < float('inf')))"
+    )
+
+
+def _check_weight_sum(name: str, weight_col: str, stats: dict) -> None:
+    """Refuse a split whose weights (each finite and >= 0) sum to 0, or beyond float64."""
+    total = stats["weight_sum"]
+    if total == 0:
+        raise InputError(
+            f"the {name} data's weights in {weight_col!r} (weight_col) sum to 0: all its {stats['rows']} rows "
+            "have weight 0, so no row counts (a weighted mean over them is 0/0); at least one row needs a "
+            "weight > 0"
+        )
+    if not math.isfinite(total):
+        raise InputError(
+            f"the {name} data's weights in {weight_col!r} (weight_col) sum to more than a float64 holds "
+            "(about 1.8e308); scale them down: only their ratios matter"
+        )
+
+
+def _example(stats: dict, check: str) -> str:
+    return f"e.g. {_number(stats[check + '_first']['value'])} at row {_first_bad_row(stats, check)}"
+
+
+def _number(value) -> str:
+    """A value as a message shows it: NaN, Inf, -Inf, null, whole numbers without '.0'."""
+    if value is None:
+        return "null"
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Inf" if value > 0 else "-Inf"
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def _first_bad_row(stats: dict, check: str) -> int:
+    """The index (from 0, in the DataFrame's order) of the first row that failed ``check``.
+
+    Its ``monotonically_increasing_id`` holds its partition and its position there; the rows
+    of the split's earlier partitions come before it.
+    """
+    row = int(stats[check + "_first"]["row"])
+    partition, position = row >> _POSITION_BITS, row & ((1 << _POSITION_BITS) - 1)
+    before, start = 0, position
+    for part in stats["partitions"]:
+        if part["partition"] < partition:
+            before += int(part["rows"])
+        elif part["partition"] == partition:
+            start = int(part["first"]) & ((1 << _POSITION_BITS) - 1)
+    return before + position - start
+
+
+def _statistics(
+    prepared, checks: Sequence[_RowCheck] = (), classes: int | None = None, weighted: bool = False
+) -> tuple[dict, int]:
+    """One pass over the prepared rows, in a single Spark stage (no shuffle, no query to
+    compile): per split, what ``prepare`` checks, and per partition its row count and first
+    row (as ``monotonically_increasing_id`` numbers it, which ``place_rows`` reads); and how
+    many partitions (tasks) there are.
+
+    For each row check: how many rows fail it and the first of them (``row``: its id,
+    ``value``: what the message quotes of it); for the class-count check also the largest
+    label. ``weighted`` (the data has the ``weight`` column): also ``weight_sum``, the sum
+    of the split's good weights (float64; each >= 0, so no cancellation).
+    """
+    from pyspark.sql import functions as F
+
+    names = [check.name for check in checks]
+
+    def task(batches):
+        from pyspark import TaskContext
+
+        for split, stats in _partition_statistics(batches, names, classes, weighted).items():
+            yield arrow.record_batch(stats=[json.dumps({"split": split, **stats})])
+        yield arrow.record_batch(stats=[json.dumps({"task": TaskContext.get().partitionId()})])
+
+    # the ids as place_rows numbers the rows: the same projection over the same plan
+    indexed = prepared.select(
+        *prepared_columns(weighted), F.monotonically_increasing_id().alias("row")
+    )
+    # in row order: by partition, then position (a local relation numbered on the driver, all
+    # in its partition 0, may still be read by several tasks: their parts are joined here)
+    records = [
+        json.loads(row["stats"]) for row in indexed.mapInArrow(task, "stats string").collect()
+    ]
+    tasks = [record["task"] for record in records if "task" in record]
+    parts = sorted(
+        (record for record in records if "task" not in record), key=lambda part: part["first"]
+    )
+    by_split: dict[int, dict] = {}
+    partitions: dict[int, list[dict]] = {}
+    for part in parts:
+        split = part.pop("split")
+        places = partitions.setdefault(split, [])
+        if places and places[-1]["partition"] == part["partition"]:
+            places[-1]["rows"] += part["rows"]
+        else:
+            places.append({key: part[key] for key in ("partition", "rows", "first")})
+        by_split[split] = _merge_statistics(by_split.get(split), part, names)
+    for split, total in by_split.items():
+        total["partitions"] = partitions[split]
+    return by_split, max(tasks, default=-1) + 1  # a DataFrame may have no partitions at all
+
+
+def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> dict:
+    """``total`` (the figures of some rows) with those of ``part``, rows that come after
+    them, added; ``part`` itself when there is no total yet. The first row's features,
+    label and id, and each check's first bad row, stay the earlier ones."""
+    if total is None:
+        return part
+    for key in ("rows", "bad_labels", "missing_features", *names):
+        total[key] += part[key]
+    if "weight_sum" in part:
+        total["weight_sum"] += part["weight_sum"]
+    for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
+        if part[key] is not None:
+            total[key] = part[key] if total[key] is None else pick(total[key], part[key])
+    for name in names:
+        if total[name + "_first"] is None:
+            total[name + "_first"] = part[name + "_first"]
+    return total
+
+
+def _partition_statistics(
+    batches, names: Sequence[str], classes: int | None, weighted: bool = False
+) -> dict[int, dict]:
+    """Inside a task: ``_statistics``'s figures of this partition (its rows numbered in
+    ``row``), by split."""
+    found: dict[int, dict] = {}
+    for batch in batches:
+        ids = arrow.values(batch.column(batch.schema.get_field_index("row")))
+        features = batch.column(batch.schema.get_field_index("features"))
+        label_column = batch.column(batch.schema.get_field_index("label"))
+        label_null = arrow.nulls(label_column)
+        labels = np.where(label_null, np.nan, arrow.values(label_column))
+        splits = arrow.values(batch.column(batch.schema.get_field_index("split")))
+        missing = arrow.nulls(features)
+        offsets = arrow.list_offsets(features)
+        element_null = arrow.nulls(features.values)
+        elements = arrow.values(features.values)
+        if element_null.any():
+            elements = np.where(element_null, np.nan, elements)
+        bad_element = element_null | ~np.isfinite(elements)
+        bad_before = np.concatenate([[0], np.cumsum(bad_element)])
+        bad_features = ~missing & (bad_before[offsets[1:]] > bad_before[offsets[:-1]])
+        lengths = np.where(missing, -1, np.diff(offsets))
+        weights = weight_null = None
+        if weighted:
+            weight_column = batch.column(batch.schema.get_field_index(WEIGHT_COLUMN))
+            weight_null = arrow.nulls(weight_column)
+            weights = np.where(weight_null, np.nan, arrow.values(weight_column))
+        bad = _bad_rows(labels, bad_features, classes, weights)
+
+        def example(name: str, row: int):  # used in this iteration only (B023)
+            if name == "bad_weights":
+                return None if weight_null[row] else float(weights[row])  # noqa: B023
+            if name != "nonfinite_features":
+                return float(labels[row])  # noqa: B023
+            index = int(np.argmax(bad_element[offsets[row] : offsets[row + 1]]))  # noqa: B023
+            at = offsets[row] + index  # noqa: B023
+            return {"index": index, "value": None if element_null[at] else float(elements[at])}  # noqa: B023
+
+        for split in np.unique(splits):
+            rows = np.flatnonzero(splits == split)
+            first = int(rows[0])
+            present = lengths[rows][lengths[rows] >= 0]
+            stats = {
+                "partition": int(ids[first]) >> _POSITION_BITS,
+                "first": int(ids[first]),
+                "rows": len(rows),
+                "shortest": int(present.min()) if len(present) else None,
+                "longest": int(present.max()) if len(present) else None,
+                "bad_labels": int(np.count_nonzero(np.isnan(labels[rows]))),
+                "missing_features": int(np.count_nonzero(missing[rows])),
+                "first_features": None
+                if missing[first]
+                else elements[offsets[first] : offsets[first + 1]].astype(float).tolist(),
+                "first_label": None if label_null[first] else float(labels[first]),
+                "too_large_labels_largest": None,
+            }
+            if weighted:  # the good weights only: the bad are counted, and refused, apart
+                stats["weight_sum"] = float(weights[rows][~bad["bad_weights"][rows]].sum())
+            for name in names:
+                failed = rows[bad[name][rows]]
+                stats[name] = len(failed)
+                stats[name + "_first"] = (
+                    {"row": int(ids[failed[0]]), "value": example(name, int(failed[0]))}
+                    if len(failed)
+                    else None
+                )
+                if name == "too_large_labels" and len(failed):
+                    stats["too_large_labels_largest"] = float(labels[failed].max())
+            found[int(split)] = _merge_statistics(found.get(int(split)), stats, names)
+    return found
+
+
+def _shape(
+    frame, features_col: str, label_col: str, name: str, split: int, weight_col: str | None = None
+):
+    """``frame`` as the prepared columns (``prepared_columns``): ``features: array<float>``
+    from a vector or numeric-array column, ``label: double``, ``split: int`` (all ``split``),
+    and with ``weight_col`` the weights as ``weight: double``."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import NumericType
+
+    features = features_array(frame, features_col, name)
+    fields = {field.name: field.dataType for field in frame.schema.fields}
+    if label_col not in fields:
+        raise InputError(
+            f"the {name} data has no column {label_col!r} (label_col); its columns are {sorted(fields)}"
+        )
+    if not isinstance(fields[label_col], NumericType):
+        raise InputError(
+            f"the {name} label column {label_col!r} is {fields[label_col].simpleString()}; it must "
+            "be numeric (use StringIndexer for string classes)"
+        )
+    columns = [
+        features.alias("features"),
+        F.col(label_col).cast("double").alias("label"),
+        F.lit(split).alias("split"),
+    ]
+    if weight_col is not None:
+        if weight_col not in fields:
+            raise InputError(
+                f"the {name} data has no column {weight_col!r} (weight_col); its columns are "
+                f"{sorted(fields)}"
+            )
+        if not isinstance(fields[weight_col], NumericType):
+            raise InputError(
+                f"the {name} weight column {weight_col!r} (weight_col) is {fields[weight_col].simpleString()}; "
+                f"it must be numeric: a finite number >= 0 per row (cast it first, e.g. "
+                f"df.withColumn({weight_col!r}, F.col({weight_col!r}).cast('double')))"
+            )
+        columns.append(F.col(weight_col).cast("double").alias(WEIGHT_COLUMN))
+    return frame.select(*columns)
+
+
+def features_array(frame, features_col: str, name: str | None = None, role: str = "features_col"):
+    """The column ``features_col`` of ``frame`` as ``array<float>``, from a vector
+    (pyspark.ml.linalg) or an array of numbers; what the fit trains on and predictions read.
+    A missing column or one of another type is an InputError naming ``role`` (the setting
+    that named it) and, where given, which data (``name``: "training", "validation")."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, NumericType
+
+    whose = f"the {name} " if name else "the "
+    fields = {field.name: field.dataType for field in frame.schema.fields}
+    if features_col not in fields:
+        raise InputError(
+            f"{whose}data has no column {features_col!r} ({role}); its columns are {sorted(fields)}"
+        )
+    kind = fields[features_col]
+    if isinstance(kind, VectorUDT):
+        return vector_to_array(F.col(features_col), "float32")
+    if isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
+        return F.col(features_col).cast("array<float>")
+    raise InputError(
+        f"{whose}column {features_col!r} is {kind.simpleString()}; it must be a vector "
+        "(pyspark.ml.linalg) or an array of numbers, e.g. from VectorAssembler"
+    )
+
+
+def arrays_from_arrow(
+    batches, n_features: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The partition's prepared Arrow batches as ``(X float32 [rows, n_features], y, split,
+    weight)``: in (split, _order, _i) order where the batches carry ``ORDER_COLUMNS``, else
+    as they came. ``weight`` is the rows' float64 weights, in the same order, where the
+    batches carry the ``weight`` column (data prepared with ``weight_col``), else None; None
+    too for a partition without batches (no rows: nothing to weigh)."""
+    features, labels, splits, weights, keys = [], [], [], [], []
+    for batch in batches:
+        column = batch.column(batch.schema.get_field_index("features"))
+        features.append(arrow.values(column.flatten()).reshape(len(batch), n_features))
+        labels.append(arrow.values(batch.column(batch.schema.get_field_index("label"))))
+        splits.append(arrow.values(batch.column(batch.schema.get_field_index("split"))))
+        if WEIGHT_COLUMN in batch.schema.names:
+            weights.append(arrow.values(batch.column(batch.schema.get_field_index(WEIGHT_COLUMN))))
+        if ORDER_COLUMNS[0] in batch.schema.names:
+            keys.append(
+                [
+                    arrow.values(batch.column(batch.schema.get_field_index(name)))
+                    for name in ORDER_COLUMNS
+                ]
+            )
+    if not features:
+        return (
+            np.zeros((0, n_features), np.float32),
+            np.zeros(0, np.float64),
+            np.zeros(0, np.int32),
+            None,
+        )
+    y, split = np.concatenate(labels), np.concatenate(splits)
+    weight = np.concatenate(weights).astype(np.float64, copy=False) if weights else None
+    if not keys:
+        return np.ascontiguousarray(np.concatenate(features), dtype=np.float32), y, split, weight
+    order_key, index_key = (
+        np.concatenate([batch_keys[k] for batch_keys in keys]) for k in range(2)
+    )
+    order = np.lexsort((index_key, order_key, split))
+    destination = np.empty_like(order)
+    destination[order] = np.arange(len(order))
+    X, start = np.empty((len(order), n_features), np.float32), 0
+    for block in features:  # each batch's rows straight to their places: one copy of the features
+        X[destination[start : start + len(block)]] = block
+        start += len(block)
+    return X, y[order], split[order], None if weight is None else weight[order]
+
+
+def arrays_from_pairs(pairs, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
+    """A partition of an RDD of ``(features, label)`` pairs as ``(X, y, split, None)``, all
+    training rows, unweighted (the same shape as ``arrays_from_arrow``'s)."""
+    rows = list(pairs)
+    if not rows:
+        return (
+            np.zeros((0, n_features), np.float32),
+            np.zeros(0, np.float64),
+            np.zeros(0, np.int32),
+            None,
+        )
+    X = np.asarray(
+        [np.asarray(features, dtype=np.float32) for features, _ in rows], dtype=np.float32
+    )
+    if X.ndim != 2 or X.shape[1] != n_features:
+        raise InputError(
+            f"expected feature vectors of {n_features} elements, got an array of shape {X.shape}"
+        )
+    y = np.asarray([label for _, label in rows], dtype=np.float64)
+    return X, y, np.zeros(len(rows), np.int32), None
