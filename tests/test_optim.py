@@ -246,13 +246,13 @@ def assert_sharding_exact(opt: Optimizer, n: int, parts: int, seed: int) -> None
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_sharded_steps_are_bit_identical(name, parts, monkeypatch):
     # Small pieces, so that the pieces of the whole vector and of the slices fall differently.
-    monkeypatch.setattr(optim, "_PIECE", 64)
+    monkeypatch.setattr(optim.kernels, "PIECE", 64)
     assert_sharding_exact(CONFIGS[name], 1009, parts, seed=parts)
 
 
 @pytest.mark.parametrize("name", ["adam-wd-amsgrad", "rmsprop-centered-momentum", "sgd-nesterov"])
 def test_sharded_steps_bit_identical_across_real_pieces(name):
-    assert_sharding_exact(CONFIGS[name], 2 * optim._PIECE + 12345, 3, seed=5)
+    assert_sharding_exact(CONFIGS[name], 2 * optim.kernels.PIECE + 12345, 3, seed=5)
 
 
 def test_cuts_are_uneven():
@@ -293,7 +293,7 @@ def test_partitions_as_threads_do_not_share_scratch(monkeypatch):
     # each must get what it would get alone.
     import threading
 
-    monkeypatch.setattr(optim, "_PIECE", 1 << 14)
+    monkeypatch.setattr(optim.kernels, "PIECE", 1 << 14)
     opt = CONFIGS["rmsprop-centered-momentum"]
     n, parts = 400_000, 4
     w0, grads = data(n, steps=5, seed=9)
@@ -442,7 +442,7 @@ def test_clip_scale_below_bound_and_disabled():
 
 
 def test_squared_norm_over_many_pieces(monkeypatch):
-    monkeypatch.setattr(optim, "_PIECE", 100)
+    monkeypatch.setattr(optim.kernels, "PIECE", 100)
     x = np.random.default_rng(4).standard_normal(1234).astype(np.float32)
     assert squared_norm(x) == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-6)
     assert squared_norm(np.zeros(0, np.float32)) == 0.0
