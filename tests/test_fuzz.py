@@ -19,7 +19,7 @@ from allreduce_param import AllReduceError, CorruptBlockError
 from allreduce_param.engine.blocks.codec import CODECS, HEADER_SIZE, get_codec
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.engine.wire.blocks import _REQUEST, OP_GET, STATUS_OK, BlockServer, PeerClient
-from allreduce_param.engine.wire.network import _CLIENT_HELLO, MAGIC, NONCE_SIZE, mac
+from allreduce_param.engine.wire.handshake import _CLIENT_HELLO, MAGIC, NONCE_SIZE, mac
 
 SECRET = b"f" * 32
 KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)

@@ -45,7 +45,7 @@ from allreduce_param.engine.blocks.codec import HEADER_SIZE
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.peers import FETCH_THREADS
 from allreduce_param.engine.wire.blocks import _RESPONSE, SERVE_THREADS
-from allreduce_param.engine.wire.network import MAC_SIZE, MAGIC, NONCE_SIZE
+from allreduce_param.engine.wire.handshake import MAC_SIZE, MAGIC, NONCE_SIZE
 
 HOSTS = 4
 PER_HOST = 4  # cores per worker: task slots per host

@@ -26,14 +26,9 @@ from allreduce_param.engine.wire.blocks import (
     BlockServer,
     PeerClient,
 )
-from allreduce_param.engine.wire.network import (
-    MAGIC,
-    MAX_UNPROVEN,
-    NONCE_SIZE,
-    client_handshake,
-    recv_exactly,
-    unproven_limit,
-)
+from allreduce_param.engine.wire.handshake import MAGIC, NONCE_SIZE, client_handshake
+from allreduce_param.engine.wire.server import MAX_UNPROVEN, unproven_limit
+from allreduce_param.engine.wire.sockets import recv_exactly
 
 SECRET = b"s" * 32
 
@@ -97,7 +92,7 @@ def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
     intruder = client(server, secret=b"x" * 32)
     try:
         honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.server"):
             with pytest.raises(
                 AuthenticationError, match="refused this connection: the secrets differ"
             ):
@@ -114,7 +109,7 @@ def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
 
 def test_right_secret_for_another_parameter_is_refused(server, caplog):
     other = client(server, param_id=6)
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.server"):
         with pytest.raises(AuthenticationError):
             other.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
     assert "it asked for parameter 6, this server serves parameter 5" in caplog.text
@@ -144,7 +139,7 @@ def test_a_server_that_cannot_prove_the_secret_is_not_trusted():
 )
 def test_garbage_hello_closes_that_connection_only(server, caplog, garbage):
     honest = client(server)
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.server"):
         sock = probe(server.address, garbage)
         assert_connection_closed(sock)
         sock.close()

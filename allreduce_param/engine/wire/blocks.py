@@ -6,7 +6,7 @@ that version is in its store (or with an error once the wait times out).
 
 Wire format (little-endian):
 
-* Handshake: ``network.py``'s (each side proves the parameter's secret over fresh nonces);
+* Handshake: ``handshake.py``'s (each side proves the parameter's secret over fresh nonces);
   the client's ids are the parameter id and its own partition. With ``encrypt``, a TCP
   connection is a ``sealing.SealedConnection`` from then on: the frames below travel in
   encrypted records; Unix sockets and shared memory stay as they are.
@@ -39,20 +39,18 @@ from typing import NamedTuple
 from allreduce_param.engine.blocks.codec import HEADER_SIZE, Codec
 from allreduce_param.engine.blocks.shm import SharedArenas, SharedMappings
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore, SplitBlock, Waiter
-from allreduce_param.engine.wire.network import (
-    DEFAULT_CONNECT_TIMEOUT,
+from allreduce_param.engine.wire.handshake import (
     HELLO_REFUSED,
     MAGIC,
-    AuthenticatedServer,
     Proven,
     client_handshake,
     mac,
-    recv_exactly,
     seals,
-    tune,
-    unix_sockets_available,
 )
 from allreduce_param.engine.wire.sealing import SealedConnection
+from allreduce_param.engine.wire.server import AuthenticatedServer
+from allreduce_param.engine.wire.settings import DEFAULT_CONNECT_TIMEOUT
+from allreduce_param.engine.wire.sockets import recv_exactly, tune, unix_sockets_available
 from allreduce_param.errors import (
     AllReduceError,
     FetchTimeoutError,
@@ -80,7 +78,7 @@ STATUS_TIMEOUT = 1
 STATUS_STALE = 2
 STATUS_CLOSING = 3
 STATUS_REFUSED = (
-    HELLO_REFUSED  # the handshake's refusal (network.py): one status byte, nothing after
+    HELLO_REFUSED  # the handshake's refusal (handshake.py): one status byte, nothing after
 )
 STATUS_SHARED = 5  # the block lies in shared segments: where follows (and, once each, their fds)
 
@@ -173,7 +171,7 @@ class BlockServer:
     ``port`` or, when that is 0, a free port of ``ports`` (None: any), and with ``unix``
     also on an abstract Unix socket (``local_name``), which peers on the same host use
     instead (faster than loopback TCP); ``advertise`` is the address peers are told
-    (default: ``host``). Admission is ``network.AuthenticatedServer``'s: a handshake within
+    (default: ``host``). Admission is ``server.AuthenticatedServer``'s: a handshake within
     ``handshake_timeout`` seconds. ``on_done(partition)`` is called when a proven peer says
     it is done, or its connection ends. A get waits for a version at most ``max_wait``
     seconds, whatever the request asks. With ``encrypt``, connections over TCP are
@@ -186,7 +184,7 @@ class BlockServer:
     Answers are sent from the pool threads, each slice of a block (``SEND_SLICE``) within the
     handshake timeout, so a reader that stops reading holds one thread for that long at
     most, never the others: sending whole blocks blocking keeps a connection wrapper (made
-    by ``network.AuthenticatedServer`` as it hands a proven connection over) free to frame
+    by ``server.AuthenticatedServer`` as it hands a proven connection over) free to frame
     each send as it likes, and a shared-memory answer's descriptors in the same call as
     its bytes.
     """
