@@ -454,7 +454,7 @@ def test_a_changed_answer_fails_the_fetch_and_a_replayed_request_costs_only_its_
         ):
             client.fetch(key, 1, 4096, None)  # the answer's head is record 0, the block record 1
         assert client._sock is None  # the connection is closed
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.blocks"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.blocks.server"):
             repeating = PeerClient(
                 replayed.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True
             )
