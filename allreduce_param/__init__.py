@@ -12,7 +12,7 @@ from allreduce_param.engine.movement.rendezvous import LocalRendezvous, Rendezvo
 from allreduce_param.engine.parameter import AllReduceParameter, ConnectedParameter
 from allreduce_param.engine.strategy import STRATEGIES, Strategy
 from allreduce_param.engine.stream import GradientStream
-from allreduce_param.engine.wire.network import NetworkSettings
+from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import (
     AllReduceError,
     AuthenticationError,

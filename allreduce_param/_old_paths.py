@@ -30,7 +30,7 @@ MOVED = {
     "allreduce_param.events": "allreduce_param.engine.wire.events",
     "allreduce_param.sealing": "allreduce_param.engine.wire.sealing",
     "allreduce_param.messages": "allreduce_param.engine.wire.messages",
-    "allreduce_param.network": "allreduce_param.engine.wire.network",
+    "allreduce_param.network": "allreduce_param.engine.wire.settings",
     "allreduce_param.transport": "allreduce_param.engine.wire.blocks",
     "allreduce_param.class_archive": "allreduce_param.spark.class_archive",
     "allreduce_param.session": "allreduce_param.spark.session",

@@ -30,20 +30,15 @@ from allreduce_param import (
 )
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.engine.wire.blocks import BlockServer, PeerClient
+from allreduce_param.engine.wire.handshake import _CLIENT_HELLO, MAC_SIZE, MAGIC, NONCE_SIZE
 from allreduce_param.engine.wire.messages import MessageClient, MessageServer
-from allreduce_param.engine.wire.network import (
-    _CLIENT_HELLO,
-    MAC_SIZE,
-    MAGIC,
-    NONCE_SIZE,
-    recv_exactly,
-)
 from allreduce_param.engine.wire.sealing import (
     RECORD_SIZE,
     TAG_SIZE,
     SealedConnection,
     direction_keys,
 )
+from allreduce_param.engine.wire.sockets import recv_exactly
 
 SECRET = b"k" * 32
 SESSION = b"s" * 32
@@ -259,7 +254,7 @@ def test_ends_that_differ_about_encryption_are_refused_at_once_naming_the_settin
     )
     this, that = ("does not encrypt", "does") if server_encrypts else ("encrypts", "does not")
     try:
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.server"):
             with pytest.raises(
                 ConfigurationError,
                 match=rf"refused this connection: this end {this} it and that "
@@ -459,7 +454,7 @@ def test_a_changed_answer_fails_the_fetch_and_a_replayed_request_costs_only_its_
         ):
             client.fetch(key, 1, 4096, None)  # the answer's head is record 0, the block record 1
         assert client._sock is None  # the connection is closed
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.blocks"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.blocks.server"):
             repeating = PeerClient(
                 replayed.address, SECRET, 5, 1, peer_partition=0, timeout=5, encrypt=True
             )

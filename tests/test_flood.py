@@ -15,7 +15,7 @@ import numpy as np
 from conftest import raise_first, run_partitions
 
 from allreduce_param import AllReduceParameter
-from allreduce_param.engine.wire.network import MAX_UNPROVEN
+from allreduce_param.engine.wire.server import MAX_UNPROVEN
 
 FLOODER = """
 import os, resource, select, selectors, socket, sys
@@ -122,7 +122,7 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
 
     finished = threading.Event()
     failures = AcceptFailures()
-    logging.getLogger("allreduce_param.engine.wire.network").addHandler(failures)
+    logging.getLogger("allreduce_param.engine.wire.server").addHandler(failures)
     flooding = threading.Thread(target=flood)
     flooding.start()
     try:
@@ -131,7 +131,7 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
         finished.set()
         flooding.join(120)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        logging.getLogger("allreduce_param.engine.wire.network").removeHandler(failures)
+        logging.getLogger("allreduce_param.engine.wire.server").removeHandler(failures)
     assert (
         seen["held"] == connections and seen["accept failed"]
     )  # the flood came, and accept() failed

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from allreduce_param import AllReduceError, CorruptBlockError
 from allreduce_param.engine.blocks.codec import CODECS, HEADER_SIZE, get_codec
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
-from allreduce_param.engine.wire.blocks import _REQUEST, OP_GET, STATUS_OK, BlockServer, PeerClient
-from allreduce_param.engine.wire.network import _CLIENT_HELLO, MAGIC, NONCE_SIZE, mac
+from allreduce_param.engine.wire.blocks import OP_GET, STATUS_OK, BlockServer, PeerClient
+from allreduce_param.engine.wire.blocks.protocol import REQUEST
+from allreduce_param.engine.wire.handshake import _CLIENT_HELLO, MAGIC, NONCE_SIZE, mac
 
 SECRET = b"f" * 32
 KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
@@ -103,7 +104,7 @@ def test_any_request_frames_from_a_proven_peer_leave_the_server_serving(
     sock = authenticated(server)
     if valid_first:  # a good request, then the garbage on the same connection
         frames = (
-            _REQUEST.pack(MAGIC, OP_GET, KEY.kind, KEY.source, KEY.destination, 0, 0, 1000) + frames
+            REQUEST.pack(MAGIC, OP_GET, KEY.kind, KEY.source, KEY.destination, 0, 0, 1000) + frames
         )
     send_and_drain(sock, frames)
     honest_fetch_works(server)
@@ -131,8 +132,8 @@ class FakeServer:
             ids = struct.pack("<II", param_id, partition)
             conn.sendall(bytes([STATUS_OK]) + mac(SECRET, b"server", client_nonce, nonce, ids))
             request = b""
-            while len(request) < _REQUEST.size:
-                request += conn.recv(_REQUEST.size - len(request))
+            while len(request) < REQUEST.size:
+                request += conn.recv(REQUEST.size - len(request))
             try:
                 conn.sendall(self.answer)
             except OSError:

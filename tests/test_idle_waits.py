@@ -13,7 +13,7 @@ import pytest
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.engine.movement.channels import Channel, PeerGet, StoreGet
 from allreduce_param.engine.wire.blocks import BlockServer, PeerClient
-from allreduce_param.engine.wire.network import AuthenticatedServer
+from allreduce_param.engine.wire.server import AuthenticatedServer
 from allreduce_param.errors import FetchTimeoutError, PeerLostError, StoreClosedError
 
 SECRET = b"i" * 32

@@ -17,7 +17,8 @@ from allreduce_param import AllReduceParameter, ConfigurationError, NetworkError
 from allreduce_param.engine.blocks.store import BlockStore
 from allreduce_param.engine.wire.blocks import BlockServer
 from allreduce_param.engine.wire.messages import MessageServer
-from allreduce_param.engine.wire.network import ENVIRONMENT, listen
+from allreduce_param.engine.wire.server import listen
+from allreduce_param.engine.wire.settings import ENVIRONMENT
 
 
 def free_ports(count: int) -> tuple[int, int]:
@@ -148,7 +149,7 @@ def test_a_loopback_address_told_to_others_where_spark_names_another_is_warned_o
 ):
     for variable in ENVIRONMENT.values():
         monkeypatch.delenv(variable, raising=False)
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.settings"):
         NetworkSettings().addresses("127.0.0.1")  # one machine: loopback everywhere, nothing to say
         NetworkSettings(bind_address="10.0.0.6").addresses("10.0.0.5")
         assert caplog.text == ""

@@ -64,7 +64,7 @@ def test_a_client_without_the_secret_is_refused_in_the_handshake_and_others_go_o
     events = Events(expected=1)
     server = progress_server(1, events)
     try:
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.server"):
             stranger = MessageClient(server.address, b"x" * 32)
             with pytest.raises(
                 AuthenticationError, match="refused this connection: it does not know this job's"

@@ -44,8 +44,9 @@ from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluste
 from allreduce_param.engine.blocks.codec import HEADER_SIZE
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.peers import FETCH_THREADS
-from allreduce_param.engine.wire.blocks import _RESPONSE, SERVE_THREADS
-from allreduce_param.engine.wire.network import MAC_SIZE, MAGIC, NONCE_SIZE
+from allreduce_param.engine.wire.blocks import SERVE_THREADS
+from allreduce_param.engine.wire.blocks.protocol import RESPONSE
+from allreduce_param.engine.wire.handshake import MAC_SIZE, MAGIC, NONCE_SIZE
 
 HOSTS = 4
 PER_HOST = 4  # cores per worker: task slots per host
@@ -144,7 +145,7 @@ def connection_bytes(
     this host, and each ``get_weights`` the slice of every partition of the peer's host:
     2 S / H per step."""
     handshake = len(MAGIC) + NONCE_SIZE + 1 + MAC_SIZE
-    per_fetch = _RESPONSE.size + HEADER_SIZE
+    per_fetch = RESPONSE.size + HEADER_SIZE
     if hosts is None:
         return (
             handshake
@@ -351,7 +352,7 @@ def _table(stage, hosts, topology) -> str:
     )
     layout = SliceLayout(SIZE, PARTITIONS)
     handshake = len(MAGIC) + NONCE_SIZE + 1 + MAC_SIZE
-    fetch = _RESPONSE.size + HEADER_SIZE + 4 * layout.length(0)
+    fetch = RESPONSE.size + HEADER_SIZE + 4 * layout.length(0)
     tcp = sum(len(task["census"]["tcp"]["out"]) for task in tasks)
     unix = sum(len(task["census"]["unix"]["out"]) for task in tasks)
     fetches = (2 * ROUNDS + 1) * (1 if topology == "flat" else PER_HOST)

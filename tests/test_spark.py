@@ -52,7 +52,7 @@ def step_task(params: list[AllReduceParameter], seed: int):
                 transports = sorted(
                     {client._sock.family.name for client in p._peers.peers.values()}
                 )
-                if any(client._mappings._maps for client in p._peers.peers.values()):
+                if any(client._shared._mappings._maps for client in p._peers.peers.values()):
                     transports.append("shared memory")
                 report.append(
                     (

@@ -15,8 +15,6 @@ from conftest import raise_first, run_partitions
 from allreduce_param import AllReduceParameter, AuthenticationError, ProtocolError
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore, SplitBlock
 from allreduce_param.engine.wire.blocks import (
-    _REQUEST,
-    _RESPONSE,
     OP_GET,
     SERVE_THREADS,
     STATUS_CLOSING,
@@ -26,14 +24,10 @@ from allreduce_param.engine.wire.blocks import (
     BlockServer,
     PeerClient,
 )
-from allreduce_param.engine.wire.network import (
-    MAGIC,
-    MAX_UNPROVEN,
-    NONCE_SIZE,
-    client_handshake,
-    recv_exactly,
-    unproven_limit,
-)
+from allreduce_param.engine.wire.blocks.protocol import REQUEST, RESPONSE
+from allreduce_param.engine.wire.handshake import MAGIC, NONCE_SIZE, client_handshake
+from allreduce_param.engine.wire.server import MAX_UNPROVEN, unproven_limit
+from allreduce_param.engine.wire.sockets import recv_exactly
 
 SECRET = b"s" * 32
 
@@ -97,7 +91,7 @@ def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
     intruder = client(server, secret=b"x" * 32)
     try:
         honest.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
-        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+        with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.server"):
             with pytest.raises(
                 AuthenticationError, match="refused this connection: the secrets differ"
             ):
@@ -114,7 +108,7 @@ def test_wrong_secret_reads_nothing_and_others_go_on(server, caplog):
 
 def test_right_secret_for_another_parameter_is_refused(server, caplog):
     other = client(server, param_id=6)
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.server"):
         with pytest.raises(AuthenticationError):
             other.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))
     assert "it asked for parameter 6, this server serves parameter 5" in caplog.text
@@ -144,7 +138,7 @@ def test_a_server_that_cannot_prove_the_secret_is_not_trusted():
 )
 def test_garbage_hello_closes_that_connection_only(server, caplog, garbage):
     honest = client(server)
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.network"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.server"):
         sock = probe(server.address, garbage)
         assert_connection_closed(sock)
         sock.close()
@@ -159,7 +153,7 @@ def test_garbage_hello_closes_that_connection_only(server, caplog, garbage):
 def test_a_malformed_request_after_a_good_handshake_closes_that_connection(server, caplog):
     rogue = client(server)
     rogue.fetch(KEY, 0, max_size=1000, into=memoryview(bytearray(1000)))  # authenticated
-    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.blocks"):
+    with caplog.at_level(logging.WARNING, logger="allreduce_param.engine.wire.blocks.server"):
         rogue._sock.sendall(b"\xff" * 32)
         assert_connection_closed(rogue._sock)
     assert "malformed request frame" in caplog.text
@@ -273,17 +267,19 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
     tcp = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
     try:
         _, view = local.fetch(KEY, 0, 100, None, shared=True)
-        assert joined(view) == b"first" and len(local._mappings._maps) == 1
+        assert joined(view) == b"first" and len(local._shared._mappings._maps) == 1
         assert (
             joined(local.fetch(other, 0, 100, None, shared=True)[1]) == b"second"
         )  # at its offset
         first[:5] = b"again"  # the owner writes its next version in place
         store.put(KEY, 1, first[:5])
         assert joined(local.fetch(KEY, 1, 100, None, shared=True)[1]) == b"again"
-        assert len(local._mappings._maps) == 1 and arenas.count == 1  # one descriptor, passed once
+        assert (
+            len(local._shared._mappings._maps) == 1 and arenas.count == 1
+        )  # one descriptor, passed once
         # over TCP no descriptor can travel: the same request gets the bytes
         assert bytes(tcp.fetch(KEY, 1, 100, memoryview(bytearray(100)), shared=True)[1]) == b"again"
-        assert not tcp._mappings._maps
+        assert not tcp._shared._mappings._maps
         del view
     finally:
         local.close()
@@ -342,7 +338,7 @@ def test_a_block_whose_header_and_payload_lie_apart_is_served_whole():
             _, block = local.fetch(
                 BlockKey(*ids[:4]), 3, raw.max_encoded_size(2048), None, shared=True
             )
-            assert isinstance(block, SplitBlock) and len(local._mappings._maps) == 2
+            assert isinstance(block, SplitBlock) and len(local._shared._mappings._maps) == 2
             header, got = raw.decode(
                 block.header, 2048, expect=ids, checksum=False, payload=block.payload
             )
@@ -363,17 +359,20 @@ def test_a_block_whose_header_and_payload_lie_apart_is_served_whole():
 def test_a_shared_answer_naming_a_segment_never_passed_is_refused():
     """A peer that points at shared memory whose descriptor it never passed on this
     connection gets a ProtocolError naming the segment, and no descriptor is left open."""
-    from allreduce_param.engine.wire.blocks import _SHARED_PLACE
+    from allreduce_param.engine.wire.blocks.protocol import SHARED_PLACE
 
     peer = PeerClient(("127.0.0.1", 9), SECRET, 5, 1, 0, timeout=5)
     ours, theirs = socket.socketpair()
     try:
-        theirs.sendall(_SHARED_PLACE.pack(99, 0, 64, 99, 64))
+        theirs.sendall(SHARED_PLACE.pack(99, 0, 64, 99, 64))
         with pytest.raises(
             ProtocolError, match=r"passed 0 descriptors with .*shared segments \[99\]"
         ):
-            peer._shared_view(
-                ours, 128, "gradient block from partition 0 to partition 1, version 0"
+            peer._shared.place(
+                ours,
+                128,
+                "gradient block from partition 0 to partition 1, version 0",
+                peer._peer_text,
             )
     finally:
         ours.close()
@@ -413,7 +412,7 @@ def proven(server, partition: int) -> socket.socket:
 
 def ask(sock: socket.socket, key: BlockKey, version: int, timeout_ms: int) -> None:
     sock.sendall(
-        _REQUEST.pack(
+        REQUEST.pack(
             MAGIC, OP_GET, key.kind, key.source, key.destination, key.part, version, timeout_ms
         )
     )
@@ -421,9 +420,9 @@ def ask(sock: socket.socket, key: BlockKey, version: int, timeout_ms: int) -> No
 
 def answer(sock: socket.socket) -> tuple[int, int, bytes]:
     """The next answer on ``sock``: status, version served, and its bytes."""
-    head = bytearray(_RESPONSE.size)
+    head = bytearray(RESPONSE.size)
     recv_exactly(sock, memoryview(head))
-    status, length, version = _RESPONSE.unpack(head)
+    status, length, version = RESPONSE.unpack(head)
     body = bytearray(length)
     recv_exactly(sock, memoryview(body))
     return status, version, bytes(body)

@@ -42,7 +42,7 @@ from allreduce_param.engine.owner import BackgroundOwner, owner_failure_first
 from allreduce_param.engine.strategy import Strategy, WeightRead
 from allreduce_param.engine.stream import GradientStream
 from allreduce_param.engine.vectors import float32_vector, writable_output
-from allreduce_param.engine.wire.network import NetworkSettings
+from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError, InputError, UsageError
 
 _next_param_id = itertools.count()

@@ -16,7 +16,7 @@ from typing import Any
 
 from allreduce_param.engine.blocks.codec import codec_names
 from allreduce_param.engine.strategy import Strategy
-from allreduce_param.engine.wire.network import SPARK_SETTINGS, NetworkSettings
+from allreduce_param.engine.wire.settings import SPARK_SETTINGS, NetworkSettings
 from allreduce_param.errors import ConfigurationError
 from allreduce_param.train.checkpoint import CheckpointSettings
 from allreduce_param.train.driver.partitioning import check_scheme

@@ -27,7 +27,7 @@ import numpy as np
 from allreduce_param.engine.blocks.store import Block, BlockKey, BlockStore, Waiter
 from allreduce_param.engine.wire.blocks import PeerClient
 from allreduce_param.engine.wire.events import EventLoop
-from allreduce_param.engine.wire.network import CLOSE_TIMEOUT
+from allreduce_param.engine.wire.server import CLOSE_TIMEOUT
 from allreduce_param.errors import StoreClosedError
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from allreduce_param.engine.wire.messages import Reply
-from allreduce_param.engine.wire.network import NetworkSettings
+from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError, UsageError
 
 #: How long the tasks at a MeetingPoint wait, after the first came, for the last before

@@ -3,7 +3,7 @@ bounded pool that does the work they call for.
 
 A connection waiting for its next bytes, or a call waiting for its deadline, holds no
 thread here: the loop's thread selects on every watched socket at once and hands what is
-due to the pool. The block server answers its peers this way (``network.AuthenticatedServer``
+due to the pool. The block server answers its peers this way (``server.AuthenticatedServer``
 runs its accept loop and handshakes on the loop's thread), and so does a channel whose
 fetches may wait long for a peer (``channels.Channel``, a background owner's): neither holds a
 thread per peer.

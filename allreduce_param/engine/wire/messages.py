@@ -1,7 +1,7 @@
 """Short authenticated messages between a Spark job's tasks and its driver.
 
 A fit's tasks reach the driver on one connection each: first to meet (``rendezvous.
-MeetingPoint``), then to report progress. The server is ``network.AuthenticatedServer``,
+MeetingPoint``), then to report progress. The server is ``server.AuthenticatedServer``,
 as the block servers' is: a connection first proves the secret the server made (the tasks
 get it in their closure), in a handshake over fresh nonces. Then each message is a JSON
 object, length-prefixed and tagged with HMAC-SHA256 under that connection's session key;
@@ -27,16 +27,11 @@ import struct
 import threading
 from collections.abc import Callable
 
-from allreduce_param.engine.wire.network import (
-    DEFAULT_CONNECT_TIMEOUT,
-    AuthenticatedServer,
-    Proven,
-    client_handshake,
-    mac,
-    seals,
-    tune,
-)
+from allreduce_param.engine.wire.handshake import Proven, client_handshake, mac, seals
 from allreduce_param.engine.wire.sealing import SealedConnection
+from allreduce_param.engine.wire.server import AuthenticatedServer
+from allreduce_param.engine.wire.settings import DEFAULT_CONNECT_TIMEOUT
+from allreduce_param.engine.wire.sockets import tune
 from allreduce_param.errors import AuthenticationError, ProtocolError
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ partitions and the tasks' connections to the driver's message server. Unix socke
 shared memory never leave the host's kernel and stay as they are.
 
 Why this and not TLS: the standard library's ``ssl`` needs certificates (TLS-PSK only from
-Python 3.13), and the engine already has what a key needs: the handshake (``network.py``)
+Python 3.13), and the engine already has what a key needs: the handshake (``handshake.py``)
 proves the per-fit secret both ways over fresh nonces of both ends and gives each
 connection a session key of its own. So each connection's keys are derived from that
 session key, one per direction (HMAC-SHA256 as the expansion step of HKDF: the session
@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 from allreduce_param.errors import AuthenticationError, ConfigurationError, ProtocolError
 
-if TYPE_CHECKING:  # for annotations only: network imports this module
-    from allreduce_param.engine.wire.network import Proven
+if TYPE_CHECKING:  # for annotations only: handshake imports this module
+    from allreduce_param.engine.wire.handshake import Proven
 
 #: The most plaintext bytes in one record: large enough that the per-record cost vanishes,
 #: small enough that a receiver's buffer stays small and sender and receiver overlap.
@@ -52,7 +52,7 @@ TAG_SIZE = 16
 _HEAD = struct.Struct("<I")  # the record's plaintext length
 _NONCE = struct.Struct("<Q4x")  # 12 bytes: the record's number in its direction
 #: The handshake's name for a sealed connection: the MACs and the session key cover it
-#: (network.py), so both ends agree to seal a connection or neither accepts it.
+#: (handshake.py), so both ends agree to seal a connection or neither accepts it.
 CIPHER_NAME = b"aes-256-gcm/records-1"
 _DIRECTIONS = (b"client to server", b"server to client")
 

@@ -23,7 +23,7 @@ from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.strategy import Strategy
 from allreduce_param.engine.wire.blocks import parse_address
 from allreduce_param.engine.wire.messages import MessageServer
-from allreduce_param.engine.wire.network import NetworkSettings
+from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError, InputError, TrainingError
 from allreduce_param.models.base import has_buffers, merge_buffers, model_task, takes_sample_weight
 from allreduce_param.spark.arrow import record_batch

@@ -1,0 +1,350 @@
+"""The block server: one partition's ``BlockStore`` served to the peers that prove the secret."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from allreduce_param.engine.blocks.codec import HEADER_SIZE, Codec
+from allreduce_param.engine.blocks.shm import SharedArenas
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore, SplitBlock, Waiter
+from allreduce_param.engine.wire.blocks.addresses import local_scope, secret_fingerprint
+from allreduce_param.engine.wire.blocks.protocol import (
+    FLAG_NEWEST,
+    MAX_ERROR_TEXT,
+    OP_DONE,
+    OP_GET_SHARED,
+    OPS,
+    REQUEST,
+    RESPONSE,
+    SHARED_PLACE,
+    STATUS_CLOSING,
+    STATUS_OK,
+    STATUS_SHARED,
+    STATUS_STALE,
+    STATUS_TIMEOUT,
+)
+from allreduce_param.engine.wire.handshake import MAGIC, Proven
+from allreduce_param.engine.wire.server import AuthenticatedServer
+from allreduce_param.engine.wire.settings import DEFAULT_CONNECT_TIMEOUT
+from allreduce_param.engine.wire.sockets import recv_exactly
+from allreduce_param.errors import AllReduceError, StaleVersionError, StoreClosedError
+
+log = logging.getLogger(__name__)
+
+#: The threads a block server answers with, however many peers it serves.
+SERVE_THREADS = 8
+#: A block leaves in slices of at most this many bytes, each within the connect timeout: a
+#: reader that takes nothing for that long is taken for gone, and its connection closed.
+SEND_SLICE = 1 << 20
+
+
+class _Peer:
+    """A proven peer's connection, as the block server keeps it between its requests."""
+
+    __slots__ = (
+        "conn",
+        "partition",
+        "peer_text",
+        "local",
+        "fds_passed",
+        "request",
+        "deadline",
+        "timer",
+        "ended",
+    )
+
+    def __init__(self, proven: Proven) -> None:
+        self.conn = (
+            proven.sock
+        )  # what requests are read from and answers written to (sealed, if agreed)
+        self.partition = proven.partition
+        self.peer_text = proven.peer_text
+        self.local = self.conn.family == socket.AF_UNIX
+        self.fds_passed: set[int] = set()  # segments whose descriptor this peer already has
+        self.request: tuple | None = (
+            None  # (key, version, newest, op, wait) of the get being answered
+        )
+        self.deadline = 0.0  # when that get stops waiting
+        self.timer = None  # the server's timer for that deadline
+        self.ended = False
+
+
+class BlockServer:
+    """Serves one partition's ``BlockStore`` to the peers that prove the secret.
+
+    Listens on ``host`` (the task's own address, never every interface unless told) at
+    ``port`` or, when that is 0, a free port of ``ports`` (None: any), and with ``unix``
+    also on an abstract Unix socket (``local_name``), which peers on the same host use
+    instead (faster than loopback TCP); ``advertise`` is the address peers are told
+    (default: ``host``). Admission is ``wire.server.AuthenticatedServer``'s: a handshake within
+    ``handshake_timeout`` seconds. ``on_done(partition)`` is called when a proven peer says
+    it is done, or its connection ends. A get waits for a version at most ``max_wait``
+    seconds, whatever the request asks. With ``encrypt``, connections over TCP are
+    encrypted (``sealing.py``).
+
+    However many peers it serves, it holds ``threads`` threads (and the accept thread): the
+    accept loop watches the idle connections, a pool thread reads a request and answers it,
+    and a get for a version not published yet holds no thread while it waits: the store
+    calls back when the version comes (or it closes), the accept loop at the deadline.
+    Answers are sent from the pool threads, each slice of a block (``SEND_SLICE``) within the
+    handshake timeout, so a reader that stops reading holds one thread for that long at
+    most, never the others: sending whole blocks blocking keeps a connection wrapper (made
+    by ``wire.server.AuthenticatedServer`` as it hands a proven connection over) free to frame
+    each send as it likes, and a shared-memory answer's descriptors in the same call as
+    its bytes.
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        secret: bytes,
+        param_id: int,
+        partition_id: int,
+        host: str,
+        port: int = 0,
+        partition_num: int = 1,
+        on_done: Callable[[int], None] | None = None,
+        unix: bool = False,
+        shared: SharedArenas | None = None,
+        max_wait: float = 3600.0,
+        *,
+        ports: tuple[int, int] | None = None,
+        advertise: str | None = None,
+        handshake_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        threads: int = SERVE_THREADS,
+        encrypt: bool = False,
+    ) -> None:
+        self.store = store
+        self._max_wait = max_wait
+        self._secret = secret
+        self._param_id = param_id
+        self._partition_id = partition_id
+        self._on_done = on_done or (lambda partition: None)
+        self._io_timeout = handshake_timeout
+        # where the owner's blocks lie in shared memory, if they do
+        self._shared = shared
+        self._lock = threading.Lock()
+        self._peers: set[_Peer] = set()
+        self._server = AuthenticatedServer(
+            secret,
+            param_id,
+            partition_num,
+            self._serve,
+            bind=host,
+            port=port,
+            ports=ports,
+            advertise=advertise,
+            unix=unix,
+            timeout=handshake_timeout,
+            what=f"partition {partition_id}'s block server",
+            pool=threads,
+            encrypt=encrypt,
+            thread_name=f"allreduce-serve-{partition_id}",
+            accept_thread_name=f"allreduce-accept-{partition_id}",
+        )
+        self.address: tuple[str, int] = self._server.address
+        self.local_name = self._server.local_name
+
+    @property
+    def advertised_address(self) -> tuple:
+        """What peers need to reach this server and to know it serves their parameter:
+        ``(host, port, fingerprint, local_name, local_scope)`` (``parse_address`` reads it;
+        the last two None without a Unix socket)."""
+        return (
+            self._server.advertised_host,
+            self.address[1],
+            secret_fingerprint(self._secret, self._param_id),
+            self.local_name,
+            local_scope() if self.local_name else None,
+        )
+
+    @property
+    def threads(self) -> int:
+        """How many threads answer (started so far; at most ``threads``)."""
+        return self._server.pool_threads
+
+    # ---- serving the proven peers, a request at a time, on the pool's threads -------------
+
+    def _serve(self, proven: Proven) -> None:
+        """A peer proved the secret: every request is read from its connection (sealed, if
+        agreed) and every answer written to it."""
+        peer = _Peer(proven)
+        peer.conn.settimeout(
+            self._io_timeout
+        )  # a request comes whole; an answer's slice is taken in time
+        with self._lock:
+            self._peers.add(peer)
+        self._await_request(peer)
+
+    def _await_request(self, peer: _Peer) -> None:
+        if not self._server.watch(peer.conn, functools.partial(self._read_request, peer)):
+            self._end(peer)  # closing
+
+    def _read_request(self, peer: _Peer) -> None:
+        request = bytearray(REQUEST.size)
+        try:
+            recv_exactly(peer.conn, memoryview(request))
+        except EOFError:
+            self._end(peer)
+            return
+        except OSError as error:
+            self._lost(peer, error)
+            return
+        except AllReduceError as error:  # an encrypted record that failed its tag or its length
+            log.warning(
+                "closed connection from partition %d at %s: %s",
+                peer.partition,
+                peer.peer_text,
+                error,
+            )
+            self._end(peer)
+            return
+        magic, op, kind, source, destination, part, version, timeout_ms = REQUEST.unpack(request)
+        newest, op = bool(op & FLAG_NEWEST), op & ~FLAG_NEWEST
+        if magic != MAGIC or op not in OPS or kind not in BlockKind.NAMES:
+            log.warning(
+                "closed connection from partition %d at %s: malformed request frame %s",
+                peer.partition,
+                peer.peer_text,
+                bytes(request[:16]).hex(),
+            )
+            self._end(peer)
+            return
+        if op == OP_DONE:
+            self._on_done(peer.partition)
+            self._await_request(peer)
+            return
+        wait = min(timeout_ms / 1000.0, self._max_wait)
+        peer.request = (BlockKey(kind, source, destination, part), version, newest, op, wait)
+        peer.deadline = time.monotonic() + wait
+        self._answer(peer)
+
+    def _answer(self, peer: _Peer) -> None:
+        """Answer the peer's get if its version is there (or can never come); else leave a
+        waiter with the store and a timer for its deadline, and return."""
+        key, version, newest, op, wait = peer.request
+        if peer.timer is not None:
+            peer.timer.cancel()
+            peer.timer = None
+        try:
+            got = self.store.get_or_notify(
+                key,
+                version,
+                functools.partial(self._version_ready, peer),
+                newest=newest,
+                reader=peer,
+            )
+            if isinstance(got, Waiter):
+                timer = self._server.call_at(
+                    peer.deadline, functools.partial(self._expire, peer, got, wait)
+                )
+                peer.timer = timer
+                if got.fired:  # answered meanwhile, or about to be
+                    timer.cancel()
+                return
+            self._send_block(peer, op, *got)
+        except StaleVersionError as error:
+            self._send_error(peer, STATUS_STALE, str(error))
+        except StoreClosedError as error:  # this partition stops: the peer hears why, then the end
+            self._send_error(peer, STATUS_CLOSING, str(error), last=True)
+        except OSError as error:
+            self._lost(peer, error)
+        else:
+            self._await_request(peer)
+
+    def _version_ready(self, peer: _Peer) -> None:
+        """The store's call: the awaited version was put, or the store closed. On the thread
+        that did that, so the answer goes to the pool."""
+        self._server.submit(functools.partial(self._answer, peer))  # closing: close() ends the peer
+
+    def _expire(self, peer: _Peer, waiter: Waiter, wait: float) -> None:
+        """The get's deadline passed: answer TIMEOUT, unless its version came first."""
+        error = waiter.expire(wait)
+        if error is None:
+            return
+        peer.timer = None
+        self._send_error(peer, STATUS_TIMEOUT, str(error))
+
+    def _send_block(self, peer: _Peer, op: int, version: int, block) -> None:
+        conn = peer.conn
+        header, payload = (
+            block if isinstance(block, SplitBlock) else (block[:HEADER_SIZE], block[HEADER_SIZE:])
+        )
+        places = (
+            [self._shared.locate(header), self._shared.locate(payload)]
+            if op == OP_GET_SHARED and peer.local and self._shared
+            else [None]
+        )
+        if None in places:
+            Codec.seal(
+                header, payload
+            )  # its bytes leave this host's memory: they need their checksum
+            conn.sendall(RESPONSE.pack(STATUS_OK, block.nbytes, version) + header)
+            for start in range(0, payload.nbytes, SEND_SLICE):
+                conn.sendall(payload[start : start + SEND_SLICE])
+            return
+        (header_segment, header_offset), (payload_segment, payload_offset) = places
+        answer = RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + SHARED_PLACE.pack(
+            header_segment.id, header_offset, header.nbytes, payload_segment.id, payload_offset
+        )
+        new = {segment.id: segment.fd for segment, _ in places if segment.id not in peer.fds_passed}
+        if new:  # the descriptors ride with the answer, once per connection
+            socket.send_fds(conn, [answer], list(new.values()))
+            peer.fds_passed.update(new)
+        else:
+            conn.sendall(answer)
+
+    def _send_error(self, peer: _Peer, status: int, text: str, last: bool = False) -> None:
+        """Answer with ``status`` and ``text``, then await the next request; with ``last``,
+        end the connection instead."""
+        data = text.encode("utf-8")[:MAX_ERROR_TEXT]
+        try:
+            peer.conn.sendall(RESPONSE.pack(status, len(data), 0) + data)
+        except OSError as error:
+            self._lost(peer, error)
+            return
+        if last:
+            self._end(peer)
+        else:
+            self._await_request(peer)
+
+    def _lost(self, peer: _Peer, error: BaseException) -> None:
+        if not self._server.closed:
+            log.debug("connection from %s ended: %s", peer.peer_text, error)
+        self._end(peer)
+
+    def _end(self, peer: _Peer) -> None:
+        """The peer's connection is done: its holds go, and as it fetches nothing more, it
+        counts as done; then it is closed. Once."""
+        with self._lock:
+            if peer.ended:
+                return
+            peer.ended = True
+            self._peers.discard(peer)
+        if peer.timer is not None:
+            peer.timer.cancel()
+        try:
+            self.store.release(peer)
+            # A peer whose connection ends fetches nothing more: as good as its "done".
+            self._on_done(peer.partition)
+        finally:
+            self._server.discard(peer.conn)
+            peer.conn.close()
+
+    def close(self) -> None:
+        """Stop accepting, close the store, cut every connection, and wait for the threads.
+
+        Closing the store first answers every get that waits in it (with the reason), so no
+        thread outlives this; the connections that were idle are ended here.
+        """
+        self.store.close()
+        self._server.close()
+        with self._lock:
+            left = list(self._peers)
+        for peer in left:
+            self._end(peer)
