@@ -32,13 +32,14 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from allreduce_param.engine import surroundings
-from allreduce_param.engine.blocks.codec import codec_names, get_codec
+from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKind
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.movements import Movements, NonFiniteSum
 from allreduce_param.engine.movement.peers import PeerGroup
 from allreduce_param.engine.movement.rendezvous import Rendezvous
 from allreduce_param.engine.owner import BackgroundOwner, owner_failure_first
+from allreduce_param.engine.spec import ParameterSpec
 from allreduce_param.engine.strategy import Strategy, WeightRead
 from allreduce_param.engine.stream import GradientStream
 from allreduce_param.engine.vectors import float32_vector, writable_output
@@ -56,6 +57,11 @@ class _Put(NamedTuple):
     count: float
     keep_own: bool  # the own chunk is summed from ``vector``, not published
     in_place: memoryview | None  # ``vector``'s bytes, to publish where they lie
+
+
+def _spec_field(name: str, doc: str) -> property:
+    """A read-only attribute of ``AllReduceParameter``: its spec's ``name``."""
+    return property(lambda self: getattr(self.spec, name), doc=doc)
 
 
 class AllReduceParameter:
@@ -95,6 +101,12 @@ class AllReduceParameter:
     shared memory never leave the host and are not. Unset (None), it is the Spark setting
     ``spark.allreduce.encrypt``, else on where the session encrypts its own traffic
     (``spark.network.crypto.enabled`` or ``spark.ssl.enabled`` true), else off.
+    ``network``: those five at once, resolved already (a ``NetworkSettings``, such as the
+    trainer reads on the driver): used as it is, with no Spark setting read; giving it
+    with any of the five keywords is a ``ConfigurationError``.
+
+    Everything is checked here, on the driver, and kept in ``spec`` (a frozen
+    ``ParameterSpec``): what every partition's engine reads its configuration from.
     """
 
     def __init__(
@@ -117,53 +129,58 @@ class AllReduceParameter:
         connect_timeout: float | None = None,
         encrypt: bool | None = None,
         topology: Literal["auto", "hierarchical", "flat"] = "auto",
+        network: NetworkSettings | None = None,
     ) -> None:
-        self.network = NetworkSettings.of(
-            dict(
-                bind_address=bind_address,
-                advertise_address=advertise_address,
-                port_range=port_range,
-                connect_timeout=connect_timeout,
-                encrypt=encrypt,
-            ),
-            surroundings.current().setting,
+        network_keywords = dict(
+            bind_address=bind_address,
+            advertise_address=advertise_address,
+            port_range=port_range,
+            connect_timeout=connect_timeout,
+            encrypt=encrypt,
         )
-        self.layout = SliceLayout(size, partition_num)
-        self.strategy = strategy or Strategy()
-        self.strategy.check_partitions(partition_num)
-        self.strategy.check_topology(topology)
-        self.topology = topology
-        # an unknown codec fails here, on the driver, not in every task
-        self.codec, self.gradient_codec = codec_names(codec, gradient_codec)
-        if not timeout > 0:
-            raise ConfigurationError(
-                f"timeout must be a positive number of seconds, got {timeout!r}"
-            )
-        if fetch_threads is not None and (
-            isinstance(fetch_threads, bool)
-            or not isinstance(fetch_threads, int)
-            or fetch_threads < 1
-        ):
-            raise ConfigurationError(
-                f"fetch_threads must be a positive whole number, got {fetch_threads!r}"
-            )
-        self.timeout = float(timeout)
-        self.fetch_threads = fetch_threads
-        self.allow_nonfinite = allow_nonfinite
-        self.unix_sockets = unix_sockets
-        self.shared_memory = shared_memory
-        self.param_id = next(_next_param_id) if param_id is None else int(param_id)
-        self.secret = secrets.token_bytes(32)
+        if network is None:
+            network = NetworkSettings.of(network_keywords, surroundings.current().setting)
+        else:
+            given = [name for name, value in network_keywords.items() if value is not None]
+            if given:
+                raise ConfigurationError(
+                    f"network= and {', '.join(name + '=' for name in given)} were both given: "
+                    f"pass the network settings one way, in network=NetworkSettings({given[0]}=...) "
+                    "or as keywords"
+                )
+        #: what every partition uses; checked as it is made
+        self.spec = ParameterSpec(
+            layout=SliceLayout(size, partition_num),
+            codec=codec,
+            gradient_codec=gradient_codec,
+            strategy=strategy or Strategy(),
+            topology=topology,
+            timeout=timeout,
+            fetch_threads=fetch_threads,
+            unix_sockets=unix_sockets,
+            shared_memory=shared_memory,
+            allow_nonfinite=allow_nonfinite,
+            network=network,
+            param_id=next(_next_param_id) if param_id is None else param_id,
+            secret=secrets.token_bytes(32),
+        )
 
-    @property
-    def size(self) -> int:
-        """How many float32 elements the synchronised vector has."""
-        return self.layout.size
-
-    @property
-    def partition_num(self) -> int:
-        """How many partitions (barrier tasks) share the vector."""
-        return self.layout.partition_num
+    # the settings, as the spec holds them (read-only: every partition must agree on them)
+    layout = _spec_field("layout", "The slices of the vector over the partitions.")
+    network = _spec_field("network", "Where the servers listen; how long a connection may take.")
+    strategy = _spec_field("strategy", "How the partitions synchronise.")
+    topology = _spec_field("topology", "Hierarchical or flat (see the class).")
+    codec = _spec_field("codec", "The codec of the weights and ``allreduce``.")
+    gradient_codec = _spec_field("gradient_codec", "The codec of the gradients.")
+    timeout = _spec_field("timeout", "The bound on every wait for a peer, in seconds.")
+    fetch_threads = _spec_field("fetch_threads", "How many peers are fetched from at once.")
+    allow_nonfinite = _spec_field("allow_nonfinite", "Whether NaN/Inf gradients pass.")
+    unix_sockets = _spec_field("unix_sockets", "Whether same-host peers use Unix sockets.")
+    shared_memory = _spec_field("shared_memory", "Whether they read blocks in shared memory.")
+    param_id = _spec_field("param_id", "Which parameter this is, for the peers' handshake.")
+    secret = _spec_field("secret", "The key the peers authenticate with.")
+    size = _spec_field("size", "How many float32 elements the synchronised vector has.")
+    partition_num = _spec_field("partition_num", "How many partitions share the vector.")
 
     def __repr__(self) -> str:
         gradients = (
@@ -257,7 +274,7 @@ class ConnectedParameter:
         )
         self._finished = False
         self._failure: BaseException | None = None  # what made a call fail partway
-        self._peers = PeerGroup(param, rendezvous)
+        self._peers = PeerGroup(param.spec, rendezvous)
         self._moves = Movements(
             self._peers, get_codec(param.codec), get_codec(param.gradient_codec)
         )
