@@ -61,15 +61,19 @@ class Update:
 
 class BackgroundOwner:
     """Runs the owner's side of one partition's slice until every partition's ``steps``
-    gradients are in.
+    gradients are in (``steps``: the fit's global steps, the first being ``start``; every
+    partition puts a gradient for each, with backup workers for those it does not skip).
 
     Made by ``ConnectedParameter.serve_updates``: ``weight`` and ``gradient`` are the
     handle's owned slice and its gradient room, ``start`` the fit's first step.
-    ``update(gradient, weights, step)`` changes the owned slice in place. A channel of
-    its own fetches the gradients; the peer group's control channel, with backup workers
-    on every owner but the chooser, the chooser's choices. ``on_steps_done(k)`` follows each update
-    after which the slice holds every partition's steps before k. ``check(version)`` gives
-    what checks a summed gradient for NaN/Inf (None: they are allowed).
+    ``update(gradient, weights, step)`` changes the owned slice in place (``gradient``: the
+    exact mean over the rows of the gradients taken; ``step``: 0-based, for learning-rate
+    schedules). ``on_steps_done(k)`` follows each update after which the slice holds every
+    partition's steps before k (ssp, asp: its clock reached k), for each k; both run on the
+    owner's thread. ``check(version)`` gives what checks a summed gradient for NaN/Inf
+    (None: they are allowed). A channel of its own fetches the gradients; the peer group's
+    control channel, with backup workers on every owner but the chooser, the chooser's
+    choices.
     """
 
     def __init__(

@@ -34,7 +34,7 @@ from allreduce_param.engine import surroundings
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.blocks.store import BlockKind
 from allreduce_param.engine.collectives import Collectives
-from allreduce_param.engine.gradients import GradientPuts, Put
+from allreduce_param.engine.gradients import GradientPuts
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.movement.peers import PeerGroup
@@ -226,13 +226,7 @@ class ConnectedParameter:
 
     def __init__(self, param: AllReduceParameter, rendezvous: Rendezvous) -> None:
         spec = param.spec
-        if rendezvous.partition_num != spec.partition_num:
-            raise ConfigurationError(
-                f"{param!r} was made for {spec.partition_num} partitions but this stage has "
-                f"{rendezvous.partition_num} tasks: make it with "
-                f"partition_num=rdd.getNumPartitions(), or repartition the data to "
-                f"{spec.partition_num} partitions"
-            )
+        spec.check_stage(rendezvous.partition_num, repr(param))
         self.partition_id = rendezvous.partition_id
         self.partition_num = spec.partition_num
         self.layout = spec.layout
@@ -248,7 +242,7 @@ class ConnectedParameter:
         self._peers = PeerGroup(spec, rendezvous)
         self._moves = Movements(self._peers, get_codec(spec.codec), get_codec(spec.gradient_codec))
         self._gradients = GradientPuts(
-            self._moves, self.layout, self.strategy, self._owner_failure_first
+            self._moves, self.layout, self._state, self._owner_failure_first
         )
         self._collectives = Collectives(self._moves)
 
@@ -293,13 +287,14 @@ class ConnectedParameter:
     def get_weights(self, out: np.ndarray | None = None) -> np.ndarray:
         """All-gather: fetch every owner's published slice into one full float32 vector.
 
-        Which version of each slice the strategy's rule gives this step: under BSP the one
-        of this step, under the others the newest allowed (``last_read_version`` tells
-        which); after ``finish_updates``, the final weights. Waits for slow owners up to the
-        timeout. The own slice also goes through the codec, so every partition gets
-        bit-identical weights. ``out`` (float32, ``size``) is filled and returned when
-        given; otherwise one array the handle keeps, which the next ``get_weights()`` without
-        ``out`` fills again: copy it to keep a version past that call.
+        After ``init``; each step's first call. Which version of each slice the strategy's
+        rule gives this step: under BSP the one of this step, under the others the newest
+        allowed (``last_read_version`` tells which); after ``finish_updates``, the final
+        weights. Waits for slow owners up to the timeout. The own slice also goes through
+        the codec, so every partition gets bit-identical weights. ``out`` (float32,
+        ``size``) is filled and returned when given; otherwise one array the handle keeps,
+        which the next ``get_weights()`` without ``out`` fills again: copy it to keep a
+        version past that call.
         """
         read = self._state.weight_read(None if self._owner is None else self._owner.steps)
         if out is None:
@@ -345,69 +340,27 @@ class ConnectedParameter:
         codec's rounding took from this partition's gradients is added back at the next
         put, so the rounding errors do not add up over the steps.
         """
-        put = self._start_put(gradients, count, residual, "put_gradients")
-        self._gradients.put(put)
-        self._end_put(put)
+        self._gradients.put(gradients, count, residual)
 
     @_call
     def stream_gradients(
         self, gradients: np.ndarray, count: float = 1.0, residual: np.ndarray | None = None
     ) -> GradientStream:
-        """``put_gradients``, chunk by chunk, while ``gradients`` is still being computed.
-
-        Returns a ``GradientStream``: tell it ``ready(start, stop)`` as ranges of
-        ``gradients`` become final (a backward pass, tensor by tensor), and each owner's
-        chunk is published as soon as it is whole, on a thread of the handle's, while the
-        computation goes on; under BSP this partition's own chunk also starts being
-        fetched from every peer at once, so ``aggregate_gradient_partition`` finds it
-        arriving. Close the stream (``with p.stream_gradients(...) as stream:``) once
-        ``gradients`` is final in full: that publishes what is left, as ``put_gradients``
-        would have. The published blocks are the same bits as ``put_gradients``'s.
-
-        ``count``, ``gradients`` (best ``gradient_buffer()``) and ``residual`` are as for
-        ``put_gradients`` (``count`` is needed at once: every chunk carries it), and the
-        same call order holds: the stream takes the place of the step's put. An error
-        inside the with-block fails the handle, as a failed put would.
+        """``put_gradients``, chunk by chunk, while ``gradients`` is still being computed: a
+        ``GradientStream`` to tell ``ready(start, stop)`` as ranges become final, and to
+        close (``with p.stream_gradients(...) as stream:``) once all are. The same bits are
+        published, and the same call order holds: the stream takes the place of the step's
+        put. Arguments as for ``put_gradients`` (``count`` is needed at once: every chunk
+        carries it); how it publishes: ``GradientPuts.stream``.
         """
-        put = self._start_put(gradients, count, residual, "stream_gradients")
-
-        def closed(error: BaseException | None) -> None:
-            self._state.stream_closed()
-            if error is None:
-                self._end_put(put)
-            else:
-                self._state.fail(error)
-
-        stream = self._gradients.stream(
-            put, closed, f"stream_gradients() on partition {self.partition_id}"
-        )
-        self._state.stream_opened()
-        return stream
+        return self._gradients.stream(gradients, count, residual)
 
     @_call
     def gradient_buffer(self) -> np.ndarray:
         """A float32 vector of ``size`` (zeros at first) to compute the gradient into: the
-        same array on every call, valid until the handle closes.
-
-        Under BSP with the raw codec, ``put_gradients`` of this array publishes it where it
-        lies (shared memory that same-host peers read in place) instead of copying it, and
-        makes it read-only until the next ``get_weights`` returns, when every peer has summed
-        it; a step writes its gradient after ``get_weights`` anyway. Under other codecs
-        and strategies it is copied at put like any vector (``GradientPuts.buffer``).
-        """
+        same array on every call, valid until the handle closes; under BSP with the raw
+        codec, put where it lies, not copied (``GradientPuts.buffer``)."""
         return self._gradients.buffer()
-
-    def _start_put(self, gradients, count, residual, what: str) -> Put:
-        """Check a put's order and arguments, and take its version: what both puts share."""
-        version = self._state.check_put(what)
-        vector, count = self._gradients.check(gradients, count, residual, what)
-        self._state.put_started(version)
-        return self._gradients.start(vector, version, count, residual)
-
-    def _end_put(self, put: Put) -> None:
-        """After every chunk of a put is published."""
-        self._gradients.published(put)
-        self._state.put_done()
 
     @_call
     def aggregate_gradient_partition(self, avg: float | None = None) -> np.ndarray:
@@ -462,30 +415,17 @@ class ConnectedParameter:
         steps: int,
         on_steps_done: Callable[[int], None] | None = None,
     ) -> None:
-        """Start the background owner: it takes the gradients of this slice as the strategy
-        allows, calls ``update(gradient, weight_partition, step)`` to change the slice in
-        place (``gradient``: the exact mean over the rows of the gradients taken; ``step``:
-        0-based, for learning-rate schedules), and publishes the slice after each update.
-
-        ``steps``: the fit's global steps, the first being ``init``'s. Every partition puts
-        a gradient for each (with backup workers, for those it does not skip).
-        ``on_steps_done(k)``, if given, is called once the slice holds every partition's
-        gradients of the steps before k (ssp, asp: its clock reached k), for each k.
-        Call once, after ``init``; both callables run on the owner's thread.
+        """Start the background owner (``owner.BackgroundOwner``; once, after ``init``): it
+        takes this slice's gradients as the strategy allows, calls ``update(gradient,
+        weight_partition, step)`` to change the slice in place, and publishes it. ``steps``:
+        the fit's global steps, the first being ``init``'s; ``on_steps_done(k)`` follows
+        the update after which the slice holds every partition's steps before k.
         """
         self._state.start_owner()
         self._owner = BackgroundOwner(
-            self._moves,
-            self.strategy,
-            self.layout,
-            self._weight,
-            self._gradient,
-            self._state.start,
-            update,
-            int(steps),
-            on_steps_done,
-            check=self._nonfinite_check,
-        )
+            self._moves, self.strategy, self.layout, self._weight, self._gradient,
+            self._state.start, update, int(steps), on_steps_done, check=self._nonfinite_check,
+        )  # fmt: skip
 
     @_call
     def finish_updates(self) -> None:

@@ -85,3 +85,13 @@ class ParameterSpec:
     def partition_num(self) -> int:
         """How many partitions (barrier tasks) share the vector."""
         return self.layout.partition_num
+
+    def check_stage(self, tasks: int, name: str) -> None:
+        """Raise unless a stage of ``tasks`` barrier tasks can use this spec (one task per
+        partition); ``name``: what the error calls the parameter."""
+        if tasks != self.partition_num:
+            raise ConfigurationError(
+                f"{name} was made for {self.partition_num} partitions but this stage has "
+                f"{tasks} tasks: make it with partition_num=rdd.getNumPartitions(), or "
+                f"repartition the data to {self.partition_num} partitions"
+            )

@@ -63,6 +63,21 @@ class Fetcher:
         self.partition_num = peers.partition_num
         self.codecs = codecs
 
+    def fetch_own_chunks(
+        self, kind: int, version: int, layout: SliceLayout, sources: list[int]
+    ) -> dict[int, list[Future]]:
+        """Start fetching the own chunk of ``version`` from each partition of ``sources``:
+        what ``Movements.reduce`` sums. Started before the peers have published, the fetches
+        wait for them, so the chunks arrive while this partition still computes."""
+        return self.fetch_all(
+            self.peers.worker,
+            kind,
+            WeightRead(version, exact=True),
+            layout,
+            destination=self.partition_id,
+            sources=sources,
+        )
+
     def fetch_all(
         self,
         channel: Channel,

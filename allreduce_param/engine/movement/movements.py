@@ -196,21 +196,6 @@ class Movements:
                 residual=None if residual is None else residual[bounds],
             )
 
-    def fetch_own_chunks(
-        self, kind: int, version: int, layout: SliceLayout, sources: list[int]
-    ) -> dict[int, list[Future]]:
-        """Start fetching the own chunk of ``version`` from each partition of ``sources``: what
-        ``reduce`` sums. Started before the peers have published, the fetches wait for them,
-        so the chunks arrive while this partition still computes."""
-        return self.fetcher.fetch_all(
-            self.peers.worker,
-            kind,
-            WeightRead(version, exact=True),
-            layout,
-            destination=self.partition_id,
-            sources=sources,
-        )
-
     def reduce(
         self,
         kind: int,
@@ -226,7 +211,7 @@ class Movements:
         order (``layout.HostLayout``); returns the summed counts. ``divisor`` and ``check``
         are as for ``sum``. ``own``: this partition's chunk and count as they are, when
         ``scatter`` did not publish them (an exact codec would give the same bits).
-        ``pending``: the fetches ``fetch_own_chunks`` started already; the other sources
+        ``pending``: the fetches ``Fetcher.fetch_own_chunks`` started already; the others
         are fetched now. Hierarchical, the host sums are summed instead (``_sum_host``)."""
         if self.peers.hierarchical:
             return self._reduce_host_sums(kind, version, layout, out, divisor, check)
@@ -237,7 +222,7 @@ class Movements:
             if j not in pending and (own is None or j != self.partition_id)
         ]
         if missing:
-            pending.update(self.fetch_own_chunks(kind, version, layout, missing))
+            pending.update(self.fetcher.fetch_own_chunks(kind, version, layout, missing))
         if own is not None:
             values, count = own
             pending[self.partition_id] = futures = []
