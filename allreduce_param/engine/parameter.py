@@ -18,6 +18,11 @@ Nothing here waits on Spark: a fetch of a version blocks until the peer publishe
 driver makes the ``AllReduceParameter`` (its id and secret travel with the task closure);
 each task calls ``connect()``, which meets the peers once and returns a
 ``ConnectedParameter``, to be closed (or used as a context manager) on every path.
+
+The handle's calls are written here; what they lean on has a module each: ``spec.py``
+(the settings every partition agrees on), ``step.py`` (the call order and versions),
+``gradients.py`` (puts and streams of a gradient), ``collectives.py`` (allreduce, signals),
+``owner.py`` (the background owner), ``movement/`` (the peers and the blocks' movements).
 """
 
 from __future__ import annotations
