@@ -89,6 +89,26 @@ def test_arguments_win_over_spark_settings_and_a_bad_spark_setting_is_named_by_i
     assert NetworkSettings.of({}).meeting_patience == 30.0  # 3 connect timeouts of 10 s
 
 
+def test_a_parameter_given_network_settings_uses_them_as_they_are(monkeypatch):
+    """``network=``: settings resolved once on the driver; no Spark setting is read again,
+    and giving one of the five keywords beside it is refused, naming both."""
+    from allreduce_param.engine import surroundings
+
+    class NoSettings(surroundings.Standalone):
+        def setting(self, name: str) -> str | None:
+            raise AssertionError(f"{name} was read though network= was given")
+
+    monkeypatch.setattr(surroundings, "_current", NoSettings())
+    settings = NetworkSettings("127.0.0.1", port_range=(40000, 40009), connect_timeout=4.0)
+    param = AllReduceParameter(2, 8, network=settings)
+    assert param.network is settings and param.spec.network is settings
+    for keyword in ({"port_range": "40000-40009"}, {"encrypt": False}):
+        with pytest.raises(ConfigurationError, match=rf"network= and {next(iter(keyword))}= "):
+            AllReduceParameter(2, 8, network=settings, **keyword)
+    with pytest.raises(ConfigurationError, match="network must be a NetworkSettings"):
+        AllReduceParameter(2, 8, network={"bind_address": "127.0.0.1"})
+
+
 def test_addresses_come_from_the_environment_then_the_settings_then_spark(monkeypatch):
     for variable in ENVIRONMENT.values():
         monkeypatch.delenv(variable, raising=False)

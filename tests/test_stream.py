@@ -119,7 +119,8 @@ def test_a_whole_chunk_is_published_before_the_stream_closes():
             )
             assert version == 0 and block is not None
             del block
-            assert set(p._prefetched) == {peer}  # the own chunk's fetch from the peer is running
+            # the own chunk's fetch from the peer is running
+            assert set(p._gradients._prefetched) == {peer}
         return p.aggregate_gradient_partition().copy()
 
     results = raise_first(

@@ -33,8 +33,8 @@ from allreduce_param.engine.strategy import Strategy, WeightRead
 from allreduce_param.errors import UsageError
 
 if TYPE_CHECKING:
-    from allreduce_param.engine.movement.channels import Channel
-    from allreduce_param.engine.movement.movements import Movements, NonFiniteSum
+    from allreduce_param.engine.movement.movements import Movements
+    from allreduce_param.engine.movement.sums import NonFiniteSum
 
 
 @contextlib.contextmanager
@@ -61,21 +61,24 @@ class Update:
 
 class BackgroundOwner:
     """Runs the owner's side of one partition's slice until every partition's ``steps``
-    gradients are in.
+    gradients are in (``steps``: the fit's global steps, the first being ``start``; every
+    partition puts a gradient for each, with backup workers for those it does not skip).
 
     Made by ``ConnectedParameter.serve_updates``: ``weight`` and ``gradient`` are the
     handle's owned slice and its gradient room, ``start`` the fit's first step.
-    ``update(gradient, weights, step)`` changes the owned slice in place. ``channel``
-    fetches the gradients; the peer group's control channel, with backup workers on every
-    owner but the chooser, the chooser's choices. ``on_steps_done(k)`` follows each update
-    after which the slice holds every partition's steps before k. ``check(version)`` gives
-    what checks a summed gradient for NaN/Inf (None: they are allowed).
+    ``update(gradient, weights, step)`` changes the owned slice in place (``gradient``: the
+    exact mean over the rows of the gradients taken; ``step``: 0-based, for learning-rate
+    schedules). ``on_steps_done(k)`` follows each update after which the slice holds every
+    partition's steps before k (ssp, asp: its clock reached k), for each k; both run on the
+    owner's thread. ``check(version)`` gives what checks a summed gradient for NaN/Inf
+    (None: they are allowed). A channel of its own fetches the gradients; the peer group's
+    control channel, with backup workers on every owner but the chooser, the chooser's
+    choices.
     """
 
     def __init__(
         self,
         moves: Movements,
-        channel: Channel,
         strategy: Strategy,
         layout: SliceLayout,
         weight: np.ndarray,
@@ -96,7 +99,11 @@ class BackgroundOwner:
         self._weight = weight
         self._gradient = gradient
         self._start = start
-        self._channel = channel
+        # waiting idle: the owner takes whichever gradient comes first, and a source's next one
+        # may wait for weights this owner publishes only after another source's (ssp's clock),
+        # so a fetch that held a thread while it waited could keep a ready one queued for good
+        peers = moves.peers
+        self._channel = peers.channel(peers.fetch_threads, "owner", idle_waits=True)
         self._control = moves.peers.control  # backup workers: where the chooser's choices come from
         self._update = update
         self._on_steps_done = on_steps_done or (lambda steps_done: None)
@@ -133,7 +140,7 @@ class BackgroundOwner:
 
     def _fetch(self, source: int, version: int, exact: bool) -> list[Future]:
         """Start fetching ``source``'s gradient for this slice: the part futures."""
-        pending = self._moves.fetch_all(
+        pending = self._moves.fetcher.fetch_all(
             self._channel,
             BlockKind.GRADIENT,
             WeightRead(version, exact),
@@ -201,7 +208,7 @@ class BackgroundOwner:
                 choice[taken] = 1
                 self._moves.publish(BlockKind.CHOICE, step, choice)
             else:
-                pending = self._moves.fetch_all(
+                pending = self._moves.fetcher.fetch_all(
                     self._control,
                     BlockKind.CHOICE,
                     WeightRead(step, exact=True),

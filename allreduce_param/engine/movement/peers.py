@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.blocks.shm import SharedArenas, shared_memory_available
@@ -35,11 +34,9 @@ from allreduce_param.engine.blocks.store import BlockStore
 from allreduce_param.engine.layout import HostLayout
 from allreduce_param.engine.movement.channels import Channel
 from allreduce_param.engine.movement.rendezvous import Rendezvous
+from allreduce_param.engine.spec import ParameterSpec
 from allreduce_param.engine.wire.blocks import BlockServer, PeerClient, parse_address
 from allreduce_param.errors import AllReduceError, AuthenticationError
-
-if TYPE_CHECKING:
-    from allreduce_param.engine.parameter import AllReduceParameter
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +47,7 @@ PART_LENGTH = 1 << 19
 #: The most a part can take encoded, whatever the codec: what a shared send buffer holds.
 LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
 
-#: The worker channel's fetch threads unless ``AllReduceParameter(fetch_threads=...)`` says
+#: The worker channel's fetch threads unless the spec's ``fetch_threads`` says
 #: otherwise (never more than the peers): how many peers it fetches from at once. Each
 #: thread pulls one peer's parts back to back, so a few keep a link busy, and the rest
 #: queue: under every strategy a fetch of the worker's waits only for blocks its peer
@@ -65,23 +62,23 @@ class PeerGroup:
     Starts serving, meets the peers through ``rendezvous`` (once), and makes the worker's
     channel (``fetch_threads`` fetch threads, default ``FETCH_THREADS``, at most one per
     peer) and the control channel (one thread, for small blocks while an owner's channel
-    may be waiting).
+    may be waiting). Everything it is configured by comes from ``spec``, made on the driver.
     """
 
-    def __init__(self, param: AllReduceParameter, rendezvous: Rendezvous) -> None:
+    def __init__(self, spec: ParameterSpec, rendezvous: Rendezvous) -> None:
         self.partition_id = rendezvous.partition_id
-        self.partition_num = param.partition_num
-        self.timeout = param.timeout
-        self._param = param
+        self.partition_num = spec.partition_num
+        self.timeout = spec.timeout
+        self.spec = spec
         self._closed = False
         self._done_peers: set[int] = set()
         self._done_changed = threading.Condition()
         self._channels: list[Channel] = []
-        strategy = param.strategy
+        strategy, network = spec.strategy, spec.network
         # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
         self.shared = (
             SharedArenas()
-            if param.unix_sockets and param.shared_memory and shared_memory_available()
+            if spec.unix_sockets and spec.shared_memory and shared_memory_available()
             else None
         )
         self.store = BlockStore(
@@ -91,23 +88,23 @@ class PeerGroup:
             new_buffer=self._new_buffer,
         )
         host, port = rendezvous.bind_address()
-        bind, advertise = param.network.addresses(host)
+        bind, advertise = network.addresses(host)
         self._server = BlockServer(
             self.store,
-            param.secret,
-            param.param_id,
+            spec.secret,
+            spec.param_id,
             self.partition_id,
             bind,
             port,
             partition_num=self.partition_num,
             on_done=self.peer_done,
-            unix=param.unix_sockets,
+            unix=spec.unix_sockets,
             shared=self.shared,
-            max_wait=param.timeout,
-            ports=param.network.port_range,
+            max_wait=spec.timeout,
+            ports=network.port_range,
             advertise=advertise,
-            handshake_timeout=param.network.connect_timeout,
-            encrypt=param.network.encrypt,
+            handshake_timeout=network.connect_timeout,
+            encrypt=network.encrypt,
         )
         self._addresses: list = []
         try:
@@ -118,16 +115,16 @@ class PeerGroup:
             self._check_fingerprints()
             self.hosts = HostLayout(
                 [
-                    address.scope if address.local_name is not None and param.unix_sockets else None
+                    address.scope if address.local_name is not None and spec.unix_sockets else None
                     for address in self._addresses
                 ]
             )
             #: each host's leader exchanges for it; the others only within their host
             self.hierarchical = (
-                param.topology != "flat" and strategy.inline_owner and self.hosts.nested
+                spec.topology != "flat" and strategy.inline_owner and self.hosts.nested
             )
             #: how many fetches a channel runs at once (a background owner's also reads its own store)
-            self.fetch_threads = min(param.fetch_threads or FETCH_THREADS, self.partition_num)
+            self.fetch_threads = min(spec.fetch_threads or FETCH_THREADS, self.partition_num)
             self.worker = self.channel(min(self.fetch_threads, self.partition_num - 1), "fetch")
             # small blocks (choices, signals) on connections of their own, made at first use:
             # a background owner's channel may be waiting for a straggler's gradient meanwhile
@@ -168,16 +165,16 @@ class PeerGroup:
             )
             clients[peer] = PeerClient(
                 (address.host, address.port),
-                self._param.secret,
-                self._param.param_id,
+                self.spec.secret,
+                self.spec.param_id,
                 self.partition_id,
                 peer,
                 self.timeout,
                 local_name=address.local_name
                 if same_scope
                 else None,  # a Unix socket, and shared memory if on
-                handshake_timeout=self._param.network.connect_timeout,
-                encrypt=self._param.network.encrypt,
+                handshake_timeout=self.spec.network.connect_timeout,
+                encrypt=self.spec.network.encrypt,
             )
         channel = Channel(
             clients, threads, f"allreduce-{role}-{self.partition_id}", role, idle_waits
@@ -295,7 +292,7 @@ class PeerGroup:
             channel.abort()
         self._wait_for_peers(
             self.hosts.neighbours(self.partition_id, self.hierarchical),
-            min(self.timeout, self._param.network.failure_linger),
+            min(self.timeout, self.spec.network.failure_linger),
         )
         self.shutdown(join)
 

@@ -1,0 +1,125 @@
+"""Collectives on any vector, beside the steps: allreduce (through the codec), exact
+allreduce (row counts, norms, metrics), and signals (a checkpoint written, a fit's stop).
+
+Each is made of the four movements (``movement/movements.py``) and has block kinds of its
+own, so it never meets a step's weights or gradients: a partition may call them between
+any two calls of a step. Like the steps, every partition makes the same calls in the same
+order; the n-th call meets the n-th on the others (its version counts them).
+``ConnectedParameter`` exposes each as a method of the handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import numpy as np
+
+from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKind
+from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.engine.movement.movements import Movements
+from allreduce_param.engine.strategy import WeightRead
+from allreduce_param.engine.vectors import float32_vector
+from allreduce_param.errors import InputError
+
+
+class Collectives:
+    """One partition's collectives, through its ``Movements``."""
+
+    def __init__(self, moves: Movements) -> None:
+        self._moves = moves
+        self._peers = moves.peers
+        self.partition_id = moves.partition_id
+        self.partition_num = moves.partition_num
+        self._allreduces = -1  # versions taken so far
+        self._exact_allreduces = -1
+
+    def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum") -> np.ndarray:
+        """Sum (or average over partitions) a float32 vector of any length across partitions.
+
+        A reduce-scatter then an all-gather, like a step, through the parameter's codec.
+        Every partition must call it with a vector of the same length; all get the same
+        result. For counts, norms and metrics that a lossy codec would round, use
+        ``allreduce_exact``.
+        """
+        if op not in ("sum", "mean"):
+            raise InputError(f"allreduce(op={op!r}): op must be 'sum' or 'mean'")
+        vector = float32_vector(values, None, f"allreduce(values) on partition {self.partition_id}")
+        self._allreduces += 1
+        version, moves = self._allreduces, self._moves
+        layout = SliceLayout(vector.size, self.partition_num)
+        moves.scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0)
+        reduced = np.empty(layout.length(self.partition_id), dtype=np.float32)
+        moves.reduce(
+            BlockKind.REDUCE_INPUT,
+            version,
+            layout,
+            reduced,
+            divisor=(lambda total: self.partition_num) if op == "mean" else None,
+        )
+        moves.publish(BlockKind.REDUCE_OUTPUT, version, reduced)
+        out = np.empty(vector.size, dtype=np.float32)
+        moves.gather(BlockKind.REDUCE_OUTPUT, WeightRead(version, exact=True), layout, out)
+        return out
+
+    def allreduce_exact(self, values) -> np.ndarray:
+        """Sum small float64 vectors (row counts, norms, metrics) across partitions, exactly.
+
+        Every partition's vector reaches every partition unrounded, whatever the codec, and
+        each sums them in partition order in float64: all get the same bits, and whole
+        numbers up to 2**53 stay exact. Every partition must call it with a vector of the
+        same length. For large vectors use ``allreduce``: this moves N copies of each.
+        """
+        vector = np.ascontiguousarray(values, dtype=np.float64)
+        if vector.ndim != 1 or vector.size == 0:
+            raise InputError(
+                f"allreduce_exact(values) on partition {self.partition_id}: expected a "
+                f"non-empty 1-D vector, got shape {vector.shape}"
+            )
+        self._exact_allreduces += 1
+        version = self._exact_allreduces
+        bits = vector.view(np.float32)  # carried as its bytes: the raw codec copies, never rounds
+        self._moves.publish(BlockKind.METADATA, version, bits)
+        everyone = SliceLayout(bits.size * self.partition_num, self.partition_num)
+        gathered = np.empty(everyone.size, dtype=np.float32)
+        self._moves.gather(BlockKind.METADATA, WeightRead(version, exact=True), everyone, gathered)
+        rows = gathered.view(np.float64).reshape(self.partition_num, vector.size)
+        total = rows[0].copy()
+        for row in rows[1:]:
+            total += row
+        return total
+
+    def signal(self, version: int) -> None:
+        """Tell every partition this one has done ``version`` of something (e.g. written a
+        checkpoint); see ``wait_for_signals``. Versions must increase.
+
+        Hierarchical, a leader's signal stands for its whole host: it first waits until
+        every partition of its host has signalled ``version``, so that a waiter reads only
+        its own host's signals and the leaders', not a connection to every partition."""
+        if self._peers.is_leader:
+            self._wait_for(version, self._peers.hosts.mates(self.partition_id))
+        self._moves.publish(BlockKind.SIGNAL, version, np.ones(1, np.float32))
+
+    def wait_for_signals(self, version: int) -> None:
+        """Wait until every partition has signalled ``version`` (or a later one)."""
+        hosts = self._peers.hosts
+        self._wait_for(
+            version,
+            sorted({*hosts.host(self.partition_id), *hosts.leaders})
+            if self._peers.hierarchical
+            else range(self.partition_num),
+        )
+
+    def _wait_for(self, version: int, sources: Iterable[int]) -> None:
+        """Wait until each partition of ``sources`` has signalled ``version`` or a later one."""
+        ones = SliceLayout(self.partition_num, self.partition_num)  # one value from each
+        pending = self._moves.fetcher.fetch_all(
+            self._peers.control,
+            BlockKind.SIGNAL,
+            WeightRead(version, exact=False),
+            ones,
+            EVERY_PARTITION,
+            sources=sources,
+        )
+        for futures in pending.values():
+            futures[-1].result()

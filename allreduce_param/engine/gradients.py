@@ -1,0 +1,201 @@
+"""How a partition's gradient of a step leaves it: put at once, or streamed chunk by chunk
+while backward still computes the rest, copied or published where it lies.
+
+A put cuts the gradient into one chunk per owner and publishes chunk ``j`` for owner ``j``
+(``Movements.scatter``). Two shortcuts keep copies off the step under plain BSP:
+
+- with an exact codec, the own chunk is not published at all: the aggregate sums it
+  straight from the caller's vector (``for_reduce``);
+- the lent buffer (``buffer``, the handle's ``gradient_buffer()``), put with the raw
+  codec, is published where it lies: same-host peers read it in place from shared memory,
+  and it is read-only until the next ``get_weights`` has shown every peer summed it.
+
+A stream (``stream``) publishes each owner's chunk once it is final (``stream.py``), and
+under BSP starts fetching the own chunk from every peer at once, so the aggregate finds it
+arriving. Each put asks the handle's ``step.StepState`` first, and tells it when done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+
+from allreduce_param.engine.blocks.store import BlockKind
+from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.engine.movement.movements import Movements
+from allreduce_param.engine.step import StepState
+from allreduce_param.engine.stream import GradientStream
+from allreduce_param.engine.vectors import float32_vector, writable_output
+from allreduce_param.errors import InputError
+
+
+class Put(NamedTuple):
+    """One put of a gradient, once checked: what its chunks are published with."""
+
+    vector: np.ndarray
+    version: int
+    count: float
+    residual: np.ndarray | None
+    keep_own: bool  # the own chunk is summed from ``vector``, not published
+    in_place: memoryview | None  # ``vector``'s bytes, to publish where they lie
+
+
+class GradientPuts:
+    """One partition's puts of its gradients through ``moves``, in the call order ``state``
+    keeps (and under its strategy).
+
+    ``guard()``: a context that a publish runs in, so that its error is raised as the
+    root cause it follows from (the background owner's, if it failed).
+    """
+
+    def __init__(
+        self,
+        moves: Movements,
+        layout: SliceLayout,
+        state: StepState,
+        guard: Callable[[], contextlib.AbstractContextManager],
+    ) -> None:
+        self._moves = moves
+        self._peers = moves.peers
+        self.partition_id = moves.partition_id
+        self._layout = layout
+        self._state = state
+        self._strategy = state.strategy
+        self._guard = guard
+        self._lent: tuple[np.ndarray, memoryview] | None = None  # buffer(), and its bytes
+        self._own: tuple[np.ndarray, float] | None = None  # the own chunk, summed from the vector
+        self._prefetched: dict[int, list[Future]] | None = None  # a stream's own-chunk fetches
+        self._publisher: ThreadPoolExecutor | None = None  # publishes streamed chunks
+
+    def buffer(self) -> np.ndarray:
+        """The lent gradient buffer (``ConnectedParameter.gradient_buffer``): a float32
+        vector of ``size``, zeros at first, made at the first call, the same array after.
+
+        Under BSP with the raw codec, a put of this array publishes it where it lies
+        (shared memory that same-host peers read in place) instead of copying it, and
+        makes it read-only until the next ``get_weights`` returns, when every peer has
+        summed it; a step writes its gradient after ``get_weights`` anyway. Under other
+        codecs and strategies it is copied at put like any vector.
+        """
+        if self._lent is None:
+            room = self._peers.room(4 * self._layout.size)
+            self._lent = (np.frombuffer(room, dtype=np.float32), room)
+        return self._lent[0]
+
+    def put(self, gradients, count: float, residual: np.ndarray | None) -> None:
+        """``ConnectedParameter.put_gradients``: publish every owner's chunk now."""
+        put = self._start(gradients, count, residual, "put_gradients")
+        with self._guard():
+            self._moves.scatter(
+                BlockKind.GRADIENT,
+                put.version,
+                put.vector,
+                self._layout,
+                put.count,
+                put.residual,
+                own=not put.keep_own,
+                in_place=put.in_place,
+            )
+        self._published(put)
+
+    def stream(self, gradients, count: float, residual: np.ndarray | None) -> GradientStream:
+        """``ConnectedParameter.stream_gradients``: a ``GradientStream`` that publishes each
+        owner's chunk as soon as it is final, on the handle's publishing thread, while the
+        computation goes on; under BSP (flat) this partition's own chunk also starts being
+        fetched from every peer at once, so the aggregate finds it arriving. Its close
+        publishes what is left, as a put would have: the same bits. An error inside the
+        with-block fails the handle, as a failed put would."""
+        put = self._start(gradients, count, residual, "stream_gradients")
+        if self._strategy.inline_owner and not self._peers.hierarchical:
+            # the peers' chunks of the own slice: fetch them as they come
+            peers = [j for j in range(self._moves.partition_num) if j != self.partition_id]
+            self._prefetched = self._moves.fetcher.fetch_own_chunks(
+                BlockKind.GRADIENT, put.version, self._layout, peers
+            )
+
+        def publish(owner: int) -> None:
+            with self._guard():
+                self._moves.scatter_chunk(
+                    BlockKind.GRADIENT,
+                    put.version,
+                    put.vector,
+                    self._layout,
+                    put.count,
+                    owner,
+                    put.residual,
+                    put.in_place,
+                )
+
+        def closed(error: BaseException | None) -> None:
+            self._state.stream_closed()
+            if error is None:
+                self._published(put)
+            else:
+                self._state.fail(error)
+
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(
+                1, thread_name_prefix=f"allreduce-publish-{self.partition_id}"
+            )
+        self._state.stream_opened()
+        return GradientStream(
+            self._layout,
+            self._moves.scatter_order(own=not put.keep_own),
+            publish,
+            self._publisher,
+            closed,
+            f"stream_gradients() on partition {self.partition_id}",
+        )
+
+    def _start(self, gradients, count, residual, what: str) -> Put:
+        """Check a put's order and arguments, and take its version: what both puts share."""
+        version = self._state.check_put(what)
+        size, where = self._layout.size, f"on partition {self.partition_id}"
+        vector = float32_vector(gradients, size, f"{what}(gradients) {where}")
+        if not float(count) >= 0:
+            raise InputError(
+                f"{what}(count={count!r}) {where}: the sample count must be a number >= 0"
+            )
+        if residual is not None:
+            writable_output(residual, size, f"{what}(residual=) {where}")
+        count = float(count)
+        self._state.put_started(version)
+        inline = self._strategy.inline_owner
+        codec = self._moves.codecs[BlockKind.GRADIENT]
+        # BSP with an exact codec: the own chunk is summed straight from the caller's vector
+        # (hierarchical, a leader reads it from the store)
+        keep_own = inline and not codec.lossy and not self._peers.hierarchical
+        bounds = self._layout.bounds(self.partition_id)
+        self._own = (vector[bounds], count) if keep_own else None
+        lent = self._lent is not None and vector.ctypes.data == self._lent[0].ctypes.data
+        in_place = lent and inline and codec.publishes_in_place and residual is None
+        return Put(vector, version, count, residual, keep_own, self._lent[1] if in_place else None)
+
+    def _published(self, put: Put) -> None:
+        """Every chunk of ``put`` is out: the lent buffer, if published in place, stays
+        unchanged until every peer has read it; the state is told."""
+        if put.in_place is not None:
+            self._lent[0].flags.writeable = False  # peers read it until our next get_weights
+        self._state.put_done()
+
+    def for_reduce(self) -> tuple[tuple[np.ndarray, float] | None, dict[int, list[Future]] | None]:
+        """What the step's aggregate takes from the put, once: the own chunk and count when
+        they were not published, and the fetches a stream started (``Movements.reduce``)."""
+        own, prefetched = self._own, self._prefetched
+        self._own, self._prefetched = None, None
+        return own, prefetched
+
+    def weights_read(self) -> None:
+        """A ``get_weights`` returned: every peer has summed the last gradient published
+        in place, and the lent buffer may be written again."""
+        if self._lent is not None:
+            self._lent[0].flags.writeable = True
+
+    def close(self) -> None:
+        """End the publishing thread, once its publishes are done."""
+        if self._publisher is not None:
+            self._publisher.shutdown(wait=True)

@@ -1,0 +1,356 @@
+"""Fetching blocks from the peers (and from the own store), and relaying them: how a block
+gets here, written once for every movement.
+
+A block travels in parts (``part_plan``); ``Fetcher.fetch_blocks`` starts one fetch per
+serving partition on a ``channels.Channel`` (the own store's on the calling thread) and
+hands back one future per part, resolved as each part is decoded, so a caller sums part
+k while part k+1 is on the wire. ``Fetcher.relay`` copies blocks as they are into the own
+store for others to fetch from here (a hierarchical leader's job, ``movements.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from typing import NamedTuple
+
+import numpy as np
+
+from allreduce_param.engine.blocks.codec import Codec, parse_header
+from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKey, SplitBlock
+from allreduce_param.engine.layout import SliceLayout, split
+from allreduce_param.engine.movement.channels import (
+    Channel,
+    FetchSteps,
+    PeerGet,
+    StoreGet,
+    run_through,
+)
+from allreduce_param.engine.movement.peers import PART_LENGTH, PeerGroup
+from allreduce_param.engine.strategy import WeightRead
+from allreduce_param.errors import AuthenticationError, CorruptBlockError, PeerLostError
+
+
+@functools.lru_cache(maxsize=64)
+def part_plan(layout: SliceLayout) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``plan[j]``: the parts ``(start, length)`` of slice ``j`` of ``layout``, counted from
+    the slice's start."""
+    return tuple(tuple(split(layout.length(j), PART_LENGTH)) for j in range(layout.partition_num))
+
+
+def _header_and_payload(block) -> tuple[memoryview, memoryview | None]:
+    """A block as ``Codec.decode`` takes it: its bytes, or a split block's two parts."""
+    return (block.header, block.payload) if isinstance(block, SplitBlock) else (block, None)
+
+
+def _recheck(block: memoryview, header, what: str) -> None:
+    """Raise if a block read in place was rewritten while it was read."""
+    if not Codec.unchanged(block, header):
+        raise CorruptBlockError(
+            f"{what} was rewritten while it was read in place: a protocol slip (its owner "
+            "reused the buffer of a version still being read)"
+        )
+
+
+class Fetcher:
+    """One partition's fetches of blocks through its ``PeerGroup``; ``codecs``: each block
+    kind's codec (``movements.block_codecs``)."""
+
+    def __init__(self, peers: PeerGroup, codecs: dict[int, Codec]) -> None:
+        self.peers = peers
+        self.partition_id = peers.partition_id
+        self.partition_num = peers.partition_num
+        self.codecs = codecs
+
+    def fetch_own_chunks(
+        self, kind: int, version: int, layout: SliceLayout, sources: list[int]
+    ) -> dict[int, list[Future]]:
+        """Start fetching the own chunk of ``version`` from each partition of ``sources``:
+        what ``Movements.reduce`` sums. Started before the peers have published, the fetches
+        wait for them, so the chunks arrive while this partition still computes."""
+        return self.fetch_all(
+            self.peers.worker,
+            kind,
+            WeightRead(version, exact=True),
+            layout,
+            destination=self.partition_id,
+            sources=sources,
+        )
+
+    def fetch_all(
+        self,
+        channel: Channel,
+        kind: int,
+        read: WeightRead,
+        layout: SliceLayout,
+        destination: int,
+        sources=None,
+        follow_first: bool = False,
+        into: np.ndarray | None = None,
+        via: Callable[[int], int] | None = None,
+    ) -> dict[int, list[Future]]:
+        """Start fetching every part of block ``(kind, j, destination)`` from each partition ``j``
+        of ``sources`` (default: all), as ``read`` says: each part on its own, or with
+        ``follow_first`` every part in the version the first part came in. The blocks'
+        lengths are ``layout``'s: slice ``j``'s for blocks for every partition, else slice
+        ``destination``'s. ``via(j)``: who serves ``j``'s block (default ``j``; see
+        ``fetch_blocks``).
+
+        ``result[j][k]`` is a future of part k's ``(version, count, values, recheck)``; values
+        stay valid until the channel's next fetch of the same block. A lossy codec decodes into
+        ``into`` (a full vector of ``layout``, slice ``j`` at its place) when given, else into
+        the channel's scratch. ``recheck``, for a block read in place (the own store, a peer's
+        shared memory), raises if the block was rewritten while it was read: call it after
+        using the values.
+        """
+        sources = range(self.partition_num) if sources is None else sources
+        pending = self.fetch_blocks(
+            channel,
+            kind,
+            read,
+            layout,
+            [(source, destination) for source in sources],
+            follow_first,
+            into,
+            via,
+        )
+        return {source: futures for (source, _), futures in pending.items()}
+
+    def fetch_blocks(
+        self,
+        channel: Channel,
+        kind: int,
+        read: WeightRead,
+        layout: SliceLayout,
+        blocks: list[tuple[int, int]],
+        follow_first: bool = False,
+        into: np.ndarray | None = None,
+        via: Callable[[int], int] | None = None,
+    ) -> dict[tuple[int, int], list[Future]]:
+        """``fetch_all`` for any blocks ``(source, destination)`` of one kind, keyed by them.
+
+        The blocks one partition serves (``via(source)``, default the source) are fetched
+        in the order given by one pool thread, over its one connection; those this partition
+        serves itself (with the worker's channel) are read from the own store on the calling
+        thread, once the others have started.
+        """
+        plan = part_plan(layout)
+        pending: dict[tuple[int, int], list[Future]] = {}
+        by_server: dict[int, list[_Fetch]] = {}
+        for server, server_blocks in _by_server(blocks, via).items():
+            by_server[server] = []
+            for source, destination in server_blocks:
+                slice_of = _slice_of(source, destination)
+                parts = plan[slice_of]
+                room = None if into is None else into[layout.bounds(slice_of)]
+                futures = pending[(source, destination)] = [Future() for _ in parts]
+                by_server[server].append(_Fetch(source, destination, parts, futures, room))
+        own = by_server.pop(self.partition_id, None) if channel is self.peers.worker else None
+        for server, fetches in by_server.items():
+            channel.start(self._fetch_from(channel, server, kind, read, fetches, follow_first))
+        if own:
+            run_through(self._fetch_from(channel, self.partition_id, kind, read, own, follow_first))
+        return pending
+
+    def _fetch_from(
+        self,
+        channel: Channel,
+        server: int,
+        kind: int,
+        read: WeightRead,
+        fetches: list[_Fetch],
+        follow_first: bool,
+    ) -> FetchSteps:
+        """Fetch ``fetches`` from ``server`` in order; after a failure the rest fail with it.
+        The steps of one fetch (``Channel.start``)."""
+        for index, fetch in enumerate(fetches):
+            error = yield from self._fetch_parts(channel, server, kind, read, fetch, follow_first)
+            if error is not None:
+                for later in fetches[index + 1 :]:
+                    for future in later.futures:
+                        future.set_exception(error)
+                return
+
+    def _fetch_parts(
+        self,
+        channel: Channel,
+        server: int,
+        kind: int,
+        read: WeightRead,
+        fetch: _Fetch,
+        follow_first: bool,
+    ) -> Generator[PeerGet | StoreGet, tuple, BaseException | None]:
+        """Fetch and decode one block's parts from ``server`` in order, resolving one future per
+        part; the error, if one came. Yields where it may wait (``Channel.start``).
+
+        A failure fails this part and every later one, so the caller sees it where it waits.
+        """
+        peers, codec = self.peers, self.codecs[kind]
+        source, destination, parts, futures, room = fetch
+        sizes = [codec.max_encoded_size(length) for _, length in parts]
+        local = server == self.partition_id
+        in_place = peers.reads_in_place(channel, server)  # no receive buffer, no checksum
+        # a block's landing: per source, and per destination too where one fetch takes several
+        landing = (
+            source if destination in (EVERY_PARTITION, self.partition_id) else (source, destination)
+        )
+        receive = None if in_place else channel.receive_buffer(landing, sum(sizes))
+        if room is None:
+            room = channel.scratch(landing, parts[-1][0] + parts[-1][1] if parts else 0)
+        offset = 0
+        for part, ((start, length), size) in enumerate(zip(parts, sizes)):
+            key = BlockKey(kind, source, destination, part)
+            try:
+                if local:
+                    version, block = yield StoreGet(
+                        peers.store,
+                        key,
+                        read.version,
+                        peers.timeout,
+                        not read.exact,
+                        channel.reader,
+                    )
+                else:
+                    version, block = yield PeerGet(
+                        channel.clients[server],
+                        key,
+                        read.version,
+                        size,
+                        None if receive is None else receive[offset : offset + size],
+                        in_place,
+                        not read.exact,
+                    )
+                block, payload = _header_and_payload(block)
+                header, values = codec.decode(
+                    block,
+                    length,
+                    scratch=room[start : start + length],
+                    what=key.describe(version),
+                    expect=(kind, source, destination, part, version),
+                    checksum=not in_place,
+                    payload=payload,
+                )
+            except BaseException as error:
+                self._lost(channel, server, error)
+                for future in futures[part:]:
+                    future.set_exception(error)
+                return error
+            recheck = (
+                functools.partial(_recheck, block, header, key.describe(version))
+                if in_place
+                else None
+            )
+            futures[part].set_result((version, header.count, values, recheck))
+            offset += size
+            if follow_first:
+                read = WeightRead(version, exact=True)
+        return None
+
+    def _lost(self, channel: Channel, server: int, error: BaseException) -> None:
+        """After a fetch from ``server`` failed: a peer gone, or not of this parameter, fetches
+        nothing from us (a fetch we cut ourselves, failing, says nothing of the peer, which
+        may still wait on us)."""
+        if isinstance(error, (PeerLostError, AuthenticationError)) and not channel.aborted:
+            self.peers.peer_done(server)
+
+    def relay(
+        self,
+        channel: Channel,
+        kind: int,
+        read: WeightRead,
+        layout: SliceLayout,
+        blocks: list[tuple[int, int]],
+        via: Callable[[int], int] | None = None,
+    ) -> list[Future]:
+        """Copy blocks ``(source, destination)`` of ``read.version`` (exact) as they are into the
+        own store, under their own keys, for this host (or the other hosts' leaders) to fetch
+        from here: from ``via(source)`` (default: the source), one pool thread per server.
+        A block that crossed a socket is checked (its checksum included) before it is
+        published; one read in place is copied and then checked unchanged. Returns one
+        future per server, done when all its blocks are in."""
+        return [
+            channel.pool.submit(
+                self._relay_from, channel, server, kind, read, layout, server_blocks
+            )
+            for server, server_blocks in _by_server(blocks, via).items()
+        ]
+
+    def _relay_from(
+        self,
+        channel: Channel,
+        server: int,
+        kind: int,
+        read: WeightRead,
+        layout: SliceLayout,
+        blocks: list[tuple[int, int]],
+    ) -> None:
+        peers, codec, version = self.peers, self.codecs[kind], read.version
+        client = channel.clients[server]
+        in_place = peers.reads_in_place(channel, server)
+        plan = part_plan(layout)
+        try:
+            for source, destination in blocks:
+                for part, (_, length) in enumerate(plan[_slice_of(source, destination)]):
+                    key = BlockKey(kind, source, destination, part)
+                    size = codec.max_encoded_size(length)
+                    buffer = peers.store.reserve(key, version, peers.timeout)
+                    if (
+                        len(buffer) < size
+                    ):  # a bytearray, the first time: never while a view of it lives
+                        buffer.extend(bytes(size - len(buffer)))
+                    room = memoryview(buffer)[:size]
+                    _, block = client.fetch(
+                        key, version, size, None if in_place else room, in_place
+                    )
+                    header_bytes, payload = _header_and_payload(block)
+                    what = key.describe(version)
+                    if in_place:
+                        nbytes = header_bytes.nbytes + (0 if payload is None else payload.nbytes)
+                        room[: header_bytes.nbytes] = header_bytes
+                        if payload is not None:
+                            room[header_bytes.nbytes : nbytes] = payload
+                        _recheck(header_bytes, parse_header(room, what), what)
+                    else:
+                        nbytes = block.nbytes
+                        codec.verify(
+                            room[:nbytes],
+                            length,
+                            what,
+                            expect=(kind, source, destination, part, version),
+                        )
+                    peers.store.put(key, version, room[:nbytes], buffer=buffer)
+                    del room, block, header_bytes, payload
+        except BaseException as error:
+            self._lost(channel, server, error)
+            raise
+
+
+def _slice_of(source: int, destination: int) -> int:
+    """Whose slice block ``(source, destination)`` holds: the source's when it is for every
+    partition (a weight slice), else the destination's (its chunk of a gradient)."""
+    return source if destination == EVERY_PARTITION else destination
+
+
+def _by_server(
+    blocks: list[tuple[int, int]], via: Callable[[int], int] | None
+) -> dict[int, list[tuple[int, int]]]:
+    """``blocks`` ``(source, destination)`` by who serves them (``via(source)``, default the
+    source), each server's in the order given."""
+    by_server: dict[int, list[tuple[int, int]]] = {}
+    for source, destination in blocks:
+        by_server.setdefault(source if via is None else via(source), []).append(
+            (source, destination)
+        )
+    return by_server
+
+
+class _Fetch(NamedTuple):
+    """One block ``fetch_blocks`` fetches: whose, for whom, its parts with a future each, and
+    where a lossy codec decodes it (None: the channel's scratch)."""
+
+    source: int
+    destination: int
+    parts: tuple[tuple[int, int], ...]
+    futures: list[Future]
+    room: np.ndarray | None

@@ -1,0 +1,121 @@
+"""Summing fetched chunks in the one order, and the NaN/Inf check that names the culprit.
+
+Every sum of the engine goes through ``sum_in_order``: on each host in partition order,
+then the hosts' sums in host order (``layout.HostLayout``), in fp32, part by part as the
+parts arrive, so that a lossless codec gives the same bits whichever way they travelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import numpy as np
+
+from allreduce_param.engine.layout import split
+from allreduce_param.engine.movement.peers import PART_LENGTH
+from allreduce_param.errors import NonFiniteGradientError
+
+
+def _add_up(values: list[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """``out`` = the ``values`` added in order, in fp32: the first two in one pass, not
+    copied and then added."""
+    if len(values) == 1:
+        np.copyto(out, values[0])
+    else:
+        np.add(values[0], values[1], out=out)
+        for more in values[2:]:
+            out += more
+    return out
+
+
+class NonFiniteSum:
+    """Finds what made a summed gradient part NaN/Inf, for a message that names it.
+
+    ``version`` is the step; ``slice_start`` where the summed chunk begins in the full vector.
+    """
+
+    def __init__(self, version: int, slice_start: int) -> None:
+        self.version = version
+        self.slice_start = slice_start
+
+    def check(
+        self, target: np.ndarray, start: int, sources: list[str], parts: list[np.ndarray]
+    ) -> None:
+        """Raise ``NonFiniteGradientError`` if the summed part ``target`` (from ``start`` in the
+        slice) holds NaN/Inf: naming the first source (``sources``: "partition 3") whose
+        part does, or else saying the sum overflowed."""
+        if np.isfinite(target.sum()) or np.isfinite(target).all():  # one cheap pass in cache
+            return
+        for source, values in zip(sources, parts):
+            bad = np.flatnonzero(~np.isfinite(values))
+            if bad.size:
+                index = self.slice_start + start + int(bad[0])
+                raise NonFiniteGradientError(
+                    f"the gradient of {source} for step {self.version} holds NaN/Inf "
+                    f"(first at index {index}: {values[bad[0]]}); the model diverged or the "
+                    "data holds NaN. Lower the learning rate or clean the data, or pass "
+                    "AllReduceParameter(allow_nonfinite=True) to let them through"
+                )
+        index = self.slice_start + start + int(np.flatnonzero(~np.isfinite(target))[0])
+        raise NonFiniteGradientError(
+            f"the gradients of step {self.version} are finite but their sum overflows float32 "
+            f"(first at index {index}); the model diverged: lower the learning rate, or clip the "
+            "gradients (clip_norm), or pass AllReduceParameter(allow_nonfinite=True) to let it through"
+        )
+
+
+def sum_in_order(
+    pending: dict[int, list[Future]],
+    groups: list[tuple[int, ...]],
+    out: np.ndarray,
+    divisor: Callable[[float], float | None] | None = None,
+    check: NonFiniteSum | None = None,
+    names: list[str] | None = None,
+) -> float:
+    """Sum the fetched chunks (``pending[source][part]``, as ``Fetcher.fetch_all`` gives them)
+    into ``out``; their counts.
+
+    ``groups``: the sources in the order summed: each group in its order, then the groups'
+    sums in their order (a host's partitions each, or one host sum each).
+    ``divisor(total)``, once the counts are known, gives what to divide the sum by (None:
+    leave it a sum); ``check`` raises if a summed part holds NaN/Inf, naming the source by
+    ``names`` (default: its partition). Both act on each part just after it is summed.
+    Every part is summed before anything is raised, so no fetch is left running.
+    """
+    order = [source for group in groups for source in group]
+    group_sum = (
+        np.empty(min(out.size, PART_LENGTH), np.float32)
+        if any(len(g) > 1 for g in groups[1:])
+        else None
+    )
+    names = names or [f"partition {source}" for source in order]
+    total, scale, failure = 0.0, None, None
+    for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
+        target = out[start : start + length]
+        parts = {source: pending[source][part].result() for source in order}
+        if part == 0:
+            total = sum(sum(parts[source][1] for source in group) for group in groups)
+            value = None if divisor is None else divisor(total)
+            scale = None if value is None else np.float32(value)
+        for index, group in enumerate(groups):
+            values = [parts[source][2] for source in group]
+            if index == 0:
+                _add_up(values, target)
+            elif len(values) == 1:
+                target += values[0]
+            else:
+                target += _add_up(values, group_sum[:length])
+        if check is not None and failure is None:
+            try:
+                check.check(target, start, names, [parts[source][2] for source in order])
+            except NonFiniteGradientError as error:
+                failure = error
+        if scale is not None:
+            target /= scale
+        for _, _, _, recheck in parts.values():
+            if recheck is not None:
+                recheck()
+    if failure is not None:
+        raise failure
+    return total
