@@ -17,7 +17,7 @@ from typing import Literal
 from allreduce_param.engine.blocks.codec import codec_names
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.strategy import Strategy
-from allreduce_param.engine.wire.network import NetworkSettings
+from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError
 
 Topology = Literal["auto", "hierarchical", "flat"]
