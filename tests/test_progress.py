@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from allreduce_param.engine.movement.rendezvous import MeetingPoint, _by_partition
+from allreduce_param.engine.movement.rendezvous import MeetingPoint, by_partition
 from allreduce_param.engine.wire.messages import (
     MAX_MESSAGE,
     MessageClient,
@@ -245,7 +245,7 @@ def test_the_meeting_point_answers_every_task_with_every_address_once_all_came()
             answer["kind"] == "met" for answer in found.values()
         )
         for answer in found.values():
-            assert _by_partition(answer["addresses"], 3) == [
+            assert by_partition(answer["addresses"], 3) == [
                 ("127.0.0.1", 5000),
                 ("127.0.0.1", 5001),
                 ("127.0.0.1", 5002),
@@ -266,7 +266,7 @@ def test_tasks_at_the_meeting_point_go_to_allgather_when_one_never_comes(caplog)
 
 def test_addresses_missing_a_partition_are_refused():
     with pytest.raises(UsageError, match=r"reported partitions \[0, 2\], expected 0..2"):
-        _by_partition({"0": ["h", 1], "2": ["h", 3]}, 3)
+        by_partition({"0": ["h", 1], "2": ["h", 3]}, 3)
 
 
 def test_the_bar_says_when_and_why_early_stopping_ended_the_fit(capsys, tmp_path):
