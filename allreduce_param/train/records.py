@@ -275,3 +275,91 @@ def recover_task_failure(text: str) -> TrainingError | None:
     if found is None:
         return None
     return TrainingError(found.group(1).split("TrainingError: ")[-1])
+
+
+# ---- live progress: what a task reports while it trains ----------------------------------
+# Sent as messages (``task.reporter``) over the task's connection to the driver, a dict with
+# the report's ``kind`` and its fields, which the driver's listeners get as they are.
+
+
+@dataclass(frozen=True)
+class Started:
+    """A partition began its fit: ``steps`` per epoch, ``epochs``; resumed after ``done``
+    global steps (0: from the start), at ``resumed``, ``[epoch, step]`` (None: after the last)."""
+
+    kind: ClassVar[str] = "start"
+    partition: int | None
+    steps: int
+    epochs: int
+    done: int = 0
+    resumed: list[int] | None = None
+
+    def message(self) -> dict:
+        fields = {"partition": self.partition, "steps": self.steps, "epochs": self.epochs}
+        if self.done:
+            fields.update(resumed=self.resumed, done=self.done)
+        return {"kind": self.kind, **fields}
+
+    @classmethod
+    def of(cls, fields: dict) -> Started:
+        return cls(
+            fields.get("partition"),
+            fields.get("steps", 0),
+            fields.get("epochs", 0),
+            fields.get("done", 0),
+            fields.get("resumed"),
+        )
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A partition's ``record`` of one global step (its ``STEP_FIELDS``)."""
+
+    kind: ClassVar[str] = "step"
+    record: list[float]
+    partition: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """``("step", epoch, step)``: the step the partitions' reports are merged by."""
+        return "step", int(self.record[0]), int(self.record[1])
+
+    def message(self) -> dict:
+        return {"kind": self.kind, "partition": self.partition, "record": list(self.record)}
+
+    @classmethod
+    def of(cls, fields: dict) -> StepDone:
+        return cls(fields["record"], fields.get("partition"))
+
+
+@dataclass(frozen=True)
+class EpochDone:
+    """A partition's share of an epoch's metrics (``epoch``, ``partition``, ``task``, the
+    sums ``val`` and ``train``, early stopping's ``best_epoch`` and ``stopped``)."""
+
+    kind: ClassVar[str] = "epoch"
+    metrics: dict
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """``("epoch", epoch)``: the epoch the partitions' shares are merged by."""
+        return "epoch", int(self.metrics["epoch"])
+
+    def message(self) -> dict:
+        return {"kind": self.kind, **self.metrics}
+
+    @classmethod
+    def of(cls, fields: dict) -> EpochDone:
+        return cls(dict(fields))
+
+
+#: Every progress report by its kind.
+REPORTS: dict[str, Any] = {report.kind: report for report in (Started, StepDone, EpochDone)}
+
+
+def read_report(message: dict) -> Started | StepDone | EpochDone | None:
+    """The report a task's progress ``message`` carries; None for a message of another kind."""
+    report = REPORTS.get(message.get("kind"))
+    if report is None:
+        return None
+    return report.of({name: value for name, value in message.items() if name != "kind"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from allreduce_param.models.base import model_task
+from allreduce_param.train.records import EpochDone
 from allreduce_param.train.task.compute import evaluate
 from allreduce_param.train.task.state import FitState
 
@@ -38,7 +39,7 @@ class Epochs(FitState):
             metrics["train"] = evaluate(self.job.model, self.weights, *self.train)
         self.epochs.append(metrics)
         self._next_epoch = epoch + 1
-        self._report("epoch", **metrics)
+        self._report(EpochDone(metrics))
         return last
 
     def _epochs_before(self, index: int) -> bool:

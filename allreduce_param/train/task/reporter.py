@@ -11,6 +11,7 @@ import logging
 
 from allreduce_param.engine.wire.messages import MessageClient
 from allreduce_param.errors import AllReduceError
+from allreduce_param.train.records import EpochDone, Started, StepDone
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,10 @@ class ProgressReporter:
     def __init__(self, link: MessageClient) -> None:
         self.link = link
         self._broken = False
+
+    def report(self, report: Started | StepDone | EpochDone) -> None:
+        """Send one of ``records``' progress reports (best effort, as ``send``)."""
+        self.send(**report.message())
 
     def send(self, kind: str, **fields) -> None:
         """Send one report; after a failure, stay quiet (training goes on without progress)."""

@@ -7,7 +7,7 @@ import numpy as np
 
 from allreduce_param.models.base import has_buffers
 from allreduce_param.train.checkpoint import load_best, load_buffers, load_part, newest
-from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS
+from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS, Started
 from allreduce_param.train.task.state import FitState
 
 
@@ -65,17 +65,11 @@ class Checkpoints(FitState):
         return self.plan[start][0] if self.job.local_sgd else self.plan[start - 1][0]
 
     def _report_start(self, start: int) -> None:
-        resumed = (
-            {"resumed": list(self.plan[start]) if start < len(self.plan) else None, "done": start}
-            if start
-            else {}
-        )
+        resumed = list(self.plan[start]) if 0 < start < len(self.plan) else None
         self._report(
-            "start",
-            partition=self.p.partition_id,
-            steps=self._steps_per_epoch,
-            epochs=self.settings.epochs,
-            **resumed,
+            Started(
+                self.p.partition_id, self._steps_per_epoch, self.settings.epochs, start, resumed
+            )
         )
 
     def _checkpoint_due(self, index: int) -> bool:

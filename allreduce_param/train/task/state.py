@@ -60,7 +60,7 @@ class FitState:
         # the optimizer's: of the own slice, or with local SGD the whole model's
         self.state: dict[str, np.ndarray] = {}
         self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
-        self._report = reporter.send if reporter is not None else (lambda kind, **fields: None)
+        self._report = reporter.report if reporter is not None else (lambda report: None)
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
         self._early = settings.early_stopping()  # this partition's; every one decides alike
         self.stopped = False  # whether early stopping ended the fit before its last epoch

@@ -11,7 +11,7 @@ import numpy as np
 from allreduce_param.engine.parameter import ConnectedParameter
 from allreduce_param.models.base import batch_count
 from allreduce_param.optim import clip_scale, squared_norm
-from allreduce_param.train.records import STEP_FIELDS
+from allreduce_param.train.records import STEP_FIELDS, StepDone
 from allreduce_param.train.task.batching import (
     epoch_order,
     global_batch_sizes,
@@ -74,7 +74,7 @@ class Steps(FitState):
         return record
 
     def _report_step(self, record: np.ndarray) -> None:
-        self._report("step", partition=self.p.partition_id, record=record.tolist())
+        self._report(StepDone(record.tolist(), self.p.partition_id))
 
     def _read(self, index: int) -> float:
         """Fetch the weights the strategy allows before global step ``index``; its seconds."""
