@@ -216,11 +216,10 @@ class FitSettings:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
-        codec_names(
-            self.codec, self.gradient_codec
-        )  # an unknown or misplaced codec, naming the codecs there are
+        # an unknown or misplaced codec fails, naming the codecs there are
+        codec_names(self.codec, self.gradient_codec)
         workload_shares(self.threads)
-        strategy = Strategy(self.strategy, self.staleness, self.backup_workers)
+        strategy = self.synchronisation
         every = self.sync_every
         if every != "epoch" and (
             isinstance(every, bool) or not isinstance(every, int) or every < 1

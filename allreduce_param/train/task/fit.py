@@ -27,9 +27,8 @@ class PartitionFit(Steps, Epochs, Checkpoints):
     """One partition's fit: its steps (``Steps``), epochs (``Epochs``) and checkpoints
     (``Checkpoints``), run in the loop its settings call for."""
 
-    # ---- the loops -----------------------------------------------------------------------
-
     def run(self) -> None:
+        """Train every step of the plan from where the fit starts; the records are kept."""
         job, p = self.job, self.p
         self._plan()
         self.start = self._begin()

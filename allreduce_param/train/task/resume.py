@@ -95,22 +95,17 @@ class Checkpoints(FitState):
                     for name in self.state
                 }
             )
-        if has_buffers(
-            job.model
-        ):  # this partition's own (under SSP and ASP: as training left them just now)
+        if has_buffers(job.model):  # its own (under SSP and ASP: as training left them just now)
             arrays.update({f"buffers/{name}": value for name, value in job.model.buffers().items()})
         early = self._early
-        if (
-            early is not None and early.best_weights is not None
-        ):  # each part its slice: load_best joins them
+        if early is not None and early.best_weights is not None:  # load_best joins the slices
             arrays["best/weights"] = early.best_weights[p.layout.bounds(p.partition_id)].copy()
         end_epoch = (
             self.plan[steps_done][0] if steps_done < len(self.plan) else self.settings.epochs - 1
         )
         steps = [row.tolist() for row in self.records[:steps_done]]
-        for index in range(
-            len(steps), steps_done
-        ):  # a straggler's steps the others went on without
+        # a straggler's steps the others went on without
+        for index in range(len(steps), steps_done):
             steps.append([*self.plan[index], 0.0, 0.0] + [0.0] * (len(STEP_FIELDS) - 4))
         records = {
             "steps": steps,
