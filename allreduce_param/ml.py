@@ -34,7 +34,7 @@ from pyspark.ml.util import (
 )
 
 from allreduce_param import models, optim
-from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.errors import AllReduceError, ConfigurationError, InputError
 from allreduce_param.spark.arrow import float_lists
 from allreduce_param.spark.info import is_connect
 from allreduce_param.train.driver.data import features_array
@@ -57,6 +57,8 @@ _ARGUMENT_PARAMS = {
     "label_col": "labelCol",
     "weight_col": "weightCol",
 }
+#: The fit's settings (and the optimizer's learning rate), as the Params that set them.
+_SETTING_PARAMS = [(spec.name, spec.setting) for spec in estimator_params()] + [("stepSize", "lr")]
 
 
 class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize):
@@ -151,15 +153,11 @@ class _AllReduceEstimator(_AllReduceParams):
                 validation=validation,
                 weight_col=weight_col,
             )
-        except (
-            InputError
-        ) as error:  # the data checks name DistriOptimizer's arguments: name the Params
-            message = str(error)
-            for argument, param in _ARGUMENT_PARAMS.items():
-                message = message.replace(f"({argument})", f"({param})")
-            if message == str(error):
+        except InputError as error:  # the data checks name DistriOptimizer's arguments
+            renamed = self._naming_params(error)
+            if renamed is error:
                 raise
-            raise InputError(message) from error
+            raise renamed from error
         return self._copyValues(self._model_class(trained))
 
     def _split(self, dataset):
@@ -208,14 +206,22 @@ class _AllReduceEstimator(_AllReduceParams):
         except ConfigurationError as error:
             raise self._naming_params(error) from error
 
-    def _naming_params(self, error: ConfigurationError) -> ConfigurationError:
-        """``error`` with the settings it names written as this Estimator's Params."""
+    def _naming_params(self, error: AllReduceError) -> AllReduceError:
+        """``error`` with what it names as ``DistriOptimizer`` writes it written as this
+        Estimator's Params: the one place the Estimators rename an error's text.
+
+        ``fit()``'s arguments where the data checks name them (``(features_col)``:
+        ``(featuresCol)``) in any error; and for a bad setting (a ``ConfigurationError``)
+        the settings it names (``batch_size=``, ``batch_size must``: ``batchSize``), after
+        this Estimator's name. ``error`` itself where nothing needs renaming."""
         message = str(error)
-        for param, setting in [(spec.name, spec.setting) for spec in estimator_params()] + [
-            ("stepSize", "lr")
-        ]:
-            message = re.sub(rf"\b{setting}(?==| must)", param, message)
-        return ConfigurationError(f"{type(self).__name__}: {message}")
+        for argument, param in _ARGUMENT_PARAMS.items():
+            message = message.replace(f"({argument})", f"({param})")
+        if isinstance(error, ConfigurationError):
+            for param, setting in _SETTING_PARAMS:
+                message = re.sub(rf"\b{setting}(?==| must)", param, message)
+            return ConfigurationError(f"{type(self).__name__}: {message}")
+        return error if message == str(error) else type(error)(message)
 
 
 def _add_setting_params() -> None:

@@ -12,6 +12,7 @@ from conftest import blobs, train_on_threads
 from allreduce_param import (
     AllReduceParameter,
     ConfigurationError,
+    FitSettings,
     InputError,
     SliceLayout,
     Strategy,
@@ -46,15 +47,11 @@ def job_for(
         model,
         optimizer,
         param,
-        batch_size=18,
-        epochs=epochs,
-        seed=3,
-        threads=None,
+        FitSettings(batch_size=18, epochs=epochs, seed=3, threads=None, **settings),
         n_features=5,
         has_validation=False,
         checkpoints=checkpoints,
         resume=resume,
-        **settings,
     )
 
 

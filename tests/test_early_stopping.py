@@ -13,7 +13,6 @@ from conftest import raise_first, train_on_threads
 
 from allreduce_param import AllReduceParameter, ConfigurationError, FitSettings, models, optim
 from allreduce_param.train.checkpoint import CheckpointSettings, newest
-from allreduce_param.train.early_stopping import EarlyStopping
 from allreduce_param.train.result import STEP_FIELDS, History
 from allreduce_param.train.task.worker import TrainingJob
 
@@ -39,21 +38,16 @@ def job_for(
     model = models.LinearRegression(2)
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
     checkpoints = None if directory is None else CheckpointSettings(str(directory), "epoch", 100)
-    early = None if patience is None else EarlyStopping(patience, min_delta)
+    early = {"early_stopping_patience": patience, "early_stopping_min_delta": min_delta}
     return TrainingJob(
         model,
         optim.SGD(lr=0.05),
         param,
-        batch_size=16,
-        epochs=epochs,
-        seed=1,
-        threads=None,
+        FitSettings(batch_size=16, epochs=epochs, seed=1, threads=None, **early, **settings),
         n_features=2,
         has_validation=True,
         checkpoints=checkpoints,
         resume=resume,
-        early_stopping=early,
-        **settings,
     )
 
 

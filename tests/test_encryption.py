@@ -604,7 +604,7 @@ def encrypted_stage_task(param: AllReduceParameter):
 def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
     from allreduce_param import DistriOptimizer, models, optim
     from allreduce_param.spark.info import SparkInfo
-    from allreduce_param.train.driver import distri
+    from allreduce_param.train.driver import meeting
 
     assert spark.sparkContext.getConf().get("spark.network.crypto.enabled") == "true"
     param = AllReduceParameter(2, 3 * RECORD_SIZE // 4, codec="raw", unix_sockets=False)
@@ -632,12 +632,12 @@ def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
     # a fit: its parameter and its driver's message server encrypt; the progress arrives
     made = []
 
-    class Recorded(distri.MessageServer):
+    class Recorded(meeting.MessageServer):
         def __init__(self, *args, **kwargs):
             made.append(kwargs.get("encrypt"))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(distri, "MessageServer", Recorded)
+    monkeypatch.setattr(meeting, "MessageServer", Recorded)
     rng = np.random.default_rng(0)
     rows = [(rng.standard_normal(3).astype(np.float32), float(i % 3)) for i in range(32)]
     events = []

@@ -11,6 +11,7 @@ from allreduce_param import (
     AllReduceParameter,
     AuthenticationError,
     FetchTimeoutError,
+    FitSettings,
     LocalRendezvous,
     PeerLostError,
     StaleVersionError,
@@ -76,7 +77,9 @@ def test_each_answer_of_a_block_server_has_its_own_error_type():
 def test_a_task_that_cannot_meet_its_peers_names_its_partition():
     model = models.SoftmaxRegression(3, 2)
     param = AllReduceParameter(2, model.size, codec="raw")
-    job = TrainingJob(model, optim.SGD(lr=0.1), param, 4, 1, 0, None, 3, False)
+    job = TrainingJob(
+        model, optim.SGD(lr=0.1), param, FitSettings(batch_size=4, epochs=1, seed=0), 3, False
+    )
     group = LocalRendezvous(3)  # three tasks for a parameter of two
     with pytest.raises(
         TrainingError,

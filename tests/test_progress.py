@@ -3,6 +3,7 @@ step, and the meeting point where the partitions learn each other's addresses.""
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import threading
@@ -385,3 +386,38 @@ def test_a_task_that_left_before_its_meeting_was_decided_does_not_keep_the_other
     finally:
         server.close()
     assert sorted(answers) == [1, 2] and all(answer["kind"] == "met" for answer in answers.values())
+
+
+def test_the_bar_prints_a_line_per_epoch_where_its_output_is_no_terminal():
+    """A spark-submit job's log (a file, a pipe): one line per epoch, no carriage-return
+    redraws; the line says how far the fit is, its training loss and its pace."""
+    from allreduce_param.train.progress import ProgressBar
+
+    log = io.StringIO()  # isatty() is False, as for a file or a pipe
+    bar = ProgressBar(show=True, stream=log)
+    for partition in range(2):
+        bar("start", {"partition": partition, "steps": 4, "epochs": 3})
+    for epoch in range(3):
+        for step in range(4):
+            bar(
+                "step",
+                {"epoch": epoch, "step": step, "loss": 0.5, "samples": 8, "compute_s": 0.01},
+            )
+        bar("epoch", {"epoch": epoch, "val_loss": 0.25})
+    bar.close()
+    text = log.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 0", "epoch 1", "epoch 2"]
+    assert lines[0].startswith("epoch 0: val_loss 0.2500 (step 4/12, train loss 0.5000, ")
+    assert lines[-1].endswith("800 samples/s)") and "step 12/12" in lines[-1]
+
+
+def test_the_bar_redraws_itself_where_its_output_is_a_terminal():
+    from allreduce_param.train.driver.progress import redraws
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert redraws(Terminal()) and not redraws(io.StringIO())

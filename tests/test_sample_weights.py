@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import blobs, raise_first, train_on_threads
 
-from allreduce_param import AllReduceParameter, InputError, models, optim
+from allreduce_param import AllReduceParameter, FitSettings, InputError, models, optim
 from allreduce_param.train.result import STEP_FIELDS
 from allreduce_param.train.task.worker import SubBatches, TrainingJob, evaluate
 
@@ -43,9 +43,9 @@ def job_for(model, parts, **settings) -> TrainingJob:
         model,
         optimizer,
         param,
+        FitSettings(**settings),
         n_features=parts[0][0].shape[1],
         has_validation=any(len(part) > 2 and (part[2] == 1).any() for part in parts),
-        **settings,
     )
 
 

@@ -76,6 +76,24 @@ def test_distri_optimizer_takes_a_settings_object_with_changes_by_name():
         DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), {"epochs": 5})
 
 
+def test_the_optimizers_settings_read_through_and_change_as_checked_copies():
+    from allreduce_param import Strategy
+
+    trainer = DistriOptimizer(
+        models.MLP([4, 8, 2]), optim.Adam(), gradient_codec=None, sync_every=2, strategy="bsp"
+    )
+    assert (trainer.codec, trainer.gradient_codec) == ("lz4", "lz4")
+    assert isinstance(trainer.strategy, Strategy) and trainer.strategy.name == "bsp"
+    assert trainer.model_averaging is True and trainer.checkpoint_dir is None
+    trainer.epochs = 7  # a new settings object, checked as one is made
+    assert trainer.settings.epochs == 7 and trainer.epochs == 7
+    with pytest.raises(ConfigurationError, match="epochs must be a positive whole number, got 0"):
+        trainer.epochs = 0
+    assert trainer.settings.epochs == 7
+    with pytest.raises(AttributeError, match="no attribute 'bogus'"):
+        trainer.bogus  # noqa: B018
+
+
 def test_every_setting_the_estimators_have_is_a_param_with_its_default_getter_and_setter():
     specs = list(estimator_params())
     fields = {item.name: item for item in dataclasses.fields(FitSettings)}

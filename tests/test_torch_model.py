@@ -15,6 +15,7 @@ from test_train_loop import blobs, reference_fit, run_workers  # noqa: E402
 from allreduce_param import (  # noqa: E402
     AllReduceParameter,
     DistriOptimizer,
+    FitSettings,
     InputError,
     TrainedModel,
     models,
@@ -105,7 +106,17 @@ def test_a_torch_module_trains_under_bsp_like_single_process():
     parts = [(X[:30], y[:30]), (X[30:], y[30:])]
     model, optimizer = models.TorchModel(net), optim.Adam(lr=0.01)
     param = AllReduceParameter(2, model.size, codec="raw", timeout=60)
-    outputs = run_workers(TrainingJob(model, optimizer, param, 16, 3, 7, 2, 6, False), parts)
+    outputs = run_workers(
+        TrainingJob(
+            model,
+            optimizer,
+            param,
+            FitSettings(batch_size=16, epochs=3, seed=7, threads=2),
+            6,
+            False,
+        ),
+        parts,
+    )
     assert all(isinstance(output, dict) for output in outputs), outputs
     expected = reference_fit(model, optimizer, parts, batch_size=16, epochs=3, seed=7)
     np.testing.assert_allclose(
@@ -233,10 +244,7 @@ def test_checkpoints_keep_each_partitions_buffers_and_a_resume_ends_with_the_sam
             model,
             optim.Adam(lr=0.01),
             param,
-            18,
-            3,
-            3,
-            None,
+            FitSettings(batch_size=18, epochs=3, seed=3),
             6,
             False,
             checkpoints=CheckpointSettings(str(directory), 4, 10),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import blobs, train_on_threads
 
-from allreduce_param import AllReduceParameter, TrainingError, models, optim
+from allreduce_param import AllReduceParameter, FitSettings, TrainingError, models, optim
 from allreduce_param.train.task.batching import (
     epoch_order,
     global_batch_sizes,
@@ -69,10 +69,7 @@ def test_bsp_steps_equal_single_process_minibatch_training(case):
         model,
         optimizer,
         param,
-        batch_size=32,
-        epochs=3,
-        seed=5,
-        threads=threads,
+        FitSettings(batch_size=32, epochs=3, seed=5, threads=threads),
         n_features=6,
         has_validation=False,
     )
@@ -118,13 +115,9 @@ def test_overlapping_the_sync_with_backward_changes_no_bit_of_the_fit(codec):
             model,
             optim.Adam(lr=0.01, clip_norm=1.0),
             param,
-            batch_size=24,
-            epochs=2,
-            seed=3,
-            threads=None,
+            FitSettings(batch_size=24, epochs=2, seed=3, threads=None, overlap=overlap),
             n_features=6,
             has_validation=False,
-            overlap=overlap,
         )
         outputs = run_workers(job, parts)
         assert all(isinstance(output, dict) for output in outputs), outputs
@@ -157,10 +150,7 @@ def test_overlap_auto_streams_where_a_peer_is_reached_over_the_network(transport
         model,
         optim.SGD(lr=0.1),
         param,
-        batch_size=20,
-        epochs=1,
-        seed=0,
-        threads=None,
+        FitSettings(batch_size=20, epochs=1, seed=0, threads=None),
         n_features=6,
         has_validation=False,
     )  # overlap="auto", the default
@@ -185,7 +175,9 @@ def test_a_failing_step_names_partition_epoch_and_step():
     poisoned[:, 0] = 1000
     model = Fragile(4, 2)
     param = AllReduceParameter(2, model.size, codec="raw", timeout=60)
-    job = TrainingJob(model, optim.SGD(lr=0.1), param, 8, 1, 0, None, 4, False)
+    job = TrainingJob(
+        model, optim.SGD(lr=0.1), param, FitSettings(batch_size=8, epochs=1, seed=0), 4, False
+    )
     outputs = run_workers(job, [(X[:20], y[:20]), (poisoned, y[20:])])
     assert isinstance(outputs[1], TrainingError)
     assert str(outputs[1]) == "partition 1, epoch 0, step 0: ValueError: a poisoned row"
@@ -277,14 +269,16 @@ def test_local_sgd_equals_its_single_process_reference(every, averaging):
         model,
         optimizer,
         param,
-        batch_size=16,
-        epochs=2,
-        seed=4,
-        threads=None,
+        FitSettings(
+            batch_size=16,
+            epochs=2,
+            seed=4,
+            threads=None,
+            sync_every=every,
+            model_averaging=averaging,
+        ),
         n_features=5,
         has_validation=False,
-        sync_every=every,
-        model_averaging=averaging,
     )
     outputs = run_workers(job, parts)
     for output in outputs:
@@ -348,14 +342,10 @@ def train_with_straggler(
         model,
         optim.SGD(lr=lr),
         param,
-        batch_size=batch_size,
-        epochs=3,
-        seed=0,
-        threads=None,
+        FitSettings(batch_size=batch_size, epochs=3, seed=0, threads=None, progress=True),
         n_features=4,
         has_validation=False,
         driver=Straggler.listener,
-        report_progress=True,
     )
     outputs = run_workers(job, parts)
     for output in outputs:
@@ -397,10 +387,7 @@ def test_asynchronous_strategies_train_and_record_their_staleness(strategy):
         model,
         optim.Adam(lr=0.02),
         param,
-        batch_size=24,
-        epochs=4,
-        seed=0,
-        threads=2,
+        FitSettings(batch_size=24, epochs=4, seed=0, threads=2),
         n_features=4,
         has_validation=False,
     )

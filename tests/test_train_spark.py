@@ -114,7 +114,7 @@ class ReportingParameter(AllReduceParameter):
 def test_topology_and_fetch_threads_reach_the_parameter_the_tasks_sync_with(
     spark, monkeypatch, tmp_path
 ):
-    from allreduce_param.train.driver import distri
+    from allreduce_param.train.driver import stage
 
     made = []
 
@@ -124,7 +124,7 @@ def test_topology_and_fetch_threads_reach_the_parameter_the_tasks_sync_with(
         made.append(param)
         return param
 
-    monkeypatch.setattr(distri, "AllReduceParameter", making)
+    monkeypatch.setattr(stage, "AllReduceParameter", making)
     X, y = regression_data(rows=60)
     result = DistriOptimizer(
         models.LinearRegression(5),

@@ -15,6 +15,7 @@ from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import has_buffers
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.train.driver.data import features_array
+from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS
 from allreduce_param.train.storage import Location, locate
 
 if TYPE_CHECKING:
@@ -22,26 +23,6 @@ if TYPE_CHECKING:
 
 FORMAT = "allreduce-param-model/2"  # /2: buffers.npz when the model has buffers
 READS = ("allreduce-param-model/1", FORMAT)
-
-#: The fields of a partition's per-step record (a float64 row). ``staleness``: how many
-#: steps older than the step the weights it computed on were (0 under BSP).
-STEP_FIELDS = (
-    "epoch",
-    "step",
-    "loss_sum",
-    "samples",
-    "get_s",
-    "compute_s",
-    "put_s",
-    "aggregate_s",
-    "update_s",
-    "send_s",
-    "staleness",
-)
-
-#: The fields of a background owner's update record (with backup workers), followed by
-#: one 0/1 column per partition: whether the update took that partition's gradient.
-UPDATE_FIELDS = ("owner", "step", "count")
 
 
 def merge_step(rows: np.ndarray) -> dict:

@@ -19,12 +19,38 @@ from allreduce_param.engine.strategy import Strategy
 from allreduce_param.engine.wire.settings import SPARK_SETTINGS, NetworkSettings
 from allreduce_param.errors import ConfigurationError
 from allreduce_param.train.checkpoint import CheckpointSettings
-from allreduce_param.train.driver.partitioning import check_scheme
-from allreduce_param.train.early_stopping import check_patience, check_strategy
-from allreduce_param.train.task.worker import workload_shares
+from allreduce_param.train.early_stopping import EarlyStopping, check_patience, check_strategy
 
 #: The settings ``NetworkSettings`` has too (and reads from Spark settings when unset).
 NETWORK_FIELDS = tuple(SPARK_SETTINGS)
+
+#: The ways to place rows on the workers (``partition_scheme``; see ``driver.partitioning``).
+SCHEMES = ("as_is", "contiguous", "round_robin", "random", "overlap_reshuffle")
+
+
+def check_scheme(scheme: str) -> str:
+    """The scheme's name, or a ConfigurationError naming ``partition_scheme`` and the choices."""
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ConfigurationError(
+            f"partition_scheme={scheme!r} is not a data-partition scheme; choose one of "
+            f"{', '.join(SCHEMES)}"
+        )
+    return scheme
+
+
+def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
+    """Each sub-batch's share of a batch (summing to 1), from a thread count or workloads."""
+    try:
+        weights = (
+            [1.0] * threads if isinstance(threads, int) else [float(w) for w in (threads or [1.0])]
+        )
+    except (TypeError, ValueError):
+        weights = []
+    if not weights or any(not w > 0 for w in weights):
+        raise ConfigurationError(
+            f"threads must be a positive count or a list of positive workloads, got {threads!r}"
+        )
+    return [w / sum(weights) for w in weights]
 
 
 def _setting(
@@ -190,11 +216,10 @@ class FitSettings:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
-        codec_names(
-            self.codec, self.gradient_codec
-        )  # an unknown or misplaced codec, naming the codecs there are
+        # an unknown or misplaced codec fails, naming the codecs there are
+        codec_names(self.codec, self.gradient_codec)
         workload_shares(self.threads)
-        strategy = Strategy(self.strategy, self.staleness, self.backup_workers)
+        strategy = self.synchronisation
         every = self.sync_every
         if every != "epoch" and (
             isinstance(every, bool) or not isinstance(every, int) or every < 1
@@ -254,6 +279,42 @@ class FitSettings:
     def as_dict(self) -> dict[str, Any]:
         """Every setting by its field name."""
         return {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+
+    # ---- what follows from the settings, derived here and nowhere else -------------------
+
+    @property
+    def codecs(self) -> tuple[str, str]:
+        """``(codec for weights, codec for gradients)``: ``gradient_codec`` or ``codec``."""
+        return self.codec, self.gradient_codec or self.codec
+
+    @property
+    def synchronisation(self) -> Strategy:
+        """The ``Strategy`` of ``strategy``, ``staleness`` and ``backup_workers``."""
+        return Strategy(self.strategy, self.staleness, self.backup_workers)
+
+    @property
+    def averages_models(self) -> bool:
+        """Local SGD: whether a sync averages the models (``model_averaging``, unset: True)."""
+        return True if self.model_averaging is None else bool(self.model_averaging)
+
+    @property
+    def reports_progress(self) -> bool:
+        """Whether anyone on the driver hears each step: a bar, a log or a listener."""
+        return bool(self.progress or self.log_path or self.listener)
+
+    def early_stopping(self) -> EarlyStopping | None:
+        """Early stopping's settings with no state yet (None: the fit trains every epoch)."""
+        if self.early_stopping_patience is None:
+            return None
+        return EarlyStopping(self.early_stopping_patience, float(self.early_stopping_min_delta))
+
+    def checkpoints(self) -> CheckpointSettings | None:
+        """A new fit's checkpoints: a folder of its own under ``checkpoint_dir`` (None: none)."""
+        if self.checkpoint_dir is None:
+            return None
+        return CheckpointSettings.for_new_fit(
+            str(self.checkpoint_dir), self.checkpoint_every, self.checkpoint_keep
+        )
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ import numpy as np
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.spark import arrow
 from allreduce_param.spark.info import SparkInfo
+from allreduce_param.train.columns import TRAIN, VALIDATION
 
-TRAIN, VALIDATION = 0, 1
 #: The columns a prepared DataFrame has, and their Spark types; prepared with ``weight_col``
 #: it has a fourth after them, ``WEIGHT_COLUMN double`` (``prepared_columns`` lists them).
 PREPARED_SCHEMA = "features array<float>, label double, split int"

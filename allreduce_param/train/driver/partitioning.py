@@ -55,28 +55,17 @@ from allreduce_param.train.driver.data import (
     PartitionCount,
     prepared_columns,
 )
+from allreduce_param.train.settings import SCHEMES, check_scheme  # noqa: F401 (SCHEMES: kept here)
 
 if TYPE_CHECKING:
     from pyspark import RDD
     from pyspark.sql import Column, DataFrame
-
-SCHEMES = ("as_is", "contiguous", "round_robin", "random", "overlap_reshuffle")
 
 #: monotonically_increasing_id() holds the partition index above this many bits, the row's
 #: position in its partition below.
 _POSITION_BITS = 33
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
-
-
-def check_scheme(scheme: str) -> str:
-    """The scheme's name, or a ConfigurationError naming ``partition_scheme`` and the choices."""
-    if not isinstance(scheme, str) or scheme not in SCHEMES:
-        raise ConfigurationError(
-            f"partition_scheme={scheme!r} is not a data-partition scheme; choose one of "
-            f"{', '.join(SCHEMES)}"
-        )
-    return scheme
 
 
 def place_rows(

@@ -1,0 +1,121 @@
+"""The driver's checks of a fit before any task starts: the model against the data, the
+workers against Spark's slots, a checkpoint to resume from against the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.models.base import has_buffers, model_task, takes_sample_weight
+from allreduce_param.spark.info import SparkInfo
+from allreduce_param.spark.slots import task_slots
+from allreduce_param.train.checkpoint import Manifest, newest
+
+
+def check_model(model: Any) -> None:
+    """A model follows the protocol: ``init``, ``loss_and_grad``, ``predict``, and where it
+    has them a known ``task`` and both of ``buffers``/``set_buffers``."""
+    for name in ("init", "loss_and_grad", "predict"):
+        if not callable(getattr(model, name, None)):
+            raise ConfigurationError(
+                f"the model {model!r} has no {name}() method; a model needs init(rng), "
+                "loss_and_grad(weights, X, y) and predict(weights, X)"
+            )
+    model_task(model)  # optional; a task other than classification or regression fails here
+    has_buffers(model)  # so does a model with buffers() but no set_buffers(), or the reverse
+
+
+def check_takes_weights(model: Any, data: Any, weight_col: str) -> None:
+    """Sample weights need a DataFrame and a model that takes them."""
+    if not isinstance(weight_col, str) or not weight_col:
+        raise InputError(
+            f"weight_col must be the name of a column of sample weights, got {weight_col!r}"
+        )
+    if not hasattr(data, "sparkSession"):
+        raise InputError(
+            f"weight_col={weight_col!r} goes with DataFrame input; for an RDD of (features, "
+            "label) pairs, make it a DataFrame with a weight column, e.g. "
+            "spark.createDataFrame(rdd.map(lambda r: (Vectors.dense(r[0]), float(r[1]), w)), ...)"
+        )
+    if not takes_sample_weight(model.loss_and_grad):
+        raise ConfigurationError(
+            f"weight_col={weight_col!r}: the model {model!r} takes no sample weights (its "
+            "loss_and_grad has no sample_weight= argument); use a model that does (the built-in "
+            "dense models: MLP, LinearRegression, LogisticRegression, SoftmaxRegression), or "
+            "train without weights"
+        )
+
+
+def model_size(model: Any, sample: tuple, n_features: int, seed: int) -> int:
+    """Run the model on one real row on the driver, so a shape mismatch fails here; its size.
+
+    The row goes twice (a module with BatchNorm takes no single row in train mode), and a
+    model's buffers are put back as they were, so the check leaves no trace in them."""
+    weights = model.init(np.random.default_rng(seed))
+    if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.ndim != 1:
+        raise InputError(f"{model!r}.init(rng) must return a 1-D float32 vector")
+    X, y = (np.concatenate([part, part]) for part in sample)
+    before = model.buffers() if has_buffers(model) else None
+    try:
+        _, grad, _ = model.loss_and_grad(weights, X, y)
+    except Exception as error:
+        raise InputError(
+            f"the model {model!r} cannot take the data's feature vectors of {n_features} "
+            f"elements: {type(error).__name__}: {error}"
+        ) from error
+    finally:
+        if before is not None:
+            model.set_buffers(before)
+    if np.shape(grad) != weights.shape:
+        raise InputError(
+            f"{model!r}.loss_and_grad returned a gradient of shape {np.shape(grad)}, "
+            f"the weights have {weights.shape}"
+        )
+    return int(weights.size)
+
+
+def worker_count(spark: SparkInfo, requested: int | None, partitions: int) -> int:
+    """How many barrier tasks: the ``requested`` count, or the data's ``partitions``, within
+    the slots.
+
+    Refuses more tasks than Spark can run at once before the stage is submitted, where
+    Spark would refuse them only then.
+    """
+    slots, counted = task_slots(spark, needed=requested or 1)
+    workers = requested or max(1, min(partitions, slots))
+    if workers > slots:
+        raise ConfigurationError(
+            f"num_workers={workers}, but Spark has {slots} task slots ({counted}); a barrier stage "
+            "needs all its tasks running at once: lower num_workers, or give Spark more cores "
+            "(local[N], spark.executor.instances x spark.executor.cores / spark.task.cpus)"
+        )
+    return workers
+
+
+def resume_point(location: str) -> Manifest:
+    """The checkpoint ``fit(resume_from=location)`` continues from: the one there, or the
+    newest of a fit's folder."""
+    found = newest(str(location))
+    if found is None:
+        raise InputError(
+            f"resume_from={str(location)!r} holds no complete checkpoint (no manifest.json "
+            "there, nor in a step-... folder of it)"
+        )
+    return found
+
+
+def check_resume(resume: Manifest, size: int, optimizer: Any) -> None:
+    """A checkpoint this fit can continue from: the same model size and optimizer state."""
+    if resume.size != size:
+        raise InputError(
+            f"the checkpoint {resume.folder} holds {resume.size} weights, this model has {size}: "
+            "resume with the model the checkpoint was made with"
+        )
+    if set(resume.state_names) != set(optimizer.state_names):
+        raise InputError(
+            f"the checkpoint {resume.folder} holds optimizer state {list(resume.state_names)}, "
+            f"{optimizer!r} needs {list(optimizer.state_names)}: resume with the "
+            "optimizer the checkpoint was made with"
+        )

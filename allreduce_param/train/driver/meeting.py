@@ -1,0 +1,92 @@
+"""The driver's end of a fit's tasks' connections: where the partitions meet, and where
+their live progress goes (the bar, the log, the listener)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+from allreduce_param.engine.movement.rendezvous import MeetingPoint, by_partition
+from allreduce_param.engine.wire.messages import MessageClient, MessageServer
+from allreduce_param.engine.wire.settings import NetworkSettings
+from allreduce_param.spark.info import SparkInfo
+from allreduce_param.train.driver.progress import ProgressBar, ProgressMerger
+from allreduce_param.train.result import merge_epoch, merge_step
+from allreduce_param.train.settings import FitSettings
+
+
+@contextlib.contextmanager
+def driver_end(
+    settings: FitSettings, spark: SparkInfo, workers: int, network: NetworkSettings
+) -> Iterator[MessageClient | None]:
+    """The driver's end for the length of the fit: where the partitions meet, and where
+    their progress goes (the bar, the log, the listener, which also hears where everyone
+    listens: a ``"meeting"`` event). Listens where ``network`` says, by default on
+    ``spark.driver.bindAddress`` (or the driver's host); yields what the tasks use to
+    reach it (``_client_of``)."""
+    log_file = open(settings.log_path, "a") if settings.log_path else None
+    bar = ProgressBar(show=settings.progress, log_file=log_file)
+    listeners = [bar] + ([settings.listener] if settings.listener else [])
+    progress = ProgressMerger(
+        workers,
+        merge_step,
+        lambda kind, fields: [listen(kind, dict(fields)) for listen in listeners],
+        merge_epoch=merge_epoch,
+    )
+    host = spark.listening_host()
+    bind, advertise = network.addresses(spark.driver_bind_address() or host, host)
+
+    def on_met(addresses: dict) -> None:
+        servers = by_partition(addresses, workers)  # each starts with its host and port
+        fields = {
+            "driver": f"{advertise}:{server.address[1]}",
+            "servers": [f"{address[0]}:{address[1]}" for address in servers],
+        }
+        for listen in listeners:
+            listen("meeting", dict(fields))
+
+    meeting = MeetingPoint(workers, network.meeting_patience, on_met=on_met)
+
+    def on_message(message: dict, reply) -> None:
+        if not meeting.on_message(message, reply):
+            progress.on_message(message)
+
+    server = MessageServer(
+        bind,
+        on_message,
+        advertise=advertise,
+        ports=network.port_range,
+        connect_timeout=network.connect_timeout,
+        encrypt=network.encrypt,
+    )
+    try:
+        yield _client_of(server, spark, network.connect_timeout)
+    finally:
+        server.close()
+        bar.close()
+        if log_file is not None:
+            log_file.close()
+
+
+def _client_of(
+    server: MessageServer, spark: SparkInfo, connect_timeout: float
+) -> MessageClient | None:
+    """What the tasks use to reach ``server``; None where they cannot (under Spark Connect,
+    the client may be out of the executors' reach): they then meet through Spark, at
+    once, and the fit says that it shows no live progress."""
+    if not spark.client_maybe_unreachable():
+        return server.client()
+    reason = spark.unreachable(server.address, connect_timeout)
+    if reason is None:
+        return server.client()
+    host, port = server.address
+    warnings.warn(
+        f"the executors cannot reach this Spark Connect client at {host}:{port} ({reason}): the fit "
+        "goes on without live progress (no bar, log lines or listener events while it runs); its "
+        "history arrives when it ends. To see progress, run where the executors can connect to "
+        "this process (e.g. on the cluster's network)",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+    return None

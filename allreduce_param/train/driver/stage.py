@@ -1,0 +1,89 @@
+"""The fit's one barrier stage, as the driver launches it: the engine's spec for it, the
+tasks' code over the placed rows, the runs again after a task failed, and the records
+the tasks return, decoded (``records.StageOutput``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from allreduce_param.engine.parameter import AllReduceParameter
+from allreduce_param.engine.wire.settings import NetworkSettings
+from allreduce_param.spark.arrow import record_batch
+from allreduce_param.train.driver.data import arrays_from_arrow, arrays_from_pairs
+from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error, task_failed
+from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
+from allreduce_param.train.settings import FitSettings
+from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.worker import train_partition
+
+
+def engine_parameter(
+    settings: FitSettings, network: NetworkSettings, workers: int, size: int
+) -> AllReduceParameter:
+    """The engine's spec for a fit of ``size`` weights on ``workers`` partitions: the one
+    place the trainer makes an ``AllReduceParameter``. ``network``: the settings read from
+    the session on the driver, once."""
+    codec, gradient_codec = settings.codecs
+    return AllReduceParameter(
+        workers,
+        size,
+        codec=codec,
+        gradient_codec=gradient_codec,
+        timeout=settings.timeout,
+        strategy=settings.synchronisation,
+        network=network,
+        topology=settings.topology,
+        fetch_threads=settings.fetch_threads,
+    )
+
+
+def run_stage(job: TrainingJob, kept, placed: Callable[[], Any], attempts: int) -> StageOutput:
+    """The fit's one barrier stage, over ``kept`` (the rows as they lie, or None) or, where
+    Spark refuses a barrier stage over those (a union or a coalesce in their lineage,
+    SPARK-24820), over the rows ``placed()`` shuffles into place; each has a partition per
+    worker. The records the partitions returned, with when the stage was submitted.
+
+    The stage returns the records itself, and Spark never retries such a barrier stage
+    when a task fails, so this runs it again, up to ``attempts`` runs in all; a new
+    attempt's tasks resume from the fit's newest checkpoint. (A shuffle after the stage
+    would have Spark retry it, for a stage more on every fit.)"""
+    submitted = time.time()
+    rows, failures = (kept if kept is not None else placed()), 0
+    while True:
+        try:
+            pairs = _stage(job, rows)
+            break
+        except Exception as error:
+            if rows is kept and UNSUPPORTED_CHAIN in str(error):
+                rows = placed()  # refused before any task ran
+                continue
+            failures += 1
+            if failures >= attempts or not task_failed(error):
+                # Spark's own report stays on it, as the cause
+                raise stage_error(error) from error
+    output = StageOutput.of(pairs, job.param.partition_num)
+    output.submitted = submitted
+    return output
+
+
+def _stage(job: TrainingJob, rows) -> list[tuple[str, bytes]]:
+    """Run the tasks over ``rows`` (a DataFrame, or an RDD of pairs); their records, encoded."""
+
+    def arrow_task(batches):
+        started = time.time()
+        arrays = arrays_from_arrow(batches, job.n_features)
+        clock = {"started": started, "loaded": time.time()}
+        for kind, payload in train_partition(job, *arrays, clock=clock):
+            yield record_batch(kind=[kind], payload=[payload])
+
+    def pairs_task(pairs):
+        started = time.time()
+        arrays = arrays_from_pairs(pairs, job.n_features)
+        yield from train_partition(job, *arrays, clock={"started": started, "loaded": time.time()})
+
+    if hasattr(rows, "mapInArrow"):
+        frame = rows.mapInArrow(arrow_task, STAGE_SCHEMA, barrier=True)
+        return [(row["kind"], row["payload"]) for row in frame.collect()]
+    return rows.barrier().mapPartitions(pairs_task).collect()

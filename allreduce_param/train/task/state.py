@@ -1,0 +1,77 @@
+"""What one partition's fit holds while it runs: its rows, its handle on the parameter, the
+optimizer's state, its records so far. The fit's concepts (``steps``, ``epochs``,
+``resume``, ``fit``) each add their methods to this one state."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from allreduce_param.engine.blocks.codec import get_codec
+from allreduce_param.engine.parameter import ConnectedParameter
+from allreduce_param.train.checkpoint import CheckpointWriter
+from allreduce_param.train.task.compute import SubBatches
+from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.reporter import ProgressReporter
+
+
+class Rows(NamedTuple):
+    """A partition's rows of one split: features, labels, sample weights (or None)."""
+
+    X: np.ndarray
+    y: np.ndarray
+    weight: np.ndarray | None
+
+    def take(self, index: np.ndarray) -> Rows:
+        return Rows(
+            self.X[index], self.y[index], None if self.weight is None else self.weight[index]
+        )
+
+
+class FitState:
+    """One partition's fit, as data. ``where`` tracks the epoch and step for error messages;
+    ``records``: its row of ``STEP_FIELDS`` for each step so far; ``epochs``: its share of
+    each epoch's metrics so far; ``resumed``: the steps the fit resumed at."""
+
+    def __init__(
+        self,
+        job: TrainingJob,
+        p: ConnectedParameter,
+        compute: SubBatches,
+        train: Rows,
+        validation: Rows,
+        reporter: ProgressReporter | None = None,
+    ) -> None:
+        settings = job.settings
+        self.job, self.settings, self.p, self.compute = job, settings, p, compute
+        self.train, self.validation = train, validation
+        self.where: dict[str, int | None] = {"epoch": None, "step": None}
+        self.records: list[np.ndarray] = []
+        self.epochs: list[dict] = []
+        self.resumed: list[int] = []
+        self._earlier_updates: list[
+            list[float]
+        ] = []  # backup workers: the owner's, before a resume
+        self.weights = np.empty(job.param.size, dtype=np.float32)
+        # error feedback: what a lossy codec rounded off this partition's gradients, sent next time
+        lossy = get_codec(job.param.gradient_codec).lossy
+        self._residual = np.zeros(job.param.size, dtype=np.float32) if lossy else None
+        # the optimizer's: of the own slice, or with local SGD the whole model's
+        self.state: dict[str, np.ndarray] = {}
+        self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
+        self._report = reporter.report if reporter is not None else (lambda report: None)
+        self._order_epoch, self._order = -1, np.empty(0, np.int64)
+        self._early = settings.early_stopping()  # this partition's; every one decides alike
+        self.stopped = False  # whether early stopping ended the fit before its last epoch
+        self._next_epoch = 0  # the first epoch not yet evaluated
+        self.plan: list[tuple[int, int]] = []  # every global step as (epoch, step in the epoch)
+        self.cuts = np.zeros(1, np.int64)
+        self._steps_per_epoch = 0
+        self.start = 0
+        # overlap: send the gradient as backward finishes it (BSP, where the checkpoints are
+        # this thread's, so a step's record is kept before any other thread sees its gradient)
+        wanted = p.remote_peers > 0 if settings.overlap == "auto" else settings.overlap
+        self._streams = bool(
+            wanted and p.strategy.inline_owner and not job.local_sgd and compute.streams
+        )

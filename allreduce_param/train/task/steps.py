@@ -1,0 +1,130 @@
+"""A partition's steps: the plan of global steps, its rows of each, and one step's compute
+and put, with the record of its times."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from allreduce_param.engine.parameter import ConnectedParameter
+from allreduce_param.models.base import batch_count
+from allreduce_param.optim import clip_scale, squared_norm
+from allreduce_param.train.records import STEP_FIELDS, StepDone
+from allreduce_param.train.task.batching import (
+    epoch_order,
+    global_batch_sizes,
+    share_bounds,
+    steps_per_epoch,
+)
+from allreduce_param.train.task.state import FitState, Rows
+
+
+def all_counts(p: ConnectedParameter, rows: int) -> list[int]:
+    """Every partition's row count, learnt with one exact allreduce."""
+    own = np.zeros(p.partition_num)
+    own[p.partition_id] = rows
+    return [int(count) for count in p.allreduce_exact(own)]
+
+
+class Steps(FitState):
+    """The plan of global steps, and what one step computes, puts and records."""
+
+    # ---- the plan ------------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        """Every global step as (epoch, step in the epoch); this partition's cuts of its rows."""
+        p = self.p
+        counts = all_counts(p, len(self.train.X))
+        steps = steps_per_epoch(sum(counts), self.settings.batch_size)
+        sizes = global_batch_sizes(counts, steps)
+        self.cuts = share_bounds(len(self.train.X), p.partition_id, p.partition_num, steps)
+        self.plan = [
+            (epoch, step)
+            for epoch in range(self.settings.epochs)
+            for step in range(steps)
+            if sizes[step]
+        ]
+        self._steps_per_epoch = int(np.count_nonzero(sizes))
+
+    def _batch(self, index: int) -> Rows:
+        """This partition's rows of global step ``index`` (shuffled anew each epoch)."""
+        epoch, step = self._at(index)
+        if epoch != self._order_epoch:
+            self._order_epoch, self._order = (
+                epoch,
+                epoch_order(len(self.train.X), self.settings.seed, epoch, self.p.partition_id),
+            )
+        return self.train.take(self._order[self.cuts[step] : self.cuts[step + 1]])
+
+    def _at(self, index: int) -> tuple[int, int]:
+        """Global step ``index`` as (epoch, step), which errors from here on name."""
+        epoch, step = self.plan[min(index, len(self.plan) - 1)]
+        self.where.update(epoch=epoch, step=step)
+        return epoch, step
+
+    def _record(
+        self, index: int, loss_sum: float, count: float, phases: Sequence[float], staleness: int = 0
+    ) -> np.ndarray:
+        """Keep the record of global step ``index``; the caller reports it once it is whole."""
+        epoch, step = self.plan[index]
+        record = np.array([epoch, step, loss_sum, count, *phases, staleness], dtype=np.float64)
+        self.records.append(record)
+        return record
+
+    def _report_step(self, record: np.ndarray) -> None:
+        self._report(StepDone(record.tolist(), self.p.partition_id))
+
+    def _read(self, index: int) -> float:
+        """Fetch the weights the strategy allows before global step ``index``; its seconds."""
+        self._at(index)
+        started = time.perf_counter()
+        self.p.get_weights(out=self.weights)
+        return time.perf_counter() - started
+
+    def _compute_and_put(
+        self, index: int, read_s: float, clip_own: bool, staleness: int = 0
+    ) -> np.ndarray:
+        """This partition's share of step ``index``: compute it and put the gradient; the step's
+        record, kept before the put (a checkpoint a background owner writes once the gradient
+        is in then already holds it), its put time filled in after."""
+        batch = self._batch(index)
+        if self._streams:
+            return self._compute_streaming(index, batch, read_s)
+        started = time.perf_counter()
+        loss_sum, grad_sum, count = self.compute(self.weights, *batch)
+        if clip_own:
+            self._clip_own(grad_sum, count)
+        computed = time.perf_counter()
+        record = self._record(
+            index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0), staleness
+        )
+        self.p.put_gradients(grad_sum, count=count, residual=self._residual)
+        record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
+        return record
+
+    def _compute_streaming(self, index: int, batch: Rows, read_s: float) -> np.ndarray:
+        """``_compute_and_put`` under plain BSP with overlap: each owner's chunk of the gradient
+        leaves as soon as backward has finished it (``stream_gradients``); the put time is
+        what was left to send once backward was done."""
+        gradient = self.p.gradient_buffer()
+        started = time.perf_counter()
+        with self.p.stream_gradients(
+            gradient, count=batch_count(len(batch.X), batch.weight), residual=self._residual
+        ) as stream:
+            loss_sum, count = self.compute.into(
+                self.weights, batch.X, batch.y, gradient, stream.ready, batch.weight
+            )
+            computed = time.perf_counter()
+        record = self._record(
+            index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0)
+        )
+        record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
+        return record
+
+    def _clip_own(self, grad_sum: np.ndarray, count: int) -> None:
+        """Clip a gradient by its own norm (where the global norm would need every partition)."""
+        clip = self.job.optimizer.clip_norm
+        if clip is not None and count:
+            grad_sum *= np.float32(clip_scale(squared_norm(grad_sum) / float(count) ** 2, clip))
