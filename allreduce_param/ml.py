@@ -37,9 +37,9 @@ from allreduce_param import models, optim
 from allreduce_param.errors import AllReduceError, ConfigurationError, InputError
 from allreduce_param.spark.arrow import float_lists
 from allreduce_param.spark.info import is_connect
-from allreduce_param.train.driver.data import features_array
 from allreduce_param.train.driver.distri import DistriOptimizer
 from allreduce_param.train.result import History, TrainedModel
+from allreduce_param.train.rows import features_array
 from allreduce_param.train.settings import FitSettings, estimator_params
 
 #: The optimizers the ``optimizer`` Param names.

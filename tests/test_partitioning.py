@@ -15,15 +15,8 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import ConfigurationError
-from allreduce_param.train.driver.data import (
-    ORDER_COLUMNS,
-    TRAIN,
-    VALIDATION,
-    PartitionCount,
-    arrays_from_arrow,
-    arrays_from_pairs,
-    prepare,
-)
+from allreduce_param.train.columns import ORDER_COLUMNS, TRAIN, VALIDATION
+from allreduce_param.train.driver.data import PartitionCount, prepare
 from allreduce_param.train.driver.partitioning import (
     SCHEMES,
     check_scheme,
@@ -35,6 +28,7 @@ from allreduce_param.train.driver.partitioning import (
     rows_in_place,
     xxhash64,
 )
+from allreduce_param.train.rows import arrays_from_arrow, arrays_from_pairs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

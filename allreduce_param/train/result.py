@@ -14,8 +14,8 @@ import numpy as np
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import has_buffers
 from allreduce_param.spark.info import SparkInfo
-from allreduce_param.train.driver.data import features_array
 from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS
+from allreduce_param.train.rows import features_array
 from allreduce_param.train.storage import Location, locate
 
 if TYPE_CHECKING:

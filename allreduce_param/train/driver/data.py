@@ -11,9 +11,7 @@ DataFrame keeps the three columns, and nothing changes for an unweighted fit. Ev
 row check is part of its one pass over the data (numpy over Arrow batches, one Spark stage),
 so a bad row fails the fit there, in seconds, not as a NonFiniteGradientError or a label
 error at some step of the barrier stage.
-Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into one
-contiguous float32 matrix, once, with no per-row Python objects, in the order the rows
-were placed in; the labels, splits and (weighted data) weights come as arrays in that order.
+Inside a task, ``train.rows`` turns the partition's rows into numpy arrays.
 """
 
 from __future__ import annotations
@@ -32,17 +30,12 @@ import numpy as np
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.spark import arrow
 from allreduce_param.spark.info import SparkInfo
-from allreduce_param.train.columns import TRAIN, VALIDATION
-
-#: The columns a prepared DataFrame has, and their Spark types; prepared with ``weight_col``
-#: it has a fourth after them, ``WEIGHT_COLUMN double`` (``prepared_columns`` lists them).
-PREPARED_SCHEMA = "features array<float>, label double, split int"
-#: The prepared column of sample weights (float64), where the data has them.
-WEIGHT_COLUMN = "weight"
-#: The columns a shuffled placement adds (``partitioning.place_rows``): a partition's rows
-#: belong in (split, _order, _i) order. A shuffle delivers them in no fixed order, and
-#: ``arrays_from_arrow`` sorts the keys in numpy for less than Spark's sort of whole rows.
-ORDER_COLUMNS = ("_order", "_i")
+from allreduce_param.train.columns import (
+    TRAIN,
+    VALIDATION,
+    WEIGHT_COLUMN,
+)
+from allreduce_param.train.rows import features_array
 
 
 class PartitionCount(NamedTuple):
@@ -623,99 +616,3 @@ def _shape(
             )
         columns.append(F.col(weight_col).cast("double").alias(WEIGHT_COLUMN))
     return frame.select(*columns)
-
-
-def features_array(frame, features_col: str, name: str | None = None, role: str = "features_col"):
-    """The column ``features_col`` of ``frame`` as ``array<float>``, from a vector
-    (pyspark.ml.linalg) or an array of numbers; what the fit trains on and predictions read.
-    A missing column or one of another type is an InputError naming ``role`` (the setting
-    that named it) and, where given, which data (``name``: "training", "validation")."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import ArrayType, NumericType
-
-    whose = f"the {name} " if name else "the "
-    fields = {field.name: field.dataType for field in frame.schema.fields}
-    if features_col not in fields:
-        raise InputError(
-            f"{whose}data has no column {features_col!r} ({role}); its columns are {sorted(fields)}"
-        )
-    kind = fields[features_col]
-    if isinstance(kind, VectorUDT):
-        return vector_to_array(F.col(features_col), "float32")
-    if isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
-        return F.col(features_col).cast("array<float>")
-    raise InputError(
-        f"{whose}column {features_col!r} is {kind.simpleString()}; it must be a vector "
-        "(pyspark.ml.linalg) or an array of numbers, e.g. from VectorAssembler"
-    )
-
-
-def arrays_from_arrow(
-    batches, n_features: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """The partition's prepared Arrow batches as ``(X float32 [rows, n_features], y, split,
-    weight)``: in (split, _order, _i) order where the batches carry ``ORDER_COLUMNS``, else
-    as they came. ``weight`` is the rows' float64 weights, in the same order, where the
-    batches carry the ``weight`` column (data prepared with ``weight_col``), else None; None
-    too for a partition without batches (no rows: nothing to weigh)."""
-    features, labels, splits, weights, keys = [], [], [], [], []
-    for batch in batches:
-        column = batch.column(batch.schema.get_field_index("features"))
-        features.append(arrow.values(column.flatten()).reshape(len(batch), n_features))
-        labels.append(arrow.values(batch.column(batch.schema.get_field_index("label"))))
-        splits.append(arrow.values(batch.column(batch.schema.get_field_index("split"))))
-        if WEIGHT_COLUMN in batch.schema.names:
-            weights.append(arrow.values(batch.column(batch.schema.get_field_index(WEIGHT_COLUMN))))
-        if ORDER_COLUMNS[0] in batch.schema.names:
-            keys.append(
-                [
-                    arrow.values(batch.column(batch.schema.get_field_index(name)))
-                    for name in ORDER_COLUMNS
-                ]
-            )
-    if not features:
-        return (
-            np.zeros((0, n_features), np.float32),
-            np.zeros(0, np.float64),
-            np.zeros(0, np.int32),
-            None,
-        )
-    y, split = np.concatenate(labels), np.concatenate(splits)
-    weight = np.concatenate(weights).astype(np.float64, copy=False) if weights else None
-    if not keys:
-        return np.ascontiguousarray(np.concatenate(features), dtype=np.float32), y, split, weight
-    order_key, index_key = (
-        np.concatenate([batch_keys[k] for batch_keys in keys]) for k in range(2)
-    )
-    order = np.lexsort((index_key, order_key, split))
-    destination = np.empty_like(order)
-    destination[order] = np.arange(len(order))
-    X, start = np.empty((len(order), n_features), np.float32), 0
-    for block in features:  # each batch's rows straight to their places: one copy of the features
-        X[destination[start : start + len(block)]] = block
-        start += len(block)
-    return X, y[order], split[order], None if weight is None else weight[order]
-
-
-def arrays_from_pairs(pairs, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
-    """A partition of an RDD of ``(features, label)`` pairs as ``(X, y, split, None)``, all
-    training rows, unweighted (the same shape as ``arrays_from_arrow``'s)."""
-    rows = list(pairs)
-    if not rows:
-        return (
-            np.zeros((0, n_features), np.float32),
-            np.zeros(0, np.float64),
-            np.zeros(0, np.int32),
-            None,
-        )
-    X = np.asarray(
-        [np.asarray(features, dtype=np.float32) for features, _ in rows], dtype=np.float32
-    )
-    if X.ndim != 2 or X.shape[1] != n_features:
-        raise InputError(
-            f"expected feature vectors of {n_features} elements, got an array of shape {X.shape}"
-        )
-    y = np.asarray([label for _, label in rows], dtype=np.float64)
-    return X, y, np.zeros(len(rows), np.int32), None

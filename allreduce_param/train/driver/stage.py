@@ -11,9 +11,9 @@ from typing import Any
 from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.spark.arrow import record_batch
-from allreduce_param.train.driver.data import arrays_from_arrow, arrays_from_pairs
 from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error, task_failed
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
+from allreduce_param.train.rows import arrays_from_arrow, arrays_from_pairs
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.worker import train_partition
