@@ -23,6 +23,7 @@ from allreduce_param.errors import AllReduceError, ConfigurationError
 from allreduce_param.spark.arrow import float_lists
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.session import local_spark, start_python_workers, under_spark_submit
+from allreduce_param.spark.versions import from_arrow
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -122,8 +123,8 @@ def arrow_frame(spark, X: np.ndarray, y: np.ndarray):
     """
     import pyarrow as pa
 
-    return spark.createDataFrame(
-        pa.table({"features": float_lists(X), "label": pa.array(np.asarray(y, np.float64))})
+    return from_arrow(
+        spark, pa.table({"features": float_lists(X), "label": pa.array(np.asarray(y, np.float64))})
     )
 
 

@@ -37,6 +37,7 @@ from allreduce_param import models, optim
 from allreduce_param.errors import AllReduceError, ConfigurationError, InputError
 from allreduce_param.spark.arrow import float_lists
 from allreduce_param.spark.info import is_connect
+from allreduce_param.spark.versions import from_arrow, ml_metadata, to_arrow
 from allreduce_param.train.driver.distri import DistriOptimizer
 from allreduce_param.train.result import History, TrainedModel
 from allreduce_param.train.rows import features_array
@@ -473,7 +474,7 @@ class _ModelWriter(MLWriter):
             mode
         ).text(os.path.join(path, "metadata"))  # as DefaultParamsWriter.saveMetadata writes it
         column = float_lists(np.reshape(trained.weights, (1, -1)))  # one row: the whole vector
-        self.sparkSession.createDataFrame(pa.table({"weights": column})).write.mode(mode).parquet(
+        from_arrow(self.sparkSession, pa.table({"weights": column})).write.mode(mode).parquet(
             os.path.join(path, "data")
         )
 
@@ -486,11 +487,11 @@ class _ModelReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> _AllReduceModel:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = ml_metadata(self.sparkSession, path)
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
-        table = self.sparkSession.read.parquet(os.path.join(path, "data")).toArrow()
+        table = to_arrow(self.sparkSession.read.parquet(os.path.join(path, "data")))
         weights = np.asarray(table.column("weights").combine_chunks().flatten(), np.float32)
         network = _network(
             instance._task,
