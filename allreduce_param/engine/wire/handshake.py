@@ -123,6 +123,18 @@ class Proven(NamedTuple):
     sealed: bool = False
 
 
+def seal_proven(proven: Proven) -> Proven:
+    """A server's proven connection as its serving code uses it: the socket wrapped in a
+    ``SealedConnection`` when the handshake agreed to encrypt it, else as it is."""
+    if not proven.sealed:
+        return proven
+    return proven._replace(
+        sock=SealedConnection(
+            proven.sock, proven.session_key, client=False, peer_text=proven.peer_text
+        )
+    )
+
+
 class HelloChecked(NamedTuple):
     """What the server makes of a client's hello (``check_hello``): the client's partition
     (None: refused), why it was refused, the answer to send, the session key, and whether

@@ -38,12 +38,9 @@ import hashlib
 import hmac
 import socket
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from allreduce_param.errors import AuthenticationError, ConfigurationError, ProtocolError
-
-if TYPE_CHECKING:  # for annotations only: handshake imports this module
-    from allreduce_param.engine.wire.handshake import Proven
 
 #: The most plaintext bytes in one record: large enough that the per-record cost vanishes,
 #: small enough that a receiver's buffer stays small and sender and receiver overlap.
@@ -86,18 +83,6 @@ def direction_keys(session_key: bytes) -> tuple[bytes, bytes]:
             hashlib.sha256,
         ).digest()
         for direction in _DIRECTIONS
-    )
-
-
-def seal_proven(proven: Proven) -> Proven:
-    """A server's proven connection as its serving code uses it: the socket wrapped in a
-    ``SealedConnection`` when the handshake agreed to encrypt it, else as it is."""
-    if not proven.sealed:
-        return proven
-    return proven._replace(
-        sock=SealedConnection(
-            proven.sock, proven.session_key, client=False, peer_text=proven.peer_text
-        )
     )
 
 

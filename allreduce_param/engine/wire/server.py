@@ -27,8 +27,8 @@ from allreduce_param.engine.wire.handshake import (
     NONCE_SIZE,
     Proven,
     check_hello,
+    seal_proven,
 )
-from allreduce_param.engine.wire.sealing import seal_proven
 from allreduce_param.engine.wire.settings import (
     DEFAULT_CONNECT_TIMEOUT,
     ENVIRONMENT,
