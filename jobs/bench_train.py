@@ -111,6 +111,7 @@ from bench_allreduce import CONF_DIR, machine, render
 
 from allreduce_param import DistriOptimizer, models, optim
 from allreduce_param.spark.session import java_problem, local_spark
+from allreduce_param.spark.versions import to_arrow
 
 if __name__ != "__main__":  # imported (the tests): the executors cannot import jobs/,
     from pyspark import cloudpickle  # so the generator must travel with this module's code
@@ -249,7 +250,7 @@ def warm_up(frame) -> None:
 def write_npy(frame, folder: Path, name: str) -> int:
     """``frame``'s rows as ``<name>_features.npy`` (float32, rows x features) and
     ``<name>_labels.npy`` (int64) in ``folder``; the row count."""
-    table = frame.toArrow()
+    table = to_arrow(frame)
     if table.num_rows == 0:
         raise ValueError(
             f"no {name} rows to write for TorchDistributor: raise --rows or --test-fraction"
