@@ -1,4 +1,4 @@
-"""Training data: checked and shaped on the driver, turned into numpy arrays inside the task.
+"""Training data, checked and shaped on the driver before any task starts.
 
 On the driver, ``prepare`` checks the columns before any task starts (a missing column, a
 vector of the wrong length, NaN labels, ragged rows, NaN or Inf features, and for a
