@@ -52,7 +52,8 @@ LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
 #: thread pulls one peer's parts back to back, so a few keep a link busy, and the rest
 #: queue: under every strategy a fetch of the worker's waits only for blocks its peer
 #: publishes without waiting for this partition's later work, so queued fetches are late,
-#: never stuck (docs/DESIGN.md, "Scaling").
+#: never stuck (docs/DESIGN.md, "Moving blocks: peers, channels, movements"; the threads
+#: and connections this costs as N grows: "Scaling: connections, bytes and steps").
 FETCH_THREADS = 16
 
 

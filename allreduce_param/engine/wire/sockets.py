@@ -35,6 +35,7 @@ def cut(connections) -> None:
 
 def tune(sock: socket.socket) -> None:
     """Small frames must not wait for Nagle. Socket buffer sizes are left to the kernel's
-    own sizing, which did no worse than fixed ones (docs/DESIGN.md, figures)."""
+    own sizing: measured against fixed 1-16 MiB ``SO_SNDBUF``/``SO_RCVBUF``, it was at
+    least as fast."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
