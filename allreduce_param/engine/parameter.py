@@ -85,7 +85,7 @@ class AllReduceParameter:
     other. Both sum in the same order (``layout.HostLayout``), so a lossless codec gives
     the same bits either way; a lossy one rounds each host sum once more.
 
-    Networking (``network.NetworkSettings``): ``bind_address`` is where each partition's
+    Networking (``wire.settings.NetworkSettings``): ``bind_address`` is where each partition's
     block server listens (one address of its host, never every interface; default: its
     executor's address as Spark names it), ``advertise_address`` the address its peers are
     told, ``port_range`` the ports it may take (``"40000-40099"``; default any free one), and

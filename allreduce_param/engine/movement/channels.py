@@ -1,7 +1,7 @@
 """A channel: one thread's way to the peers (its connections, fetch threads and landing
 buffers), and how a fetch runs on it.
 
-A fetch is written once (``movements._fetch_parts``) as a generator of the gets it needs,
+A fetch is written once (``fetches.Fetcher._fetch_parts``) as a generator of the gets it needs,
 a block from a peer (``PeerGet``) or from the own store (``StoreGet``), each of which may
 wait until the block is published. A channel runs it either through, on one of its
 threads, waiting where it waits (``run_through``: the worker's fetches, which wait only

@@ -28,7 +28,7 @@ DEFAULT_PATIENCE = NetworkSettings().meeting_patience
 log = logging.getLogger(__name__)
 
 #: Where a partition's block server listens: ``(host, port)``, or as the server advertises
-#: itself ``(host, port, fingerprint, local_name, local_scope)`` (``transport.parse_address``):
+#: itself ``(host, port, fingerprint, local_name, local_scope)`` (``wire.blocks.parse_address``):
 #: its secret's fingerprint, and its abstract Unix socket for peers of the same scope.
 Address = tuple
 
