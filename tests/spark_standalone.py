@@ -271,6 +271,21 @@ def class_archive_options() -> str:
     return f"-XX:SharedArchiveFile={default_folder() / name} {QUIET}"
 
 
+def class_archive_submit_options() -> list[str]:
+    """``spark-submit`` options that make the driver's and the executors' JVMs map the class
+    archive (``class_archive_options``), when there is one; none when there is none. For
+    tests whose driver is a test's own, not a recipe under test."""
+    archive = class_archive_options()
+    if not archive:
+        return []
+    return [
+        "--driver-java-options",
+        archive,
+        "--conf",
+        f"spark.executor.extraJavaOptions={archive}",
+    ]
+
+
 def _wait_for(
     cluster: StandaloneCluster, name: str, pattern: str, count: int, deadline: float
 ) -> list[str]:

@@ -41,7 +41,7 @@ from sim_hosts import simulated_hosts
 from sim_hosts_driver import MARKER, digest, expected_weights
 from spark_standalone import (
     SPARK_SUBMIT,
-    class_archive_options,
+    class_archive_submit_options,
     python_environment,
     standalone_cluster,
 )
@@ -274,7 +274,7 @@ def stage(cluster, tmp_path_factory):
         "spark.executor.memory=1g",
         "--conf",
         "spark.ui.enabled=false",
-        *_class_archive(),
+        *class_archive_submit_options(),  # the JVMs start sooner; nothing here is counted in them
         str(DRIVER),
         str(PARTITIONS),
         str(SIZE),
@@ -291,21 +291,6 @@ def stage(cluster, tmp_path_factory):
     report = json.loads(lines[0][len(MARKER) :])
     report["submit_seconds"] = time.monotonic() - started
     return report
-
-
-def _class_archive() -> list[str]:
-    """spark-submit options that make the driver's and the executors' JVMs map the class
-    archive, when there is one (``class_archive_options``): 5 JVMs on a 2-core machine,
-    each of which then starts seconds sooner. Nothing this test counts is in a JVM."""
-    archive = class_archive_options()
-    if not archive:
-        return []
-    return [
-        "--driver-java-options",
-        archive,
-        "--conf",
-        f"spark.executor.extraJavaOptions={archive}",
-    ]
 
 
 def _hosts_by_namespace(hosts) -> dict[str, object]:
