@@ -1,8 +1,13 @@
 """Shared test set-up: loopback only, the project's Spark settings, and partition groups.
 
 Engine tests run N partitions as N threads of this process (real sockets on 127.0.0.1,
-``LocalRendezvous``); Spark tests use one session per module (the ``spark`` fixture:
-``local[4]``, or the module's ``SPARK_MASTER`` and ``SPARK_SETTINGS``), stopped at its end.
+``LocalRendezvous``); Spark tests take the ``spark`` fixture: a session on ``local[4]``, or
+the module's ``SPARK_MASTER`` and ``SPARK_SETTINGS``. Modules that ask for the same master
+and settings share one session: they run one after another (``pytest_collection_modifyitems``
+moves each such module up to the first of its kind; modules that stop the session on their
+own, ``SPARK_STOPS_SESSION = True``, last among them), and the session stops when the last of
+them is done. Starting a session and its Python workers takes seconds of a 2-core machine's
+time, and most modules need nothing of a session but its master and settings.
 """
 
 from __future__ import annotations
@@ -23,21 +28,84 @@ CONF_DIR = JOB_FILES / "local"
 prepare_local_environment()
 
 
+def _spark_kind(module) -> tuple:
+    """What a module's session is started with: its master and its settings."""
+    settings = getattr(module, "SPARK_SETTINGS", {})
+    return getattr(module, "SPARK_MASTER", "local[4]"), tuple(sorted(settings.items()))
+
+
+#: the session modules of one kind share: {"kind": ..., "session": ...} while one runs
+_shared_spark: dict = {}
+
+
+def _stop_shared_spark() -> None:
+    session = _shared_spark.pop("session", None)
+    _shared_spark.pop("kind", None)
+    if session is not None:
+        session.stop()
+
+
+def _running(session) -> bool:
+    """Whether ``session``'s SparkContext is still the active one (a test may stop it)."""
+    from pyspark import SparkContext
+
+    return SparkContext._active_spark_context is session.sparkContext
+
+
 @pytest.fixture(scope="module")
 def spark(request):
     """The module's SparkSession: ``local[4]`` unless the module sets ``SPARK_MASTER``, with its
-    ``SPARK_SETTINGS``; stopped when the module's tests are done."""
+    ``SPARK_SETTINGS``; shared with the modules of the same kind that run right after it, and
+    stopped when the last of them is done."""
     from allreduce_param.spark.session import local_spark
 
-    master = getattr(request.module, "SPARK_MASTER", "local[4]")
-    session = local_spark(
-        master,
-        f"allreduce-param {request.module.__name__}",
-        CONF_DIR,
-        **getattr(request.module, "SPARK_SETTINGS", {}),
-    )
+    kind = _spark_kind(request.module)
+    session = _shared_spark.get("session")
+    if session is None or _shared_spark.get("kind") != kind or not _running(session):
+        _stop_shared_spark()
+        session = local_spark(
+            kind[0], f"allreduce-param {request.module.__name__}", CONF_DIR, **dict(kind[1])
+        )
+        _shared_spark.update(kind=kind, session=session)
     yield session
-    session.stop()
+    if not _next_module_shares(request.session.items, request.module, kind):
+        _stop_shared_spark()
+
+
+def _uses_spark(items) -> bool:
+    return any("spark" in getattr(item, "fixturenames", ()) for item in items)
+
+
+def _next_module_shares(items, module, kind) -> bool:
+    """Whether the module that runs after ``module`` takes a session of the same kind."""
+    after = [i for i, item in enumerate(items) if getattr(item, "module", None) is module]
+    if not after or after[-1] + 1 >= len(items):
+        return False
+    following = getattr(items[after[-1] + 1], "module", None)
+    rest = [item for item in items[after[-1] + 1 :] if getattr(item, "module", None) is following]
+    return following is not None and _spark_kind(following) == kind and _uses_spark(rest)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the modules that take a session of the same kind one after another (see the
+    module's docstring); the order within each module, and of the others, stays as it was."""
+    modules: dict = {}  # module: its items, in collection order
+    for item in items:
+        modules.setdefault(getattr(item, "module", None), []).append(item)
+    groups: dict = {}  # kind (or the module itself, for one without Spark): its modules
+    for module, members in modules.items():
+        key = _spark_kind(module) if module is not None and _uses_spark(members) else module
+        groups.setdefault(key, []).append(module)
+    items[:] = [
+        item
+        for group in groups.values()
+        for module in sorted(group, key=lambda m: bool(getattr(m, "SPARK_STOPS_SESSION", False)))
+        for item in modules[module]
+    ]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _stop_shared_spark()  # after -x or an interruption, a shared session may still run
 
 
 def pytest_sessionstart(session):

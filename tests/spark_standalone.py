@@ -10,11 +10,14 @@ Everything is read from log files, not over the network, and every command start
 ``prefix=["nsenter", "--net=/proc/PID/ns/net"]``) as well as on 127.0.0.1, and
 ``cluster.run(...)`` runs ``spark-submit`` there too. ``worker_places`` puts each worker on
 a host of its own instead (its address and prefix: simulated hosts, ``sim_hosts.py``).
+The master and the workers map the class archive a local session saved, when there is one
+(``class_archive_options``), which shortens each daemon's start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -100,6 +103,12 @@ def python_environment() -> dict[str, str]:
     ``PYSPARK_PYTHON``, this Python (the venv's); and ``PYTHONPATH``, this checkout, unless
     that Python imports the package from it on its own (installed editable, as in a fresh
     clone's ``.venv``), as when the tests run from a worktree with ``PYTHONPATH``."""
+    return dict(_python_environment())
+
+
+@functools.cache
+def _python_environment() -> dict[str, str]:
+    """``python_environment()``, found once per test run (it starts a Python to find out)."""
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     found = subprocess.run(
         [sys.executable, "-c", "import allreduce_param; print(allreduce_param.__file__)"],
@@ -153,6 +162,7 @@ def standalone_cluster(
     cluster = StandaloneCluster(
         "", host, folder, {**base, "SPARK_LOCAL_IP": host, **(environment or {})}, tuple(prefix)
     )
+    daemon_options = class_archive_options()
     # the master's REST submission server would take port 6066 (or the next free one): off
     daemons = folder / "daemons.conf"
     daemons.write_text("spark.master.rest.enabled false\n")
@@ -174,6 +184,7 @@ def standalone_cluster(
                 "--properties-file",
                 str(daemons),
             ],
+            java_options=daemon_options,
         )
         cluster.url = _wait_for(
             cluster, "master", r"Starting Spark master at (spark://\S+)", 1, deadline
@@ -206,6 +217,7 @@ def standalone_cluster(
                 ],
                 prefix=where,
                 local_ip=address,
+                java_options=daemon_options,
             )
         _wait_for(cluster, "master", r"Registering worker (\S+) with", len(places), deadline)
         yield cluster
@@ -220,14 +232,16 @@ def _start(
     command: list[str],
     prefix: Sequence[str] | None = None,
     local_ip: str | None = None,
+    java_options: str = "",
 ) -> subprocess.Popen:
     """``command`` (after the prefix: the cluster's, or ``prefix``) in a process group of its
-    own, its output in ``<name>.log``; with ``local_ip`` as its SPARK_LOCAL_IP, when given."""
-    environment = (
-        cluster.environment
-        if local_ip is None
-        else {**cluster.environment, "SPARK_LOCAL_IP": local_ip}
-    )
+    own, its output in ``<name>.log``; with ``local_ip`` as its SPARK_LOCAL_IP, when given,
+    and ``java_options`` as the daemon's (``SPARK_DAEMON_JAVA_OPTS``)."""
+    environment = {
+        **cluster.environment,
+        **({} if local_ip is None else {"SPARK_LOCAL_IP": local_ip}),
+        **({"SPARK_DAEMON_JAVA_OPTS": java_options} if java_options else {}),
+    }
     with open(cluster.folder / f"{name}.log", "w") as out:
         return subprocess.Popen(
             [*(cluster.prefix if prefix is None else prefix), *command],
@@ -238,6 +252,38 @@ def _start(
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+
+def class_archive_options() -> str:
+    """Java options that make a JVM of this Spark map the class archive a local session of
+    this Java and Spark saved (``allreduce_param.spark.class_archive``), when there is one;
+    "" when there is none. A JVM whose class path is the driver's (the standalone daemons, a
+    Spark Connect server) then starts and answers its first queries seconds sooner. For the
+    tests' own daemons and servers only: a driver or an executor under test runs as its
+    recipe says."""
+    from allreduce_param.spark.class_archive import QUIET, archive_name, default_folder
+    from allreduce_param.spark.session import _java
+
+    java, report, problem = _java()  # the java and -version report local_spark goes by
+    name = archive_name(java, report, SPARK_HOME) if java and not problem else None
+    if name is None or not (default_folder() / name).is_file():
+        return ""
+    return f"-XX:SharedArchiveFile={default_folder() / name} {QUIET}"
+
+
+def class_archive_submit_options() -> list[str]:
+    """``spark-submit`` options that make the driver's and the executors' JVMs map the class
+    archive (``class_archive_options``), when there is one; none when there is none. For
+    tests whose driver is a test's own, not a recipe under test."""
+    archive = class_archive_options()
+    if not archive:
+        return []
+    return [
+        "--driver-java-options",
+        archive,
+        "--conf",
+        f"spark.executor.extraJavaOptions={archive}",
+    ]
 
 
 def _wait_for(

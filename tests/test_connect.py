@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyspark
 import pytest
+from spark_standalone import class_archive_options
 
 from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
 
@@ -64,6 +65,9 @@ def connect_server(log: Path, master: str = "local[2]"):
         f"spark.connect.grpc.binding.port={port}",
         "spark-internal",
     ]
+    archive = class_archive_options()  # the server's JVM only: it starts sooner with it
+    if archive:
+        command[1:1] = ["--driver-java-options", archive]
     with open(log, "w") as out:
         server = subprocess.Popen(
             command,

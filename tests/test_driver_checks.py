@@ -32,6 +32,8 @@ from allreduce_param.train.driver.data import prepare, prepare_once
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FEATURES, CLASSES = 4, 3
+#: the last tests stop the module's session: this module runs last of those sharing it (conftest)
+SPARK_STOPS_SESSION = True
 
 
 class Marked(models.MLP):

@@ -25,7 +25,12 @@ from pathlib import Path
 
 import pytest
 from namespace_driver import MARKER, describe
-from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
+from spark_standalone import (
+    SPARK_SUBMIT,
+    class_archive_submit_options,
+    python_environment,
+    standalone_cluster,
+)
 
 ADDRESS = "192.0.2.1"
 #: the engine's ports: below the namespace's ephemeral ports (32768-60999, where Spark's own
@@ -145,6 +150,7 @@ def fit(cluster, tmp_path_factory):
         "conf/cluster/standalone.conf",
         "--conf",
         f"spark.allreduce.portRange={PORTS[0]}-{PORTS[1]}",
+        *class_archive_submit_options(),  # the JVMs start sooner; nothing here is counted in them
         str(DRIVER),
         str(EPOCHS),
     ]

@@ -39,7 +39,12 @@ from pathlib import Path
 import pytest
 from sim_hosts import simulated_hosts
 from sim_hosts_driver import MARKER, digest, expected_weights
-from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
+from spark_standalone import (
+    SPARK_SUBMIT,
+    class_archive_submit_options,
+    python_environment,
+    standalone_cluster,
+)
 
 from allreduce_param.engine.blocks.codec import HEADER_SIZE
 from allreduce_param.engine.layout import SliceLayout
@@ -270,6 +275,7 @@ def stage(cluster, tmp_path_factory):
         "spark.executor.memory=1g",
         "--conf",
         "spark.ui.enabled=false",
+        *class_archive_submit_options(),  # the JVMs start sooner; nothing here is counted in them
         str(DRIVER),
         str(PARTITIONS),
         str(SIZE),

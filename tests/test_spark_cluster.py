@@ -6,6 +6,7 @@ import sys
 
 import test_spark
 from pyspark import cloudpickle
+from spark_standalone import class_archive_options
 from test_spark import digest, expected_after, run_stage, start_weights, step_task
 
 from allreduce_param import AllReduceParameter
@@ -15,6 +16,8 @@ cloudpickle.register_pickle_by_value(test_spark)
 
 SPARK_MASTER = "local-cluster[2,1,1024]"
 SPARK_SETTINGS = {"spark.executor.memory": "1g"}
+if archive := class_archive_options():  # the executors' JVMs map the class archive: sooner up
+    SPARK_SETTINGS["spark.executor.extraJavaOptions"] = archive
 
 
 def test_two_executors_sync_exactly_and_bit_identically(spark):

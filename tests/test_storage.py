@@ -23,7 +23,8 @@ from allreduce_param.train.storage import FsspecLocation, HadoopLocation, locate
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-SPARK_MASTER = "local[1]"
+#: only the driver's Hadoop is used: local[2] shares the session of the other local[2] modules
+SPARK_MASTER = "local[2]"
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -499,9 +499,9 @@ def test_an_error_inside_a_task_comes_back_as_one_line(spark):
         TrainingError,
         match=r"^partition \d, epoch 0, step \d+: FloatingPointError: the model blew up$",
     ) as failure:
-        DistriOptimizer(Exploding(5), optim.SGD(lr=0.01), batch_size=8, epochs=1).fit(
-            frame(spark, X, y)
-        )
+        DistriOptimizer(  # 2 workers: Spark runs the failing stage 4 times, each a new set of tasks
+            Exploding(5), optim.SGD(lr=0.01), batch_size=8, epochs=1, num_workers=2
+        ).fit(frame(spark, X, y))
     assert "org.apache.spark" in str(failure.value.__cause__)  # Spark's own report stays on it
 
 
