@@ -219,3 +219,16 @@ def test_a_checkpoint_dir_the_tasks_could_not_write_fails_on_the_driver(tmp_path
             models.LinearRegression(3), optim.SGD(lr=0.1), checkpoint_dir="nosuch://ckpt"
         )
     assert list(tmp_path.iterdir()) == []  # no folder named 'dbfs:' here
+
+
+def test_the_probe_writes_and_removes_one_file_or_names_checkpoint_dir(tmp_path):
+    settings = CheckpointSettings.for_new_fit(str(tmp_path / "root"), "epoch", 1)
+    settings.probe()
+    assert [p.name for p in tmp_path.iterdir()] == ["root"]
+    assert list((tmp_path / "root").iterdir()) == []  # the probe file is gone, no fit folder yet
+    (tmp_path / "file").write_text("a regular file")
+    under_a_file = CheckpointSettings.for_new_fit(str(tmp_path / "file" / "ckpt"), "epoch", 1)
+    with pytest.raises(
+        ConfigurationError, match=r"^checkpoint_dir='.*/file/ckpt' cannot hold the fit's"
+    ):
+        under_a_file.probe()

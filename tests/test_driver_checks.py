@@ -470,6 +470,25 @@ def test_prepare_once_keeps_weighted_and_unweighted_checks_apart(spark):
         data.unpersist()
 
 
+# ---- checkpoints -----------------------------------------------------------------------
+
+
+def test_a_checkpoint_dir_that_cannot_be_a_folder_fails_on_the_driver(
+    spark, tmp_path, tmp_path_factory
+):
+    blocking = tmp_path_factory.mktemp("checkpoints") / "a-file"
+    blocking.write_text("not a folder")
+    X, y = blobs()
+    data = frame(spark, X, y)
+    fit = trainer(Marked([FEATURES, 8, CLASSES], tmp_path), checkpoint_dir=str(blocking / "ckpt"))
+    with pytest.raises(ConfigurationError) as failure:
+        fit.fit(data)
+    message = str(failure.value)
+    assert message.startswith(f"checkpoint_dir={str(blocking / 'ckpt')!r} cannot hold"), message
+    assert "NotADirectoryError" in message or "FileExistsError" in message, message
+    assert list(tmp_path.iterdir()) == [], "a task of the fit ran before the folder was refused"
+
+
 # ---- settings that need a session of their own (last: they stop the module's) ----------
 
 

@@ -88,6 +88,27 @@ class CheckpointSettings:
         name = f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         return cls(posixpath.join(str(root).rstrip("/"), name), every, keep)
 
+    def probe(self) -> None:
+        """Check, on the driver and before any stage, that the folder above this fit's one
+        can be created and written: a probe file written and removed there, through the same
+        storage layer the tasks write with. ConfigurationError naming ``checkpoint_dir`` and
+        the reason where it cannot (a path under a regular file, no permission, a full or
+        read-only disk), instead of the same error in every task of every stage attempt."""
+        root = posixpath.dirname(self.directory)
+        fs, path = fsspec_filesystem(root, _PURPOSE)
+        probe = posixpath.join(path, f".probe-{secrets.token_hex(4)}")
+        try:
+            fs.makedirs(path, exist_ok=True)
+            with fs.open(probe, "wb") as file:
+                file.write(b"allreduce-param checks that the tasks can write here")
+            fs.rm(probe)
+        except OSError as error:
+            raise ConfigurationError(
+                f"checkpoint_dir={root!r} cannot hold the fit's checkpoints: writing {probe!r} "
+                f"failed ({type(error).__name__}: {error}). Give a folder that every task can "
+                "create and write (a path every machine shares, or a URL such as hdfs://...)"
+            ) from None
+
     def due(self, index: int, plan: list[tuple[int, int]]) -> bool:
         """Whether a checkpoint follows global step ``index`` of ``plan`` ((epoch, step) each)."""
         done = index + 1

@@ -208,6 +208,8 @@ class DistriOptimizer:
         network = NetworkSettings.of(s.network_values(), spark.session_setting)  # read once
         param = engine_parameter(s, network, workers, size)
         checkpoints = s.checkpoints()
+        if checkpoints is not None:
+            checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
         with driver_end(s, spark, workers, network) as driver:
             job = TrainingJob(
                 self.model,
