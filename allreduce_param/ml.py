@@ -38,6 +38,7 @@ from allreduce_param.errors import AllReduceError, ConfigurationError, InputErro
 from allreduce_param.spark.arrow import float_lists
 from allreduce_param.spark.info import is_connect
 from allreduce_param.spark.versions import from_arrow, ml_metadata, to_arrow
+from allreduce_param.train.driver.data import check_label_column
 from allreduce_param.train.driver.distri import DistriOptimizer
 from allreduce_param.train.result import History, TrainedModel
 from allreduce_param.train.rows import features_array
@@ -526,10 +527,7 @@ def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int,
     from pyspark.sql import functions as F
 
     features = features_array(train, features_col, role="featuresCol")
-    if label_col not in train.columns:
-        raise InputError(
-            f"the data has no column {label_col!r} (labelCol); its columns are {sorted(train.columns)}"
-        )
+    check_label_column(train, label_col, role="labelCol")
     features_meta = train.schema[features_col].metadata.get("ml_attr", {})
     n_features = features_meta.get("num_attrs")
     num_classes = None

@@ -306,6 +306,18 @@ def test_bad_settings_and_labels_name_the_param(spark):
     halves = df.withColumn("label", df.label + 0.5)
     with pytest.raises(InputError, match="must be class ids 0, 1, 2, ... \\(the largest is 2.5\\)"):
         AllReduceClassifier(showProgress=False).fit(halves)
+    strings = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(
+        blobs(spark, rows=100, string_labels=True)
+    )
+    for estimator in (AllReduceClassifier, AllReduceRegressor):
+        with pytest.raises(
+            InputError,
+            match=r"^the label column 'label' \(labelCol\) is string; it must be numeric "
+            r"\(use StringIndexer for string classes\)",
+        ):
+            estimator(showProgress=False).fit(strings)
+    with pytest.raises(InputError, match=r"^the data has no column 'y' \(labelCol\)"):
+        AllReduceClassifier(labelCol="y", showProgress=False).fit(df)
 
 
 def test_every_param_has_a_setter_and_a_getter_as_mllibs_do():

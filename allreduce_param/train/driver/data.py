@@ -577,6 +577,25 @@ def _partition_statistics(
     return found
 
 
+def check_label_column(frame, label_col: str, name: str | None = None, role: str = "label_col"):
+    """InputError, on the driver, where ``frame`` has no numeric column ``label_col``: named
+    by ``role`` (the setting or Param that named it) and, where given, which data (``name``:
+    "training", "validation"). Every entry point checks labels here, the Estimators too."""
+    from pyspark.sql.types import NumericType
+
+    whose = f"the {name} " if name else "the "
+    fields = {field.name: field.dataType for field in frame.schema.fields}
+    if label_col not in fields:
+        raise InputError(
+            f"{whose}data has no column {label_col!r} ({role}); its columns are {sorted(fields)}"
+        )
+    if not isinstance(fields[label_col], NumericType):
+        raise InputError(
+            f"{whose}label column {label_col!r} ({role}) is {fields[label_col].simpleString()}; "
+            "it must be numeric (use StringIndexer for string classes)"
+        )
+
+
 def _shape(
     frame, features_col: str, label_col: str, name: str, split: int, weight_col: str | None = None
 ):
@@ -587,16 +606,8 @@ def _shape(
     from pyspark.sql.types import NumericType
 
     features = features_array(frame, features_col, name)
+    check_label_column(frame, label_col, name)
     fields = {field.name: field.dataType for field in frame.schema.fields}
-    if label_col not in fields:
-        raise InputError(
-            f"the {name} data has no column {label_col!r} (label_col); its columns are {sorted(fields)}"
-        )
-    if not isinstance(fields[label_col], NumericType):
-        raise InputError(
-            f"the {name} label column {label_col!r} is {fields[label_col].simpleString()}; it must "
-            "be numeric (use StringIndexer for string classes)"
-        )
     columns = [
         features.alias("features"),
         F.col(label_col).cast("double").alias("label"),
