@@ -12,6 +12,7 @@ time, and most modules need nothing of a session but its master and settings.
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +43,27 @@ def _stop_shared_spark() -> None:
     session = _shared_spark.pop("session", None)
     _shared_spark.pop("kind", None)
     if session is not None:
+        context = session.sparkContext
+        # a stopped context has no application id; only a running local-cluster's is needed
+        cluster = context.master.startswith("local-cluster") and _running(session)
+        application = context.applicationId if cluster else None
         session.stop()
+        if application is not None:
+            _remove_worker_folder(application)
+
+
+def _remove_worker_folder(application: str) -> None:
+    """A ``local-cluster`` session's workers keep each application's executor logs in
+    ``SPARK_HOME/work/<application id>``, and SPARK_HOME of a pip install is the installed
+    pyspark package: remove the stopped application's folder (and ``work`` once empty), so
+    the tests leave nothing in the installed packages."""
+    from pyspark.find_spark_home import _find_spark_home
+
+    work = Path(_find_spark_home()) / "work"
+    if (work / application).exists():
+        shutil.rmtree(work / application)
+    if work.exists() and not any(work.iterdir()):
+        work.rmdir()
 
 
 def _running(session) -> bool:

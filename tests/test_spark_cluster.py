@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import test_spark
 from pyspark import cloudpickle
@@ -51,3 +52,16 @@ def test_two_executors_sync_exactly_and_bit_identically(spark):
             assert {tuple(row[6]) for row in rows} == {
                 ("AF_UNIX", "shared memory") if codec == "raw" else ("AF_INET",)
             }
+
+
+def test_stopping_the_session_leaves_no_worker_folder_in_the_installed_pyspark(spark):
+    """A local-cluster's workers write each application's folder under SPARK_HOME/work,
+    which for a pip install is inside the installed pyspark package: the tests' session
+    stop removes it (this module's session stops here, as the conftest stops it)."""
+    from conftest import _stop_shared_spark
+    from pyspark.find_spark_home import _find_spark_home
+
+    folder = Path(_find_spark_home()) / "work" / spark.sparkContext.applicationId
+    assert folder.is_dir(), f"the workers wrote no {folder}: where do they write now?"
+    _stop_shared_spark()
+    assert not folder.exists()
