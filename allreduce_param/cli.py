@@ -188,9 +188,8 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     from allreduce_param.train import DistriOptimizer, FitSettings
 
     settings = job.get("train", {})
-    fit_settings = FitSettings.of(
-        settings, where="[train]"
-    )  # a bad setting fails before Spark starts
+    # a bad setting fails before Spark starts
+    fit_settings = FitSettings.of(settings, where="[train]")
     spark_section = job.get("spark", {})
     if not master and not under_spark_submit():  # under spark-submit, its --master wins
         master = spark_section.get("master", "local[*]")

@@ -219,9 +219,8 @@ def alternate(
     ]
     rdd = spark.sparkContext.parallelize(range(partitions), partitions)
     task = engine_task(params, loops, steps, warmup, sparse)
-    swapped = engine_task(
-        params[::-1], loops, steps, warmup, sparse
-    )  # every other round: the other order
+    # every other round: the other order
+    swapped = engine_task(params[::-1], loops, steps, warmup, sparse)
     engine = {config: [] for config in configs}
     gloo_ms = {param.size: [] for param in params}
     for number in range(rounds):
@@ -346,9 +345,8 @@ def print_table(rows: list[dict], with_link: bool = False) -> None:
     ``with_link``, a ``link`` column first and, for shaped links, the ring bound and the ratio
     to it."""
     links = [row for row in rows if row["link"] != HOST]
-    trees = (
-        any(row["tree"] for row in rows) or not links
-    )  # no treeAggregate in a namespace: no column
+    # no treeAggregate in a namespace: no column
+    trees = any(row["tree"] for row in rows) or not links
     header = (
         *(("link",) if with_link else ()),
         "size",
@@ -543,12 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         default=LINK_BURST,
         help=f"tc tbf burst for --link (default {LINK_BURST}; larger ones are tried if tc refuses)",
     )
-    parser.add_argument(
-        "--inside-link", default=None, help=argparse.SUPPRESS
-    )  # the run in a namespace: its rate
-    parser.add_argument(
-        "--results", default=None, help=argparse.SUPPRESS
-    )  # where that run leaves its rows (json)
+    # the run in a namespace: its rate
+    parser.add_argument("--inside-link", default=None, help=argparse.SUPPRESS)
+    # where that run leaves its rows (json)
+    parser.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.link:
         return run_in_links(
@@ -821,9 +817,8 @@ def run_in_links(
     if len(rates) > 1 and rows:
         order = {rate: i for i, rate in enumerate(rates)}
         groups = {row[group]: None for row in rows}  # in the order they first came
-        rows.sort(
-            key=lambda row: (list(groups).index(row[group]), order[row["link"]])
-        )  # stable within
+        # stable within
+        rows.sort(key=lambda row: (list(groups).index(row[group]), order[row["link"]]))
         print(f"\n== all links ({', '.join(rates)})")
         print_all(rows)
     return status

@@ -263,9 +263,8 @@ def run_driver(args: argparse.Namespace) -> int:
             hosts = reports[0]["hosts"]
             for index, param in enumerate(order):
                 steps = np.array([report["entries"][index]["ms"] for report in reports])
-                figures[id(param)].append(
-                    float(np.median(steps.max(axis=0)))
-                )  # the slowest partition's step
+                # the slowest partition's step
+                figures[id(param)].append(float(np.median(steps.max(axis=0))))
                 links = [report["entries"][index]["sent"] for report in reports]
                 sent[id(param)].append(sum(b for b in links if b is not None) / args.steps)
             print(
@@ -575,9 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         default=3 * 3600.0,
         help="seconds the driver may run in all (default 3 hours)",
     )
-    parser.add_argument(
-        "--inside-cluster", action="store_true", help=argparse.SUPPRESS
-    )  # the driver's run
+    # the driver's run
+    parser.add_argument("--inside-cluster", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.hosts < 2 or args.hosts > 254 or args.slots < 1:
         parser.error(

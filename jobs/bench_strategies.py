@@ -144,9 +144,8 @@ def main() -> int:
             num_workers=args.workers,
             progress=False,
         )
-        warm.fit(
-            train, validation=test
-        )  # the first fit of a session pays for Python workers and JIT
+        # the first fit of a session pays for Python workers and JIT
+        warm.fit(train, validation=test)
         results: dict[str, list[tuple]] = {name: [] for name in chosen}
         for _ in range(args.rounds):
             for name in chosen:

@@ -769,10 +769,11 @@ def main(argv: list[str] | None = None) -> int:
         partitions = spark.sparkContext.defaultParallelism
         train, test = generated_frames(spark, data)
         train, test = train.cache(), test.cache()
+        # generated and cached, before any clock
         train_rows, test_rows = (
             train.count(),
             test.count(),
-        )  # generated and cached, before any clock
+        )
         if train_rows < args.batch_size:
             raise SystemExit(
                 f"error: {train_rows} training rows, fewer than --batch-size {args.batch_size}"

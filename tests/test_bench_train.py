@@ -75,11 +75,12 @@ def test_every_contender_reaches_a_low_target_and_the_table_says_when():
         )
         count, unit = to_target.split()
         assert int(count) >= 1 and unit in ("epoch", "epochs", "iterations"), to_target
+        # plus a cancel's lag
         assert 0 < float(seconds) <= float(total) <= BUDGET + 15, (
             label,
             seconds,
             total,
-        )  # plus a cancel's lag
+        )
         assert TARGET <= float(best) <= 1, (label, best)
         # "budget": cut at the budget (a hung contender), and then its total says so
         assert ended in ("target", "epochs") or (

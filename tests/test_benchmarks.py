@@ -251,9 +251,8 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
     assert bench_hosts.digest(in_partition_order) != bench_hosts.digest(weights)
     with pytest.raises(SystemExit, match=r"partitions \[0, 1, 2, 3\] differ"):
         bench_hosts.check(reports([in_partition_order] * 4), "raw", steps, True, {})
-    rounded = weights + np.float32(
-        1e-3
-    )  # a lossy codec's: the same on every partition, near numpy's
+    # a lossy codec's: the same on every partition, near numpy's
+    rounded = weights + np.float32(1e-3)
     bench_hosts.check(reports([rounded] * 4, rounded), "int8", steps, True, {})
     far = weights + np.float32(1.0)
     with pytest.raises(SystemExit, match=r"partition 0's weights are 1 off numpy's"):

@@ -157,9 +157,8 @@ def test_a_session_saves_the_archive_and_the_next_one_maps_it(tmp_path):
         return done
 
     first = session()
-    assert (
-        "partitions 4" in first.stdout and "rows 5" in first.stdout
-    )  # conf/local/spark-defaults.conf read
+    # conf/local/spark-defaults.conf read
+    assert "partitions 4" in first.stdout and "rows 5" in first.stdout
     assert f"log4j {tmp_path / 'conf' / 'log4j2.properties'}" in first.stdout
     assert "saving the Spark driver's classes" in first.stderr
     saved = sorted((tmp_path / "cache").iterdir())

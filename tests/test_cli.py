@@ -70,14 +70,12 @@ def test_job_file_errors_name_the_setting(tmp_path):
 
 def test_a_job_file_names_its_spark_settings_folder(tmp_path, monkeypatch):
     digits = REPO / "conf" / "digits.toml"
-    assert (
-        spark_conf_dir(load_job(digits), digits) == REPO / "conf" / "local"
-    )  # relative to the job file
+    # relative to the job file
+    assert spark_conf_dir(load_job(digits), digits) == REPO / "conf" / "local"
     monkeypatch.chdir(REPO)
     assert spark_conf_dir(load_job(digits), "conf/digits.toml") == REPO / "conf" / "local"
-    assert (
-        spark_conf_dir({"spark": {"master": "local[2]"}}, digits) is None
-    )  # none named: Spark's defaults
+    # none named: Spark's defaults
+    assert spark_conf_dir({"spark": {"master": "local[2]"}}, digits) is None
     monkeypatch.setenv("PYSPARK_GATEWAY_PORT", "1")  # under spark-submit its own settings apply
     assert spark_conf_dir(load_job(digits), digits) is None
     monkeypatch.delenv("PYSPARK_GATEWAY_PORT")
@@ -112,9 +110,8 @@ def test_the_main_job_with_a_cluster_master_says_to_use_spark_submit(capsys):
 def test_a_job_files_engine_settings_are_checked_before_spark_starts(monkeypatch, capsys):
     from allreduce_param import FitSettings, cli
 
-    job = apply_overrides(
-        {"train": {}}, ["train.topology=flat", "train.fetch_threads=4"]
-    )  # a bare word is text
+    # a bare word is text
+    job = apply_overrides({"train": {}}, ["train.topology=flat", "train.fetch_threads=4"])
     assert (FitSettings.of(job["train"]).topology, FitSettings.of(job["train"]).fetch_threads) == (
         "flat",
         4,

@@ -702,9 +702,8 @@ def test_a_buffer_read_in_place_tells_whether_it_was_rewritten():
     header, _ = codec.decode(block, 100)
     assert codec.unchanged(out, header)
     del block
-    codec.encode(
-        make("normal", 100), out=out, ids=(1, 0, 0xFFFFFFFF, 0, 6)
-    )  # the owner's next version
+    # the owner's next version
+    codec.encode(make("normal", 100), out=out, ids=(1, 0, 0xFFFFFFFF, 0, 6))
     assert not codec.unchanged(out, header)
     again, _ = codec.decode(memoryview(out)[: HEADER_SIZE + 400], 100)
     rewriting = bytearray(out)
@@ -792,9 +791,8 @@ def int8_parts(block: bytes | bytearray | memoryview, n: int) -> tuple[np.float3
 
 
 @pytest.mark.parametrize("magnitude", INT8_MAGNITUDES)
-@pytest.mark.parametrize(
-    "n", [1, 13, 1001, 262_145]
-)  # none a multiple of 8; 262_145 spans two pieces
+# none a multiple of 8; 262_145 spans two pieces
+@pytest.mark.parametrize("n", [1, 13, 1001, 262_145])
 def test_int8_bound_holds_at_every_magnitude(magnitude, n):
     """Off by at most largest / 254 (plus float32 rounding) from float32 subnormals, where the
     scale is coarse, up to float32's largest values. The extremes are the codes -127 and 127
@@ -814,9 +812,8 @@ def test_int8_bound_holds_at_every_magnitude(magnitude, n):
     if scale >= np.finfo(np.float32).tiny:
         extremes = x[np.abs(x) == largest]
         assert codes[np.abs(x) == largest].tolist() == [127 if v > 0 else -127 for v in extremes]
-    assert (
-        float(scale) * 127 >= largest > float(np.nextafter(scale, np.float32(0))) * 127
-    )  # rounded up
+    # rounded up
+    assert float(scale) * 127 >= largest > float(np.nextafter(scale, np.float32(0))) * 127
 
 
 def test_int8_block_holding_float32_largest_value_decodes_finite():
@@ -880,9 +877,8 @@ def test_int8_residual_of_an_unsealed_block_read_unchecked():
     residual = x - y
     assert np.shares_memory(y, scratch) and (scratch[x.size :] == 7.0).all()
     assert np.abs(residual).max() <= np.abs(x).max() / 254 * (1 + 1e-5)
-    corrupt(
-        bytes(block), "checksum mismatch", length=x.size, name="int8"
-    )  # unsealed: not for a socket
+    # unsealed: not for a socket
+    corrupt(bytes(block), "checksum mismatch", length=x.size, name="int8")
 
 
 def test_int8_codec_id_is_appended_and_round_trips_through_the_header():
@@ -1053,9 +1049,8 @@ def test_topk_with_many_ties_keeps_k_of_the_largest():
     assert (y == 5.0).sum() == 100 and (y[300:] == 0).all()
 
 
-@pytest.mark.parametrize(
-    "where", [0, 1, 97, 262_143, 262_144, -1]
-)  # sampled or not; first and last piece
+# sampled or not; first and last piece
+@pytest.mark.parametrize("where", [0, 1, 97, 262_143, 262_144, -1])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_topk_part_with_nan_or_inf_decodes_to_nan(where, bad):
     x = make("normal", 300_001)

@@ -254,9 +254,8 @@ def test_weights_too_large_for_a_closure_are_refused_with_what_to_do(remote, mon
     trained = DistriOptimizer(
         models.SoftmaxRegression(8, 3), optim.SGD(lr=0.1), batch_size=12, epochs=1, progress=False
     ).fit(df)
-    monkeypatch.setattr(
-        spark_info, "CLOSURE_LIMIT", 64
-    )  # the model's 108 bytes of weights, over it
+    # the model's 108 bytes of weights, over it
+    monkeypatch.setattr(spark_info, "CLOSURE_LIMIT", 64)
     with pytest.raises(
         ConfigurationError, match="travel in each task's closure.*predict on a classic session"
     ):
@@ -297,9 +296,8 @@ def test_a_client_the_executors_cannot_reach_trains_without_live_progress_and_sa
             listener=lambda kind, fields: events.append(kind),
         ).fit(df)
     assert not events  # nothing reached the listener while it ran
-    assert (
-        len(trained.history.epochs) == 2 and len(trained.history.steps) == 2 * 5
-    )  # all of it at the end
+    # all of it at the end
+    assert len(trained.history.epochs) == 2 and len(trained.history.steps) == 2 * 5
 
 
 def test_the_estimators_model_saves_and_loads_under_connect(remote, tmp_path):

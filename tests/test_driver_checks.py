@@ -442,9 +442,8 @@ def test_good_weights_become_the_weight_column(spark):
     assert [(row.split, row.label, row.weight) for row in rows] == [
         (0, float(label), float(weight)) for label, weight in zip(y, w)
     ] + [(1, float(label), float(weight)) for label, weight in zip(y_val, w_val)]
-    assert (
-        summary.sample[0].shape == (1, FEATURES) and len(summary.sample) == 2
-    )  # (X, y), as unweighted
+    # (X, y), as unweighted
+    assert summary.sample[0].shape == (1, FEATURES) and len(summary.sample) == 2
     # unweighted: the three columns, as before
     plain, plain_summary = prepare(weighted_frame(spark, X, y, w, "int"), "features", "label")
     assert plain.columns == ["features", "label", "split"] and not plain_summary.weighted

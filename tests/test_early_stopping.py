@@ -67,9 +67,8 @@ def test_the_fit_stops_once_the_validation_loss_stops_improving_and_keeps_the_be
     losses = [epoch["val_loss"] for epoch in history.epochs]
     best = int(np.argmin(losses))
     assert history.stopped_early and history.best_epoch == best
-    assert (
-        0 < best < len(losses) - 1 < 29
-    )  # it improved for a while, then stopped well before the end
+    # it improved for a while, then stopped well before the end
+    assert 0 < best < len(losses) - 1 < 29
     assert len(losses) == best + 3  # two epochs without improvement: patience=2
     assert all(loss > losses[best] for loss in losses[best + 1 :])
     assert [epoch["best_epoch"] for epoch in history.epochs] == [
@@ -101,9 +100,8 @@ def test_a_fit_that_runs_all_its_epochs_still_returns_the_best_ones():
 
 def test_min_delta_asks_for_a_real_improvement():
     parts = parts_of(2)
-    _, history, _ = fit(
-        job_for(parts, patience=1, min_delta=1e9), parts
-    )  # nothing beats epoch 0 by that
+    # nothing beats epoch 0 by that
+    _, history, _ = fit(job_for(parts, patience=1, min_delta=1e9), parts)
     assert history.best_epoch == 0 and history.stopped_early and len(history.epochs) == 2
 
 
@@ -137,9 +135,8 @@ def test_a_fit_resumed_from_a_checkpoint_after_its_best_epoch_stops_alike(tmp_pa
     )
     assert history.stopped_early and history.best_epoch == best
     assert history.epochs[-1]["epoch"] == whole.epochs[-1]["epoch"]
-    assert np.array_equal(
-        weights, whole_weights
-    )  # the best weights came back from the checkpoint's parts
+    # the best weights came back from the checkpoint's parts
+    assert np.array_equal(weights, whole_weights)
 
 
 def test_settings_are_checked_where_they_are_made():

@@ -131,9 +131,8 @@ def test_records_carry_every_length_and_a_long_send_is_cut_into_records(in_place
         recv_exactly(client, memoryview(answer))
         assert bytes(answer) == b"hiya"
         left.shutdown(socket.SHUT_WR)
-        assert (
-            server.recv_into(bytearray(10)) == 4 and server.recv_into(bytearray(10)) == 0
-        )  # an end between records
+        # an end between records
+        assert server.recv_into(bytearray(10)) == 4 and server.recv_into(bytearray(10)) == 0
     finally:
         left.close()
         right.close()

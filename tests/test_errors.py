@@ -36,9 +36,8 @@ def test_every_error_is_ours_and_none_is_an_oserror():
     assert len(errors) >= 14
     for error in errors:
         assert issubclass(error, AllReduceError), error
-        assert not issubclass(error, OSError), (
-            error
-        )  # code catching socket errors never catches ours
+        # code catching socket errors never catches ours
+        assert not issubclass(error, OSError), error
 
 
 def test_each_answer_of_a_block_server_has_its_own_error_type():

@@ -62,9 +62,8 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limit = open_descriptors() + 300
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
-    param = AllReduceParameter(
-        2, size, codec="raw", timeout=60, unix_sockets=False
-    )  # peers on the flooded port
+    # peers on the flooded port
+    param = AllReduceParameter(2, size, codec="raw", timeout=60, unix_sockets=False)
     served, flooded = threading.Event(), threading.Event()
     address, seen = {}, {}
 
@@ -132,9 +131,8 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
         flooding.join(120)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         logging.getLogger("allreduce_param.engine.wire.server").removeHandler(failures)
-    assert (
-        seen["held"] == connections and seen["accept failed"]
-    )  # the flood came, and accept() failed
+    # the flood came, and accept() failed
+    assert seen["held"] == connections and seen["accept failed"]
     # strangers cost at most MAX_UNPROVEN descriptors, whatever the flood
     assert seen["end"] - seen["after"] <= MAX_UNPROVEN + 16, seen
     expected = np.zeros(size, np.float32)

@@ -172,9 +172,8 @@ def test_any_answer_to_a_fetch_is_an_error_of_ours_and_allocates_no_more_than_th
         tracemalloc.stop()
         client.close()
         fake.close()
-    assert peak < most + (
-        1 << 20
-    )  # an answer's claimed length is checked before anything is allocated
+    # an answer's claimed length is checked before anything is allocated
+    assert peak < most + (1 << 20)
 
 
 @CASES

@@ -122,9 +122,8 @@ def test_a_get_that_does_not_wait_is_called_back_once_its_version_comes():
     store = BlockStore()
     called = []
     store.put(KEY, 0, b"old")
-    assert (
-        bytes(store.get_or_notify(KEY, 0, lambda: called.append("never"))[1]) == b"old"
-    )  # there: at once
+    # there: at once
+    assert bytes(store.get_or_notify(KEY, 0, lambda: called.append("never"))[1]) == b"old"
     waiter = store.get_or_notify(KEY, 2, lambda: called.append("ready"), reader="r")
     assert not isinstance(waiter, tuple) and store.waiting == 1
     store.put(KEY, 1, b"not yet")

@@ -228,9 +228,8 @@ def test_early_stopping_keeps_the_epoch_of_the_lowest_validation_loss(spark):
     # the Model predicts with the best epoch's weights: its validation loss is the best one
     rows = fitted.transform(df.filter("is_validation")).select("label", "prediction").collect()
     squared = np.mean([(row.label - row.prediction) ** 2 for row in rows])
-    assert squared / 2 == pytest.approx(
-        losses[history.best_epoch], rel=1e-4
-    )  # the loss is half the squared error
+    # the loss is half the squared error
+    assert squared / 2 == pytest.approx(losses[history.best_epoch], rel=1e-4)
     with pytest.raises(
         InputError,
         match="early_stopping_patience=2 stops on the validation loss: pass validation "
@@ -278,9 +277,8 @@ def test_weight_col_trains_as_repeating_each_row_its_weight_times(spark):
 def test_thresholds_choose_the_class_as_mllib_does(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=200))
     fitted = AllReduceClassifier(maxEpochs=1, batchSize=64, showProgress=False).fit(df)
-    fitted.setThresholds(
-        [1.0, 1.0, 0.0]
-    )  # a threshold of 0: its class wins wherever it is possible
+    # a threshold of 0: its class wins wherever it is possible
+    fitted.setThresholds([1.0, 1.0, 0.0])
     assert {row.prediction for row in fitted.transform(df).select("prediction").collect()} == {2.0}
     fitted.setThresholds([1.0, 1.0])
     with pytest.raises(

@@ -208,9 +208,8 @@ def test_merge_buffers_averages_floats_by_rows_and_takes_the_largest_counter():
     np.testing.assert_array_equal(merged["m"], np.float32([2.5, 3.5]))
     assert merged["m"].dtype == np.float32 and int(merged["n"]) == 9 and bool(merged["flag"])
     same = np.float32([0.1, 1 / 3])
-    assert np.array_equal(
-        merge_buffers([({"m": same}, 7), ({"m": same}, 2)])["m"], same
-    )  # bit for bit
+    # bit for bit
+    assert np.array_equal(merge_buffers([({"m": same}, 7), ({"m": same}, 2)])["m"], same)
     with pytest.raises(InputError, match=r"copy 1's buffers \['x'\] differ from copy 0's \['m'\]"):
         merge_buffers([({"m": same}, 1), ({"x": same}, 1)])
     with pytest.raises(InputError, match=r"copy 1's buffer 'm' has shape \(3,\), copy 0's \(2,\)"):

@@ -205,9 +205,8 @@ def test_an_address_this_host_does_not_have_is_named():
         match=r"cannot listen on 192.0.2.77 .*is 192.0.2.77 an address of this host\? "
         r"Set bind_address \(the Spark setting spark.allreduce.bindAddress",
     ):
-        listen(
-            "192.0.2.77", None, 4, "partition 0's block server"
-        )  # TEST-NET-1: bound, never sent to
+        # TEST-NET-1: bound, never sent to
+        listen("192.0.2.77", None, 4, "partition 0's block server")
 
 
 def test_partitions_serve_in_the_port_range_and_sync_exactly():
@@ -224,9 +223,8 @@ def test_partitions_serve_in_the_port_range_and_sync_exactly():
 
     results = raise_first(run_partitions(param, body))
     assert all(first <= address[1] <= last for address, _ in results)
-    assert all(
-        np.array_equal(total, np.full(total.size, 2.0, np.float32)) for _, total in results
-    )  # (1+2+3)/3
+    # (1+2+3)/3
+    assert all(np.array_equal(total, np.full(total.size, 2.0, np.float32)) for _, total in results)
 
 
 def test_partitions_are_reached_at_the_advertised_address_apart_from_the_bound_one():

@@ -80,9 +80,8 @@ def namespace():
         text=True,
     )
     try:
-        ready, _, _ = select.select(
-            [holder.stdout], [], [], 30
-        )  # "ready" once configured; "" if it exits
+        # "ready" once configured; "" if it exits
+        ready, _, _ = select.select([holder.stdout], [], [], 30)
         line = holder.stdout.readline() if ready else ""
         if line.strip() != "ready":
             with contextlib.suppress(ProcessLookupError):

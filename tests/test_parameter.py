@@ -69,9 +69,8 @@ def test_raw_step_is_exact_and_identical_everywhere(partitions, size_name):
         assert np.array_equal(after, updated)
 
 
-@pytest.mark.parametrize(
-    "codec", [c for c in CODECS if c not in ("raw", "topk")]
-)  # topk: gradients only
+# topk: gradients only
+@pytest.mark.parametrize("codec", [c for c in CODECS if c not in ("raw", "topk")])
 def test_every_codec_within_its_bound_and_identical_everywhere(codec):
     size, partitions = 50_021, 3
     weights, grads, counts = make_data(size, partitions, seed=7)
@@ -759,9 +758,8 @@ def test_topk_gradients_with_error_feedback_lose_nothing_over_the_steps():
             p.get_weights()
             p.put_gradients(grads[p.partition_id], count=counts[p.partition_id], residual=residual)
             mean = p.aggregate_gradient_partition()
-            assert np.count_nonzero(mean) <= 2 * -(
-                -p.slice_length // 100
-            )  # 1 % from each partition
+            # 1 % from each partition
+            assert np.count_nonzero(mean) <= 2 * -(-p.slice_length // 100)
             summed += mean.astype(np.float64) * sum(counts)
             p.weight_partition[:] -= mean
             p.send_weight_partition()
@@ -775,9 +773,8 @@ def test_topk_gradients_with_error_feedback_lose_nothing_over_the_steps():
     for partition_id, (summed, _, weights, own) in enumerate(results):
         bounds = param.layout.bounds(partition_id)
         np.testing.assert_allclose(summed + held[bounds], put[bounds], rtol=1e-5, atol=1e-4)
-        assert np.array_equal(
-            weights[bounds], own
-        )  # raw weights: every partition sees the owner's bits
+        # raw weights: every partition sees the owner's bits
+        assert np.array_equal(weights[bounds], own)
 
 
 def test_a_sparse_codec_cannot_carry_weights():
@@ -819,11 +816,12 @@ def test_partitions_of_different_parameters_all_learn_it_at_the_meeting():
 def engine_threads(partition_id: int) -> dict[str, int]:
     names = [thread.name for thread in threading.enumerate()]
     return {
+        # a pool's thread: the prefix, _, its number
         kind: sum(
             name == f"allreduce-{kind}-{partition_id}"
             or name.startswith(f"allreduce-{kind}-{partition_id}_")
             for name in names
-        )  # a pool's thread: the prefix, _, its number
+        )
         for kind in ("serve", "fetch", "accept")
     }
 
@@ -913,9 +911,8 @@ def assert_owners_take_every_gradient(param, weights, grads, counts, steps, part
 
     results = raise_first(run_partitions(param, body))
     assert all(np.array_equal(after, results[0][0]) for after, _ in results)
-    assert all(
-        applied == steps * sum(counts) for _, applied in results
-    )  # every row of every step, once
+    # every row of every step, once
+    assert all(applied == steps * sum(counts) for _, applied in results)
     assert ours() == []
 
 
@@ -937,9 +934,8 @@ def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_s
     param = AllReduceParameter(
         partitions, size, codec="raw", timeout=20, fetch_threads=1, strategy=rule
     )
-    others_done = threading.Barrier(
-        partitions
-    )  # the late partition 0 waits for the others' last puts
+    # the late partition 0 waits for the others' last puts
+    others_done = threading.Barrier(partitions)
     assert_owners_take_every_gradient(
         param, weights, grads, counts, steps, partition_0_waits=others_done
     )

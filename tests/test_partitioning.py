@@ -295,9 +295,8 @@ def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_read
 
 def test_as_is_deals_each_partitions_rows_in_turn_where_it_cannot_keep_them(data):
     prepared, summary = data
-    assert (
-        rows_in_place(prepared, WORKERS, "as_is", summary) is None
-    )  # not cached, and validation rows
+    # not cached, and validation rows
+    assert rows_in_place(prepared, WORKERS, "as_is", summary) is None
     parts = glom(place_rows(prepared, WORKERS, "as_is", 5, summary.partition_counts))
     assert len(parts) == WORKERS
     assert sorted(row for part in parts for row in part) == sorted(

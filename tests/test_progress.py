@@ -73,9 +73,8 @@ def test_a_client_without_the_secret_is_refused_in_the_handshake_and_others_go_o
                 stranger.send({"kind": "epoch", "epoch": 9})
             stranger.close()
             quiet = ProgressReporter(MessageClient(server.address, b"x" * 32))
-            quiet.send(
-                "start", partition=0, steps=1, epochs=1
-            )  # a reporter says nothing, and stops
+            # a reporter says nothing, and stops
+            quiet.send("start", partition=0, steps=1, epochs=1)
             assert quiet._broken
             good = ProgressReporter(server.client())
             good.send("epoch", epoch=0, val_loss=0.5)
@@ -192,9 +191,8 @@ def test_a_resumed_attempt_drops_what_the_failed_one_left_half_reported():
         reporters[0].send("step", partition=0, record=record(0, 3, 9.0, 2, 0.1))
         reporters[0].send("start", partition=0, steps=4, epochs=1, resumed=[0, 3], done=3)
         assert started.done.wait(30)
-        reporters[1].send(
-            "step", partition=1, record=record(0, 3, 4.0, 2, 0.3)
-        )  # the new attempt's
+        # the new attempt's
+        reporters[1].send("step", partition=1, record=record(0, 3, 4.0, 2, 0.3))
         reporters[0].send("step", partition=0, record=record(0, 3, 2.0, 2, 0.2))
         assert events.done.wait(30)
     finally:

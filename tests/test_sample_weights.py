@@ -73,9 +73,8 @@ def test_one_full_batch_step_is_the_weighted_mean_of_the_row_gradients(how):
             weight_sum += weight[row]
     np.testing.assert_allclose(weights, start - 0.1 * total / weight_sum, rtol=1e-5, atol=1e-6)
     step = np.frombuffer(outputs[1]["steps"], np.float64).reshape(-1, len(STEP_FIELDS))
-    assert step[0, STEP_FIELDS.index("samples")] == pytest.approx(
-        parts[1][3].sum()
-    )  # the weights' sum
+    # the weights' sum
+    assert step[0, STEP_FIELDS.index("samples")] == pytest.approx(parts[1][3].sum())
 
 
 def test_whole_weights_train_as_repeated_rows_do():

@@ -138,10 +138,11 @@ def test_the_estimators_params_reach_the_distri_optimizer():
 
 def test_topology_and_fetch_threads_are_settings_the_engine_gets_as_given():
     settings = FitSettings()
+    # the engine's own defaults
     assert (settings.topology, settings.fetch_threads) == (
         "auto",
         None,
-    )  # the engine's own defaults
+    )
     trainer = DistriOptimizer(models.MLP([4, 8, 2]), optim.Adam(), topology="flat", fetch_threads=2)
     assert (trainer.topology, trainer.fetch_threads) == ("flat", 2)
     assert FitSettings(topology="hierarchical", strategy="bsp").topology == "hierarchical"

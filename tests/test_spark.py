@@ -249,9 +249,8 @@ def test_a_second_stage_in_the_same_session_starts_clean(spark, strategy):
             rdd.barrier().mapPartitions(stage(param)).collect()
         ):
             assert before == [] and after == [], f"worker {pid}: {before} before, {after} after"
-            assert any(
-                name.startswith("allreduce-serve") for name in during
-            )  # the count means something
+            # the count means something
+            assert any(name.startswith("allreduce-serve") for name in during)
             assert strategy.inline_owner or any(
                 name.startswith("allreduce-owner") for name in during
             )

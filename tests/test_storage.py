@@ -122,9 +122,8 @@ def test_a_relative_local_path_works_as_before(tmp_path, monkeypatch):
         assert sorted(saved.files) == ["shift", "weights"]
     assert model.history.plot("out/curves/loss.png") == Path("out/curves/loss.png")
     assert (tmp_path / "out" / "curves" / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    model.history.plot(
-        "out/curves/loss.svg"
-    )  # the suffix names the format, as matplotlib's savefig takes it
+    # the suffix names the format, as matplotlib's savefig takes it
+    model.history.plot("out/curves/loss.svg")
     assert "<svg" in (tmp_path / "out" / "curves" / "loss.svg").read_text()
     trained(with_buffers=False).save("out/model")  # over the earlier save: its buffers go
     assert files(tmp_path / "out" / "model") == ["meta.json", "model.pkl", "weights.npy"]
@@ -138,9 +137,8 @@ def test_a_file_url_round_trip_writes_the_same_folder(tmp_path):
     model.save(url)
     assert files(tmp_path / "by-url") == ["buffers.npz", "meta.json", "model.pkl", "weights.npy"]
     assert_same(TrainedModel.load(url), model)
-    assert_same(
-        TrainedModel.load(tmp_path / "by-url"), model
-    )  # the same files, read as a local folder
+    # the same files, read as a local folder
+    assert_same(TrainedModel.load(tmp_path / "by-url"), model)
     exported = model.export_npz(url + "/export/tensors.npz")
     assert exported == url + "/export/tensors.npz"
     with np.load(tmp_path / "by-url" / "export" / "tensors.npz") as saved:
@@ -159,9 +157,8 @@ def test_hadoop_writes_and_reads_a_scheme_fsspec_does_not_know(viewfs, tmp_path)
     assert isinstance(locate(url, "save the model to"), HadoopLocation)
     model.save(url)
     assert files(tmp_path / "model") == ["buffers.npz", "meta.json", "model.pkl", "weights.npy"]
-    assert_same(
-        TrainedModel.load(tmp_path / "model"), model
-    )  # what Hadoop wrote, read from the disk
+    # what Hadoop wrote, read from the disk
+    assert_same(TrainedModel.load(tmp_path / "model"), model)
     assert_same(TrainedModel.load(url), model)  # and back through Hadoop
     trained(with_buffers=False).save(url)  # over the earlier save: Hadoop removes its buffers
     assert files(tmp_path / "model") == ["meta.json", "model.pkl", "weights.npy"]

@@ -184,9 +184,8 @@ def test_misuse_of_a_stream_is_refused_with_what_to_do(misuse, error, fragment):
 def test_an_error_during_backward_fails_the_handle_and_reaches_the_peers():
     """A model that raises mid-stream leaves a half-published gradient: the handle takes no
     more calls, and the peer waiting for the missing chunk hears why rather than hang."""
-    weights_read = threading.Barrier(
-        2
-    )  # both are past get_weights: the peer then waits on the chunk
+    # both are past get_weights: the peer then waits on the chunk
+    weights_read = threading.Barrier(2)
 
     def body(p):
         p.init(np.zeros(100))

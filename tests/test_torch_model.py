@@ -12,6 +12,7 @@ torch = pytest.importorskip(
 from conftest import train_on_threads  # noqa: E402
 from test_train_loop import blobs, reference_fit, run_workers  # noqa: E402
 
+# noqa: E402
 from allreduce_param import (  # noqa: E402
     AllReduceParameter,
     DistriOptimizer,
@@ -20,7 +21,7 @@ from allreduce_param import (  # noqa: E402
     TrainedModel,
     models,
     optim,
-)  # noqa: E402
+)
 from allreduce_param.models.base import merge_buffers  # noqa: E402
 from allreduce_param.train.checkpoint import CheckpointSettings, load_buffers, newest  # noqa: E402
 from allreduce_param.train.task.worker import TrainingJob, buffers_from_payload  # noqa: E402
@@ -236,9 +237,8 @@ def test_checkpoints_keep_each_partitions_buffers_and_a_resume_ends_with_the_sam
     parts = [(X[i::3], y[i::3]) for i in range(3)]
 
     def job(directory, resume=None):
-        model = models.TorchModel(
-            lambda: normed(dropout=0.0)
-        )  # no Dropout: the fit is deterministic
+        # no Dropout: the fit is deterministic
+        model = models.TorchModel(lambda: normed(dropout=0.0))
         param = AllReduceParameter(3, model.size, codec="raw", timeout=60)
         return TrainingJob(
             model,

@@ -128,13 +128,11 @@ def test_overlapping_the_sync_with_backward_changes_no_bit_of_the_fit(codec):
             dict(Counted.calls),
         )
     assert np.array_equal(fits[True][0], fits[False][0])
-    assert np.array_equal(
-        fits[True][1], fits[False][1]
-    )  # epoch, step, loss and count of every step
+    # epoch, step, loss and count of every step
+    assert np.array_equal(fits[True][1], fits[False][1])
     streamed, whole = fits[True][2], fits[False][2]  # loss_and_grad calls loss_and_grad_into
-    assert streamed["into"] - streamed["loss_and_grad"] == 3 * len(
-        fits[True][1]
-    )  # each step streamed
+    # each step streamed
+    assert streamed["into"] - streamed["loss_and_grad"] == 3 * len(fits[True][1])
     assert whole["into"] == whole["loss_and_grad"] >= 3 * len(fits[True][1])  # none streamed
 
 
@@ -146,6 +144,7 @@ def test_overlap_auto_streams_where_a_peer_is_reached_over_the_network(transport
     model = Counted([6, 8, 3])
     Counted.calls = {}
     param = AllReduceParameter(2, model.size, codec="lz4", timeout=60, **transport)
+    # overlap="auto", the default
     job = TrainingJob(
         model,
         optim.SGD(lr=0.1),
@@ -153,7 +152,7 @@ def test_overlap_auto_streams_where_a_peer_is_reached_over_the_network(transport
         FitSettings(batch_size=20, epochs=1, seed=0, threads=None),
         n_features=6,
         has_validation=False,
-    )  # overlap="auto", the default
+    )
     outputs = run_workers(job, [(X[:30], y[:30]), (X[30:], y[30:])])
     assert all(isinstance(output, dict) for output in outputs), outputs
     steps = len(np.frombuffer(outputs[0]["steps"], np.float64).reshape(-1, len(STEP_FIELDS)))

@@ -492,9 +492,8 @@ def test_an_error_inside_a_task_comes_back_as_one_line(spark):
             return super().loss_and_grad(weights, X, y)
 
     X, y = regression_data(rows=40)
-    X[-1, 0] = (
-        99.0  # shows up in some step of the first epoch (not on the driver's check: first row)
-    )
+    # shows up in some step of the first epoch (not on the driver's check: first row)
+    X[-1, 0] = 99.0
     with pytest.raises(
         TrainingError,
         match=r"^partition \d, epoch 0, step \d+: FloatingPointError: the model blew up$",
@@ -558,9 +557,8 @@ def test_the_fits_servers_take_ports_of_the_sessions_range_and_the_listener_hear
     first, last = free_ports(5)
     X, y = regression_data(rows=64)
     events = []
-    spark.conf.set(
-        "spark.allreduce.portRange", f"{first}-{last}"
-    )  # a session setting, as users set it
+    # a session setting, as users set it
+    spark.conf.set("spark.allreduce.portRange", f"{first}-{last}")
     try:
         DistriOptimizer(
             models.LinearRegression(5),
@@ -612,7 +610,6 @@ def test_the_history_says_where_the_fits_time_went(spark, capsys):
     ).fit(data)
     phases = result.history.phases
     assert list(phases) == list(PHASES) and all(seconds >= 0 for seconds in phases.values())
-    assert sum(phases.values()) == pytest.approx(
-        result.history.seconds, abs=0.05
-    )  # they add up to the fit
+    # they add up to the fit
+    assert sum(phases.values()) == pytest.approx(result.history.seconds, abs=0.05)
     assert capsys.readouterr().out.strip().endswith(result.history.phases_line())

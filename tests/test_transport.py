@@ -268,15 +268,13 @@ def test_a_peer_on_this_host_reads_shared_blocks_in_place():
     try:
         _, view = local.fetch(KEY, 0, 100, None, shared=True)
         assert joined(view) == b"first" and len(local._shared._mappings._maps) == 1
-        assert (
-            joined(local.fetch(other, 0, 100, None, shared=True)[1]) == b"second"
-        )  # at its offset
+        # at its offset
+        assert joined(local.fetch(other, 0, 100, None, shared=True)[1]) == b"second"
         first[:5] = b"again"  # the owner writes its next version in place
         store.put(KEY, 1, first[:5])
         assert joined(local.fetch(KEY, 1, 100, None, shared=True)[1]) == b"again"
-        assert (
-            len(local._shared._mappings._maps) == 1 and arenas.count == 1
-        )  # one descriptor, passed once
+        # one descriptor, passed once
+        assert len(local._shared._mappings._maps) == 1 and arenas.count == 1
         # over TCP no descriptor can travel: the same request gets the bytes
         assert bytes(tcp.fetch(KEY, 1, 100, memoryview(bytearray(100)), shared=True)[1]) == b"again"
         assert not tcp._shared._mappings._maps
@@ -306,10 +304,11 @@ def test_a_block_whose_header_and_payload_lie_apart_is_served_whole():
 
     arenas = SharedArenas(arena_size=4096)
     raw = get_codec("raw")
+    # the second gets its own segment
     header_room, payload_room = (
         arenas.buffer(64),
         arenas.buffer(8192),
-    )  # the second gets its own segment
+    )
     values = np.frombuffer(payload_room, np.float32)
     values[:] = np.arange(2048, dtype=np.float32)
     ids = (BlockKind.GRADIENT, 0, 1, 0, 3)
@@ -471,9 +470,8 @@ def test_many_gets_waiting_for_a_version_hold_a_bounded_number_of_threads_and_ar
             sock.close()
         server.close()
     assert serving_threads() == 0
-    assert sorted(done) == sorted(
-        1 + i % 199 for i in range(connections)
-    )  # each ended connection is done once
+    # each ended connection is done once
+    assert sorted(done) == sorted(1 + i % 199 for i in range(connections))
 
 
 def test_waiting_gets_time_out_with_the_text_and_the_max_wait_and_their_connections_go_on():
@@ -534,9 +532,8 @@ def test_a_store_closed_with_a_reason_answers_every_waiting_get_with_it():
         for sock in socks:
             ask(sock, KEY, 3, 60_000)
         wait_until(lambda: store.waiting == len(socks), "the gets to wait")
-        store.close(
-            "partition 0 failed: ValueError: bad rows"
-        )  # as PeerGroup.fail does; the server stays
+        # as PeerGroup.fail does; the server stays
+        store.close("partition 0 failed: ValueError: bad rows")
         for sock in socks:
             assert answer(sock) == (STATUS_CLOSING, 0, b"partition 0 failed: ValueError: bad rows")
             assert_connection_closed(sock)

@@ -82,9 +82,8 @@ class CheckpointSettings:
             )
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigurationError(f"checkpoint_keep must be a whole number >= 1, got {keep!r}")
-        fsspec_filesystem(
-            str(root), _PURPOSE
-        )  # a URL the tasks could not write fails here, on the driver
+        # a URL the tasks could not write fails here, on the driver
+        fsspec_filesystem(str(root), _PURPOSE)
         name = f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         return cls(posixpath.join(str(root).rstrip("/"), name), every, keep)
 
@@ -130,9 +129,8 @@ class Manifest:
     state_names: tuple[str, ...]
     local_state: bool
     settings: dict
-    early_stopping: dict | None = (
-        None  # EarlyStopping.state() at the checkpoint, if the fit stops early
-    )
+    # EarlyStopping.state() at the checkpoint, if the fit stops early
+    early_stopping: dict | None = None
 
     @property
     def parts(self) -> list[str]:

@@ -221,9 +221,8 @@ class History:
         axes.legend()
         target = locate(path, "write the loss curve to")
         target.parent.make_folder()
-        kind = (
-            os.path.splitext(target.url)[1].lstrip(".").lower() or "png"
-        )  # as savefig(path) would take it
+        # as savefig(path) would take it
+        kind = os.path.splitext(target.url)[1].lstrip(".").lower() or "png"
         with target.open_write() as file:
             figure.savefig(file, dpi=100, format=kind)
         return _returned(target)
@@ -257,9 +256,8 @@ class TrainedModel:
         self.weights = weights
         self.history = history or History()
         self.n_features = n_features
-        self._broadcast: tuple | None = (
-            None  # (SparkContext or Connect session, the weights array, its broadcast)
-        )
+        # (SparkContext or Connect session, the weights array, its broadcast)
+        self._broadcast: tuple | None = None
         self.buffers = buffers
 
     @property

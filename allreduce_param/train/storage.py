@@ -189,9 +189,8 @@ class HadoopLocation(Location):
 
     def __init__(self, url: str, context: Any, java_path: Any = None) -> None:
         super().__init__(url)
-        self._context = (
-            context  # the classic SparkContext whose JVM and Hadoop configuration are used
-        )
+        # the classic SparkContext whose JVM and Hadoop configuration are used
+        self._context = context
         self._path = (
             java_path if java_path is not None else context._jvm.org.apache.hadoop.fs.Path(url)
         )

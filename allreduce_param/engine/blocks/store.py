@@ -66,9 +66,8 @@ class BlockKind:
     REDUCE_OUTPUT = 4  # allreduce(): an owner's reduced slice, for every partition
     CHOICE = 5  # backup workers: which partitions' gradients a step takes, for every owner
     SIGNAL = 6  # "I have done v" (a checkpoint written), for whoever waits for everyone's
-    METADATA = (
-        7  # allreduce_exact(): a partition's float64 values (counts, norms), for every partition
-    )
+    # allreduce_exact(): a partition's float64 values (counts, norms), for every partition
+    METADATA = 7
     # hierarchical sync: a host's sum of its partitions' chunks for one owner, made by its leader
     GRADIENT_HOST_SUM = 8
     REDUCE_INPUT_HOST_SUM = 9

@@ -99,13 +99,14 @@ class Movements:
                     residual[start : start + length], chunk, out=residual[start : start + length]
                 )
             buffer = store.reserve(key, version, timeout)
+            # sealed if it is ever sent
             block = codec.encode(
                 chunk,
                 count=count,
                 out=buffer,
                 ids=(kind, self.partition_id, destination, part, version),
                 checksum=False,
-            )  # sealed if it is ever sent
+            )
             if residual is not None:
                 _, sent = codec.decode(
                     block, length, scratch=self._rounded[:length], checksum=False

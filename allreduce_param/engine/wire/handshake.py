@@ -32,9 +32,8 @@ from allreduce_param.errors import AuthenticationError, ConfigurationError, Prot
 MAGIC = b"ARP1"
 NONCE_SIZE = 16
 MAC_SIZE = 32
-_CLIENT_HELLO = struct.Struct(
-    f"<4sII{NONCE_SIZE}s{MAC_SIZE}s"
-)  # magic, param, partition, nonce, mac
+# magic, param, partition, nonce, mac
+_CLIENT_HELLO = struct.Struct(f"<4sII{NONCE_SIZE}s{MAC_SIZE}s")
 HELLO_OK = 0
 HELLO_REFUSED = 4
 #: The client proved the secret, but for the other choice of encryption (no block response

@@ -107,9 +107,8 @@ class SealedConnection:
         self._peer_text = peer_text
         self._seal = aead(outgoing)
         self._open = aead(incoming)
-        self._in_place = hasattr(
-            self._seal, "encrypt_into"
-        )  # cryptography >= 45; else a copy per record
+        # cryptography >= 45; else a copy per record
+        self._in_place = hasattr(self._seal, "encrypt_into")
         self._sent = 0  # records sent: the next one's nonce
         self._received = 0  # records opened
         # buffers grow to the largest record seen, so that a connection of small blocks stays small

@@ -49,10 +49,8 @@ ACCEPT_PAUSE = 0.2
 #: How long closing waits for each server thread before it names the late ones in the log.
 CLOSE_TIMEOUT = 10.0
 
-_TAKEN = (
-    errno.EADDRINUSE,
-    errno.EACCES,
-)  # a port another process holds, or one this user may not take
+# a port another process holds, or one this user may not take
+_TAKEN = (errno.EADDRINUSE, errno.EACCES)
 
 
 def unproven_limit(partition_num: int) -> int:
@@ -175,9 +173,8 @@ class AuthenticatedServer:
         self._timeout = timeout
         self._encrypt = encrypt
         self._max_unproven = unproven_limit(partition_num)
-        check_address(
-            bind, f"{what}'s bind address", bind=True
-        )  # whoever chose it: never every interface
+        # whoever chose it: never every interface
+        check_address(bind, f"{what}'s bind address", bind=True)
         # every peer may connect at once; the kernel caps the backlog at net.core.somaxconn
         # (4096 on Linux since 5.4, 128 before): past that, a SYN waits for the client's retry
         backlog = max(16, 2 * partition_num)

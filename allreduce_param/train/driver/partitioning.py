@@ -151,9 +151,8 @@ def place_rows(
     else:
         if scheme == "contiguous":
             scaled, n_train = i * F.lit(workers), F.lit(max(table.rows(TRAIN), 1)).cast("long")
-            target = ((scaled - F.pmod(scaled, n_train)) / n_train).cast(
-                "int"
-            )  # exact floor division
+            # exact floor division
+            target = ((scaled - F.pmod(scaled, n_train)) / n_train).cast("int")
         elif scheme == "round_robin":
             target = spread
         else:  # random

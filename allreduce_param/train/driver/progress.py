@@ -132,12 +132,13 @@ class ProgressBar:
                 self._bar.refresh()
             elif kind == "step" and self._bar is not None:
                 seconds = _seconds(fields)
+                # update() redraws, at tqdm's own pace
                 self._bar.set_postfix(
                     epoch=fields["epoch"],
                     loss=f"{fields['loss']:.4f}",
                     samples_s=f"{fields['samples'] / seconds:,.0f}" if seconds else "-",
                     refresh=False,
-                )  # update() redraws, at tqdm's own pace
+                )
                 self._bar.update(1)
             elif kind == "epoch" and self._bar is not None:
                 for line in _epoch_lines(fields):

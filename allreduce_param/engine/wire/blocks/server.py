@@ -59,16 +59,14 @@ class _Peer:
     )
 
     def __init__(self, proven: Proven) -> None:
-        self.conn = (
-            proven.sock
-        )  # what requests are read from and answers written to (sealed, if agreed)
+        # what requests are read from and answers written to (sealed, if agreed)
+        self.conn = proven.sock
         self.partition = proven.partition
         self.peer_text = proven.peer_text
         self.local = self.conn.family == socket.AF_UNIX
         self.fds_passed: set[int] = set()  # segments whose descriptor this peer already has
-        self.request: tuple | None = (
-            None  # (key, version, newest, op, wait) of the get being answered
-        )
+        # (key, version, newest, op, wait) of the get being answered
+        self.request: tuple | None = None
         self.deadline = 0.0  # when that get stops waiting
         self.timer = None  # the server's timer for that deadline
         self.ended = False
@@ -174,9 +172,8 @@ class BlockServer:
         """A peer proved the secret: every request is read from its connection (sealed, if
         agreed) and every answer written to it."""
         peer = _Peer(proven)
-        peer.conn.settimeout(
-            self._io_timeout
-        )  # a request comes whole; an answer's slice is taken in time
+        # a request comes whole; an answer's slice is taken in time
+        peer.conn.settimeout(self._io_timeout)
         with self._lock:
             self._peers.add(peer)
         self._await_request(peer)
@@ -281,9 +278,8 @@ class BlockServer:
             else [None]
         )
         if None in places:
-            Codec.seal(
-                header, payload
-            )  # its bytes leave this host's memory: they need their checksum
+            # its bytes leave this host's memory: they need their checksum
+            Codec.seal(header, payload)
             conn.sendall(RESPONSE.pack(STATUS_OK, block.nbytes, version) + header)
             for start in range(0, payload.nbytes, SEND_SLICE):
                 conn.sendall(payload[start : start + SEND_SLICE])
