@@ -42,6 +42,8 @@ MOVED = {
     "allreduce_param.train.partitioning": "allreduce_param.train.driver.partitioning",
     "allreduce_param.train.worker": "allreduce_param.train.task.worker",
     "allreduce_param.train.batching": "allreduce_param.train.task.batching",
+    # the driver's end (ProgressBar, ProgressMerger); the task's reporter is train.task.reporter
+    "allreduce_param.train.progress": "allreduce_param.train.driver.progress",
 }
 
 

@@ -21,7 +21,7 @@ from allreduce_param import (
 )
 from allreduce_param.train.checkpoint import MANIFEST, CheckpointSettings, load_part, newest
 from allreduce_param.train.result import STEP_FIELDS
-from allreduce_param.train.task.worker import TrainingJob
+from allreduce_param.train.task.job import TrainingJob
 
 
 def parts_of(rows: int, partitions: int, seed: int = 1):

@@ -14,7 +14,7 @@ from conftest import raise_first, train_on_threads
 from allreduce_param import AllReduceParameter, ConfigurationError, FitSettings, models, optim
 from allreduce_param.train.checkpoint import CheckpointSettings, newest
 from allreduce_param.train.result import STEP_FIELDS, History
-from allreduce_param.train.task.worker import TrainingJob
+from allreduce_param.train.task.job import TrainingJob
 
 STEPS_PER_EPOCH = 5  # 80 training rows, batches of 16
 

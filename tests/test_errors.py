@@ -21,7 +21,8 @@ from allreduce_param import (
 )
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.engine.wire.blocks import BlockServer, PeerClient
-from allreduce_param.train.task.worker import TrainingJob, train_partition
+from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.worker import train_partition
 
 SECRET = b"s" * 32
 KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)

@@ -206,7 +206,7 @@ def test_an_override_of_loss_and_grad_is_not_skipped_by_the_inherited_optional_c
 
 
 def test_evaluation_gives_the_same_with_or_without_loss_and_predictions(model):
-    from allreduce_param.train.task.worker import evaluate
+    from allreduce_param.train.task.compute import evaluate
 
     class Plain:  # the model's protocol without the optional call
         task = model.task

@@ -20,8 +20,9 @@ from allreduce_param.engine.wire.messages import (
     _read,
 )
 from allreduce_param.errors import AuthenticationError, UsageError
-from allreduce_param.train.progress import ProgressMerger, ProgressReporter
+from allreduce_param.train.driver.progress import ProgressMerger
 from allreduce_param.train.result import STEP_FIELDS, merge_step
+from allreduce_param.train.task.reporter import ProgressReporter
 
 
 class Events:
@@ -271,7 +272,7 @@ def test_addresses_missing_a_partition_are_refused():
 def test_the_bar_says_when_and_why_early_stopping_ended_the_fit(capsys, tmp_path):
     import json
 
-    from allreduce_param.train.progress import ProgressBar
+    from allreduce_param.train.driver.progress import ProgressBar
     from allreduce_param.train.result import merge_epoch
 
     shares = [
@@ -389,7 +390,7 @@ def test_a_task_that_left_before_its_meeting_was_decided_does_not_keep_the_other
 def test_the_bar_prints_a_line_per_epoch_where_its_output_is_no_terminal():
     """A spark-submit job's log (a file, a pipe): one line per epoch, no carriage-return
     redraws; the line says how far the fit is, its training loss and its pace."""
-    from allreduce_param.train.progress import ProgressBar
+    from allreduce_param.train.driver.progress import ProgressBar
 
     log = io.StringIO()  # isatty() is False, as for a file or a pipe
     bar = ProgressBar(show=True, stream=log)

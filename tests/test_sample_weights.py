@@ -13,7 +13,8 @@ from conftest import blobs, raise_first, train_on_threads
 
 from allreduce_param import AllReduceParameter, FitSettings, InputError, models, optim
 from allreduce_param.train.result import STEP_FIELDS
-from allreduce_param.train.task.worker import SubBatches, TrainingJob, evaluate
+from allreduce_param.train.task.compute import SubBatches, evaluate
+from allreduce_param.train.task.job import TrainingJob
 
 
 def uneven_parts(sizes=(7, 19, 30), features=3, seed=4) -> list:

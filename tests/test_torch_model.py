@@ -24,7 +24,8 @@ from allreduce_param import (  # noqa: E402
 )
 from allreduce_param.models.base import merge_buffers  # noqa: E402
 from allreduce_param.train.checkpoint import CheckpointSettings, load_buffers, newest  # noqa: E402
-from allreduce_param.train.task.worker import TrainingJob, buffers_from_payload  # noqa: E402
+from allreduce_param.train.records import Buffers  # noqa: E402
+from allreduce_param.train.task.job import TrainingJob  # noqa: E402
 
 SPARK_MASTER = "local[2]"
 
@@ -257,7 +258,8 @@ def test_checkpoints_keep_each_partitions_buffers_and_a_resume_ends_with_the_sam
     for before, after in zip(whole, resumed):
         assert isinstance(before, dict) and isinstance(after, dict), (before, after)
         (kept, rows), (again, rows_again) = (
-            buffers_from_payload(o["buffers"]) for o in (before, after)
+            (record.buffers, record.rows)
+            for record in (Buffers.decode(o["buffers"]) for o in (before, after))
         )
         assert rows == rows_again == 30 and int(kept["0.num_batches_tracked"]) == 15
         for name in kept:

@@ -10,13 +10,14 @@ import pytest
 from conftest import blobs, train_on_threads
 
 from allreduce_param import AllReduceParameter, FitSettings, TrainingError, models, optim
+from allreduce_param.train.records import STEP_FIELDS
 from allreduce_param.train.task.batching import (
     epoch_order,
     global_batch_sizes,
     share_bounds,
     steps_per_epoch,
 )
-from allreduce_param.train.task.worker import STEP_FIELDS, TrainingJob
+from allreduce_param.train.task.job import TrainingJob
 
 run_workers = train_on_threads
 

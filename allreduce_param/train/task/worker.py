@@ -21,7 +21,6 @@ from allreduce_param.models.base import has_buffers
 from allreduce_param.spark.rendezvous import DriverRendezvous
 from allreduce_param.train.columns import TRAIN, VALIDATION
 from allreduce_param.train.records import (
-    STEP_FIELDS,
     Buffers,
     Clock,
     Epochs,
@@ -31,38 +30,11 @@ from allreduce_param.train.records import (
     Weights,
     task_failure,
 )
-from allreduce_param.train.settings import workload_shares
-from allreduce_param.train.task.compute import EVAL_CHUNK, SubBatches, evaluate
+from allreduce_param.train.task.compute import SubBatches
 from allreduce_param.train.task.fit import PartitionFit
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.reporter import ProgressReporter
 from allreduce_param.train.task.state import Rows
-from allreduce_param.train.task.steps import all_counts
-
-#: The names this module had before the task's concepts had modules of their own.
-__all__ = [
-    "EVAL_CHUNK",
-    "STEP_FIELDS",
-    "SubBatches",
-    "TrainingJob",
-    "all_counts",
-    "buffers_from_payload",
-    "buffers_payload",
-    "evaluate",
-    "train_partition",
-    "workload_shares",
-]
-
-
-def buffers_payload(buffers: dict[str, np.ndarray], rows: int) -> bytes:
-    """A partition's ``buffers`` record's payload (``records.Buffers``)."""
-    return Buffers(buffers, rows).encode()[1]
-
-
-def buffers_from_payload(payload: bytes) -> tuple[dict[str, np.ndarray], int]:
-    """``buffers_payload``'s ``(buffers, rows)`` back."""
-    record = Buffers.decode(payload)
-    return record.buffers, record.rows
 
 
 def train_partition(
