@@ -18,8 +18,6 @@ from allreduce_param import ConfigurationError
 from allreduce_param.train.columns import ORDER_COLUMNS, TRAIN, VALIDATION
 from allreduce_param.train.driver.data import PartitionCount, prepare
 from allreduce_param.train.driver.partitioning import (
-    SCHEMES,
-    check_scheme,
     murmur3_int,
     partition_keys,
     place_pairs,
@@ -29,6 +27,7 @@ from allreduce_param.train.driver.partitioning import (
     xxhash64,
 )
 from allreduce_param.train.rows import arrays_from_arrow, arrays_from_pairs
+from allreduce_param.train.settings import SCHEMES, check_scheme
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -49,7 +49,7 @@ import xxhash
 from allreduce_param.errors import ConfigurationError
 from allreduce_param.train.columns import ORDER_COLUMNS, TRAIN, VALIDATION
 from allreduce_param.train.driver.data import DataSummary, PartitionCount, prepared_columns
-from allreduce_param.train.settings import SCHEMES, check_scheme  # noqa: F401 (SCHEMES: kept here)
+from allreduce_param.train.settings import check_scheme
 
 if TYPE_CHECKING:
     from pyspark import RDD
