@@ -35,13 +35,15 @@ from pyspark.ml.util import (
 
 from allreduce_param import models, optim
 from allreduce_param.errors import AllReduceError, ConfigurationError, InputError
+from allreduce_param.models.base import dense_for, takes_sparse
 from allreduce_param.spark.arrow import float_lists
 from allreduce_param.spark.info import is_connect
 from allreduce_param.spark.versions import from_arrow, ml_metadata, to_arrow
 from allreduce_param.train.driver.data import check_label_column
 from allreduce_param.train.driver.distri import DistriOptimizer
+from allreduce_param.train.features import matrix_from_pandas
 from allreduce_param.train.result import History, TrainedModel
-from allreduce_param.train.rows import features_array
+from allreduce_param.train.rows import features_column, is_vector_type
 from allreduce_param.train.settings import FitSettings, estimator_params
 
 #: The optimizers the ``optimizer`` Param names.
@@ -335,9 +337,8 @@ class _AllReduceModel(_AllReduceParams, MLWritable, MLReadable):
         return _ModelReader(cls)
 
     def _scores(self, value) -> np.ndarray:
-        return self.trained.model.predict_raw(self.trained.weights, _row(value))[0].astype(
-            np.float64
-        )
+        model = self.trained.model
+        return model.predict_raw(self.trained.weights, _row(value, model))[0].astype(np.float64)
 
 
 class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationModel):
@@ -390,12 +391,15 @@ class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationM
         weights = self.trained.weights_broadcast(dataset.sparkSession)
         width = self.numFeatures
 
-        def scores(features: pd.Series) -> pd.DataFrame:
-            X = (
-                np.stack(features.to_numpy()).astype(np.float32)
-                if len(features)
-                else np.zeros((0, width), np.float32)
-            )
+        features_col = self.getFeaturesCol()
+        vector = (
+            is_vector_type(dataset.schema[features_col].dataType)
+            if features_col in (dataset.columns)
+            else False
+        )
+
+        def scores(features) -> pd.DataFrame:
+            X = dense_for(model, matrix_from_pandas(features, features_col, width))
             raw = np.asarray(model.predict_raw(weights.value, X), np.float64)
             probability = _softmax(raw)
             return pd.DataFrame(
@@ -406,14 +410,16 @@ class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationM
                 }
             )
 
-        scores.__annotations__ = {"features": pd.Series, "return": pd.DataFrame}
+        # a vector column arrives as a frame of its parts (features.VectorParts)
+        scores.__annotations__ = {
+            "features": pd.DataFrame if vector else pd.Series,
+            "return": pd.DataFrame,
+        }
         kind = "raw array<double>, probability array<double>, prediction double"
         computed = "__allreduce_scores"
         out = dataset.withColumn(
             computed,
-            F.pandas_udf(scores, kind)(
-                features_array(dataset, self.getFeaturesCol(), role="featuresCol")
-            ),
+            F.pandas_udf(scores, kind)(features_column(dataset, features_col, role="featuresCol")),
         )
         for param, field in ((self.rawPredictionCol, "raw"), (self.probabilityCol, "probability")):
             if self.getOrDefault(param):
@@ -526,7 +532,8 @@ def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int,
     (``VectorAssembler``, ``StringIndexer``) where it says, else from one small Spark job."""
     from pyspark.sql import functions as F
 
-    features = features_array(train, features_col, role="featuresCol")
+    features = features_column(train, features_col, role="featuresCol")
+    vector = is_vector_type(train.schema[features_col].dataType)
     check_label_column(train, label_col, role="labelCol")
     features_meta = train.schema[features_col].metadata.get("ml_attr", {})
     n_features = features_meta.get("num_attrs")
@@ -536,8 +543,13 @@ def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int,
         num_classes = label_meta.get("num_vals") or (
             len(label_meta["vals"]) if "vals" in label_meta else None
         )
+    if n_features is None and vector:  # a vector's size, without making it dense
+        row = train.select(features).where(features.isNotNull()).first()
+        if row is None:
+            raise InputError("the training data has no rows with features")
+        n_features = row[0].size
     if n_features is None or (task == "classification" and num_classes is None):
-        width = F.size(features)
+        width = F.lit(n_features) if n_features is not None else F.size(features)
         row = train.agg(
             F.max(label_col).alias("largest"), F.first(width, ignorenulls=True).alias("width")
         ).first()
@@ -560,8 +572,17 @@ def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int,
     return int(n_features), (None if num_classes is None else int(num_classes))
 
 
-def _row(value) -> np.ndarray:
-    """One feature vector (a pyspark.ml Vector or a sequence of numbers) as a (1, n) float32 matrix."""
+def _row(value, model=None):
+    """One feature vector (a pyspark.ml Vector or a sequence of numbers) as a (1, n) float32
+    matrix: CSR for a sparse vector where the model takes it (``takes_sparse``)."""
+    if hasattr(value, "indices") and hasattr(value, "size") and takes_sparse(model):
+        from scipy.sparse import csr_matrix
+
+        values = np.asarray(value.values, np.float32)
+        return csr_matrix(
+            (values, np.asarray(value.indices), np.asarray([0, len(values)])),
+            shape=(1, value.size),
+        )
     array = value.toArray() if hasattr(value, "toArray") else np.asarray(value)
     return np.asarray(array, np.float32).reshape(1, -1)
 

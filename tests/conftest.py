@@ -205,7 +205,7 @@ def train_on_threads(job, parts: list) -> list:
 
     def run(i):
         X, y, *rest = parts[i]
-        split = rest[0] if rest else np.zeros(len(X), np.int32)
+        split = rest[0] if rest else np.zeros(X.shape[0], np.int32)
         weight = rest[1] if len(rest) > 1 else None
         try:
             outputs[i] = dict(train_partition(job, X, y, split, weight, rendezvous=group.member(i)))

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 from conftest import blobs, train_on_threads
 
 from allreduce_param import AllReduceParameter, FitSettings, TrainingError, models, optim
@@ -24,7 +25,7 @@ run_workers = train_on_threads
 
 def reference_fit(model, optimizer, parts, batch_size: int, epochs: int, seed: int) -> np.ndarray:
     """Single-process mini-batch training over the very global batches the workers build."""
-    counts = [len(X) for X, _ in parts]
+    counts = [X.shape[0] for X, _ in parts]
     steps = steps_per_epoch(sum(counts), batch_size)
     weights = model.init(np.random.default_rng(seed))
     state = optimizer.init_state(weights.size)
@@ -37,7 +38,12 @@ def reference_fit(model, optimizer, parts, batch_size: int, epochs: int, seed: i
             if sizes[step] == 0:
                 continue
             take = [orders[i][cuts[i][step] : cuts[i][step + 1]] for i in range(len(parts))]
-            X = np.concatenate([parts[i][0][rows] for i, rows in enumerate(take)])
+            blocks = [parts[i][0][rows] for i, rows in enumerate(take)]
+            X = (
+                sp.vstack(blocks, format="csr")
+                if sp.issparse(blocks[0])
+                else np.concatenate(blocks)
+            )
             y = np.concatenate([parts[i][1][rows] for i, rows in enumerate(take)])
             _, grad, count = model.loss_and_grad(weights, X, y)
             grad = grad / np.float32(count)
@@ -229,7 +235,7 @@ def reference_local_sgd(
 ) -> np.ndarray:
     """Each partition steps its own model; at every sync (every ``every`` steps and at each
     epoch's end) the models are averaged by rows, or the updates summed, in partition order."""
-    counts = [len(X) for X, _ in parts]
+    counts = [X.shape[0] for X, _ in parts]
     steps = steps_per_epoch(sum(counts), batch_size)
     sizes = global_batch_sizes(counts, steps)
     plan = [(epoch, step) for epoch in range(epochs) for step in range(steps) if sizes[step]]

@@ -64,6 +64,12 @@ class Model(Protocol):
       it. A fit with sample weights (``fit(weight_col=...)``, the Estimators' ``weightCol``)
       passes it to every call and needs a model whose ``loss_and_grad`` takes it
       (``takes_sample_weight``); its ``loss_and_grad_into`` serves only if it takes it too.
+    - ``takes_sparse``: True for a model whose calls take ``X`` as a
+      ``scipy.sparse.csr_matrix`` (float32) as well as a dense matrix; the built-in dense
+      models do (sparse-dense products: a row costs its non-zeros). Sparse data (a vector
+      column whose non-zeros fill at most a quarter of it: ``HashingTF``, ``OneHotEncoder``)
+      reaches such a model as CSR batches. Without it, each batch (and each row evaluated
+      or predicted) is made dense for the model first (``dense_for``).
     - ``predict_raw(weights, X) -> np.ndarray``: the outputs before the head, (rows,
       outputs): a classifier's class scores (logits). The built-in dense models have it;
       ``allreduce_param.ml``'s classifier reads its ``rawPrediction`` and ``probability``
@@ -189,6 +195,19 @@ def batch_count(rows: int, sample_weight: np.ndarray | None) -> float:
     ``sample_weight`` the weights' sum (float64), which the engine divides the summed
     gradients by."""
     return rows if sample_weight is None else float(np.sum(sample_weight, dtype=np.float64))
+
+
+def takes_sparse(model) -> bool:
+    """Whether the model takes CSR feature matrices (its ``takes_sparse``)."""
+    return getattr(model, "takes_sparse", False) is True
+
+
+def dense_for(model, X):
+    """``X`` as ``model`` takes it: a sparse matrix made dense for a model that does not say
+    ``takes_sparse``; anything else as it is."""
+    if hasattr(X, "toarray") and hasattr(X, "nnz") and not takes_sparse(model):
+        return X.toarray()
+    return X
 
 
 def takes_sample_weight(method) -> bool:

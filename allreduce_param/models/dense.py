@@ -100,6 +100,10 @@ class DenseNetwork:
 
     # -- what the trainer sees ------------------------------------------------------------
 
+    #: ``X`` may be a ``scipy.sparse`` CSR matrix: the first layer's products are then
+    #: sparse-dense, a row costing its non-zeros (see ``Model``).
+    takes_sparse = True
+
     @property
     def task(self) -> str:
         """``"classification"`` or ``"regression"``, from the head."""
@@ -263,7 +267,10 @@ class DenseNetwork:
         for index in range(len(self._names) - 1, -1, -1):
             weight, bias = self._names[index]
             below = outputs[index]
-            np.matmul(below.T, delta, out=grads[weight])
+            if index == 0 and _is_sparse(below):  # X^T delta: dense, one entry per feature
+                grads[weight][...] = below.T @ delta
+            else:
+                np.matmul(below.T, delta, out=grads[weight])
             np.sum(delta, axis=0, out=grads[bias])
             if ready is not None:
                 ready(self.layout.offset(weight), self.layout.offset(bias) + grads[bias].size)
@@ -300,6 +307,15 @@ class DenseNetwork:
         return weight
 
     def _check_features(self, X) -> np.ndarray:
+        if _is_sparse(X):
+            X = X.tocsr()
+            if X.dtype != np.float32:
+                X = X.astype(np.float32)
+            if X.shape[1] != self.n_features:
+                raise InputError(
+                    f"{self!r}: X has {X.shape[1]} features, expected {self.n_features}"
+                )
+            return X
         X = np.asarray(X, dtype=np.float32)
         if X.ndim == 1 and X.size == 0:
             return X.reshape(0, self.n_features)
@@ -334,6 +350,11 @@ class DenseNetwork:
         if not type(self).__init__.__module__.startswith(__name__.rsplit(".", 1)[0]):
             return object.__reduce_ex__(self, protocol)
         return (_rebuild, (type(self), self._arguments()))
+
+
+def _is_sparse(X) -> bool:
+    """Whether ``X`` is a scipy.sparse matrix."""
+    return hasattr(X, "tocsr") and hasattr(X, "nnz")
 
 
 def _rebuild(cls: type, arguments: dict) -> DenseNetwork:

@@ -12,10 +12,11 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import has_buffers
+from allreduce_param.models.base import dense_for, has_buffers
 from allreduce_param.spark.info import SparkInfo
+from allreduce_param.train.features import matrix_from_pandas
 from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS
-from allreduce_param.train.rows import features_array
+from allreduce_param.train.rows import features_column, is_vector_type
 from allreduce_param.train.storage import Location, locate
 
 if TYPE_CHECKING:
@@ -307,9 +308,13 @@ class TrainedModel:
     def __repr__(self) -> str:
         return f"TrainedModel({self.model!r}, {self.weights.size} weights)"
 
-    def predict_numpy(self, X: np.ndarray) -> np.ndarray:
-        """Predictions for the rows of a float32 matrix (with the fit's buffers, if any)."""
-        return self._predictor.predict(self.weights, np.asarray(X, dtype=np.float32))
+    def predict_numpy(self, X) -> np.ndarray:
+        """Predictions for the rows of a float32 matrix, dense or ``scipy.sparse`` (with the
+        fit's buffers, if any)."""
+        model = self._predictor
+        if hasattr(X, "nnz"):
+            return model.predict(self.weights, dense_for(model, X.astype(np.float32)))
+        return model.predict(self.weights, np.asarray(X, dtype=np.float32))
 
     def predict(
         self, df: DataFrame, features_col: str = "features", prediction_col: str = "prediction"
@@ -321,19 +326,18 @@ class TrainedModel:
         import pandas as pd
         from pyspark.sql import functions as F
 
-        column = features_array(df, features_col)
+        column = features_column(df, features_col)
         model, weights = self._predictor, self.weights_broadcast(df.sparkSession)
+        vector, width = is_vector_type(df.schema[features_col].dataType), self.n_features or 1
 
         def predict(features):
-            X = (
-                np.stack(features.to_numpy()).astype(np.float32)
-                if len(features)
-                else np.zeros((0, 1), np.float32)
-            )
+            X = dense_for(model, matrix_from_pandas(features, features_col, width))
             return pd.Series(np.asarray(model.predict(weights.value, X), dtype=np.float64))
 
-        # real types, not strings: this module postpones annotations, pandas_udf reads them
-        predict.__annotations__ = {"features": pd.Series, "return": pd.Series}
+        # real types, not strings: this module postpones annotations, pandas_udf reads them;
+        # a vector column arrives as a frame of its parts (features.VectorParts)
+        kind = pd.DataFrame if vector else pd.Series
+        predict.__annotations__ = {"features": kind, "return": pd.Series}
         return df.withColumn(prediction_col, F.pandas_udf(predict, "double")(column))
 
     def save(self, path: str | os.PathLike) -> None:

@@ -4,8 +4,9 @@ Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into on
 contiguous float32 matrix, once, with no per-row Python objects, in the order the rows
 were placed in; the labels, splits and (weighted data) weights come as arrays in that order.
 ``arrays_from_pairs`` does the same for an RDD of numpy pairs. On the driver,
-``features_array`` reads a vector or array column as ``array<float>``: what the fit trains
-on and what predictions read.
+``features_column`` reads a vector column as it is (sparse or dense vectors, never
+densified) or an array column as ``array<float>``: what the fit trains on and what
+predictions read.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ import numpy as np
 from allreduce_param.errors import InputError
 from allreduce_param.spark import arrow
 from allreduce_param.train.columns import ORDER_COLUMNS, WEIGHT_COLUMN
+from allreduce_param.train.features import VectorParts, empty_rows
 
 
-def features_array(frame, features_col: str, name: str | None = None, role: str = "features_col"):
-    """The column ``features_col`` of ``frame`` as ``array<float>``, from a vector
-    (pyspark.ml.linalg) or an array of numbers; what the fit trains on and predictions read.
+def features_column(frame, features_col: str, name: str | None = None, role: str = "features_col"):
+    """The column ``features_col`` of ``frame`` as the fit and predictions read it: a vector
+    column (pyspark.ml.linalg) as it is, its parts reaching a task through Arrow
+    (``features.VectorParts``), never densified; an array of numbers as ``array<float>``.
     A missing column or one of another type is an InputError naming ``role`` (the setting
     that named it) and, where given, which data (``name``: "training", "validation")."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import functions as F
     from pyspark.sql.types import ArrayType, NumericType
 
@@ -34,8 +35,8 @@ def features_array(frame, features_col: str, name: str | None = None, role: str 
             f"{whose}data has no column {features_col!r} ({role}); its columns are {sorted(fields)}"
         )
     kind = fields[features_col]
-    if isinstance(kind, VectorUDT):
-        return vector_to_array(F.col(features_col), "float32")
+    if is_vector_type(kind):
+        return F.col(features_col)
     if isinstance(kind, ArrayType) and isinstance(kind.elementType, NumericType):
         return F.col(features_col).cast("array<float>")
     raise InputError(
@@ -44,18 +45,27 @@ def features_array(frame, features_col: str, name: str | None = None, role: str 
     )
 
 
+def is_vector_type(kind) -> bool:
+    """Whether a Spark data type is pyspark.ml's vector (``VectorUDT``)."""
+    from pyspark.ml.linalg import VectorUDT
+
+    return isinstance(kind, VectorUDT)
+
+
 def arrays_from_arrow(
-    batches, n_features: int
+    batches, n_features: int, sparse: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """The partition's prepared Arrow batches as ``(X float32 [rows, n_features], y, split,
-    weight)``: in (split, _order, _i) order where the batches carry ``ORDER_COLUMNS``, else
-    as they came. ``weight`` is the rows' float64 weights, in the same order, where the
-    batches carry the ``weight`` column (data prepared with ``weight_col``), else None; None
-    too for a partition without batches (no rows: nothing to weigh)."""
+    """The partition's prepared Arrow batches as ``(X [rows, n_features], y, split, weight)``:
+    in (split, _order, _i) order where the batches carry ``ORDER_COLUMNS``, else as they came.
+    ``X`` is float32, a CSR matrix (``scipy.sparse``) where ``sparse`` (the driver found the
+    data sparse: ``features.is_sparse``), else a dense matrix. ``weight`` is the rows'
+    float64 weights, in the same order, where the batches carry the ``weight`` column (data
+    prepared with ``weight_col``), else None; None too for a partition without batches (no
+    rows: nothing to weigh)."""
     features, labels, splits, weights, keys = [], [], [], [], []
     for batch in batches:
-        column = batch.column(batch.schema.get_field_index("features"))
-        features.append(arrow.values(column.flatten()).reshape(len(batch), n_features))
+        parts = VectorParts.from_arrow(batch.column(batch.schema.get_field_index("features")))
+        features.append(parts.to_csr(n_features) if sparse else parts.to_dense(n_features))
         labels.append(arrow.values(batch.column(batch.schema.get_field_index("label"))))
         splits.append(arrow.values(batch.column(batch.schema.get_field_index("split"))))
         if WEIGHT_COLUMN in batch.schema.names:
@@ -69,25 +79,36 @@ def arrays_from_arrow(
             )
     if not features:
         return (
-            np.zeros((0, n_features), np.float32),
+            empty_rows(n_features, sparse),
             np.zeros(0, np.float64),
             np.zeros(0, np.int32),
             None,
         )
     y, split = np.concatenate(labels), np.concatenate(splits)
     weight = np.concatenate(weights).astype(np.float64, copy=False) if weights else None
-    if not keys:
-        return np.ascontiguousarray(np.concatenate(features), dtype=np.float32), y, split, weight
-    order_key, index_key = (
-        np.concatenate([batch_keys[k] for batch_keys in keys]) for k in range(2)
-    )
-    order = np.lexsort((index_key, order_key, split))
-    destination = np.empty_like(order)
-    destination[order] = np.arange(len(order))
-    X, start = np.empty((len(order), n_features), np.float32), 0
-    for block in features:  # each batch's rows straight to their places: one copy of the features
-        X[destination[start : start + len(block)]] = block
-        start += len(block)
+    order = None
+    if keys:
+        order_key, index_key = (
+            np.concatenate([batch_keys[k] for batch_keys in keys]) for k in range(2)
+        )
+        order = np.lexsort((index_key, order_key, split))
+    if sparse:
+        from scipy.sparse import vstack
+
+        X = vstack(features, format="csr") if len(features) > 1 else features[0]
+        if order is not None:
+            X = X[order]
+    elif order is None:
+        X = features[0] if len(features) == 1 else np.concatenate(features)
+    else:  # each batch's rows straight to their places: one copy of the features
+        destination = np.empty_like(order)
+        destination[order] = np.arange(len(order))
+        X, start = np.empty((len(order), n_features), np.float32), 0
+        for block in features:
+            X[destination[start : start + len(block)]] = block
+            start += len(block)
+    if order is None:
+        return X, y, split, weight
     return X, y[order], split[order], None if weight is None else weight[order]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import has_buffers, model_task, takes_sample_weight
+from allreduce_param.models.base import dense_for, has_buffers, model_task, takes_sample_weight
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import task_slots
 from allreduce_param.train.checkpoint import Manifest, newest
@@ -56,7 +56,14 @@ def model_size(model: Any, sample: tuple, n_features: int, seed: int) -> int:
     weights = model.init(np.random.default_rng(seed))
     if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.ndim != 1:
         raise InputError(f"{model!r}.init(rng) must return a 1-D float32 vector")
-    X, y = (np.concatenate([part, part]) for part in sample)
+    rows, labels = sample
+    if hasattr(rows, "nnz"):  # a CSR row: the data trains sparse
+        from scipy.sparse import vstack
+
+        X = dense_for(model, vstack([rows, rows], format="csr"))
+    else:
+        X = np.concatenate([rows, rows])
+    y = np.concatenate([labels, labels])
     before = model.buffers() if has_buffers(model) else None
     try:
         _, grad, _ = model.loss_and_grad(weights, X, y)

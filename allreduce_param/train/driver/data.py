@@ -35,7 +35,8 @@ from allreduce_param.train.columns import (
     VALIDATION,
     WEIGHT_COLUMN,
 )
-from allreduce_param.train.rows import features_array
+from allreduce_param.train.features import VectorParts, is_sparse
+from allreduce_param.train.rows import features_column
 
 
 class PartitionCount(NamedTuple):
@@ -75,6 +76,8 @@ class DataSummary:
     partition_num: int | None = None
     cached: bool = False
     weighted: bool = False
+    sparse: bool = False
+    nonzeros: int = 0
 
     def rows(self, split: int = TRAIN) -> int:
         """How many rows of ``split`` (TRAIN or VALIDATION) the data has."""
@@ -134,7 +137,7 @@ def prepare(
     weighted = weight_col is not None
     checks = _row_checks(task == "classification", classes, weight_col)
     stats_by_split, partition_num = _statistics(prepared, checks, classes, weighted)
-    lengths, counts = [], []
+    lengths, counts, nonzeros, rows = [], [], 0, 0
     for name, _, split in frames:
         stats = stats_by_split.get(split)
         if stats is None or stats["rows"] == 0:
@@ -146,8 +149,13 @@ def prepare(
             )
         if stats["missing_features"]:
             raise InputError(
-                f"the {name} data has {stats['missing_features']} rows without {features_col!r}"
+                f"the {name} data has {stats['missing_features']} rows whose {features_col!r} is "
+                f"null (e.g. row {_first_bad_row(stats, 'missing_features')}); drop them first, "
+                f"e.g. df.dropna(subset=[{features_col!r}]), or fill them where they come from "
+                "(VectorAssembler(handleInvalid='keep') keeps NaN in a vector instead)"
             )
+        if stats["bad_indices"]:
+            raise InputError(_bad_indices(name, features_col, stats))
         if stats["shortest"] != stats["longest"]:
             raise InputError(
                 f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
@@ -169,18 +177,41 @@ def prepare(
             for part in stats["partitions"]
         )
         if split == TRAIN:
-            sample = (
-                np.asarray([stats["first_features"]], np.float32),
-                np.asarray([stats["first_label"]]),
-            )
+            first_row, first_label = stats["first_features"], stats["first_label"]
+        nonzeros += stats["nonzeros"]
+        rows += stats["rows"]
     if len(lengths) == 2 and lengths[0] != lengths[1]:
         raise InputError(
             f"training vectors have {lengths[0]} elements but validation vectors {lengths[1]}"
         )
     cached = all(_cached(frame) for _, frame, _ in frames)
+    n_features = int(lengths[0])
+    sparse = is_sparse(nonzeros, rows, n_features)
+    sample = (sample_row(first_row, n_features, sparse), np.asarray([first_label]))
     return prepared, DataSummary(
-        int(lengths[0]), sample, tuple(sorted(counts)), partition_num, cached, weighted=weighted
+        n_features,
+        sample,
+        tuple(sorted(counts)),
+        partition_num,
+        cached,
+        weighted=weighted,
+        sparse=sparse,
+        nonzeros=nonzeros,
     )
+
+
+def sample_row(entries: dict, n_features: int, sparse: bool):
+    """One row (``{"size", "indices", "values"}``, a check's ``first_features``) as a
+    (1, n_features) float32 matrix: CSR where the data trains sparse, else dense."""
+    columns = np.asarray(entries["indices"], np.int64)
+    values = np.asarray(entries["values"], np.float32)
+    if sparse:
+        from scipy.sparse import csr_matrix
+
+        return csr_matrix((values, columns, np.asarray([0, len(values)])), shape=(1, n_features))
+    X = np.zeros((1, n_features), np.float32)
+    X[0, columns] = values
+    return X
 
 
 #: How many checked cached DataFrames ``prepare_once`` remembers (the newest).
@@ -340,6 +371,19 @@ def _nonfinite_features(name, features_col, label_col, classes, stats) -> str:
     )
 
 
+def _bad_indices(name, features_col, stats) -> str:
+    example = stats["bad_indices_first"]["value"]
+    shown = ", ".join(map(str, example["indices"])) + (", ..." if example["count"] > 8 else "")
+    return (
+        f"the {name} column {features_col!r} holds sparse vectors whose indices are out of range, "
+        f"out of order or not one per value in {stats['bad_indices']} rows (e.g. row "
+        f"{_first_bad_row(stats, 'bad_indices')}: size {example['size']}, {example['count']} indices "
+        f"[{shown}] for {example['values']} values); a sparse vector's indices must be strictly "
+        "increasing, each in 0..size-1, one per value: build it with Vectors.sparse(size, indices, "
+        "values), which checks them"
+    )
+
+
 def _infinite_labels(name, features_col, label_col, classes, stats) -> str:
     return (
         f"the {name} data has {stats['infinite_labels']} rows whose label {label_col!r} is infinite "
@@ -491,14 +535,14 @@ def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> d
     label and id, and each check's first bad row, stay the earlier ones."""
     if total is None:
         return part
-    for key in ("rows", "bad_labels", "missing_features", *names):
+    for key in ("rows", "nonzeros", "bad_labels", "missing_features", "bad_indices", *names):
         total[key] += part[key]
     if "weight_sum" in part:
         total["weight_sum"] += part["weight_sum"]
     for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
         if part[key] is not None:
             total[key] = part[key] if total[key] is None else pick(total[key], part[key])
-    for name in names:
+    for name in ("missing_features", "bad_indices", *names):
         if total[name + "_first"] is None:
             total[name + "_first"] = part[name + "_first"]
     return total
@@ -512,58 +556,53 @@ def _partition_statistics(
     found: dict[int, dict] = {}
     for batch in batches:
         ids = arrow.values(batch.column(batch.schema.get_field_index("row")))
-        features = batch.column(batch.schema.get_field_index("features"))
+        parts = VectorParts.from_arrow(batch.column(batch.schema.get_field_index("features")))
         label_column = batch.column(batch.schema.get_field_index("label"))
         label_null = arrow.nulls(label_column)
         labels = np.where(label_null, np.nan, arrow.values(label_column))
         splits = arrow.values(batch.column(batch.schema.get_field_index("split")))
-        missing = arrow.nulls(features)
-        offsets = arrow.list_offsets(features)
-        element_null = arrow.nulls(features.values)
-        elements = arrow.values(features.values)
-        if element_null.any():
-            elements = np.where(element_null, np.nan, elements)
-        bad_element = element_null | ~np.isfinite(elements)
-        bad_before = np.concatenate([[0], np.cumsum(bad_element)])
-        bad_features = ~missing & (bad_before[offsets[1:]] > bad_before[offsets[:-1]])
-        lengths = np.where(missing, -1, np.diff(offsets))
+        bad_element = parts.bad_values()
+        bad_features = parts.row_any(bad_element)
+        bad_indices = parts.index_problems()
+        nonzeros = parts.nonzeros()
         weights = weight_null = None
         if weighted:
             weight_column = batch.column(batch.schema.get_field_index(WEIGHT_COLUMN))
             weight_null = arrow.nulls(weight_column)
             weights = np.where(weight_null, np.nan, arrow.values(weight_column))
         bad = _bad_rows(labels, bad_features, classes, weights)
+        bad["bad_indices"] = bad_indices
 
         def example(name: str, row: int):  # used in this iteration only (B023)
             if name == "bad_weights":
                 return None if weight_null[row] else float(weights[row])  # noqa: B023
+            if name == "bad_indices":
+                return _indices_example(parts, row)  # noqa: B023
             if name != "nonfinite_features":
                 return float(labels[row])  # noqa: B023
-            index = int(np.argmax(bad_element[offsets[row] : offsets[row + 1]]))  # noqa: B023
-            at = offsets[row] + index  # noqa: B023
-            return {"index": index, "value": None if element_null[at] else float(elements[at])}  # noqa: B023
+            return _element_example(parts, bad_element, row)  # noqa: B023
 
         for split in np.unique(splits):
             rows = np.flatnonzero(splits == split)
             first = int(rows[0])
-            present = lengths[rows][lengths[rows] >= 0]
+            present = parts.size[rows][~parts.null[rows]]
             stats = {
                 "partition": int(ids[first]) >> _POSITION_BITS,
                 "first": int(ids[first]),
                 "rows": len(rows),
                 "shortest": int(present.min()) if len(present) else None,
                 "longest": int(present.max()) if len(present) else None,
+                "nonzeros": int(nonzeros[rows].sum()),
                 "bad_labels": int(np.count_nonzero(np.isnan(labels[rows]))),
-                "missing_features": int(np.count_nonzero(missing[rows])),
-                "first_features": None
-                if missing[first]
-                else elements[offsets[first] : offsets[first + 1]].astype(float).tolist(),
+                "missing_features": int(np.count_nonzero(parts.null[rows])),
+                "missing_features_first": _first_of(ids, rows[parts.null[rows]]),
+                "first_features": _row_entries(parts, first, bad_indices[first]),
                 "first_label": None if label_null[first] else float(labels[first]),
                 "too_large_labels_largest": None,
             }
             if weighted:  # the good weights only: the bad are counted, and refused, apart
                 stats["weight_sum"] = float(weights[rows][~bad["bad_weights"][rows]].sum())
-            for name in names:
+            for name in (*names, "bad_indices"):
                 failed = rows[bad[name][rows]]
                 stats[name] = len(failed)
                 stats[name + "_first"] = (
@@ -575,6 +614,51 @@ def _partition_statistics(
                     stats["too_large_labels_largest"] = float(labels[failed].max())
             found[int(split)] = _merge_statistics(found.get(int(split)), stats, names)
     return found
+
+
+def _first_of(ids: np.ndarray, rows: np.ndarray) -> dict | None:
+    """The first of ``rows`` as a check's first bad row (``{"row": id}``), None if none."""
+    return {"row": int(ids[rows[0]]), "value": None} if len(rows) else None
+
+
+def _element_example(parts: VectorParts, bad_element: np.ndarray, row: int) -> dict:
+    """A row's first bad element: its column and value (None for a null element)."""
+    start = parts.value_offsets[row]
+    position = int(np.argmax(bad_element[start : parts.value_offsets[row + 1]]))
+    at = start + position
+    index = position
+    if not parts.dense[row] and parts.index_offsets[row] + position < parts.index_offsets[row + 1]:
+        index = int(parts.indices[parts.index_offsets[row] + position])
+    null = parts.value_null is not None and parts.value_null[at]
+    return {"index": index, "value": None if null else float(parts.values[at])}
+
+
+def _indices_example(parts: VectorParts, row: int) -> dict:
+    """What a sparse row with bad indices holds: its size, its first indices and how many
+    values it has."""
+    indices = parts.indices[parts.index_offsets[row] : parts.index_offsets[row + 1]]
+    return {
+        "size": int(parts.size[row]),
+        "indices": indices[:8].tolist(),
+        "count": len(indices),
+        "values": int(parts.value_offsets[row + 1] - parts.value_offsets[row]),
+    }
+
+
+def _row_entries(parts: VectorParts, row: int, bad_indices: bool) -> dict | None:
+    """A row's non-zero entries as ``{"size", "indices", "values"}`` (the sample the driver
+    tries the model on, kept small for wide sparse rows); None for a null row or one whose
+    indices are refused."""
+    if parts.null[row] or bad_indices:
+        return None
+    start, stop = parts.value_offsets[row], parts.value_offsets[row + 1]
+    values = parts.values[start:stop]
+    keep = values != 0
+    return {
+        "size": int(parts.size[row]),
+        "indices": parts.row_columns(row)[keep].tolist(),
+        "values": values[keep].astype(float).tolist(),
+    }
 
 
 def check_label_column(frame, label_col: str, name: str | None = None, role: str = "label_col"):
@@ -605,7 +689,7 @@ def _shape(
     from pyspark.sql import functions as F
     from pyspark.sql.types import NumericType
 
-    features = features_array(frame, features_col, name)
+    features = features_column(frame, features_col, name)
     check_label_column(frame, label_col, name)
     fields = {field.name: field.dataType for field in frame.schema.fields}
     columns = [

@@ -221,6 +221,7 @@ class DistriOptimizer:
                 driver,
                 checkpoints,
                 resume,
+                sparse=summary is not None and summary.sparse,
             )
             kept, placed = self._placement(source, workers, summary)
             try:

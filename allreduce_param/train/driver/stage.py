@@ -73,7 +73,7 @@ def _stage(job: TrainingJob, rows) -> list[tuple[str, bytes]]:
 
     def arrow_task(batches):
         started = time.time()
-        arrays = arrays_from_arrow(batches, job.n_features)
+        arrays = arrays_from_arrow(batches, job.n_features, job.sparse)
         clock = {"started": started, "loaded": time.time()}
         for kind, payload in train_partition(job, *arrays, clock=clock):
             yield record_batch(kind=[kind], payload=[payload])

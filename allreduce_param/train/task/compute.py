@@ -12,6 +12,7 @@ from allreduce_param.errors import InputError
 from allreduce_param.models.base import (
     CLASSIFICATION,
     batch_count,
+    dense_for,
     has_buffers,
     model_task,
     optional_call,
@@ -20,6 +21,9 @@ from allreduce_param.models.base import (
 from allreduce_param.train.settings import workload_shares
 
 EVAL_CHUNK = 8192
+#: Sparse rows evaluated by a model that takes only dense ones go in chunks of at most this
+#: many elements once made dense.
+DENSE_CHUNK_ELEMENTS = 2**22
 
 
 def evaluate(
@@ -57,12 +61,13 @@ def _evaluate(
     sample_weight: np.ndarray | None,
 ) -> list[float]:
     total = np.zeros(3, dtype=np.float64)
-    for start in range(0, len(X), EVAL_CHUNK):
-        rows, labels = X[start : start + EVAL_CHUNK], y[start : start + EVAL_CHUNK]
+    chunk = EVAL_CHUNK
+    if dense_for(model, X) is not X:  # made dense for the model: a chunk of at most 2^22 elements
+        chunk = max(1, min(EVAL_CHUNK, DENSE_CHUNK_ELEMENTS // max(1, X.shape[1])))
+    for start in range(0, X.shape[0], chunk):
+        rows, labels = dense_for(model, X[start : start + chunk]), y[start : start + chunk]
         weighted = (
-            {}
-            if sample_weight is None
-            else {"sample_weight": sample_weight[start : start + EVAL_CHUNK]}
+            {} if sample_weight is None else {"sample_weight": sample_weight[start : start + chunk]}
         )
         if both is not None:  # one forward pass
             loss_sum, predicted, count = both(weights, rows, labels, **weighted)
@@ -128,13 +133,14 @@ class SubBatches:
         called for each range as it is final (only where ``streams``). The count must be
         ``batch_count``'s: the stream has sent it with the first chunk."""
         weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
+        X = dense_for(self.model, X)
         loss_sum, count = self.model.loss_and_grad_into(weights, X, y, out, ready, **weighted)
-        expected = batch_count(len(X), sample_weight)
+        expected = batch_count(X.shape[0], sample_weight)
         if not np.isclose(count, expected, rtol=1e-9, atol=0):
             what = (
-                f"{len(X)} rows; it must be the number of rows"
+                f"{X.shape[0]} rows; it must be the number of rows"
                 if sample_weight is None
-                else f"{len(X)} rows of weights summing to {expected!r}; it must be the sum of the sample weights"
+                else f"{X.shape[0]} rows of weights summing to {expected!r}; it must be the sum of the sample weights"
             )
             raise InputError(
                 f"the model's loss_and_grad_into gave count={count!r} for a batch of {what}"
@@ -150,11 +156,12 @@ class SubBatches:
     ) -> tuple[float, np.ndarray, float]:
         def compute(start: int, stop: int):
             weighted = {} if sample_weight is None else {"sample_weight": sample_weight[start:stop]}
-            return self.model.loss_and_grad(weights, X[start:stop], y[start:stop], **weighted)
+            rows = dense_for(self.model, X[start:stop])
+            return self.model.loss_and_grad(weights, rows, y[start:stop], **weighted)
 
-        if self._pool is None or len(X) < len(self._cuts) - 1:
-            return compute(0, len(X))
-        bounds = np.round(self._cuts * len(X)).astype(np.int64)
+        if self._pool is None or X.shape[0] < len(self._cuts) - 1:
+            return compute(0, X.shape[0])
+        bounds = np.round(self._cuts * X.shape[0]).astype(np.int64)
         results = list(self._pool.map(compute, bounds[:-1], bounds[1:]))
         loss = sum(r[0] for r in results)
         grad = results[0][1]

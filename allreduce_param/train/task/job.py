@@ -25,6 +25,8 @@ class TrainingJob:
     this fit writes its checkpoints (a folder of its own, chosen on the driver; None:
     never); a task that finds one there (the stage ran again) resumes from the newest.
     ``resume``: the checkpoint to start from otherwise (``fit(resume_from=...)``).
+    ``sparse``: the rows train as a CSR matrix (the driver found the data sparse), not a
+    dense one.
     """
 
     model: Any
@@ -36,6 +38,7 @@ class TrainingJob:
     driver: MessageClient | None = None
     checkpoints: CheckpointSettings | None = None
     resume: Manifest | None = None
+    sparse: bool = False
 
     @property
     def local_sgd(self) -> bool:

@@ -112,7 +112,7 @@ class Checkpoints(FitState):
             "epochs": [share for share in self.epochs if share["epoch"] < end_epoch],
             "updates": self.updates_table(before=steps_done).tolist(),
             "resumed": self.resumed,
-            "rows": len(self.train.X),
+            "rows": self.train.row_count,
         }
         self._writer.write_part(steps_done, p.partition_id, p.partition_num, arrays, records)
         p.signal(steps_done)

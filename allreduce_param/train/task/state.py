@@ -17,11 +17,17 @@ from allreduce_param.train.task.reporter import ProgressReporter
 
 
 class Rows(NamedTuple):
-    """A partition's rows of one split: features, labels, sample weights (or None)."""
+    """A partition's rows of one split: features (a float32 matrix, dense or CSR), labels,
+    sample weights (or None)."""
 
     X: np.ndarray
     y: np.ndarray
     weight: np.ndarray | None
+
+    @property
+    def row_count(self) -> int:
+        """How many rows (``X`` may be a sparse matrix, whose ``len`` is ambiguous)."""
+        return self.X.shape[0]
 
     def take(self, index: np.ndarray) -> Rows:
         return Rows(

@@ -36,10 +36,10 @@ class Steps(FitState):
     def _plan(self) -> None:
         """Every global step as (epoch, step in the epoch); this partition's cuts of its rows."""
         p = self.p
-        counts = all_counts(p, len(self.train.X))
+        counts = all_counts(p, self.train.row_count)
         steps = steps_per_epoch(sum(counts), self.settings.batch_size)
         sizes = global_batch_sizes(counts, steps)
-        self.cuts = share_bounds(len(self.train.X), p.partition_id, p.partition_num, steps)
+        self.cuts = share_bounds(self.train.row_count, p.partition_id, p.partition_num, steps)
         self.plan = [
             (epoch, step)
             for epoch in range(self.settings.epochs)
@@ -54,7 +54,7 @@ class Steps(FitState):
         if epoch != self._order_epoch:
             self._order_epoch, self._order = (
                 epoch,
-                epoch_order(len(self.train.X), self.settings.seed, epoch, self.p.partition_id),
+                epoch_order(self.train.row_count, self.settings.seed, epoch, self.p.partition_id),
             )
         return self.train.take(self._order[self.cuts[step] : self.cuts[step + 1]])
 
@@ -111,7 +111,7 @@ class Steps(FitState):
         gradient = self.p.gradient_buffer()
         started = time.perf_counter()
         with self.p.stream_gradients(
-            gradient, count=batch_count(len(batch.X), batch.weight), residual=self._residual
+            gradient, count=batch_count(batch.row_count, batch.weight), residual=self._residual
         ) as stream:
             loss_sum, count = self.compute.into(
                 self.weights, batch.X, batch.y, gradient, stream.ready, batch.weight

@@ -61,7 +61,8 @@ def train_partition(
     clock = dict(clock or {"started": time.time(), "loaded": time.time()})
     if has_buffers(job.model):  # a task's closure is its own; partitions on threads share one
         job = dataclasses.replace(job, model=copy.deepcopy(job.model))
-    train, valid = split == TRAIN, split == VALIDATION
+    # row numbers, not masks: a CSR matrix takes them alike
+    train, valid = np.flatnonzero(split == TRAIN), np.flatnonzero(split == VALIDATION)
     rows = Rows(X[train], y[train], None if weight is None else weight[train])
     validation = Rows(X[valid], y[valid], None if weight is None else weight[valid])
     compute = SubBatches(job.model, job.settings.threads, weighted=weight is not None)
@@ -85,7 +86,7 @@ def train_partition(
         if job.param.strategy.backup_workers:
             yield Updates(fit.updates_table()).encode()
         if has_buffers(job.model):
-            yield Buffers(job.model.buffers(), len(rows.X)).encode()
+            yield Buffers(job.model.buffers(), rows.row_count).encode()
         if p.partition_id == 0:
             yield Resumed(fit.resumed).encode()
             yield Weights(fit.weights).encode()
