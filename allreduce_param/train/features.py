@@ -80,7 +80,7 @@ class VectorParts(NamedTuple):
     def from_arrow(cls, column) -> VectorParts:
         """The parts of a pyarrow array: a vector struct (``VectorUDT`` through Arrow) or a
         list of numbers (an ``array<float>`` column, every row dense)."""
-        if not hasattr(column, "flatten") or not hasattr(column.type, "num_fields"):
+        if not str(column.type).startswith("struct<"):
             return cls.from_lists(column)
         kind, size, indices, values = column.flatten()  # the struct's nulls applied
         null = arrow.nulls(column)

@@ -36,7 +36,7 @@ from allreduce_param.train.columns import (
     WEIGHT_COLUMN,
 )
 from allreduce_param.train.features import VectorParts, is_sparse
-from allreduce_param.train.rows import features_column
+from allreduce_param.train.rows import features_column, is_vector_type
 
 
 class PartitionCount(NamedTuple):
@@ -133,6 +133,8 @@ def prepare(
         _shape(frame, features_col, label_col, name, split, weight_col)
         for name, frame, split in frames
     ]
+    if len(parts) == 2:
+        parts = _same_features_type(parts)
     prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
     weighted = weight_col is not None
     checks = _row_checks(task == "classification", classes, weight_col)
@@ -678,6 +680,22 @@ def check_label_column(frame, label_col: str, name: str | None = None, role: str
             f"{whose}label column {label_col!r} ({role}) is {fields[label_col].simpleString()}; "
             "it must be numeric (use StringIndexer for string classes)"
         )
+
+
+def _same_features_type(parts: list) -> list:
+    """The shaped training and validation data with one type of ``features``: where one is a
+    vector column and the other an array one, the array one as (dense) vectors, so that they
+    union and no vector is made dense."""
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    vectors = [is_vector_type(part.schema["features"].dataType) for part in parts]
+    if all(vectors) or not any(vectors):
+        return parts
+    return [
+        part if vector else part.withColumn("features", array_to_vector(F.col("features")))
+        for part, vector in zip(parts, vectors)
+    ]
 
 
 def _shape(
