@@ -4,6 +4,7 @@ and a fit resumed from one ends where the uninterrupted fit ends."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from allreduce_param import (
     optim,
 )
 from allreduce_param.train.checkpoint import MANIFEST, CheckpointSettings, load_part, newest
+from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.result import STEP_FIELDS
 from allreduce_param.train.task.job import TrainingJob
 
@@ -104,20 +106,19 @@ def test_a_fit_resumed_from_a_checkpoint_ends_as_the_uninterrupted_one(tmp_path)
     assert json.loads(resumed[0]["resumed"]) == [8] and json.loads(whole[0]["resumed"]) == []
 
 
-def test_a_task_that_finds_its_fits_checkpoint_resumes_from_it(tmp_path):
-    """What a retried Spark stage does: the same job, the same folder, a newer checkpoint there."""
+def test_a_retried_stage_resumes_from_its_fits_newest_checkpoint(tmp_path):
+    """What the driver does when a task failed: the same job, resuming from the newest
+    complete checkpoint of its folder (a newer one that never completed is passed over)."""
     parts = parts_of(90, 3)
     whole = run(job_for(parts, tmp_path / "whole", every=5, keep=1), parts)
     job = job_for(parts, tmp_path / "retried", every=5, keep=3)
     run(job, parts)  # the "first attempt" leaves checkpoints behind; drop the ones after step 5
     for step, _ in folders(tmp_path / "retried").items():
         if step > 5:
-            for file in (tmp_path / "retried" / f"step-{step:010d}").iterdir():
-                file.unlink()
-            (tmp_path / "retried" / f"step-{step:010d}").rmdir()
+            shutil.rmtree(tmp_path / "retried" / f"step-{step:010d}")
     (tmp_path / "retried" / "step-0000000010").mkdir()  # a checkpoint that never completed
     (tmp_path / "retried" / "step-0000000010" / "part-00000-of-00003.npz").write_bytes(b"half")
-    again = run(job, parts)
+    again = run(restart_point(job), parts)
     assert json.loads(again[0]["resumed"]) == [5]
     assert np.array_equal(weights(again), weights(whole))
 
