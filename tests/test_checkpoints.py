@@ -3,6 +3,7 @@ and a fit resumed from one ends where the uninterrupted fit ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -23,7 +24,6 @@ from allreduce_param import (
 from allreduce_param.train.checkpoint import (
     MANIFEST,
     CheckpointSettings,
-    Manifest,
     find,
     load_part,
     newest,
@@ -325,7 +325,7 @@ def test_a_part_damaged_after_the_driver_looked_fails_its_task_naming_the_file(w
     _replace(copy / "step-0000000015" / "part-00000-of-00003.npz")
     with pytest.raises(DamagedCheckpointError, match="part-00000-of-00003.npz: checksum mismatch"):
         load_part(manifest, 0, SliceLayout(manifest.size, 3))
-    old = Manifest(**{**manifest.__dict__, "checks": None})  # the format check alone
+    old = dataclasses.replace(manifest, checks=None)  # the format check alone
     with pytest.raises(DamagedCheckpointError, match=r"part-00000.*: not an .npz archive of arr"):
         load_part(old, 0, SliceLayout(manifest.size, 3))
 
