@@ -14,6 +14,7 @@ from conftest import blobs, train_on_threads
 from allreduce_param import (
     AllReduceParameter,
     ConfigurationError,
+    DamagedCheckpointError,
     FitSettings,
     InputError,
     SliceLayout,
@@ -29,7 +30,6 @@ from allreduce_param.train.checkpoint import (
     newest,
 )
 from allreduce_param.train.driver.resume import restart_point, resume_point
-from allreduce_param.train.integrity import DamagedCheckpointError
 from allreduce_param.train.result import STEP_FIELDS
 from allreduce_param.train.task.job import TrainingJob
 
@@ -303,11 +303,12 @@ def test_resume_from_a_fit_folder_warns_and_from_a_damaged_step_folder_is_refuse
     with pytest.warns(UserWarning, match=f"{file}: checksum mismatch.*resume_from="):
         assert resume_point(str(copy)).step == 10
     with pytest.raises(
-        InputError,
+        DamagedCheckpointError,  # an InputError
         match=f"is a damaged checkpoint: {file}: checksum mismatch.* The newest intact "
         f"checkpoint of its fit is {copy}/step-0000000010 .step 10.: resume_from=",
-    ):
+    ) as refused:
         resume_point(str(copy / "step-0000000015"))
+    assert isinstance(refused.value, InputError) and refused.value.file == str(file)
     for step in (5, 10):  # none intact: refused, or a retried stage starts over
         DAMAGE["deleted part"][1](copy / f"step-{step:010d}" / "part-00002-of-00003.npz")
     with pytest.raises(InputError, match="holds no intact checkpoint: .*step-0000000015/part"):

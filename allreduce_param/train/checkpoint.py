@@ -50,15 +50,9 @@ from typing import Any
 import numpy as np
 
 from allreduce_param.engine.layout import SliceLayout
-from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.errors import ConfigurationError, DamagedCheckpointError, InputError
 from allreduce_param.models.base import merge_buffers
-from allreduce_param.train.integrity import (
-    Damage,
-    DamagedCheckpointError,
-    PartCheck,
-    open_part,
-    read_bytes,
-)
+from allreduce_param.train.integrity import Damage, PartCheck, damaged, open_part, read_bytes
 from allreduce_param.train.storage import fsspec_filesystem
 
 log = logging.getLogger(__name__)
@@ -276,7 +270,7 @@ def verify(manifest: Manifest) -> Damage | None:
         for index in range(manifest.partitions):
             _records(manifest, index, _part(manifest, index, fs))
     except DamagedCheckpointError as error:
-        return error.damage
+        return Damage(manifest.folder, error.file, error.problem)
     return None
 
 
@@ -312,13 +306,10 @@ def _part(manifest: Manifest, index: int, fs) -> dict[str, np.ndarray]:
         array = arrays.get(name)
         if array is None or array.ndim != 1 or array.dtype.kind != "f" or len(array) != length:
             found = "none" if array is None else f"{array.dtype} {array.shape}"
-            raise DamagedCheckpointError(
-                Damage(
-                    manifest.folder,
-                    url,
-                    f"not the part its manifest names: its {name!r} is {found}, not {length} "
-                    "floats",
-                )
+            raise damaged(
+                manifest.folder,
+                url,
+                f"not the part its manifest names: its {name!r} is {found}, not {length} floats",
             )
     return arrays
 
@@ -331,8 +322,8 @@ def _records(manifest: Manifest, index: int, part: dict[str, np.ndarray]) -> dic
             raise ValueError(f"a JSON {type(records).__name__}")
         return records
     except (KeyError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError included
-        raise DamagedCheckpointError(
-            Damage(manifest.folder, manifest.parts[index], f"its records are unreadable ({error})")
+        raise damaged(
+            manifest.folder, manifest.parts[index], f"its records are unreadable ({error})"
         ) from None
 
 
@@ -421,8 +412,8 @@ class CheckpointWriter:
             with self._fs.open(url, "r") as file:
                 return json.load(file)
         except (FileNotFoundError, json.JSONDecodeError) as error:
-            raise DamagedCheckpointError(
-                Damage(folder, url, f"unreadable after its partition wrote {name} ({error})")
+            raise damaged(
+                folder, url, f"unreadable after its partition wrote {name} ({error})"
             ) from None
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from allreduce_param.errors import InputError
+from allreduce_param.errors import DamagedCheckpointError
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,11 @@ class Damage:
         return f"{self.file}: {self.problem}"
 
 
-class DamagedCheckpointError(InputError):
-    """A checkpoint file is missing or not what its manifest says; ``damage`` says which and how."""
-
-    def __init__(self, damage: Damage) -> None:
-        super().__init__(f"the checkpoint {damage.folder} is damaged: {damage}")
-        self.damage = damage
+def damaged(folder: str, file: str, problem: str) -> DamagedCheckpointError:
+    """The error that says ``file`` of the checkpoint in ``folder`` is damaged, and how."""
+    return DamagedCheckpointError(
+        f"the checkpoint {folder} is damaged: {file}: {problem}", file, problem
+    )
 
 
 def read_bytes(fs, url: str, folder: str) -> bytes:
@@ -73,7 +72,7 @@ def read_bytes(fs, url: str, folder: str) -> bytes:
         with fs.open(url, "rb") as file:
             return file.read()
     except FileNotFoundError:
-        raise DamagedCheckpointError(Damage(folder, url, "missing (deleted?)")) from None
+        raise damaged(folder, url, "missing (deleted?)") from None
 
 
 def open_part(data: bytes, url: str, folder: str, check: PartCheck | None) -> dict[str, np.ndarray]:
@@ -83,18 +82,14 @@ def open_part(data: bytes, url: str, folder: str, check: PartCheck | None) -> di
     if check is not None:
         if len(data) != check.size:
             kind = "truncated" if len(data) < check.size else "longer than written"
-            raise DamagedCheckpointError(
-                Damage(folder, url, f"{kind}: {len(data)} bytes, the manifest says {check.size}")
-            )
+            raise damaged(folder, url, f"{kind}: {len(data)} bytes, the manifest says {check.size}")
         digest = xxhash.xxh3_64_hexdigest(data)
         if digest != check.xxh3:
-            raise DamagedCheckpointError(
-                Damage(
-                    folder,
-                    url,
-                    f"checksum mismatch: xxh3_64 {digest}, the manifest says {check.xxh3} "
-                    "(overwritten or corrupted)",
-                )
+            raise damaged(
+                folder,
+                url,
+                f"checksum mismatch: xxh3_64 {digest}, the manifest says {check.xxh3} "
+                "(overwritten or corrupted)",
             )
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as archive:
@@ -104,12 +99,10 @@ def open_part(data: bytes, url: str, folder: str, check: PartCheck | None) -> di
     # archive to enter): they are not a part as written
     except Exception as error:
         reason = str(error).splitlines()[0] if str(error) else ""
-        raise DamagedCheckpointError(
-            Damage(
-                folder,
-                url,
-                f"not an .npz archive of arrays ({type(error).__name__}"
-                + (f": {reason[:120]}" if reason else "")
-                + ")",
-            )
+        raise damaged(
+            folder,
+            url,
+            f"not an .npz archive of arrays ({type(error).__name__}"
+            + (f": {reason[:120]}" if reason else "")
+            + ")",
         ) from None

@@ -6,8 +6,8 @@ A damaged checkpoint (a part missing, cut short or overwritten, a manifest unrea
 ``train.integrity``) is never used. Where the user named a fit's folder, or the stage runs
 again, the newest intact one is taken instead, with a ``UserWarning`` naming the damaged
 file, what is wrong with it and the checkpoint used; where the user named that one
-checkpoint's folder, ``InputError`` says which file is damaged and where the newest intact
-alternative is. Every task of an attempt thus starts from the same checkpoint.
+checkpoint's folder, ``DamagedCheckpointError`` (an ``InputError``) says which file is
+damaged and where the newest intact alternative is. Every task of an attempt thus starts from the same checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 import posixpath
 import warnings
 
-from allreduce_param.errors import InputError
+from allreduce_param.errors import DamagedCheckpointError, InputError
 from allreduce_param.train.checkpoint import Found, Manifest, find
 from allreduce_param.train.integrity import Damage
 from allreduce_param.train.task.job import TrainingJob
@@ -30,20 +30,28 @@ def resume_point(location: str) -> Manifest:
     if found.single and found.manifest is None:
         damage = found.damaged[0]
         alternative = find(posixpath.dirname(location)).manifest
-        raise InputError(
-            f"resume_from={location!r} is a damaged checkpoint: {damage}. "
-            + (
+        if alternative is not None:
+            way_on = (
                 f"The newest intact checkpoint of its fit is {alternative.folder} (step "
                 f"{alternative.step}): resume_from={alternative.folder!r}"
-                if alternative is not None
-                else f"Its fit's folder {posixpath.dirname(location)} holds no intact "
-                "checkpoint: train from the start"
             )
+        else:
+            way_on = (
+                f"Its fit's folder {posixpath.dirname(location)} holds no intact checkpoint: "
+                "train from the start"
+            )
+        raise DamagedCheckpointError(
+            f"resume_from={location!r} is a damaged checkpoint: {damage}. {way_on}",
+            damage.file,
+            damage.problem,
         )
     if found.manifest is None and found.damaged:
-        raise InputError(
+        newest_damage = found.damaged[0]
+        raise DamagedCheckpointError(
             f"resume_from={location!r} holds no intact checkpoint: {_listed(found.damaged)}. "
-            "Train from the start, or name another checkpoint"
+            "Train from the start, or name another checkpoint",
+            newest_damage.file,
+            newest_damage.problem,
         )
     if found.manifest is None:
         raise InputError(
