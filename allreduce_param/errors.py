@@ -66,6 +66,15 @@ class InputError(AllReduceError, ValueError):
     """A vector handed to the engine has the wrong length, shape or dtype."""
 
 
+class DamagedCheckpointError(InputError):
+    """A checkpoint's file is missing, cut short, or not what its manifest says (size,
+    checksum, contents); ``file`` names it and ``problem`` says what is wrong with it."""
+
+    def __init__(self, message: str, file: str = "", problem: str = "") -> None:
+        super().__init__(message)
+        self.file, self.problem = file, problem
+
+
 class NetworkError(AllReduceError):
     """A server could not listen: no free port in the allowed range, or an address this
     host does not have."""

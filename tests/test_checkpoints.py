@@ -3,7 +3,9 @@ and a fit resumed from one ends where the uninterrupted fit ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from conftest import blobs, train_on_threads
 from allreduce_param import (
     AllReduceParameter,
     ConfigurationError,
+    DamagedCheckpointError,
     FitSettings,
     InputError,
     SliceLayout,
@@ -19,7 +22,14 @@ from allreduce_param import (
     models,
     optim,
 )
-from allreduce_param.train.checkpoint import MANIFEST, CheckpointSettings, load_part, newest
+from allreduce_param.train.checkpoint import (
+    MANIFEST,
+    CheckpointSettings,
+    find,
+    load_part,
+    newest,
+)
+from allreduce_param.train.driver.resume import restart_point, resume_point
 from allreduce_param.train.result import STEP_FIELDS
 from allreduce_param.train.task.job import TrainingJob
 
@@ -104,20 +114,19 @@ def test_a_fit_resumed_from_a_checkpoint_ends_as_the_uninterrupted_one(tmp_path)
     assert json.loads(resumed[0]["resumed"]) == [8] and json.loads(whole[0]["resumed"]) == []
 
 
-def test_a_task_that_finds_its_fits_checkpoint_resumes_from_it(tmp_path):
-    """What a retried Spark stage does: the same job, the same folder, a newer checkpoint there."""
+def test_a_retried_stage_resumes_from_its_fits_newest_checkpoint(tmp_path):
+    """What the driver does when a task failed: the same job, resuming from the newest
+    complete checkpoint of its folder (a newer one that never completed is passed over)."""
     parts = parts_of(90, 3)
     whole = run(job_for(parts, tmp_path / "whole", every=5, keep=1), parts)
     job = job_for(parts, tmp_path / "retried", every=5, keep=3)
     run(job, parts)  # the "first attempt" leaves checkpoints behind; drop the ones after step 5
     for step, _ in folders(tmp_path / "retried").items():
         if step > 5:
-            for file in (tmp_path / "retried" / f"step-{step:010d}").iterdir():
-                file.unlink()
-            (tmp_path / "retried" / f"step-{step:010d}").rmdir()
+            shutil.rmtree(tmp_path / "retried" / f"step-{step:010d}")
     (tmp_path / "retried" / "step-0000000010").mkdir()  # a checkpoint that never completed
     (tmp_path / "retried" / "step-0000000010" / "part-00000-of-00003.npz").write_bytes(b"half")
-    again = run(job, parts)
+    again = run(restart_point(job), parts)
     assert json.loads(again[0]["resumed"]) == [5]
     assert np.array_equal(weights(again), weights(whole))
 
@@ -232,3 +241,105 @@ def test_the_probe_writes_and_removes_one_file_or_names_checkpoint_dir(tmp_path)
         ConfigurationError, match=r"^checkpoint_dir='.*/file/ckpt' cannot hold the fit's"
     ):
         under_a_file.probe()
+
+
+# ---- damaged checkpoints ----------------------------------------------------------------
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _replace(path):  # other bytes of the same size
+    path.write_bytes(np.random.default_rng(0).bytes(path.stat().st_size))
+
+
+#: each kind of damage: (the file it hits in a checkpoint folder, what it does, the problem named)
+DAMAGE = {
+    "truncated part": ("part-00001-of-00003.npz", _truncate, r"truncated: \d+ bytes, the manifest"),
+    "replaced part": ("part-00001-of-00003.npz", _replace, "checksum mismatch"),
+    "deleted part": ("part-00002-of-00003.npz", lambda path: path.unlink(), "missing"),
+    "manifest cut short": (MANIFEST, _truncate, "manifest unreadable"),
+}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One uninterrupted fit's checkpoints (after steps 5, 10 and 15) and final weights."""
+    folder = tmp_path_factory.mktemp("written")
+    parts = parts_of(90, 3)
+    return folder, weights(run(job_for(parts, folder, every=5, keep=3), parts))
+
+
+def damaged_copy(written, tmp_path, kind: str, step: int = 15):
+    """A copy of the written fit's folder with the checkpoint of ``step`` damaged by ``kind``."""
+    copy = tmp_path / "fit"
+    shutil.copytree(written[0], copy)
+    name, damage, _ = DAMAGE[kind]
+    damage(copy / f"step-{step:010d}" / name)
+    return copy, copy / f"step-{step:010d}" / name
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_retried_stage_passes_over_a_damaged_checkpoint_and_ends_as_the_uninterrupted_fit(
+    written, tmp_path, kind
+):
+    copy, file = damaged_copy(written, tmp_path, kind)
+    parts = parts_of(90, 3)
+    first = job_for(parts, copy, every=5, keep=3)
+    with pytest.warns(UserWarning, match=f"{file}: {DAMAGE[kind][2]}.*step-0000000010 .step 10."):
+        job = restart_point(first)
+    assert job.resume.step == 10
+    resumed = run(job, parts)
+    assert json.loads(resumed[0]["resumed"]) == [10]
+    assert np.array_equal(weights(resumed), written[1])
+    assert newest(str(copy)).step == 15  # the damaged checkpoint was written over, intact
+
+
+def test_resume_from_a_fit_folder_warns_and_from_a_damaged_step_folder_is_refused(
+    written, tmp_path
+):
+    copy, file = damaged_copy(written, tmp_path, "replaced part")
+    with pytest.warns(UserWarning, match=f"{file}: checksum mismatch.*resume_from="):
+        assert resume_point(str(copy)).step == 10
+    with pytest.raises(
+        DamagedCheckpointError,  # an InputError
+        match=f"is a damaged checkpoint: {file}: checksum mismatch.* The newest intact "
+        f"checkpoint of its fit is {copy}/step-0000000010 .step 10.: resume_from=",
+    ) as refused:
+        resume_point(str(copy / "step-0000000015"))
+    assert isinstance(refused.value, InputError) and refused.value.file == str(file)
+    for step in (5, 10):  # none intact: refused, or a retried stage starts over
+        DAMAGE["deleted part"][1](copy / f"step-{step:010d}" / "part-00002-of-00003.npz")
+    with pytest.raises(InputError, match="holds no intact checkpoint: .*step-0000000015/part"):
+        resume_point(str(copy))
+    with pytest.raises(InputError, match="holds no intact checkpoint: train from the start"):
+        resume_point(str(copy / "step-0000000015"))
+    first = job_for(parts_of(90, 3), copy)
+    with pytest.warns(UserWarning, match="checkpoints passed over: .* from the job's own start"):
+        assert restart_point(first).resume is None
+
+
+def test_a_part_damaged_after_the_driver_looked_fails_its_task_naming_the_file(written, tmp_path):
+    copy, file = damaged_copy(written, tmp_path, "replaced part", step=10)
+    manifest = find(str(copy)).manifest  # step 15, intact
+    _replace(copy / "step-0000000015" / "part-00000-of-00003.npz")
+    with pytest.raises(DamagedCheckpointError, match="part-00000-of-00003.npz: checksum mismatch"):
+        load_part(manifest, 0, SliceLayout(manifest.size, 3))
+    old = dataclasses.replace(manifest, checks=None)  # the format check alone
+    with pytest.raises(DamagedCheckpointError, match=r"part-00000.*: not an .npz archive of arr"):
+        load_part(old, 0, SliceLayout(manifest.size, 3))
+
+
+def test_a_checkpoint_written_before_checksums_still_resumes_exactly(written, tmp_path):
+    copy = tmp_path / "old"
+    shutil.copytree(written[0], copy)
+    manifest_file = copy / "step-0000000010" / MANIFEST
+    meta = json.loads(manifest_file.read_text())
+    del meta["parts"]
+    manifest_file.write_text(json.dumps(meta))
+    middle = newest(str(copy / "step-0000000010"))
+    assert middle.checks is None and newest(str(copy / "step-0000000015")).checks is not None
+    parts = parts_of(90, 3)
+    resumed = run(job_for(parts, tmp_path / "resumed", every=5, resume=middle), parts)
+    assert np.array_equal(weights(resumed), written[1])

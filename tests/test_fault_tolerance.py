@@ -3,14 +3,16 @@ attempt resumes from the newest checkpoint, and ends with the uninterrupted fit'
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import sys
 
 import numpy as np
 import pytest
 from pyspark import cloudpickle
 
-from allreduce_param import DistriOptimizer, models, optim
+from allreduce_param import DistriOptimizer, InputError, models, optim
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -40,12 +42,13 @@ def data(spark):
 
 class FailsOnce(models.MLP):
     """Partition 1 fails once, at its ``at``-th gradient: it raises, or its Python worker
-    process dies on the spot. A file counts the calls and marks the failure as done, so the
-    retried attempt (maybe in a new process) goes through."""
+    process dies on the spot, after truncating a part of the newest checkpoint under
+    ``damage`` (a checkpoint_dir) where one is given. A file counts the calls and marks the
+    failure as done, so the retried attempt (maybe in a new process) goes through."""
 
-    def __init__(self, folder: str, at: int, kill: bool) -> None:
+    def __init__(self, folder: str, at: int, kill: bool, damage: str | None = None) -> None:
         super().__init__([6, 8, 3])
-        self.folder, self.at, self.kill = folder, at, kill
+        self.folder, self.at, self.kill, self.damage = folder, at, kill, damage
 
     def loss_and_grad(self, weights, X, y):
         from pyspark import TaskContext
@@ -58,13 +61,17 @@ class FailsOnce(models.MLP):
                 count = calls.tell()
             if count == self.at:
                 open(done, "w").close()
+                if self.damage is not None:
+                    newest = sorted(glob.glob(os.path.join(self.damage, "fit-*", "step-*")))[-1]
+                    with open(os.path.join(newest, "part-00000-of-00002.npz"), "r+b") as part:
+                        part.truncate(100)
                 if self.kill:
                     os._exit(1)
                 raise ValueError(f"a fault injected at call {count}")
         return super().loss_and_grad(weights, X, y)
 
 
-def fit(data, model, folder, **settings):
+def fit(data, model, folder, resume_from=None, **settings):
     return DistriOptimizer(
         model,
         optim.Adam(lr=0.01),
@@ -77,7 +84,7 @@ def fit(data, model, folder, **settings):
         checkpoint_dir=str(folder),
         checkpoint_every=4,
         **settings,
-    ).fit(data)
+    ).fit(data, resume_from=resume_from)
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +125,34 @@ def test_a_finished_fit_continues_from_its_last_checkpoint(data, uninterrupted, 
     straight = longer.fit(data)
     assert continued.history.resumed == [24]
     assert np.array_equal(continued.weights, straight.weights)
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_older_intact_one(
+    data, uninterrupted, tmp_path
+):
+    marks, root = tmp_path / "marks", tmp_path / "checkpoints"
+    marks.mkdir()
+    # the checkpoint of step 8 is cut short, then the worker dies in step 10
+    failing = FailsOnce(str(marks), at=11, kill=True, damage=str(root))
+    with pytest.warns(UserWarning, match=r"step-0000000008/part-00000-of-00002.npz: truncated"):
+        result = fit(data, failing, root)
+    assert result.history.resumed == [4]
+    assert np.array_equal(result.weights, uninterrupted.weights)
+    # resume_from a fit's folder whose newest checkpoint is damaged: the older one, a warning
+    copy = tmp_path / "copy"
+    shutil.copytree(uninterrupted.history.checkpoints, copy)
+    (copy / "step-0000000024" / "part-00001-of-00002.npz").unlink()
+    with pytest.warns(UserWarning, match=r"step-0000000024/part-00001-of-00002.npz: missing"):
+        again = fit(data, models.MLP([6, 8, 3]), tmp_path / "again", resume_from=str(copy))
+    assert again.history.resumed == [20]
+    assert np.array_equal(again.weights, uninterrupted.weights)
+    # resume_from that damaged checkpoint itself: refused on the driver, naming the way on
+    with pytest.raises(
+        InputError, match=f"The newest intact checkpoint of its fit is {copy}/step-0000000020"
+    ):
+        fit(
+            data,
+            models.MLP([6, 8, 3]),
+            tmp_path / "refused",
+            resume_from=str(copy / "step-0000000024"),
+        )

@@ -17,8 +17,8 @@ import allreduce_param
 from allreduce_param._old_paths import MOVED
 
 PUBLIC = """AllReduceError AllReduceParameter AuthenticationError BarrierRendezvous CODECS
-CodecOverflowError ConfigurationError ConnectedParameter CorruptBlockError DistriOptimizer
-FetchTimeoutError FitSettings GradientStream History InputError LocalRendezvous NetworkError
+CodecOverflowError ConfigurationError ConnectedParameter CorruptBlockError DamagedCheckpointError
+DistriOptimizer FetchTimeoutError FitSettings GradientStream History InputError LocalRendezvous NetworkError
 NetworkSettings NonFiniteGradientError PeerLostError ProtocolError Rendezvous STRATEGIES
 SliceLayout StaleVersionError StaticRendezvous StoreClosedError Strategy TrainedModel
 TrainingError UsageError models optim""".split()

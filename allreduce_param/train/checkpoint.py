@@ -10,7 +10,14 @@ the tasks write there, so not through the driver's Hadoop, see ``storage``):
                                             slice of early stopping's best weights (if the
                                             fit stops early), and its records of the fit so far
     step-0000000880/manifest.json           written last, by partition 0, after every
-                                            partition has signalled its part written
+                                            partition has signalled its part written; it
+                                            names each part with its size and xxh3 checksum
+
+A resume verifies a checkpoint before it uses it (``find``, ``integrity``): every part
+there, of the size and checksum the manifest records, and an ``.npz`` of plain arrays with
+the slices the manifest promises. A damaged checkpoint is passed over for the newest intact
+one (``Found.damaged`` says which file and why); the driver decides, and warns or refuses
+(``train.driver.resume``).
 
 A checkpoint of step k holds the weights after the fit's first k global steps (under SSP
 and ASP: each slice once its owner had every partition's steps before k; gradients some
@@ -43,8 +50,9 @@ from typing import Any
 import numpy as np
 
 from allreduce_param.engine.layout import SliceLayout
-from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.errors import ConfigurationError, DamagedCheckpointError, InputError
 from allreduce_param.models.base import merge_buffers
+from allreduce_param.train.integrity import Damage, PartCheck, damaged, open_part, read_bytes
 from allreduce_param.train.storage import fsspec_filesystem
 
 log = logging.getLogger(__name__)
@@ -131,6 +139,8 @@ class Manifest:
     settings: dict
     # EarlyStopping.state() at the checkpoint, if the fit stops early
     early_stopping: dict | None = None
+    # each part's size and checksum, in order; None in a checkpoint written before they were
+    checks: tuple[PartCheck, ...] | None = None
 
     @property
     def parts(self) -> list[str]:
@@ -144,41 +154,123 @@ def _part_name(partition: int, partitions: int) -> str:
     return f"part-{partition:05d}-of-{partitions:05d}.npz"
 
 
-def read_manifest(folder: str) -> Manifest | None:
-    """The checkpoint in ``folder``, or None when it is not complete (no readable manifest)."""
+def _check_name(part_name: str) -> str:
+    """The file beside a part that holds its size and checksum until the manifest does."""
+    return f".{part_name}.check.json"
+
+
+def read_manifest(folder: str) -> Manifest | Damage | None:
+    """The checkpoint in ``folder`` as its manifest describes it (its parts not yet read);
+    None when it is not complete (no manifest: never written, or still being written); a
+    ``Damage`` when the manifest is there but unreadable (it is written whole, by a
+    rename, so one cut short or garbled was damaged afterwards)."""
+    folder = folder.rstrip("/")
     fs, path = fsspec_filesystem(folder, _PURPOSE)
+    url = posixpath.join(folder, MANIFEST)
     try:
-        with fs.open(posixpath.join(path, MANIFEST), "r") as file:
-            meta = json.load(file)
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        with fs.open(posixpath.join(path, MANIFEST), "rb") as file:
+            meta = json.loads(file.read().decode())
+    except FileNotFoundError:
         return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return Damage(folder, url, f"manifest unreadable, cut short or overwritten ({error})")
+    if not isinstance(meta, dict):
+        return Damage(folder, url, f"manifest unreadable: a JSON {type(meta).__name__}")
     if meta.get("format") != FORMAT:
         raise InputError(
             f"{folder} holds a checkpoint in format {meta.get('format')!r}; this version "
             f"reads {FORMAT}"
         )
-    return Manifest(
-        folder.rstrip("/"),
-        int(meta["step"]),
-        int(meta["partitions"]),
-        int(meta["size"]),
-        tuple(meta["state_names"]),
-        bool(meta["local_state"]),
-        dict(meta.get("settings", {})),
-        meta.get("early_stopping"),
-    )
+    try:
+        partitions = int(meta["partitions"])
+        entries = meta.get("parts")  # absent from checkpoints written before checksums
+        if entries is not None and (not isinstance(entries, list) or len(entries) != partitions):
+            raise ValueError(f"it names {len(entries)} parts of {partitions}")
+        return Manifest(
+            folder,
+            int(meta["step"]),
+            partitions,
+            int(meta["size"]),
+            tuple(meta["state_names"]),
+            bool(meta["local_state"]),
+            dict(meta.get("settings", {})),
+            meta.get("early_stopping"),
+            None
+            if entries is None
+            else tuple(
+                PartCheck.from_json(entry, _part_name(index, partitions))
+                for index, entry in enumerate(entries)
+            ),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        return Damage(folder, url, f"manifest unreadable ({type(error).__name__}: {error})")
+
+
+@dataclass(frozen=True)
+class Found:
+    """What ``find`` found at a location: ``manifest``, the newest intact checkpoint (None:
+    none); ``damaged``, the newer complete ones passed over, newest first, each with its
+    damaged file and why; ``single``, whether the location was one checkpoint's folder
+    (then ``damaged`` is about that one) rather than a fit's."""
+
+    manifest: Manifest | None
+    damaged: tuple[Damage, ...] = ()
+    single: bool = False
+
+
+def find(location: str) -> Found:
+    """The checkpoint at ``location`` itself (a ``step-...`` folder), or the newest intact
+    one in the fit folder ``location``, each verified (``verify``). Reads every part of the
+    checkpoints it looks at, newest first, until one is intact."""
+    location = location.rstrip("/")
+    fs, path = fsspec_filesystem(location, _PURPOSE)
+    if fs.exists(posixpath.join(path, MANIFEST)) or (
+        _STEP_FOLDER.search(location) and fs.isdir(path)
+    ):
+        inspected = _inspect(location)
+        if inspected is None:
+            inspected = Damage(
+                location,
+                posixpath.join(location, MANIFEST),
+                "missing: the checkpoint never completed (or its manifest was deleted)",
+            )
+        if isinstance(inspected, Damage):
+            return Found(None, (inspected,), single=True)
+        return Found(inspected, single=True)
+    damaged = []
+    for _step, folder in sorted(_step_folders(fs, path), reverse=True):
+        inspected = _inspect(posixpath.join(location, posixpath.basename(folder)))
+        if isinstance(inspected, Manifest):
+            return Found(inspected, tuple(damaged))
+        if inspected is not None:  # None: no manifest, a checkpoint that never completed
+            damaged.append(inspected)
+    return Found(None, tuple(damaged))
 
 
 def newest(location: str) -> Manifest | None:
-    """The checkpoint at ``location`` itself, or the newest complete one in the fit folder
-    ``location``; None when there is none."""
-    fs, path = fsspec_filesystem(location, _PURPOSE)
-    if fs.exists(posixpath.join(path, MANIFEST)):
-        return read_manifest(location)
-    for _step, folder in sorted(_step_folders(fs, path), reverse=True):
-        manifest = read_manifest(posixpath.join(location.rstrip("/"), posixpath.basename(folder)))
-        if manifest is not None:
-            return manifest
+    """The checkpoint at ``location`` itself, or the newest intact one in the fit folder
+    ``location``; None when there is none (``find`` says what was damaged)."""
+    return find(location).manifest
+
+
+def _inspect(folder: str) -> Manifest | Damage | None:
+    """The verified checkpoint in ``folder``, its damage, or None where it never completed."""
+    manifest = read_manifest(folder)
+    if not isinstance(manifest, Manifest):
+        return manifest
+    damage = verify(manifest)
+    return manifest if damage is None else damage
+
+
+def verify(manifest: Manifest) -> Damage | None:
+    """Whether every part of ``manifest``'s checkpoint is there and what it says (size,
+    checksum, an archive of the slices it promises); the first damage found, else None."""
+    fs, _ = fsspec_filesystem(manifest.folder, _PURPOSE)
+    try:
+        for index in range(manifest.partitions):
+            _records(manifest, index, _part(manifest, index, fs))
+    except DamagedCheckpointError as error:
+        return Damage(manifest.folder, error.file, error.problem)
     return None
 
 
@@ -199,6 +291,40 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
+
+
+def _part(manifest: Manifest, index: int, fs) -> dict[str, np.ndarray]:
+    """Part ``index`` of the checkpoint, checked: its size and checksum (where the manifest
+    records them), an archive of plain arrays, with the weight and optimizer state slices
+    the manifest promises; ``DamagedCheckpointError`` naming the file where it is not."""
+    url = manifest.parts[index]
+    data = read_bytes(fs, url, manifest.folder)
+    check = None if manifest.checks is None else manifest.checks[index]
+    arrays = open_part(data, url, manifest.folder, check)
+    length = SliceLayout(manifest.size, manifest.partitions).length(index)
+    for name in ["weights"] + [f"state/{name}" for name in manifest.state_names]:
+        array = arrays.get(name)
+        if array is None or array.ndim != 1 or array.dtype.kind != "f" or len(array) != length:
+            found = "none" if array is None else f"{array.dtype} {array.shape}"
+            raise damaged(
+                manifest.folder,
+                url,
+                f"not the part its manifest names: its {name!r} is {found}, not {length} floats",
+            )
+    return arrays
+
+
+def _records(manifest: Manifest, index: int, part: dict[str, np.ndarray]) -> dict:
+    """The records (JSON) in part ``index`` of the checkpoint."""
+    try:
+        records = json.loads(part["records.json"].tobytes())
+        if not isinstance(records, dict):
+            raise ValueError(f"a JSON {type(records).__name__}")
+        return records
+    except (KeyError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError included
+        raise damaged(
+            manifest.folder, manifest.parts[index], f"its records are unreadable ({error})"
+        ) from None
 
 
 class CheckpointWriter:
@@ -227,8 +353,13 @@ class CheckpointWriter:
         self._fs.makedirs(folder, exist_ok=True)
         payload = dict(arrays)
         payload["records.json"] = np.frombuffer(json.dumps(records).encode(), dtype=np.uint8)
-        with self._fs.open(posixpath.join(folder, _part_name(partition, partitions)), "wb") as file:
-            file.write(_npz_bytes(payload))
+        data, name = _npz_bytes(payload), _part_name(partition, partitions)
+        with self._fs.open(posixpath.join(folder, name), "wb") as file:
+            file.write(data)
+        # its size and checksum, for partition 0 to put in the manifest (after the part: a
+        # check file says its part is whole)
+        with self._fs.open(posixpath.join(folder, _check_name(name)), "w") as file:
+            json.dump(PartCheck.of(data).to_json(name), file)
 
     def write_manifest(
         self,
@@ -244,6 +375,8 @@ class CheckpointWriter:
         then remove complete ones beyond ``keep`` and incomplete ones older than it.
         ``early_stopping``: the fit's ``EarlyStopping.state()``, the same on every partition."""
         folder = self._folder(step)
+        names = [_part_name(index, partitions) for index in range(partitions)]
+        checks = [posixpath.join(folder, _check_name(name)) for name in names]
         meta = {
             "format": FORMAT,
             "step": step,
@@ -253,6 +386,7 @@ class CheckpointWriter:
             "local_state": local_state,
             "settings": settings,
             "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "parts": [self._read_check(url, folder, name) for url, name in zip(checks, names)],
         }
         if early_stopping is not None:
             meta["early_stopping"] = early_stopping
@@ -260,6 +394,7 @@ class CheckpointWriter:
         with self._fs.open(temporary, "w") as file:
             json.dump(meta, file, indent=1)
         self._fs.mv(temporary, posixpath.join(folder, MANIFEST))  # a rename: whole or absent
+        self._fs.rm(checks)  # the manifest holds them now
         complete, kept = [], 0
         for found_step, found in sorted(_step_folders(self._fs, self._root), reverse=True):
             if self._fs.exists(posixpath.join(found, MANIFEST)):
@@ -270,6 +405,16 @@ class CheckpointWriter:
             elif found_step >= step:
                 continue  # another partition may be writing a later checkpoint right now
             self._fs.rm(found, recursive=True)
+
+    def _read_check(self, url: str, folder: str, name: str) -> dict:
+        """A part's size and checksum, as its writer left them beside it."""
+        try:
+            with self._fs.open(url, "r") as file:
+                return json.load(file)
+        except (FileNotFoundError, json.JSONDecodeError) as error:
+            raise damaged(
+                folder, url, f"unreadable after its partition wrote {name} ({error})"
+            ) from None
 
 
 def load_part(
@@ -291,23 +436,23 @@ def load_part(
     fs, _ = fsspec_filesystem(manifest.folder, _PURPOSE)
     records: dict = {}
     same = manifest.partitions == layout.partition_num
-    for index, url in enumerate(manifest.parts):
+    for index in range(manifest.partitions):
         old_start, old_length = old.start(index), old.length(index)
         wanted = same and index == partition
         if not wanted and (old_start >= stop or old_start + old_length <= start or old_length == 0):
             continue
-        with fs.open(url, "rb") as file, np.load(io.BytesIO(file.read())) as part:
-            low, high = (
-                max(start, old_start) - old_start,
-                min(stop, old_start + old_length) - old_start,
-            )
-            for name in names:
-                pieces[name].append(part[name][low : max(low, high)])
-            if wanted:
-                records = json.loads(part["records.json"].tobytes())
-                for name in part.files:
-                    if name.startswith("local/"):
-                        records.setdefault("arrays", {})[name] = part[name]
+        part = _part(manifest, index, fs)
+        low, high = (
+            max(start, old_start) - old_start,
+            min(stop, old_start + old_length) - old_start,
+        )
+        for name in names:
+            pieces[name].append(part[name][low : max(low, high)])
+        if wanted:
+            records = _records(manifest, index, part)
+            for name in part:
+                if name.startswith("local/"):
+                    records.setdefault("arrays", {})[name] = part[name]
     arrays = {
         name: np.ascontiguousarray(np.concatenate(chunks), dtype=np.float32)
         if chunks
@@ -324,11 +469,11 @@ def load_best(manifest: Manifest) -> np.ndarray | None:
     epoch improved, or without early stopping)."""
     fs, _ = fsspec_filesystem(manifest.folder, _PURPOSE)
     slices = []
-    for url in manifest.parts:
-        with fs.open(url, "rb") as file, np.load(io.BytesIO(file.read())) as part:
-            if "best/weights" not in part.files:
-                return None
-            slices.append(part["best/weights"])
+    for index in range(manifest.partitions):
+        part = _part(manifest, index, fs)
+        if "best/weights" not in part:
+            return None
+        slices.append(part["best/weights"])
     best = np.concatenate(slices).astype(np.float32, copy=False)
     if best.size != manifest.size:
         raise InputError(
@@ -345,16 +490,14 @@ def load_buffers(
     part's when the checkpoint has as many partitions, else every part's merged (weighted by
     their training rows); None when the checkpoint holds no buffers."""
     fs, _ = fsspec_filesystem(manifest.folder, _PURPOSE)
-    urls = [manifest.parts[partition]] if manifest.partitions == partitions else manifest.parts
+    indices = [partition] if manifest.partitions == partitions else range(manifest.partitions)
     pieces = []
-    for url in urls:
-        with fs.open(url, "rb") as file, np.load(io.BytesIO(file.read())) as part:
-            buffers = {
-                name[len("buffers/") :]: part[name]
-                for name in part.files
-                if name.startswith("buffers/")
-            }
-            if not buffers:
-                return None
-            pieces.append((buffers, json.loads(part["records.json"].tobytes()).get("rows", 1)))
+    for index in indices:
+        part = _part(manifest, index, fs)
+        buffers = {
+            name[len("buffers/") :]: part[name] for name in part if name.startswith("buffers/")
+        }
+        if not buffers:
+            return None
+        pieces.append((buffers, _records(manifest, index, part).get("rows", 1)))
     return merge_buffers(pieces)

@@ -11,7 +11,7 @@ from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import dense_for, has_buffers, model_task, takes_sample_weight
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import task_slots
-from allreduce_param.train.checkpoint import Manifest, newest
+from allreduce_param.train.checkpoint import Manifest
 
 
 def check_model(model: Any) -> None:
@@ -99,18 +99,6 @@ def worker_count(spark: SparkInfo, requested: int | None, partitions: int) -> in
             "(local[N], spark.executor.instances x spark.executor.cores / spark.task.cpus)"
         )
     return workers
-
-
-def resume_point(location: str) -> Manifest:
-    """The checkpoint ``fit(resume_from=location)`` continues from: the one there, or the
-    newest of a fit's folder."""
-    found = newest(str(location))
-    if found is None:
-        raise InputError(
-            f"resume_from={str(location)!r} holds no complete checkpoint (no manifest.json "
-            "there, nor in a step-... folder of it)"
-        )
-    return found
 
 
 def check_resume(resume: Manifest, size: int, optimizer: Any) -> None:

@@ -23,7 +23,6 @@ from allreduce_param.train.driver.checks import (
     check_resume,
     check_takes_weights,
     model_size,
-    resume_point,
     worker_count,
 )
 from allreduce_param.train.driver.data import DataSummary, prepare_once
@@ -35,6 +34,7 @@ from allreduce_param.train.driver.partitioning import (
     refused_in_place,
     rows_in_place,
 )
+from allreduce_param.train.driver.resume import resume_point
 from allreduce_param.train.driver.stage import engine_parameter, run_stage
 from allreduce_param.train.records import StageOutput
 from allreduce_param.train.result import History, TrainedModel, fit_phases

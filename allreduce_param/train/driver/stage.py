@@ -12,6 +12,7 @@ from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.spark.arrow import record_batch
 from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error, task_failed
+from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
 from allreduce_param.train.rows import arrays_from_arrow, arrays_from_pairs
 from allreduce_param.train.settings import FitSettings
@@ -47,10 +48,10 @@ def run_stage(job: TrainingJob, kept, placed: Callable[[], Any], attempts: int) 
 
     The stage returns the records itself, and Spark never retries such a barrier stage
     when a task fails, so this runs it again, up to ``attempts`` runs in all; a new
-    attempt's tasks resume from the fit's newest checkpoint. (A shuffle after the stage
+    attempt's tasks resume from the fit's newest intact checkpoint (``restart_point``). (A shuffle after the stage
     would have Spark retry it, for a stage more on every fit.)"""
     submitted = time.time()
-    rows, failures = (kept if kept is not None else placed()), 0
+    rows, failures, first = (kept if kept is not None else placed()), 0, job
     while True:
         try:
             pairs = _stage(job, rows)
@@ -63,6 +64,7 @@ def run_stage(job: TrainingJob, kept, placed: Callable[[], Any], attempts: int) 
             if failures >= attempts or not task_failed(error):
                 # Spark's own report stays on it, as the cause
                 raise stage_error(error) from error
+            job = restart_point(first)  # the newest intact checkpoint, verified here
     output = StageOutput.of(pairs, job.param.partition_num)
     output.submitted = submitted
     return output

@@ -23,8 +23,9 @@ class TrainingJob:
     driver, where the partitions meet and, when the settings ask for progress, report their
     steps (None: they meet through ``allGather`` and report nothing). ``checkpoints``: where
     this fit writes its checkpoints (a folder of its own, chosen on the driver; None:
-    never); a task that finds one there (the stage ran again) resumes from the newest.
-    ``resume``: the checkpoint to start from otherwise (``fit(resume_from=...)``).
+    never). ``resume``: the checkpoint to start from, verified on the driver
+    (``fit(resume_from=...)``'s; when the stage runs again, the newest intact one of this
+    fit's, ``driver.resume.restart_point``); None: the model's initial weights.
     ``sparse``: the rows train as a CSR matrix (the driver found the data sparse), not a
     dense one.
     """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from allreduce_param.models.base import has_buffers
-from allreduce_param.train.checkpoint import load_best, load_buffers, load_part, newest
+from allreduce_param.train.checkpoint import load_best, load_buffers, load_part
 from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS, Started
 from allreduce_param.train.task.state import FitState
 
@@ -18,13 +18,15 @@ class Checkpoints(FitState):
     # ---- checkpoints -----------------------------------------------------------------------
 
     def _begin(self) -> int:
-        """Initialise the weights and the optimizer state, from the newest checkpoint of this
-        fit (the stage ran again), else the one to resume from, else the model; the
-        global step to start at."""
+        """Initialise the weights and the optimizer state, from the checkpoint the driver
+        chose (``job.resume``: ``resume_from``'s, or after a failed attempt the newest
+        intact one of this fit, verified there), else the model; the global step to start
+        at. Every part read is checked again (size, checksum, format): damage since the
+        driver looked fails the task with the file named, and the next attempt passes over
+        that checkpoint."""
         job, p = self.job, self.p
         local = job.local_sgd
-        found = newest(job.checkpoints.directory) if job.checkpoints is not None else None
-        manifest = found or job.resume
+        manifest = job.resume
         names = job.optimizer.state_names
         if manifest is None:
             self._report_start(0)

@@ -1,0 +1,101 @@
+"""Which checkpoint a fit starts from, decided on the driver, each verified before a task
+reads it: ``resume_from``'s (``resume_point``), and after a failed attempt the newest
+intact one of the fit's own (``restart_point``).
+
+A damaged checkpoint (a part missing, cut short or overwritten, a manifest unreadable:
+``train.integrity``) is never used. Where the user named a fit's folder, or the stage runs
+again, the newest intact one is taken instead, with a ``UserWarning`` naming the damaged
+file, what is wrong with it and the checkpoint used; where the user named that one
+checkpoint's folder, ``DamagedCheckpointError`` (an ``InputError``) says which file is
+damaged and where the newest intact alternative is. Every task of an attempt thus starts from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+import warnings
+
+from allreduce_param.errors import DamagedCheckpointError, InputError
+from allreduce_param.train.checkpoint import Found, Manifest, find
+from allreduce_param.train.integrity import Damage
+from allreduce_param.train.task.job import TrainingJob
+
+
+def resume_point(location: str) -> Manifest:
+    """The checkpoint ``fit(resume_from=location)`` continues from: the one there, or the
+    newest intact one of a fit's folder."""
+    location = str(location).rstrip("/")
+    found = find(location)
+    if found.single and found.manifest is None:
+        damage = found.damaged[0]
+        alternative = find(posixpath.dirname(location)).manifest
+        if alternative is not None:
+            way_on = (
+                f"The newest intact checkpoint of its fit is {alternative.folder} (step "
+                f"{alternative.step}): resume_from={alternative.folder!r}"
+            )
+        else:
+            way_on = (
+                f"Its fit's folder {posixpath.dirname(location)} holds no intact checkpoint: "
+                "train from the start"
+            )
+        raise DamagedCheckpointError(
+            f"resume_from={location!r} is a damaged checkpoint: {damage}. {way_on}",
+            damage.file,
+            damage.problem,
+        )
+    if found.manifest is None and found.damaged:
+        newest_damage = found.damaged[0]
+        raise DamagedCheckpointError(
+            f"resume_from={location!r} holds no intact checkpoint: {_listed(found.damaged)}. "
+            "Train from the start, or name another checkpoint",
+            newest_damage.file,
+            newest_damage.problem,
+        )
+    if found.manifest is None:
+        raise InputError(
+            f"resume_from={location!r} holds no complete checkpoint (no manifest.json "
+            "there, nor in a step-... folder of it)"
+        )
+    if found.damaged:
+        _warn(found, f"resume_from={location!r}")
+    return found.manifest
+
+
+def restart_point(job: TrainingJob) -> TrainingJob:
+    """The job a stage runs again with after a failed attempt: resuming from the newest
+    intact checkpoint of the fit's folder, else from where the first attempt started
+    (``resume_from``'s checkpoint, or the start). ``job``: the fit's first attempt's."""
+    if job.checkpoints is None:
+        return job
+    found = find(job.checkpoints.directory)
+    if found.damaged:
+        _warn(
+            found,
+            "the stage runs again and",
+            otherwise="the job's own start: "
+            + (f"{job.resume.folder} (step {job.resume.step})" if job.resume else "step 0"),
+        )
+    if found.manifest is None:
+        return job
+    return dataclasses.replace(job, resume=found.manifest)
+
+
+def _warn(found: Found, who: str, otherwise: str = "") -> None:
+    """A ``UserWarning`` naming the damaged checkpoints passed over and the one used."""
+    used = (
+        f"{found.manifest.folder} (step {found.manifest.step})"
+        if found.manifest is not None
+        else otherwise
+    )
+    warnings.warn(
+        f"damaged checkpoint{'s' if len(found.damaged) > 1 else ''} passed over: "
+        f"{_listed(found.damaged)}; {who} resumes from {used} instead",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _listed(damaged: tuple[Damage, ...]) -> str:
+    return "; ".join(str(damage) for damage in damaged)
