@@ -1,19 +1,22 @@
 """Training data, checked and shaped on the driver before any task starts.
 
-On the driver, ``prepare`` checks the columns before any task starts (a missing column, a
-vector of the wrong length, NaN labels, ragged rows, NaN or Inf features, and for a
-classifier labels that are no class id each get a clear error) and shapes the DataFrame
-into ``features: array<float>, label: double, split: int`` (0 train, 1 validation). With a
-column of sample weights (``weight_col``) it adds a fourth, ``weight: double``, after them:
-each weight must be a finite number >= 0, and each split's weights must not all be 0 (the
-gradient is the weighted mean; a split that weighs nothing has none). Without one the
-DataFrame keeps the three columns, and nothing changes for an unweighted fit. Every
-row check is part of its one pass over the data (numpy over Arrow batches, one Spark stage),
-so a bad row fails the fit there, in seconds, not as a NonFiniteGradientError or a label
-error at some step of the barrier stage.
+On the driver, ``prepare`` checks the columns before any task starts (a missing column,
+vectors of different lengths, null rows, NaN labels, NaN or Inf features, sparse vectors
+whose indices are out of range or order, and for a classifier labels that are no class id
+each get a clear error naming the first bad row) and shapes the DataFrame into
+``features, label: double, split: int`` (0 train, 1 validation). ``features`` stays a
+vector column where the data has one (sparse vectors stay sparse: a task reads their parts
+into a CSR matrix, ``train.features``), else ``array<float>``. With a column of sample
+weights (``weight_col``) it adds a fourth, ``weight: double``, after them: each weight must
+be a finite number >= 0, and each split's weights must not all be 0 (the gradient is the
+weighted mean; a split that weighs nothing has none). Without one the DataFrame keeps the
+three columns, and nothing changes for an unweighted fit. Every row check is part of its
+one pass over the data (numpy over Arrow batches, one Spark stage), so a bad row fails the
+fit there, in seconds, not as a NonFiniteGradientError or a label error at some step of
+the barrier stage. The same pass counts the stored non-zeros, which decide whether the fit
+trains on sparse rows (``DataSummary.sparse``).
 Inside a task, ``train.rows`` turns the partition's rows into numpy arrays.
 """
-
 from __future__ import annotations
 
 import functools
@@ -67,7 +70,9 @@ class DataSummary:
     ``weighted``: whether it was prepared with ``weight_col``, so its rows carry the
     ``weight`` column (``prepared_columns(summary.weighted)`` are its columns): what
     ``partitioning.place_rows_once`` goes by, without asking Spark for the schema (under
-    Spark Connect a round trip).
+    Spark Connect a round trip). ``sparse``: the data trains as CSR rows (its ``nonzeros``,
+    the stored values that are not 0 over both splits, fill at most ``SPARSE_DENSITY`` of
+    rows x n_features; ``features.is_sparse``), and ``sample`` is then a CSR row too.
     """
 
     n_features: int
