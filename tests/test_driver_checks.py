@@ -469,6 +469,47 @@ def test_prepare_once_keeps_weighted_and_unweighted_checks_apart(spark):
         data.unpersist()
 
 
+# ---- data that trains, with a warning ----------------------------------------------------
+
+
+def test_workers_without_rows_a_batch_beyond_the_data_and_classes_without_rows_are_warned(
+    spark,
+):
+    """Three training rows of classes 0 and 1 for a 3-class model on 4 workers, batch 8:
+    the fit runs (each is the user's call), and says what it will do with each."""
+    X, y = blobs(rows=3)
+    y = np.asarray([0.0, 1.0, 1.0])
+    data = frame(spark, X, y).coalesce(1)
+    with pytest.warns(UserWarning) as caught:
+        trained = trainer(models.MLP([FEATURES, 8, CLASSES]), batch_size=8, num_workers=4).fit(data)
+    messages = [str(warning.message) for warning in caught]
+    assert any(
+        m.startswith("1 of the 4 workers get no training rows (3 rows for 4 workers)")
+        for m in messages
+    ), messages
+    assert any(
+        m.startswith("batch_size=8 is larger than the 3 training rows: every step takes all")
+        for m in messages
+    ), messages
+    assert any(
+        m.startswith(
+            "the training labels hold 2 distinct classes but the model has 3 (ids 0..2); no "
+            "training row has class 2"
+        )
+        for m in messages
+    ), messages
+    assert len(trained.history.epochs) == 1
+
+
+def test_data_that_fills_its_workers_and_classes_trains_without_a_warning(spark):
+    import warnings
+
+    X, y = blobs(rows=48)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer(models.MLP([FEATURES, 8, CLASSES]), num_workers=4).fit(frame(spark, X, y))
+
+
 # ---- checkpoints -----------------------------------------------------------------------
 
 

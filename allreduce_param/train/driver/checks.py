@@ -114,3 +114,52 @@ def check_resume(resume: Manifest, size: int, optimizer: Any) -> None:
             f"{optimizer!r} needs {list(optimizer.state_names)}: resume with the "
             "optimizer the checkpoint was made with"
         )
+
+
+def warn_about_data(
+    summary, workers: int, batch_size: int, in_place: bool, num_classes: int | None
+) -> None:
+    """UserWarnings, on the driver, for data that trains but likely not as meant: workers
+    that get no training rows, a batch larger than the training data, and a classifier
+    whose training labels leave some of its classes without a row. ``in_place``: worker k
+    trains on the data's partition k as it lies (else rows are dealt out evenly)."""
+    import warnings
+
+    from allreduce_param.train.columns import TRAIN
+
+    rows = summary.rows(TRAIN)
+    holding = {count.partition for count in summary.partition_counts if count.split == TRAIN}
+    empty = workers - len(holding) if in_place else max(0, workers - rows)
+    if empty > 0:
+        warnings.warn(
+            f"{empty} of the {workers} workers get no training rows ("
+            + (
+                f"{workers - len(holding)} of the data's partitions are empty"
+                if in_place
+                else f"{rows} rows for {workers} workers"
+            )
+            + "); they take part in every step with nothing to add: repartition the data "
+            "(df.repartition(n)) or pass num_workers=<fewer>",
+            UserWarning,
+            stacklevel=3,
+        )
+    if batch_size > rows:
+        warnings.warn(
+            f"batch_size={batch_size} is larger than the {rows} training rows: every step takes "
+            "all of them (full-batch gradient descent, one step an epoch); pass a smaller "
+            "batch_size for mini-batches",
+            UserWarning,
+            stacklevel=3,
+        )
+    labels = summary.train_labels
+    if num_classes is not None and labels is not None and len(labels) < num_classes:
+        missing = sorted(set(range(num_classes)) - {int(label) for label in labels})
+        shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+        warnings.warn(
+            f"the training labels hold {len(labels)} distinct classes but the model has "
+            f"{num_classes} (ids 0..{num_classes - 1}); no training row has class {shown}: "
+            "the model will never predict it. Check the labels (a filter that dropped a "
+            "class?) or the label metadata from StringIndexer",
+            UserWarning,
+            stacklevel=3,
+        )

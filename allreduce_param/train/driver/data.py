@@ -17,6 +17,7 @@ the barrier stage. The same pass counts the stored non-zeros, which decide wheth
 trains on sparse rows (``DataSummary.sparse``).
 Inside a task, ``train.rows`` turns the partition's rows into numpy arrays.
 """
+
 from __future__ import annotations
 
 import functools
@@ -83,6 +84,7 @@ class DataSummary:
     weighted: bool = False
     sparse: bool = False
     nonzeros: int = 0
+    train_labels: tuple | None = None  # the training rows' distinct labels (None: too many)
 
     def rows(self, split: int = TRAIN) -> int:
         """How many rows of ``split`` (TRAIN or VALIDATION) the data has."""
@@ -185,6 +187,7 @@ def prepare(
         )
         if split == TRAIN:
             first_row, first_label = stats["first_features"], stats["first_label"]
+            labels = stats["labels"]
         nonzeros += stats["nonzeros"]
         rows += stats["rows"]
     if len(lengths) == 2 and lengths[0] != lengths[1]:
@@ -204,6 +207,7 @@ def prepare(
         weighted=weighted,
         sparse=sparse,
         nonzeros=nonzeros,
+        train_labels=None if labels is None else tuple(labels),
     )
 
 
@@ -546,6 +550,7 @@ def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> d
         total[key] += part[key]
     if "weight_sum" in part:
         total["weight_sum"] += part["weight_sum"]
+    total["labels"] = _merge_labels(total.get("labels"), part.get("labels"))
     for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
         if part[key] is not None:
             total[key] = part[key] if total[key] is None else pick(total[key], part[key])
@@ -606,6 +611,7 @@ def _partition_statistics(
                 "first_features": _row_entries(parts, first, bad_indices[first]),
                 "first_label": None if label_null[first] else float(labels[first]),
                 "too_large_labels_largest": None,
+                "labels": _distinct_labels(labels[rows]),
             }
             if weighted:  # the good weights only: the bad are counted, and refused, apart
                 stats["weight_sum"] = float(weights[rows][~bad["bad_weights"][rows]].sum())
@@ -621,6 +627,24 @@ def _partition_statistics(
                     stats["too_large_labels_largest"] = float(labels[failed].max())
             found[int(split)] = _merge_statistics(found.get(int(split)), stats, names)
     return found
+
+
+#: The most distinct labels the check pass lists (a classifier's classes); more: not listed.
+DISTINCT_LABELS_KEPT = 10_000
+
+
+def _distinct_labels(labels: np.ndarray) -> list[float] | None:
+    """The distinct finite labels among ``labels``, or None when there are more than
+    ``DISTINCT_LABELS_KEPT`` (a regression target: not worth listing)."""
+    distinct = np.unique(labels[np.isfinite(labels)])
+    return distinct.tolist() if len(distinct) <= DISTINCT_LABELS_KEPT else None
+
+
+def _merge_labels(first: list | None, second: list | None) -> list | None:
+    if first is None or second is None:
+        return None
+    merged = sorted(set(first) | set(second))
+    return merged if len(merged) <= DISTINCT_LABELS_KEPT else None
 
 
 def _first_of(ids: np.ndarray, rows: np.ndarray) -> dict | None:

@@ -23,6 +23,7 @@ from allreduce_param.train.driver.checks import (
     check_resume,
     check_takes_weights,
     model_size,
+    warn_about_data,
     worker_count,
 )
 from allreduce_param.train.driver.data import DataSummary, prepare_once
@@ -224,6 +225,9 @@ class DistriOptimizer:
                 sparse=summary is not None and summary.sparse,
             )
             kept, placed = self._placement(source, workers, summary)
+            if summary is not None:
+                num_classes = getattr(self.model, "num_classes", None)
+                warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
             try:
                 output = run_stage(job, kept, placed, stage_attempts(spark))
             except TrainingError as error:
