@@ -338,3 +338,19 @@ def test_the_driver_names_bad_sparse_rows(spark, case):
     df = sparse_rows(spark, rows(Vectors)).coalesce(1)
     with pytest.raises(InputError, match=message):
         prepare(df, "features", "label")
+
+
+def test_an_estimator_reads_the_width_of_sparse_vectors_without_metadata(spark):
+    """A vector column made without ML metadata (no VectorAssembler, no HashingTF): the
+    Estimator takes the width from one vector's size, never from a dense copy."""
+    from pyspark.ml.linalg import Vectors
+
+    from allreduce_param.ml import AllReduceRegressor
+
+    vectors = [Vectors.sparse(5000, [i % 5000, (7 * i) % 5000], [1.0, 2.0]) for i in range(1, 41)]
+    df = sparse_rows(spark, vectors, [float(i % 3) for i in range(40)])
+    assert "ml_attr" not in df.schema["features"].metadata
+    fitted = AllReduceRegressor(hiddenLayers=[], batchSize=8, maxEpochs=1, showProgress=False)
+    model = fitted.fit(df)
+    assert model.numFeatures == 5000 and model.weights.size == 5001
+    assert model.transform(df).where("prediction IS NULL").count() == 0
