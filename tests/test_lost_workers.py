@@ -3,8 +3,10 @@ crash in native code) or runs out of memory ends the fit with one clear error na
 partition, the likely cause and what to change; the stage runs again only as often as
 ``spark.stage.maxConsecutiveAttempts`` says, announced each time, and never hangs.
 
-(A worker killed once, with retries, resumes from the newest checkpoint and ends with the
-uninterrupted fit's weights: ``test_fault_tolerance``.)
+Also: how the driver reads Spark's report of it (whichever task's failure Spark reports
+first), and a partition with no memory left to map a peer's block, which is its own
+``MemoryError``, not the peer's loss. (A worker killed once, with retries, resumes from the
+newest checkpoint and ends with the uninterrupted fit's weights: ``test_fault_tolerance``.)
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import numpy as np
 import pytest
 from pyspark import cloudpickle
 
-from allreduce_param import DistriOptimizer, TrainingError, models, optim
-from allreduce_param.train.driver.failures import OUT_OF_MEMORY_ADVICE
+from allreduce_param import DistriOptimizer, PeerLostError, TrainingError, models, optim
+from allreduce_param.train.driver.failures import OUT_OF_MEMORY_ADVICE, stage_error
+from allreduce_param.train.records import task_failure
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -126,3 +129,124 @@ def test_a_worker_out_of_memory_under_its_limit_says_which_setting_to_raise(data
     assert message.startswith("partition 1, epoch 0, step 1: MemoryError"), message
     assert "Unable to allocate 16.0 GiB" in message
     assert f". {OUT_OF_MEMORY_ADVICE} (the fit ran its stage 4 times" in message
+
+
+# ---- how the driver reads Spark's report of a dead worker (Spark's text, no session) ------
+
+#: the head of what Spark's driver raises when a task of the fit's stage failed
+ABORTED = (
+    "An error occurred while calling o222.collectToPython.\n: org.apache.spark.SparkException: "
+    "Job aborted due to stage failure: Could not recover from a failed barrier ResultStage. "
+    "Most recent failure reason: Stage failed because barrier task ResultTask(26, {task}) "
+    "finished unsuccessfully.\n"
+)
+
+
+def test_the_dead_worker_is_named_whether_spark_reports_it_or_the_peer_that_lost_it():
+    crashed = ABORTED.format(task=1) + (
+        "org.apache.spark.SparkException: Python worker exited unexpectedly (crashed). Consider "
+        "setting 'spark.python.worker.faulthandler.enabled' ...\n\tat org.apache.spark.api..."
+    )
+    lost = PeerLostError(
+        "partition 1 at 127.0.0.1:4100 closed the connection ([Errno 104] Connection reset by "
+        "peer) while we fetched gradient block from partition 1 to partition 0, version 4, "
+        "without a word: its task failed or its executor was lost, ..."
+    )
+    peer = ABORTED.format(task=0) + (
+        "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        '  File "stage.py", line 78, in arrow_task\n'
+        f"allreduce_param.errors.TrainingError: {task_failure(0, ', epoch 0, step 4', lost)}\n"
+        " SQLSTATE: 38000\n\tat org.apache.spark.api..."
+    )
+    by_spark, by_peer = stage_error(Exception(crashed)), stage_error(Exception(peer))
+    assert str(by_spark).startswith(
+        "partition 1's Python worker died in the middle of the fit (Spark: Python worker exited "
+        "unexpectedly): it was killed, most often for using more memory than it may"
+    )
+    assert str(by_peer).startswith(
+        "partition 1's Python worker died in the middle of the fit (partition 0 (epoch 0, step 4) "
+        "found that it closed the connection ([Errno 104] Connection reset by peer) while "
+        "fetching gradient block from partition 1 to partition 0, version 4, without a word): "
+        "it was killed, most often for using more memory than it may"
+    )
+    assert "or its executor was lost" in str(by_peer)
+    for error in (by_spark, by_peer):
+        assert isinstance(error, TrainingError)
+        assert OUT_OF_MEMORY_ADVICE in str(error)
+        assert "spark.python.worker.faulthandler.enabled=true" in str(error)
+    assert str(stage_error(Exception(crashed), runs=3)).endswith(
+        "(the fit ran its stage 3 times, as spark.stage.maxConsecutiveAttempts allows, and "
+        "every run failed: this is the last run's error)"
+    )
+
+
+def test_a_memory_error_before_the_training_loop_names_the_partition_and_the_settings():
+    text = ABORTED.format(task=1) + (
+        "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        '  File "rows.py", line 40, in arrays_from_arrow\n'
+        "MemoryError\n\n\tat org.apache.spark.api..."
+    )
+    assert str(stage_error(Exception(text))) == (
+        "a task of the fit (partition 1) failed outside its training loop: MemoryError. "
+        f"{OUT_OF_MEMORY_ADVICE}"
+    )
+
+
+def limited_fetch(results) -> None:
+    """Two partitions (threads) of this process on one host; partition 1 fetches the
+    weights, whose block it maps from partition 0's shared memory, under an address-space
+    limit with no room for the mapping (as spark.executor.pyspark.memory sets one)."""
+    import resource
+
+    from allreduce_param import AllReduceParameter, LocalRendezvous
+
+    param, group = AllReduceParameter(2, 1000, codec="raw", timeout=30), LocalRendezvous(2)
+    fetched = threading.Barrier(2)
+    outcome = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            with param.connect(group.member(i)) as p:
+                p.init(np.zeros(1000, np.float32))
+                if i == 0:
+                    p.get_weights()  # before the limit: partition 0 maps partition 1's memory
+                fetched.wait(30)
+                if i == 1:
+                    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+                    status = open("/proc/self/status").read()
+                    used = int(status.split("VmSize:")[1].split()[0]) * 1024
+                    resource.setrlimit(resource.RLIMIT_AS, (used + (64 << 20), hard))
+                    try:
+                        p.get_weights()
+                    finally:
+                        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            outcome[i] = "trained"
+        except BaseException as error:  # the test inspects it
+            outcome[i] = f"{type(error).__name__}: {error}"
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    results.put(outcome)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and RLIMIT_AS: Linux")
+def test_no_memory_to_map_a_peers_block_is_this_partitions_memory_error_not_the_peers_loss():
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # the limit stays in a process of its own
+    results = context.Queue()
+    process = context.Process(target=limited_fetch, args=(results,))
+    process.start()
+    try:
+        outcome = results.get(timeout=120)
+    finally:
+        process.join(60)
+    assert outcome[1].startswith(
+        "MemoryError: this partition ran out of memory ([Errno 12] Cannot allocate memory) while "
+        "it fetched weight block from partition 0 to all, version 0: it maps the shared memory"
+    ), outcome
+    assert "spark.executor.pyspark.memory" in outcome[1]
+    assert "PeerLostError" not in outcome[0], outcome  # partition 0 did not lose a peer

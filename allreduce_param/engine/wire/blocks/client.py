@@ -284,12 +284,10 @@ class PeerClient:
         """This process, not the peer, could not get memory (ENOMEM) for ``what``: most
         often mapping the peer's shared memory under a limit on the address space."""
         return MemoryError(
-            f"this partition ran out of memory while it fetched {what} from {self._peer_text} "
-            f"({error}): a peer's blocks on this host are read from its shared memory, mapped "
-            "here, and a limit on the address space counts the mappings (under Spark, "
-            "spark.executor.pyspark.memory sets that limit on each Python worker): raise the "
-            "limit or leave it unset, and give the executors the memory "
-            "(spark.executor.memoryOverhead)"
+            f"this partition ran out of memory ({error}) while it fetched {what}: it maps the "
+            "shared memory its peers on this host publish blocks in, and a limit on its address "
+            "space counts the mappings (under Spark, spark.executor.pyspark.memory sets one on "
+            "each Python worker): raise that limit or leave it unset"
         )
 
     def _answer_error(
