@@ -180,6 +180,31 @@ def test_the_dead_worker_is_named_whether_spark_reports_it_or_the_peer_that_lost
     )
 
 
+def test_a_lost_executor_is_named_with_its_reason_and_the_memory_settings():
+    # as a local-cluster reports an executor whose JVM was SIGKILLed in the middle of a fit
+    text = (
+        "An error occurred while calling o166.collectToPython.\n: org.apache.spark.SparkException: "
+        "Job aborted due to stage failure: ResultStage 8 (collect at stage.py:107) has failed the "
+        "maximum allowable number of times: 4. Most recent failure reason: Stage failed because "
+        "barrier task ResultTask(8, 1) finished unsuccessfully.\nExecutorLostFailure (executor 1 "
+        "exited caused by one of the running tasks) Reason: Command exited with code 137\n"
+        "\tat org.apache.spark.scheduler.DAGScheduler..."
+    )
+    error = stage_error(Exception(text))
+    assert isinstance(error, TrainingError)
+    assert str(error) == (
+        "partition 1's executor was lost in the middle of the fit (Spark: ExecutorLostFailure "
+        "(executor 1 exited caused by one of the running tasks) Reason: Command exited with code "
+        "137): it was killed, most often for using more memory than its container may (exit code "
+        "137 is SIGKILL), or its machine went away. Give the executors more memory: "
+        "spark.executor.memoryOverhead (the Python workers' and native memory) or "
+        "spark.executor.memory (the JVM's), or put fewer rows on each worker (a larger "
+        "num_workers, more executors) (the fit ran its stage 4 times, as "
+        "spark.stage.maxConsecutiveAttempts allows, and every run failed: this is the last "
+        "run's error)"
+    )
+
+
 def test_a_memory_error_before_the_training_loop_names_the_partition_and_the_settings():
     text = ABORTED.format(task=1) + (
         "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"

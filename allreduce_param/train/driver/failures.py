@@ -24,6 +24,10 @@ UNSUPPORTED_CHAIN = "BarrierJobUnsupportedRDDChainException"
 #: what Spark says when a task's Python worker process died under it: killed (by the
 #: kernel for memory, by a container's limit) or crashed in native code
 WORKER_CRASHED = "Python worker exited unexpectedly"
+#: what Spark says when a task's executor (its JVM, with its Python workers) went away
+_EXECUTOR_LOST = re.compile(r"ExecutorLostFailure \(([^)\n]*)\)(?: Reason: ([^\n]*))?")
+#: Spark ran the stage again itself (after a lost executor), this many runs in all
+_SPARK_RUNS = re.compile(r"has failed the maximum allowable number of times: (\d+)")
 #: the task whose failure Spark reports, ``ResultTask(stage, partition)``
 _FAILED_TASK = re.compile(r"barrier task \w*Task\(\d+, (\d+)\)")
 #: a Python error outside the training loop (e.g. the task's closure failed to unpickle);
@@ -63,7 +67,8 @@ def stage_error(error: Exception, runs: int = 1) -> Exception:
 
     A partition that lost a failed peer quotes what that peer said; the innermost quote
     is the root cause, whichever task's failure Spark reported. A task whose Python worker
-    died (``WORKER_CRASHED``) or ran out of memory gets what to change for it.
+    died (``WORKER_CRASHED``), whose executor was lost, or that ran out of memory gets what
+    to change for it.
     """
     text = str(error)
     if NOT_ENOUGH_SLOTS in text:  # where the slots could only be estimated first (Spark Connect)
@@ -73,6 +78,8 @@ def stage_error(error: Exception, runs: int = 1) -> Exception:
             "tries); lower num_workers, or give Spark more executors or cores"
         )
     found = _task_error(error)
+    spark_runs = _SPARK_RUNS.search(text)
+    runs = max(runs, int(spark_runs.group(1)) if spark_runs else 1)
     if _OUT_OF_MEMORY.search(str(found)) and OUT_OF_MEMORY_ADVICE not in str(found):
         found = TrainingError(f"{found}. {OUT_OF_MEMORY_ADVICE}")
     if runs > 1:
@@ -113,6 +120,18 @@ def _task_error(error: Exception) -> TrainingError:
     partition = task.group(1) if task else "?"
     if WORKER_CRASHED in text:
         return _worker_died(partition, "Spark: Python worker exited unexpectedly")
+    executor = _EXECUTOR_LOST.search(text)
+    if executor is not None:
+        detail, reason = executor.groups()
+        said = f" Reason: {reason}" if reason else ""
+        return TrainingError(
+            f"partition {partition}'s executor was lost in the middle of the fit (Spark: "
+            f"ExecutorLostFailure ({detail}){said}): it was killed, most often for using more "
+            "memory than its container may (exit code 137 is SIGKILL), or its machine went "
+            "away. Give the executors more memory: spark.executor.memoryOverhead (the Python "
+            "workers' and native memory) or spark.executor.memory (the JVM's), or put fewer "
+            "rows on each worker (a larger num_workers, more executors)"
+        )
     failure = recover_task_failure(text)
     if failure is not None:
         gone = _PEER_GONE.search(str(failure))
