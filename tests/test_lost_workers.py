@@ -94,6 +94,7 @@ def fit_within(seconds: float, data, model) -> BaseException | None:
 
 def test_a_worker_killed_in_every_run_ends_the_fit_with_one_clear_error(data):
     with pytest.warns(RuntimeWarning, match="the fit's stage failed, run 1 of at most 4") as said:
+        # 240 s, all 4 runs, is less than the 300 s a peer waits (timeout): none waits it out
         error = fit_within(240, data, DiesAtStep(at=3, how="kill"))
     assert isinstance(error, TrainingError), error
     message = str(error)
