@@ -113,7 +113,8 @@ class DistriOptimizer:
     a folder of its own there, ``checkpoint_every`` steps (or each ``"epoch"``, the default)
     and after the last step, keeping the newest ``checkpoint_keep``. When a task fails, the
     fit runs its stage again, up to ``spark.stage.maxConsecutiveAttempts`` times in all (4
-    by default), and the new attempt resumes from the newest one instead of starting over;
+    by default; each run again is announced with a ``RuntimeWarning`` saying why), and the
+    new attempt resumes from the newest one instead of starting over;
     ``fit(resume_from=...)`` continues a stopped or finished fit from one.
 
     ``early_stopping_patience=k`` ends the fit once the loss on ``fit(validation=...)`` has
