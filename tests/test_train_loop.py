@@ -22,11 +22,25 @@ from allreduce_param.train.task.job import TrainingJob
 run_workers = train_on_threads
 
 
-def reference_fit(model, optimizer, parts, batch_size: int, epochs: int, seed: int) -> np.ndarray:
-    """Single-process mini-batch training over the very global batches the workers build."""
+def reference_fit(
+    model,
+    optimizer,
+    parts,
+    batch_size: int,
+    epochs: int,
+    seed: int,
+    penalty: optim.ElasticNet | None = None,
+    fit_intercept: bool = True,
+) -> np.ndarray:
+    """Single-process mini-batch training over the very global batches the workers build;
+    with ``penalty`` on the model's ``penalized()`` coordinates, and without
+    ``fit_intercept`` its other coordinates held at 0."""
     counts = [len(X) for X, _ in parts]
     steps = steps_per_epoch(sum(counts), batch_size)
     weights = model.init(np.random.default_rng(seed))
+    mask = model.penalized()
+    if not fit_intercept:
+        weights[~mask] = 0.0
     state = optimizer.init_state(weights.size)
     sizes = global_batch_sizes(counts, steps)
     global_step = 0
@@ -41,10 +55,20 @@ def reference_fit(model, optimizer, parts, batch_size: int, epochs: int, seed: i
             y = np.concatenate([parts[i][1][rows] for i, rows in enumerate(take)])
             _, grad, count = model.loss_and_grad(weights, X, y)
             grad = grad / np.float32(count)
+            if not fit_intercept:
+                grad[~mask] = 0.0
             scale = optim.clip_scale(
                 float(np.dot(grad.astype(np.float64), grad)), optimizer.clip_norm
             )
-            optimizer.step(weights, grad, state, global_step, grad_scale=scale)
+            optimizer.step(
+                weights,
+                grad,
+                state,
+                global_step,
+                grad_scale=scale,
+                penalty=penalty,
+                penalized=mask.astype(np.float32),
+            )
             global_step += 1
     return weights
 
@@ -85,6 +109,65 @@ def test_bsp_steps_equal_single_process_minibatch_training(case):
     steps = [np.frombuffer(o["steps"], np.float64).reshape(-1, len(STEP_FIELDS)) for o in outputs]
     assert len({len(s) for s in steps}) == 1
     assert sum(s[:, 3].sum() for s in steps) == 3 * sum(counts)
+
+
+@pytest.mark.parametrize("fit_intercept", [True, False])
+def test_regularised_bsp_steps_equal_single_process_training(fit_intercept):
+    """Elastic net on each owner's slice (L2 through Adam, L1 as a proximal step), and the
+    intercepts spared (or held at 0): the sharded fit is one process's."""
+    X, y = blobs(120, 6, 3, seed=2)
+    parts = [(X[:50], y[:50]), (X[50:57], y[50:57]), (X[57:], y[57:])]
+    model = models.MLP([6, 16, 3])
+    optimizer = optim.Adam(lr=0.05, clip_norm=1.0)
+    settings = FitSettings(
+        batch_size=32,
+        epochs=3,
+        seed=5,
+        reg_param=0.5,
+        elastic_net_param=0.8,
+        fit_intercept=fit_intercept,
+        standardization=False,
+    )
+    param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
+    job = TrainingJob(model, optimizer, param, settings, n_features=6, has_validation=False)
+    outputs = run_workers(job, parts)
+    assert all(isinstance(output, dict) for output in outputs), outputs
+    weights = np.frombuffer(outputs[0]["weights"], np.float32)
+    expected = reference_fit(
+        model, optimizer, parts, 32, 3, 5, settings.penalty(), fit_intercept=fit_intercept
+    )
+    np.testing.assert_allclose(weights, expected, rtol=2e-5, atol=2e-6)
+    biases = ~model.penalized()
+    assert (weights[~biases] == 0).sum() > 10  # the L1 part made exact zeros
+    assert (weights[biases] == 0).all() != fit_intercept  # held at 0 only without intercepts
+
+
+@pytest.mark.parametrize(
+    "changes", [{"strategy": "ssp", "staleness": 1}, {"sync_every": 2}], ids=["ssp", "local-sgd"]
+)
+def test_the_background_owner_and_local_sgd_regularise_too(changes):
+    X, y = blobs(90, 6, 3, seed=3)
+    parts = [(X[:40], y[:40]), (X[40:], y[40:])]
+    model = models.MLP([6, 8, 3])
+    settings = FitSettings(
+        batch_size=30,
+        epochs=3,
+        seed=1,
+        reg_param=0.5,
+        elastic_net_param=1.0,
+        fit_intercept=False,
+        standardization=False,
+        **changes,
+    )
+    param = AllReduceParameter(
+        2, model.size, codec="raw", timeout=60, strategy=settings.synchronisation
+    )
+    job = TrainingJob(model, optim.SGD(lr=0.1), param, settings, n_features=6, has_validation=False)
+    outputs = run_workers(job, parts)
+    assert all(isinstance(output, dict) for output in outputs), outputs
+    weights = np.frombuffer(outputs[0]["weights"], np.float32)
+    assert (weights[~model.penalized()] == 0).all()
+    assert (weights[model.penalized()] == 0).sum() > 10
 
 
 class Counted(models.MLP):

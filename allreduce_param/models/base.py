@@ -58,6 +58,14 @@ class Model(Protocol):
       built-in models: ``w1``, ``b1``, ...; ``TorchModel``: its state_dict's parameter
       names). ``TrainedModel.export_npz`` writes them; without it, the vector as
       ``"weights"``.
+    - ``penalized() -> np.ndarray``: a boolean mask of the flat vector, True where the
+      regularisation (``reg_param``, ``elastic_net_param``: MLlib's ``regParam``,
+      ``elasticNetParam``) applies, the weights, and False for the intercepts (biases), which
+      it never penalises and ``fit_intercept=False`` holds at 0 (not trained). The built-in
+      dense models mark every ``b1``, ``b2``, ... False; ``TorchModel`` every parameter whose
+      name ends in ``bias``. Each owner cuts its slice out of it. Without it every
+      coordinate is penalised, and ``fit_intercept=False`` is refused (which are the
+      intercepts is not known).
     - ``sample_weight=`` on ``loss_and_grad``, ``loss_and_grad_into`` and
       ``loss_and_predictions``: one weight >= 0 per row; each row's loss and gradient count
       its weight times, and ``count`` is the weights' sum. The built-in dense models take

@@ -231,6 +231,15 @@ class DenseNetwork:
         """``name -> view`` of a flat parameter vector (``w1``, ``b1``, ...), for inspection."""
         return self.layout.views(self._check_weights(weights))
 
+    def penalized(self) -> np.ndarray:
+        """Which coordinates the regularisation applies to: the weights ``w1``, ``w2``, ...
+        (True), not the biases ``b1``, ``b2``, ... (False); see ``Model``."""
+        mask = np.zeros(self.size, dtype=bool)
+        for weight, _ in self._names:
+            start = self.layout.offset(weight)
+            mask[start : start + int(np.prod(self.layout.shape(weight)))] = True
+        return mask
+
     # -- the math -------------------------------------------------------------------------
 
     def _forward(self, params: dict[str, np.ndarray], X: np.ndarray) -> list[np.ndarray]:

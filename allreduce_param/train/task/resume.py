@@ -28,7 +28,8 @@ class Checkpoints(FitState):
         names = job.optimizer.state_names
         if manifest is None:
             self._report_start(0)
-            p.init(job.model.init(np.random.default_rng(self.settings.seed)))
+            initial = job.model.init(np.random.default_rng(self.settings.seed))
+            p.init(self.regularisation.initial(initial))
             self.state = job.optimizer.init_state(p.layout.size if local else p.slice_length)
             return 0
         arrays, records = load_part(manifest, p.partition_id, p.layout)
