@@ -31,7 +31,8 @@ early_stopping_min_delta reg_param elastic_net_param fit_intercept standardizati
 
 REGRESSOR_PARAMS = """advertiseAddress backupWorkers batchSize bindAddress checkpointDir
 checkpointEvery checkpointKeep codec connectTimeout earlyStoppingMinDelta earlyStoppingPatience
-elasticNetParam fitIntercept regParam standardization encrypt featuresCol fetchThreads gradientCodec hiddenLayers labelCol logPath maxEpochs
+elasticNetParam fitIntercept regParam standardization encrypt featuresCol fetchThreads
+gradientCodec hiddenLayers labelCol logPath maxEpochs
 modelAveraging numWorkers optimizer overlap partitionScheme portRange predictionCol seed
 showProgress staleness stepSize strategy syncEvery timeout topology validationIndicatorCol
 verbose weightCol""".split()
