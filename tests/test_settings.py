@@ -55,11 +55,6 @@ def test_defaults_and_changes_by_name():
         ({"reg_param": "0.1"}, "reg_param must be a finite number >= 0, got '0.1'"),
         ({"elastic_net_param": 1.2}, "elastic_net_param must be a finite number in \\[0, 1\\]"),
         ({"fit_intercept": 0}, "fit_intercept must be True or False, got 0"),
-        (
-            {"reg_param": 0.1},
-            "standardization=True with reg_param=0.1: MLlib's standardization=True penalises "
-            "the coefficients of the features scaled",
-        ),
     ],
 )
 def test_a_bad_setting_fails_when_made_naming_it(changes, message):
@@ -211,11 +206,6 @@ def test_a_hierarchical_topology_under_another_strategy_than_plain_bsp_fails_on_
             {"elasticNetParam": 2.0},
             "AllReduceRegressor: elasticNetParam must be a finite number in \\[0, 1\\], got 2.0",
         ),
-        (
-            {"regParam": 0.1},
-            "AllReduceRegressor: standardization=True with regParam=0.1: .* set "
-            "standardization=False",
-        ),
     ],
 )
 def test_a_bad_regularisation_param_is_named_as_the_estimators_param(params, message):
@@ -243,3 +233,23 @@ def test_the_regularisation_params_are_mllibs_and_reach_the_settings():
         defaults.getStandardization(),
     ) == (0.0, 0.0, True, True)  # MLlib's defaults: no penalty
     assert defaults._settings().penalty() is None
+
+
+def test_a_model_that_cannot_take_the_regularisation_is_refused_naming_the_setting():
+    from allreduce_param.train import regularisation
+
+    class Bare(models.MLP):  # no penalized(), no penalty_factors()
+        penalized = None
+        penalty_factors = None
+
+    model = Bare([4, 8, 2])
+    with pytest.raises(
+        ConfigurationError, match="fit_intercept=False: the model .* has no penalized"
+    ):
+        regularisation.check_model(model, FitSettings(fit_intercept=False), model.size)
+    with pytest.raises(
+        ConfigurationError, match="standardization=True with reg_param=0.1: .* no penalty_factors"
+    ):
+        regularisation.check_model(model, FitSettings(reg_param=0.1), model.size)
+    # without standardization every coordinate is penalised, which needs nothing of the model
+    regularisation.check_model(model, FitSettings(reg_param=0.1, standardization=False), model.size)

@@ -45,7 +45,7 @@ def check_regularisation(
     reg_param: Any, elastic_net_param: Any, fit_intercept: Any, standardization: Any
 ) -> None:
     """MLlib's ranges: ``reg_param >= 0``, ``elastic_net_param`` in [0, 1]; the two flags
-    booleans; ``standardization=True`` only without a penalty (see the message)."""
+    booleans."""
     for name, value, allowed in (
         ("reg_param", reg_param, ">= 0"),
         ("elastic_net_param", elastic_net_param, "in [0, 1]"),
@@ -57,15 +57,6 @@ def check_regularisation(
     for name, value in (("fit_intercept", fit_intercept), ("standardization", standardization)):
         if not isinstance(value, bool):
             raise ConfigurationError(f"{name} must be True or False, got {value!r}")
-    if standardization and reg_param > 0:
-        raise ConfigurationError(
-            f"standardization=True with reg_param={reg_param!r}: MLlib's standardization=True "
-            "penalises the coefficients of the features scaled to unit standard deviation, "
-            "which this trainer does not do; set standardization=False to penalise the "
-            "coefficients as they are, or scale the features first (StandardScaler(withStd="
-            "True, withMean=False) before it, the coefficients then being those of the scaled "
-            "features) for MLlib's standardized penalty"
-        )
 
 
 def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
@@ -259,9 +250,10 @@ class FitSettings:
     )
     standardization: bool = _setting(
         True,
-        "MLlib's meaning: regularise the coefficients of standardized features; only False "
-        "(the coefficients as they are) is supported with regParam > 0: put a StandardScaler "
-        "before the Estimator for the standardized penalty",
+        "as MLlib's standardization: penalise each first-layer weight in proportion to its "
+        "feature's standard deviation over the training rows (the L1 part by std, the L2 part by "
+        "std^2), which is MLlib's penalty on the coefficients of standardized features; a feature "
+        "of std 0 keeps its weights at 0. False: the weights as they are",
         kind="Boolean",
     )
 
@@ -366,6 +358,12 @@ class FitSettings:
         if self.reg_param == 0.0:
             return None
         return ElasticNet(self.reg_param, self.elastic_net_param)
+
+    @property
+    def standardizes(self) -> bool:
+        """Whether the penalty is scaled by each feature's standard deviation (MLlib's
+        ``standardization``, which only matters with a penalty)."""
+        return self.standardization and self.reg_param > 0
 
     def early_stopping(self) -> EarlyStopping | None:
         """Early stopping's settings with no state yet (None: the fit trains every epoch)."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from allreduce_param.optim import clip_scale, squared_norm
 from allreduce_param.train.records import STEP_FIELDS
-from allreduce_param.train.regularisation import OwnedRegularisation
+from allreduce_param.train.regularisation import OwnedRegularisation, feature_std
 from allreduce_param.train.task.epochs import Epochs
 from allreduce_param.train.task.resume import Checkpoints
 from allreduce_param.train.task.steps import Steps
@@ -40,6 +40,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             job.model,
             p.layout.size,
             slice(0, p.layout.size) if job.local_sgd else p.layout.bounds(p.partition_id),
+            feature_std(p, self.train.X, self.train.weight) if self.settings.standardizes else None,
         )
         self.start = self._begin()
         if job.local_sgd:
