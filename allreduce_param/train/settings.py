@@ -232,8 +232,8 @@ class FitSettings:
     reg_param: float = _setting(
         0.0,
         "the regularisation's strength, as MLlib's regParam: the objective is the mean loss + "
-        "regParam * ((1 - elasticNetParam) / 2 * ||w||^2 + elasticNetParam * ||w||_1), over the "
-        "weights, never the intercepts (0: none)",
+        "regParam * ((1 - elasticNetParam) / 2 * sum(w^2) + elasticNetParam * sum(abs(w))), over "
+        "the weights, never the intercepts (0: none)",
         kind="Float",
     )
     elastic_net_param: float = _setting(
