@@ -144,7 +144,7 @@ class OwnedRegularisation:
         elif self.penalty is not None and own is not None:
             self.penalized = own.astype(np.float32)
         self._held = held if held is not None and held.any() else None
-        self._part = part
+        self._part, self._size = part, size
 
     @property
     def step_arguments(self) -> dict[str, Any]:
@@ -152,10 +152,13 @@ class OwnedRegularisation:
         return {"penalty": self.penalty, "penalized": self.penalized}
 
     def initial(self, weights: np.ndarray) -> np.ndarray:
-        """The fit's initial whole vector with this part's held coordinates 0 (every
-        partition zeroes its own part; ``ConnectedParameter.init`` keeps only that)."""
-        if self._held is not None:
+        """The weights a fit starts from, the whole vector or this part alone (a
+        checkpoint's), with this part's held coordinates 0 (every partition zeroes its own
+        part; ``ConnectedParameter.init`` keeps only that)."""
+        if self._held is not None and weights.size == self._size:
             weights[self._part][self._held] = 0.0
+        elif self._held is not None and weights.size == self._held.size:
+            weights[self._held] = 0.0
         return weights
 
     def hold(self, gradient: np.ndarray) -> None:

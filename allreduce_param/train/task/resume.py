@@ -53,7 +53,7 @@ class Checkpoints(FitState):
         if self._early is not None and manifest.early_stopping is not None:
             self._early.restore(manifest.early_stopping, load_best(manifest))
         self._report_start(manifest.step)  # before init: no peer can report a step before it
-        p.init(arrays["weights"], step=manifest.step)
+        p.init(self.regularisation.initial(arrays["weights"]), step=manifest.step)
         return manifest.step
 
     def _evaluated_before(self, start: int) -> int:
