@@ -12,15 +12,17 @@ its slice) equals one process bit for bit, as the updates themselves do:
   gradient before the update, so momentum and Adam's moments see it, as they would see the
   gradient of MLlib's objective;
 - the L1 part is a proximal step after the update, a soft threshold
-  ``w = sign(w) * max(|w| - lr * l1 * s, 0)`` with ``lr`` the step's learning rate (after the
-  schedule). With plain SGD this is proximal gradient descent (ISTA), whose fixed points
-  are exactly the minimisers of the objective: coefficients the L1 part outweighs become
-  exactly 0. With an adaptive optimizer (Adam, Adagrad, RMSprop) the threshold uses the
-  base learning rate, not the per-coordinate step, a common approximation: it still gives
-  exact zeros, but the solution is not the objective's exact minimiser.
+  ``w = sign(w) * max(|w| - lr * l1 * s, 0)`` (computed as ``w - clip(w, -t, t)``) with
+  ``lr`` the step's learning rate (after the schedule). With plain SGD this is proximal
+  gradient descent (ISTA), whose fixed points are exactly the minimisers of the objective:
+  coefficients the L1 part outweighs become exactly 0. With an adaptive optimizer (Adam,
+  Adagrad, RMSprop) the threshold uses the base learning rate, not the per-coordinate
+  step, a common approximation: it still gives exact zeros, but the solution is not the
+  objective's exact minimiser.
 
 ``s`` is a per-coordinate factor (``Optimizer.step(..., penalized=...)``): 0 where the
-coordinate is not penalised (an intercept), 1 where it is; None means 1 everywhere.
+coordinate is not penalised (an intercept), 1 where it is, a feature's standard deviation
+under MLlib's ``standardization`` (see ``train.regularisation``); None means 1 everywhere.
 """
 
 from __future__ import annotations
@@ -79,15 +81,18 @@ class ElasticNet(Config):
     def shrink(self, w: np.ndarray, lr: float, s: np.ndarray | None, tmp: list[np.ndarray]) -> None:
         """The proximal step of the L1 part, in place: ``w = sign(w) * max(|w| - lr*l1*s, 0)``.
 
-        One piece; ``tmp``: two scratch arrays of its length. Nothing happens when l1 is 0;
-        a coordinate with ``s == 0`` keeps its value."""
+        One piece; ``tmp``: two scratch arrays of its length. Computed as
+        ``w - clip(w, -t, t)`` with ``t = lr * l1 * s``, which is the same float32 number
+        (``|w| - t`` rounded, with the sign of ``w``; 0 where ``|w| <= t``) in two passes
+        without ``s``. Nothing happens when l1 is 0; a coordinate with ``s == 0`` keeps its
+        value."""
         threshold = lr * self.l1
         if threshold == 0.0:
             return
-        magnitude = np.abs(w, out=tmp[0])
         if s is None:
-            magnitude -= threshold
-        else:
-            magnitude -= np.multiply(s, threshold, out=tmp[1])
-        np.maximum(magnitude, 0.0, out=magnitude)
-        np.copysign(magnitude, w, out=w)
+            inner = np.clip(w, -threshold, threshold, out=tmp[0])
+        else:  # minimum then maximum: faster than clip with array bounds
+            bound = np.multiply(s, threshold, out=tmp[1])
+            inner = np.minimum(w, bound, out=tmp[0])
+            np.maximum(inner, np.negative(bound, out=bound), out=inner)
+        w -= inner
