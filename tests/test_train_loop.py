@@ -522,3 +522,30 @@ def test_the_moments_for_standardization_are_the_same_from_dense_and_sparse_rows
         np.testing.assert_allclose(first, weight @ x, rtol=1e-12)
         np.testing.assert_allclose(second, weight @ (x * x), rtol=1e-12)
         assert (total, squares) == pytest.approx((weight.sum(), (weight**2).sum()))
+
+
+def test_the_feature_std_over_partitions_is_mllibs_weighted_unbiased_one():
+    """Each partition's rows (one partition with none) and sample weights: every partition
+    gets the same std, numpy's weighted unbiased one to float32 rounding."""
+    from conftest import run_partitions
+
+    from allreduce_param.train.regularisation import feature_std
+
+    rng = np.random.default_rng(5)
+    X = (rng.standard_normal((90, 4)) * [1.0, 10.0, 0.1, 0.0] + [0, 100, 0, 3]).astype(np.float32)
+    weight = rng.random(90) * 2
+    cuts = [(0, 40), (40, 40), (40, 90)]
+    param = AllReduceParameter(3, 8, codec="raw", timeout=60)
+    results = run_partitions(
+        param,
+        lambda p: feature_std(
+            p, X[slice(*cuts[p.partition_id])], weight[slice(*cuts[p.partition_id])]
+        ),
+    )
+    x, total = X.astype(np.float64), weight.sum()
+    mean = weight @ x / total
+    expected = np.sqrt(weight @ (x - mean) ** 2 / (total - (weight**2).sum() / total))
+    for result in results:
+        assert np.array_equal(result, results[0]), results
+    np.testing.assert_allclose(results[0], expected, rtol=1e-5, atol=1e-12)
+    assert results[0][3] == 0  # a constant feature

@@ -30,6 +30,8 @@ from allreduce_param.optim import ElasticNet
 from allreduce_param.train.settings import FitSettings
 
 ROWS_AT_ONCE = 4096  # dense rows per float64 pass of ``local_moments``
+#: A feature whose std is at most this times its mean's magnitude counts as constant (std 0).
+CONSTANT = 1e-6
 
 
 def penalized_mask(model: Any, size: int) -> np.ndarray | None:
@@ -93,7 +95,9 @@ def feature_std(p: Any, X: Any, weight: np.ndarray | None) -> np.ndarray:
     Every partition calls it at once (``p``: its ``ConnectedParameter``): one exact
     allreduce of the weight sums, then the per-feature sums and the sums of squared
     deviations from the global mean, each one allreduce of one value per feature through
-    the parameter's codec (a lossy one rounds them). All partitions get the same bits."""
+    the parameter's codec (a lossy one rounds them). All partitions get the same bits. A
+    std at most ``CONSTANT`` times the mean's magnitude, below what float32 sums resolve,
+    is 0: a constant feature's, as MLlib finds it."""
     first, second, total_weight, squared_weights = local_moments(X, weight)
     own_weight = total_weight
     total_weight, squared_weights = (
@@ -102,14 +106,28 @@ def feature_std(p: Any, X: Any, weight: np.ndarray | None) -> np.ndarray:
     features = first.shape[0]
     if not total_weight > 0:
         return np.zeros(features, np.float32)
-    mean = np.asarray(p.allreduce(first.astype(np.float32)), np.float64) / total_weight
-    deviations = second - 2.0 * mean * first + mean * mean * own_weight
-    np.maximum(deviations, 0.0, out=deviations)
-    spread = np.asarray(p.allreduce(deviations.astype(np.float32)), np.float64)
+    mean = np.asarray(p.allreduce(first.astype(np.float32)), np.float64)
+    mean /= total_weight
+    # this partition's sum w (x - mean)^2 = second + mean * own * (mean - 2 * first / own),
+    # in place: three float64 vectors at most (a 2**24-feature fit: 384 MiB for a moment)
+    if own_weight > 0:  # else no rows here: second is 0 already
+        first *= -2.0 / own_weight
+        first += mean
+        first *= own_weight
+        first *= mean
+        second += first
+        np.maximum(second, 0.0, out=second)
+    del first
+    spread = np.asarray(p.allreduce(second.astype(np.float32)), np.float64)
+    del second
     denominator = total_weight - squared_weights / total_weight
     if not denominator > 0:  # a single row (or one row's weight): no spread to measure
         return np.zeros(features, np.float32)
-    return np.sqrt(spread / denominator).astype(np.float32)
+    std = np.sqrt(spread / denominator).astype(np.float32)
+    # the sums travel as float32, so a constant feature's mean is off by float32 rounding and
+    # its std comes out near 1e-7 * |mean| instead of 0: a spread below that resolution is 0
+    std[std <= CONSTANT * np.abs(mean)] = 0.0
+    return std
 
 
 class OwnedRegularisation:
