@@ -18,6 +18,7 @@ from allreduce_param.errors import ConfigurationError, InputError, TrainingError
 from allreduce_param.models.base import merge_buffers, model_task
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import check_no_dynamic_allocation
+from allreduce_param.train import regularisation
 from allreduce_param.train.driver.checks import (
     check_model,
     check_resume,
@@ -197,6 +198,7 @@ class DistriOptimizer:
             data, features_col, label_col, validation, weight_col
         )
         size = model_size(self.model, sample, n_features, s.seed)
+        regularisation.check_model(self.model, s, size)
         workers = worker_count(spark, s.num_workers, partitions)
         if s.batch_size < workers:
             raise InputError(
