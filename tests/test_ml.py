@@ -421,3 +421,91 @@ def test_topology_and_fetch_threads_params_save_load_and_are_checked_before_any_
     finally:
         context.setLocalProperty("spark.jobGroup.id", None)
         context.setLocalProperty("spark.job.description", None)
+
+
+# ------------------------------------------------------------------ regularisation, as MLlib's
+
+
+def sparse_line(rows=300, seed=3):
+    """y = 2 x0 - 1.5 x1 + 5 (+ noise); x2..x5 carry nothing (an L1 penalty zeroes them)."""
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((rows, 6))
+    X -= X.mean(axis=0)  # centred: the intercept is the label's mean
+    y = X @ np.array([2.0, -1.5, 0.0, 0.0, 0.0, 0.0]) + 5.0 + rng.standard_normal(rows) * 0.3
+    return X, y
+
+
+def test_the_regressor_regularises_as_mllib_sharded_as_one_process(spark):
+    """(a) two partitions give the one-process reference (full-batch proximal gradient
+    descent, numpy); (b) an L1 penalty makes coefficients exactly 0; (c) the intercept is
+    never penalised: a penalty that zeroes every weight leaves it at the label's mean; (d)
+    fitIntercept=False holds it at 0."""
+    from allreduce_param import models, optim
+
+    X, y = sparse_line()
+    df = spark.createDataFrame(
+        [(Vectors.dense(row), float(t)) for row, t in zip(X, y)], ["features", "label"]
+    ).repartition(2)
+    common = dict(
+        optimizer="sgd",
+        stepSize=0.1,
+        batchSize=len(X),  # one full-batch step an epoch
+        maxEpochs=150,
+        numWorkers=2,
+        codec="raw",
+        standardization=False,
+        elasticNetParam=1.0,
+        showProgress=False,
+    )
+    fitted = AllReduceRegressor(regParam=0.2, **common).fit(df)
+    model = models.LinearRegression(6)
+    reference = model.init(np.random.default_rng(0))
+    penalty, factors = optim.ElasticNet(0.2, 1.0), model.penalized().astype(np.float32)
+    X32, y32 = X.astype(np.float32), y.astype(np.float32)
+    for step in range(150):
+        _, grad, count = model.loss_and_grad(reference, X32, y32)
+        optim.SGD(0.1).step(
+            reference, grad, {}, step, grad_scale=1.0 / count, penalty=penalty, penalized=factors
+        )
+    np.testing.assert_allclose(fitted.weights, reference, rtol=2e-5, atol=2e-6)  # (a)
+    assert (fitted.weights[2:6] == 0).all() and (np.abs(fitted.weights[:2]) > 1).all()  # (b)
+    strong = AllReduceRegressor(regParam=50.0, **common).fit(df).weights
+    assert (strong[:6] == 0).all() and strong[6] == pytest.approx(y.mean(), rel=1e-4)  # (c)
+    without = AllReduceRegressor(regParam=0.2, fitIntercept=False, **common).fit(df).weights
+    assert without[6] == 0 and (without[2:6] == 0).all()  # (d)
+
+
+@pytest.mark.parametrize("standardization", [False, True])
+def test_the_classifier_finds_mllibs_regularised_logistic_regression(spark, standardization):
+    """The same objective as MLlib's LogisticRegression (multinomial, L2, with or without
+    standardization): trained long enough, the same class-score differences and intercepts."""
+    from pyspark.ml.classification import LogisticRegression
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((400, 5)) * np.array([1.0, 2.0, 0.5, 1.0, 3.0])
+    chance = 1 / (1 + np.exp(-(X @ np.array([1.5, -1.0, 0.0, 2.0, 0.0]) + 0.5)))
+    y = (rng.random(400) < chance).astype(float)
+    df = spark.createDataFrame(
+        [(Vectors.dense(row), float(t)) for row, t in zip(X, y)], ["features", "label"]
+    ).cache()
+    ours = AllReduceClassifier(
+        optimizer="sgd",
+        stepSize=0.2,
+        batchSize=400,
+        maxEpochs=1000,
+        regParam=0.1,
+        standardization=standardization,
+        showProgress=False,
+    ).fit(df)
+    mllib = LogisticRegression(
+        family="multinomial", regParam=0.1, standardization=standardization, tol=1e-10
+    ).fit(df)
+    tensors = ours.trained.model.tensors(ours.weights)
+    theirs = mllib.coefficientMatrix.toArray()
+    # the difference of the two classes' scores is what the data identifies (the common part
+    # of a feature's two weights only decays by the penalty)
+    np.testing.assert_allclose(
+        tensors["w1"][:, 1] - tensors["w1"][:, 0], theirs[1] - theirs[0], atol=2e-3
+    )
+    np.testing.assert_allclose(tensors["b1"], mllib.interceptVector.toArray(), atol=2e-3)
+    df.unpersist()

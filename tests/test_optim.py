@@ -520,3 +520,92 @@ def test_equality_distinguishes_settings():
     assert Adam() == Adam() and Adam() != AdamW(weight_decay=0.0)
     assert SGD(0.1) != SGD(0.1, momentum=0.5)
     assert StepLR(3) != StepLR(3, 0.5)
+
+
+# ------------------------------------------------------------------ regularisation (ElasticNet)
+
+
+def elastic_net_reference(w, g, s, reg, alpha, lr, scale=1.0):
+    """One plain-SGD step with MLlib's elastic net, in float64: the L2 gradient joins the
+    scaled gradient, then the soft threshold of the L1 part (ISTA)."""
+    w, g, s = (np.asarray(a, np.float64) for a in (w, g, s))
+    d = g * scale + reg * (1 - alpha) * s * s * w
+    w = w - lr * d
+    return np.sign(w) * np.maximum(np.abs(w) - lr * reg * alpha * s, 0.0)
+
+
+def test_elastic_net_step_matches_the_float64_reference_and_spares_unpenalised_elements():
+    rng = np.random.default_rng(3)
+    n = 500
+    w0 = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    s = (rng.random(n) < 0.7).astype(np.float32)  # 0: an intercept, never penalised
+    penalty = optim.ElasticNet(1.0, 0.5)
+    w = w0.copy()
+    SGD(0.3).step(w, g, {}, 0, grad_scale=0.5, penalty=penalty, penalized=s)
+    expected = elastic_net_reference(w0, g, s, 1.0, 0.5, 0.3, 0.5)
+    np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
+    assert ((w == 0) == (expected == 0)).all() and (w == 0).sum() > 20  # exact zeros
+    free = s == 0  # unpenalised: a plain SGD step, bit for bit
+    plain = w0.copy()
+    SGD(0.3).step(plain, g, {}, 0, grad_scale=0.5)
+    assert np.array_equal(w[free], plain[free])
+    # None means every element penalised with factor 1
+    a, b = w0.copy(), w0.copy()
+    SGD(0.3).step(a, g, {}, 0, penalty=penalty)
+    SGD(0.3).step(b, g, {}, 0, penalty=penalty, penalized=np.ones(n, np.float32))
+    assert np.array_equal(a, b)
+
+
+def test_l2_alone_goes_through_the_optimizer_as_weight_decay_would():
+    """elastic_net_param=0: reg_param * w joins the gradient before Adam's moments, which is
+    what Adam's own (all-coordinates) weight_decay does."""
+    w0, grads = data(300, steps=4, seed=2)
+    a, b = w0.copy(), w0.copy()
+    sa, sb = Adam(0.01).init_state(300), Adam(0.01).init_state(300)
+    for step, g in enumerate(grads):
+        Adam(0.01).step(a, g, sa, step, penalty=optim.ElasticNet(0.05))
+        Adam(0.01, weight_decay=0.05).step(b, g, sb, step)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum-wd", "adam", "rmsprop-centered"])
+def test_sharded_elastic_net_steps_are_bit_identical(name, monkeypatch):
+    monkeypatch.setattr(optim.kernels, "PIECE", 64)
+    opt, n = CONFIGS[name], 1009
+    rng = np.random.default_rng(11)
+    w0, grads = data(n, seed=4)
+    s = (rng.random(n) < 0.8).astype(np.float32)
+    penalty = optim.ElasticNet(0.2, 0.6)
+    whole, whole_state = w0.copy(), opt.init_state(n)
+    bounds = cuts(n, 3, rng)
+    shards = [w0[a:b].copy() for a, b in zip(bounds, bounds[1:])]
+    states = [opt.init_state(len(shard)) for shard in shards]
+    for step, g in enumerate(grads):
+        opt.step(whole, g, whole_state, step, grad_scale=0.5, penalty=penalty, penalized=s)
+        for (a, b), w, st in zip(zip(bounds, bounds[1:]), shards, states):
+            opt.step(w, g[a:b], st, step, grad_scale=0.5, penalty=penalty, penalized=s[a:b])
+    assert np.array_equal(np.concatenate(shards), whole)
+    assert (whole == 0).any()
+
+
+@pytest.mark.parametrize(
+    "reg, alpha, message",
+    [
+        (-0.1, 0.0, "reg_param must be a finite number >= 0, got -0.1"),
+        (float("nan"), 0.0, "reg_param must be a finite number >= 0"),
+        (0.1, 1.5, "elastic_net_param must be a finite number in \\[0, 1\\], got 1.5"),
+        (0.1, -0.5, "elastic_net_param must be a finite number in \\[0, 1\\]"),
+    ],
+)
+def test_elastic_net_settings_are_checked(reg, alpha, message):
+    with pytest.raises(ConfigurationError, match=message):
+        optim.ElasticNet(reg, alpha)
+
+
+def test_a_bad_penalty_argument_is_refused():
+    w, g = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    with pytest.raises(InputError, match="penalized must be None or float32 of shape \\(4,\\)"):
+        SGD(0.1).step(w, g, {}, 0, penalty=optim.ElasticNet(0.1), penalized=np.ones(3, bool))
+    with pytest.raises(InputError, match="penalty must be an ElasticNet or None"):
+        SGD(0.1).step(w, g, {}, 0, penalty=0.1)

@@ -27,11 +27,12 @@ FIT_SETTINGS = """batch_size epochs codec gradient_codec num_workers threads see
 log_path listener strategy staleness backup_workers sync_every model_averaging partition_scheme
 checkpoint_dir checkpoint_every checkpoint_keep verbose overlap bind_address advertise_address
 port_range connect_timeout encrypt topology fetch_threads early_stopping_patience
-early_stopping_min_delta""".split()
+early_stopping_min_delta reg_param elastic_net_param fit_intercept standardization""".split()
 
 REGRESSOR_PARAMS = """advertiseAddress backupWorkers batchSize bindAddress checkpointDir
 checkpointEvery checkpointKeep codec connectTimeout earlyStoppingMinDelta earlyStoppingPatience
-encrypt featuresCol fetchThreads gradientCodec hiddenLayers labelCol logPath maxEpochs
+elasticNetParam fitIntercept regParam standardization encrypt featuresCol fetchThreads
+gradientCodec hiddenLayers labelCol logPath maxEpochs
 modelAveraging numWorkers optimizer overlap partitionScheme portRange predictionCol seed
 showProgress staleness stepSize strategy syncEvery timeout topology validationIndicatorCol
 verbose weightCol""".split()
@@ -54,6 +55,15 @@ def test_every_public_name_is_still_exported():
     assert not missing, f"names dropped from allreduce_param.__all__: {missing}"
     for name in allreduce_param.__all__:
         assert hasattr(allreduce_param, name), name
+
+
+OPTIM = """Optimizer SGD Adam AdamW Adagrad RMSprop Schedule StepLR CosineLR LinearWarmup
+clip_scale squared_norm ElasticNet""".split()
+
+
+def test_the_optimizers_names_are_kept():
+    missing = sorted(set(OPTIM) - set(allreduce_param.optim.__all__))
+    assert not missing, f"names dropped from allreduce_param.optim.__all__: {missing}"
 
 
 def test_job_file_keys_and_estimator_params_are_kept():

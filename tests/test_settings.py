@@ -51,6 +51,10 @@ def test_defaults_and_changes_by_name():
         ({"fetch_threads": -2}, "fetch_threads must be a positive whole number, got -2"),
         ({"fetch_threads": True}, "fetch_threads must be a positive whole number, got True"),
         ({"fetch_threads": 1.5}, "fetch_threads must be a positive whole number, got 1.5"),
+        ({"reg_param": -1.0}, "reg_param must be a finite number >= 0, got -1.0"),
+        ({"reg_param": "0.1"}, "reg_param must be a finite number >= 0, got '0.1'"),
+        ({"elastic_net_param": 1.2}, "elastic_net_param must be a finite number in \\[0, 1\\]"),
+        ({"fit_intercept": 0}, "fit_intercept must be True or False, got 0"),
     ],
 )
 def test_a_bad_setting_fails_when_made_naming_it(changes, message):
@@ -192,3 +196,60 @@ def test_a_hierarchical_topology_under_another_strategy_than_plain_bsp_fails_on_
         f"or set {fix.replace('backup_workers', 'backupWorkers')}$",
     ):
         classifier._settings()
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"regParam": -0.5}, "AllReduceRegressor: regParam must be a finite number >= 0, got -0.5"),
+        (
+            {"elasticNetParam": 2.0},
+            "AllReduceRegressor: elasticNetParam must be a finite number in \\[0, 1\\], got 2.0",
+        ),
+    ],
+)
+def test_a_bad_regularisation_param_is_named_as_the_estimators_param(params, message):
+    with pytest.raises(ConfigurationError, match=message):
+        AllReduceRegressor(**params)._settings()
+
+
+def test_the_regularisation_params_are_mllibs_and_reach_the_settings():
+    regressor = AllReduceRegressor(
+        regParam=0.1, elasticNetParam=0.5, fitIntercept=False, standardization=False
+    )
+    assert (regressor.getRegParam(), regressor.getElasticNetParam()) == (0.1, 0.5)
+    settings = regressor._settings()
+    assert (settings.reg_param, settings.elastic_net_param, settings.fit_intercept) == (
+        0.1,
+        0.5,
+        False,
+    )
+    assert settings.penalty() == optim.ElasticNet(0.1, 0.5)
+    defaults = AllReduceClassifier()
+    assert (
+        defaults.getRegParam(),
+        defaults.getElasticNetParam(),
+        defaults.getFitIntercept(),
+        defaults.getStandardization(),
+    ) == (0.0, 0.0, True, True)  # MLlib's defaults: no penalty
+    assert defaults._settings().penalty() is None
+
+
+def test_a_model_that_cannot_take_the_regularisation_is_refused_naming_the_setting():
+    from allreduce_param.train import regularisation
+
+    class Bare(models.MLP):  # no penalized(), no penalty_factors()
+        penalized = None
+        penalty_factors = None
+
+    model = Bare([4, 8, 2])
+    with pytest.raises(
+        ConfigurationError, match="fit_intercept=False: the model .* has no penalized"
+    ):
+        regularisation.check_model(model, FitSettings(fit_intercept=False), model.size)
+    with pytest.raises(
+        ConfigurationError, match="standardization=True with reg_param=0.1: .* no penalty_factors"
+    ):
+        regularisation.check_model(model, FitSettings(reg_param=0.1), model.size)
+    # without standardization every coordinate is penalised, which needs nothing of the model
+    regularisation.check_model(model, FitSettings(reg_param=0.1, standardization=False), model.size)

@@ -350,3 +350,13 @@ def test_a_fits_export_and_save_keep_the_buffers(normed_fit, tmp_path):
     for name, value in result.buffers.items():
         np.testing.assert_array_equal(again.buffers[name], value)
     np.testing.assert_array_equal(again.predict_numpy(X), result.predict_numpy(X))
+
+
+def test_the_regularisation_spares_the_parameters_named_bias():
+    model = models.TorchModel(
+        torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1)),
+        loss="mse",
+    )
+    # 0.weight (6), 0.bias (2), 2.weight (2), 2.bias (1)
+    expected = [True] * 6 + [False] * 2 + [True] * 2 + [False]
+    assert model.penalized().tolist() == expected

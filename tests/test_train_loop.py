@@ -23,11 +23,24 @@ from allreduce_param.train.task.job import TrainingJob
 run_workers = train_on_threads
 
 
-def reference_fit(model, optimizer, parts, batch_size: int, epochs: int, seed: int) -> np.ndarray:
-    """Single-process mini-batch training over the very global batches the workers build."""
+def reference_fit(
+    model,
+    optimizer,
+    parts,
+    batch_size: int,
+    epochs: int,
+    seed: int,
+    penalty: optim.ElasticNet | None = None,
+    factors: np.ndarray | None = None,
+    held: np.ndarray | None = None,
+) -> np.ndarray:
+    """Single-process mini-batch training over the very global batches the workers build;
+    with ``penalty`` scaled by ``factors`` per coordinate, and the ``held`` ones kept at 0."""
     counts = [X.shape[0] for X, _ in parts]
     steps = steps_per_epoch(sum(counts), batch_size)
     weights = model.init(np.random.default_rng(seed))
+    if held is not None:
+        weights[held] = 0.0
     state = optimizer.init_state(weights.size)
     sizes = global_batch_sizes(counts, steps)
     global_step = 0
@@ -47,10 +60,20 @@ def reference_fit(model, optimizer, parts, batch_size: int, epochs: int, seed: i
             y = np.concatenate([parts[i][1][rows] for i, rows in enumerate(take)])
             _, grad, count = model.loss_and_grad(weights, X, y)
             grad = grad / np.float32(count)
+            if held is not None:
+                grad[held] = 0.0
             scale = optim.clip_scale(
                 float(np.dot(grad.astype(np.float64), grad)), optimizer.clip_norm
             )
-            optimizer.step(weights, grad, state, global_step, grad_scale=scale)
+            optimizer.step(
+                weights,
+                grad,
+                state,
+                global_step,
+                grad_scale=scale,
+                penalty=penalty,
+                penalized=factors,
+            )
             global_step += 1
     return weights
 
@@ -91,6 +114,79 @@ def test_bsp_steps_equal_single_process_minibatch_training(case):
     steps = [np.frombuffer(o["steps"], np.float64).reshape(-1, len(STEP_FIELDS)) for o in outputs]
     assert len({len(s) for s in steps}) == 1
     assert sum(s[:, 3].sum() for s in steps) == 3 * sum(counts)
+
+
+@pytest.mark.parametrize(
+    "fit_intercept, standardization", [(True, False), (False, False), (True, True)]
+)
+def test_regularised_bsp_steps_equal_single_process_training(fit_intercept, standardization):
+    """Elastic net on each owner's slice (L2 through Adam, L1 as a proximal step), the
+    intercepts spared (or held at 0), the penalty standardized by each feature's std over
+    every partition's rows (a constant feature's weights held at 0): the sharded fit is one
+    process's, to float32 rounding (the std's sums)."""
+    X, y = blobs(120, 6, 3, seed=2)
+    X[:, 2] = 1.5  # a constant feature
+    X[:, 4] *= 0.05  # one of a small spread: penalised less under standardization
+    parts = [(X[:50], y[:50]), (X[50:57], y[50:57]), (X[57:], y[57:])]
+    model = models.MLP([6, 16, 3])
+    optimizer = optim.Adam(lr=0.05, clip_norm=1.0)
+    settings = FitSettings(
+        batch_size=32,
+        epochs=3,
+        seed=5,
+        reg_param=0.5,
+        elastic_net_param=0.8,
+        fit_intercept=fit_intercept,
+        standardization=standardization,
+    )
+    param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
+    job = TrainingJob(model, optimizer, param, settings, n_features=6, has_validation=False)
+    outputs = run_workers(job, parts)
+    assert all(isinstance(output, dict) for output in outputs), outputs
+    weights = np.frombuffer(outputs[0]["weights"], np.float32)
+    biases = ~model.penalized()
+    factors, held = biases == 0, None if fit_intercept else biases
+    if standardization:  # numpy's std (float64, unbiased) over all the rows
+        factors = model.penalty_factors(X.astype(np.float64).std(axis=0, ddof=1))
+        held = (factors == 0) & ~biases
+    expected = reference_fit(
+        model, optimizer, parts, 32, 3, 5, settings.penalty(), factors.astype(np.float32), held
+    )
+    np.testing.assert_allclose(weights, expected, rtol=2e-5, atol=2e-6)
+    assert (weights[~biases] == 0).sum() > 10  # the L1 part made exact zeros
+    assert (weights[biases] == 0).all() != fit_intercept  # held at 0 only without intercepts
+    if standardization:
+        first = model.tensors(weights)["w1"]
+        assert (first[2] == 0).all()  # the constant feature's weights
+        assert (first[4] != 0).sum() > (first[1] != 0).sum()  # the smaller spread, fewer zeros
+
+
+@pytest.mark.parametrize(
+    "changes", [{"strategy": "ssp", "staleness": 1}, {"sync_every": 2}], ids=["ssp", "local-sgd"]
+)
+def test_the_background_owner_and_local_sgd_regularise_too(changes):
+    X, y = blobs(90, 6, 3, seed=3)
+    parts = [(X[:40], y[:40]), (X[40:], y[40:])]
+    model = models.MLP([6, 8, 3])
+    settings = FitSettings(
+        batch_size=30,
+        epochs=3,
+        seed=1,
+        reg_param=0.5,
+        elastic_net_param=1.0,
+        fit_intercept=False,
+        standardization=False,
+        **changes,
+    )
+    param = AllReduceParameter(
+        2, model.size, codec="raw", timeout=60, strategy=settings.synchronisation
+    )
+    job = TrainingJob(model, optim.SGD(lr=0.1), param, settings, n_features=6, has_validation=False)
+    outputs = run_workers(job, parts)
+    assert all(isinstance(output, dict) for output in outputs), outputs
+    weights = np.frombuffer(outputs[0]["weights"], np.float32)
+    assert (weights[~model.penalized()] == 0).all()
+    assert (weights[model.penalized()] == 0).sum() > 10
 
 
 class Counted(models.MLP):
@@ -416,3 +512,46 @@ def test_asp_keeps_the_others_stepping_while_one_partition_is_stuck_and_still_co
     # partition 0 stepped on to its last step with weights that held none of partition 1's steps
     assert max(step["staleness"] for step in history.steps) == steps - 1
     assert history.epochs[-1]["train_accuracy"] >= 0.9
+
+
+def test_the_moments_for_standardization_are_the_same_from_dense_and_sparse_rows():
+    import scipy.sparse
+
+    from allreduce_param.train.regularisation import local_moments
+
+    rng = np.random.default_rng(0)
+    X = (rng.standard_normal((50, 7)) * (rng.random((50, 7)) < 0.3)).astype(np.float32)
+    weight = rng.random(50)
+    x = X.astype(np.float64)
+    for rows in (X, scipy.sparse.csr_matrix(X)):
+        first, second, total, squares = local_moments(rows, weight)
+        np.testing.assert_allclose(first, weight @ x, rtol=1e-12)
+        np.testing.assert_allclose(second, weight @ (x * x), rtol=1e-12)
+        assert (total, squares) == pytest.approx((weight.sum(), (weight**2).sum()))
+
+
+def test_the_feature_std_over_partitions_is_mllibs_weighted_unbiased_one():
+    """Each partition's rows (one partition with none) and sample weights: every partition
+    gets the same std, numpy's weighted unbiased one to float32 rounding."""
+    from conftest import run_partitions
+
+    from allreduce_param.train.regularisation import feature_std
+
+    rng = np.random.default_rng(5)
+    X = (rng.standard_normal((90, 4)) * [1.0, 10.0, 0.1, 0.0] + [0, 100, 0, 3]).astype(np.float32)
+    weight = rng.random(90) * 2
+    cuts = [(0, 40), (40, 40), (40, 90)]
+    param = AllReduceParameter(3, 8, codec="raw", timeout=60)
+    results = run_partitions(
+        param,
+        lambda p: feature_std(
+            p, X[slice(*cuts[p.partition_id])], weight[slice(*cuts[p.partition_id])]
+        ),
+    )
+    x, total = X.astype(np.float64), weight.sum()
+    mean = weight @ x / total
+    expected = np.sqrt(weight @ (x - mean) ** 2 / (total - (weight**2).sum() / total))
+    for result in results:
+        assert np.array_equal(result, results[0]), results
+    np.testing.assert_allclose(results[0], expected, rtol=1e-5, atol=1e-12)
+    assert results[0][3] == 0  # a constant feature

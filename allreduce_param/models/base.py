@@ -58,6 +58,23 @@ class Model(Protocol):
       built-in models: ``w1``, ``b1``, ...; ``TorchModel``: its state_dict's parameter
       names). ``TrainedModel.export_npz`` writes them; without it, the vector as
       ``"weights"``.
+    - ``penalized() -> np.ndarray``: a boolean mask of the flat vector, True where the
+      regularisation (``reg_param``, ``elastic_net_param``: MLlib's ``regParam``,
+      ``elasticNetParam``) applies, the weights, and False for the intercepts (biases), which
+      it never penalises and ``fit_intercept=False`` holds at 0 (not trained). The built-in
+      dense models mark every ``b1``, ``b2``, ... False; ``TorchModel`` every parameter whose
+      name ends in ``bias``. Each owner cuts its slice out of it. Without it every
+      coordinate is penalised, and ``fit_intercept=False`` is refused (which are the
+      intercepts is not known).
+    - ``penalty_factors(feature_std) -> np.ndarray``: float32 of the flat vector's length,
+      each coordinate's factor of the penalty when it is standardized (MLlib's
+      ``standardization=True``, the default): ``feature_std[j]`` (each input feature's
+      standard deviation over the training rows, float32 of ``n_features``) for a weight
+      that multiplies feature ``j``, 1 for the other weights, 0 for the intercepts. The
+      L1 part then penalises ``std_j * |w|``, the L2 part ``std_j^2 * w^2``: MLlib's penalty
+      on the coefficients of standardized features. The built-in dense models have it
+      (``w1``'s rows scaled, deeper layers 1). Without it a fit with a penalty needs
+      ``standardization=False``.
     - ``sample_weight=`` on ``loss_and_grad``, ``loss_and_grad_into`` and
       ``loss_and_predictions``: one weight >= 0 per row; each row's loss and gradient count
       its weight times, and ``count`` is the weights' sum. The built-in dense models take

@@ -235,6 +235,29 @@ class DenseNetwork:
         """``name -> view`` of a flat parameter vector (``w1``, ``b1``, ...), for inspection."""
         return self.layout.views(self._check_weights(weights))
 
+    def penalized(self) -> np.ndarray:
+        """Which coordinates the regularisation applies to: the weights ``w1``, ``w2``, ...
+        (True), not the biases ``b1``, ``b2``, ... (False); see ``Model``."""
+        mask = np.zeros(self.size, dtype=bool)
+        for weight, _ in self._names:
+            start = self.layout.offset(weight)
+            mask[start : start + int(np.prod(self.layout.shape(weight)))] = True
+        return mask
+
+    def penalty_factors(self, feature_std: np.ndarray) -> np.ndarray:
+        """Each coordinate's factor of a standardized penalty: ``feature_std[j]`` for row ``j``
+        of ``w1`` (the weights of input feature ``j``), 1 for the deeper weights, 0 for the
+        biases; see ``Model``."""
+        std = np.asarray(feature_std, dtype=np.float32)
+        if std.shape != (self.n_features,):
+            raise InputError(
+                f"{self!r}: feature_std must hold one value per feature, shape "
+                f"({self.n_features},), got {std.shape}"
+            )
+        factors = self.penalized().astype(np.float32)
+        self.layout.views(factors)["w1"][...] *= std[:, None]
+        return factors
+
     # -- the math -------------------------------------------------------------------------
 
     def _forward(self, params: dict[str, np.ndarray], X: np.ndarray) -> list[np.ndarray]:

@@ -315,6 +315,20 @@ class TorchModel:
             start += count
         return {key: views[name] for key, name in self._parameter_keys.items()}
 
+    def penalized(self) -> np.ndarray:
+        """Which coordinates the regularisation applies to: every parameter but those whose
+        name ends in ``bias`` (``fc.bias``: an intercept, never penalised, held at 0 by
+        ``fit_intercept=False``); a module's other unpenalised parameters (a norm layer's
+        ``weight``) are penalised all the same. See ``Model``."""
+        mask = np.ones(self.size, dtype=bool)
+        start = 0
+        for name, shape in zip(self._names, self._shapes):
+            count = int(np.prod(shape))
+            if name.endswith("bias"):
+                mask[start : start + count] = False
+            start += count
+        return mask
+
     def state_dict(
         self, weights: np.ndarray, buffers: Mapping[str, np.ndarray] | None = None
     ) -> OrderedDict:

@@ -27,6 +27,11 @@ computes ``squared_norm`` of its gradient slice, the trainer sums them across pa
 scales every slice by ``clip_scale(total, optimizer.clip_norm)`` (or passes that factor as
 ``step(..., grad_scale=...)``, which saves a pass over the gradient).
 
+Regularisation as MLlib's (``regParam``, ``elasticNetParam``) is ``ElasticNet``, given to
+``Optimizer.step(..., penalty=..., penalized=...)``: its L2 part joins the gradient, its L1
+part is a proximal step after the update, both element by element on the slice, so the
+sharded result is still one process's (see ``optim.penalty``).
+
 Optimizers and schedules are small picklable configurations made on the driver; they hold
 no arrays. Settings are checked when they are made: a wrong one raises
 ``ConfigurationError`` (a ``ValueError``) naming the setting and its allowed range.
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 from allreduce_param.optim.base import Optimizer
 from allreduce_param.optim.clipping import clip_scale, squared_norm
+from allreduce_param.optim.penalty import ElasticNet
 from allreduce_param.optim.rules import SGD, Adagrad, Adam, AdamW, RMSprop
 from allreduce_param.optim.schedules import CosineLR, LinearWarmup, Schedule, StepLR
 
@@ -50,6 +56,7 @@ __all__ = [
     "StepLR",
     "CosineLR",
     "LinearWarmup",
+    "ElasticNet",
     "clip_scale",
     "squared_norm",
 ]

@@ -9,6 +9,7 @@ import numpy as np
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.optim import kernels
 from allreduce_param.optim.kernels import F32, workspace
+from allreduce_param.optim.penalty import ElasticNet
 from allreduce_param.optim.schedules import Schedule
 from allreduce_param.optim.settings import Config, check_step, integer_setting, real_setting
 
@@ -74,6 +75,8 @@ class Optimizer(Config):
         step: int,
         *,
         grad_scale: float = 1.0,
+        penalty: ElasticNet | None = None,
+        penalized: np.ndarray | None = None,
     ) -> None:
         """Update ``weights`` in place from ``grad``, and ``state`` with it.
 
@@ -82,20 +85,32 @@ class Optimizer(Config):
         ``grad_scale`` multiplies the gradient first, e.g. by ``clip_scale(...)``, saving
         the trainer a separate pass: the result equals scaling ``grad`` in float32 first.
         All arrays are 1-D float32 of one length; ``state`` is what ``init_state`` made.
+
+        ``penalty`` (an ``ElasticNet``, MLlib's ``regParam``/``elasticNetParam``): its L2
+        part is added to the scaled gradient before the update, its L1 part is a proximal
+        step (soft threshold by ``lr_at(step) * l1``) after it; see ``optim.penalty``.
+        ``penalized``: the slice's per-element factor of the penalty (float32: 0 for a
+        coordinate not penalised, an intercept; 1 for a weight), None: 1 everywhere.
         """
         n = self._check_arrays(weights, grad, state)
         step = check_step(step)
         lr = self.lr_at(step)
         scale = real_setting(type(self).__name__, "grad_scale", grad_scale)
+        self._check_penalty(penalty, penalized, n)
         names = self.state_names
         for start in range(0, n, kernels.PIECE):
             stop = min(start + kernels.PIECE, n)
             tmp = workspace(stop - start)
-            g = grad[start:stop]
+            w, g = weights[start:stop], grad[start:stop]
+            s = None if penalized is None else penalized[start:stop]
             if scale != 1.0:
                 g = np.multiply(g, scale, out=tmp[3])
+            if penalty is not None:
+                g = penalty.add_l2_gradient(w, g, s, tmp[3], tmp[0])
             piece_state = {name: state[name][start:stop] for name in names}
-            self._update(weights[start:stop], g, piece_state, lr, step + 1, tmp)
+            self._update(w, g, piece_state, lr, step + 1, tmp)
+            if penalty is not None:
+                penalty.shrink(w, lr, s, tmp)
 
     def _update(
         self,
@@ -109,6 +124,25 @@ class Optimizer(Config):
         """Update one piece in place: ``lr`` after the schedule, ``t`` the 1-based step;
         ``tmp[0..2]`` are scratch arrays of the piece's length."""
         raise NotImplementedError
+
+    def _check_penalty(
+        self, penalty: ElasticNet | None, penalized: np.ndarray | None, n: int
+    ) -> None:
+        owner = type(self).__name__
+        if penalty is not None and not isinstance(penalty, ElasticNet):
+            raise InputError(
+                f"{owner}.step: penalty must be an ElasticNet or None, got {penalty!r}"
+            )
+        if penalized is not None and (
+            not isinstance(penalized, np.ndarray)
+            or penalized.dtype != F32
+            or penalized.shape != (n,)
+        ):
+            raise InputError(
+                f"{owner}.step: penalized must be None or float32 of shape ({n},) (one factor "
+                f"per weight), got {getattr(penalized, 'dtype', type(penalized).__name__)} "
+                f"{getattr(penalized, 'shape', '')}"
+            )
 
     def _check_arrays(
         self, weights: np.ndarray, grad: np.ndarray, state: Mapping[str, np.ndarray]

@@ -10,6 +10,8 @@ the job files the key, from this class.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,7 @@ from allreduce_param.engine.blocks.codec import codec_names
 from allreduce_param.engine.strategy import Strategy
 from allreduce_param.engine.wire.settings import SPARK_SETTINGS, NetworkSettings
 from allreduce_param.errors import ConfigurationError
+from allreduce_param.optim import ElasticNet
 from allreduce_param.train.checkpoint import CheckpointSettings
 from allreduce_param.train.early_stopping import EarlyStopping, check_patience, check_strategy
 
@@ -36,6 +39,24 @@ def check_scheme(scheme: str) -> str:
             f"{', '.join(SCHEMES)}"
         )
     return scheme
+
+
+def check_regularisation(
+    reg_param: Any, elastic_net_param: Any, fit_intercept: Any, standardization: Any
+) -> None:
+    """MLlib's ranges: ``reg_param >= 0``, ``elastic_net_param`` in [0, 1]; the two flags
+    booleans."""
+    for name, value, allowed in (
+        ("reg_param", reg_param, ">= 0"),
+        ("elastic_net_param", elastic_net_param, "in [0, 1]"),
+    ):
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and value >= 0 and (name == "reg_param" or value <= 1)
+        if not ok:
+            raise ConfigurationError(f"{name} must be a finite number {allowed}, got {value!r}")
+    for name, value in (("fit_intercept", fit_intercept), ("standardization", standardization)):
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"{name} must be True or False, got {value!r}")
 
 
 def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
@@ -208,6 +229,33 @@ class FitSettings:
         "how much lower than the best so far a validation loss must be to count as an improvement",
         kind="Float",
     )
+    reg_param: float = _setting(
+        0.0,
+        "the regularisation's strength, as MLlib's regParam: the objective is the mean loss + "
+        "regParam * ((1 - elasticNetParam) / 2 * sum(w^2) + elasticNetParam * sum(abs(w))), over "
+        "the weights, never the intercepts (0: none)",
+        kind="Float",
+    )
+    elastic_net_param: float = _setting(
+        0.0,
+        "the L1 share of the regularisation, in [0, 1], as MLlib's elasticNetParam: 0 is L2 (ridge, "
+        "through the optimizer), 1 is L1 (lasso, a proximal step after each update: coefficients "
+        "it outweighs become exactly 0)",
+        kind="Float",
+    )
+    fit_intercept: bool = _setting(
+        True,
+        "train the intercepts (the biases); False holds every one at 0, as MLlib's fitIntercept",
+        kind="Boolean",
+    )
+    standardization: bool = _setting(
+        True,
+        "as MLlib's standardization: penalise each first-layer weight in proportion to its "
+        "feature's standard deviation over the training rows (the L1 part by std, the L2 part by "
+        "std^2), which is MLlib's penalty on the coefficients of standardized features; a feature "
+        "of std 0 keeps its weights at 0. False: the weights as they are",
+        kind="Boolean",
+    )
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "num_workers", "fetch_threads"):
@@ -251,6 +299,9 @@ class FitSettings:
                 str(self.checkpoint_dir), self.checkpoint_every, self.checkpoint_keep
             )
         NetworkSettings.of(self.network_values())
+        check_regularisation(
+            self.reg_param, self.elastic_net_param, self.fit_intercept, self.standardization
+        )
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
 
@@ -301,6 +352,18 @@ class FitSettings:
     def reports_progress(self) -> bool:
         """Whether anyone on the driver hears each step: a bar, a log or a listener."""
         return bool(self.progress or self.log_path or self.listener)
+
+    def penalty(self) -> ElasticNet | None:
+        """The regularisation of ``reg_param`` and ``elastic_net_param`` (None: none)."""
+        if self.reg_param == 0.0:
+            return None
+        return ElasticNet(self.reg_param, self.elastic_net_param)
+
+    @property
+    def standardizes(self) -> bool:
+        """Whether the penalty is scaled by each feature's standard deviation (MLlib's
+        ``standardization``, which only matters with a penalty)."""
+        return self.standardization and self.reg_param > 0
 
     def early_stopping(self) -> EarlyStopping | None:
         """Early stopping's settings with no state yet (None: the fit trains every epoch)."""

@@ -18,6 +18,7 @@ from allreduce_param.errors import ConfigurationError, InputError, TrainingError
 from allreduce_param.models.base import merge_buffers, model_task
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import check_no_dynamic_allocation
+from allreduce_param.train import regularisation
 from allreduce_param.train.driver.checks import (
     check_model,
     check_resume,
@@ -114,7 +115,8 @@ class DistriOptimizer:
     a folder of its own there, ``checkpoint_every`` steps (or each ``"epoch"``, the default)
     and after the last step, keeping the newest ``checkpoint_keep``. When a task fails, the
     fit runs its stage again, up to ``spark.stage.maxConsecutiveAttempts`` times in all (4
-    by default), and the new attempt resumes from the newest one instead of starting over;
+    by default; each run again is announced with a ``RuntimeWarning`` saying why), and the
+    new attempt resumes from the newest one instead of starting over;
     ``fit(resume_from=...)`` continues a stopped or finished fit from one.
 
     ``early_stopping_patience=k`` ends the fit once the loss on ``fit(validation=...)`` has
@@ -197,6 +199,7 @@ class DistriOptimizer:
             data, features_col, label_col, validation, weight_col
         )
         size = model_size(self.model, sample, n_features, s.seed)
+        regularisation.check_model(self.model, s, size)
         workers = worker_count(spark, s.num_workers, partitions)
         if s.batch_size < workers:
             raise InputError(

@@ -21,10 +21,28 @@ NOT_ENOUGH_SLOTS = "SPARK-24819"
 TASK_FAILED = "Could not recover from a failed barrier ResultStage"
 #: Spark's refusal of a barrier stage over rows whose lineage has a union or a coalesce
 UNSUPPORTED_CHAIN = "BarrierJobUnsupportedRDDChainException"
-#: a Python error outside the training loop (e.g. the task's closure failed to unpickle)
+#: what Spark says when a task's Python worker process died under it: killed (by the
+#: kernel for memory, by a container's limit) or crashed in native code
+WORKER_CRASHED = "Python worker exited unexpectedly"
+#: what Spark says when a task's executor (its JVM, with its Python workers) went away
+_EXECUTOR_LOST = re.compile(r"ExecutorLostFailure \(([^)\n]*)\)(?: Reason: ([^\n]*))?")
+#: Spark ran the stage again itself (after a lost executor), this many runs in all
+_SPARK_RUNS = re.compile(r"has failed the maximum allowable number of times: (\d+)")
+#: the task whose failure Spark reports, ``ResultTask(stage, partition)``
+_FAILED_TASK = re.compile(r"barrier task \w*Task\(\d+, (\d+)\)")
+#: a Python error outside the training loop (e.g. the task's closure failed to unpickle);
+#: its last line, with its message if it has one (a bare ``MemoryError`` has none)
 _PYTHON_ERROR = re.compile(
-    r"Traceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*([A-Za-z_][\w.]*: [^\n]*)"
+    r"Traceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*([A-Za-z_][\w.]*(?:: [^\n]*)?)"
 )
+#: a partition's report that a peer went away with no reason given (``PeerClient._lost``):
+#: its process died, or its executor
+_PEER_GONE = re.compile(
+    r"^partition (\d+)(?:, ([^:]*))?: PeerLostError: partition (\d+) at \S+ (.*?) while we "
+    r"fetched (.*?), without a word"
+)
+#: a task's error that says its process ran out of memory (ENOMEM is errno 12)
+_OUT_OF_MEMORY = re.compile(r"MemoryError|\[Errno 12\]")
 #: placing the rows found data that changed since prepare() counted it (partitioning.py)
 _PLACEMENT_MESSAGE = re.compile(r"row \d+ of partition \d+ of the prepared data is not among[^\n]*")
 _SPARK_REASON = re.compile(r"org\.apache\.spark\.[\w.]*(?:Exception|Failed)[^\n]*")
@@ -43,11 +61,14 @@ def task_failed(error: Exception) -> bool:
     return TASK_FAILED in str(error)
 
 
-def stage_error(error: Exception) -> Exception:
-    """One clear error from the wall of Java stack a failed barrier stage gives.
+def stage_error(error: Exception, runs: int = 1) -> Exception:
+    """One clear error from the wall of Java stack a failed barrier stage gives; ``runs``:
+    how many times the fit ran its stage, each failing (this is the last run's error).
 
     A partition that lost a failed peer quotes what that peer said; the innermost quote
-    is the root cause, whichever task's failure Spark reported.
+    is the root cause, whichever task's failure Spark reported. A task whose Python worker
+    died (``WORKER_CRASHED``), whose executor was lost, or that ran out of memory gets what
+    to change for it.
     """
     text = str(error)
     if NOT_ENOUGH_SLOTS in text:  # where the slots could only be estimated first (Spark Connect)
@@ -56,16 +77,82 @@ def stage_error(error: Exception) -> Exception:
             f"({NOT_ENOUGH_SLOTS}, after spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures "
             "tries); lower num_workers, or give Spark more executors or cores"
         )
+    found = _task_error(error)
+    spark_runs = _SPARK_RUNS.search(text)
+    runs = max(runs, int(spark_runs.group(1)) if spark_runs else 1)
+    if _OUT_OF_MEMORY.search(str(found)) and OUT_OF_MEMORY_ADVICE not in str(found):
+        found = TrainingError(f"{found}. {OUT_OF_MEMORY_ADVICE}")
+    if runs > 1:
+        found = TrainingError(
+            f"{found} (the fit ran its stage {runs} times, as spark.stage.maxConsecutiveAttempts "
+            "allows, and every run failed: this is the last run's error)"
+        )
+    return found
+
+
+#: What to change when a Python worker ran out of memory, or was killed for it.
+OUT_OF_MEMORY_ADVICE = (
+    "Give the Python workers more memory: raise spark.executor.pyspark.memory where it is set "
+    "(it limits each worker's address space, mapped shared memory included), else "
+    "spark.executor.memoryOverhead (the OS or the cluster kills a process over the "
+    "executor's memory), or put fewer rows on each worker (a larger num_workers, more "
+    "executors)"
+)
+
+
+def _worker_died(partition: str, how: str, executor: bool = False) -> TrainingError:
+    """The error for a partition whose process died in the middle of the fit: ``how`` it
+    shows; with ``executor``, the whole executor may have gone with it."""
+    lost = "; or its executor was lost" if executor else ""
+    return TrainingError(
+        f"partition {partition}'s Python worker died in the middle of the fit ({how}): it was "
+        "killed, most often for using more memory than it may (by the kernel's OOM killer, or "
+        f"a container's or YARN's limit), or it crashed in a native library{lost}. "
+        f"{OUT_OF_MEMORY_ADVICE}. For a crash, set spark.python.worker.faulthandler.enabled=true "
+        "and read the executor's stderr"
+    )
+
+
+def _task_error(error: Exception) -> TrainingError:
+    """The failed task's error, from the text of Spark's report."""
+    text = str(error)
+    task = _FAILED_TASK.search(text)
+    partition = task.group(1) if task else "?"
+    if WORKER_CRASHED in text:
+        return _worker_died(partition, "Spark: Python worker exited unexpectedly")
+    executor = _EXECUTOR_LOST.search(text)
+    if executor is not None:
+        detail, reason = executor.groups()
+        said = f" Reason: {reason}" if reason else ""
+        return TrainingError(
+            f"partition {partition}'s executor was lost in the middle of the fit (Spark: "
+            f"ExecutorLostFailure ({detail}){said}): it was killed, most often for using more "
+            "memory than its container may (exit code 137 is SIGKILL), or its machine went "
+            "away. Give the executors more memory: spark.executor.memoryOverhead (the Python "
+            "workers' and native memory) or spark.executor.memory (the JVM's), or put fewer "
+            "rows on each worker (a larger num_workers, more executors)"
+        )
     failure = recover_task_failure(text)
     if failure is not None:
-        return failure
+        gone = _PEER_GONE.search(str(failure))
+        if gone is None:
+            return failure
+        reporter, where, dead, detail, what = gone.groups()
+        at = f" ({where})" if where else ""
+        return _worker_died(
+            dead,
+            f"partition {reporter}{at} found that it {detail} while fetching {what}, without a "
+            "word",
+            executor=True,
+        )
     placement = _PLACEMENT_MESSAGE.search(text)
     if placement:
         return TrainingError(placement.group(0))
     python = _PYTHON_ERROR.search(text)
     if python:
         return TrainingError(
-            f"a task of the fit failed outside its training loop: {python.group(1)}"
+            f"a task of the fit (partition {partition}) failed outside its training loop: "
+            f"{python.group(1)}"
         )
     spark_reason = _SPARK_REASON.search(text)
     return TrainingError(

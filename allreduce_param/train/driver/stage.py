@@ -5,6 +5,7 @@ the tasks return, decoded (``records.StageOutput``)."""
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,8 +49,10 @@ def run_stage(job: TrainingJob, kept, placed: Callable[[], Any], attempts: int) 
 
     The stage returns the records itself, and Spark never retries such a barrier stage
     when a task fails, so this runs it again, up to ``attempts`` runs in all; a new
-    attempt's tasks resume from the fit's newest intact checkpoint (``restart_point``). (A shuffle after the stage
-    would have Spark retry it, for a stage more on every fit.)"""
+    attempt's tasks resume from the fit's newest intact checkpoint (``restart_point``).
+    Each run again is announced with a ``RuntimeWarning`` saying why; the error after the
+    last run says how many ran. (A shuffle after the stage would have Spark retry it, for a
+    stage more on every fit.)"""
     submitted = time.time()
     rows, failures, first = (kept if kept is not None else placed()), 0, job
     while True:
@@ -63,11 +66,28 @@ def run_stage(job: TrainingJob, kept, placed: Callable[[], Any], attempts: int) 
             failures += 1
             if failures >= attempts or not task_failed(error):
                 # Spark's own report stays on it, as the cause
-                raise stage_error(error) from error
+                raise stage_error(error, runs=failures) from error
+            _warn_again(job, stage_error(error), failures, attempts)
             job = restart_point(first)  # the newest intact checkpoint, verified here
     output = StageOutput.of(pairs, job.param.partition_num)
     output.submitted = submitted
     return output
+
+
+def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int) -> None:
+    """Say that the stage failed and runs again, and from where: a run can take long (the
+    rows are loaded anew), and a fit that goes quiet meanwhile looks hung."""
+    start = (
+        "from the newest checkpoint of this fit (from the start if none was written yet)"
+        if job.checkpoints is not None
+        else "from the start (a fit with checkpoint_dir would resume from its newest checkpoint)"
+    )
+    warnings.warn(
+        f"the fit's stage failed, run {failures} of at most {attempts} "
+        f"(spark.stage.maxConsecutiveAttempts): {error}. It runs again, {start}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _stage(job: TrainingJob, rows) -> list[tuple[str, bytes]]:

@@ -8,6 +8,9 @@
   (``AllReduceParameter.serve_updates``) updates the own slice;
 - ``sync_every=k`` or ``"epoch"`` (``_local_sgd``): each partition steps a copy of its own
   for k steps, then the partitions average their models (or sum their updates).
+
+Every update goes with the fit's regularisation on the part it updates
+(``OwnedRegularisation``: MLlib's regParam, elasticNetParam and fitIntercept).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from allreduce_param.optim import clip_scale, squared_norm
 from allreduce_param.train.records import STEP_FIELDS
+from allreduce_param.train.regularisation import OwnedRegularisation, feature_std
 from allreduce_param.train.task.epochs import Epochs
 from allreduce_param.train.task.resume import Checkpoints
 from allreduce_param.train.task.steps import Steps
@@ -31,6 +35,13 @@ class PartitionFit(Steps, Epochs, Checkpoints):
         """Train every step of the plan from where the fit starts; the records are kept."""
         job, p = self.job, self.p
         self._plan()
+        self.regularisation = OwnedRegularisation(
+            self.settings,
+            job.model,
+            p.layout.size,
+            slice(0, p.layout.size) if job.local_sgd else p.layout.bounds(p.partition_id),
+            feature_std(p, self.train.X, self.train.weight) if self.settings.standardizes else None,
+        )
         self.start = self._begin()
         if job.local_sgd:
             self._local_sgd()
@@ -46,7 +57,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
 
     def _bsp(self) -> None:
         job, p = self.job, self.p
-        state = self.state
+        state, regularisation = self.state, self.regularisation
         for index in range(self.start, len(self.plan)):
             read_s = self._read(index)
             if self._epochs_before(index):
@@ -55,11 +66,19 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             t0 = time.perf_counter()
             gradient = p.aggregate_gradient_partition()
             t1 = time.perf_counter()
+            regularisation.hold(gradient)
             scale = 1.0
             if job.optimizer.clip_norm is not None:  # by the global norm: one scalar allreduce
                 squared = p.allreduce_exact([squared_norm(gradient)])[0]
                 scale = clip_scale(float(squared), job.optimizer.clip_norm)
-            job.optimizer.step(p.weight_partition, gradient, state, index, grad_scale=scale)
+            job.optimizer.step(
+                p.weight_partition,
+                gradient,
+                state,
+                index,
+                grad_scale=scale,
+                **regularisation.step_arguments,
+            )
             t2 = time.perf_counter()
             p.send_weight_partition()
             t3 = time.perf_counter()
@@ -76,17 +95,17 @@ class PartitionFit(Steps, Epochs, Checkpoints):
     def _serve(self) -> None:
         """Start the background owner: it updates the own slice with the optimizer, and writes
         the checkpoints (it owns the optimizer state)."""
-        optimizer, state = self.job.optimizer, self.state
+        optimizer, state, regularisation = self.job.optimizer, self.state, self.regularisation
 
         def steps_done(done: int) -> None:
             if self._checkpoint_due(done - 1):
                 self._checkpoint(done)
 
-        self.p.serve_updates(
-            lambda gradient, weights, step: optimizer.step(weights, gradient, state, step),
-            len(self.plan),
-            steps_done,
-        )
+        def update(gradient: np.ndarray, weights: np.ndarray, step: int) -> None:
+            regularisation.hold(gradient)
+            optimizer.step(weights, gradient, state, step, **regularisation.step_arguments)
+
+        self.p.serve_updates(update, len(self.plan), steps_done)
 
     def _asynchronous(self) -> None:
         """SSP, ASP: read what the strategy allows, compute, put; the owner does the rest."""
@@ -137,8 +156,16 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             loss_sum, grad_sum, count = self.compute(self.weights, *batch)
             t1 = time.perf_counter()
             if count:
+                self.regularisation.hold(grad_sum)
                 self._clip_own(grad_sum, count)
-                job.optimizer.step(self.weights, grad_sum, state, index, grad_scale=1.0 / count)
+                job.optimizer.step(
+                    self.weights,
+                    grad_sum,
+                    state,
+                    index,
+                    grad_scale=1.0 / count,
+                    **self.regularisation.step_arguments,
+                )
             t2 = time.perf_counter()
             rows, since = rows + count, since + 1
             epoch_ends = (

@@ -30,7 +30,8 @@ class Checkpoints(FitState):
         names = job.optimizer.state_names
         if manifest is None:
             self._report_start(0)
-            p.init(job.model.init(np.random.default_rng(self.settings.seed)))
+            initial = job.model.init(np.random.default_rng(self.settings.seed))
+            p.init(self.regularisation.initial(initial))
             self.state = job.optimizer.init_state(p.layout.size if local else p.slice_length)
             return 0
         arrays, records = load_part(manifest, p.partition_id, p.layout)
@@ -54,7 +55,7 @@ class Checkpoints(FitState):
         if self._early is not None and manifest.early_stopping is not None:
             self._early.restore(manifest.early_stopping, load_best(manifest))
         self._report_start(manifest.step)  # before init: no peer can report a step before it
-        p.init(arrays["weights"], step=manifest.step)
+        p.init(self.regularisation.initial(arrays["weights"]), step=manifest.step)
         return manifest.step
 
     def _evaluated_before(self, start: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import socket
 import threading
@@ -275,7 +276,19 @@ class PeerClient:
             raise self._late(what) from error
         except (OSError, EOFError) as error:
             self._drop()
+            if getattr(error, "errno", None) == errno.ENOMEM:  # ours, not the peer's
+                raise self._out_of_memory(what, error) from error
             raise self._lost(what, f"closed the connection ({error})") from error
+
+    def _out_of_memory(self, what: str, error: OSError) -> MemoryError:
+        """This process, not the peer, could not get memory (ENOMEM) for ``what``: most
+        often mapping the peer's shared memory under a limit on the address space."""
+        return MemoryError(
+            f"this partition ran out of memory ({error}) while it fetched {what}: it maps the "
+            "shared memory its peers on this host publish blocks in, and a limit on its address "
+            "space counts the mappings (under Spark, spark.executor.pyspark.memory sets one on "
+            "each Python worker): raise that limit or leave it unset"
+        )
 
     def _answer_error(
         self, status: int, length: int, sock: socket.socket, what: str

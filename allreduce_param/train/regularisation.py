@@ -1,0 +1,185 @@
+"""The fit's regularisation on the part of the vector one owner updates.
+
+MLlib's meaning (``reg_param``, ``elastic_net_param``, ``fit_intercept``,
+``standardization``: the Estimators' ``regParam``, ``elasticNetParam``, ``fitIntercept``,
+``standardization``): the objective is the mean loss plus
+``reg_param * ((1 - elastic_net_param) / 2 * ||w||^2 + elastic_net_param * ||w||_1)`` over
+the weights, never the intercepts; ``fit_intercept=False`` holds every intercept at 0.
+
+The model says which coordinates are intercepts (its optional ``penalized()``) and, for
+``standardization``, which weights multiply which feature (``penalty_factors(std)``, see
+``models.base.Model``). Each owner cuts its slice out of those, and ``optim.ElasticNet``
+applies the penalty element by element, so N owners give what one process gives.
+
+Standardization, as MLlib's: each first-layer weight of feature ``j`` is penalised as if
+the feature were scaled to unit standard deviation: the L1 part by ``std_j``, the L2 part
+by ``std_j^2``. ``std_j`` is the (sample-weighted, unbiased) standard deviation over every
+partition's training rows, learnt at the start of the fit with two allreduces of one value
+per feature (``feature_std``); a feature of std 0 (a constant column) keeps its weights at
+0, as MLlib gives such a feature coefficient 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.optim import ElasticNet
+from allreduce_param.train.settings import FitSettings
+
+ROWS_AT_ONCE = 4096  # dense rows per float64 pass of ``local_moments``
+#: A feature whose std is at most this times its mean's magnitude counts as constant (std 0).
+CONSTANT = 1e-6
+
+
+def penalized_mask(model: Any, size: int) -> np.ndarray | None:
+    """The model's ``penalized()`` as a boolean vector of ``size`` (None: it has none)."""
+    method = getattr(model, "penalized", None)
+    if not callable(method):
+        return None
+    mask = np.asarray(method())
+    if mask.dtype != bool or mask.shape != (size,):
+        raise InputError(
+            f"{model!r}.penalized() must return a boolean vector of {size} elements (one per "
+            f"parameter: True where the regularisation applies), got {mask.dtype} {mask.shape}"
+        )
+    return mask
+
+
+def check_model(model: Any, settings: FitSettings, size: int) -> None:
+    """On the driver, before any task: the model can take the settings' regularisation."""
+    if not settings.reg_param and settings.fit_intercept:
+        return
+    mask = penalized_mask(model, size)
+    if mask is None and not settings.fit_intercept:
+        raise ConfigurationError(
+            f"fit_intercept=False: the model {model!r} does not say which of its parameters "
+            "are intercepts (it has no penalized()); give it one (see "
+            "allreduce_param.models.base.Model), or keep fit_intercept=True"
+        )
+    if settings.standardizes and not callable(getattr(model, "penalty_factors", None)):
+        raise ConfigurationError(
+            f"standardization=True with reg_param={settings.reg_param!r}: the model {model!r} "
+            "does not say which weights multiply which feature (it has no penalty_factors(), "
+            "see allreduce_param.models.base.Model), so its penalty cannot be standardized as "
+            "MLlib's; set standardization=False to penalise the weights as they are"
+        )
+
+
+def local_moments(X: Any, weight: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """``(sum w*x, sum w*x^2)`` per feature (float64) and ``(sum w, sum w^2)`` over the rows
+    of ``X`` (a float32 array, or a scipy.sparse matrix), ``w`` the sample weights or 1."""
+    rows, features = X.shape
+    w = np.ones(rows) if weight is None else np.asarray(weight, np.float64)
+    if not isinstance(X, np.ndarray) and hasattr(X, "multiply"):  # scipy.sparse: no densifying
+        wide = X.astype(np.float64)  # a copy of the non-zeros only
+        first = np.asarray(wide.T @ w, np.float64).reshape(features)
+        second = np.asarray(wide.multiply(wide).T @ w, np.float64).reshape(features)
+    else:
+        first, second = np.zeros(features), np.zeros(features)
+        for start in range(0, rows, ROWS_AT_ONCE):
+            part = np.asarray(X[start : start + ROWS_AT_ONCE], np.float64)
+            share = w[start : start + ROWS_AT_ONCE]
+            first += share @ part
+            np.multiply(part, part, out=part)
+            second += share @ part
+    return first, second, float(w.sum()), float(np.dot(w, w))
+
+
+def feature_std(p: Any, X: Any, weight: np.ndarray | None) -> np.ndarray:
+    """Each feature's standard deviation over every partition's rows (float32), as MLlib's
+    summarizer gives it: weighted, unbiased (``sum w (x - mean)^2 / (W - sum w^2 / W)``).
+
+    Every partition calls it at once (``p``: its ``ConnectedParameter``): one exact
+    allreduce of the weight sums, then the per-feature sums and the sums of squared
+    deviations from the global mean, each one allreduce of one value per feature through
+    the parameter's codec (a lossy one rounds them). All partitions get the same bits. A
+    std at most ``CONSTANT`` times the mean's magnitude, below what float32 sums resolve,
+    is 0: a constant feature's, as MLlib finds it."""
+    first, second, total_weight, squared_weights = local_moments(X, weight)
+    own_weight = total_weight
+    total_weight, squared_weights = (
+        float(v) for v in p.allreduce_exact([total_weight, squared_weights])
+    )
+    features = first.shape[0]
+    if not total_weight > 0:
+        return np.zeros(features, np.float32)
+    mean = np.asarray(p.allreduce(first.astype(np.float32)), np.float64)
+    mean /= total_weight
+    # this partition's sum w (x - mean)^2 = second + mean * own * (mean - 2 * first / own),
+    # in place: three float64 vectors at most (a 2**24-feature fit: 384 MiB for a moment)
+    if own_weight > 0:  # else no rows here: second is 0 already
+        first *= -2.0 / own_weight
+        first += mean
+        first *= own_weight
+        first *= mean
+        second += first
+        np.maximum(second, 0.0, out=second)
+    del first
+    spread = np.asarray(p.allreduce(second.astype(np.float32)), np.float64)
+    del second
+    denominator = total_weight - squared_weights / total_weight
+    if not denominator > 0:  # a single row (or one row's weight): no spread to measure
+        return np.zeros(features, np.float32)
+    std = np.sqrt(spread / denominator).astype(np.float32)
+    # the sums travel as float32, so a constant feature's mean is off by float32 rounding and
+    # its std comes out near 1e-7 * |mean| instead of 0: a spread below that resolution is 0
+    std[std <= CONSTANT * np.abs(mean)] = 0.0
+    return std
+
+
+class OwnedRegularisation:
+    """The regularisation of one owner's part ``part`` (a slice of the flat vector).
+
+    ``step_arguments`` go to ``Optimizer.step``; ``hold`` zeroes the gradient of the
+    coordinates held at 0 (the intercepts under ``fit_intercept=False``; under
+    standardization the weights of a feature of std 0), which every optimizer then leaves
+    at the 0 ``initial`` gave them: no state, decay or threshold moves a 0 with a 0 gradient.
+    ``std``: each feature's standard deviation (``feature_std``), when the fit standardizes.
+    """
+
+    def __init__(
+        self,
+        settings: FitSettings,
+        model: Any,
+        size: int,
+        part: slice,
+        std: np.ndarray | None = None,
+    ) -> None:
+        self.penalty: ElasticNet | None = settings.penalty()
+        mask = None
+        if self.penalty is not None or not settings.fit_intercept:
+            mask = penalized_mask(model, size)
+        own = None if mask is None else mask[part]
+        held = None if settings.fit_intercept or own is None else ~own
+        self.penalized: np.ndarray | None = None
+        if self.penalty is not None and settings.standardizes:
+            self.penalized = np.array(model.penalty_factors(std)[part], np.float32)
+            constant = (self.penalized == 0) if own is None else (self.penalized == 0) & own
+            held = constant if held is None else held | constant
+        elif self.penalty is not None and own is not None:
+            self.penalized = own.astype(np.float32)
+        self._held = held if held is not None and held.any() else None
+        self._part, self._size = part, size
+
+    @property
+    def step_arguments(self) -> dict[str, Any]:
+        """``Optimizer.step``'s ``penalty`` and ``penalized`` for this part."""
+        return {"penalty": self.penalty, "penalized": self.penalized}
+
+    def initial(self, weights: np.ndarray) -> np.ndarray:
+        """The weights a fit starts from, the whole vector or this part alone (a
+        checkpoint's), with this part's held coordinates 0 (every partition zeroes its own
+        part; ``ConnectedParameter.init`` keeps only that)."""
+        if self._held is not None and weights.size == self._size:
+            weights[self._part][self._held] = 0.0
+        elif self._held is not None and weights.size == self._held.size:
+            weights[self._held] = 0.0
+        return weights
+
+    def hold(self, gradient: np.ndarray) -> None:
+        """Zero the held coordinates' gradient of this part, in place."""
+        if self._held is not None:
+            np.copyto(gradient, 0.0, where=self._held)
