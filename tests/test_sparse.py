@@ -218,12 +218,24 @@ def test_a_hashing_tf_pipeline_trains_on_sparse_rows_and_predicts_them(spark):
     stored = sum(row.features.numNonzeros() for row in hashed.select("features").collect())
     assert summary.sparse and summary.nonzeros == stored and summary.n_features == 2**18
     assert summary.sample[0].shape == (1, 2**18) and summary.sample[0].nnz > 0
+    # MLlib's regularisation, standardized as MLlib's default: the features' std comes from
+    # the CSR rows (an allreduce of per-feature sums), never a dense copy
     classifier = AllReduceClassifier(
-        hiddenLayers=[], stepSize=0.05, batchSize=64, maxEpochs=4, showProgress=False
+        hiddenLayers=[],
+        stepSize=0.05,
+        batchSize=64,
+        maxEpochs=4,
+        regParam=1e-4,
+        elasticNetParam=0.5,
+        showProgress=False,
     )
     model = Pipeline(stages=[*featurize.getStages(), classifier]).fit(train)
     fitted = model.stages[-1]
     assert fitted.numFeatures == 2**18 and fitted.numClasses == 2
+    assert fitted.getStandardization() and fitted.getRegParam() == 1e-4
+    # L1: the weights of hashed words no document holds stay exactly 0
+    weights = fitted.trained.model.tensors(fitted.weights)["w1"]
+    assert (weights == 0).all(axis=1).sum() > 2**18 - 3000
     out = model.transform(test).cache()
     correct = out.where("prediction = label").count()
     assert correct / out.count() > 0.9
