@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -150,18 +151,26 @@ class _AllReduceEstimator(_AllReduceParams):
         network = _network(self._task, n_features, self.getHiddenLayers(), num_classes)
         trainer = self._trainer(network, settings)
         try:
-            trained = trainer.fit(
-                train,
-                features_col=features_col,
-                label_col=label_col,
-                validation=validation,
-                weight_col=weight_col,
-            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", UserWarning)
+                trained = trainer.fit(
+                    train,
+                    features_col=features_col,
+                    label_col=label_col,
+                    validation=validation,
+                    weight_col=weight_col,
+                )
         except InputError as error:  # the data checks name DistriOptimizer's arguments
             renamed = self._naming_params(error)
             if renamed is error:
                 raise
             raise renamed from error
+        finally:
+            for warning in caught:  # the fit's warnings, naming this Estimator's Params
+                text = str(warning.message)
+                if issubclass(warning.category, UserWarning):
+                    text = _param_names(text, settings=True)
+                warnings.warn(text, warning.category, stacklevel=2)
         return self._copyValues(self._model_class(trained))
 
     def _split(self, dataset):
@@ -218,14 +227,23 @@ class _AllReduceEstimator(_AllReduceParams):
         ``(featuresCol)``) in any error; and for a bad setting (a ``ConfigurationError``)
         the settings it names (``batch_size=``, ``batch_size must``: ``batchSize``), after
         this Estimator's name. ``error`` itself where nothing needs renaming."""
-        message = str(error)
-        for argument, param in _ARGUMENT_PARAMS.items():
-            message = message.replace(f"({argument})", f"({param})")
-        if isinstance(error, ConfigurationError):
-            for param, setting in _SETTING_PARAMS:
-                message = re.sub(rf"\b{setting}(?==| must)", param, message)
+        configuration = isinstance(error, ConfigurationError)
+        message = _param_names(str(error), settings=configuration)
+        if configuration:
             return ConfigurationError(f"{type(self).__name__}: {message}")
         return error if message == str(error) else type(error)(message)
+
+
+def _param_names(message: str, settings: bool) -> str:
+    """``message`` with ``fit()``'s arguments (``(features_col)``) written as the Params
+    (``(featuresCol)``), and where ``settings`` the settings it names (``batch_size=``,
+    ``batch_size must``) as theirs (``batchSize``)."""
+    for argument, param in _ARGUMENT_PARAMS.items():
+        message = message.replace(f"({argument})", f"({param})")
+    if settings:
+        for param, setting in _SETTING_PARAMS:
+            message = re.sub(rf"\b{setting}(?==| must)", param, message)
+    return message
 
 
 def _add_setting_params() -> None:

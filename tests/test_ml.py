@@ -509,3 +509,26 @@ def test_the_classifier_finds_mllibs_regularised_logistic_regression(spark, stan
     )
     np.testing.assert_allclose(tensors["b1"], mllib.interceptVector.toArray(), atol=2e-3)
     df.unpersist()
+
+
+def test_the_estimators_warnings_name_their_params(spark):
+    """A class the label metadata has but no training row holds, and a batch beyond the data:
+    the fit trains, and its warnings name batchSize (the Param), not batch_size."""
+    from pyspark.sql import functions as F
+
+    df = blobs(spark, rows=60, string_labels=True)
+    indexed = StringIndexer(inputCol="label", outputCol="class").fit(df).transform(df)
+    two_classes = indexed.where(F.col("label") != "eel").limit(12)
+    assembled = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(two_classes)
+    classifier = AllReduceClassifier(
+        labelCol="class", hiddenLayers=[], batchSize=64, maxEpochs=1, showProgress=False
+    )
+    with pytest.warns(UserWarning) as caught:
+        fitted = classifier.fit(assembled)
+    messages = [str(warning.message) for warning in caught]
+    assert any(m.startswith("batchSize=64 is larger than the 12 training rows") for m in messages)
+    assert any(
+        m.startswith("the training labels hold 2 distinct classes but the model has 3")
+        for m in messages
+    ), messages
+    assert fitted.numClasses == 3
