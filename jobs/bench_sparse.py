@@ -194,6 +194,7 @@ class Run:
     driver_peak: int = 0
     workers_peak: int = 0
     problem: str = ""  # instead of figures: why it did not finish
+    failed_after: float | None = None  # seconds from its start to the failure
     steps: list[dict] = field(default_factory=list)  # ours: History.steps
 
     def reached(self, target: float | None) -> float | None:
@@ -216,10 +217,13 @@ def failure_text(error: BaseException, budget_fired: bool) -> str:
         ("OutOfMemoryError", "OutOfMemoryError (driver JVM)"),
         ("Python worker exited unexpectedly", "a Python worker died"),
         ("MemoryError", "MemoryError (Python worker)"),
+        ("SparkContext was shut down", "the driver JVM ended"),
     ):
         if needle in text:
             return said
-    return text.splitlines()[0][:80]
+    lines = text.splitlines()
+    java = [line[2:] for line in lines if line.startswith(": ")]  # a Py4JJavaError's cause
+    return (java or lines)[0][:100]
 
 
 def run_ours(spark, frame, settings: argparse.Namespace, jvm_pid: int) -> Run:
@@ -258,6 +262,7 @@ def run_ours(spark, frame, settings: argparse.Namespace, jvm_pid: int) -> Run:
             run.problem = "budget ran out"
     except Exception as error:  # the table says why
         run.problem = failure_text(error, guard.fired)
+        run.failed_after = time.time() - run.started
         traceback.print_exc(file=sys.stderr)
     run.epochs = [(at, event.get("val_accuracy")) for at, event in watcher.epochs]
     run.driver_peak, run.workers_peak = watcher.driver_peak, watcher.workers_peak
@@ -290,6 +295,7 @@ def run_mllib(spark, train, test, settings: argparse.Namespace, jvm_pid: int) ->
             run.accuracy = evaluator.evaluate(model.transform(test))
     except Exception as error:
         run.problem = failure_text(error, guard.fired)
+        run.failed_after = time.time() - run.started
         traceback.print_exc(file=sys.stderr)
     run.driver_peak, run.workers_peak = watcher.driver_peak, watcher.workers_peak
     return run
@@ -314,8 +320,15 @@ def result_rows(name: str, ours: list[Run], mllib: list[Run]) -> list[tuple]:
     for runs, label in ((ours, "allreduce-param softmax"), (mllib, "MLlib LogisticRegression")):
         done = [run for run in runs if not run.problem]
         problems = sorted({run.problem for run in runs if run.problem})
-        if not done:
-            lines.append((name, label, "; ".join(problems), "", "", "", "", "", ""))
+        if not done:  # why, when, and the peaks until then
+            afters = [run.failed_after for run in runs if run.failed_after is not None]
+            if afters:
+                problems[0] += f" (after {statistics.median(afters):.0f} s)"
+            peaks = [
+                mb(max(run.driver_peak for run in runs)),
+                mb(max(run.workers_peak for run in runs)),
+            ]
+            lines.append((name, label, "; ".join(problems), "", "", "", "", *peaks))
             continue
         seconds = statistics.median(run.seconds for run in done)
         accuracies = [run.accuracy for run in done if run.accuracy is not None]
@@ -376,6 +389,11 @@ RESULT_HEADER = (
 )
 
 
+def size_text(value: float) -> str:
+    """One decimal from 1 on, three significant digits below (a tiny run's sizes)."""
+    return f"{value:,.1f}" if value >= 1 else f"{value:.3g}"
+
+
 def size_row(name: str, features: int, sizes: list[tuple[int, int]]) -> tuple:
     """The training rows' non-zeros against the dense-equivalent, per partition."""
     rows = sum(r for r, _ in sizes)
@@ -389,8 +407,8 @@ def size_row(name: str, features: int, sizes: list[tuple[int, int]]) -> tuple:
         f"{nonzeros:,}",
         f"{nonzeros / max(rows, 1):.1f}",
         f"{len(sizes)}",
-        f"{csr / 2**20:,.1f}",
-        f"{largest_rows * features * 4 / 2**30:,.1f}",
+        size_text(csr / 2**20),
+        size_text(largest_rows * features * 4 / 2**30),
     )
 
 
@@ -569,15 +587,33 @@ class Bench:
     def start(self) -> None:
         from allreduce_param.spark.session import local_spark
 
-        self.spark = local_spark(
-            self.args.master,
-            "allreduce-param sparse benchmark",
-            CONF_DIR,
-            **{"spark.driver.memory": self.args.driver_memory},
-        )
+        # the JVM marks an OutOfMemoryError (which ends a local JVM) for the table to name
+        self.marker = Path(tempfile.mkdtemp(prefix="bench-sparse-jvm-")) / "out-of-memory"
+        script = self.marker.with_name("on-oom.sh")
+        script.write_text('#!/bin/sh\ntouch "$(dirname "$0")/out-of-memory"\n')
+        script.chmod(0o755)
+        options = os.environ.get("SPARK_SUBMIT_OPTS", "")
+        os.environ["SPARK_SUBMIT_OPTS"] = f"{options} -XX:OnOutOfMemoryError={script}".strip()
+        try:
+            self.spark = local_spark(
+                self.args.master,
+                "allreduce-param sparse benchmark",
+                CONF_DIR,
+                **{"spark.driver.memory": self.args.driver_memory},
+            )
+        finally:
+            os.environ["SPARK_SUBMIT_OPTS"] = options
         context = self.spark.sparkContext
         self.partitions = context.defaultParallelism
         self.jvm_pid = int(context._jvm.java.lang.ProcessHandle.current().pid())
+
+    def name_out_of_memory(self, run: Run) -> None:
+        """Name an OutOfMemoryError of the JVM's (since the last call) as ``run``'s problem."""
+        if self.marker.exists():
+            self.marker.unlink()
+            run.problem = (
+                f"OutOfMemoryError (driver JVM, spark.driver.memory {self.args.driver_memory})"
+            )
 
     def alive(self) -> bool:
         try:
@@ -590,6 +626,9 @@ class Bench:
             self.spark.stop()
         except Exception:
             pass
+        self.marker.unlink(missing_ok=True)
+        self.marker.with_name("on-oom.sh").unlink()
+        self.marker.parent.rmdir()
         from pyspark import SparkContext
         from pyspark.sql import SparkSession
 
@@ -613,6 +652,10 @@ class Bench:
     def stop(self) -> None:
         if self.spark is not None and self.alive():
             self.spark.stop()
+        if self.spark is not None:
+            self.marker.unlink(missing_ok=True)
+            self.marker.with_name("on-oom.sh").unlink()
+            self.marker.parent.rmdir()
 
 
 def log_run(name: str, round_number: int, run: Run) -> None:
@@ -638,15 +681,19 @@ def run_problem(bench: Bench, name: str, data, features: int) -> tuple[list[Run]
     fatal = ""
     for round_number in range(args.rounds):
         ours.append(run_ours(bench.spark, frame, args, bench.jvm_pid))
+        bench.name_out_of_memory(ours[-1])
         log_run(name, round_number, ours[-1])
+        if not bench.alive():
+            bench.restart()
+            frame, train, test = bench.prepare(data, features)
         if fatal:
             mllib.append(Run("mllib", time.time(), problem=fatal))
             continue
         mllib.append(run_mllib(bench.spark, train, test, args, bench.jvm_pid))
+        bench.name_out_of_memory(mllib[-1])
         log_run(name, round_number, mllib[-1])
         if not bench.alive():
-            fatal = f"{mllib[-1].problem}; the JVM ended (not run again)"
-            mllib[-1].problem = fatal
+            fatal = f"not run again: the JVM ended in round {round_number + 1}"
             bench.restart()
             frame, train, test = bench.prepare(data, features)
     return ours, mllib, sizes
