@@ -37,7 +37,10 @@ Spark session on the same cached rows, alternating (ours, MLlib, ours, MLlib, ..
 
 Every fit has ``--budget`` seconds: its Spark jobs are cancelled then, and the table says so;
 a fit that fails (the driver's ``spark.driver.maxResultSize``, ``OutOfMemoryError``, a
-Python worker that died) has its reason in the table instead of figures.
+Python worker that died) has its reason in the table instead of figures. An
+``OutOfMemoryError`` ends a local JVM: the JVM's ``-XX:OnOutOfMemoryError`` hook (a script
+in a temporary folder) marks it for the table, Spark starts again with the rows cached
+again, and MLlib is not run again on that problem.
 
 Peak memory, sampled every 0.1 s from /proc during each fit: the driver (its JVM, which in
 local mode also runs the executors, plus the Python driver) and the Python workers (the
@@ -45,20 +48,15 @@ local mode also runs the executors, plus the Python driver) and the Python worke
 RSS, shared pages counted in each). A JVM keeps the heap it has grown, so the driver's peak
 after a fit that grew it includes what that fit took.
 
-    python jobs/bench_sparse.py                               # a few minutes on 2 cores
+    python jobs/bench_sparse.py                               # about 7 minutes on 2 cores
     python jobs/bench_sparse.py --problems text --text-rows 200000 --rounds 3
     python jobs/bench_sparse.py --problems clicks --click-rows 1000000 --click-features 24
     python jobs/bench_sparse.py --breakdown-only              # the step breakdown, no Spark
 
 ``--breakdown`` (on by default; ``--breakdown-only`` alone, without Spark or Java) times one
-step's parts at 2^20 and 2^24 features in this process, on one thread, for a batch of the
-click log (``--batch-size`` / the partitions rows, one partition's share): the forward pass
-(X W), the model's whole ``loss_and_grad`` (whose backward is X^T delta, written into a dense
-gradient of d x classes floats), a copy of that dense gradient (the memory traffic a dense
-sync needs at the least: each partition reads its slice of every partition's gradient), and
-Adam over one owner's slice; beside them the columns the batch touches (what a sync of the
-touched rows would carry). Each fit's own step phases (medians over its steps, the slowest
-partition's) are printed too.
+step's parts at 2^20 and 2^24 features in this process, on one thread, for one partition's
+share of a batch of the click log (``sparse_steps.py`` says what each column is); each
+fit's own step phases (medians over its steps, the slowest partition's) are printed too.
 """
 
 from __future__ import annotations
