@@ -126,11 +126,11 @@ class SubBatches:
         X: np.ndarray,
         y: np.ndarray,
         out: np.ndarray,
-        ready: Callable[[int, int], None],
+        ready: Callable[[int, int], None] | None,
         sample_weight: np.ndarray | None = None,
     ) -> tuple[float, float]:
         """The batch's ``(loss_sum, count)``, its gradient written into ``out`` with ``ready``
-        called for each range as it is final (only where ``streams``). The count must be
+        (if any) called for each range as it is final (only where ``streams``). The count must be
         ``batch_count``'s: the stream has sent it with the first chunk."""
         weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
         X = dense_for(self.model, X)

@@ -78,6 +78,8 @@ class FitState:
         # overlap: send the gradient as backward finishes it (BSP, where the checkpoints are
         # this thread's, so a step's record is kept before any other thread sees its gradient)
         wanted = p.remote_peers > 0 if settings.overlap == "auto" else settings.overlap
-        self._streams = bool(
-            wanted and p.strategy.inline_owner and not job.local_sgd and compute.streams
-        )
+        into_buffer = p.strategy.inline_owner and not job.local_sgd and compute.streams
+        self._streams = bool(wanted and into_buffer)
+        # else, where it can: the gradient computed into the parameter's own buffer (BSP: it
+        # is summed before the next step writes it), not into a fresh vector each step
+        self._into_buffer = bool(into_buffer)

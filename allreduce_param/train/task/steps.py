@@ -93,7 +93,13 @@ class Steps(FitState):
         if self._streams:
             return self._compute_streaming(index, batch, read_s)
         started = time.perf_counter()
-        loss_sum, grad_sum, count = self.compute(self.weights, *batch)
+        if self._into_buffer:  # no fresh model-sized vector a step (at 2^24 features, 128 MB)
+            grad_sum = self.p.gradient_buffer()
+            loss_sum, count = self.compute.into(
+                self.weights, batch.X, batch.y, grad_sum, None, batch.weight
+            )
+        else:
+            loss_sum, grad_sum, count = self.compute(self.weights, *batch)
         if clip_own:
             self._clip_own(grad_sum, count)
         computed = time.perf_counter()
