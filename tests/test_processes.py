@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 from static_partition import expected_digest
 
-from allreduce_param import AllReduceParameter, StaticRendezvous, UsageError
+from allreduce_param import (
+    AllReduceError,
+    AllReduceParameter,
+    AuthenticationError,
+    StaticRendezvous,
+    UsageError,
+)
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -226,3 +232,32 @@ def test_processes_in_other_network_namespaces_are_other_hosts_over_tcp(tmp_path
     assert [report["families"] for report in reports] == [
         ["AF_INET", "AF_UNIX"], ["AF_UNIX"], ["AF_INET"],
     ]  # fmt: skip
+
+
+def test_processes_of_different_parameters_are_refused_when_they_meet():
+    """Asking a peer for its full address proves the secret: partitions that each made an
+    AllReduceParameter of their own fail at connect(), each saying what to do (one refused
+    keeps refusing a while, so a peer that comes later hears it too)."""
+    import threading
+
+    addresses = [("127.0.0.1", port) for port in free_loopback_ports(2)]
+    errors: list = [None, None]
+
+    def meet(partition_id: int) -> None:
+        # a secret of its own; refusing each other, each lingers a connect timeout
+        param = AllReduceParameter(2, 10, codec="raw", timeout=10, connect_timeout=1.0)
+        try:
+            with param.connect(StaticRendezvous(partition_id, addresses, timeout=30)):
+                pass
+        except AllReduceError as error:
+            errors[partition_id] = error
+
+    threads = [threading.Thread(target=meet, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    hint = "the secrets differ. Every partition must use the same AllReduceParameter"
+    assert all(isinstance(error, AuthenticationError) and hint in str(error) for error in errors), (
+        errors
+    )

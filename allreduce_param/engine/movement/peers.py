@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from allreduce_param.engine.blocks.codec import get_codec
@@ -158,7 +159,14 @@ class PeerGroup:
                 if peer == self.partition_id:
                     full = parse_address(self._server.advertised_address)
                 else:
-                    full = self._ask_address(peer, address)
+                    try:
+                        full = self._ask_address(peer, address)
+                    except AuthenticationError:
+                        # a peer of another parameter: keep serving (refusing it in turn)
+                        # a while, so that it hears "the secrets differ" from us too,
+                        # rather than finding us gone
+                        time.sleep(min(self.timeout, self.spec.network.failure_linger))
+                        raise
                 address = address._replace(
                     fingerprint=full.fingerprint, local_name=full.local_name, scope=full.scope
                 )
