@@ -20,6 +20,7 @@ from allreduce_param import (
     PeerLostError,
     UsageError,
 )
+from allreduce_param.engine.movement.fetches import INLINE_LENGTH
 
 LR = np.float32(0.125)
 
@@ -941,17 +942,15 @@ def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_s
     )
 
 
-@pytest.mark.parametrize("parts, pool_used", [(1, False), (2, True)])
-def test_with_one_peer_a_one_part_block_is_fetched_on_the_callers_thread(parts, pool_used):
+@pytest.mark.parametrize("slice_length, pool_used", [(1000, False), (INLINE_LENGTH + 1, True)])
+def test_with_one_peer_a_small_block_is_fetched_on_the_callers_thread(slice_length, pool_used):
     """A small vector's sync is mostly hand-offs between threads: where the caller waits for
-    every block next (get_weights, aggregate), the last peer's blocks of one part each are
+    every block next (get_weights, aggregate), the last peer's small one-part blocks are
     fetched on its own thread, so with one peer the worker's fetch pool starts no thread.
-    Blocks of several parts stay on the pool, the caller working on each part as it comes.
+    Larger blocks stay on the pool, the caller copying or summing what it has meanwhile.
     The same bits either way."""
-    from allreduce_param.engine.movement.peers import PART_LENGTH
-
-    size = 2 * ((parts - 1) * PART_LENGTH + 1000)
-    weights, grads, counts = make_data(size, 2, seed=parts)
+    size = 2 * slice_length
+    weights, grads, counts = make_data(size, 2, seed=slice_length)
     step = one_step(weights, grads, counts)
 
     def body(p):

@@ -31,6 +31,11 @@ from allreduce_param.engine.movement.peers import PART_LENGTH, PeerGroup
 from allreduce_param.engine.strategy import WeightRead
 from allreduce_param.errors import AuthenticationError, CorruptBlockError, PeerLostError
 
+#: The longest block (in values, 512 KiB of float32) that the worker fetches on its own
+#: thread where it waits for it next (``Fetcher.fetch_blocks``'s ``at_once``): below it a
+#: thread hand-off costs more than the copy the caller could do meanwhile.
+INLINE_LENGTH = 1 << 17
+
 
 @functools.lru_cache(maxsize=64)
 def part_plan(layout: SliceLayout) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -144,11 +149,11 @@ class Fetcher:
         in the order given by one pool thread, over its one connection; those this partition
         serves itself (with the worker's channel) are read from the own store on the calling
         thread, once the others have started. With ``at_once`` (the worker's channel, whose
-        caller waits for every block next), the last server's blocks, when each is one part,
-        are fetched on the calling thread too, after the own: a small vector's sync is
-        mostly hand-offs between threads, and this saves two per step and phase (with one
-        peer, all of them); a larger block stays on a pool thread, so the caller sums or
-        copies its parts while the next ones come.
+        caller waits for every block next), the last server's blocks, when each is one part
+        of at most ``INLINE_LENGTH`` values, are fetched on the calling thread too, after
+        the own: a small vector's sync is mostly hand-offs between threads, and this saves
+        two per step and phase (with one peer, all of them); a larger block stays on a pool
+        thread, so the caller sums or copies the blocks it has while the others come.
         """
         plan = part_plan(layout)
         pending: dict[tuple[int, int], list[Future]] = {}
@@ -166,7 +171,10 @@ class Fetcher:
         inline = None
         if worker and at_once and by_server:
             last = next(reversed(by_server))
-            if all(len(fetch.parts) == 1 for fetch in by_server[last]):
+            if all(
+                len(fetch.parts) == 1 and fetch.parts[0][1] <= INLINE_LENGTH
+                for fetch in by_server[last]
+            ):
                 inline = last, by_server.pop(last)
         for server, fetches in by_server.items():
             channel.start(self._fetch_from(channel, server, kind, read, fetches, follow_first))
