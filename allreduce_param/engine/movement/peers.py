@@ -150,8 +150,8 @@ class PeerGroup:
         it over TCP with the secret proven (``PeerClient.ask_address``), so that plain
         processes on one host find each other's scope and Unix socket as tasks do. The
         host and port stay those the meeting gave. Only with Unix sockets on: without
-        them, every peer is reached over TCP anyway."""
-        if not self.spec.unix_sockets or all(a.fingerprint is not None for a in addresses):
+        them (or where this platform has none), every peer is reached over TCP anyway."""
+        if self._server.local_name is None or all(a.fingerprint is not None for a in addresses):
             return addresses
         completed = []
         for peer, address in enumerate(addresses):
