@@ -15,6 +15,12 @@ treeAggregate the gradients) runs once per size.
     python jobs/bench_allreduce.py --sizes 1000000 --codecs raw,lz4 --data sparse
     python jobs/bench_allreduce.py --sizes 10000000 --codecs raw,bf16 --link host,1gbit,10gbit
     python jobs/bench_allreduce.py --sizes 1M,10M --codecs raw,lz4 --transports tcp,tcp-encrypted --no-baselines
+    python jobs/bench_allreduce.py --processes 2,4 --sizes 1M,10M   # no Spark: N plain processes
+
+``--processes N,...`` measures without Spark (no JVM, any many-core machine): N plain
+processes on this host, the README's loop against gloo's in the same processes, with the
+copy bandwidth and each row's floor (``bench_processes.py`` says how; it takes ``--sizes``,
+``--rounds``, ``--steps``, ``--warmup`` and ``--no-baselines`` and ignores the rest).
 
 ``--transports tcp,tcp-encrypted`` measures what encryption in transit costs
 (``AllReduceParameter(encrypt=True)``, AES-256-GCM records, ``sealing.py``): the same
@@ -486,8 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
     parser.add_argument(
         "--sizes",
-        default="10000,1000000,10000000",
-        help="float32 elements, comma-separated (10K, 1M accepted)",
+        default=None,
+        help="float32 elements, comma-separated (10K, 1M accepted; default 10K,1M,10M, "
+        "with --processes 1M,10M)",
+    )
+    parser.add_argument(
+        "--processes",
+        default=None,
+        help="N plain processes instead of Spark, comma-separated (e.g. 2,4,8,16): the "
+        "engine against gloo in the same processes, no JVM (jobs/bench_processes.py)",
     )
     parser.add_argument(
         "--codecs",
@@ -546,6 +559,18 @@ def main(argv: list[str] | None = None) -> int:
     # where that run leaves its rows (json)
     parser.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.processes:
+        import bench_processes  # beside this file; it imports this module
+
+        bench_processes.run(
+            bench_processes.parse_counts(args.processes),
+            parse_sizes(args.sizes or bench_processes.DEFAULT_SIZES),
+            args.rounds,
+            args.steps,
+            args.warmup,
+            gloo=not args.no_baselines,
+        )
+        return 0
     if args.link:
         return run_in_links(
             args.link.split(","), sys.argv[1:] if argv is None else argv, args.link_burst
@@ -554,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:  # before anything else: say so, no traceback
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    sizes = parse_sizes(args.sizes)
+    sizes = parse_sizes(args.sizes or "10000,1000000,10000000")
     codecs, loops, transports = (
         args.codecs.split(","),
         args.loops.split(","),

@@ -65,6 +65,30 @@ def test_bench_allreduce_prints_a_row_per_codec_and_loop():
     assert all(row[0] == "10K" and float(row[2]) > 0 for row in engine)
 
 
+def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size():
+    """``--processes``: plain processes, no JVM; the engine against gloo in alternating
+    rounds (gloo's column says "not installed" without torch), a floor and phases per row."""
+    out = run_job(
+        "bench_allreduce.py", "--processes", "2,3", "--sizes", "1K,10K",
+        "--rounds", "2", "--steps", "2", "--warmup", "1",
+    )  # fmt: skip
+    assert out.startswith("machine: ") and "single-core copy bandwidth: " in out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert header == [
+        "N", "size", "floor ms", "ours ms", "gloo ms", "x gloo (range)", "x floor",
+        "get ms", "put ms", "aggregate ms", "update ms", "send ms",
+    ]  # fmt: skip
+    lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert [(line[0], line[1]) for line in lines] == [
+        ("2", "1K"), ("2", "10K"), ("3", "1K"), ("3", "10K"),
+    ]  # fmt: skip
+    for line in lines:
+        assert float(line[2]) > 0 and float(line[3]) > 0 and float(line[6]) > 0
+        if line[4] != "not installed":
+            assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line[5]), line
+
+
 def test_bench_allreduce_compares_tcp_with_and_without_encryption():
     out = run_job(
         "bench_allreduce.py",

@@ -20,6 +20,7 @@ from allreduce_param import (
     PeerLostError,
     UsageError,
 )
+from allreduce_param.engine.movement.fetches import INLINE_LENGTH
 
 LR = np.float32(0.125)
 
@@ -939,3 +940,27 @@ def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_s
     assert_owners_take_every_gradient(
         param, weights, grads, counts, steps, partition_0_waits=others_done
     )
+
+
+@pytest.mark.parametrize("slice_length, pool_used", [(1000, False), (INLINE_LENGTH + 1, True)])
+def test_with_one_peer_a_small_block_is_fetched_on_the_callers_thread(slice_length, pool_used):
+    """A small vector's sync is mostly hand-offs between threads: where the caller waits for
+    every block next (get_weights, aggregate), the last peer's small one-part blocks are
+    fetched on its own thread, so with one peer the worker's fetch pool starts no thread.
+    Larger blocks stay on the pool, the caller copying or summing what it has meanwhile.
+    The same bits either way."""
+    size = 2 * slice_length
+    weights, grads, counts = make_data(size, 2, seed=slice_length)
+    step = one_step(weights, grads, counts)
+
+    def body(p):
+        return step(p), len(p._peers.worker.pool._threads)
+
+    param = AllReduceParameter(2, size, "raw", timeout=30)
+    results = raise_first(run_partitions(param, body))
+    mean, updated = reference_step(weights, grads, counts)
+    for partition_id, ((before, gradient, after), threads) in enumerate(results):
+        assert np.array_equal(before, weights)
+        assert np.array_equal(gradient, mean[param.layout.bounds(partition_id)])
+        assert np.array_equal(after, updated)
+        assert (threads > 0) == pool_used

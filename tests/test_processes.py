@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
+import pickle
+import shutil
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from static_partition import expected_digest
 
-from allreduce_param import AllReduceParameter, StaticRendezvous, UsageError
+from allreduce_param import (
+    AllReduceError,
+    AllReduceParameter,
+    AuthenticationError,
+    StaticRendezvous,
+    UsageError,
+)
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -27,14 +41,19 @@ def partition(param: AllReduceParameter, addresses: list, partition_id: int, res
             p.put_gradients(np.full(param.size, partition_id + 1.0, np.float32), count=2.0)
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
-            results.put((partition_id, p.get_weights(), p.allreduce(np.ones(3), op="sum")))
+            weights, total = p.get_weights(), p.allreduce(np.ones(3), op="sum")
+            results.put((partition_id, weights, total, p.hosts, p.remote_peers))
     except BaseException as error:  # reported to the test, which fails on it
-        results.put((partition_id, repr(error), None))
+        results.put((partition_id, repr(error), None, None, None))
 
 
-def test_static_addresses_sync_plain_processes():
+@pytest.mark.parametrize("unix_sockets", [True, False])
+def test_static_addresses_sync_plain_processes(unix_sockets):
+    """Plain processes on one host find each other's scope (each asks the others for their
+    full address) and meet over Unix sockets and shared memory, as tasks of one executor
+    host do; with Unix sockets off each is a host of its own, over TCP. The same bits."""
     partitions, size = 3, 100_003
-    param = AllReduceParameter(partitions, size, codec="raw", timeout=60)
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, unix_sockets=unix_sockets)
     addresses = [("127.0.0.1", port) for port in free_loopback_ports(partitions)]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -53,10 +72,14 @@ def test_static_addresses_sync_plain_processes():
                 process.kill()
     # gradient sums 1+2+3 over 3 partitions x 2 samples: the mean is 1
     expected = np.arange(size, dtype=np.float32) - np.float32(6.0) / np.float32(6.0)
-    for _partition_id, weights, total in got:
+    for _partition_id, weights, total, hosts, remote_peers in got:
         assert isinstance(weights, np.ndarray), weights
         assert np.array_equal(weights, expected)
         assert np.array_equal(total, np.full(3, 3.0, np.float32))
+        if unix_sockets:
+            assert hosts == ((0, 1, 2),) and remote_peers == 0
+        else:
+            assert hosts == ((0,), (1,), (2,)) and remote_peers == 2
     assert all(process.exitcode == 0 for process in processes)
 
 
@@ -113,4 +136,128 @@ def test_a_peer_lost_without_a_word_points_at_executor_memory():
         "without a word: its task failed or its executor was lost, often killed for using too much memory"
         in outcome
         and "spark.executor.memory" in outcome
+    )
+
+
+# ---- one host is one kernel and network namespace, whatever the host name or /dev/shm ------
+
+PARTITION_SCRIPT = Path(__file__).resolve().parent / "static_partition.py"
+
+
+def run_static_partitions(param, addresses, prefixes, tmp_path, timeout=120.0) -> list[dict]:
+    """Partition i as a program of its own (``static_partition.py``) after ``prefixes[i]``
+    (a namespace to run in); each one's JSON report, in partition order. Every process is
+    ended on every path."""
+    pickled = tmp_path / "param.pickle"
+    pickled.write_bytes(pickle.dumps(param))
+    processes = [
+        subprocess.Popen(
+            [
+                *prefix,
+                sys.executable,
+                str(PARTITION_SCRIPT),
+                str(pickled),
+                str(i),
+                json.dumps(addresses),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )  # fmt: skip
+        for i, prefix in enumerate(prefixes)
+    ]
+    outputs = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=timeout)
+            assert process.returncode == 0, f"exit {process.returncode}: {err[-3000:]}"
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(30)
+    return outputs
+
+
+def _need_root_and(*tools: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("namespaces of its own (unshare) need root")
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"no {', '.join(missing)} on this machine (util-linux)")
+
+
+def test_a_process_with_a_private_dev_shm_still_shares_memory_with_its_host(tmp_path):
+    """As two containers of one pod: the same kernel and network namespace, but partition 1
+    has an IPC namespace and a /dev/shm of its own. Shared memory travels as descriptors over
+    the Unix socket, never by a /dev/shm name, so they are still one host, and exact."""
+    _need_root_and("unshare", "mount")
+    partitions, size = 2, 300_001
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=60)
+    addresses = [["127.0.0.1", port] for port in free_loopback_ports(partitions)]
+    private_shm = (
+        "unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
+        'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"',
+    )  # fmt: skip
+    reports = run_static_partitions(param, addresses, [(), private_shm], tmp_path)
+    assert reports[0]["shm_device"] != reports[1]["shm_device"]  # two /dev/shm indeed
+    for report in reports:
+        assert report["hosts"] == [[0, 1]] and report["remote_peers"] == 0, report
+        assert report["families"] == ["AF_UNIX"], report
+        assert report["digest"] == expected_digest(size, partitions)
+
+
+def test_processes_in_other_network_namespaces_are_other_hosts_over_tcp(tmp_path):
+    """The same kernel (boot id) but network namespaces of their own, as containers with
+    their own network: their abstract Unix sockets cannot be reached, so they are hosts of
+    their own and meet over TCP; within a namespace, over a Unix socket. The same bits."""
+    from sim_hosts import simulated_hosts
+
+    partitions, size = 3, 300_001
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=60)
+    with simulated_hosts(2) as made:
+        first, second = made.hosts
+        places = [first, first, second]
+        addresses = [[host.address, 23200 + i] for i, host in enumerate(places)]
+        reports = run_static_partitions(
+            param, addresses, [host.prefix for host in places], tmp_path
+        )
+    expected = expected_digest(size, partitions)
+    for report in reports:
+        assert report["hosts"] == [[0, 1], [2]] and report["digest"] == expected, report
+    # hierarchical: partition 0 leads the first host; 1 reaches only 0, over its Unix socket
+    assert [report["remote_peers"] for report in reports] == [1, 0, 1]
+    assert [report["families"] for report in reports] == [
+        ["AF_INET", "AF_UNIX"], ["AF_UNIX"], ["AF_INET"],
+    ]  # fmt: skip
+
+
+def test_processes_of_different_parameters_are_refused_when_they_meet():
+    """Asking a peer for its full address proves the secret: partitions that each made an
+    AllReduceParameter of their own fail at connect(), each saying what to do (one refused
+    keeps refusing a while, so a peer that comes later hears it too)."""
+    import threading
+
+    addresses = [("127.0.0.1", port) for port in free_loopback_ports(2)]
+    errors: list = [None, None]
+
+    def meet(partition_id: int) -> None:
+        # a secret of its own; refusing each other, each lingers a connect timeout
+        param = AllReduceParameter(2, 10, codec="raw", timeout=10, connect_timeout=1.0)
+        try:
+            with param.connect(StaticRendezvous(partition_id, addresses, timeout=30)):
+                pass
+        except AllReduceError as error:
+            errors[partition_id] = error
+
+    threads = [threading.Thread(target=meet, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    hint = "the secrets differ. Every partition must use the same AllReduceParameter"
+    assert all(isinstance(error, AuthenticationError) and hint in str(error) for error in errors), (
+        errors
     )

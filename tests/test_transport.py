@@ -650,3 +650,29 @@ def test_as_many_peers_as_twice_the_partitions_may_be_in_their_handshake_at_once
         for sock in waiting:
             sock.close()
         server.close()
+
+
+def test_a_peer_asked_where_it_lives_answers_only_the_secret_and_that_is_no_done():
+    """``OP_ADDRESS``: what a meeting that gave only ``(host, port)`` completes its address
+    with. Only a client that proves the secret hears it, and the connection, which the
+    server then ends, does not count as the asker's "done" (it still has its fetches)."""
+    done = []
+    served = BlockServer(
+        BlockStore(), SECRET, 5, 0, "127.0.0.1", partition_num=2, unix=True, on_done=done.append
+    )
+    try:
+        asker = PeerClient(served.address, SECRET, 5, 1, 0, timeout=5)
+        assert asker.ask_address() == list(served.advertised_address)
+        assert not asker.connected
+        assert asker.ask_address()[3] == served.local_name  # again: a connection each time
+        intruder = PeerClient(served.address, b"x" * 32, 5, 1, 0, timeout=5)
+        with pytest.raises(AuthenticationError):
+            intruder.ask_address()
+        asker.done()  # a real "done" still counts
+        deadline = time.monotonic() + 30
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.01)  # the server hears it on its own thread
+        assert done == [1]
+        asker.close()
+    finally:
+        served.close()

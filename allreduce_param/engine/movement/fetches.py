@@ -31,6 +31,11 @@ from allreduce_param.engine.movement.peers import PART_LENGTH, PeerGroup
 from allreduce_param.engine.strategy import WeightRead
 from allreduce_param.errors import AuthenticationError, CorruptBlockError, PeerLostError
 
+#: The longest block (in values, 512 KiB of float32) that the worker fetches on its own
+#: thread where it waits for it next (``Fetcher.fetch_blocks``'s ``at_once``): below it a
+#: thread hand-off costs more than the copy the caller could do meanwhile.
+INLINE_LENGTH = 1 << 17
+
 
 @functools.lru_cache(maxsize=64)
 def part_plan(layout: SliceLayout) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -64,11 +69,17 @@ class Fetcher:
         self.codecs = codecs
 
     def fetch_own_chunks(
-        self, kind: int, version: int, layout: SliceLayout, sources: list[int]
+        self,
+        kind: int,
+        version: int,
+        layout: SliceLayout,
+        sources: list[int],
+        at_once: bool = False,
     ) -> dict[int, list[Future]]:
         """Start fetching the own chunk of ``version`` from each partition of ``sources``:
         what ``Movements.reduce`` sums. Started before the peers have published, the fetches
-        wait for them, so the chunks arrive while this partition still computes."""
+        wait for them, so the chunks arrive while this partition still computes; with
+        ``at_once`` (the caller waits for them next) as ``fetch_blocks`` says."""
         return self.fetch_all(
             self.peers.worker,
             kind,
@@ -76,6 +87,7 @@ class Fetcher:
             layout,
             destination=self.partition_id,
             sources=sources,
+            at_once=at_once,
         )
 
     def fetch_all(
@@ -89,6 +101,7 @@ class Fetcher:
         follow_first: bool = False,
         into: np.ndarray | None = None,
         via: Callable[[int], int] | None = None,
+        at_once: bool = False,
     ) -> dict[int, list[Future]]:
         """Start fetching every part of block ``(kind, j, destination)`` from each partition ``j``
         of ``sources`` (default: all), as ``read`` says: each part on its own, or with
@@ -114,6 +127,7 @@ class Fetcher:
             follow_first,
             into,
             via,
+            at_once,
         )
         return {source: futures for (source, _), futures in pending.items()}
 
@@ -127,13 +141,19 @@ class Fetcher:
         follow_first: bool = False,
         into: np.ndarray | None = None,
         via: Callable[[int], int] | None = None,
+        at_once: bool = False,
     ) -> dict[tuple[int, int], list[Future]]:
         """``fetch_all`` for any blocks ``(source, destination)`` of one kind, keyed by them.
 
         The blocks one partition serves (``via(source)``, default the source) are fetched
         in the order given by one pool thread, over its one connection; those this partition
         serves itself (with the worker's channel) are read from the own store on the calling
-        thread, once the others have started.
+        thread, once the others have started. With ``at_once`` (the worker's channel, whose
+        caller waits for every block next), the last server's blocks, when each is one part
+        of at most ``INLINE_LENGTH`` values, are fetched on the calling thread too, after
+        the own: a small vector's sync is mostly hand-offs between threads, and this saves
+        two per step and phase (with one peer, all of them); a larger block stays on a pool
+        thread, so the caller sums or copies the blocks it has while the others come.
         """
         plan = part_plan(layout)
         pending: dict[tuple[int, int], list[Future]] = {}
@@ -146,11 +166,23 @@ class Fetcher:
                 room = None if into is None else into[layout.bounds(slice_of)]
                 futures = pending[(source, destination)] = [Future() for _ in parts]
                 by_server[server].append(_Fetch(source, destination, parts, futures, room))
-        own = by_server.pop(self.partition_id, None) if channel is self.peers.worker else None
+        worker = channel is self.peers.worker
+        own = by_server.pop(self.partition_id, None) if worker else None
+        inline = None
+        if worker and at_once and by_server:
+            last = next(reversed(by_server))
+            if all(
+                len(fetch.parts) == 1 and fetch.parts[0][1] <= INLINE_LENGTH
+                for fetch in by_server[last]
+            ):
+                inline = last, by_server.pop(last)
         for server, fetches in by_server.items():
             channel.start(self._fetch_from(channel, server, kind, read, fetches, follow_first))
         if own:
             run_through(self._fetch_from(channel, self.partition_id, kind, read, own, follow_first))
+        if inline:
+            server, fetches = inline
+            run_through(self._fetch_from(channel, server, kind, read, fetches, follow_first))
         return pending
 
     def _fetch_from(

@@ -223,7 +223,9 @@ class Movements:
             if j not in pending and (own is None or j != self.partition_id)
         ]
         if missing:
-            pending.update(self.fetcher.fetch_own_chunks(kind, version, layout, missing))
+            pending.update(
+                self.fetcher.fetch_own_chunks(kind, version, layout, missing, at_once=True)
+            )
         if own is not None:
             values, count = own
             pending[self.partition_id] = futures = []
@@ -356,7 +358,14 @@ class Movements:
             )
         else:
             pending = self.fetcher.fetch_all(
-                worker, kind, read, layout, EVERY_PARTITION, into=out, via=peers.server_of
+                worker,
+                kind,
+                read,
+                layout,
+                EVERY_PARTITION,
+                into=out,
+                via=peers.server_of,
+                at_once=True,
             )
         lowest = None
         plan = part_plan(layout)

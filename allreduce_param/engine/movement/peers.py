@@ -8,7 +8,8 @@ A ``PeerGroup`` is what a partition needs to reach the others, made once per ``c
 - the address exchange: what this partition advertises, and how it reads a peer's
   (``(host, port)``, plus a Unix socket name and the kernel scope it lives in; a peer in
   the same scope, i.e. this machine and network namespace, is reached over the Unix
-  socket, and its blocks in shared memory are read in place);
+  socket, and its blocks in shared memory are read in place); a bare ``(host, port)``
+  (a fixed list) is completed by asking that peer;
 - the hosts (``layout.HostLayout``): which partitions share this one's scope, and whether
   the sync is hierarchical (each host's leader exchanges with the other leaders for its
   host) or flat (every partition with every other);
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from allreduce_param.engine.blocks.codec import get_codec
@@ -35,8 +37,13 @@ from allreduce_param.engine.layout import HostLayout
 from allreduce_param.engine.movement.channels import Channel
 from allreduce_param.engine.movement.rendezvous import Rendezvous
 from allreduce_param.engine.spec import ParameterSpec
-from allreduce_param.engine.wire.blocks import BlockServer, PeerClient, parse_address
-from allreduce_param.errors import AllReduceError, AuthenticationError
+from allreduce_param.engine.wire.blocks import (
+    BlockServer,
+    PeerAddress,
+    PeerClient,
+    parse_address,
+)
+from allreduce_param.errors import AllReduceError, AuthenticationError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +116,12 @@ class PeerGroup:
         )
         self._addresses: list = []
         try:
-            self._addresses = [
-                parse_address(address)
-                for address in rendezvous.exchange(self._server.advertised_address)
-            ]
+            self._addresses = self._complete(
+                [
+                    parse_address(address)
+                    for address in rendezvous.exchange(self._server.advertised_address)
+                ]
+            )
             self._check_fingerprints()
             self.hosts = HostLayout(
                 [
@@ -134,6 +143,65 @@ class PeerGroup:
             self.shutdown()
             raise
         self.peers = self.worker.clients
+
+    def _complete(self, addresses: list[PeerAddress]) -> list[PeerAddress]:
+        """The exchanged addresses with what a bare ``(host, port)`` leaves out (a fixed list,
+        ``StaticRendezvous``): this partition's own from its server, each peer's asked of
+        it over TCP with the secret proven (``PeerClient.ask_address``), so that plain
+        processes on one host find each other's scope and Unix socket as tasks do. The
+        host and port stay those the meeting gave. Only with Unix sockets on: without
+        them (or where this platform has none), every peer is reached over TCP anyway."""
+        if self._server.local_name is None or all(a.fingerprint is not None for a in addresses):
+            return addresses
+        completed = []
+        for peer, address in enumerate(addresses):
+            if address.fingerprint is None:
+                if peer == self.partition_id:
+                    full = parse_address(self._server.advertised_address)
+                else:
+                    try:
+                        full = self._ask_address(peer, address)
+                    except AuthenticationError:
+                        # a peer of another parameter: keep serving (refusing it in turn)
+                        # a while, so that it hears "the secrets differ" from us too,
+                        # rather than finding us gone
+                        time.sleep(min(self.timeout, self.spec.network.failure_linger))
+                        raise
+                address = address._replace(
+                    fingerprint=full.fingerprint, local_name=full.local_name, scope=full.scope
+                )
+            completed.append(address)
+        return completed
+
+    def _ask_address(self, peer: int, address: PeerAddress) -> PeerAddress:
+        client = PeerClient(
+            (address.host, address.port),
+            self.spec.secret,
+            self.spec.param_id,
+            self.partition_id,
+            peer,
+            self.timeout,
+            handshake_timeout=self.spec.network.connect_timeout,
+            encrypt=self.spec.network.encrypt,
+        )
+        try:
+            answer = client.ask_address()
+        finally:
+            client.close()
+        try:
+            full = parse_address(answer)
+        except TypeError as error:
+            raise ProtocolError(
+                f"partition {peer} at {address.host}:{address.port} gave the address {answer!r}"
+            ) from error
+        if not all(
+            value is None or isinstance(value, str)
+            for value in (full.fingerprint, full.local_name, full.scope)
+        ):
+            raise ProtocolError(
+                f"partition {peer} at {address.host}:{address.port} gave the address {answer!r}"
+            )
+        return full
 
     def _check_fingerprints(self) -> None:
         """Refuse, on every partition at once, peers that serve another parameter (each

@@ -166,7 +166,9 @@ class StaticRendezvous(Rendezvous):
 
     For N plain processes (or hosts) that are each told their id and the whole list. The
     processes start at different moments, so ``exchange`` waits, up to ``timeout`` seconds,
-    until every peer accepts connections.
+    until every peer accepts connections. The list says only ``(host, port)``: the peer
+    group then asks each peer for the rest (its Unix socket and scope, with the secret
+    proven), so processes on one machine share memory as Spark tasks of one host do.
     """
 
     def __init__(

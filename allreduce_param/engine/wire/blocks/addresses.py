@@ -39,11 +39,20 @@ def parse_address(address) -> PeerAddress:
 
 @functools.lru_cache(maxsize=1)
 def local_scope() -> str:
-    """Which abstract Unix sockets this process can reach: its machine (the kernel's boot id)
-    and network namespace. Peers with the same scope meet over Unix sockets and shared
-    memory, whatever host names or addresses Spark gave them; others over TCP."""
+    """Which abstract Unix sockets this process can reach: its kernel (the boot id) and its
+    network namespace (the namespace's inode, unique among the kernel's live namespaces).
+
+    Peers with the same scope meet over Unix sockets and shared memory, whatever host names
+    or addresses Spark or a fixed list gave them; others over TCP. Abstract sockets are
+    per network namespace, so the same scope means the socket can be reached; and shared
+    memory travels as ``memfd`` descriptors over that socket (``blocks/shm.py``), never by
+    a name in ``/dev/shm``, so processes with different ``/dev/shm`` mounts or IPC
+    namespaces (two containers of one pod) share correctly, while containers with network
+    namespaces of their own are hosts of their own. Where the boot id or the namespace
+    cannot be read, the scope is this process's alone (a random token): a host name is no
+    proof of a shared kernel."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             return f"{boot.read().strip()}/{os.stat('/proc/self/ns/net').st_ino}"
     except OSError:
-        return f"{socket.gethostname()}/unknown"
+        return f"{socket.gethostname()}/alone-{os.getpid()}-{os.urandom(8).hex()}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import socket
 import threading
@@ -13,11 +14,14 @@ from typing import NamedTuple
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, SplitBlock
 from allreduce_param.engine.wire.blocks.protocol import (
     FLAG_NEWEST,
+    MAX_ADDRESS_TEXT,
     MAX_ERROR_TEXT,
+    OP_ADDRESS,
     OP_DONE,
     OP_GET,
     OP_GET_SHARED,
     REQUEST,
+    RESPONSE,
     STATUS_CLOSING,
     STATUS_OK,
     STATUS_SHARED,
@@ -311,6 +315,43 @@ class PeerClient:
         if status == STATUS_STALE:
             return StaleVersionError(f"{self._peer_text} no longer has {what}: {reason}")
         return ProtocolError(f"{self._peer_text} answered {what} with unknown status {status}")
+
+    def ask_address(self) -> list:
+        """The peer's advertised address (``BlockServer.advertised_address``, as a list),
+        asked over a connection of its own that the peer then ends: for a meeting that
+        gave only ``(host, port)``. The client holds no connection afterwards."""
+        what = "its address"
+        with self._lock:
+            if self._sock is not None:
+                raise ProtocolError(f"asked {self._peer_text} for {what} on a connection in use")
+            try:
+                with self._failing(what):
+                    sock = self._sock = self._connect(what)
+                    sock.settimeout(self._handshake_timeout)
+                    sock.sendall(REQUEST.pack(MAGIC, OP_ADDRESS, BlockKind.WEIGHT, 0, 0, 0, 0, 0))
+                    head = bytearray(RESPONSE.size)
+                    recv_exactly(sock, memoryview(head))
+                    status, length, _ = RESPONSE.unpack(head)
+                    if status != STATUS_OK or length > MAX_ADDRESS_TEXT:
+                        raise ProtocolError(
+                            f"{self._peer_text} answered the question of {what} with status "
+                            f"{status} and {length} bytes"
+                        )
+                    text = bytearray(length)
+                    recv_exactly(sock, memoryview(text))
+                try:
+                    address = json.loads(bytes(text))
+                except ValueError as error:
+                    raise ProtocolError(
+                        f"{self._peer_text} answered the question of {what} with no JSON: {error}"
+                    ) from error
+                if not isinstance(address, list):
+                    raise ProtocolError(
+                        f"{self._peer_text} answered the question of {what} with {address!r}"
+                    )
+                return address
+            finally:
+                self._drop()
 
     def done(self) -> None:
         """Tell the peer this partition will fetch nothing more from it (closing handshake)."""

@@ -8,6 +8,9 @@ Wire format (little-endian):
   encrypted records; Unix sockets and shared memory stay as they are.
 * Request: op, block kind, source, destination, part, version, timeout in ms (fixed size).
   The op's ``FLAG_NEWEST`` bit asks for the newest version at or above ``version``.
+  ``OP_ADDRESS`` (the rest zeros) asks for the server's advertised address instead: the
+  answer's bytes are its JSON (at most ``MAX_ADDRESS_TEXT``), and the server then ends the
+  connection; such a connection never counts as the peer's "done".
 * Response: status, length, the version served; then ``length`` bytes (the encoded block,
   or an error text). A peer on this host that asked for shared answers gets, for a block
   in shared memory, where its header and its payload lie instead (segment ids, offsets,
@@ -32,8 +35,11 @@ RESPONSE = struct.Struct("<BQQ")  # status, length, version served
 OP_GET = 1
 OP_DONE = 2  # "I have fetched everything I need from you": the closing handshake
 OP_GET_SHARED = 3  # as GET, but a block in shared memory is answered with where it lies
+#: "where can I reach you": answered with the server's advertised address as JSON (what a
+#: meeting that only knows ``(host, port)``, e.g. a fixed list, cannot tell), then the end
+OP_ADDRESS = 4
 FLAG_NEWEST = 0x10  # with a get: the newest version at or above the one asked for
-OPS = (OP_GET, OP_DONE, OP_GET_SHARED)
+OPS = (OP_GET, OP_DONE, OP_GET_SHARED, OP_ADDRESS)
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
@@ -47,3 +53,4 @@ STATUS_SHARED = 5  # the block lies in shared segments: where follows (and, once
 SHARED_PLACE = struct.Struct("<QQQQQ")
 
 MAX_ERROR_TEXT = 64 * 1024
+MAX_ADDRESS_TEXT = 4096

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import socket
 import threading
@@ -16,6 +17,7 @@ from allreduce_param.engine.wire.blocks.addresses import local_scope, secret_fin
 from allreduce_param.engine.wire.blocks.protocol import (
     FLAG_NEWEST,
     MAX_ERROR_TEXT,
+    OP_ADDRESS,
     OP_DONE,
     OP_GET_SHARED,
     OPS,
@@ -56,6 +58,7 @@ class _Peer:
         "deadline",
         "timer",
         "ended",
+        "only_asked_address",
     )
 
     def __init__(self, proven: Proven) -> None:
@@ -70,6 +73,8 @@ class _Peer:
         self.deadline = 0.0  # when that get stops waiting
         self.timer = None  # the server's timer for that deadline
         self.ended = False
+        # the connection only asked where to reach us (OP_ADDRESS): its end is no "done"
+        self.only_asked_address = False
 
 
 class BlockServer:
@@ -212,6 +217,9 @@ class BlockServer:
             )
             self._end(peer)
             return
+        if op == OP_ADDRESS:
+            self._send_address(peer)
+            return
         if op == OP_DONE:
             self._on_done(peer.partition)
             self._await_request(peer)
@@ -295,6 +303,18 @@ class BlockServer:
         else:
             conn.sendall(answer)
 
+    def _send_address(self, peer: _Peer) -> None:
+        """Answer "where can I reach you" with the advertised address, then end the
+        connection: it was made for that alone, so its end says nothing of the peer's fetches."""
+        data = json.dumps(list(self.advertised_address)).encode()
+        peer.only_asked_address = True
+        try:
+            peer.conn.sendall(RESPONSE.pack(STATUS_OK, len(data), 0) + data)
+        except OSError as error:
+            self._lost(peer, error)
+            return
+        self._end(peer)
+
     def _send_error(self, peer: _Peer, status: int, text: str, last: bool = False) -> None:
         """Answer with ``status`` and ``text``, then await the next request; with ``last``,
         end the connection instead."""
@@ -327,7 +347,8 @@ class BlockServer:
         try:
             self.store.release(peer)
             # A peer whose connection ends fetches nothing more: as good as its "done".
-            self._on_done(peer.partition)
+            if not peer.only_asked_address:
+                self._on_done(peer.partition)
         finally:
             self._server.discard(peer.conn)
             peer.conn.close()

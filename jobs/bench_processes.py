@@ -1,0 +1,341 @@
+"""Benchmark without Spark: N plain processes on this host, the engine against gloo.
+
+``bench_allreduce.py --processes 2,4`` runs this (``python jobs/bench_processes.py`` too):
+for each N and size, N spawned processes (no JVM) meet through ``StaticRendezvous`` on
+127.0.0.1, so, as tasks of one executor host, they reach each other over Unix sockets and
+shared memory. The same processes also join a gloo process group (torch.distributed), and
+rounds alternate in them: the engine's step, the README's loop word for word
+(``w = p.get_weights()``, ``put_gradients(p.gradient_buffer())``,
+``aggregate_gradient_partition``, ``p.weight_partition[:] -= 0.1 * g``,
+``send_weight_partition``), then gloo's (``all_reduce`` of the gradient, the divide by N,
+``w -= 0.1 * g`` on the whole vector), then the engine again, the order swapped every other
+round. A step's time is the slowest rank's, a round's figure the median over its steps;
+the table gives the medians over the rounds and the median of the per-round ratios with
+their range.
+
+Also printed: the machine, the single-core copy bandwidth (``bench_growth.copy_bandwidth``:
+bytes ``np.copyto`` copies a second, each read once and written once), and each row's
+*floor*: under BSP each partition must read every partition's chunk of its slice (S bytes
+in all for an S-byte vector, whatever N) and write its slice of the weights (S/N); at the
+copy's rate of memory traffic (two bytes moved per byte copied) that is
+``(S + S/N) / (2 x copy bandwidth)``. Everything above it (the weights copied out for
+``get_weights``, requests, thread hand-offs) is overhead.
+
+    python jobs/bench_allreduce.py --processes 2,4                  # 1M and 10M float32
+    python jobs/bench_allreduce.py --processes 2,4,8,16 --sizes 1M,10M,100M   # many cores
+    python jobs/bench_allreduce.py --processes 2 --sizes 10K --rounds 2 --steps 3 --warmup 1
+
+Memory: an engine partition holds about four vectors (its gradient buffer, the weights
+``get_weights`` fills, the fetched and stored chunks) and gloo's rank two more; at 100M
+float32 and N = 16 that is about 40 GB.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_allreduce, bench_growth, baselines
+
+import baselines  # noqa: E402
+import bench_allreduce as bench  # noqa: E402
+
+from allreduce_param import AllReduceParameter, StaticRendezvous  # noqa: E402
+
+PHASES = bench.PHASES
+DEFAULT_SIZES = "1M,10M"
+DEFAULT_PROCESSES = "2,4"
+#: How long a rank waits for its peers (meeting, gloo's store, one step), in seconds.
+TIMEOUT = 300.0
+LR = np.float32(0.1)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel just handed out on 127.0.0.1; the ranks bind them again at once."""
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    try:
+        return [each.getsockname()[1] for each in sockets]
+    finally:
+        for each in sockets:
+            each.close()
+
+
+def engine_steps(p, gradient, steps: int, warmup: int) -> np.ndarray:
+    """``warmup + steps`` steps of the README's loop; the timed ones' phases, in ms."""
+    timings = np.zeros((warmup + steps, len(PHASES)))
+    for step in range(warmup + steps):
+        t0 = time.perf_counter()
+        w = p.get_weights()
+        t1 = time.perf_counter()
+        p.put_gradients(gradient, count=1.0)
+        t2 = time.perf_counter()
+        g = p.aggregate_gradient_partition()
+        t3 = time.perf_counter()
+        p.weight_partition[:] -= 0.1 * g
+        t4 = time.perf_counter()
+        p.send_weight_partition()
+        t5 = time.perf_counter()
+        timings[step] = np.diff((t0, t1, t2, t3, t4, t5))
+    del w
+    return timings[warmup:] * 1000.0
+
+
+def gloo_steps(dist, weights, gradient, ranks: int, steps: int, warmup: int) -> np.ndarray:
+    """The same loop with gloo: ``all_reduce`` of the gradient sum, the divide by the ranks
+    (each put count 1), and the update of the whole vector, as every rank has it; in ms."""
+    timings = np.zeros(warmup + steps)
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        dist.all_reduce(gradient, op=dist.ReduceOp.SUM)
+        gradient.div_(ranks)  # ranks identical after the first step: the values stay put
+        weights -= 0.1 * gradient
+        timings[step] = time.perf_counter() - start
+    return timings[warmup:] * 1000.0
+
+
+def rank_main(
+    rank: int,
+    ranks: int,
+    params: list[AllReduceParameter],
+    addresses: list[list],
+    store_port: int | None,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    results,
+) -> None:
+    """One rank: for each parameter (a size), the engine's partition and, with
+    ``store_port``, gloo's rank, alternating ``rounds`` rounds; puts ``(rank, [per size:
+    (engine's timings per round, gloo's per round)])`` or ``(rank, error text)`` on
+    ``results``."""
+    try:
+        dist = None
+        if store_port is not None:
+            import datetime
+
+            import torch
+            import torch.distributed as dist
+
+            torch.set_num_threads(1)  # as many processes as cores: no oversubscription
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", baselines._loopback_interface())
+            timeout = datetime.timedelta(seconds=TIMEOUT)
+            store = dist.TCPStore(
+                "127.0.0.1", store_port, ranks, is_master=rank == 0, timeout=timeout
+            )
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=ranks, timeout=timeout
+            )
+        try:
+            report = [
+                one_size(rank, ranks, param, size_addresses, dist, rounds, steps, warmup)
+                for param, size_addresses in zip(params, addresses)
+            ]
+        finally:
+            if dist is not None:
+                dist.destroy_process_group()
+        results.put((rank, report))
+    except BaseException as error:  # the parent names it and fails
+        results.put((rank, f"{type(error).__name__}: {error}"))
+
+
+def one_size(rank, ranks, param, addresses, dist, rounds, steps, warmup) -> tuple[list, list]:
+    """``rounds`` alternating rounds at ``param``'s size: (engine's timings per round,
+    gloo's per round; empty without gloo)."""
+    engine_rounds, gloo_rounds = [], []
+    with param.connect(StaticRendezvous(rank, addresses, timeout=TIMEOUT)) as p:
+        rng = np.random.default_rng(rank)
+        gradient = p.gradient_buffer()  # as the README computes it: in the engine's buffer
+        gradient[:] = rng.standard_normal(param.size, dtype=np.float32)
+        start = rng.standard_normal(param.size, dtype=np.float32) * np.float32(1e-3)
+        p.init(start)
+        if dist is not None:
+            import torch
+
+            weights, torch_gradient = torch.from_numpy(start), torch.from_numpy(gradient.copy())
+
+        def barrier():
+            if dist is not None:
+                dist.barrier()
+            else:
+                p.allreduce_exact(np.zeros(1))
+
+        for number in range(rounds):
+            order = ("engine", "gloo") if number % 2 == 0 else ("gloo", "engine")
+            for which in order:
+                barrier()
+                if which == "engine":
+                    engine_rounds.append(engine_steps(p, gradient, steps, warmup).tolist())
+                elif dist is not None:
+                    gloo_rounds.append(
+                        gloo_steps(dist, weights, torch_gradient, ranks, steps, warmup).tolist()
+                    )
+        barrier()
+    return engine_rounds, gloo_rounds
+
+
+def measure(
+    ranks: int, sizes: list[int], rounds: int, steps: int, warmup: int, gloo: bool
+) -> list[dict]:
+    """The rows of ``ranks`` processes, one per size: per round the engine's median of the
+    slowest rank's step and its phases', and gloo's."""
+    import multiprocessing
+
+    ports = free_ports(ranks * len(sizes) + 1)
+    addresses = [
+        [("127.0.0.1", port) for port in ports[i * ranks : (i + 1) * ranks]]
+        for i in range(len(sizes))
+    ]
+    params = [AllReduceParameter(ranks, size, codec="raw", timeout=TIMEOUT) for size in sizes]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(
+            target=rank_main,
+            args=(
+                rank,
+                ranks,
+                params,
+                addresses,
+                ports[-1] if gloo else None,
+                rounds,
+                steps,
+                warmup,
+                results,
+            ),
+            name=f"bench-rank-{rank}",
+        )  # fmt: skip
+        for rank in range(ranks)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        got = {}
+        for _ in processes:
+            rank, report = results.get(timeout=TIMEOUT * (1 + len(sizes)))
+            if isinstance(report, str):
+                raise SystemExit(f"error: rank {rank} of {ranks} failed: {report}")
+            got[rank] = report
+    finally:
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    rows = []
+    for index, size in enumerate(sizes):
+        # rank, round, step, phase
+        engine = np.stack([np.array(got[rank][index][0]) for rank in range(ranks)])
+        slowest_step = engine.sum(axis=3).max(axis=0)  # round, step
+        slowest_phase = engine.max(axis=0)  # round, step, phase
+        row = dict(
+            partitions=ranks,
+            size=size,
+            engine=[float(x) for x in np.median(slowest_step, axis=1)],
+            phases=np.median(slowest_phase, axis=1).tolist(),  # round, phase
+            gloo=[],
+        )
+        if gloo:
+            gloo_times = np.stack([np.array(got[rank][index][1]) for rank in range(ranks)])
+            row["gloo"] = [float(x) for x in np.median(gloo_times.max(axis=0), axis=1)]
+        rows.append(row)
+    return rows
+
+
+def floor_ms(size: int, partitions: int, bandwidth: float) -> float:
+    """Reading S bytes and writing S/N, at the copy's traffic rate (2 x copy bandwidth)."""
+    nbytes = 4 * size
+    return (nbytes + nbytes / partitions) / (2 * bandwidth) * 1e3
+
+
+def table(rows: list[dict], bandwidth: float) -> str:
+    header = ("N", "size", "floor ms", "ours ms", "gloo ms", "x gloo (range)", "x floor",
+              *(f"{phase} ms" for phase in PHASES))  # fmt: skip
+    lines = []
+    for row in rows:
+        ours = statistics.median(row["engine"])
+        floor = floor_ms(row["size"], row["partitions"], bandwidth)
+        phases = [statistics.median(each[i] for each in row["phases"]) for i in range(len(PHASES))]
+        lines.append(
+            (
+                row["partitions"],
+                bench.label(row["size"]),
+                bench.ms_text(floor),
+                bench.ms_text(ours),
+                bench.ms_text(statistics.median(row["gloo"])) if row["gloo"] else "not installed",
+                bench.ratio_text(row["engine"], row["gloo"]),
+                f"{ours / floor:.1f}",
+                *(bench.ms_text(value) for value in phases),
+            )
+        )
+    return bench.render(header, lines)
+
+
+def run(processes: list[int], sizes: list[int], rounds: int, steps: int, warmup: int,
+        gloo: bool = True) -> list[dict]:  # fmt: skip
+    """Measure every N and size and print the table; the rows."""
+    from bench_growth import copy_bandwidth
+
+    gloo = gloo and baselines.gloo_available()
+    bandwidth = copy_bandwidth()
+    print(f"machine: {bench.machine()}")
+    print(
+        f"single-core copy bandwidth: {bandwidth / 1e9:.1f} GB/s (np.copyto of 40 MB, median of 5); "
+        "floor = (S + S/N) bytes / (2 x that)"
+    )
+    print(
+        f"plain processes (no Spark) on 127.0.0.1, StaticRendezvous, raw codec, the README's loop; "
+        f"{rounds} rounds alternating engine and gloo"
+        f"{'' if gloo else ' (gloo: torch not installed)'}; each the median of {steps} steps after "
+        f"{warmup} warm-up, the slowest rank's step",
+        flush=True,
+    )
+    rows = [
+        row for ranks in processes for row in measure(ranks, sizes, rounds, steps, warmup, gloo)
+    ]
+    print(table(rows, bandwidth), flush=True)
+    return rows
+
+
+def parse_counts(text: str) -> list[int]:
+    """``'2,4,8'`` -> ``[2, 4, 8]``; each at least 2."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 2:
+        raise SystemExit(f"--processes {text!r}: write process counts of 2 or more, e.g. 2,4,8,16")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", default=DEFAULT_PROCESSES, help="N, comma-separated")
+    parser.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help="float32 elements (10K, 1M accepted)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, each round")
+    parser.add_argument("--no-baselines", action="store_true", help="skip gloo")
+    args = parser.parse_args(argv)
+    run(
+        parse_counts(args.processes),
+        bench.parse_sizes(args.sizes),
+        args.rounds,
+        args.steps,
+        args.warmup,
+        gloo=not args.no_baselines,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
