@@ -170,7 +170,8 @@ class _AllReduceEstimator(_AllReduceParams):
                 text = str(warning.message)
                 if issubclass(warning.category, UserWarning):
                     text = _param_names(text, settings=True)
-                warnings.warn(text, warning.category, stacklevel=2)
+                # at the caller of Estimator.fit (through pyspark's fit, which calls _fit)
+                warnings.warn(text, warning.category, stacklevel=3)
         return self._copyValues(self._model_class(trained))
 
     def _split(self, dataset):

@@ -146,8 +146,8 @@ def warn_about_data(
     if batch_size > rows:
         warnings.warn(
             f"batch_size={batch_size} is larger than the {rows} training rows: every step takes "
-            "all of them (full-batch gradient descent, one step an epoch); pass a smaller "
-            "batch_size for mini-batches",
+            "all of them (full-batch gradient descent, one step an epoch); set it below the "
+            "rows for mini-batches",
             UserWarning,
             stacklevel=3,
         )
