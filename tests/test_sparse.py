@@ -124,6 +124,23 @@ def test_models_take_csr_batches_as_they_take_dense_ones(model):
         model.loss_and_grad(weights, sp.csr_matrix((2, 41), dtype=np.float32), y[:2])
 
 
+@pytest.mark.parametrize("width", [300, 2**16], ids=["scipy's product", "summed in place"])
+def test_a_sparse_first_layers_gradient_is_scipys_product_either_way(width):
+    from allreduce_param.models.dense import IN_PLACE_ABOVE, _add_transposed_product
+
+    rng = np.random.default_rng(2)
+    columns = np.sort(rng.integers(0, width, (40, 5)), axis=1)  # repeats in a row add up
+    X = sp.csr_matrix(
+        (rng.standard_normal(200).astype(np.float32), columns.ravel(), np.arange(41) * 5),
+        shape=(40, width),
+    )
+    delta = rng.standard_normal((40, 3)).astype(np.float32)
+    out = np.full((width, 3), np.nan, np.float32)  # every entry written
+    _add_transposed_product(X, delta, out)
+    assert (width * 3 > IN_PLACE_ABOVE * X.nnz * 3) == (width == 2**16)
+    np.testing.assert_array_equal(out, X.T @ delta)
+
+
 def test_bsp_on_csr_partitions_equals_one_process_on_the_same_batches():
     """The trainer's exactness holds for sparse rows: three partitions of CSR rows give the
     weights of one process that trains on the very global batches (summation order aside)."""
