@@ -173,17 +173,23 @@ class PeerGroup:
             completed.append(address)
         return completed
 
-    def _ask_address(self, peer: int, address: PeerAddress) -> PeerAddress:
-        client = PeerClient(
+    def _client(self, peer: int, address: PeerAddress, local_name: str | None = None) -> PeerClient:
+        """A client of ``peer``'s server at ``address`` (over its Unix socket ``local_name``
+        where given), with this parameter's secret, timeouts and encryption."""
+        return PeerClient(
             (address.host, address.port),
             self.spec.secret,
             self.spec.param_id,
             self.partition_id,
             peer,
             self.timeout,
+            local_name=local_name,
             handshake_timeout=self.spec.network.connect_timeout,
             encrypt=self.spec.network.encrypt,
         )
+
+    def _ask_address(self, peer: int, address: PeerAddress) -> PeerAddress:
+        client = self._client(peer, address)
         try:
             answer = client.ask_address()
         finally:
@@ -232,19 +238,8 @@ class PeerGroup:
                 address.local_name is not None
                 and address.scope == self._addresses[self.partition_id].scope
             )
-            clients[peer] = PeerClient(
-                (address.host, address.port),
-                self.spec.secret,
-                self.spec.param_id,
-                self.partition_id,
-                peer,
-                self.timeout,
-                local_name=address.local_name
-                if same_scope
-                else None,  # a Unix socket, and shared memory if on
-                handshake_timeout=self.spec.network.connect_timeout,
-                encrypt=self.spec.network.encrypt,
-            )
+            # a Unix socket, and shared memory if on, where the peer is in the same scope
+            clients[peer] = self._client(peer, address, address.local_name if same_scope else None)
         channel = Channel(
             clients, threads, f"allreduce-{role}-{self.partition_id}", role, idle_waits
         )
