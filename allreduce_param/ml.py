@@ -411,11 +411,8 @@ class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationM
         width = self.numFeatures
 
         features_col = self.getFeaturesCol()
-        vector = (
-            is_vector_type(dataset.schema[features_col].dataType)
-            if features_col in (dataset.columns)
-            else False
-        )
+        column = features_column(dataset, features_col, role="featuresCol")  # names a missing one
+        vector = is_vector_type(dataset.schema[features_col].dataType)
 
         def scores(features) -> pd.DataFrame:
             X = dense_for(model, matrix_from_pandas(features, features_col, width))
@@ -438,7 +435,7 @@ class AllReduceClassificationModel(_AllReduceModel, ProbabilisticClassificationM
         computed = "__allreduce_scores"
         out = dataset.withColumn(
             computed,
-            F.pandas_udf(scores, kind)(features_column(dataset, features_col, role="featuresCol")),
+            F.pandas_udf(scores, kind)(column),
         )
         for param, field in ((self.rawPredictionCol, "raw"), (self.probabilityCol, "probability")):
             if self.getOrDefault(param):

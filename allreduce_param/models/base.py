@@ -214,6 +214,11 @@ def batch_count(rows: int, sample_weight: np.ndarray | None) -> float:
     return rows if sample_weight is None else float(np.sum(sample_weight, dtype=np.float64))
 
 
+def is_sparse_matrix(X) -> bool:
+    """Whether ``X`` is a scipy.sparse matrix (told apart without importing scipy)."""
+    return hasattr(X, "tocsr") and hasattr(X, "nnz")
+
+
 def takes_sparse(model) -> bool:
     """Whether the model takes CSR feature matrices (its ``takes_sparse``)."""
     return getattr(model, "takes_sparse", False) is True
@@ -222,7 +227,7 @@ def takes_sparse(model) -> bool:
 def dense_for(model, X):
     """``X`` as ``model`` takes it: a sparse matrix made dense for a model that does not say
     ``takes_sparse``; anything else as it is."""
-    if hasattr(X, "toarray") and hasattr(X, "nnz") and not takes_sparse(model):
+    if is_sparse_matrix(X) and not takes_sparse(model):
         return X.toarray()
     return X
 

@@ -23,7 +23,7 @@ import numpy as np
 from allreduce_param.engine.layout import TensorLayout
 from allreduce_param.engine.vectors import writable_output
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import batch_count
+from allreduce_param.models.base import batch_count, is_sparse_matrix
 
 
 class Activation(NamedTuple):
@@ -290,7 +290,7 @@ class DenseNetwork:
         for index in range(len(self._names) - 1, -1, -1):
             weight, bias = self._names[index]
             below = outputs[index]
-            if index == 0 and _is_sparse(below):  # X^T delta, summed in place: O(non-zeros)
+            if index == 0 and is_sparse_matrix(below):  # X^T delta, summed in place: O(non-zeros)
                 _add_transposed_product(below, delta, grads[weight])
             else:
                 np.matmul(below.T, delta, out=grads[weight])
@@ -330,7 +330,7 @@ class DenseNetwork:
         return weight
 
     def _check_features(self, X) -> np.ndarray:
-        if _is_sparse(X):
+        if is_sparse_matrix(X):
             X = X.tocsr()
             if X.dtype != np.float32:
                 X = X.astype(np.float32)
@@ -393,11 +393,6 @@ def _add_transposed_product(X, delta: np.ndarray, out: np.ndarray) -> None:
     out.fill(0)
     rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
     np.add.at(out, X.indices, X.data[:, None] * delta[rows])
-
-
-def _is_sparse(X) -> bool:
-    """Whether ``X`` is a scipy.sparse matrix."""
-    return hasattr(X, "tocsr") and hasattr(X, "nnz")
 
 
 def _rebuild(cls: type, arguments: dict) -> DenseNetwork:

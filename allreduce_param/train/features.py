@@ -35,11 +35,6 @@ def is_sparse(nonzeros: int, rows: int, n_features: int) -> bool:
     return nonzeros <= SPARSE_DENSITY * rows * n_features
 
 
-def issparse(X) -> bool:
-    """Whether ``X`` is a scipy.sparse matrix (without importing scipy for dense data)."""
-    return hasattr(X, "tocsr") and hasattr(X, "nnz")
-
-
 def empty_rows(n_features: int, sparse: bool):
     """A matrix of no rows: CSR where ``sparse``, else dense (float32)."""
     if not sparse:
@@ -47,11 +42,6 @@ def empty_rows(n_features: int, sparse: bool):
     from scipy.sparse import csr_matrix
 
     return csr_matrix((0, n_features), dtype=np.float32)
-
-
-def row_count(X) -> int:
-    """The rows of a dense or sparse matrix (``len`` is ambiguous for a sparse one)."""
-    return X.shape[0]
 
 
 class VectorParts(NamedTuple):
@@ -204,11 +194,10 @@ class VectorParts(NamedTuple):
         from scipy.sparse import csr_matrix
 
         rows = self.value_rows()
-        keep = (self.values != 0) | ~self.dense[rows]
-        columns = self.value_columns(rows)
+        columns, values = self.value_columns(rows), self.values
+        keep = (values != 0) | ~self.dense[rows]
         if not keep.all():
-            rows, columns = rows[keep], columns[keep]
-        values = self.values[keep] if not keep.all() else self.values
+            rows, columns, values = rows[keep], columns[keep], values[keep]
         indptr = np.zeros(self.rows + 1, np.int64)
         np.cumsum(np.bincount(rows, minlength=self.rows), out=indptr[1:])
         index_type = np.int32 if max(len(values), n_features) < 2**31 else np.int64

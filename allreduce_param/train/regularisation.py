@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.models.base import is_sparse_matrix
 from allreduce_param.optim import ElasticNet
 from allreduce_param.train.settings import FitSettings
 
@@ -73,7 +74,7 @@ def local_moments(X: Any, weight: np.ndarray | None) -> tuple[np.ndarray, np.nda
     of ``X`` (a float32 array, or a scipy.sparse matrix), ``w`` the sample weights or 1."""
     rows, features = X.shape
     w = np.ones(rows) if weight is None else np.asarray(weight, np.float64)
-    if not isinstance(X, np.ndarray) and hasattr(X, "multiply"):  # scipy.sparse: no densifying
+    if is_sparse_matrix(X):  # scipy.sparse: no densifying
         wide = X.astype(np.float64)  # a copy of the non-zeros only
         first = np.asarray(wide.T @ w, np.float64).reshape(features)
         second = np.asarray(wide.multiply(wide).T @ w, np.float64).reshape(features)

@@ -12,7 +12,7 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import dense_for, has_buffers
+from allreduce_param.models.base import dense_for, has_buffers, is_sparse_matrix
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.train.features import matrix_from_pandas
 from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS
@@ -312,7 +312,7 @@ class TrainedModel:
         """Predictions for the rows of a float32 matrix, dense or ``scipy.sparse`` (with the
         fit's buffers, if any)."""
         model = self._predictor
-        if hasattr(X, "nnz"):
+        if is_sparse_matrix(X):
             return model.predict(self.weights, dense_for(model, X.astype(np.float32)))
         return model.predict(self.weights, np.asarray(X, dtype=np.float32))
 

@@ -3,15 +3,23 @@ workers against Spark's slots, a checkpoint to resume from against the model."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
 
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import dense_for, has_buffers, model_task, takes_sample_weight
+from allreduce_param.models.base import (
+    dense_for,
+    has_buffers,
+    is_sparse_matrix,
+    model_task,
+    takes_sample_weight,
+)
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import task_slots
 from allreduce_param.train.checkpoint import Manifest
+from allreduce_param.train.columns import TRAIN
 
 
 def check_model(model: Any) -> None:
@@ -57,7 +65,7 @@ def model_size(model: Any, sample: tuple, n_features: int, seed: int) -> int:
     if not isinstance(weights, np.ndarray) or weights.dtype != np.float32 or weights.ndim != 1:
         raise InputError(f"{model!r}.init(rng) must return a 1-D float32 vector")
     rows, labels = sample
-    if hasattr(rows, "nnz"):  # a CSR row: the data trains sparse
+    if is_sparse_matrix(rows):  # a CSR row: the data trains sparse
         from scipy.sparse import vstack
 
         X = dense_for(model, vstack([rows, rows], format="csr"))
@@ -123,10 +131,6 @@ def warn_about_data(
     that get no training rows, a batch larger than the training data, and a classifier
     whose training labels leave some of its classes without a row. ``in_place``: worker k
     trains on the data's partition k as it lies (else rows are dealt out evenly)."""
-    import warnings
-
-    from allreduce_param.train.columns import TRAIN
-
     rows = summary.rows(TRAIN)
     holding = {count.partition for count in summary.partition_counts if count.split == TRAIN}
     empty = workers - len(holding) if in_place else max(0, workers - rows)

@@ -14,9 +14,11 @@ from allreduce_param.models.base import (
     batch_count,
     dense_for,
     has_buffers,
+    is_sparse_matrix,
     model_task,
     optional_call,
     takes_sample_weight,
+    takes_sparse,
 )
 from allreduce_param.train.settings import workload_shares
 
@@ -62,7 +64,7 @@ def _evaluate(
 ) -> list[float]:
     total = np.zeros(3, dtype=np.float64)
     chunk = EVAL_CHUNK
-    if dense_for(model, X) is not X:  # made dense for the model: a chunk of at most 2^22 elements
+    if is_sparse_matrix(X) and not takes_sparse(model):  # chunks made dense: 2^22 elements at most
         chunk = max(1, min(EVAL_CHUNK, DENSE_CHUNK_ELEMENTS // max(1, X.shape[1])))
     for start in range(0, X.shape[0], chunk):
         rows, labels = dense_for(model, X[start : start + chunk]), y[start : start + chunk]
