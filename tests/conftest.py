@@ -223,6 +223,20 @@ def train_on_threads(job, parts: list) -> list:
     return outputs
 
 
+def random_rows(spark, seed: int, rows: int = 120, features: int = 6, classes: int = 3):
+    """A DataFrame ``features array<float>, label double`` of normal features and uniform
+    class labels (nothing to learn: for tests of what happens around a fit)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, rows)
+    X = rng.standard_normal((rows, features)).astype(np.float32)
+    return spark.createDataFrame(
+        [(row.tolist(), float(label)) for row, label in zip(X, labels)],
+        "features array<float>, label double",
+    )
+
+
 def blobs(rows: int, features: int, classes: int, seed: int):
     """A classification problem: Gaussian blobs around random centres; (X float32, y float64)."""
     import numpy as np

@@ -7,6 +7,7 @@ import re
 import sys
 
 import pytest
+from conftest import random_rows
 from pyspark import cloudpickle
 from test_fault_tolerance import FailsOnce
 
@@ -22,15 +23,7 @@ SPARK_SETTINGS = {"spark.stage.maxConsecutiveAttempts": "1"}
 
 @pytest.fixture(scope="module")
 def data(spark):
-    import numpy as np
-
-    rng = np.random.default_rng(5)
-    labels = rng.integers(0, 3, 120)
-    X = rng.standard_normal((120, 6)).astype(np.float32)
-    return spark.createDataFrame(
-        [(row.tolist(), float(label)) for row, label in zip(X, labels)],
-        "features array<float>, label double",
-    )
+    return random_rows(spark, seed=5)
 
 
 def test_the_error_says_a_retry_would_resume_and_which_setting_allows_it(data, tmp_path):

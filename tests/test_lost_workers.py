@@ -18,6 +18,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import random_rows
 from pyspark import cloudpickle
 
 from allreduce_param import DistriOptimizer, PeerLostError, TrainingError, models, optim
@@ -32,13 +33,7 @@ SPARK_MASTER = "local[2]"  # the session of test_fault_tolerance, Spark's 4 runs
 
 @pytest.fixture(scope="module")
 def data(spark):
-    rng = np.random.default_rng(6)
-    labels = rng.integers(0, 3, 120)
-    X = rng.standard_normal((120, 6)).astype(np.float32)
-    return spark.createDataFrame(
-        [(row.tolist(), float(label)) for row, label in zip(X, labels)],
-        "features array<float>, label double",
-    )
+    return random_rows(spark, seed=6)
 
 
 class DiesAtStep(models.MLP):
