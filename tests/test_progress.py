@@ -62,6 +62,34 @@ def test_a_step_is_merged_once_every_partition_reported_it():
     assert merged["get_s"] == 0.3  # the slowest partition's phase
 
 
+def test_drain_hears_every_message_the_ended_tasks_sent_before_closing():
+    """A fit's tasks close their connections as they end, their last steps maybe still
+    unread: the driver drains before it closes, so its listener hears every step."""
+    heard, gate = [], threading.Event()
+
+    def on_message(message, reply):
+        gate.wait(30)  # the handler lags behind the senders: messages wait unread
+        heard.append(message["n"])
+
+    server = MessageServer("127.0.0.1", on_message)
+    clients = [server.client() for _ in range(2)]
+    lingering = server.client()
+    try:
+        for client in clients:
+            for n in range(20):
+                client.send({"n": n})
+            client.close()
+        gate.set()
+        lingering.send({"n": -1})
+        assert server.drain(0.5) is False  # a task still connected: drain says so, in time
+        lingering.close()
+        assert server.drain(30) is True
+        assert sorted(heard) == sorted([-1] + list(range(20)) * 2)
+    finally:
+        gate.set()
+        server.close()
+
+
 def test_a_client_without_the_secret_is_refused_in_the_handshake_and_others_go_on(caplog):
     events = Events(expected=1)
     server = progress_server(1, events)

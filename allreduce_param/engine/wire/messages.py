@@ -158,6 +158,7 @@ class MessageServer:
         self._connect_timeout = connect_timeout
         self._encrypt = encrypt
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # notified as a task's connection ends
         self._tasks: set[_Task] = set()
         self._server = AuthenticatedServer(
             self.secret,
@@ -228,8 +229,20 @@ class MessageServer:
             if task not in self._tasks:
                 return
             self._tasks.discard(task)
+            self._ended.notify_all()
         self._server.discard(task.conn)
         task.conn.close()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every task's connection has ended, each message on it handled; at most
+        ``timeout`` seconds. Whether they all ended.
+
+        For when the tasks are done: a task closes its connection as it finishes, but what it
+        sent last may still be unread here when Spark hands its result to the driver. Closing
+        without draining would drop those messages (a fit's last steps, unheard by its
+        listener)."""
+        with self._ended:
+            return self._ended.wait_for(lambda: not self._tasks, timeout)
 
     def close(self) -> None:
         """Stop listening, close every connection, and wait for the threads."""

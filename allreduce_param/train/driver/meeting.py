@@ -62,6 +62,15 @@ def driver_end(
     )
     try:
         yield _client_of(server, spark, network.connect_timeout)
+        # the tasks have ended: hear what they sent last before the fit returns
+        if not server.drain(network.connect_timeout):
+            warnings.warn(
+                "some tasks' last progress reports did not reach the driver within "
+                f"{network.connect_timeout:g} s (spark.allreduce.connectTimeout): the listener "
+                "and the log may miss the fit's last steps; its history is complete",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     finally:
         server.close()
         bar.close()
