@@ -135,7 +135,7 @@ def test_a_peer_lost_without_a_word_points_at_executor_memory():
     assert (
         "without a word: its task failed or its executor was lost, often killed for using too much memory"
         in outcome
-        and "spark.executor.memory" in outcome
+        and "spark.executor.memoryOverhead" in outcome
     )
 
 

@@ -109,8 +109,9 @@ class PeerClient:
             return PeerLostError(f"{text}; it said: {said}")
         return PeerLostError(
             f"{text}, without a word: its task failed or its executor was lost, "
-            "often killed for using too much memory (see that executor's log; raise "
-            "spark.executor.memory or spark.executor.memoryOverhead)"
+            "often killed for using too much memory (see that executor's log; under Spark, "
+            "raise spark.executor.memoryOverhead, the Python workers' share, or "
+            "spark.executor.pyspark.memory where it is set)"
         )
 
     def _open(self) -> socket.socket:
