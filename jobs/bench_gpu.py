@@ -16,7 +16,9 @@ DDP over gloo only). Three ways of keeping the replicas in sync, alternating in 
   step's weights go up in one copy. The processes meet through ``StaticRendezvous``.
 - **DDP nccl** and **DDP gloo**: ``DistributedDataParallel`` on the same module and batch,
   ``torch.optim.SGD`` (same learning rate, no momentum), over a process group of each
-  backend (NCCL only on CUDA).
+  backend (NCCL only on CUDA), each rank's BatchNorm statistics its own as in ours
+  (``broadcast_buffers=False``). DDP's batch lies on the device; ours goes up each step, as
+  a fit's rows do.
 
 A step's time is the slowest rank's; *compute* is the forward and backward pass alone (for
 ours: ``loss_and_grad_into``, with the copies down and the chunks published as they come; for
@@ -202,7 +204,9 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
                 replica = resnet(args.width, args.blocks).to(device)
                 replica.load_state_dict(module.state_dict())
                 ids = None if device == "cpu" else [torch.device(device).index]
-                ddp = DistributedDataParallel(replica, device_ids=ids, process_group=groups[way])
+                ddp = DistributedDataParallel(  # buffers stay each rank's own, as ours
+                    replica, device_ids=ids, process_group=groups[way], broadcast_buffers=False
+                )
                 ddps[way] = (ddp, torch.optim.SGD(ddp.parameters(), lr=LR))
         addresses = [("127.0.0.1", port) for port in ports[: args.processes]]
         autocast = torch.autocast(

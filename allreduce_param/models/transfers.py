@@ -62,9 +62,10 @@ class Staging:
         side stream after what the compute stream has queued; its landing."""
         torch = self.torch
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        flat = gradient.reshape(-1)  # a copy where the gradient is not contiguous
         with torch.cuda.stream(self.stream):
-            self.down[start:stop].copy_(gradient.reshape(-1), non_blocking=True)
-            gradient.record_stream(self.stream)  # not reused by the allocator before it lands
+            self.down[start:stop].copy_(flat, non_blocking=True)
+            flat.record_stream(self.stream)  # its memory not reused before the copy lands
             landed = torch.cuda.Event()
             landed.record(self.stream)
         return landed
