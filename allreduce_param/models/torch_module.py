@@ -162,6 +162,12 @@ class TorchModel:
                     self._torch_device = torch.device(chosen)
         return self._torch_device
 
+    @property
+    def uses_gpu(self) -> bool:
+        """Whether this process runs the module on a GPU (choosing the device if not yet):
+        the fit's ``overlap="auto"`` then streams the gradient on one host too."""
+        return self.torch_device.type == "cuda"
+
     def _own(self) -> _Copy:
         """This thread's copy of the module, on the device."""
         own = getattr(self._per_thread, "copy", None)
