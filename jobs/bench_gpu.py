@@ -17,8 +17,8 @@ DDP over gloo only). Three ways of keeping the replicas in sync, alternating in 
 - **DDP nccl** and **DDP gloo**: ``DistributedDataParallel`` on the same module and batch,
   ``torch.optim.SGD`` (same learning rate, no momentum), over a process group of each
   backend (NCCL only on CUDA), each rank's BatchNorm statistics its own as in ours
-  (``broadcast_buffers=False``). DDP's batch lies on the device; ours goes up each step, as
-  a fit's rows do.
+  (``broadcast_buffers=False``, ``forward_sync_buffers=False`` from torch 2.13). DDP's
+  batch lies on the device; ours goes up each step, as a fit's rows do.
 
 A step's time is the slowest rank's; *compute* is the forward and backward pass alone (for
 ours: ``loss_and_grad_into``, with the copies down and the chunks published as they come; for
@@ -37,6 +37,7 @@ ratios of steps per second, with their range.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import statistics
@@ -199,13 +200,21 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
         X_device = torch.from_numpy(X).to(device)
         y_device = torch.from_numpy(y).to(device)
         ddps = {}
+        # each rank's BatchNorm statistics its own after the start, as ours (torch 2.13 renamed
+        # broadcast_buffers=False; both start from the same buffers)
+        takes = inspect.signature(DistributedDataParallel).parameters
+        own_buffers = {
+            "forward_sync_buffers"
+            if "forward_sync_buffers" in takes
+            else "broadcast_buffers": False
+        }
         for way in ways:
             if way.startswith("DDP"):
                 replica = resnet(args.width, args.blocks).to(device)
                 replica.load_state_dict(module.state_dict())
                 ids = None if device == "cpu" else [torch.device(device).index]
-                ddp = DistributedDataParallel(  # buffers stay each rank's own, as ours
-                    replica, device_ids=ids, process_group=groups[way], broadcast_buffers=False
+                ddp = DistributedDataParallel(
+                    replica, device_ids=ids, process_group=groups[way], **own_buffers
                 )
                 ddps[way] = (ddp, torch.optim.SGD(ddp.parameters(), lr=LR))
         addresses = [("127.0.0.1", port) for port in ports[: args.processes]]
