@@ -27,7 +27,8 @@ FIT_SETTINGS = """batch_size epochs codec gradient_codec num_workers threads see
 log_path listener strategy staleness backup_workers sync_every model_averaging partition_scheme
 checkpoint_dir checkpoint_every checkpoint_keep verbose overlap bind_address advertise_address
 port_range connect_timeout encrypt topology fetch_threads early_stopping_patience
-early_stopping_min_delta reg_param elastic_net_param fit_intercept standardization""".split()
+early_stopping_min_delta reg_param elastic_net_param fit_intercept standardization
+gpus_per_task""".split()
 
 REGRESSOR_PARAMS = """advertiseAddress backupWorkers batchSize bindAddress checkpointDir
 checkpointEvery checkpointKeep codec connectTimeout earlyStoppingMinDelta earlyStoppingPatience
@@ -35,7 +36,7 @@ elasticNetParam fitIntercept regParam standardization encrypt featuresCol fetchT
 gradientCodec hiddenLayers labelCol logPath maxEpochs
 modelAveraging numWorkers optimizer overlap partitionScheme portRange predictionCol seed
 showProgress staleness stepSize strategy syncEvery timeout topology validationIndicatorCol
-verbose weightCol""".split()
+verbose weightCol gpusPerTask""".split()
 CLASSIFIER_PARAMS = REGRESSOR_PARAMS + "probabilityCol rawPredictionCol thresholds".split()
 
 CONNECTED_CALLS = """aggregate_gradient_partition allreduce allreduce_exact close connections
@@ -48,6 +49,9 @@ unix_sockets shared_memory param_id strategy gradient_codec bind_address adverti
 port_range connect_timeout encrypt topology""".split()
 
 FIT_ARGUMENTS = "data features_col label_col validation resume_from weight_col".split()
+
+#: TorchModel's keywords (needs torch; checked where it is installed)
+TORCH_MODEL_KEYWORDS = "module loss device precision".split()
 
 
 def test_every_public_name_is_still_exported():
@@ -127,3 +131,9 @@ def test_a_pickle_that_names_an_old_module_loads():
     assert b"allreduce_param.strategy" in old
     strategy = pickle.loads(old)
     assert isinstance(strategy, allreduce_param.Strategy) and strategy.staleness == 2
+
+
+def test_torch_models_keywords_are_kept():
+    pytest.importorskip("torch", reason="TorchModel needs PyTorch: pip install -e '.[torch]'")
+    keywords = inspect.signature(allreduce_param.models.TorchModel).parameters
+    assert list(keywords) == TORCH_MODEL_KEYWORDS

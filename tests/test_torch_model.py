@@ -15,6 +15,7 @@ from test_train_loop import blobs, reference_fit, run_workers  # noqa: E402
 # noqa: E402
 from allreduce_param import (  # noqa: E402
     AllReduceParameter,
+    ConfigurationError,
     DistriOptimizer,
     FitSettings,
     InputError,
@@ -360,3 +361,11 @@ def test_the_regularisation_spares_the_parameters_named_bias():
     # 0.weight (6), 0.bias (2), 2.weight (2), 2.bias (1)
     expected = [True] * 6 + [False] * 2 + [True] * 2 + [False]
     assert model.penalized().tolist() == expected
+
+
+def test_gpus_per_task_in_local_mode_is_refused_before_any_job(normed_fit):
+    """local[N] assigns tasks no GPUs: the fit says so, and what to do on one machine."""
+    _, _, _, df = normed_fit
+    fit = DistriOptimizer(models.TorchModel(normed), optim.SGD(0.1), gpus_per_task=1)
+    with pytest.raises(ConfigurationError, match=r"local mode \(local\[2\]\).*device='cuda:0'"):
+        fit.fit(df)

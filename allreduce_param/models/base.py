@@ -54,6 +54,9 @@ class Model(Protocol):
       owner's chunk as soon as it is whole, overlapping the sync with the rest of backward;
       the built-in and torch models have it. (``optional_call`` decides when a subclass's
       override of ``loss_and_grad`` must win over an inherited one.)
+    - ``uses_gpu`` (a bool attribute or property): whether the model computes on a GPU in
+      this process (``TorchModel`` on one). Backward then leaves the CPU's cores to the
+      sync, so ``overlap="auto"`` streams the gradient on one host too; without it, False.
     - ``tensors(weights) -> dict[str, np.ndarray]``: the flat vector as named arrays (the
       built-in models: ``w1``, ``b1``, ...; ``TorchModel``: its state_dict's parameter
       names). ``TrainedModel.export_npz`` writes them; without it, the vector as

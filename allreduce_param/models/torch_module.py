@@ -12,6 +12,16 @@ statistics in the calling thread's copy); ``predict`` and ``loss_and_predictions
 eval mode (no Dropout, BatchNorm normalising by the running statistics), reading the
 buffers ``buffers()`` gives and changing none. The buffers are the module's persistent
 ones (those in its ``state_dict``), by their state_dict names.
+
+Devices: ``device="auto"`` runs the module on the GPU Spark assigned to the task (else the
+CPU), ``"cuda"`` requires one, ``"cuda:N"``/``"cpu"`` force one (``models.devices`` says
+how the choice is made). The choice is made in the process that runs the module, at its
+first call; each thread's copy of the module lives there. The engine's vectors stay on the
+host: the weights go up in one copy per call and the gradient comes down part by part as
+backward finishes it (``models.transfers``); ``buffers()``, ``set_buffers`` and
+``state_dict`` take and give host (numpy, CPU torch) values wherever the module runs.
+``precision="bf16"`` runs the forward pass under ``torch.autocast`` in bfloat16 (the
+parameters, their gradients and the loss stay float32).
 """
 
 from __future__ import annotations
@@ -28,9 +38,21 @@ import numpy as np
 from allreduce_param.engine.vectors import writable_output
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import merge_buffers
+from allreduce_param.models.devices import CudaInfo, check_device_request, choose_device, task_gpus
+from allreduce_param.models.transfers import GradientCopies, Staging
 
 LOSSES = ("cross_entropy", "mse")
+PRECISIONS = ("fp32", "bf16")
 _INIT_LOCK = threading.Lock()  # torch's random state is global to the process
+
+
+def _where() -> tuple:
+    """``(the Spark task's resources or None, whether this is a Spark driver)``; from the
+    Spark layer, imported only when a device is chosen."""
+    from allreduce_param.spark.gpus import on_spark_driver, task_resources
+
+    resources = task_resources()
+    return resources, resources is None and on_spark_driver()
 
 
 def _torch():
@@ -44,13 +66,13 @@ def _torch():
 
 
 class _Copy:
-    """One thread's copy of the module, and how many rows it has trained on (whose buffer
-    updates it holds)."""
+    """One thread's copy of the module (on the model's device), how many rows it has trained
+    on (whose buffer updates it holds), and on a GPU its pinned host buffers."""
 
-    __slots__ = ("module", "rows")
+    __slots__ = ("module", "rows", "staging")
 
-    def __init__(self, module) -> None:
-        self.module, self.rows = module, 0
+    def __init__(self, module, staging: Staging | None) -> None:
+        self.module, self.rows, self.staging = module, 0, staging
 
 
 class TorchModel:
@@ -64,12 +86,27 @@ class TorchModel:
     when it is wrapped (a fresh BatchNorm's zeros and ones); the fit's result carries the
     trained ones (``TrainedModel.buffers``), see ``allreduce_param.models.base.Model``.
     ``state_dict(weights, buffers)`` gives what ``module.load_state_dict`` takes.
+
+    ``device``: ``"auto"`` (the task's GPU, else the CPU), ``"cuda"`` (the task's GPU,
+    required), ``"cuda:N"`` or ``"cpu"``; see ``allreduce_param.models.devices``.
+    ``precision``: ``"fp32"``, or ``"bf16"`` for the forward pass under ``torch.autocast``.
     """
 
-    def __init__(self, module: Any | Callable[[], Any], loss: str = "cross_entropy") -> None:
+    def __init__(
+        self,
+        module: Any | Callable[[], Any],
+        loss: str = "cross_entropy",
+        device: str = "auto",
+        precision: str = "fp32",
+    ) -> None:
         torch = _torch()
         if loss not in LOSSES:
             raise ConfigurationError(f"TorchModel(loss={loss!r}): loss must be one of {LOSSES}")
+        if precision not in PRECISIONS:
+            raise ConfigurationError(
+                f"TorchModel(precision={precision!r}): precision must be one of {PRECISIONS}"
+            )
+        self.device, self.precision = check_device_request(device), precision
         self.module = (
             module() if callable(module) and not isinstance(module, torch.nn.Module) else module
         )
@@ -97,10 +134,12 @@ class TorchModel:
         self._per_thread = threading.local()
         self._copies: list[_Copy] = []  # every thread's, to merge their buffers
         self._lock = threading.Lock()
+        self._torch_device = None  # chosen at the first call, in the process that runs it
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in ("_per_thread", "_copies", "_lock"):  # copies stay where they were made
+        # copies and the device stay where they were made: an executor chooses its own
+        for name in ("_per_thread", "_copies", "_lock", "_torch_device"):
             del state[name]
         return state
 
@@ -108,17 +147,52 @@ class TorchModel:
         self.__dict__.update(state)
         self._reset_copies()
 
+    @property
+    def torch_device(self):
+        """The ``torch.device`` this process runs the module on, chosen at the first call (see
+        ``models.devices.choose_device``; a ConfigurationError says why a GPU is unusable)."""
+        if self._torch_device is None:
+            torch = _torch()
+            with self._lock:
+                if self._torch_device is None:
+                    resources, driver = _where()
+                    chosen = choose_device(
+                        self.device, task_gpus(resources), CudaInfo.of_torch(torch), driver
+                    )
+                    self._torch_device = torch.device(chosen)
+        return self._torch_device
+
+    @property
+    def uses_gpu(self) -> bool:
+        """Whether this process runs the module on a GPU (choosing the device if not yet):
+        the fit's ``overlap="auto"`` then streams the gradient on one host too."""
+        return self.torch_device.type == "cuda"
+
     def _own(self) -> _Copy:
-        """This thread's copy of the module."""
+        """This thread's copy of the module, on the device."""
         own = getattr(self._per_thread, "copy", None)
         if own is None:
-            own = self._per_thread.copy = _Copy(copy.deepcopy(self.module))
+            device = self.torch_device
+            module = copy.deepcopy(self.module).to(device)
+            staging = Staging(_torch(), device, self.size) if device.type == "cuda" else None
+            own = self._per_thread.copy = _Copy(module, staging)
             with self._lock:
                 self._copies.append(own)
         return own
 
     def __repr__(self) -> str:
-        return f"TorchModel({self.module.__class__.__name__}, loss={self.loss!r}, {self.size} parameters)"
+        extra = "".join(
+            f", {name}={value!r}"
+            for name, value, default in (
+                ("device", self.device, "auto"),
+                ("precision", self.precision, "fp32"),
+            )
+            if value != default
+        )
+        return (
+            f"TorchModel({self.module.__class__.__name__}, loss={self.loss!r}{extra}, "
+            f"{self.size} parameters)"
+        )
 
     def init(self, rng: np.random.Generator) -> np.ndarray:
         """Fresh parameters, reproducible from ``rng``; touches neither the module nor torch's
@@ -139,10 +213,15 @@ class TorchModel:
                 )
 
     def _parameters(self, weights: np.ndarray, requires_grad: bool) -> dict:
+        """The parameters by name: views of one float32 copy of ``weights`` on the device."""
         torch = _torch()
         if weights.size != self.size:
             raise InputError(f"{self!r}: got {weights.size} weights, expected {self.size}")
-        flat = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
+        staging = self._own().staging
+        if staging is None:
+            flat = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
+        else:
+            flat = staging.upload(np.asarray(weights).reshape(-1))
         parameters, start = {}, 0
         for name, shape in zip(self._names, self._shapes):
             count = int(np.prod(shape))
@@ -155,16 +234,19 @@ class TorchModel:
         BatchNorm updates; the rows are counted to its copy) or eval mode (``buffers()``,
         read only)."""
         torch = _torch()
-        own = self._own()
-        inputs = (torch.from_numpy(np.asarray(X, np.float32)),)
-        if train:
-            own.module.train()
-            output = torch.func.functional_call(own.module, parameters, inputs)
-            own.rows += len(X)
-            return output
-        own.module.eval()
-        buffers = {key: torch.from_numpy(value) for key, value in self.buffers().items()}
-        return torch.func.functional_call(own.module, {**parameters, **buffers}, inputs)
+        own, device = self._own(), self.torch_device
+        inputs = (torch.from_numpy(np.asarray(X, np.float32)).to(device),)
+        with torch.autocast(device.type, torch.bfloat16, enabled=self.precision == "bf16"):
+            if train:
+                own.module.train()
+                output = torch.func.functional_call(own.module, parameters, inputs)
+                own.rows += len(X)
+                return output.float()
+            own.module.eval()
+            buffers = {
+                key: torch.from_numpy(value).to(device) for key, value in self.buffers().items()
+            }
+            return torch.func.functional_call(own.module, {**parameters, **buffers}, inputs).float()
 
     def loss_and_grad(
         self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
@@ -190,21 +272,28 @@ class TorchModel:
             out[:] = 0
             return 0.0, 0
         parameters = self._parameters(weights, requires_grad=True)
-        flat_out = torch.from_numpy(out)
+        staging = self._own().staging
+        copies = None
+        if staging is None:  # on the CPU: each part written in place
+            done = functools.partial(self._gradient_done, torch.from_numpy(out), ready=ready)
+        else:  # on a GPU: each part copied down to pinned memory, then into out
+            copies = GradientCopies(out, staging.down.numpy(), staging.download, ready)
+            done = copies.part_done
         start = 0
         for tensor in parameters.values():
             stop = start + tensor.numel()
-            tensor.register_hook(
-                functools.partial(self._gradient_done, flat_out, start, stop, ready)
-            )
+            tensor.register_hook(functools.partial(done, start, stop))
             start = stop
         loss = self._loss(self._forward(parameters, X, train=True), y)
         torch.autograd.grad(loss, list(parameters.values()))  # the hooks keep what it gives
+        if copies is not None:
+            copies.finish()
         return float(loss.item()), len(X)
 
     @staticmethod
-    def _gradient_done(flat_out, start: int, stop: int, ready, gradient) -> None:
-        """Autograd's hook: one parameter's gradient is final; write it to its place, say so."""
+    def _gradient_done(flat_out, start: int, stop: int, gradient, ready) -> None:
+        """Autograd's hook on the CPU: one parameter's gradient is final; write it to its
+        place, say so."""
         flat_out[start:stop].copy_(gradient.reshape(-1))
         if ready is not None:
             ready(start, stop)
@@ -214,9 +303,9 @@ class TorchModel:
         torch = _torch()
         if self.loss == "cross_entropy":
             return torch.nn.functional.cross_entropy(
-                output, torch.from_numpy(np.asarray(y, np.int64)), reduction="sum"
+                output, torch.from_numpy(np.asarray(y, np.int64)).to(output.device), reduction="sum"
             )
-        target = torch.from_numpy(np.asarray(y, np.float32)).reshape(output.shape)
+        target = torch.from_numpy(np.asarray(y, np.float32)).to(output.device).reshape(output.shape)
         return 0.5 * torch.sum((output - target) ** 2)
 
     def loss_and_predictions(
@@ -240,6 +329,7 @@ class TorchModel:
 
     def _predictions(self, output, rows: int) -> np.ndarray:
         """Class ids (int64) or values (float32) from the module's output."""
+        output = output.cpu()
         if self.task == "classification":
             return output.argmax(dim=1).numpy().astype(np.int64)
         return (

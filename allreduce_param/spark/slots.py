@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 from allreduce_param.errors import ConfigurationError
 from allreduce_param.spark.info import SparkInfo
@@ -55,13 +56,14 @@ def _is_local(master: str) -> bool:
     return master == "local" or master.startswith("local[")
 
 
-def task_slots(info: SparkInfo, needed: int = 1) -> tuple[int, str]:
+def task_slots(info: SparkInfo, needed: int = 1, profile: Any = None) -> tuple[int, str]:
     """How many tasks of the fit's stage Spark can run at once, and how that was counted.
 
     Counted as Spark's barrier scheduler counts them before it starts a barrier stage:
-    ``SparkContext.maxNumConcurrentTasks`` of the default resource profile (the fit's stage
-    has no other), i.e. over the executors registered now, each one's cores /
-    ``spark.task.cpus`` (and custom resources / their amount per task), summed. The method
+    ``SparkContext.maxNumConcurrentTasks`` of the stage's resource profile (``profile``, a
+    ``pyspark.resource.ResourceProfile`` asking for GPUs; None: the default one), i.e.
+    over the executors registered now, each one's cores / ``spark.task.cpus`` (and custom
+    resources / their amount per task), summed. The method
     is ``private[spark]``, public in the bytecode; when py4j cannot reach it (another
     Spark, or Spark Connect, which has no JVM here), ``defaultParallelism // spark.task.cpus``
     stands in. With fewer than ``needed`` on a cluster, executors may still be registering:
@@ -71,10 +73,15 @@ def task_slots(info: SparkInfo, needed: int = 1) -> tuple[int, str]:
     master = info.setting("spark.master", "")
     try:
         context = info.context._jsc.sc()
-        profile = context.resourceProfileManager().defaultResourceProfile()
-        slots, waited = int(context.maxNumConcurrentTasks(profile)), 0.0
+        profiles = context.resourceProfileManager()
+        counted_for = (
+            profiles.defaultResourceProfile()
+            if profile is None
+            else profile._java_resource_profile  # a task profile's count: its GPUs too
+        )
+        slots, waited = int(context.maxNumConcurrentTasks(counted_for)), 0.0
         if slots < needed and not _is_local(master):  # in local mode the count never changes
-            slots, waited = _wait_for_slots(context, profile, master, needed)
+            slots, waited = _wait_for_slots(context, counted_for, master, needed)
     except Exception:  # py4j's errors vary with the Spark version
         parallelism = info.default_parallelism()
         return max(
@@ -88,6 +95,9 @@ def task_slots(info: SparkInfo, needed: int = 1) -> tuple[int, str]:
         f"{_executors(context)} executors registered x {cores} cores (spark.executor.cores) "
         f"/ spark.task.cpus={cpus}"
     )
+    if profile is not None:
+        gpus = info.setting("spark.executor.resource.gpu.amount", "0")
+        counted += f", and their {gpus} GPUs each / gpus_per_task"
     if waited:
         counted += f", after waiting {waited:.0f} s for more ({_SLOTS_CHECK_INTERVAL} x {_SLOTS_CHECK_TRIES})"
     return slots, counted

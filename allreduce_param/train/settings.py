@@ -59,6 +59,21 @@ def check_regularisation(
             raise ConfigurationError(f"{name} must be True or False, got {value!r}")
 
 
+def check_gpus_per_task(value: Any) -> None:
+    """None, a whole number >= 1, or a fraction <= 0.5 (Spark's rule for sharing a GPU: at
+    least two tasks on one); else a ConfigurationError naming ``gpus_per_task``."""
+    if value is None:
+        return
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and value > 0
+    ok = ok and (float(value).is_integer() or value <= 0.5)
+    if not ok:
+        raise ConfigurationError(
+            f"gpus_per_task must be a whole number of GPUs >= 1 or a fraction <= 0.5 (that "
+            f"many tasks share one GPU, as Spark's spark.task.resource.gpu.amount), got {value!r}"
+        )
+
+
 def workload_shares(threads: int | Sequence[float] | None) -> list[float]:
     """Each sub-batch's share of a batch (summing to 1), from a thread count or workloads."""
     try:
@@ -218,6 +233,14 @@ class FitSettings:
         "peer when there are fewer); the others queue",
         kind="Int",
     )
+    gpus_per_task: float | None = _setting(
+        None,
+        "GPUs each task of the fit's stage is assigned (a fraction <= 0.5 shares one GPU "
+        "between tasks): the stage asks Spark for them with a stage-level resource profile, "
+        "or the session's spark.task.resource.gpu.amount gives them (None: what the session "
+        "gives); a TorchModel runs on its task's GPU",
+        kind="Float",
+    )
     early_stopping_patience: int | None = _setting(
         None,
         "stop once the validation loss has not improved for this many epochs, and keep the best "
@@ -302,6 +325,7 @@ class FitSettings:
         check_regularisation(
             self.reg_param, self.elastic_net_param, self.fit_intercept, self.standardization
         )
+        check_gpus_per_task(self.gpus_per_task)
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
 

@@ -91,20 +91,25 @@ def model_size(model: Any, sample: tuple, n_features: int, seed: int) -> int:
     return int(weights.size)
 
 
-def worker_count(spark: SparkInfo, requested: int | None, partitions: int) -> int:
+def worker_count(
+    spark: SparkInfo, requested: int | None, partitions: int, profile: Any = None
+) -> int:
     """How many barrier tasks: the ``requested`` count, or the data's ``partitions``, within
     the slots.
 
     Refuses more tasks than Spark can run at once before the stage is submitted, where
-    Spark would refuse them only then.
+    Spark would refuse them only then. ``profile``: the stage's resource profile (GPUs per
+    task), whose slots are counted (None: the session's default one).
     """
-    slots, counted = task_slots(spark, needed=requested or 1)
+    slots, counted = task_slots(spark, needed=requested or 1, profile=profile)
     workers = requested or max(1, min(partitions, slots))
     if workers > slots:
         raise ConfigurationError(
             f"num_workers={workers}, but Spark has {slots} task slots ({counted}); a barrier stage "
             "needs all its tasks running at once: lower num_workers, or give Spark more cores "
-            "(local[N], spark.executor.instances x spark.executor.cores / spark.task.cpus)"
+            "(local[N], spark.executor.instances x spark.executor.cores / spark.task.cpus"
+            + (", and GPUs: spark.executor.resource.gpu.amount / gpus_per_task" if profile else "")
+            + ")"
         )
     return workers
 

@@ -16,6 +16,7 @@ import numpy as np
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError, InputError, TrainingError
 from allreduce_param.models.base import merge_buffers, model_task
+from allreduce_param.spark.gpus import stage_profile
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train import regularisation
@@ -186,6 +187,7 @@ class DistriOptimizer:
         s = self.settings
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
         check_no_dynamic_allocation(spark)
+        profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
         resume = resume_point(resume_from) if resume_from is not None else None
         if s.early_stopping_patience is not None and validation is None:
             raise InputError(
@@ -200,7 +202,7 @@ class DistriOptimizer:
         )
         size = model_size(self.model, sample, n_features, s.seed)
         regularisation.check_model(self.model, s, size)
-        workers = worker_count(spark, s.num_workers, partitions)
+        workers = worker_count(spark, s.num_workers, partitions, profile)
         if s.batch_size < workers:
             raise InputError(
                 f"batch_size={s.batch_size} is smaller than the {workers} workers: every worker "
@@ -232,7 +234,7 @@ class DistriOptimizer:
                 num_classes = getattr(self.model, "num_classes", None)
                 warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
             try:
-                output = run_stage(job, kept, placed, stage_attempts(spark))
+                output = run_stage(job, kept, placed, stage_attempts(spark), profile)
             except TrainingError as error:
                 if checkpoints is None:
                     raise

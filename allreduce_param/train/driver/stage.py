@@ -41,7 +41,9 @@ def engine_parameter(
     )
 
 
-def run_stage(job: TrainingJob, kept, placed: Callable[[], Any], attempts: int) -> StageOutput:
+def run_stage(
+    job: TrainingJob, kept, placed: Callable[[], Any], attempts: int, profile: Any = None
+) -> StageOutput:
     """The fit's one barrier stage, over ``kept`` (the rows as they lie, or None) or, where
     Spark refuses a barrier stage over those (a union or a coalesce in their lineage,
     SPARK-24820), over the rows ``placed()`` shuffles into place; each has a partition per
@@ -52,12 +54,13 @@ def run_stage(job: TrainingJob, kept, placed: Callable[[], Any], attempts: int) 
     attempt's tasks resume from the fit's newest intact checkpoint (``restart_point``).
     Each run again is announced with a ``RuntimeWarning`` saying why; the error after the
     last run says how many ran. (A shuffle after the stage would have Spark retry it, for a
-    stage more on every fit.)"""
+    stage more on every fit.) ``profile``: the stage-level resource profile its tasks run
+    with (``spark.gpus.stage_profile``; None: the session's default)."""
     submitted = time.time()
     rows, failures, first = (kept if kept is not None else placed()), 0, job
     while True:
         try:
-            pairs = _stage(job, rows)
+            pairs = _stage(job, rows, profile)
             break
         except Exception as error:
             if rows is kept and UNSUPPORTED_CHAIN in str(error):
@@ -90,8 +93,9 @@ def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int
     )
 
 
-def _stage(job: TrainingJob, rows) -> list[tuple[str, bytes]]:
-    """Run the tasks over ``rows`` (a DataFrame, or an RDD of pairs); their records, encoded."""
+def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
+    """Run the tasks over ``rows`` (a DataFrame, or an RDD of pairs), with ``profile`` when
+    given; their records, encoded."""
 
     def arrow_task(batches):
         started = time.time()
@@ -106,6 +110,8 @@ def _stage(job: TrainingJob, rows) -> list[tuple[str, bytes]]:
         yield from train_partition(job, *arrays, clock={"started": started, "loaded": time.time()})
 
     if hasattr(rows, "mapInArrow"):
-        frame = rows.mapInArrow(arrow_task, STAGE_SCHEMA, barrier=True)
+        extra = {} if profile is None else {"profile": profile}  # PySpark 4.0+ takes it
+        frame = rows.mapInArrow(arrow_task, STAGE_SCHEMA, barrier=True, **extra)
         return [(row["kind"], row["payload"]) for row in frame.collect()]
-    return rows.barrier().mapPartitions(pairs_task).collect()
+    stage = rows.barrier().mapPartitions(pairs_task)
+    return (stage if profile is None else stage.withResources(profile)).collect()

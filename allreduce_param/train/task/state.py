@@ -76,8 +76,13 @@ class FitState:
         self._steps_per_epoch = 0
         self.start = 0
         # overlap: send the gradient as backward finishes it (BSP, where the checkpoints are
-        # this thread's, so a step's record is kept before any other thread sees its gradient)
-        wanted = p.remote_peers > 0 if settings.overlap == "auto" else settings.overlap
+        # this thread's, so a step's record is kept before any other thread sees its gradient);
+        # "auto": where there is wire time to hide, or backward runs on a GPU, off the cores
+        wanted = (
+            p.remote_peers > 0 or bool(getattr(job.model, "uses_gpu", False))
+            if settings.overlap == "auto"
+            else settings.overlap
+        )
         into_buffer = p.strategy.inline_owner and not job.local_sgd and compute.streams
         self._streams = bool(wanted and into_buffer)
         # else, where it can: the gradient computed into the parameter's own buffer (BSP: it
