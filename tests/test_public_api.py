@@ -20,7 +20,7 @@ PUBLIC = """AllReduceError AllReduceParameter AuthenticationError BarrierRendezv
 CodecOverflowError ConfigurationError ConnectedParameter CorruptBlockError DamagedCheckpointError
 DistriOptimizer FetchTimeoutError FitSettings GradientStream History InputError LocalRendezvous NetworkError
 NetworkSettings NonFiniteGradientError PeerLostError ProtocolError Rendezvous STRATEGIES
-SliceLayout StaleVersionError StaticRendezvous StoreClosedError Strategy TrainedModel
+SliceLayout SparseGradient StaleVersionError StaticRendezvous StoreClosedError Strategy TrainedModel
 TrainingError UsageError models optim""".split()
 
 FIT_SETTINGS = """batch_size epochs codec gradient_codec num_workers threads seed timeout progress

@@ -1,0 +1,145 @@
+"""The touched-elements sync (``engine/movement/touched.py``): a ``SparseGradient`` put gives
+the dense sync's bits, signed zeros and all, over partitions on one host and on several;
+the fit that uses it equals the dense one and one process; bad pairs and settings it cannot
+serve are refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import run_partitions
+
+from allreduce_param import AllReduceParameter, InputError, SparseGradient, Strategy
+from allreduce_param.engine.movement.touched import pack, unpack
+from allreduce_param.errors import CorruptBlockError, NonFiniteGradientError
+
+
+def touched_gradients(size: int, partitions: int, seed: int) -> list[np.ndarray]:
+    """Dense gradients that are +0.0 outside a few elements each, with -0.0s, exact
+    cancellations and elements only one partition touches among the touched."""
+    rng = np.random.default_rng(seed)
+    grads = []
+    for _ in range(partitions):
+        grad = np.zeros(size, np.float32)
+        where = rng.permutation(np.flatnonzero(rng.random(size) < 0.6))
+        grad[where] = rng.standard_normal(where.size).astype(np.float32)
+        grad[where[:3]] = -0.0
+        grads.append(grad)
+    grads[0][7], grads[1][7], grads[-1][7] = 1.5, 0.0, -1.5  # cancels to +0.0
+    for grad in grads:  # every partition -0.0 at 11: the dense sum stays -0.0
+        grad[11] = -0.0
+    grads[0][13] = -0.0  # -0.0 from one partition alone: the dense sum is +0.0 (N > 1)
+    return grads
+
+
+def sync(param: AllReduceParameter, grads: list[np.ndarray], touched: bool, hosts=None) -> list:
+    """One step's aggregate on every partition: each its gradient, dense or as its touched
+    elements (every element not +0.0)."""
+
+    def body(p):
+        p.init(np.zeros(param.size, np.float32))
+        p.get_weights()
+        grad = grads[p.partition_id]
+        if touched:
+            where = np.flatnonzero((grad != 0) | np.signbit(grad))
+            grad = SparseGradient(where, grad[where])
+        p.put_gradients(grad, count=p.partition_id + 1)
+        return p.aggregate_gradient_partition().copy()
+
+    return run_partitions(param, body, hosts=hosts)
+
+
+@pytest.mark.parametrize("hosts", [None, [[0, 1], [2]]], ids=["one host", "two hosts"])
+def test_the_touched_sync_gives_the_dense_sums_bits(hosts):
+    """Three partitions, slices of two parts and touched blocks of two parts (0.6 of each
+    slice touched: over 2^18 pairs an owner); on two
+    simulated hosts the sums take the hosts' order, as the dense ones do."""
+    size, partitions = 3 * (2**19 + 1), 3
+    grads = touched_gradients(size, partitions, seed=1)
+    results = []
+    for touched in (False, True):
+        param = AllReduceParameter(partitions, size, codec="raw", timeout=60, topology="flat")
+        slices = sync(param, grads, touched, hosts)
+        for result in slices:
+            assert isinstance(result, np.ndarray), result
+        results.append(np.concatenate(slices))
+    dense, sparse = results
+    np.testing.assert_array_equal(dense.view(np.uint32), sparse.view(np.uint32))
+    assert np.signbit(sparse[11]) and not np.signbit(sparse[13]) and sparse[7] == 0
+
+
+def test_a_nan_among_the_touched_names_its_partition_and_index():
+    param = AllReduceParameter(2, 1000, codec="raw", timeout=30)
+
+    def body(p):
+        p.init(np.zeros(param.size, np.float32))
+        p.get_weights()
+        values = np.ones(3, np.float32)
+        if p.partition_id == 1:
+            values[1] = np.nan
+        p.put_gradients(SparseGradient(np.array([2, 600, 999]), values))
+        return p.aggregate_gradient_partition()
+
+    results = run_partitions(param, body)  # partition 0's fetch may see 1 fail and go
+    assert isinstance(results[1], NonFiniteGradientError), results[1]
+    assert "partition 1" in str(results[1]) and "index 600" in str(results[1])
+
+
+@pytest.mark.parametrize(
+    "indices, values, fragment",
+    [
+        ([1, 2000], [1.0, 2.0], "index 2000 (at 1) is out of range"),
+        ([-1, 2], [1.0, 2.0], "index -1 (at 0) is out of range"),
+        ([5, 5], [1.0, 2.0], "strictly increasing"),
+        ([1, 2], [1.0], "of one length"),
+        ([1.0, 2.0], [1.0, 2.0], "must be integers"),
+        ([1, 2], [1, 2], "floating-point"),
+    ],
+)
+def test_bad_pairs_are_refused_by_name_and_the_handle_goes_on(indices, values, fragment):
+    param = AllReduceParameter(1, 1000, codec="raw", timeout=30)
+
+    def body(p):
+        p.init(np.zeros(param.size, np.float32))
+        p.get_weights()
+        with pytest.raises(InputError, match="put_gradients.SparseGradient. on partition 0"):
+            p.put_gradients(SparseGradient(np.array(indices), np.array(values)))
+        try:
+            p.put_gradients(SparseGradient(np.array(indices), np.array(values)))
+        except InputError as error:
+            message = str(error)
+        p.put_gradients(SparseGradient(np.array([3]), np.array([2.0], np.float32)))
+        return message, p.aggregate_gradient_partition()[3]
+
+    message, summed = run_partitions(param, body)[0]
+    assert fragment in message
+    assert summed == 2.0
+
+
+@pytest.mark.parametrize(
+    "settings, fragment",
+    [
+        (dict(codec="raw", gradient_codec="int8"), "gradient codec 'int8' is lossy"),
+        (dict(codec="raw", strategy=Strategy("ssp", staleness=1)), "background owner"),
+    ],
+)
+def test_settings_the_touched_sync_cannot_serve_are_named(settings, fragment):
+    param = AllReduceParameter(1, 100, timeout=30, **settings)
+
+    def body(p):
+        p.init(np.zeros(param.size, np.float32))
+        p.get_weights()
+        with pytest.raises(InputError, match=fragment):
+            p.put_gradients(SparseGradient(np.array([3]), np.array([2.0], np.float32)))
+
+    assert run_partitions(param, body) == [None]
+
+
+def test_a_corrupt_touched_block_is_named():
+    block = pack((np.array([1, 5], np.uint32), np.array([1.0, 2.0], np.float32)), capacity=3)
+    indices, values = unpack(block, 3, 10, "block")
+    assert indices.tolist() == [1, 5] and values.tolist() == [1.0, 2.0]
+    with pytest.raises(CorruptBlockError, match="past the slice's 5 elements"):
+        unpack(block, 3, 5, "block")
+    with pytest.raises(CorruptBlockError, match="more than its room for 1"):
+        unpack(block, 1, 10, "block")
