@@ -7,11 +7,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_partitions
+import scipy.sparse as sp
+from conftest import run_partitions, train_on_threads
 
-from allreduce_param import AllReduceParameter, InputError, SparseGradient, Strategy
+from allreduce_param import (
+    AllReduceParameter,
+    ConfigurationError,
+    FitSettings,
+    InputError,
+    SparseGradient,
+    Strategy,
+    models,
+    optim,
+)
 from allreduce_param.engine.movement.touched import pack, unpack
 from allreduce_param.errors import CorruptBlockError, NonFiniteGradientError
+from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.touched import check_touched, why_not_touched
 
 
 def touched_gradients(size: int, partitions: int, seed: int) -> list[np.ndarray]:
@@ -143,3 +155,83 @@ def test_a_corrupt_touched_block_is_named():
         unpack(block, 3, 5, "block")
     with pytest.raises(CorruptBlockError, match="more than its room for 1"):
         unpack(block, 1, 10, "block")
+
+
+def sparse_fit(sync: str, parts, model, optimizer, **settings) -> list:
+    """A BSP fit on the CSR ``parts``, one thread each, with ``sparse_sync=sync``."""
+    param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
+    settings = FitSettings(
+        **{
+            "batch_size": 30,
+            "epochs": 2,
+            "seed": 7,
+            "threads": None,
+            "sparse_sync": sync,
+            **settings,
+        }
+    )
+    job = TrainingJob(model, optimizer, param, settings, model.n_features, False, sparse=True)
+    return train_on_threads(job, parts)
+
+
+def csr_parts(features: int):
+    X = sp.random(150, features, density=0.01, format="csr", dtype=np.float32, random_state=4)
+    half = features // 2
+    y = np.asarray(X[:, :half].sum(axis=1)).ravel() > np.asarray(X[:, half:].sum(axis=1)).ravel()
+    y = y.astype(np.float64)
+    return [(X[:40], y[:40]), (X[40:41], y[40:41]), (X[41:], y[41:])]
+
+
+@pytest.mark.parametrize(
+    "model, optimizer, reg",
+    [
+        (models.SoftmaxRegression(2000, 3), optim.Adam(lr=0.05), 0.0),
+        (models.MLP([2000, 4, 2]), optim.SGD(lr=0.1, momentum=0.9), 0.01),
+    ],
+    ids=["softmax, Adam", "MLP, momentum, L2"],
+)
+def test_a_fit_with_the_touched_sync_equals_the_dense_one_and_one_process(model, optimizer, reg):
+    """Three partitions of CSR rows (one of a single row): the touched sync's weights are the
+    dense sync's bits, and one process's on the same global batches (summation order aside),
+    whatever the optimizer does to untouched rows (Adam's moments, momentum, L2)."""
+    from test_train_loop import reference_fit
+
+    parts = csr_parts(model.n_features)
+    regularised = {"reg_param": reg, "standardization": False} if reg else {}
+    fits = {
+        sync: sparse_fit(sync, parts, model, optimizer, **regularised)
+        for sync in ("dense", "touched")
+    }
+    for outputs in fits.values():
+        for output in outputs:
+            assert isinstance(output, dict), output
+    touched = np.frombuffer(fits["touched"][0]["weights"], np.float32)
+    dense = np.frombuffer(fits["dense"][0]["weights"], np.float32)
+    np.testing.assert_array_equal(touched.view(np.uint32), dense.view(np.uint32))
+    if not reg:
+        expected = reference_fit(model, optimizer, parts, batch_size=30, epochs=2, seed=7)
+        np.testing.assert_allclose(touched, expected, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "settings, sparse, fragment",
+    [
+        ({"threads": 2}, True, "its batches are split over threads"),
+        ({"gradient_codec": "int8"}, True, "the gradient codec 'int8' is lossy"),
+        ({"sync_every": 2}, True, "it needs plain BSP"),
+        ({}, False, "the rows are dense"),
+    ],
+)
+def test_sparse_sync_touched_where_it_cannot_serve_says_why(settings, sparse, fragment):
+    """The driver refuses it before the stage (``check_touched``), as each task would."""
+    model = models.LogisticRegression(200)
+    fit = FitSettings(sparse_sync="touched", **settings)
+    param = AllReduceParameter(2, model.size, codec="raw", gradient_codec=fit.gradient_codec)
+    job = TrainingJob(model, optim.SGD(lr=0.1), param, fit, 200, False, sparse=sparse)
+    with pytest.raises(ConfigurationError, match=f"cannot serve this fit: {fragment}"):
+        check_touched(job)
+    auto = TrainingJob(model, optim.SGD(lr=0.1), param, FitSettings(**settings), 200, False)
+    check_touched(auto)  # 'auto' falls back to the dense sync without a word
+    assert why_not_touched(auto) is not None
+    with pytest.raises(ConfigurationError, match="sparse_sync must be one of 'auto', 'touched'"):
+        FitSettings(sparse_sync="sometimes")
