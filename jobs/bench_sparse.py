@@ -57,7 +57,9 @@ after a fit that grew it includes what that fit took.
 
 ``--breakdown`` (on by default; ``--breakdown-only`` alone, without Spark or Java) times one
 step's parts at 2^20 and 2^24 features in this process, on one thread, for one partition's
-share of a batch of the click log (``sparse_steps.py`` says what each column is); each
+share of a batch of the click log (``sparse_steps.py`` says what each column is), and a
+BSP step's compute, put and aggregate with the dense sync and the touched one, alternating,
+at 2^20, 2^22 and 2^24 (``sparse_steps.sync_comparison``, partitions as threads); each
 fit's own step phases (medians over its steps, the slowest partition's) are printed too.
 
 ``--compare-syncs`` runs ours alone, ``sparseSync="dense"`` and ``"touched"`` alternating
@@ -245,7 +247,7 @@ def run_ours(
     log = folder / "fit.jsonl"
     params = dict(
         hiddenLayers=[],
-        optimizer="adam",
+        optimizer=settings.optimizer,
         stepSize=settings.lr,
         batchSize=settings.batch_size,
         maxEpochs=settings.epochs,
@@ -565,7 +567,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-levels", type=int, default=1_000_000, help="the widest field's levels"
     )
-    parser.add_argument("--lr", type=float, default=0.02, help="ours: Adam's learning rate")
+    parser.add_argument("--lr", type=float, default=0.02, help="ours: the learning rate")
+    parser.add_argument(
+        "--optimizer", default="adam", help="ours: the optimizer Param (adam, sgd, ...)"
+    )
     parser.add_argument("--batch-size", type=int, default=4096, help="ours: the global batch")
     parser.add_argument("--epochs", type=int, default=4, help="ours: maxEpochs")
     parser.add_argument("--mllib-iters", type=int, default=100, help="MLlib: maxIter (its default)")
@@ -629,6 +634,26 @@ def print_breakdown(args: argparse.Namespace, partitions: int) -> None:
         render(
             sparse_steps.HEADER,
             sparse_steps.breakdown([2**20, 2**24], rows, args.breakdown_repeats, args.seed),
+            left=1,
+        )
+    )
+    print(
+        f"\na BSP step's compute, put and aggregate, the dense sync against the touched one "
+        f"alternating ({args.breakdown_repeats} repeats, medians of the slowest partition's; "
+        f"ratio: median (range) of the repeats' own), softmax regression, 2 classes, a global "
+        f"batch of {args.batch_size:,} click-log rows over {partitions} partitions (threads of "
+        "this process), codec raw:"
+    )
+    print(
+        render(
+            sparse_steps.SYNC_HEADER,
+            sparse_steps.sync_comparison(
+                [2**20, 2**22, 2**24],
+                args.batch_size,
+                partitions,
+                args.breakdown_repeats,
+                args.seed,
+            ),
             left=1,
         )
     )
@@ -831,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{min(BAYES_ROWS, data.rows):,} rows); test fraction {data.test_fraction:g}"
         )
     print(
-        f"ours: AllReduceClassifier(hiddenLayers=[]), Adam lr {args.lr:g}, batch {args.batch_size}, "
+        f"ours: AllReduceClassifier(hiddenLayers=[]), {args.optimizer} lr {args.lr:g}, batch {args.batch_size}, "
         f"{args.epochs} epochs, codec raw, test accuracy evaluated after each epoch (in its fit "
         f"time); MLlib: LogisticRegression(maxIter={args.mllib_iters}) (L-BFGS); regParam "
         f"{args.reg_param:g} for both; {partitions} partitions on {args.master}, driver memory "
@@ -863,14 +888,17 @@ def main_compare_syncs(args: argparse.Namespace, header: str) -> int:
         bench.stop()
     print(header)
     print(
-        f"ours: AllReduceClassifier(hiddenLayers=[]), Adam lr {args.lr:g}, batch {args.batch_size}, "
-        f"{args.epochs} epochs, codec raw, regParam {args.reg_param:g}; {partitions} partitions on "
+        f"ours: AllReduceClassifier(hiddenLayers=[]), {args.optimizer} lr {args.lr:g}, batch "
+        f"{args.batch_size}, {args.epochs} epochs, codec raw, regParam {args.reg_param:g}; "
+        f"{partitions} partitions on "
         f"{args.master}; sparseSync dense and touched alternating, {args.rounds} rounds; phases: "
         "medians over every step (the slowest partition's); step ms: the median step (the sum of "
         "its phases), medians of the rounds; ratio: median (range) of the rounds' own"
     )
     print(render(SYNC_HEADER, rows, left=2))
     sys.stdout.flush()
+    if args.breakdown:
+        print_breakdown(args, partitions)
     return 1 if any(row[3] and not row[3][0].isdigit() for row in rows) else 0
 
 

@@ -161,3 +161,14 @@ def test_the_sync_comparison_has_a_row_per_sync_and_the_rounds_ratio():
     assert rows[0][13] == "" and rows[1][13] == "2.50 (2.00-3.00)"
     failed = {"dense": [bench.Run("ours", 0.0, problem="budget ran out")], "touched": []}
     assert bench.sync_rows("clicks 2^24", 2**24, failed)[0][3] == "budget ran out"
+
+
+def test_the_sync_step_comparison_runs_both_syncs_without_spark():
+    (steps,) = import_jobs("sparse_steps")
+    lines = steps.sync_comparison([2**10, 2**12], rows=128, partitions=2, repeats=1, seed=0)
+    assert [line[0] for line in lines] == ["2^10", "2^12"]
+    for line in lines:
+        assert len(line) == len(steps.SYNC_HEADER)
+        assert 0 < number(line[2]) <= 128 * 26 * 2 + 2  # touched elements: 2 a column, + biases
+        assert all(number(cell) >= 0 for cell in line[3:7])
+        assert number(line[7]) > 0

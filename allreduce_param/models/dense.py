@@ -463,13 +463,17 @@ def _add_transposed_product(X, delta: np.ndarray, out: np.ndarray) -> None:
 
 def _touched_product(X, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``X^T delta`` on the columns ``X`` holds alone: (those columns, increasing; their rows
-    of the product). Each column's terms added in row order into +0.0, as
-    ``_add_transposed_product`` adds them into its filled ``out``: the same bits."""
+    of the product). ``X`` with its columns renumbered to those alone, through scipy's
+    product: each column's terms added in row order, as in ``_add_transposed_product``
+    either way, so the same bits, with no array as wide as ``X``."""
+    from scipy.sparse import csr_matrix
+
     columns, where = np.unique(X.indices, return_inverse=True)
-    product = np.zeros((columns.size, delta.shape[1]), np.float32)
-    rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
-    np.add.at(product, where, X.data[:, None] * delta[rows])
-    return columns, product
+    narrow = csr_matrix(
+        (X.data, where.astype(X.indices.dtype, copy=False), X.indptr),
+        shape=(X.shape[0], columns.size),
+    )
+    return columns, np.asarray(narrow.T @ delta, dtype=np.float32)
 
 
 def _rebuild(cls: type, arguments: dict) -> DenseNetwork:

@@ -152,7 +152,9 @@ def sum_touched_in_order(
     order = [source for group in groups for source in group]
     names = names or [f"partition {source}" for source in order]
     total = sum(sum(pairs[source][2] for source in group) for group in groups)
-    touched = np.unique(np.concatenate([pairs[source][0] for source in order]))
+    touched = np.sort(np.concatenate([pairs[source][0] for source in order]))
+    if touched.size > 1:  # the union: each index once (a sort and a mask beat np.unique's hash)
+        touched = touched[np.concatenate(([True], touched[1:] != touched[:-1]))]
     spread: dict[int, np.ndarray] = {}
     for source in order:
         indices, values, _ = pairs[source]
