@@ -235,3 +235,39 @@ def test_sparse_sync_touched_where_it_cannot_serve_says_why(settings, sparse, fr
     assert why_not_touched(auto) is not None
     with pytest.raises(ConfigurationError, match="sparse_sync must be one of 'auto', 'touched'"):
         FitSettings(sparse_sync="sometimes")
+
+
+def test_auto_takes_the_touched_sync_from_2_to_the_22_features_on_sparse_rows():
+    """``sparse_sync='auto'``: touched where the first layer is wide and the rows sparse,
+    dense otherwise; 'dense' never."""
+    from types import SimpleNamespace
+
+    from allreduce_param.train.task.touched import TOUCHED_FROM_FEATURES, uses_touched_sync
+
+    flat = SimpleNamespace(hierarchical=False)
+    for features, sparse, sync, expected in [
+        (TOUCHED_FROM_FEATURES, True, "auto", True),
+        (TOUCHED_FROM_FEATURES - 1, True, "auto", False),
+        (TOUCHED_FROM_FEATURES, False, "auto", False),
+        (TOUCHED_FROM_FEATURES, True, "dense", False),
+        (16, True, "touched", True),
+    ]:
+        model = models.LogisticRegression(features)
+        param = AllReduceParameter(2, model.size, codec="raw")
+        settings = FitSettings(sparse_sync=sync)
+        job = TrainingJob(model, optim.SGD(lr=0.1), param, settings, features, False, sparse=sparse)
+        assert uses_touched_sync(job, flat) is expected, (features, sparse, sync)
+    assert TOUCHED_FROM_FEATURES == 2**22
+
+
+def test_a_hierarchical_sync_refuses_the_touched_put_by_name():
+    param = AllReduceParameter(3, 100, codec="raw", timeout=30, topology="hierarchical")
+
+    def body(p):
+        p.init(np.zeros(param.size, np.float32))
+        p.get_weights()
+        with pytest.raises(InputError, match=r"topology hierarchical\): put the gradient as"):
+            p.put_gradients(SparseGradient(np.array([3]), np.array([2.0], np.float32)))
+        return p.hierarchical
+
+    assert run_partitions(param, body, hosts=[[0, 1], [2]]) == [True, True, True]

@@ -136,6 +136,8 @@ class GradientPuts:
             if self._peers.hierarchical
             else "residual= is for a lossy codec's error feedback"
             if residual is not None
+            else "its slices have 2^32 elements or more (the pairs' indices are uint32)"
+            if self._layout.length(0) >= 2**32
             else None
         )
         if refusal is not None:
