@@ -29,6 +29,7 @@ import numpy as np
 from allreduce_param.engine.blocks.store import BlockKind
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.movements import Movements
+from allreduce_param.engine.movement.sums import NonFiniteSum
 from allreduce_param.engine.movement.touched import TouchedMoves, TouchedPut
 from allreduce_param.engine.step import StepState
 from allreduce_param.engine.stream import GradientStream
@@ -156,7 +157,13 @@ class GradientPuts:
             )
         self._state.put_done()
 
-    def reduce_touched(self, version: int, out: np.ndarray, divisor, check) -> float | None:
+    def reduce_touched(
+        self,
+        version: int,
+        out: np.ndarray,
+        divisor: Callable[[float], float | None],
+        check: NonFiniteSum | None,
+    ) -> float | None:
         """The step's aggregate, if its put was touched (``TouchedMoves.reduce``): the summed
         counts; None if it was not (the dense reduce then runs)."""
         put, self._touched = self._touched, None

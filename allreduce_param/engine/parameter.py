@@ -411,7 +411,12 @@ class ConnectedParameter:
             )
         return self._gradient
 
-    def _reduce_dense(self, version: int, divisor, check) -> float:
+    def _reduce_dense(
+        self,
+        version: int,
+        divisor: Callable[[float], float | None],
+        check: NonFiniteSum | None,
+    ) -> float:
         """The step's dense chunks summed into ``gradient_partition``: the summed counts."""
         own, prefetched = self._gradients.for_reduce()
         return self._moves.reduce(
