@@ -12,6 +12,7 @@ from allreduce_param.engine.movement.rendezvous import LocalRendezvous, Rendezvo
 from allreduce_param.engine.parameter import AllReduceParameter, ConnectedParameter
 from allreduce_param.engine.strategy import STRATEGIES, Strategy
 from allreduce_param.engine.stream import GradientStream
+from allreduce_param.engine.vectors import SparseGradient
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import (
     AllReduceError,
@@ -51,6 +52,7 @@ __all__ = [
     "AllReduceParameter",
     "ConnectedParameter",
     "GradientStream",
+    "SparseGradient",
     "CODECS",
     "Strategy",
     "STRATEGIES",

@@ -53,11 +53,20 @@ after a fit that grew it includes what that fit took.
     python jobs/bench_sparse.py --problems text --text-rows 200000 --rounds 3
     python jobs/bench_sparse.py --problems clicks --click-rows 1000000 --click-features 24
     python jobs/bench_sparse.py --breakdown-only              # the step breakdown, no Spark
+    python jobs/bench_sparse.py --problems clicks --epochs 1 --compare-syncs  # dense vs touched
 
 ``--breakdown`` (on by default; ``--breakdown-only`` alone, without Spark or Java) times one
 step's parts at 2^20 and 2^24 features in this process, on one thread, for one partition's
-share of a batch of the click log (``sparse_steps.py`` says what each column is); each
+share of a batch of the click log (``sparse_steps.py`` says what each column is), and a
+BSP step's compute, put and aggregate with the dense sync and the touched one, alternating,
+at 2^20, 2^22 and 2^24 (``sparse_steps.sync_comparison``, partitions as threads); each
 fit's own step phases (medians over its steps, the slowest partition's) are printed too.
+
+``--compare-syncs`` runs ours alone, ``sparseSync="dense"`` and ``"touched"`` alternating
+(dense, touched, dense, ...) for ``--rounds`` rounds on each problem's same cached rows, and
+prints one table: each sync's step phases (medians over every step), its median step, fit
+time and test accuracy (the same bits either way, so the same accuracy), and the rounds'
+dense / touched ratios of their median steps.
 """
 
 from __future__ import annotations
@@ -225,8 +234,11 @@ def failure_text(error: BaseException, budget_fired: bool) -> str:
     return (java or lines)[0][:100]
 
 
-def run_ours(spark, frame, settings: argparse.Namespace, jvm_pid: int) -> Run:
-    """``AllReduceClassifier(hiddenLayers=[])`` on ``frame``, the test rows its validation."""
+def run_ours(
+    spark, frame, settings: argparse.Namespace, jvm_pid: int, sparse_sync: str = "auto"
+) -> Run:
+    """``AllReduceClassifier(hiddenLayers=[])`` on ``frame``, the test rows its validation;
+    ``sparse_sync``: its ``sparseSync`` (how the gradients travel)."""
     from bench_train import BudgetGuard
 
     from allreduce_param.ml import AllReduceClassifier
@@ -235,7 +247,7 @@ def run_ours(spark, frame, settings: argparse.Namespace, jvm_pid: int) -> Run:
     log = folder / "fit.jsonl"
     params = dict(
         hiddenLayers=[],
-        optimizer="adam",
+        optimizer=settings.optimizer,
         stepSize=settings.lr,
         batchSize=settings.batch_size,
         maxEpochs=settings.epochs,
@@ -244,11 +256,12 @@ def run_ours(spark, frame, settings: argparse.Namespace, jvm_pid: int) -> Run:
         showProgress=False,
         logPath=str(log),
         validationIndicatorCol="is_test",
+        sparseSync=sparse_sync,
     )
     if settings.reg_param:
         params.update(regParam=settings.reg_param, elasticNetParam=0.0)
     classifier = AllReduceClassifier(**params)
-    run = Run("ours", time.time())
+    run = Run("ours" if sparse_sync == "auto" else f"ours, {sparse_sync} sync", time.time())
     watcher = Watcher(jvm_pid, log)
     guard = BudgetGuard(spark, "bench-sparse-ours", run.started + settings.budget)
     try:
@@ -449,6 +462,79 @@ STEP_HEADER = (
 )
 
 
+def step_seconds(run: Run) -> float | None:
+    """A run's median step: over its steps, the sum of each step's phases."""
+    if not run.steps:
+        return None
+    return statistics.median(
+        sum(step.get(phase, 0.0) for phase in STEP_PHASES) for step in run.steps
+    )
+
+
+def sync_rows(name: str, features: int, runs: dict[str, list[Run]]) -> list[tuple]:
+    """One row per sync on one problem: step phases (medians over every step of every round),
+    the median step, fit time and test accuracy (medians of the rounds), and on the touched
+    row the rounds' dense / touched ratios of their median steps."""
+    rows = []
+    for sync, done in runs.items():
+        done = [run for run in done if not run.problem]
+        steps = [step for run in done for step in run.steps]
+        if not steps:
+            problems = "; ".join(run.problem for run in runs[sync] if run.problem)
+            rows.append((name, sync, f"{features:,}", problems, *("" for _ in range(10))))
+            continue
+        medians = [
+            statistics.median(step.get(phase, 0.0) for step in steps) * 1e3 for phase in STEP_PHASES
+        ]
+        ratios = [
+            step_seconds(dense) / step_seconds(touched)
+            for dense, touched in zip(runs["dense"], runs["touched"])
+            if sync == "touched" and step_seconds(dense) and step_seconds(touched)
+        ]
+        rows.append(
+            (
+                name,
+                sync,
+                f"{features:,}",
+                f"{len(steps):,}",
+                *(f"{value:.1f}" for value in medians),
+                f"{statistics.median(step_seconds(run) for run in done) * 1e3:.1f}",
+                f"{statistics.median(run.seconds for run in done):.1f}",
+                f"{statistics.median(run.accuracy for run in done):.4f}",
+                ratio_text(ratios),
+            )
+        )
+    return rows
+
+
+SYNC_HEADER = (
+    "problem",
+    "sync",
+    "features d",
+    "steps",
+    *(f"{phase[:-2]} ms" for phase in STEP_PHASES),
+    "step ms",
+    "fit s",
+    "test accuracy",
+    "dense / touched step",
+)
+
+
+def compare_syncs(bench: Bench, args: argparse.Namespace) -> list[tuple]:
+    """Ours alone on each problem, ``sparseSync`` dense and touched alternating for
+    ``--rounds`` rounds on the same cached rows: the table's rows."""
+    rows = []
+    for name, data, features in make_problems(args):
+        frame, _, _ = bench.prepare(data, features)
+        runs: dict[str, list[Run]] = {"dense": [], "touched": []}
+        for round_number in range(args.rounds):
+            for sync in runs:
+                runs[sync].append(run_ours(bench.spark, frame, args, bench.jvm_pid, sync))
+                log_run(name, round_number, runs[sync][-1])
+        rows += sync_rows(name, features, runs)
+    return rows
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 
@@ -481,7 +567,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-levels", type=int, default=1_000_000, help="the widest field's levels"
     )
-    parser.add_argument("--lr", type=float, default=0.02, help="ours: Adam's learning rate")
+    parser.add_argument("--lr", type=float, default=0.02, help="ours: the learning rate")
+    parser.add_argument(
+        "--optimizer", default="adam", help="ours: the optimizer Param (adam, sgd, ...)"
+    )
     parser.add_argument("--batch-size", type=int, default=4096, help="ours: the global batch")
     parser.add_argument("--epochs", type=int, default=4, help="ours: maxEpochs")
     parser.add_argument("--mllib-iters", type=int, default=100, help="MLlib: maxIter (its default)")
@@ -503,6 +592,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--breakdown-only", action="store_true", help="the step breakdown alone, without Spark"
     )
     parser.add_argument("--breakdown-repeats", type=int, default=5)
+    parser.add_argument(
+        "--compare-syncs",
+        action="store_true",
+        help="ours alone, sparseSync dense against touched alternating (no MLlib)",
+    )
     args = parser.parse_args(argv)
     args.problem_names = [name.strip() for name in args.problems.split(",") if name.strip()]
     if not args.problem_names or set(args.problem_names) - {"text", "clicks"}:
@@ -540,6 +634,26 @@ def print_breakdown(args: argparse.Namespace, partitions: int) -> None:
         render(
             sparse_steps.HEADER,
             sparse_steps.breakdown([2**20, 2**24], rows, args.breakdown_repeats, args.seed),
+            left=1,
+        )
+    )
+    print(
+        f"\na BSP step's compute, put and aggregate, the dense sync against the touched one "
+        f"alternating ({args.breakdown_repeats} repeats, medians of the slowest partition's; "
+        f"ratio: median (range) of the repeats' own), softmax regression, 2 classes, a global "
+        f"batch of {args.batch_size:,} click-log rows over {partitions} partitions (threads of "
+        "this process), codec raw:"
+    )
+    print(
+        render(
+            sparse_steps.SYNC_HEADER,
+            sparse_steps.sync_comparison(
+                [2**20, 2**22, 2**24],
+                args.batch_size,
+                partitions,
+                args.breakdown_repeats,
+                args.seed,
+            ),
             left=1,
         )
     )
@@ -717,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.compare_syncs:
+        return main_compare_syncs(args, header)
     bench = Bench(args)
     results, sizes, steps, described = [], [], [], {}
     ours_failed = False
@@ -740,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{min(BAYES_ROWS, data.rows):,} rows); test fraction {data.test_fraction:g}"
         )
     print(
-        f"ours: AllReduceClassifier(hiddenLayers=[]), Adam lr {args.lr:g}, batch {args.batch_size}, "
+        f"ours: AllReduceClassifier(hiddenLayers=[]), {args.optimizer} lr {args.lr:g}, batch {args.batch_size}, "
         f"{args.epochs} epochs, codec raw, test accuracy evaluated after each epoch (in its fit "
         f"time); MLlib: LogisticRegression(maxIter={args.mllib_iters}) (L-BFGS); regParam "
         f"{args.reg_param:g} for both; {partitions} partitions on {args.master}, driver memory "
@@ -759,6 +875,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         print_breakdown(args, partitions)
     return 1 if ours_failed else 0
+
+
+def main_compare_syncs(args: argparse.Namespace, header: str) -> int:
+    """``--compare-syncs``: the dense sync against the touched one, one table."""
+    bench = Bench(args)
+    try:
+        bench.start()
+        rows = compare_syncs(bench, args)
+        partitions = bench.partitions
+    finally:
+        bench.stop()
+    print(header)
+    print(
+        f"ours: AllReduceClassifier(hiddenLayers=[]), {args.optimizer} lr {args.lr:g}, batch "
+        f"{args.batch_size}, {args.epochs} epochs, codec raw, regParam {args.reg_param:g}; "
+        f"{partitions} partitions on "
+        f"{args.master}; sparseSync dense and touched alternating, {args.rounds} rounds; phases: "
+        "medians over every step (the slowest partition's); step ms: the median step (the sum of "
+        "its phases), medians of the rounds; ratio: median (range) of the rounds' own"
+    )
+    print(render(SYNC_HEADER, rows, left=2))
+    sys.stdout.flush()
+    if args.breakdown:
+        print_breakdown(args, partitions)
+    return 1 if any(row[3] and not row[3][0].isdigit() for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -115,3 +115,98 @@ def breakdown(features_list: list[int], rows: int, repeats: int, seed: int) -> l
         breakdown_row(hashed_batch(values[:rows], features), labels[:rows], repeats, seed)
         for features in features_list
     ]
+
+
+SYNC_HEADER = (
+    "features",
+    "weights",
+    "touched elements, global batch",
+    "dense: compute ms",
+    "dense: put + aggregate ms",
+    "touched: compute ms",
+    "touched: put + aggregate ms",
+    "dense / touched, compute + sync",
+)
+
+
+def sync_row(X_parts: list, label_parts: list, repeats: int, seed: int) -> tuple:
+    """One table row: a BSP step's compute, put and aggregate (softmax regression, 2 classes,
+    one partition a thread, ``LocalRendezvous``), the dense sync and the touched one
+    alternating, step by step, ``repeats`` times after one untimed step each; medians of the
+    slowest partition's, and the median (range) of each repeat's dense / touched ratio. The
+    get and the send around them (untimed) are the same either way."""
+    import threading
+
+    from allreduce_param import AllReduceParameter, LocalRendezvous, models
+
+    partitions, features = len(X_parts), X_parts[0].shape[1]
+    model = models.SoftmaxRegression(features, 2)
+    weights = model.init(np.random.default_rng(seed))
+    param = AllReduceParameter(partitions, model.size, codec="raw", timeout=600)
+    group = LocalRendezvous(partitions)
+    times = np.zeros((partitions, repeats + 1, 2, 2))  # partition, repeat, sync, (compute, sync)
+    failures: list = []
+
+    def partition(i: int) -> None:
+        X, y = X_parts[i], label_parts[i]
+        try:
+            with param.connect(group.member(i)) as p:
+                p.init(weights)
+                for repeat in range(repeats + 1):
+                    for sync in range(2):
+                        w = p.get_weights()
+                        started = time.perf_counter()
+                        if sync:
+                            _, grad, count = model.loss_and_touched_grad(w, X, y)
+                        else:
+                            grad = p.gradient_buffer()
+                            _, count = model.loss_and_grad_into(w, X, y, grad)
+                        computed = time.perf_counter()
+                        p.put_gradients(grad, count=count)
+                        p.aggregate_gradient_partition()
+                        times[i, repeat, sync] = (
+                            computed - started,
+                            time.perf_counter() - computed,
+                        )
+                        p.send_weight_partition()
+        except BaseException as error:  # noqa: BLE001 - raised below, on the caller's thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=partition, args=(i,)) for i in range(partitions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    slowest = times[:, 1:].max(axis=0)  # repeat, sync, part: the slowest partition's
+    ratios = slowest[:, 0].sum(axis=1) / slowest[:, 1].sum(axis=1)
+    medians = np.median(slowest, axis=0) * 1e3
+    touched = len(np.unique(np.concatenate([X.indices for X in X_parts]))) * 2 + 2
+    return (
+        f"2^{features.bit_length() - 1}",
+        f"{model.size:,}",
+        f"{touched:,}",
+        f"{medians[0, 0]:.1f}",
+        f"{medians[0, 1]:.1f}",
+        f"{medians[1, 0]:.1f}",
+        f"{medians[1, 1]:.1f}",
+        f"{np.median(ratios):.2f} ({ratios.min():.2f}-{ratios.max():.2f})",
+    )
+
+
+def sync_comparison(
+    features_list: list[int], rows: int, partitions: int, repeats: int, seed: int
+) -> list[tuple]:
+    """Table rows, one per feature count: ``sync_row`` for a global batch of ``rows``
+    click-log rows cut evenly over ``partitions``."""
+    values, labels, _, _ = ClickData(max(rows, BLOCK_ROWS), seed=seed).block(0)
+    cuts = np.linspace(0, rows, partitions + 1).astype(int)
+    lines = []
+    for features in features_list:
+        X = hashed_batch(values[:rows], features)
+        parts = [X[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        lines.append(
+            sync_row(parts, [labels[a:b] for a, b in zip(cuts[:-1], cuts[1:])], repeats, seed)
+        )
+    return lines

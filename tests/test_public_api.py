@@ -20,7 +20,7 @@ PUBLIC = """AllReduceError AllReduceParameter AuthenticationError BarrierRendezv
 CodecOverflowError ConfigurationError ConnectedParameter CorruptBlockError DamagedCheckpointError
 DistriOptimizer FetchTimeoutError FitSettings GradientStream History InputError LocalRendezvous NetworkError
 NetworkSettings NonFiniteGradientError PeerLostError ProtocolError Rendezvous STRATEGIES
-SliceLayout StaleVersionError StaticRendezvous StoreClosedError Strategy TrainedModel
+SliceLayout SparseGradient StaleVersionError StaticRendezvous StoreClosedError Strategy TrainedModel
 TrainingError UsageError models optim""".split()
 
 FIT_SETTINGS = """batch_size epochs codec gradient_codec num_workers threads seed timeout progress
@@ -28,14 +28,14 @@ log_path listener strategy staleness backup_workers sync_every model_averaging p
 checkpoint_dir checkpoint_every checkpoint_keep verbose overlap bind_address advertise_address
 port_range connect_timeout encrypt topology fetch_threads early_stopping_patience
 early_stopping_min_delta reg_param elastic_net_param fit_intercept standardization
-gpus_per_task""".split()
+gpus_per_task sparse_sync""".split()
 
 REGRESSOR_PARAMS = """advertiseAddress backupWorkers batchSize bindAddress checkpointDir
 checkpointEvery checkpointKeep codec connectTimeout earlyStoppingMinDelta earlyStoppingPatience
 elasticNetParam fitIntercept regParam standardization encrypt featuresCol fetchThreads
 gradientCodec hiddenLayers labelCol logPath maxEpochs
 modelAveraging numWorkers optimizer overlap partitionScheme portRange predictionCol seed
-showProgress staleness stepSize strategy syncEvery timeout topology validationIndicatorCol
+showProgress sparseSync staleness stepSize strategy syncEvery timeout topology validationIndicatorCol
 verbose weightCol gpusPerTask""".split()
 CLASSIFIER_PARAMS = REGRESSOR_PARAMS + "probabilityCol rawPredictionCol thresholds".split()
 

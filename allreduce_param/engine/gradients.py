@@ -12,7 +12,9 @@ A put cuts the gradient into one chunk per owner and publishes chunk ``j`` for o
 
 A stream (``stream``) publishes each owner's chunk once it is final (``stream.py``), and
 under BSP starts fetching the own chunk from every peer at once, so the aggregate finds it
-arriving. Each put asks the handle's ``step.StepState`` first, and tells it when done.
+arriving. A ``SparseGradient`` (``put_touched``) travels as its touched elements alone
+(``movement/touched.py``), under plain BSP with a lossless codec. Each put asks the
+handle's ``step.StepState`` first, and tells it when done.
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ import numpy as np
 from allreduce_param.engine.blocks.store import BlockKind
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.movements import Movements
+from allreduce_param.engine.movement.sums import NonFiniteSum
+from allreduce_param.engine.movement.touched import TouchedMoves, TouchedPut
 from allreduce_param.engine.step import StepState
 from allreduce_param.engine.stream import GradientStream
-from allreduce_param.engine.vectors import float32_vector, writable_output
+from allreduce_param.engine.vectors import (
+    SparseGradient,
+    float32_vector,
+    sparse_gradient,
+    writable_output,
+)
 from allreduce_param.errors import InputError
 
 
@@ -70,6 +79,8 @@ class GradientPuts:
         self._own: tuple[np.ndarray, float] | None = None  # the own chunk, summed from the vector
         self._prefetched: dict[int, list[Future]] | None = None  # a stream's own-chunk fetches
         self._publisher: ThreadPoolExecutor | None = None  # publishes streamed chunks
+        self._touched_moves = TouchedMoves(moves)
+        self._touched: TouchedPut | None = None  # a touched put's, for the step's aggregate
 
     def buffer(self) -> np.ndarray:
         """The lent gradient buffer (``ConnectedParameter.gradient_buffer``): a float32
@@ -101,6 +112,64 @@ class GradientPuts:
                 in_place=put.in_place,
             )
         self._published(put)
+
+    def put_touched(
+        self,
+        gradient: SparseGradient,
+        count: float,
+        residual: np.ndarray | None,
+        exchange: Callable[[np.ndarray], np.ndarray],
+    ) -> None:
+        """``ConnectedParameter.put_gradients`` of a ``SparseGradient``: its pairs, cut by
+        owner, published for each peer owner once ``exchange`` (an exact allreduce) has told
+        every partition the blocks' lengths (``TouchedMoves.scatter``)."""
+        what = "put_gradients(SparseGradient)"
+        version = self._state.check_put(what)
+        where = f"{what} on partition {self.partition_id}"
+        gradient = sparse_gradient(gradient, self._layout.size, where)
+        codec = self._moves.codecs[BlockKind.GRADIENT]
+        refusal = (
+            "its strategy has a background owner, which sums dense chunks"
+            if not self._strategy.inline_owner
+            else f"its gradient codec {codec.name!r} is lossy"
+            if codec.lossy
+            else "its hosts sum within themselves first (topology hierarchical)"
+            if self._peers.hierarchical
+            else "residual= is for a lossy codec's error feedback"
+            if residual is not None
+            else "its slices have 2^32 elements or more (the pairs' indices are uint32)"
+            if self._layout.length(0) >= 2**32
+            else None
+        )
+        if refusal is not None:
+            raise InputError(
+                f"{where}: the touched elements alone travel only under plain BSP, with a "
+                f"lossless codec and a flat topology, and here {refusal}: put the gradient as "
+                "a dense float32 vector"
+            )
+        if not float(count) >= 0:
+            raise InputError(f"{where}: count={count!r}; the sample count must be a number >= 0")
+        self._state.put_started(version)
+        self._own = None
+        with self._guard():
+            self._touched = self._touched_moves.scatter(
+                version, gradient, self._layout, float(count), exchange
+            )
+        self._state.put_done()
+
+    def reduce_touched(
+        self,
+        version: int,
+        out: np.ndarray,
+        divisor: Callable[[float], float | None],
+        check: NonFiniteSum | None,
+    ) -> float | None:
+        """The step's aggregate, if its put was touched (``TouchedMoves.reduce``): the summed
+        counts; None if it was not (the dense reduce then runs)."""
+        put, self._touched = self._touched, None
+        if put is None:
+            return None
+        return self._touched_moves.reduce(version, self._layout, put, out, divisor, check)
 
     def stream(self, gradients, count: float, residual: np.ndarray | None) -> GradientStream:
         """``ConnectedParameter.stream_gradients``: a ``GradientStream`` that publishes each

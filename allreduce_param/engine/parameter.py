@@ -50,7 +50,7 @@ from allreduce_param.engine.spec import ParameterSpec
 from allreduce_param.engine.step import StepState
 from allreduce_param.engine.strategy import Strategy
 from allreduce_param.engine.stream import GradientStream
-from allreduce_param.engine.vectors import float32_vector, writable_output
+from allreduce_param.engine.vectors import SparseGradient, float32_vector, writable_output
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError, InputError, UsageError
 
@@ -344,8 +344,20 @@ class ConnectedParameter:
         zeros at first, that the caller keeps across steps and does not touch: what the
         codec's rounding took from this partition's gradients is added back at the next
         put, so the rounding errors do not add up over the steps.
+
+        ``gradients`` may be a ``SparseGradient`` (its touched elements' indices and values,
+        every other element zero): then only those travel, as (index, value) pairs cut by
+        owner, and each owner sums them into its dense slice with the bits the dense vector
+        would have given (``movement/touched.py``). Plain BSP, a lossless gradient codec and
+        a flat topology only; every partition puts a ``SparseGradient`` at the same step, or
+        none does. It costs one small exact allreduce more (the pairs' counts).
         """
-        self._gradients.put(gradients, count, residual)
+        if isinstance(gradients, SparseGradient):
+            self._gradients.put_touched(
+                gradients, count, residual, self._collectives.allreduce_exact
+            )
+        else:
+            self._gradients.put(gradients, count, residual)
 
     @_call
     def stream_gradients(
@@ -383,17 +395,14 @@ class ConnectedParameter:
                 f"aggregate_gradient_partition(avg={avg!r}) on partition {self.partition_id}: "
                 "avg must be a positive number"
             )
-        own, prefetched = self._gradients.for_reduce()
-        total = self._moves.reduce(
-            BlockKind.GRADIENT,
-            version,
-            self.layout,
-            self._gradient,
-            divisor=lambda total: (total if total > 0 else None) if avg is None else float(avg),
-            check=self._nonfinite_check(version),
-            own=own,
-            pending=prefetched,
-        )
+
+        def divisor(total: float) -> float | None:
+            return (total if total > 0 else None) if avg is None else float(avg)
+
+        check = self._nonfinite_check(version)
+        total = self._gradients.reduce_touched(version, self._gradient, divisor, check)
+        if total is None:
+            total = self._reduce_dense(version, divisor, check)
         self._state.aggregated()
         if avg is None and not total > 0:
             raise InputError(
@@ -401,6 +410,25 @@ class ConnectedParameter:
                 "pass avg= or put a positive count"
             )
         return self._gradient
+
+    def _reduce_dense(
+        self,
+        version: int,
+        divisor: Callable[[float], float | None],
+        check: NonFiniteSum | None,
+    ) -> float:
+        """The step's dense chunks summed into ``gradient_partition``: the summed counts."""
+        own, prefetched = self._gradients.for_reduce()
+        return self._moves.reduce(
+            BlockKind.GRADIENT,
+            version,
+            self.layout,
+            self._gradient,
+            divisor=divisor,
+            check=check,
+            own=own,
+            pending=prefetched,
+        )
 
     @property
     def gradient_partition(self) -> np.ndarray:

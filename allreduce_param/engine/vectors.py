@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from allreduce_param.errors import InputError
@@ -43,3 +45,53 @@ def writable_output(out: np.ndarray, size: int, what: str) -> np.ndarray:
             f"got {described}"
         )
     return out
+
+
+class SparseGradient(NamedTuple):
+    """A gradient that is zero outside ``indices``: what ``put_gradients`` takes, besides a
+    dense vector, to sync only the elements a step touched (a wide sparse model's first
+    layer: the rows of the columns its batch holds; see ``movement/touched.py``).
+
+    ``indices``: strictly increasing element indices into the flat vector (any integer
+    dtype); ``values``: the gradient there, one float per index. Every element not listed
+    is +0.0, as in a dense gradient computed into zeros; list an element whose value is
+    -0.0, or any other it holds, and the sum is the dense sync's, bit for bit.
+    """
+
+    indices: np.ndarray
+    values: np.ndarray
+
+
+def sparse_gradient(gradient: SparseGradient, size: int, what: str) -> SparseGradient:
+    """``gradient`` with int64 indices and contiguous float32 values, if its indices are
+    strictly increasing, in ``0..size-1``, and as many as its values; ``InputError``
+    naming ``what`` and the first index at fault otherwise."""
+    indices, values = np.asarray(gradient.indices), np.asarray(gradient.values)
+    if indices.ndim != 1 or values.ndim != 1 or indices.size != values.size:
+        raise InputError(
+            f"{what}: a SparseGradient needs 1-D indices and values of one length, got shapes "
+            f"{indices.shape} and {values.shape}"
+        )
+    if indices.size and not np.issubdtype(indices.dtype, np.integer):
+        raise InputError(f"{what}: SparseGradient indices must be integers, got {indices.dtype}")
+    if values.size and not np.issubdtype(values.dtype, np.floating):
+        raise InputError(
+            f"{what}: SparseGradient values must be floating-point, got {values.dtype}; "
+            "convert with .astype(np.float32)"
+        )
+    indices = indices.astype(np.int64, copy=False)
+    steps = np.flatnonzero(indices[1:] <= indices[:-1])
+    if steps.size:
+        at = int(steps[0]) + 1
+        raise InputError(
+            f"{what}: SparseGradient indices must be strictly increasing (each element once): "
+            f"index {int(indices[at])} at {at} follows {int(indices[at - 1])}; sort them and "
+            "add up the duplicates"
+        )
+    if indices.size and (indices[0] < 0 or indices[-1] >= size):
+        bad = 0 if indices[0] < 0 else indices.size - 1
+        raise InputError(
+            f"{what}: SparseGradient index {int(indices[bad])} (at {bad}) is out of range: the "
+            f"vector has {size} elements, so an index must be in 0..{size - 1}"
+        )
+    return SparseGradient(indices, np.ascontiguousarray(values, dtype=np.float32))

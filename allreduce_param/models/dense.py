@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from allreduce_param.engine.layout import TensorLayout
-from allreduce_param.engine.vectors import writable_output
+from allreduce_param.engine.vectors import SparseGradient, writable_output
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import batch_count, is_sparse_matrix
 
@@ -194,6 +194,59 @@ class DenseNetwork:
         self._backward(params, outputs, out, ready)
         return loss, batch_count(rows, sample_weight)
 
+    def loss_and_touched_grad(
+        self,
+        weights: np.ndarray,
+        X,
+        y: np.ndarray,
+        sample_weight: np.ndarray | None = None,
+    ) -> tuple[float, SparseGradient, float]:
+        """``loss_and_grad`` for CSR rows, the gradient as a ``SparseGradient``: the rows of
+        ``w1`` whose columns ``X`` holds, and every later tensor (``b1``, ``w2``, ...) in full;
+        the other rows of ``w1`` are zero. The same values the dense gradient holds there,
+        bit for bit (``X^T delta`` summed in the same order), without writing the
+        ``n_features`` x ``layers[1]`` rows a wide first layer has; what a put of only the
+        touched elements takes (``ConnectedParameter.put_gradients``)."""
+        weights = self._check_weights(weights)
+        X = self._check_features(X)
+        if not is_sparse_matrix(X):
+            raise InputError(f"{self!r}: loss_and_touched_grad takes CSR rows, got a dense X")
+        rows = X.shape[0]
+        sample_weight = self._check_sample_weight(sample_weight, rows)
+        first = self.layout.offset(self._names[0][1])  # the tensors after w1 start here
+        tail = np.zeros(self.size - first, np.float32)
+        rest = np.arange(first, self.size, dtype=np.int64)
+        if rows == 0:
+            if np.size(y) != 0:
+                raise InputError(f"{self!r}: X has 0 rows but there are {np.size(y)} labels")
+            return 0.0, SparseGradient(rest, tail), 0
+        targets = self._head.targets(y, rows, self._layers[-1])
+        params = self.layout.views(weights)
+        outputs = self._forward(params, X)
+        loss = self._head.loss_and_delta(outputs[-1], targets, sample_weight)
+        grads = {
+            name: tail[self.layout.offset(name) - first :][
+                : int(np.prod(self.layout.shape(name)))
+            ].reshape(self.layout.shape(name))
+            for names in self._names
+            for name in names
+            if name != self._names[0][0]
+        }
+        touched: list = []
+        self._backward_views(
+            params,
+            outputs,
+            grads,
+            first=lambda X, delta: touched.extend(_touched_product(X, delta)),
+        )
+        columns, product = touched
+        width = self._layers[1]
+        indices = (columns.astype(np.int64)[:, None] * width + np.arange(width)).ravel()
+        gradient = SparseGradient(
+            np.concatenate((indices, rest)), np.concatenate((product.ravel(), tail))
+        )
+        return loss, gradient, batch_count(rows, sample_weight)
+
     def loss_and_predictions(
         self,
         weights: np.ndarray,
@@ -285,12 +338,25 @@ class DenseNetwork:
         Every tensor view of the result is written in full by a ``out=`` matmul or sum, so
         ``grad`` may start uninitialised.
         """
-        grads = self.layout.views(grad)
+        self._backward_views(params, outputs, self.layout.views(grad), ready)
+
+    def _backward_views(
+        self,
+        params: dict[str, np.ndarray],
+        outputs: list[np.ndarray],
+        grads: dict[str, np.ndarray],
+        ready: Callable[[int, int], None] | None = None,
+        first: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    ) -> None:
+        """``_backward`` into the tensors ``grads``; ``first(X, delta)``, when given, takes
+        the first layer's weight gradient instead (``grads`` then needs no ``w1``)."""
         delta = outputs[-1]
         for index in range(len(self._names) - 1, -1, -1):
             weight, bias = self._names[index]
             below = outputs[index]
-            if index == 0 and is_sparse_matrix(below):  # X^T delta, summed in place: O(non-zeros)
+            if index == 0 and first is not None:
+                first(below, delta)
+            elif index == 0 and is_sparse_matrix(below):  # X^T delta, summed in place: O(non-zeros)
                 _add_transposed_product(below, delta, grads[weight])
             else:
                 np.matmul(below.T, delta, out=grads[weight])
@@ -393,6 +459,21 @@ def _add_transposed_product(X, delta: np.ndarray, out: np.ndarray) -> None:
     out.fill(0)
     rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
     np.add.at(out, X.indices, X.data[:, None] * delta[rows])
+
+
+def _touched_product(X, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``X^T delta`` on the columns ``X`` holds alone: (those columns, increasing; their rows
+    of the product). ``X`` with its columns renumbered to those alone, through scipy's
+    product: each column's terms added in row order, as in ``_add_transposed_product``
+    either way, so the same bits, with no array as wide as ``X``."""
+    from scipy.sparse import csr_matrix
+
+    columns, where = np.unique(X.indices, return_inverse=True)
+    narrow = csr_matrix(
+        (X.data, where.astype(X.indices.dtype, copy=False), X.indptr),
+        shape=(X.shape[0], columns.size),
+    )
+    return columns, np.asarray(narrow.T @ delta, dtype=np.float32)
 
 
 def _rebuild(cls: type, arguments: dict) -> DenseNetwork:

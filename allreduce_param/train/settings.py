@@ -28,6 +28,8 @@ from allreduce_param.train.early_stopping import EarlyStopping, check_patience, 
 NETWORK_FIELDS = tuple(SPARK_SETTINGS)
 
 #: The ways to place rows on the workers (``partition_scheme``; see ``driver.partitioning``).
+#: ``FitSettings.sparse_sync``'s values
+SPARSE_SYNCS = ("auto", "touched", "dense")
 SCHEMES = ("as_is", "contiguous", "round_robin", "random", "overlap_reshuffle")
 
 
@@ -279,6 +281,15 @@ class FitSettings:
         "of std 0 keeps its weights at 0. False: the weights as they are",
         kind="Boolean",
     )
+    sparse_sync: str = _setting(
+        "auto",
+        "how a fit on sparse rows syncs its gradients: 'touched' (only the elements a step's rows "
+        "touch: the first layer's rows of the columns they hold, and every layer after it; plain BSP, "
+        "a lossless codec, one thread, a flat topology), 'dense' (every element) or 'auto' (touched "
+        "where it can and the first layer is wide, see docs/performance.md); the same weights, bit for "
+        "bit, either way",
+        kind="String",
+    )
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "num_workers", "fetch_threads"):
@@ -326,6 +337,11 @@ class FitSettings:
             self.reg_param, self.elastic_net_param, self.fit_intercept, self.standardization
         )
         check_gpus_per_task(self.gpus_per_task)
+        if self.sparse_sync not in SPARSE_SYNCS:
+            raise ConfigurationError(
+                f"sparse_sync must be one of {', '.join(map(repr, SPARSE_SYNCS))}, got "
+                f"{self.sparse_sync!r}"
+            )
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
 

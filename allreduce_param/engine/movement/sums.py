@@ -40,24 +40,34 @@ class NonFiniteSum:
         self.slice_start = slice_start
 
     def check(
-        self, target: np.ndarray, start: int, sources: list[str], parts: list[np.ndarray]
+        self,
+        target: np.ndarray,
+        start: int,
+        sources: list[str],
+        parts: list[np.ndarray],
+        positions: np.ndarray | None = None,
     ) -> None:
         """Raise ``NonFiniteGradientError`` if the summed part ``target`` (from ``start`` in the
         slice) holds NaN/Inf: naming the first source (``sources``: "partition 3") whose
-        part does, or else saying the sum overflowed."""
+        part does, or else saying the sum overflowed. ``positions``: where in the slice each
+        value of ``target`` lies, for a sum of the touched elements alone (then ``start`` 0)."""
         if np.isfinite(target.sum()) or np.isfinite(target).all():  # one cheap pass in cache
             return
+
+        def place(at: int) -> int:
+            return self.slice_start + start + (at if positions is None else int(positions[at]))
+
         for source, values in zip(sources, parts):
             bad = np.flatnonzero(~np.isfinite(values))
             if bad.size:
-                index = self.slice_start + start + int(bad[0])
+                index = place(int(bad[0]))
                 raise NonFiniteGradientError(
                     f"the gradient of {source} for step {self.version} holds NaN/Inf "
                     f"(first at index {index}: {values[bad[0]]}); the model diverged or the "
                     "data holds NaN. Lower the learning rate or clean the data, or pass "
                     "AllReduceParameter(allow_nonfinite=True) to let them through"
                 )
-        index = self.slice_start + start + int(np.flatnonzero(~np.isfinite(target))[0])
+        index = place(int(np.flatnonzero(~np.isfinite(target))[0]))
         raise NonFiniteGradientError(
             f"the gradients of step {self.version} are finite but their sum overflows float32 "
             f"(first at index {index}); the model diverged: lower the learning rate, or clip the "
@@ -118,4 +128,52 @@ def sum_in_order(
                 recheck()
     if failure is not None:
         raise failure
+    return total
+
+
+def sum_touched_in_order(
+    pairs: dict[int, tuple[np.ndarray, np.ndarray, float]],
+    groups: list[tuple[int, ...]],
+    out: np.ndarray,
+    divisor: Callable[[float], float | None] | None = None,
+    check: NonFiniteSum | None = None,
+    names: list[str] | None = None,
+) -> float:
+    """``sum_in_order`` for sources that sent only their touched elements: ``pairs[source]``
+    is ``(indices in the slice, increasing; their values; the count)``. Writes the sum into
+    ``out`` (the whole slice: zeros where no source touched it); returns the counts' sum.
+
+    The same bits as ``sum_in_order`` over the dense chunks (each +0.0 where its source
+    did not touch it): the sum is taken over the union of the touched elements, each
+    source's values spread over it with +0.0 in the gaps, with the same additions in the
+    same order (``-0.0 + 0.0`` is +0.0 here as there); an element no source touched is a
+    sum of +0.0s, +0.0, divided still +0.0.
+    """
+    order = [source for group in groups for source in group]
+    names = names or [f"partition {source}" for source in order]
+    total = sum(sum(pairs[source][2] for source in group) for group in groups)
+    touched = np.sort(np.concatenate([pairs[source][0] for source in order]))
+    if touched.size > 1:  # the union: each index once (a sort and a mask beat np.unique's hash)
+        touched = touched[np.concatenate(([True], touched[1:] != touched[:-1]))]
+    spread: dict[int, np.ndarray] = {}
+    for source in order:
+        indices, values, _ = pairs[source]
+        spread[source] = np.zeros(touched.size, np.float32)
+        spread[source][np.searchsorted(touched, indices)] = values
+    target = np.empty(touched.size, np.float32)
+    for index, group in enumerate(groups):
+        values = [spread[source] for source in group]
+        if index == 0:
+            _add_up(values, target)
+        elif len(values) == 1:
+            target += values[0]
+        else:
+            target += _add_up(values, np.empty(touched.size, np.float32))
+    value = None if divisor is None else divisor(total)
+    if check is not None:
+        check.check(target, 0, names, [spread[source] for source in order], positions=touched)
+    if value is not None:
+        target /= np.float32(value)
+    out.fill(0)
+    out[touched] = target
     return total

@@ -43,6 +43,7 @@ from allreduce_param.train.records import StageOutput
 from allreduce_param.train.result import History, TrainedModel, fit_phases
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.touched import check_touched
 
 if TYPE_CHECKING:
     from pyspark import RDD
@@ -229,6 +230,7 @@ class DistriOptimizer:
                 resume,
                 sparse=summary is not None and summary.sparse,
             )
+            check_touched(job)
             kept, placed = self._placement(source, workers, summary)
             if summary is not None:
                 num_classes = getattr(self.model, "num_classes", None)

@@ -122,6 +122,18 @@ class SubBatches:
             and (not self._weighted or takes_sample_weight(into))
         )
 
+    def touched(
+        self,
+        weights: np.ndarray,
+        X,
+        y: np.ndarray,
+        sample_weight: np.ndarray | None = None,
+    ):
+        """The batch's ``(loss_sum, SparseGradient, count)`` from the model's
+        ``loss_and_touched_grad`` (CSR rows, one thread: ``train/task/touched.py``)."""
+        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
+        return self.model.loss_and_touched_grad(weights, X, y, **weighted)
+
     def into(
         self,
         weights: np.ndarray,

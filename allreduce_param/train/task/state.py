@@ -14,6 +14,7 @@ from allreduce_param.train.checkpoint import CheckpointWriter
 from allreduce_param.train.task.compute import SubBatches
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.reporter import ProgressReporter
+from allreduce_param.train.task.touched import uses_touched_sync
 
 
 class Rows(NamedTuple):
@@ -88,3 +89,7 @@ class FitState:
         # else, where it can: the gradient computed into the parameter's own buffer (BSP: it
         # is summed before the next step writes it), not into a fresh vector each step
         self._into_buffer = bool(into_buffer)
+        # sparse rows: only the elements a step touches put, where they can be (touched.py)
+        self._touched = uses_touched_sync(job, p)
+        if self._touched:
+            self._streams = self._into_buffer = False

@@ -93,7 +93,9 @@ class Steps(FitState):
         if self._streams:
             return self._compute_streaming(index, batch, read_s)
         started = time.perf_counter()
-        if self._into_buffer:  # no fresh model-sized vector a step (at 2^24 features, 128 MB)
+        if self._touched:  # only the elements the rows touch: train/task/touched.py
+            loss_sum, grad_sum, count = self.compute.touched(self.weights, *batch)
+        elif self._into_buffer:  # no fresh model-sized vector a step (at 2^24 features, 128 MB)
             grad_sum = self.p.gradient_buffer()
             loss_sum, count = self.compute.into(
                 self.weights, batch.X, batch.y, grad_sum, None, batch.weight
