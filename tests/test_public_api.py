@@ -50,6 +50,9 @@ port_range connect_timeout encrypt topology""".split()
 
 FIT_ARGUMENTS = "data features_col label_col validation resume_from weight_col initial".split()
 
+FIT_STREAM_ARGUMENTS = """stream model_path checkpoint_location features_col label_col weight_col
+initial on_model trigger query_name""".split()
+
 #: what a TrainedModel holds for a later fit to continue from
 TRAINED_MODEL_FIELDS = "steps_done epochs_done optimizer_state optimizer_kind".split()
 
@@ -92,6 +95,8 @@ def test_engine_calls_and_signatures_are_kept():
     )
     fit = inspect.signature(allreduce_param.DistriOptimizer.fit).parameters
     assert list(fit)[1:] == FIT_ARGUMENTS
+    stream = inspect.signature(allreduce_param.DistriOptimizer.fit_stream).parameters
+    assert list(stream)[1:] == FIT_STREAM_ARGUMENTS
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 # optimizer_state.npz when the fit kept it
 FORMAT = "allreduce-param-model/3"
 READS = ("allreduce-param-model/1", "allreduce-param-model/2", FORMAT)
+#: In a folder of a streaming fit's published models (``train.publish``): the file that
+#: names the newest complete one, which ``TrainedModel.load`` of the folder reads.
+LATEST = "LATEST.json"
 
 
 def merge_step(rows: np.ndarray) -> dict:
@@ -402,11 +405,17 @@ class TrainedModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TrainedModel:
-        """Read a model written by ``save``, from any path or URL ``save`` takes."""
+        """Read a model written by ``save``, from any path or URL ``save`` takes; or from
+        the folder a streaming fit publishes to (``DistriOptimizer.fit_stream``'s
+        ``model_path``), its newest complete model."""
         import pickle
 
         folder = locate(path, "load the model from")
         meta_file = folder.child("meta.json")
+        if not meta_file.is_file() and folder.child(LATEST).is_file():
+            newest = json.loads(folder.child(LATEST).read_bytes())["folder"]
+            folder = folder.child(newest)
+            meta_file = folder.child("meta.json")
         if not meta_file.is_file():
             held = (
                 "holds no saved model (no meta.json)"

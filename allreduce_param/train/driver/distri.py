@@ -39,6 +39,7 @@ from allreduce_param.train.driver.partitioning import (
 )
 from allreduce_param.train.driver.resume import resume_point
 from allreduce_param.train.driver.stage import engine_parameter, run_stage
+from allreduce_param.train.driver.streaming import start_query
 from allreduce_param.train.records import StageOutput
 from allreduce_param.train.result import History, TrainedModel, fit_phases
 from allreduce_param.train.settings import FitSettings
@@ -46,8 +47,11 @@ from allreduce_param.train.start import StartPoint
 from allreduce_param.train.task.job import TrainingJob
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pyspark import RDD
     from pyspark.sql import DataFrame
+    from pyspark.sql.streaming import StreamingQuery
 
 #: What ``DistriOptimizer`` attributes of the settings' names give where it is not the
 #: setting as given: what follows from it (a read-through of ``settings`` either way).
@@ -249,6 +253,50 @@ class DistriOptimizer:
                     raise
                 raise with_checkpoint_advice(error, checkpoints, spark) from error.__cause__
         return self._result(output, n_features, started, started_at, checkpoints)
+
+    def fit_stream(
+        self,
+        stream: DataFrame,
+        model_path: str,
+        checkpoint_location: str,
+        features_col: str = "features",
+        label_col: str = "label",
+        weight_col: str | None = None,
+        initial: TrainedModel | None = None,
+        on_model: Callable[[int, TrainedModel], None] | None = None,
+        trigger: dict[str, Any] | None = None,
+        query_name: str | None = None,
+    ) -> StreamingQuery:
+        """Train on a streaming DataFrame as it arrives: each micro-batch one fit of these
+        settings that continues from the last one's model (``fit(initial=...)``: the epochs
+        and the optimizer's steps go on; with ``keep_optimizer_state=True``, its state too),
+        published to ``model_path`` and handed to ``on_model(batch_id, trained_model)``.
+        The started ``StreamingQuery`` (``awaitTermination``, ``processAllAvailable``,
+        ``stop``).
+
+        ``model_path`` (a local path or a URL, as ``TrainedModel.save`` takes them) always
+        holds the latest complete model: ``TrainedModel.load(model_path)`` reads it (see
+        ``train.publish``). ``checkpoint_location``: the streaming query's checkpoint; a
+        query started again with the same one and the same ``model_path`` goes on from the
+        published model at the next micro-batch, training none twice and skipping none.
+        ``initial``: a model to start a new ``model_path`` from. ``trigger``: the keyword
+        arguments of ``DataStreamWriter.trigger`` (``{"availableNow": True}``,
+        ``{"processingTime": "1 minute"}``; None: Spark's default, a micro-batch as soon as
+        the last is done). A micro-batch with no rows or other training columns' types than
+        the model's stops the query with an ``InputError`` naming it; nothing is published
+        for it.
+        """
+        return start_query(
+            self,
+            stream,
+            model_path,
+            checkpoint_location,
+            {"features_col": features_col, "label_col": label_col, "weight_col": weight_col},
+            initial,
+            on_model,
+            trigger,
+            query_name,
+        )
 
     def _start(self, resume_from: str | None, initial: Any) -> StartPoint:
         """Where the fit starts, from ``fit()``'s arguments, checked before any Spark job:
