@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +25,7 @@ from allreduce_param.train.publish import PublishedModels
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SCHEMA = "features array<float>, label double"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_batch(folder, index: int, rows: int = 40) -> None:
@@ -150,3 +152,44 @@ def test_bad_streams_and_batches_are_refused_naming_the_argument(spark, tmp_path
     with pytest.raises(InputError, match="pass initial= only with a new model_path"):
         StreamFit(trainer().fit, published, "q", ["features"], {}, initial=batch_fit.model)
     shutil.rmtree(tmp_path / "models")
+
+
+def test_a_stream_job_file_trains_its_files_into_its_model_path(spark, tmp_path, capsys):
+    from allreduce_param.cli import load_job, query_error, start_stream
+
+    source = tmp_path / "in"
+    source.mkdir()
+    for index in range(2):
+        write_batch(source, index)
+    job = load_job(REPO / "conf" / "stream.toml")
+    job["stream"].update(
+        path=str(source),
+        model_path=str(tmp_path / "live"),
+        checkpoint_location=str(tmp_path / "query"),
+    )
+    job["model"].update(n_features=4, n_classes=3)
+    job["train"]["batch_size"] = 10
+    start_stream(spark, job).awaitTermination(120)
+    assert PublishedModels(tmp_path / "live").latest().batch_id == 1
+    assert TrainedModel.load(tmp_path / "live").epochs_done == 2
+    printed = capsys.readouterr().out
+    assert "micro-batch 0: trained, loss " in printed and "micro-batch 1: trained" in printed
+    assert query_error("x\nE allreduce_param.errors.InputError: micro-batch 4 has no rows\n") == (
+        "InputError: micro-batch 4 has no rows"
+    )
+
+
+def test_a_stream_job_files_bad_stream_section_fails_before_spark_starts(monkeypatch, capsys):
+    from allreduce_param import cli
+
+    def no_spark(*args, **kwargs):
+        raise AssertionError("Spark started for a job whose settings are bad")
+
+    monkeypatch.setattr(cli, "local_spark", no_spark)
+    conf = str(REPO / "conf" / "stream.toml")
+    assert cli.main(["stream", "--conf", conf, "--set", "stream.source=kafka"]) == 2
+    assert "[stream] source = 'kafka' is not one of ('parquet'" in capsys.readouterr().err
+    assert cli.main(["stream", "--conf", conf, "--set", "stream.every=3"]) == 2
+    assert "[stream] has no key every; its keys are source, path" in capsys.readouterr().err
+    assert cli.main(["stream", "--conf", conf, "--set", "stream.model_path=''"]) == 2
+    assert "[stream] needs model_path;" in capsys.readouterr().err
