@@ -50,9 +50,14 @@ def trainer(epochs: int, **settings) -> DistriOptimizer:
     )
 
 
-def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, tmp_path):
+@pytest.fixture(scope="module")
+def first(data):
+    """A fit of 2 epochs that keeps its optimizer state: what the tests continue from."""
+    return trainer(2).fit(data)
+
+
+def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, first, tmp_path):
     whole = trainer(4).fit(data)
-    first = trainer(2).fit(data)
     assert (first.steps_done, first.epochs_done) == (12, 2)
     assert sorted(first.optimizer_state) == ["exp_avg", "exp_avg_sq"]
     first.save(tmp_path / "first")
@@ -76,20 +81,18 @@ def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, tmp_path):
     assert fresh.epochs_done == 4
 
 
-def test_a_continued_fits_checkpoint_resumes_as_that_fit(data, tmp_path):
+def test_a_continued_fits_checkpoint_resumes_as_that_fit(data, first, tmp_path):
     """resume_from and initial are one mechanism: a checkpoint of a continued fit keeps its
     start's steps and epochs, so resuming from it ends where the continued fit ends."""
-    first = trainer(1).fit(data)
     continued = trainer(2, checkpoint_dir=str(tmp_path), checkpoint_keep=5).fit(data, initial=first)
     middle = f"{continued.history.checkpoints}/step-{6:010d}"  # after its first epoch
     resumed = trainer(2).fit(data, resume_from=middle)
     assert np.array_equal(resumed.weights, continued.weights)
-    assert (resumed.steps_done, resumed.epochs_done) == (18, 3)
+    assert (resumed.steps_done, resumed.epochs_done) == (24, 4)
     assert resumed.history.resumed == [6]
 
 
-def test_bad_starts_are_refused_on_the_driver_naming_the_argument(data, tmp_path):
-    first = trainer(1).fit(data)
+def test_bad_starts_are_refused_on_the_driver_naming_the_argument(data, first, tmp_path):
     with pytest.raises(InputError, match="both resume_from=.* and initial=: pass one"):
         trainer(1).fit(data, resume_from=str(tmp_path), initial=first)
     with pytest.raises(InputError, match="initial must be a TrainedModel .* got ndarray"):
@@ -103,7 +106,7 @@ def test_bad_starts_are_refused_on_the_driver_naming_the_argument(data, tmp_path
         )
     with pytest.raises(InputError, match="initial holds the state of a Adam optimizer"):
         trainer(1, optimizer=optim.SGD(lr=0.1, momentum=0.9)).fit(data, initial=first)
-    unkept = trainer(1, keep_optimizer_state=False).fit(data)
+    unkept = TrainedModel(first.model, first.weights, first.history)  # no optimizer state
     with pytest.raises(InputError, match="keep_optimizer_state=True .* initial holds none"):
         trainer(1).fit(data, initial=unkept)
     with pytest.raises(ConfigurationError, match="keep_optimizer_state must be True or False"):
@@ -123,16 +126,16 @@ def test_an_estimator_continues_from_its_initial_model_saved_or_not(spark, tmp_p
     ).repartition(2)
     params = dict(stepSize=0.05, batchSize=20, seed=1, showProgress=False, numWorkers=2)
     regressor = AllReduceRegressor(keepOptimizerState=True, **params)
-    whole = regressor.copy({regressor.maxEpochs: 4}).fit(df)
-    first = regressor.copy({regressor.maxEpochs: 2}).fit(df)
+    whole = regressor.copy({regressor.maxEpochs: 2}).fit(df)
+    first = regressor.copy({regressor.maxEpochs: 1}).fit(df)
     first.save(str(tmp_path / "first"))
     loaded = AllReduceRegressionModel.load(str(tmp_path / "first"))
     assert sorted(loaded.trained.optimizer_state) == ["exp_avg", "exp_avg_sq"]
-    second = regressor.copy({regressor.maxEpochs: 2}).setInitialModel(loaded).fit(df)
+    second = regressor.copy({regressor.maxEpochs: 1}).setInitialModel(loaded).fit(df)
     assert np.array_equal(second.weights, whole.weights)
     # the Estimator saves without its initial model (a Model is no JSON value)
     regressor.setInitialModel(first).save(str(tmp_path / "estimator"))
     assert AllReduceRegressor.load(str(tmp_path / "estimator")).getInitialModel() is None
-    unkept = AllReduceRegressor(maxEpochs=1, **params).fit(df)
+    unkept = AllReduceRegressionModel(TrainedModel(first.trained.model, first.weights))
     with pytest.raises(InputError, match="keepOptimizerState=True .* but initialModel holds none"):
         regressor.copy({regressor.maxEpochs: 1}).setInitialModel(unkept).fit(df)
