@@ -38,7 +38,14 @@ DATA_SOURCES = ("digits", "synthetic", "libsvm", "parquet")
 STREAM_SOURCES = ("parquet", "json", "orc", "csv")
 #: a job file's [stream] keys: those it needs, then those it may have
 STREAM_NEEDS = ("source", "path", "schema", "model_path", "checkpoint_location")
-STREAM_MAY = ("max_files_per_trigger", "interval", "features_col", "label_col", "weight_col")
+STREAM_MAY = (
+    "max_files_per_trigger",
+    "interval",
+    "features_col",
+    "label_col",
+    "weight_col",
+    "empty_batches",
+)
 
 
 def load_job(path: str | Path) -> dict:
@@ -244,6 +251,7 @@ def start_stream(spark, job: dict):
         label_col=section.get("label_col", "label"),
         weight_col=section.get("weight_col"),
         on_model=published,
+        empty_batches=section.get("empty_batches", "skip"),
         trigger={"processingTime": interval} if interval else {"availableNow": True},
     )
 

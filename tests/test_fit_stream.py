@@ -56,7 +56,7 @@ def trainer() -> DistriOptimizer:
     )
 
 
-def run_stream(spark, source, published, checkpoint, seen: list):
+def run_stream(spark, source, published, checkpoint, seen: list, **arguments):
     stream = spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).parquet(str(source))
     query = trainer().fit_stream(
         stream,
@@ -64,6 +64,7 @@ def run_stream(spark, source, published, checkpoint, seen: list):
         str(checkpoint),
         on_model=lambda batch_id, trained: seen.append((batch_id, trained.weights.copy())),
         trigger={"availableNow": True},
+        **arguments,
     )
     query.awaitTermination(120)
     return query
@@ -119,9 +120,13 @@ def test_each_micro_batch_publishes_the_continued_fit_and_a_restart_trains_none_
     assert latest.batch_id == 3
     assert np.array_equal(TrainedModel.load(published).weights, expected[3])
 
-    # a micro-batch with no rows stops the query, naming it, and publishes nothing
+    # a micro-batch with no rows publishes nothing: with empty_batches="error" it stops the
+    # query, naming it; by default it is passed over with a warning
     write_batch(source, 4, rows=0)
     with pytest.raises(StreamingQueryException, match="InputError: micro-batch 4 has no rows"):
+        run_stream(spark, source, published, checkpoint, seen, empty_batches="error")
+    assert seen == [] and PublishedModels(published).latest() == latest
+    with pytest.warns(UserWarning, match="micro-batch 4 has no rows: .* passed over"):
         run_stream(spark, source, published, checkpoint, seen)
     assert seen == [] and PublishedModels(published).latest() == latest
 
@@ -136,6 +141,8 @@ def test_bad_streams_and_batches_are_refused_naming_the_argument(spark, tmp_path
     stream = spark.readStream.schema(SCHEMA).parquet(str(source))
     with pytest.raises(InputError, match="fit_stream needs checkpoint_location"):
         trainer().fit_stream(stream, str(tmp_path / "m"), None)
+    with pytest.raises(InputError, match="empty_batches must be 'skip' .* or 'error'"):
+        trainer().fit_stream(stream, str(tmp_path / "m"), str(tmp_path / "q"), empty_batches="x")
     # a micro-batch whose columns differ from the model's: refused, nothing published
     published = PublishedModels(tmp_path / "models")
     batch_fit = StreamFit(

@@ -51,7 +51,7 @@ port_range connect_timeout encrypt topology""".split()
 FIT_ARGUMENTS = "data features_col label_col validation resume_from weight_col initial".split()
 
 FIT_STREAM_ARGUMENTS = """stream model_path checkpoint_location features_col label_col weight_col
-initial on_model trigger query_name""".split()
+initial on_model trigger query_name empty_batches""".split()
 
 #: what a TrainedModel holds for a later fit to continue from
 TRAINED_MODEL_FIELDS = "steps_done epochs_done optimizer_state optimizer_kind".split()

@@ -266,6 +266,7 @@ class DistriOptimizer:
         on_model: Callable[[int, TrainedModel], None] | None = None,
         trigger: dict[str, Any] | None = None,
         query_name: str | None = None,
+        empty_batches: str = "skip",
     ) -> StreamingQuery:
         """Train on a streaming DataFrame as it arrives: each micro-batch one fit of these
         settings that continues from the last one's model (``fit(initial=...)``: the epochs
@@ -282,9 +283,10 @@ class DistriOptimizer:
         ``initial``: a model to start a new ``model_path`` from. ``trigger``: the keyword
         arguments of ``DataStreamWriter.trigger`` (``{"availableNow": True}``,
         ``{"processingTime": "1 minute"}``; None: Spark's default, a micro-batch as soon as
-        the last is done). A micro-batch with no rows or other training columns' types than
-        the model's stops the query with an ``InputError`` naming it; nothing is published
-        for it.
+        the last is done). A micro-batch with other training columns' types than the
+        model's stops the query with an ``InputError`` naming it, and nothing is published
+        for it; one with no rows (a rate source's first) is passed over with a
+        ``UserWarning`` (``empty_batches="skip"``) or stops the query (``"error"``).
         """
         return start_query(
             self,
@@ -296,6 +298,7 @@ class DistriOptimizer:
             on_model,
             trigger,
             query_name,
+            empty_batches,
         )
 
     def _start(self, resume_from: str | None, initial: Any) -> StartPoint:

@@ -10,7 +10,9 @@ Exactly once, across restarts: Spark's query checkpoint replays, after a restart
 micro-batches it had not recorded as done, with their batch ids; the published pointer
 holds the id of the last micro-batch trained. So a restarted ``StreamFit`` starts from the
 published model and skips every batch id at or below it (trained already, its model
-published before Spark could record the batch done), and trains every later one. The
+published before Spark could record the batch done), and trains every later one. A
+micro-batch with no rows (a rate source's first, a quiet topic's) trains nothing and is
+passed over with a warning, or with ``empty_batches="error"`` stops the query. The
 pointer also names the query checkpoint its batch ids belong to: another query's ids
 would mean nothing, and are refused.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +43,7 @@ def start_query(
     on_model: Callable[[int, Any], None] | None,
     trigger: dict[str, Any] | None,
     query_name: str | None,
+    empty_batches: str = "skip",
 ) -> Any:
     """``DistriOptimizer.fit_stream``: its arguments checked before the query starts, then
     the query, with a ``StreamFit`` of ``trainer`` (the ``DistriOptimizer``) as its
@@ -55,6 +59,7 @@ def start_query(
             f"{{'availableNow': True}}, got {trigger!r}"
         )
     checkpoint = query_checkpoint_name(checkpoint_location)
+    check_empty_batches(empty_batches)
     if initial is not None:
         initial = check_initial(initial, trainer.model, trainer.optimizer, trainer.settings)
     names = [fit_arguments[key] for key in ("features_col", "label_col", "weight_col")]
@@ -66,6 +71,7 @@ def start_query(
         fit_arguments,
         initial,
         on_model,
+        empty_batches,
     )
     writer = stream.writeStream.foreachBatch(batch_fit).option("checkpointLocation", checkpoint)
     if trigger is not None:
@@ -73,6 +79,16 @@ def start_query(
     if query_name is not None:
         writer = writer.queryName(query_name)
     return writer.start()
+
+
+def check_empty_batches(value: Any) -> str:
+    """``empty_batches``: ``"skip"`` or ``"error"``."""
+    if value not in ("skip", "error"):
+        raise InputError(
+            f"empty_batches must be 'skip' (pass over a micro-batch with no rows, as a rate "
+            f"source's first) or 'error' (stop the query), got {value!r}"
+        )
+    return value
 
 
 def query_checkpoint_name(location: Any) -> str:
@@ -101,10 +117,12 @@ class StreamFit:
         fit_arguments: dict[str, Any],
         initial: Any = None,
         on_model: Callable[[int, Any], None] | None = None,
+        empty_batches: str = "skip",
     ) -> None:
         self._fit, self.published = fit, published
         self.query_checkpoint, self._names = query_checkpoint, columns
         self._arguments, self._on_model = fit_arguments, on_model
+        self.empty_batches = check_empty_batches(empty_batches)
         self.model, self.last_batch, self.columns = initial, None, None
         latest = published.latest()
         if latest is None:
@@ -151,10 +169,14 @@ class StreamFit:
                 f"on {self.columns}: a stream's schema must stay the same ({self._stays})"
             )
         if batch.isEmpty():
-            raise InputError(
-                f"micro-batch {batch_id} has no rows: nothing to train on ({self._stays}). "
-                "Filter empty batches out upstream, or check the source"
-            )
+            message = f"micro-batch {batch_id} has no rows: nothing to train on ({self._stays})"
+            if self.empty_batches == "error":
+                raise InputError(
+                    f"{message}. Filter empty batches out upstream, or check the source "
+                    "(empty_batches='skip' passes over them)"
+                )
+            warnings.warn(f"{message}; passed over (empty_batches='skip')", UserWarning, 2)
+            return
         trained = self._fit(batch, initial=self.model, **self._arguments)
         self.published.publish(trained, batch_id, self.query_checkpoint, columns)
         self.model, self.last_batch, self.columns = trained, batch_id, columns

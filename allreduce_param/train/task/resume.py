@@ -1,5 +1,6 @@
-"""A partition's checkpoints: where its fit starts (a checkpoint of its own fit, one to
-resume from, or the model's initial weights), and the checkpoints it writes."""
+"""A partition's checkpoints: where its fit starts (the job's ``StartPoint``: a checkpoint
+of its own fit, one to resume from, a trained model to continue, or the model's initial
+weights), and the checkpoints it writes."""
 
 from __future__ import annotations
 
