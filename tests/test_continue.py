@@ -139,3 +139,57 @@ def test_an_estimator_continues_from_its_initial_model_saved_or_not(spark, tmp_p
     unkept = AllReduceRegressionModel(TrainedModel(first.trained.model, first.weights))
     with pytest.raises(InputError, match="keepOptimizerState=True .* but initialModel holds none"):
         regressor.copy({regressor.maxEpochs: 1}).setInitialModel(unkept).fit(df)
+
+
+@pytest.mark.parametrize(
+    "settings", [{}, {"strategy": "ssp", "staleness": 1}, {"sync_every": 2}], ids=str
+)
+def test_partitions_on_threads_continue_under_every_loop(settings):
+    """Without Spark: the task's records of a kept state and of how far it came become the
+    next fit's start. Plain BSP gives the longer fit's bits; the background owner's and
+    local SGD's loops number their epochs and count their steps on alike."""
+    from conftest import train_on_threads
+
+    from allreduce_param import AllReduceParameter
+    from allreduce_param.train.records import OptimizerState, Reached, Steps
+    from allreduce_param.train.start import StartPoint
+    from allreduce_param.train.task.job import TrainingJob
+
+    X, y = blobs(60, 5, 3, seed=1)
+    parts = [(X[i::3], y[i::3]) for i in range(3)]
+    model = models.SoftmaxRegression(5, 3)
+
+    def run(epochs, start=None):
+        fit = FitSettings(
+            batch_size=12,
+            epochs=epochs,
+            seed=3,
+            keep_optimizer_state=True,
+            progress=False,
+            **settings,
+        )
+        param = AllReduceParameter(
+            3, model.size, codec="raw", timeout=60, strategy=fit.synchronisation
+        )
+        job = TrainingJob(
+            model, optim.Adam(lr=0.05), param, fit, 5, False, start=start or StartPoint()
+        )
+        outputs = train_on_threads(job, parts)
+        for output in outputs:
+            assert isinstance(output, dict), output
+        slices = [OptimizerState.decode(output["optimizer_state"]).state for output in outputs]
+        state = {name: np.concatenate([s[name] for s in slices]) for name in slices[0]}
+        reached = Reached.decode(outputs[0]["reached"], 3)
+        weights = np.frombuffer(outputs[0]["weights"], np.float32).copy()
+        epochs_seen = sorted({int(row[0]) for row in Steps.decode(outputs[0]["steps"], 3).table})
+        return StartPoint(reached.steps, reached.epochs, weights=weights, state=state), epochs_seen
+
+    whole, _ = run(4)
+    first, seen = run(2)
+    assert (first.steps_before, first.epochs_before, seen) == (10, 2, [0, 1])
+    second, seen = run(2, first)
+    assert (second.steps_before, second.epochs_before, seen) == (20, 4, [2, 3])
+    if not settings:
+        assert np.array_equal(second.weights, whole.weights)
+        for name, value in whole.state.items():
+            assert np.array_equal(second.state[name], value)
