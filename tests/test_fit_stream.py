@@ -130,6 +130,13 @@ def test_each_micro_batch_publishes_the_continued_fit_and_a_restart_trains_none_
         run_stream(spark, source, published, checkpoint, seen)
     assert seen == [] and PublishedModels(published).latest() == latest
 
+    # the query checkpoint deleted and made anew: its batch ids would start at 0 again and
+    # be passed over as trained, so the fit refuses to go on
+    shutil.rmtree(checkpoint)
+    with pytest.raises(StreamingQueryException, match="now holds the streaming query .* anew"):
+        run_stream(spark, source, published, checkpoint, seen)
+    assert seen == [] and PublishedModels(published).latest() == latest
+
 
 def test_bad_streams_and_batches_are_refused_naming_the_argument(spark, tmp_path):
     source = tmp_path / "in"

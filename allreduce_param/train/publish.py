@@ -38,12 +38,14 @@ KEEP = 2
 class Latest:
     """What ``LATEST.json`` says: the newest model's ``folder`` (a name in the published
     folder), the micro-batch it trained last (``batch_id``), the streaming query's
-    checkpoint it belongs to, and the training columns' types (name -> Spark type)."""
+    checkpoint it belongs to and that query's id (None: unknown), and the training
+    columns' types (name -> Spark type)."""
 
     folder: str
     batch_id: int
     query_checkpoint: str
     columns: dict[str, str]
+    query_id: str | None = None
 
 
 class PublishedModels:
@@ -73,6 +75,7 @@ class PublishedModels:
                 int(meta["batch_id"]),
                 str(meta["query_checkpoint"]),
                 dict(meta["columns"]),
+                meta.get("query_id"),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise InputError(
@@ -85,7 +88,12 @@ class PublishedModels:
         return TrainedModel.load(self.root.child(latest.folder).url)
 
     def publish(
-        self, trained: TrainedModel, batch_id: int, query_checkpoint: str, columns: dict[str, str]
+        self,
+        trained: TrainedModel,
+        batch_id: int,
+        query_checkpoint: str,
+        columns: dict[str, str],
+        query_id: str | None = None,
     ) -> Latest:
         """Save ``trained`` as the model after micro-batch ``batch_id``, then point
         ``LATEST.json`` at it, each step whole or absent; then remove older models beyond
@@ -97,7 +105,7 @@ class PublishedModels:
         final = self.root.child(name)
         final.remove_tree()  # a publish of this batch that never reached the pointer
         temporary.rename(final)
-        latest = Latest(name, batch_id, query_checkpoint, columns)
+        latest = Latest(name, batch_id, query_checkpoint, columns, query_id)
         pointer = self.root.child(f".tmp-{LATEST}-{secrets.token_hex(4)}")
         pointer.write_bytes(json.dumps({"format": FORMAT, **latest.__dict__}, indent=1).encode())
         pointer.rename(self.root.child(LATEST))
@@ -114,6 +122,19 @@ class PublishedModels:
         for name in names:
             if name.startswith(".tmp-batch-") and name[len(".tmp-") :][: len(newest)] < newest:
                 self.root.child(name).remove_tree()
+
+
+def query_id_of(query_checkpoint: str) -> str | None:
+    """The id of the streaming query whose checkpoint folder this is (Spark writes it in
+    the folder's ``metadata`` file when the query starts, and keeps it across restarts);
+    None where it cannot be read."""
+    try:
+        metadata = locate(query_checkpoint, "read the streaming query's checkpoint").child(
+            "metadata"
+        )
+        return str(json.loads(metadata.read_bytes().decode().splitlines()[0])["id"])
+    except (OSError, ValueError, KeyError, IndexError, InputError):
+        return None
 
 
 def columns_of(schema: Any, names: list[str]) -> dict[str, str]:

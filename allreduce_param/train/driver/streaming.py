@@ -27,7 +27,7 @@ from typing import Any
 
 from allreduce_param.errors import InputError
 from allreduce_param.train.driver.checks import check_initial
-from allreduce_param.train.publish import PublishedModels, columns_of
+from allreduce_param.train.publish import PublishedModels, columns_of, query_id_of
 from allreduce_param.train.storage import scheme_of
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,8 @@ class StreamFit:
         self._arguments, self._on_model = fit_arguments, on_model
         self.empty_batches = check_empty_batches(empty_batches)
         self.model, self.last_batch, self.columns = initial, None, None
+        self._query_id: str | None = None  # read from the query checkpoint at the first batch
+        self._published_query_id: str | None = None
         latest = published.latest()
         if latest is None:
             return
@@ -142,6 +144,22 @@ class StreamFit:
             )
         self.model = published.load(latest)
         self.last_batch, self.columns = latest.batch_id, latest.columns
+        self._published_query_id = latest.query_id
+
+    def _check_same_query(self) -> None:
+        """The query checkpoint the published models name, made anew (deleted, then
+        started again): its batch ids start from 0 again, and every one up to the
+        published id would be skipped as trained already. Refused instead."""
+        published, now = self._published_query_id, self._query_id
+        if published is not None and now is not None and published != now:
+            raise InputError(
+                f"checkpoint_location={self.query_checkpoint!r} now holds the streaming query "
+                f"{now}, but model_path={self.published.root.url!r} holds the models of query "
+                f"{published} (its checkpoint was deleted and made anew?): its micro-batch ids "
+                "start again, and those up to the published "
+                f"{self.last_batch} would be passed over as trained. Publish to a new model_path "
+                "(initial=TrainedModel.load(old_model_path) starts it from this model)"
+            )
 
     @property
     def _stays(self) -> str:
@@ -154,6 +172,9 @@ class StreamFit:
         """Train on micro-batch ``batch_id`` (a static DataFrame) and publish the model;
         a batch trained already (replayed after a restart) is skipped. A batch that cannot
         train raises, naming it, and leaves the published model as it was."""
+        if self._query_id is None:
+            self._query_id = query_id_of(self.query_checkpoint)
+            self._check_same_query()
         if self.last_batch is not None and batch_id <= self.last_batch:
             log.info(
                 "micro-batch %d skipped: the published model has trained on micro-batches up "
@@ -178,7 +199,7 @@ class StreamFit:
             warnings.warn(f"{message}; passed over (empty_batches='skip')", UserWarning, 2)
             return
         trained = self._fit(batch, initial=self.model, **self._arguments)
-        self.published.publish(trained, batch_id, self.query_checkpoint, columns)
+        self.published.publish(trained, batch_id, self.query_checkpoint, columns, self._query_id)
         self.model, self.last_batch, self.columns = trained, batch_id, columns
         if self._on_model is not None:
             self._on_model(batch_id, trained)
