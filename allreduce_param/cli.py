@@ -1,4 +1,6 @@
-"""The ``allreduce-param`` command: ``allreduce-param train --conf conf/digits.toml``.
+"""The ``allreduce-param`` command: ``allreduce-param train --conf conf/digits.toml``, and
+``allreduce-param stream --conf conf/stream.toml`` (a file source's micro-batches, each a
+continued fit, published to a folder: ``DistriOptimizer.fit_stream``).
 
 A job file (TOML) names the Spark master and its folder of Spark settings, the data, the
 model, the optimizer and the training settings; see ``conf/digits.toml``. ``jobs/train.py``
@@ -11,6 +13,7 @@ machine and on a cluster.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,6 +34,18 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 DATA_SOURCES = ("digits", "synthetic", "libsvm", "parquet")
+#: the file formats a job file's [stream] reads as they arrive
+STREAM_SOURCES = ("parquet", "json", "orc", "csv")
+#: a job file's [stream] keys: those it needs, then those it may have
+STREAM_NEEDS = ("source", "path", "schema", "model_path", "checkpoint_location")
+STREAM_MAY = (
+    "max_files_per_trigger",
+    "interval",
+    "features_col",
+    "label_col",
+    "weight_col",
+    "empty_batches",
+)
 
 
 def load_job(path: str | Path) -> dict:
@@ -180,6 +195,110 @@ def spark_conf_dir(job: dict, job_file: str | Path) -> Path | None:
     return folder
 
 
+def stream_section(job: dict) -> dict:
+    """The job file's ``[stream]``, checked before Spark starts: a ConfigurationError naming
+    a missing or unknown key, or a source that is no file format it reads."""
+    section = job.get("stream")
+    if not isinstance(section, dict):
+        raise ConfigurationError(
+            "a stream job needs a [stream] section: source, path, schema, model_path and "
+            "checkpoint_location (see conf/stream.toml)"
+        )
+    missing = [key for key in STREAM_NEEDS if not section.get(key)]
+    unknown = sorted(set(section) - set(STREAM_NEEDS) - set(STREAM_MAY))
+    if missing or unknown:
+        problem = f"needs {', '.join(missing)}" if missing else f"has no key {', '.join(unknown)}"
+        raise ConfigurationError(
+            f"[stream] {problem}; its keys are {', '.join(STREAM_NEEDS + STREAM_MAY)}"
+        )
+    if section["source"] not in STREAM_SOURCES:
+        raise ConfigurationError(
+            f"[stream] source = {section['source']!r} is not one of {STREAM_SOURCES} (a file "
+            "source; for Kafka, call DistriOptimizer.fit_stream: docs/training.md)"
+        )
+    return section
+
+
+def start_stream(spark, job: dict):
+    """Start a stream job's query on ``spark``: ``[stream]``'s files read as they arrive
+    (``max_files_per_trigger`` a micro-batch), each micro-batch a fit of ``[model]``,
+    ``[optimizer]`` and ``[train]`` continued from the last, published to ``model_path``;
+    every micro-batch there now (``interval`` unset: Spark's ``availableNow``) or one
+    every ``interval`` (``"1 minute"``). The ``StreamingQuery``."""
+    from allreduce_param.train import DistriOptimizer, FitSettings
+
+    section = stream_section(job)
+    settings = FitSettings.of(job.get("train", {}), where="[train]")
+    model = build(models, job.get("model", {"kind": "MLP", "layers": [64, 128, 10]}), "model")
+    optimizer = build(optim, job.get("optimizer", {"kind": "Adam", "lr": 1e-3}), "optimizer")
+    reader = spark.readStream.schema(section["schema"]).format(section["source"])
+    if section.get("max_files_per_trigger"):
+        reader = reader.option("maxFilesPerTrigger", int(section["max_files_per_trigger"]))
+    interval = section.get("interval")
+    model_path = section["model_path"]
+
+    def published(batch_id: int, trained) -> None:
+        epoch = trained.history.epochs[-1] if trained.history.epochs else {}
+        loss = epoch.get("loss")
+        shown = f", loss {loss:.4f}" if isinstance(loss, float) else ""
+        print(f"micro-batch {batch_id}: trained{shown}; published to {model_path}", flush=True)
+
+    return DistriOptimizer(model, optimizer, settings).fit_stream(
+        reader.load(section["path"]),
+        model_path,
+        section["checkpoint_location"],
+        features_col=section.get("features_col", "features"),
+        label_col=section.get("label_col", "label"),
+        weight_col=section.get("weight_col"),
+        on_model=published,
+        empty_batches=section.get("empty_batches", "skip"),
+        trigger={"processingTime": interval} if interval else {"availableNow": True},
+    )
+
+
+def stream(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
+    """Run a stream job file until its query ends (``availableNow``: when the files there
+    now are trained on) or fails; the exit status."""
+    from allreduce_param.train import FitSettings
+
+    stream_section(job)  # bad settings fail before Spark starts
+    FitSettings.of(job.get("train", {}), where="[train]")
+    spark = _session(job, conf_dir, master, "allreduce-param stream")
+    try:
+        query = start_stream(spark, job)
+        try:
+            query.awaitTermination()
+        except Exception as error:  # the query's failure: one line, the cause ours names
+            print(f"error: {query_error(str(error))}", file=sys.stderr)
+            return 2
+    finally:
+        spark.stop()
+    return 0
+
+
+def query_error(text: str) -> str:
+    """What a failed streaming query's error says, in one line: the package's error inside
+    it (``micro-batch 4 has no rows: ...``), else its first line."""
+    ours = re.findall(r"allreduce_param\.errors\.(\w+): ([^\n]*)", text)
+    if ours:
+        return f"{ours[-1][0]}: {ours[-1][1]}"
+    return text.strip().splitlines()[0] if text.strip() else "the streaming query failed"
+
+
+def _session(job: dict, conf_dir: Path | None, master: str | None, app_name: str):
+    """The job's Spark session: ``[spark]``'s master (unless ``master`` or spark-submit's
+    wins), app name and class archive, with ``conf_dir``'s settings."""
+    spark_section = job.get("spark", {})
+    if not master and not under_spark_submit():  # under spark-submit, its --master wins
+        master = spark_section.get("master", "local[*]")
+    return local_spark(
+        master,
+        spark_section.get("app_name", app_name),
+        conf_dir,
+        class_archive=spark_section.get("class_archive", True),
+    )
+
+
 def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     """Run a training job file's fit and print the final table; the exit status.
 
@@ -190,15 +309,7 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     settings = job.get("train", {})
     # a bad setting fails before Spark starts
     fit_settings = FitSettings.of(settings, where="[train]")
-    spark_section = job.get("spark", {})
-    if not master and not under_spark_submit():  # under spark-submit, its --master wins
-        master = spark_section.get("master", "local[*]")
-    spark = local_spark(
-        master,
-        spark_section.get("app_name", "allreduce-param train"),
-        conf_dir,
-        class_archive=spark_section.get("class_archive", True),
-    )
+    spark = _session(job, conf_dir, master, "allreduce-param train")
     warming = start_python_workers(spark)  # while the data loads on the driver
     try:
         train_df, test_df = load_data(spark, job.get("data", {}))
@@ -246,20 +357,29 @@ def print_table(rows: list[tuple[str, str]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="allreduce-param", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    trainer = commands.add_parser("train", help="train a model from a job file")
-    trainer.add_argument("--conf", required=True, help="the job file (TOML), e.g. conf/digits.toml")
-    trainer.add_argument("--master", help="override the job's Spark master")
-    trainer.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one setting of the job file, e.g. train.epochs=5 (repeatable)",
-    )
+    for name, help_text, example in (
+        ("train", "train a model from a job file", "conf/digits.toml"),
+        (
+            "stream",
+            "train on a stream of files as they arrive, from a job file",
+            "conf/stream.toml",
+        ),
+    ):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--conf", required=True, help=f"the job file (TOML), e.g. {example}")
+        command.add_argument("--master", help="override the job's Spark master")
+        command.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="override one setting of the job file, e.g. train.epochs=5 (repeatable)",
+        )
     args = parser.parse_args(argv)
     try:  # no Java, bad settings, bad data: one line, no traceback (local_spark checks Java)
         job = apply_overrides(load_job(args.conf), args.set)
-        return train(job, spark_conf_dir(job, args.conf), args.master)
+        run = stream if args.command == "stream" else train
+        return run(job, spark_conf_dir(job, args.conf), args.master)
     except AllReduceError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

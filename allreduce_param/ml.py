@@ -64,6 +64,11 @@ _ARGUMENT_PARAMS = {
 }
 #: The fit's settings (and the optimizer's learning rate), as the Params that set them.
 _SETTING_PARAMS = [(spec.name, spec.setting) for spec in estimator_params()] + [("stepSize", "lr")]
+#: What ``fit(initial=...)``'s checks name, as the Estimators' Params: in any error.
+_START_PARAMS = (
+    ("initialModel", r"\binitial(?= holds| must|=)"),
+    ("keepOptimizerState", r"\bkeep_optimizer_state(?==)"),
+)
 
 
 class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize):
@@ -102,9 +107,25 @@ class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize):
 
 
 class _AllReduceEstimator(_AllReduceParams):
-    """What both Estimators do: describe the data, build the network, fit, wrap the result."""
+    """What both Estimators do: describe the data, build the network, fit, wrap the result.
+
+    ``initialModel``: a Model of this Estimator's (a fit's, or ``load``'s) to continue
+    training from, as MLlib's KMeans ``initialModel`` and xgboost.spark's ``xgb_model``:
+    its weights, where its training stopped (the epochs are numbered on, the optimizer's
+    step count goes on), and with ``keepOptimizerState=True`` (set on both fits) its
+    optimizer state, so two fits of k epochs give one fit of 2k epochs' weights. It is not
+    written with the Estimator (``write()`` leaves it out: save the Model itself).
+    """
 
     _task = ""
+
+    initialModel = Param(
+        Params._dummy(),
+        "initialModel",
+        "a Model of this Estimator's to continue training from (its weights, and with "
+        "keepOptimizerState its optimizer state); not written with the Estimator",
+        typeConverter=TypeConverters.identity,
+    )
 
     def __init__(self, **params: Any) -> None:
         super().__init__()
@@ -140,6 +161,22 @@ class _AllReduceEstimator(_AllReduceParams):
         """Set the boolean column that marks validation rows."""
         return self._set(validationIndicatorCol=value)
 
+    def setInitialModel(self, value):
+        """Set the Model to continue training from (``initialModel``)."""
+        return self._set(initialModel=value)
+
+    def getInitialModel(self):
+        """The Model training continues from (None: from the start)."""
+        return self.getOrDefault(self.initialModel) if self.isDefined(self.initialModel) else None
+
+    def write(self) -> MLWriter:
+        """A writer of the Params, ``initialModel`` left out (a Model is no JSON value)."""
+        if not self.isSet(self.initialModel):
+            return super().write()
+        kept = self.copy()
+        kept.clear(kept.initialModel)
+        return kept.write()
+
     def _fit(self, dataset):
         settings = self._settings()  # a bad setting fails here, before the data's first Spark job
         features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
@@ -159,6 +196,7 @@ class _AllReduceEstimator(_AllReduceParams):
                     label_col=label_col,
                     validation=validation,
                     weight_col=weight_col,
+                    initial=self.getInitialModel(),
                 )
         except InputError as error:  # the data checks name DistriOptimizer's arguments
             renamed = self._naming_params(error)
@@ -241,6 +279,8 @@ def _param_names(message: str, settings: bool) -> str:
     ``batch_size must``) as theirs (``batchSize``)."""
     for argument, param in _ARGUMENT_PARAMS.items():
         message = message.replace(f"({argument})", f"({param})")
+    for param, pattern in _START_PARAMS:
+        message = re.sub(pattern, param, message)
     if settings:
         for param, setting in _SETTING_PARAMS:
             message = re.sub(rf"\b{setting}(?==| must)", param, message)
@@ -465,6 +505,10 @@ class AllReduceRegressionModel(_AllReduceModel, PredictionModel):
         )
 
 
+#: The Parquet columns of a saved Model that hold its optimizer state, by this prefix.
+_STATE_PREFIX = "optimizerState_"
+
+
 class _ModelWriter(MLWriter):
     """Saves a Model: Spark's metadata file of its Params (plus the network's shape), and
     its weights as one row of ``weights array<float>`` in Parquet under ``data``. Both
@@ -488,6 +532,9 @@ class _ModelWriter(MLWriter):
             "numFeatures": int(trained.n_features),
             "numClasses": getattr(trained.model, "num_classes", None),
             "epochs": trained.history.epochs,
+            "stepsDone": trained.steps_done,
+            "epochsDone": trained.epochs_done,
+            "optimizerKind": trained.optimizer_kind,
         }
         mode = "overwrite" if self.shouldOverwrite else "error"
         metadata = DefaultParamsWriter._get_metadata_to_save(
@@ -496,8 +543,11 @@ class _ModelWriter(MLWriter):
         self.sparkSession.createDataFrame([(metadata,)], ["value"]).coalesce(1).write.mode(
             mode
         ).text(os.path.join(path, "metadata"))  # as DefaultParamsWriter.saveMetadata writes it
-        column = float_lists(np.reshape(trained.weights, (1, -1)))  # one row: the whole vector
-        from_arrow(self.sparkSession, pa.table({"weights": column})).write.mode(mode).parquet(
+        # one row: the whole vector, and the optimizer's state where the fit kept it
+        columns = {"weights": float_lists(np.reshape(trained.weights, (1, -1)))}
+        for name, value in (trained.optimizer_state or {}).items():
+            columns[f"{_STATE_PREFIX}{name}"] = float_lists(np.reshape(value, (1, -1)))
+        from_arrow(self.sparkSession, pa.table(columns)).write.mode(mode).parquet(
             os.path.join(path, "data")
         )
 
@@ -528,7 +578,23 @@ class _ModelReader(MLReader):
                 f"{network.size}: the folder was changed or mixed with another model's"
             )
         history = History(epochs=metadata.get("epochs", []))
-        instance._trained = TrainedModel(network, weights, history, metadata["numFeatures"])
+        state = {
+            name[len(_STATE_PREFIX) :]: np.asarray(
+                table.column(name).combine_chunks().flatten(), np.float32
+            )
+            for name in table.column_names
+            if name.startswith(_STATE_PREFIX)
+        }
+        instance._trained = TrainedModel(
+            network,
+            weights,
+            history,
+            metadata["numFeatures"],
+            optimizer_state=state or None,
+            optimizer_kind=metadata.get("optimizerKind"),
+            steps_done=metadata.get("stepsDone"),
+            epochs_done=metadata.get("epochsDone"),
+        )
         return instance
 
 

@@ -31,6 +31,7 @@ from allreduce_param.train.checkpoint import (
 )
 from allreduce_param.train.driver.resume import restart_point, resume_point
 from allreduce_param.train.result import STEP_FIELDS
+from allreduce_param.train.start import StartPoint
 from allreduce_param.train.task.job import TrainingJob
 
 
@@ -61,7 +62,7 @@ def job_for(
         n_features=5,
         has_validation=False,
         checkpoints=checkpoints,
-        resume=resume,
+        start=StartPoint() if resume is None else StartPoint.of_checkpoint(resume),
     )
 
 
@@ -289,7 +290,7 @@ def test_a_retried_stage_passes_over_a_damaged_checkpoint_and_ends_as_the_uninte
     first = job_for(parts, copy, every=5, keep=3)
     with pytest.warns(UserWarning, match=f"{file}: {DAMAGE[kind][2]}.*step-0000000010 .step 10."):
         job = restart_point(first)
-    assert job.resume.step == 10
+    assert job.start.step == 10
     resumed = run(job, parts)
     assert json.loads(resumed[0]["resumed"]) == [10]
     assert np.array_equal(weights(resumed), written[1])
@@ -317,7 +318,7 @@ def test_resume_from_a_fit_folder_warns_and_from_a_damaged_step_folder_is_refuse
         resume_point(str(copy / "step-0000000015"))
     first = job_for(parts_of(90, 3), copy)
     with pytest.warns(UserWarning, match="checkpoints passed over: .* from the job's own start"):
-        assert restart_point(first).resume is None
+        assert restart_point(first).start.fresh
 
 
 def test_a_part_damaged_after_the_driver_looked_fails_its_task_naming_the_file(written, tmp_path):

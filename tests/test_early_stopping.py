@@ -14,6 +14,7 @@ from conftest import raise_first, train_on_threads
 from allreduce_param import AllReduceParameter, ConfigurationError, FitSettings, models, optim
 from allreduce_param.train.checkpoint import CheckpointSettings, newest
 from allreduce_param.train.result import STEP_FIELDS, History
+from allreduce_param.train.start import StartPoint
 from allreduce_param.train.task.job import TrainingJob
 
 STEPS_PER_EPOCH = 5  # 80 training rows, batches of 16
@@ -47,7 +48,7 @@ def job_for(
         n_features=2,
         has_validation=True,
         checkpoints=checkpoints,
-        resume=resume,
+        start=StartPoint() if resume is None else StartPoint.of_checkpoint(resume),
     )
 
 

@@ -28,7 +28,7 @@ log_path listener strategy staleness backup_workers sync_every model_averaging p
 checkpoint_dir checkpoint_every checkpoint_keep verbose overlap bind_address advertise_address
 port_range connect_timeout encrypt topology fetch_threads early_stopping_patience
 early_stopping_min_delta reg_param elastic_net_param fit_intercept standardization
-gpus_per_task sparse_sync""".split()
+gpus_per_task sparse_sync keep_optimizer_state""".split()
 
 REGRESSOR_PARAMS = """advertiseAddress backupWorkers batchSize bindAddress checkpointDir
 checkpointEvery checkpointKeep codec connectTimeout earlyStoppingMinDelta earlyStoppingPatience
@@ -36,7 +36,7 @@ elasticNetParam fitIntercept regParam standardization encrypt featuresCol fetchT
 gradientCodec hiddenLayers labelCol logPath maxEpochs
 modelAveraging numWorkers optimizer overlap partitionScheme portRange predictionCol seed
 showProgress sparseSync staleness stepSize strategy syncEvery timeout topology validationIndicatorCol
-verbose weightCol gpusPerTask""".split()
+verbose weightCol gpusPerTask keepOptimizerState initialModel""".split()
 CLASSIFIER_PARAMS = REGRESSOR_PARAMS + "probabilityCol rawPredictionCol thresholds".split()
 
 CONNECTED_CALLS = """aggregate_gradient_partition allreduce allreduce_exact close connections
@@ -48,7 +48,13 @@ PARAMETER_KEYWORDS = """partition_num size codec timeout fetch_threads allow_non
 unix_sockets shared_memory param_id strategy gradient_codec bind_address advertise_address
 port_range connect_timeout encrypt topology""".split()
 
-FIT_ARGUMENTS = "data features_col label_col validation resume_from weight_col".split()
+FIT_ARGUMENTS = "data features_col label_col validation resume_from weight_col initial".split()
+
+FIT_STREAM_ARGUMENTS = """stream model_path checkpoint_location features_col label_col weight_col
+initial on_model trigger query_name empty_batches""".split()
+
+#: what a TrainedModel holds for a later fit to continue from
+TRAINED_MODEL_FIELDS = "steps_done epochs_done optimizer_state optimizer_kind".split()
 
 #: TorchModel's keywords (needs torch; checked where it is installed)
 TORCH_MODEL_KEYWORDS = "module loss device precision".split()
@@ -92,12 +98,20 @@ def test_engine_calls_and_signatures_are_kept():
     )
     fit = inspect.signature(allreduce_param.DistriOptimizer.fit).parameters
     assert list(fit)[1:] == FIT_ARGUMENTS
+    stream = inspect.signature(allreduce_param.DistriOptimizer.fit_stream).parameters
+    assert list(stream)[1:] == FIT_STREAM_ARGUMENTS
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_an_old_module_path_is_the_new_module(old):
     module = importlib.import_module(old)
     assert module is importlib.import_module(MOVED[old])
+
+
+def test_a_trained_model_keeps_where_training_stopped():
+    trained = allreduce_param.TrainedModel(allreduce_param.models.LinearRegression(2), None)
+    for name in TRAINED_MODEL_FIELDS:
+        assert hasattr(trained, name), name
 
 
 def test_old_paths_of_public_names_import():

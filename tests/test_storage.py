@@ -249,3 +249,29 @@ def test_without_spark_the_error_says_to_install_or_start_one(tmp_path):
         "Protocol not known: viewfs" in viewfs
         and "a FileSystem for viewfs: (its connector)" in viewfs
     )
+
+
+@pytest.mark.parametrize("where", ["hadoop", "memory"])
+def test_published_models_are_renamed_into_place_and_the_pointer_names_the_newest(viewfs, where):
+    from allreduce_param.train.publish import PublishedModels
+
+    root = f"{viewfs}/live" if where == "hadoop" else "memory://allreduce-test/live"
+    published = PublishedModels(root)
+    assert published.latest() is None
+    for batch_id in (0, 1, 2):
+        model = trained(with_buffers=False)
+        model.weights = model.weights + batch_id
+        model.optimizer_state, model.optimizer_kind = {"momentum": model.weights * 2}, "SGD"
+        published.publish(model, batch_id, "/query", {"features": "array<float>"})
+    latest = published.latest()
+    assert (latest.batch_id, latest.folder, latest.query_checkpoint) == (
+        2,
+        "batch-0000000002",
+        "/query",
+    )
+    assert sorted(published.root.names()) == ["LATEST.json", "batch-0000000001", "batch-0000000002"]
+    loaded = TrainedModel.load(root)  # the folder's newest model
+    np.testing.assert_array_equal(loaded.weights, [3, 4, 5, 6])
+    np.testing.assert_array_equal(loaded.optimizer_state["momentum"], [6, 8, 10, 12])
+    published.root.remove_tree()
+    assert not published.root.exists()

@@ -26,6 +26,7 @@ from allreduce_param import (  # noqa: E402
 from allreduce_param.models.base import merge_buffers  # noqa: E402
 from allreduce_param.train.checkpoint import CheckpointSettings, load_buffers, newest  # noqa: E402
 from allreduce_param.train.records import Buffers  # noqa: E402
+from allreduce_param.train.start import StartPoint  # noqa: E402
 from allreduce_param.train.task.job import TrainingJob  # noqa: E402
 
 SPARK_MASTER = "local[2]"
@@ -250,7 +251,7 @@ def test_checkpoints_keep_each_partitions_buffers_and_a_resume_ends_with_the_sam
             6,
             False,
             checkpoints=CheckpointSettings(str(directory), 4, 10),
-            resume=resume,
+            start=StartPoint() if resume is None else StartPoint.of_checkpoint(resume),
         )
 
     whole = train_on_threads(job(tmp_path / "whole"), parts)

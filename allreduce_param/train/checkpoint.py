@@ -141,6 +141,10 @@ class Manifest:
     early_stopping: dict | None = None
     # each part's size and checksum, in order; None in a checkpoint written before they were
     checks: tuple[PartCheck, ...] | None = None
+    # how far training had come before the fit that wrote it (a fit continued from a
+    # TrainedModel: ``train.start``): global steps and epochs of the earlier fits
+    steps_before: int = 0
+    epochs_before: int = 0
 
     @property
     def parts(self) -> list[str]:
@@ -201,6 +205,8 @@ def read_manifest(folder: str) -> Manifest | Damage | None:
                 PartCheck.from_json(entry, _part_name(index, partitions))
                 for index, entry in enumerate(entries)
             ),
+            int(meta.get("steps_before", 0)),
+            int(meta.get("epochs_before", 0)),
         )
     except (KeyError, TypeError, ValueError) as error:
         return Damage(folder, url, f"manifest unreadable ({type(error).__name__}: {error})")
@@ -370,10 +376,12 @@ class CheckpointWriter:
         local_state: bool,
         settings: dict,
         early_stopping: dict | None = None,
+        before: tuple[int, int] = (0, 0),
     ) -> None:
         """Partition 0, once every part of ``step`` is written: make the checkpoint complete,
         then remove complete ones beyond ``keep`` and incomplete ones older than it.
-        ``early_stopping``: the fit's ``EarlyStopping.state()``, the same on every partition."""
+        ``early_stopping``: the fit's ``EarlyStopping.state()``, the same on every partition;
+        ``before``: the global steps and epochs of earlier fits this one continues."""
         folder = self._folder(step)
         names = [_part_name(index, partitions) for index in range(partitions)]
         checks = [posixpath.join(folder, _check_name(name)) for name in names]
@@ -387,6 +395,8 @@ class CheckpointWriter:
             "settings": settings,
             "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "parts": [self._read_check(url, folder, name) for url, name in zip(checks, names)],
+            "steps_before": before[0],
+            "epochs_before": before[1],
         }
         if early_stopping is not None:
             meta["early_stopping"] = early_stopping

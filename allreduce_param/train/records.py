@@ -13,8 +13,11 @@ partition's on the driver. The kinds, in the order a task sends them:
   its owner's updates took;
 - ``buffers`` (``Buffers``, a model with buffers): its own final buffers and its count of
   training rows;
-- ``resumed`` and ``weights`` (``Resumed``, ``Weights``, partition 0 alone): the steps
-  the fit resumed at, and the final weights.
+- ``optimizer_state`` (``OptimizerState``, with ``keep_optimizer_state``): its slice of
+  the optimizer's final state;
+- ``resumed``, ``reached`` and ``weights`` (``Resumed``, ``Reached``, ``Weights``,
+  partition 0 alone): the steps the fit resumed at, how far training has come in all
+  (global steps and epochs, earlier fits' included), and the final weights.
 
 A task that fails raises ``task_failure``'s ``TrainingError``, which names its partition
 (and epoch and step); ``recover_task_failure`` finds that message again in the text of
@@ -197,6 +200,56 @@ class Resumed(Record):
 
 
 @dataclass(frozen=True)
+class OptimizerState(Record):
+    """A partition's slice of the optimizer's final state (name -> float32 array), as npz;
+    the driver joins the slices in partition order (``StageOutput.optimizer_state``)."""
+
+    kind: ClassVar[str] = "optimizer_state"
+    partition: int
+    state: dict[str, np.ndarray]
+
+    def _payload(self) -> bytes:
+        stream = io.BytesIO()
+        arrays = {f"state/{name}": value for name, value in self.state.items()}
+        np.savez(stream, partition=np.int64(self.partition), **arrays)
+        return stream.getvalue()
+
+    @classmethod
+    def decode(cls, payload: bytes, partitions: int = 0) -> OptimizerState:
+        with np.load(io.BytesIO(bytes(payload))) as arrays:
+            state = {
+                name[len("state/") :]: arrays[name]
+                for name in arrays.files
+                if name.startswith("state/")
+            }
+            return cls(int(arrays["partition"]), state)
+
+    def gather(self, output: StageOutput) -> None:
+        output.state_slices[self.partition] = self.state
+
+
+@dataclass(frozen=True)
+class Reached(Record):
+    """How far training has come when the fit ends: global ``steps`` and ``epochs``, the
+    earlier fits' it continued included (partition 0's)."""
+
+    kind: ClassVar[str] = "reached"
+    steps: int
+    epochs: int
+
+    def _payload(self) -> bytes:
+        return json.dumps({"steps": self.steps, "epochs": self.epochs}).encode()
+
+    @classmethod
+    def decode(cls, payload: bytes, partitions: int) -> Reached:
+        fields = json.loads(bytes(payload))
+        return cls(int(fields["steps"]), int(fields["epochs"]))
+
+    def gather(self, output: StageOutput) -> None:
+        output.reached = (self.steps, self.epochs)
+
+
+@dataclass(frozen=True)
 class Weights(Record):
     """The final weights, one float32 vector (partition 0's)."""
 
@@ -216,7 +269,18 @@ class Weights(Record):
 
 #: Every record class by its kind.
 KINDS: dict[str, Any] = {
-    record.kind: record for record in (Steps, Epochs, Clock, Updates, Buffers, Resumed, Weights)
+    record.kind: record
+    for record in (
+        Steps,
+        Epochs,
+        Clock,
+        Updates,
+        Buffers,
+        OptimizerState,
+        Resumed,
+        Reached,
+        Weights,
+    )
 }
 
 
@@ -244,6 +308,20 @@ class StageOutput:
     resumed: list[int] = field(default_factory=list)
     weights: np.ndarray | None = None
     submitted: float = 0.0
+    state_slices: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    reached: tuple[int, int] = (0, 0)
+
+    @property
+    def optimizer_state(self) -> dict[str, np.ndarray] | None:
+        """The optimizer's whole final state, its partitions' slices joined in order (None:
+        the tasks kept none)."""
+        if not self.state_slices:
+            return None
+        ordered = [self.state_slices[index] for index in sorted(self.state_slices)]
+        return {
+            name: np.concatenate([piece[name] for piece in ordered]).astype(np.float32)
+            for name in ordered[0]
+        }
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[str, bytes]], partitions: int) -> StageOutput:

@@ -22,8 +22,13 @@ from allreduce_param.train.storage import Location, locate
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-FORMAT = "allreduce-param-model/2"  # /2: buffers.npz when the model has buffers
-READS = ("allreduce-param-model/1", FORMAT)
+# /2: buffers.npz when the model has buffers; /3: where training stopped, and
+# optimizer_state.npz when the fit kept it
+FORMAT = "allreduce-param-model/3"
+READS = ("allreduce-param-model/1", "allreduce-param-model/2", FORMAT)
+#: In a folder of a streaming fit's published models (``train.publish``): the file that
+#: names the newest complete one, which ``TrainedModel.load`` of the folder reads.
+LATEST = "LATEST.json"
 
 
 def merge_step(rows: np.ndarray) -> dict:
@@ -243,6 +248,12 @@ class TrainedModel:
     (``set_buffers``), so the model passed in is left as it was; assign ``buffers`` anew to
     change them. ``export_npz`` writes the named tensors; ``state_dict`` gives a
     ``TorchModel``'s as torch's ``load_state_dict`` takes them.
+
+    What a later fit continues from (``DistriOptimizer.fit(initial=...)``): ``steps_done``
+    and ``epochs_done``, how far training has come in all (earlier fits' included; by
+    default the history's counts), and with the fit's ``keep_optimizer_state``
+    ``optimizer_state`` (the optimizer's whole state by name; None: not kept) of the
+    optimizer ``optimizer_kind`` (its class name). ``save`` and ``load`` keep them all.
     """
 
     def __init__(
@@ -252,11 +263,19 @@ class TrainedModel:
         history: History | None = None,
         n_features: int | None = None,
         buffers: dict[str, np.ndarray] | None = None,
+        optimizer_state: dict[str, np.ndarray] | None = None,
+        optimizer_kind: str | None = None,
+        steps_done: int | None = None,
+        epochs_done: int | None = None,
     ) -> None:
         self.model = model
         self.weights = weights
         self.history = history or History()
         self.n_features = n_features
+        self.optimizer_state = optimizer_state
+        self.optimizer_kind = optimizer_kind
+        self.steps_done = len(self.history.steps) if steps_done is None else int(steps_done)
+        self.epochs_done = len(self.history.epochs) if epochs_done is None else int(epochs_done)
         # (SparkContext or Connect session, the weights array, its broadcast)
         self._broadcast: tuple | None = None
         self.buffers = buffers
@@ -358,11 +377,20 @@ class TrainedModel:
                 write_npz(file, self.buffers)
         elif buffers.exists():  # an earlier save's in the same folder
             buffers.remove()
+        state = folder.child("optimizer_state.npz")
+        if self.optimizer_state is not None:
+            with state.open_write() as file:
+                write_npz(file, self.optimizer_state)
+        elif state.exists():
+            state.remove()
         folder.child("model.pkl").write_bytes(cloudpickle.dumps(self.model))
         meta = {
             "format": FORMAT,
             "model": repr(self.model),
             "n_features": self.n_features,
+            "steps_done": self.steps_done,
+            "epochs_done": self.epochs_done,
+            "optimizer": self.optimizer_kind,
             "history": {
                 "steps": self.history.steps,
                 "epochs": self.history.epochs,
@@ -377,11 +405,17 @@ class TrainedModel:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TrainedModel:
-        """Read a model written by ``save``, from any path or URL ``save`` takes."""
+        """Read a model written by ``save``, from any path or URL ``save`` takes; or from
+        the folder a streaming fit publishes to (``DistriOptimizer.fit_stream``'s
+        ``model_path``), its newest complete model."""
         import pickle
 
         folder = locate(path, "load the model from")
         meta_file = folder.child("meta.json")
+        if not meta_file.is_file() and folder.child(LATEST).is_file():
+            newest = json.loads(folder.child(LATEST).read_bytes())["folder"]
+            folder = folder.child(newest)
+            meta_file = folder.child("meta.json")
         if not meta_file.is_file():
             held = (
                 "holds no saved model (no meta.json)"
@@ -413,9 +447,26 @@ class TrainedModel:
                 np.load(file, allow_pickle=False) as saved_buffers,
             ):
                 buffers = {name: saved_buffers[name] for name in saved_buffers.files}
+        state = None
+        if folder.child("optimizer_state.npz").is_file():
+            with (
+                folder.child("optimizer_state.npz").open_read() as file,
+                np.load(file, allow_pickle=False) as saved_state,
+            ):
+                state = {name: saved_state[name] for name in saved_state.files}
         with folder.child("weights.npy").open_read() as file:
             weights = np.load(file, allow_pickle=False)
-        return cls(model, weights, history, meta.get("n_features"), buffers=buffers)
+        return cls(
+            model,
+            weights,
+            history,
+            meta.get("n_features"),
+            buffers=buffers,
+            optimizer_state=state,
+            optimizer_kind=meta.get("optimizer"),
+            steps_done=meta.get("steps_done"),
+            epochs_done=meta.get("epochs_done"),
+        )
 
     def named_tensors(self) -> dict[str, np.ndarray]:
         """The weights as named arrays and the buffers by their names: the model's

@@ -182,6 +182,14 @@ class FitSettings:
         None, "checkpoint every k steps or 'epoch' (None: each epoch)"
     )
     checkpoint_keep: int = _setting(2, "how many of the newest checkpoints to keep", kind="Int")
+    keep_optimizer_state: bool = _setting(
+        False,
+        "keep the optimizer's state (Adam's moments, ...) with the trained model, saved with it, "
+        "and continue from the initial model's in a fit from one (fit(initial=...), "
+        "initialModel), which must hold it: training goes on exactly as one longer fit would. "
+        "False: the model holds none, and a fit from one starts the optimizer afresh",
+        kind="Boolean",
+    )
     verbose: bool = _setting(False, "print where the fit's time went when it ends", kind="Boolean")
     overlap: bool | str = _setting(
         "auto",
@@ -341,6 +349,10 @@ class FitSettings:
             raise ConfigurationError(
                 f"sparse_sync must be one of {', '.join(map(repr, SPARSE_SYNCS))}, got "
                 f"{self.sparse_sync!r}"
+            )
+        if not isinstance(self.keep_optimizer_state, bool):
+            raise ConfigurationError(
+                f"keep_optimizer_state must be True or False, got {self.keep_optimizer_state!r}"
             )
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")

@@ -126,6 +126,20 @@ class Location(ABC):
         """Remove this file."""
 
     @abstractmethod
+    def remove_tree(self) -> None:
+        """Remove this folder and everything in it (nothing there: nothing to do)."""
+
+    @abstractmethod
+    def rename(self, target: Location) -> None:
+        """Move this file or folder to ``target`` on the same storage, replacing a file
+        there: one rename, whole or absent, where the storage has one (a local disk, HDFS;
+        an object store copies)."""
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """The names of the entries in this folder (none there: empty)."""
+
+    @abstractmethod
     def open_write(self) -> IO[bytes]:
         """A binary file to write this file's bytes to, whole, replacing what was there."""
 
@@ -175,6 +189,23 @@ class FsspecLocation(Location):
 
     def remove(self) -> None:
         self.fs.rm_file(self.path)
+
+    def remove_tree(self) -> None:
+        if self.fs.exists(self.path):
+            self.fs.rm(self.path, recursive=True)
+
+    def rename(self, target: Location) -> None:
+        if self.local and getattr(target, "local", False):  # os.replace: one atomic rename
+            os.replace(self.path, target.path)
+        else:
+            self.fs.mv(self.path, target.path, recursive=True)
+
+    def names(self) -> list[str]:
+        if not self.fs.isdir(self.path):
+            return []
+        return [
+            posixpath.basename(entry.rstrip("/")) for entry in self.fs.ls(self.path, detail=False)
+        ]
 
     def open_write(self) -> IO[bytes]:
         return self.fs.open(self.path, "wb")
@@ -230,6 +261,31 @@ class HadoopLocation(Location):
     def remove(self) -> None:
         if not self._call(self._fs.delete, self._path, False):
             raise FileNotFoundError(f"{self.url}: Hadoop's delete removed nothing")
+
+    def remove_tree(self) -> None:
+        self._call(self._fs.delete, self._path, True)
+
+    def rename(self, target: Location) -> None:
+        if not target.exists():
+            if not self._call(self._fs.rename, self._path, target._path):
+                raise OSError(f"{self.url}: Hadoop's rename to {target.url} failed")
+            return
+        # FileSystem.rename never replaces; FileContext's with OVERWRITE does, in one rename
+        # where the file system has one (HDFS)
+        jvm, configuration = self._context._jvm, self._context._jsc.hadoopConfiguration()
+        files = jvm.org.apache.hadoop.fs.FileContext.getFileContext(
+            self._path.toUri(), configuration
+        )
+        options = self._context._gateway.new_array(jvm.org.apache.hadoop.fs.Options.Rename, 1)
+        options[0] = jvm.org.apache.hadoop.fs.Options.Rename.OVERWRITE
+        self._call(files.rename, self._path, target._path, options)
+
+    def names(self) -> list[str]:
+        if not self.is_dir():
+            return []
+        return [
+            status.getPath().getName() for status in self._call(self._fs.listStatus, self._path)
+        ]
 
     def open_write(self) -> IO[bytes]:
         stream = self._call(self._fs.create, self._path, True)

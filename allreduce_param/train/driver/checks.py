@@ -20,6 +20,7 @@ from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import task_slots
 from allreduce_param.train.checkpoint import Manifest
 from allreduce_param.train.columns import TRAIN
+from allreduce_param.train.start import StartPoint
 
 
 def check_model(model: Any) -> None:
@@ -112,6 +113,63 @@ def worker_count(
             + ")"
         )
     return workers
+
+
+def check_initial(initial: Any, model: Any, optimizer: Any, settings: Any) -> Any:
+    """``fit(initial=...)``'s model, checked against this fit's before any Spark job: a
+    ``TrainedModel`` (or an Estimator's Model, whose ``trained`` it is) of the same kind of
+    model, holding the optimizer state of this optimizer where ``keep_optimizer_state``
+    asks to continue it. The ``TrainedModel``."""
+    from allreduce_param.train.result import TrainedModel
+
+    trained = getattr(initial, "trained", initial)
+    if not isinstance(trained, TrainedModel):
+        raise InputError(
+            f"initial must be a TrainedModel (a fit's result, or TrainedModel.load(path)) or an "
+            f"Estimator's Model, got {type(initial).__name__}"
+        )
+    if type(trained.model) is not type(model):
+        raise InputError(
+            f"initial holds a {type(trained.model).__name__} model, this fit trains a "
+            f"{type(model).__name__}: continue with the kind of model initial was trained as"
+        )
+    if not settings.keep_optimizer_state:
+        return trained
+    if trained.optimizer_state is None:
+        raise InputError(
+            "keep_optimizer_state=True continues the optimizer's state, but initial holds none: "
+            "fit the initial model with keep_optimizer_state=True too (or save it from such a "
+            "fit), or pass keep_optimizer_state=False to start the optimizer afresh"
+        )
+    kind = type(optimizer).__name__
+    if trained.optimizer_kind != kind or set(trained.optimizer_state) != set(optimizer.state_names):
+        raise InputError(
+            f"initial holds the state of a {trained.optimizer_kind} optimizer "
+            f"({sorted(trained.optimizer_state)}), this fit's is {optimizer!r} "
+            f"({sorted(optimizer.state_names)}): continue with the optimizer initial was "
+            "trained with, or pass keep_optimizer_state=False to start this one afresh"
+        )
+    return trained
+
+
+def check_start(start: StartPoint, size: int, optimizer: Any) -> None:
+    """Where a fit starts, against the model's ``size`` (a checkpoint: its optimizer state
+    too; ``check_initial`` checked a model's)."""
+    if start.checkpoint is not None:
+        check_resume(start.checkpoint, size, optimizer)
+    if start.weights is None:
+        return
+    if start.weights.shape != (size,):
+        raise InputError(
+            f"initial holds {start.weights.size} weights, this fit's model has {size}: continue "
+            "with a model of the shape initial was trained as (the same layers and features)"
+        )
+    for name, value in (start.state or {}).items():
+        if np.shape(value) != (size,):
+            raise InputError(
+                f"initial's optimizer state {name!r} has shape {np.shape(value)}, not ({size},): "
+                "it does not belong to these weights"
+            )
 
 
 def check_resume(resume: Manifest, size: int, optimizer: Any) -> None:

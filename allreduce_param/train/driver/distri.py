@@ -21,8 +21,9 @@ from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train import regularisation
 from allreduce_param.train.driver.checks import (
+    check_initial,
     check_model,
-    check_resume,
+    check_start,
     check_takes_weights,
     model_size,
     warn_about_data,
@@ -39,15 +40,20 @@ from allreduce_param.train.driver.partitioning import (
 )
 from allreduce_param.train.driver.resume import resume_point
 from allreduce_param.train.driver.stage import engine_parameter, run_stage
+from allreduce_param.train.driver.streaming import start_query
 from allreduce_param.train.records import StageOutput
 from allreduce_param.train.result import History, TrainedModel, fit_phases
 from allreduce_param.train.settings import FitSettings
+from allreduce_param.train.start import StartPoint
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.touched import check_touched
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pyspark import RDD
     from pyspark.sql import DataFrame
+    from pyspark.sql.streaming import StreamingQuery
 
 #: What ``DistriOptimizer`` attributes of the settings' names give where it is not the
 #: setting as given: what follows from it (a read-through of ``settings`` either way).
@@ -119,7 +125,9 @@ class DistriOptimizer:
     fit runs its stage again, up to ``spark.stage.maxConsecutiveAttempts`` times in all (4
     by default; each run again is announced with a ``RuntimeWarning`` saying why), and the
     new attempt resumes from the newest one instead of starting over;
-    ``fit(resume_from=...)`` continues a stopped or finished fit from one.
+    ``fit(resume_from=...)`` continues a stopped or finished fit from one, and
+    ``fit(initial=trained_model)`` goes on from an earlier fit's result (with
+    ``keep_optimizer_state=True``, exactly as one longer fit).
 
     ``early_stopping_patience=k`` ends the fit once the loss on ``fit(validation=...)`` has
     not improved for k epochs (by more than ``early_stopping_min_delta``) and returns the
@@ -170,6 +178,7 @@ class DistriOptimizer:
         validation: DataFrame | None = None,
         resume_from: str | None = None,
         weight_col: str | None = None,
+        initial: TrainedModel | None = None,
     ) -> TrainedModel:
         """Train on ``data`` (a DataFrame, or an RDD of ``(features, label)`` numpy pairs).
 
@@ -180,16 +189,23 @@ class DistriOptimizer:
         weighted means. It needs a DataFrame, and a model whose ``loss_and_grad`` takes
         ``sample_weight=`` (the built-in dense models do).
         ``resume_from``: a checkpoint (its folder, or a fit's folder: its newest) to continue
-        from, optimizer state included, on any number of workers. Bad data or settings raise
-        before any task starts; a failing task raises ``TrainingError`` naming its
-        partition, epoch and step.
+        from, optimizer state included, on any number of workers.
+        ``initial``: a ``TrainedModel`` (a fit's result, or ``TrainedModel.load``'s; or an
+        Estimator's Model) to continue from: its weights and buffers, and with
+        ``keep_optimizer_state=True`` its optimizer state (which it must hold: fit it with
+        that setting too); its epochs are numbered on from the model's and the optimizer
+        counts its steps on (learning-rate schedules), so under BSP ``fit(df,
+        initial=fit(df))`` of k epochs each gives the same bits as one fit of 2k epochs. It
+        must be a model of the same kind and size; pass ``resume_from`` or ``initial``, not
+        both. Bad data or settings raise before any task starts; a failing task raises
+        ``TrainingError`` naming its partition, epoch and step.
         """
         started, started_at = time.perf_counter(), time.time()
         s = self.settings
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
         check_no_dynamic_allocation(spark)
         profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
-        resume = resume_point(resume_from) if resume_from is not None else None
+        start = self._start(resume_from, initial)
         if s.early_stopping_patience is not None and validation is None:
             raise InputError(
                 f"early_stopping_patience={s.early_stopping_patience} stops on the "
@@ -210,8 +226,7 @@ class DistriOptimizer:
                 f"needs rows in each step; raise batch_size or pass num_workers<={s.batch_size}"
             )
         s.synchronisation.check_partitions(workers)
-        if resume is not None:
-            check_resume(resume, size, self.optimizer)
+        check_start(start, size, self.optimizer)
         network = NetworkSettings.of(s.network_values(), spark.session_setting)  # read once
         param = engine_parameter(s, network, workers, size)
         checkpoints = s.checkpoints()
@@ -227,7 +242,7 @@ class DistriOptimizer:
                 validation is not None,
                 driver,
                 checkpoints,
-                resume,
+                start,
                 sparse=summary is not None and summary.sparse,
             )
             check_touched(job)
@@ -242,6 +257,68 @@ class DistriOptimizer:
                     raise
                 raise with_checkpoint_advice(error, checkpoints, spark) from error.__cause__
         return self._result(output, n_features, started, started_at, checkpoints)
+
+    def fit_stream(
+        self,
+        stream: DataFrame,
+        model_path: str,
+        checkpoint_location: str,
+        features_col: str = "features",
+        label_col: str = "label",
+        weight_col: str | None = None,
+        initial: TrainedModel | None = None,
+        on_model: Callable[[int, TrainedModel], None] | None = None,
+        trigger: dict[str, Any] | None = None,
+        query_name: str | None = None,
+        empty_batches: str = "skip",
+    ) -> StreamingQuery:
+        """Train on a streaming DataFrame as it arrives: each micro-batch one fit of these
+        settings that continues from the last one's model (``fit(initial=...)``: the epochs
+        and the optimizer's steps go on; with ``keep_optimizer_state=True``, its state too),
+        published to ``model_path`` and handed to ``on_model(batch_id, trained_model)``.
+        The started ``StreamingQuery`` (``awaitTermination``, ``processAllAvailable``,
+        ``stop``).
+
+        ``model_path`` (a local path or a URL, as ``TrainedModel.save`` takes them) always
+        holds the latest complete model: ``TrainedModel.load(model_path)`` reads it (see
+        ``train.publish``). ``checkpoint_location``: the streaming query's checkpoint; a
+        query started again with the same one and the same ``model_path`` goes on from the
+        published model at the next micro-batch, training none twice and skipping none.
+        ``initial``: a model to start a new ``model_path`` from. ``trigger``: the keyword
+        arguments of ``DataStreamWriter.trigger`` (``{"availableNow": True}``,
+        ``{"processingTime": "1 minute"}``; None: Spark's default, a micro-batch as soon as
+        the last is done). A micro-batch with other training columns' types than the
+        model's stops the query with an ``InputError`` naming it, and nothing is published
+        for it; one with no rows (a rate source's first) is passed over with a
+        ``UserWarning`` (``empty_batches="skip"``) or stops the query (``"error"``).
+        """
+        return start_query(
+            self,
+            stream,
+            model_path,
+            checkpoint_location,
+            {"features_col": features_col, "label_col": label_col, "weight_col": weight_col},
+            initial,
+            on_model,
+            trigger,
+            query_name,
+            empty_batches,
+        )
+
+    def _start(self, resume_from: str | None, initial: Any) -> StartPoint:
+        """Where the fit starts, from ``fit()``'s arguments, checked before any Spark job:
+        ``resume_from``'s checkpoint (verified), ``initial``'s model, or the start."""
+        if resume_from is not None and initial is not None:
+            raise InputError(
+                f"fit() got both resume_from={resume_from!r} and initial=: pass one, resume_from "
+                "to continue a fit from its checkpoint, or initial to continue from a trained model"
+            )
+        if initial is not None:
+            trained = check_initial(initial, self.model, self.optimizer, self.settings)
+            return StartPoint.of_model(trained, self.settings.keep_optimizer_state)
+        if resume_from is not None:
+            return StartPoint.of_checkpoint(resume_point(resume_from))
+        return StartPoint()
 
     def _source(self, data, features_col, label_col, validation, weight_col) -> tuple:
         """``(rows to place, one row to try the model on, features, partitions, summary)``
@@ -298,4 +375,15 @@ class DistriOptimizer:
         if self.settings.verbose:
             print(history.phases_line(), flush=True)
         buffers = merge_buffers(output.buffers) if output.buffers else None
-        return TrainedModel(self.model, output.weights, history, n_features, buffers=buffers)
+        state = output.optimizer_state if self.settings.keep_optimizer_state else None
+        return TrainedModel(
+            self.model,
+            output.weights,
+            history,
+            n_features,
+            buffers=buffers,
+            optimizer_state=state,
+            optimizer_kind=None if state is None else type(self.optimizer).__name__,
+            steps_done=output.reached[0],
+            epochs_done=output.reached[1],
+        )

@@ -19,6 +19,7 @@ import warnings
 from allreduce_param.errors import DamagedCheckpointError, InputError
 from allreduce_param.train.checkpoint import Found, Manifest, find
 from allreduce_param.train.integrity import Damage
+from allreduce_param.train.start import StartPoint
 from allreduce_param.train.task.job import TrainingJob
 
 
@@ -66,7 +67,8 @@ def resume_point(location: str) -> Manifest:
 def restart_point(job: TrainingJob) -> TrainingJob:
     """The job a stage runs again with after a failed attempt: resuming from the newest
     intact checkpoint of the fit's folder, else from where the first attempt started
-    (``resume_from``'s checkpoint, or the start). ``job``: the fit's first attempt's."""
+    (``resume_from``'s checkpoint, ``initial``'s model, or the start). ``job``: the fit's
+    first attempt's."""
     if job.checkpoints is None:
         return job
     found = find(job.checkpoints.directory)
@@ -74,12 +76,12 @@ def restart_point(job: TrainingJob) -> TrainingJob:
         _warn(
             found,
             "the stage runs again and",
-            otherwise="the job's own start: "
-            + (f"{job.resume.folder} (step {job.resume.step})" if job.resume else "step 0"),
+            otherwise="the job's own start: " + job.start.describe(),
         )
     if found.manifest is None:
         return job
-    return dataclasses.replace(job, resume=found.manifest)
+    # the fit's own checkpoint: it records how far the fit's start had come (steps_before)
+    return dataclasses.replace(job, start=StartPoint.of_checkpoint(found.manifest))
 
 
 def _warn(found: Found, who: str, otherwise: str = "") -> None:

@@ -80,10 +80,11 @@ def run_stage(
 def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int) -> None:
     """Say that the stage failed and runs again, and from where: a run can take long (the
     rows are loaded anew), and a fit that goes quiet meanwhile looks hung."""
+    origin = "the start" if job.start.fresh else job.start.describe()
     start = (
-        "from the newest checkpoint of this fit (from the start if none was written yet)"
+        f"from the newest checkpoint of this fit (from {origin} if none was written yet)"
         if job.checkpoints is not None
-        else "from the start (a fit with checkpoint_dir would resume from its newest checkpoint)"
+        else f"from {origin} (a fit with checkpoint_dir would resume from its newest checkpoint)"
     )
     warnings.warn(
         f"the fit's stage failed, run {failures} of at most {attempts} "

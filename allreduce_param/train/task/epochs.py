@@ -47,7 +47,7 @@ class Epochs(FitState):
         whether early stopping ended the fit there."""
         while (
             not self.stopped
-            and self._next_epoch < self.settings.epochs - 1
+            and self._next_epoch < self.last_epoch
             and (index >= len(self.plan) or self.plan[index][0] > self._next_epoch)
         ):
             self._epoch_done(self._next_epoch)

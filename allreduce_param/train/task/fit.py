@@ -75,7 +75,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
                 p.weight_partition,
                 gradient,
                 state,
-                index,
+                self.steps_before + index,
                 grad_scale=scale,
                 **regularisation.step_arguments,
             )
@@ -96,6 +96,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
         """Start the background owner: it updates the own slice with the optimizer, and writes
         the checkpoints (it owns the optimizer state)."""
         optimizer, state, regularisation = self.job.optimizer, self.state, self.regularisation
+        before = self.steps_before  # the earlier fits' steps: the optimizer counts on
 
         def steps_done(done: int) -> None:
             if self._checkpoint_due(done - 1):
@@ -103,7 +104,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
 
         def update(gradient: np.ndarray, weights: np.ndarray, step: int) -> None:
             regularisation.hold(gradient)
-            optimizer.step(weights, gradient, state, step, **regularisation.step_arguments)
+            optimizer.step(weights, gradient, state, before + step, **regularisation.step_arguments)
 
         self.p.serve_updates(update, len(self.plan), steps_done)
 
@@ -162,7 +163,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
                     self.weights,
                     grad_sum,
                     state,
-                    index,
+                    self.steps_before + index,
                     grad_scale=1.0 / count,
                     **self.regularisation.step_arguments,
                 )
@@ -180,14 +181,14 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             self._report_step(self._record(index, loss_sum, count, phases))
             if (
                 epoch_ends
-                and self.plan[index][0] < self.settings.epochs - 1
+                and self.plan[index][0] < self.last_epoch
                 and self._epoch_done(self.plan[index][0])
             ):
                 return  # early stopping
             if synced_now and checkpoint_due:
                 self._checkpoint(index + 1)
                 checkpoint_due = False
-        self._epoch_done(self.settings.epochs - 1, last=True)
+        self._epoch_done(self.last_epoch, last=True)
 
     def _sync(self, synced: np.ndarray, rows: int) -> tuple[float, float, float, float]:
         """Local SGD's sync; the put, aggregate, send and get times."""
@@ -209,6 +210,22 @@ class PartitionFit(Steps, Epochs, Checkpoints):
         synced[:] = self.weights
         return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3
 
+    def state_slice(self) -> dict[str, np.ndarray]:
+        """This partition's slice of the optimizer's state, as the fit left it (with local
+        SGD, the slice of its own whole state), for the ``TrainedModel`` to keep."""
+        if not self.job.local_sgd:
+            return {name: value.copy() for name, value in self.state.items()}
+        bounds = self.p.layout.bounds(self.p.partition_id)
+        return {name: value[bounds].copy() for name, value in self.state.items()}
+
+    def reached(self) -> tuple[int, int]:
+        """How far training has come, earlier fits included: (global steps, epochs). Where
+        early stopping ended the fit, the steps and epochs up to the one it stopped after."""
+        if self.stopped:
+            steps = sum(1 for epoch, _ in self.plan if epoch < self._next_epoch)
+            return self.steps_before + steps, self._next_epoch
+        return self.steps_before + len(self.plan), self.last_epoch + 1
+
     def _finish(self) -> None:
         """The final weights, on every partition, and the last epoch's metrics with them
         (where early stopping ended the fit, it has done both)."""
@@ -218,4 +235,4 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             return
         self.p.get_weights(out=self.weights)
         if not self._epochs_before(len(self.plan)):
-            self._epoch_done(self.settings.epochs - 1, last=True)
+            self._epoch_done(self.last_epoch, last=True)

@@ -7,8 +7,9 @@ from typing import Any
 
 from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.messages import MessageClient
-from allreduce_param.train.checkpoint import CheckpointSettings, Manifest
+from allreduce_param.train.checkpoint import CheckpointSettings
 from allreduce_param.train.settings import FitSettings
+from allreduce_param.train.start import StartPoint
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,10 @@ class TrainingJob:
     driver, where the partitions meet and, when the settings ask for progress, report their
     steps (None: they meet through ``allGather`` and report nothing). ``checkpoints``: where
     this fit writes its checkpoints (a folder of its own, chosen on the driver; None:
-    never). ``resume``: the checkpoint to start from, verified on the driver
-    (``fit(resume_from=...)``'s; when the stage runs again, the newest intact one of this
-    fit's, ``driver.resume.restart_point``); None: the model's initial weights.
+    never). ``start``: where the fit starts (``train.start.StartPoint``), chosen and
+    verified on the driver: the model's initial weights, ``fit(resume_from=...)``'s
+    checkpoint, ``fit(initial=...)``'s model, or when the stage runs again the newest
+    intact checkpoint of this fit's (``driver.resume.restart_point``).
     ``sparse``: the rows train as a CSR matrix (the driver found the data sparse), not a
     dense one.
     """
@@ -38,7 +40,7 @@ class TrainingJob:
     has_validation: bool
     driver: MessageClient | None = None
     checkpoints: CheckpointSettings | None = None
-    resume: Manifest | None = None
+    start: StartPoint = StartPoint()
     sparse: bool = False
 
     @property

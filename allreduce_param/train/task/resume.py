@@ -1,12 +1,12 @@
-"""A partition's checkpoints: where its fit starts (a checkpoint of its own fit, one to
-resume from, or the model's initial weights), and the checkpoints it writes."""
+"""A partition's checkpoints: where its fit starts (the job's ``StartPoint``: a checkpoint
+of its own fit, one to resume from, a trained model to continue, or the model's initial
+weights), and the checkpoints it writes."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from allreduce_param.models.base import has_buffers
-from allreduce_param.train.checkpoint import load_best, load_buffers, load_part
 from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS, Started
 from allreduce_param.train.task.state import FitState
 
@@ -18,53 +18,47 @@ class Checkpoints(FitState):
     # ---- checkpoints -----------------------------------------------------------------------
 
     def _begin(self) -> int:
-        """Initialise the weights and the optimizer state, from the checkpoint the driver
-        chose (``job.resume``: ``resume_from``'s, or after a failed attempt the newest
-        intact one of this fit, verified there), else the model; the global step to start
-        at. Every part read is checked again (size, checksum, format): damage since the
-        driver looked fails the task with the file named, and the next attempt passes over
-        that checkpoint."""
+        """Initialise the weights, the optimizer state and the model's buffers from where
+        the driver said the fit starts (``job.start``: the model's initial weights, a
+        checkpoint, or a trained model; ``train.start``); the global step to start at.
+        Every checkpoint part read is checked again (size, checksum, format): damage since
+        the driver looked fails the task with the file named, and the next attempt passes
+        over that checkpoint."""
         job, p = self.job, self.p
         local = job.local_sgd
-        manifest = job.resume
-        names = job.optimizer.state_names
-        if manifest is None:
-            self._report_start(0)
-            initial = job.model.init(np.random.default_rng(self.settings.seed))
-            p.init(self.regularisation.initial(initial))
-            self.state = job.optimizer.init_state(p.layout.size if local else p.slice_length)
-            return 0
-        arrays, records = load_part(manifest, p.partition_id, p.layout)
-        if not local:
-            self.state = {name: arrays[f"state/{name}"] for name in names}
-        elif all(f"local/{name}" in arrays for name in names):
-            self.state = {name: arrays[f"local/{name}"] for name in names}
-        else:  # no whole state of this partition's own there (not local SGD, or other workers)
-            self.state = job.optimizer.init_state(p.layout.size)
+        start = job.start
+        part = start.part(job.model, self.settings.seed, p.partition_id, p.layout, local)
+        self.state = (
+            part.state
+            if part.state is not None
+            else job.optimizer.init_state(p.layout.size if local else p.slice_length)
+        )
+        if part.buffers is not None and has_buffers(job.model):
+            job.model.set_buffers(part.buffers)
+        records = part.records
         self.records = [np.asarray(row, dtype=np.float64) for row in records.get("steps", [])]
-        self._next_epoch = self._evaluated_before(manifest.step)
+        self._next_epoch = self._evaluated_before(start.step)
         self.epochs = [
             share for share in records.get("epochs", []) if share["epoch"] < self._next_epoch
         ]
         self._earlier_updates = records.get("updates", [])
-        self.resumed = records.get("resumed", []) + [manifest.step]
-        if has_buffers(job.model):
-            buffers = load_buffers(manifest, p.partition_id, p.partition_num)
-            if buffers is not None:  # a checkpoint written before buffers were kept has none
-                job.model.set_buffers(buffers)
-        if self._early is not None and manifest.early_stopping is not None:
-            self._early.restore(manifest.early_stopping, load_best(manifest))
-        self._report_start(manifest.step)  # before init: no peer can report a step before it
-        p.init(self.regularisation.initial(arrays["weights"]), step=manifest.step)
-        return manifest.step
+        self.resumed = records.get("resumed", []) + ([start.step] if start.step else [])
+        manifest = start.checkpoint
+        if self._early is not None and manifest is not None and manifest.early_stopping is not None:
+            self._early.restore(manifest.early_stopping, part.best)
+        self._report_start(start.step)  # before init: no peer can report a step before it
+        p.init(self.regularisation.initial(part.weights), step=start.step)
+        return start.step
 
     def _evaluated_before(self, start: int) -> int:
         """How many epochs a fit had evaluated when it checkpointed after ``start`` steps
         (the same on every partition, whatever records came along): with local SGD an epoch
         is evaluated at its last step, before the checkpoint there; otherwise at the next
         epoch's first step, after it."""
+        if start == 0:
+            return self.first_epoch
         if start >= len(self.plan):
-            return self.settings.epochs - 1
+            return self.last_epoch
         return self.plan[start][0] if self.job.local_sgd else self.plan[start - 1][0]
 
     def _report_start(self, start: int) -> None:
@@ -103,9 +97,7 @@ class Checkpoints(FitState):
         early = self._early
         if early is not None and early.best_weights is not None:  # load_best joins the slices
             arrays["best/weights"] = early.best_weights[p.layout.bounds(p.partition_id)].copy()
-        end_epoch = (
-            self.plan[steps_done][0] if steps_done < len(self.plan) else self.settings.epochs - 1
-        )
+        end_epoch = self.plan[steps_done][0] if steps_done < len(self.plan) else self.last_epoch
         steps = [row.tolist() for row in self.records[:steps_done]]
         # a straggler's steps the others went on without
         for index in range(len(steps), steps_done):
@@ -129,6 +121,7 @@ class Checkpoints(FitState):
                 local,
                 job.manifest_settings(),
                 None if early is None else early.state(),
+                (job.start.steps_before, job.start.epochs_before),
             )
 
     def updates_table(self, before: int | None = None) -> np.ndarray:

@@ -39,7 +39,10 @@ class Rows(NamedTuple):
 class FitState:
     """One partition's fit, as data. ``where`` tracks the epoch and step for error messages;
     ``records``: its row of ``STEP_FIELDS`` for each step so far; ``epochs``: its share of
-    each epoch's metrics so far; ``resumed``: the steps the fit resumed at."""
+    each epoch's metrics so far; ``resumed``: the steps the fit resumed at.
+    ``first_epoch``, ``last_epoch``: this fit's epochs, numbered on from the earlier fits'
+    it continues (``job.start``); ``steps_before``: their global steps, which the
+    optimizer's step count adds to this fit's (schedules, bias correction)."""
 
     def __init__(
         self,
@@ -71,7 +74,10 @@ class FitState:
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
         self._early = settings.early_stopping()  # this partition's; every one decides alike
         self.stopped = False  # whether early stopping ended the fit before its last epoch
-        self._next_epoch = 0  # the first epoch not yet evaluated
+        self.first_epoch = job.start.epochs_before
+        self.last_epoch = self.first_epoch + settings.epochs - 1
+        self.steps_before = job.start.steps_before
+        self._next_epoch = self.first_epoch  # the first epoch not yet evaluated
         self.plan: list[tuple[int, int]] = []  # every global step as (epoch, step in the epoch)
         self.cuts = np.zeros(1, np.int64)
         self._steps_per_epoch = 0

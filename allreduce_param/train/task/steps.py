@@ -42,7 +42,7 @@ class Steps(FitState):
         self.cuts = share_bounds(self.train.row_count, p.partition_id, p.partition_num, steps)
         self.plan = [
             (epoch, step)
-            for epoch in range(self.settings.epochs)
+            for epoch in range(self.first_epoch, self.last_epoch + 1)
             for step in range(steps)
             if sizes[step]
         ]

@@ -24,6 +24,8 @@ from allreduce_param.train.records import (
     Buffers,
     Clock,
     Epochs,
+    OptimizerState,
+    Reached,
     Resumed,
     Steps,
     Updates,
@@ -54,7 +56,8 @@ def train_partition(
     when it ``started`` and had ``loaded`` its rows; its ``Clock`` record adds when it
     ``met`` its peers and ``trained``. The records: ``Steps``, ``Epochs``, ``Clock``,
     ``Updates`` (with backup workers), ``Buffers`` (a model with buffers: this partition's
-    own, its model being its own copy), and from partition 0 ``Resumed`` and ``Weights``.
+    own, its model being its own copy), ``OptimizerState`` (with ``keep_optimizer_state``),
+    and from partition 0 ``Resumed``, ``Reached`` and ``Weights``.
     ``rendezvous`` defaults to meeting at the driver through ``job.driver``, else the
     Spark barrier stage's ``allGather``.
     """
@@ -87,8 +90,11 @@ def train_partition(
             yield Updates(fit.updates_table()).encode()
         if has_buffers(job.model):
             yield Buffers(job.model.buffers(), rows.row_count).encode()
+        if job.settings.keep_optimizer_state:
+            yield OptimizerState(p.partition_id, fit.state_slice()).encode()
         if p.partition_id == 0:
             yield Resumed(fit.resumed).encode()
+            yield Reached(*fit.reached()).encode()
             yield Weights(fit.weights).encode()
     except TrainingError:
         raise
