@@ -440,20 +440,8 @@ class TrainedModel:
             saved.get("checkpoints"),
             saved.get("phases", {}),
         )
-        buffers = None
-        if folder.child("buffers.npz").is_file():
-            with (
-                folder.child("buffers.npz").open_read() as file,
-                np.load(file, allow_pickle=False) as saved_buffers,
-            ):
-                buffers = {name: saved_buffers[name] for name in saved_buffers.files}
-        state = None
-        if folder.child("optimizer_state.npz").is_file():
-            with (
-                folder.child("optimizer_state.npz").open_read() as file,
-                np.load(file, allow_pickle=False) as saved_state,
-            ):
-                state = {name: saved_state[name] for name in saved_state.files}
+        buffers = _read_npz(folder, "buffers.npz")
+        state = _read_npz(folder, "optimizer_state.npz")
         with folder.child("weights.npy").open_read() as file:
             weights = np.load(file, allow_pickle=False)
         return cls(
@@ -511,6 +499,15 @@ class TrainedModel:
                 "state_dict(weights, buffers): use export_npz(path) for its named tensors"
             )
         return make(self.weights, self.buffers or None)
+
+
+def _read_npz(folder: Location, name: str) -> dict[str, np.ndarray] | None:
+    """The arrays of ``folder``'s ``name`` (an ``.npz`` a model's ``save`` wrote), or None if
+    it has none (a model without buffers, or one saved without its optimizer state)."""
+    if not folder.child(name).is_file():
+        return None
+    with folder.child(name).open_read() as file, np.load(file, allow_pickle=False) as saved:
+        return {key: saved[key] for key in saved.files}
 
 
 def write_npz(path: str | os.PathLike | IO[bytes], arrays: dict[str, np.ndarray]) -> None:
