@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_allreduce, bas
 
 import baselines  # noqa: E402
 import bench_allreduce as bench  # noqa: E402
-from bench_processes import free_ports  # noqa: E402
+from bench_processes import free_ports, run_ranks  # noqa: E402
 
 from allreduce_param import AllReduceParameter, StaticRendezvous, models  # noqa: E402
 
@@ -257,21 +257,7 @@ def measure(args, size: int) -> dict:
         )
         for rank in range(args.processes)
     ]
-    for process in processes:
-        process.start()
-    try:
-        got = {}
-        for _ in processes:
-            rank, report = results.get(timeout=TIMEOUT * 2)
-            if isinstance(report, str):
-                raise SystemExit(f"error: rank {rank} of {args.processes} failed: {report}")
-            got[rank] = report
-    finally:
-        for process in processes:
-            process.join(60)
-            if process.is_alive():
-                process.kill()
-                process.join()
+    got = run_ranks(processes, results, TIMEOUT * 2)
     rounds = {}
     for way in got[0]:
         times = np.array([got[rank][way] for rank in range(args.processes)])  # rank, round, step, 2

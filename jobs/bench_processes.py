@@ -56,6 +56,28 @@ TIMEOUT = 300.0
 LR = np.float32(0.1)
 
 
+def run_ranks(processes: list, results, timeout: float) -> dict:
+    """Start the rank ``processes`` and collect each one's report from ``results`` (a queue
+    of ``(rank, report)``; a string report is that rank's error, which ends the benchmark
+    naming it); every process is joined, or killed, before this returns."""
+    for process in processes:
+        process.start()
+    try:
+        got = {}
+        for _ in processes:
+            rank, report = results.get(timeout=timeout)
+            if isinstance(report, str):
+                raise SystemExit(f"error: rank {rank} of {len(processes)} failed: {report}")
+            got[rank] = report
+        return got
+    finally:
+        for process in processes:
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
 def free_ports(count: int) -> list[int]:
     """Ports the kernel just handed out on 127.0.0.1; the ranks bind them again at once."""
     sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
@@ -212,21 +234,7 @@ def measure(
         )  # fmt: skip
         for rank in range(ranks)
     ]
-    for process in processes:
-        process.start()
-    try:
-        got = {}
-        for _ in processes:
-            rank, report = results.get(timeout=TIMEOUT * (1 + len(sizes)))
-            if isinstance(report, str):
-                raise SystemExit(f"error: rank {rank} of {ranks} failed: {report}")
-            got[rank] = report
-    finally:
-        for process in processes:
-            process.join(60)
-            if process.is_alive():
-                process.kill()
-                process.join()
+    got = run_ranks(processes, results, TIMEOUT * (1 + len(sizes)))
     rows = []
     for index, size in enumerate(sizes):
         # rank, round, step, phase
