@@ -538,6 +538,12 @@ class ConnectedParameter:
         return self._peers.connections()
 
     @property
+    def host_arena(self) -> bool:
+        """Whether this partition's step goes through its host's shared arena
+        (``AllReduceParameter(host_arena=)``, where it applies), not blocks."""
+        return self._arena is not None
+
+    @property
     def hierarchical(self) -> bool:
         """Whether hosts sum within themselves first: ``PeerGroup.hierarchical``."""
         return self._peers.hierarchical

@@ -113,13 +113,15 @@ class HostArena:
         self._owner = owner  # made the segment and its doorbells: offers them to the others
         self._pidfds: dict[int, int] = {}
         self._closed = False
+        #: how errors name each partition (``"partition 1 at 127.0.0.1:4000"``)
+        self.names = [f"partition {p}" for p in range(partition_num)]
         layout = self.layout
-        self._map = mmap.mmap(fd, layout.nbytes)
         if os.fstat(fd).st_size < layout.nbytes:
             raise ProtocolError(
                 f"the host arena passed to partition {partition_id} holds "
                 f"{os.fstat(fd).st_size} bytes, not {layout.nbytes}"
             )
+        self._map = mmap.mmap(fd, layout.nbytes)
         self._words = np.frombuffer(self._map, np.int64, 8 * (partition_num + 1))
         self._counts = np.frombuffer(self._map, np.float64, 8 * (partition_num + 1))
         self.weights = np.frombuffer(self._map, np.float32, size, layout.weights)
@@ -239,7 +241,7 @@ class HostArena:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise FetchTimeoutError(
-                    f"partition {missing[0]} (on this host) did not make {what} of version "
+                    f"{self.names[missing[0]]} (on this host) did not make {what} of version "
                     f"{version} whole within {self.timeout:g} s: the peer is stuck or much "
                     "slower; raise AllReduceParameter(timeout=...) if its steps are this slow"
                 )
@@ -257,10 +259,14 @@ class HostArena:
             word = self._word(partition)
             if word[field] > version + 1:
                 raise ProtocolError(
-                    f"partition {partition} made {what} of version {int(word[field]) - 1} "
+                    f"{self.names[partition]} made {what} of version {int(word[field]) - 1} "
                     f"whole while partition {self.partition_id} waits for version {version}: "
                     "the partitions' calls went out of step (every partition must make the "
                     "same calls in the same order)"
+                )
+            if word[STATE] == CLOSED:
+                raise self._lost(
+                    partition, what, version, "closed its handle", said="it makes no more calls"
                 )
             if word[STATE] != ALIVE:
                 raise self._lost(
@@ -288,6 +294,22 @@ class HostArena:
             if word[field] != version + 1 and word[STATE] == ALIVE:  # gone without a word
                 raise self._lost(partition, what, version, f"(pid {int(word[PID])}) exited")
 
+    def ended(self, partition: int) -> bool:
+        """Whether ``partition`` has stopped: closed, failed, or its process gone."""
+        if self._closed:
+            return True
+        if self._word(partition)[STATE] != ALIVE:
+            return True
+        try:
+            pidfd = self._pidfd(partition)
+        except PeerLostError:
+            return True
+        if pidfd is None:
+            return False
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return bool(poller.poll(0))
+
     def _pidfd(self, partition: int) -> int | None:
         """A descriptor that becomes readable when ``partition``'s process ends; None for
         a partition of this very process (threads) or one not attached yet."""
@@ -311,8 +333,8 @@ class HostArena:
 
     def _lost(self, partition: int, what: str, version: int, detail: str, said: str = ""):
         text = (
-            f"partition {partition} (on this host, in shared memory) {detail} while "
-            f"partition {self.partition_id} waited for its {what} of version {version}"
+            f"{self.names[partition]} {detail} while partition {self.partition_id} waited "
+            f"for its {what} of version {version} in the host's shared memory"
         )
         if said:
             return PeerLostError(f"{text}; it said: {said}")

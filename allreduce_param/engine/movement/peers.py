@@ -73,6 +73,9 @@ LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
 #: and connections this costs as N grows: "Scaling: connections, bytes and steps").
 FETCH_THREADS = 16
 
+#: How often (seconds) a partition ending looks whether its peers stopped in the host arena.
+ARENA_LOOK = 0.02
+
 
 class PeerGroup:
     """This partition's server and its connections to the peers of one parameter.
@@ -241,14 +244,17 @@ class PeerGroup:
         """This partition's mapping of the host arena: partition 0 makes it, the others
         ask partition 0 for it over its Unix socket and map it."""
         if self.partition_id == 0:
-            return self._leader_arena()
-        address = self._addresses[0]
-        client = self._client(0, address, address.local_name)
-        try:
-            text, fds = client.ask_arena(self.partition_num + 1)
-        finally:
-            client.close()
-        return HostArena.attach(text, fds, self.partition_id, self.timeout)
+            arena = self._leader_arena()
+        else:
+            address = self._addresses[0]
+            client = self._client(0, address, address.local_name)
+            try:
+                text, fds = client.ask_arena(self.partition_num + 1)
+            finally:
+                client.close()
+            arena = HostArena.attach(text, fds, self.partition_id, self.timeout)
+        arena.names = [f"partition {p} at {a.host}:{a.port}" for p, a in enumerate(self._addresses)]
+        return arena
 
     def _client(self, peer: int, address: PeerAddress, local_name: str | None = None) -> PeerClient:
         """A client of ``peer``'s server at ``address`` (over its Unix socket ``local_name``
@@ -393,6 +399,8 @@ class PeerGroup:
         """
         if self._closed:
             return
+        if self.arena is not None:
+            self.arena.end(None)  # whoever still waits for us in the arena waits in vain
         try:
             me = self.partition_id
             near, far = (
@@ -441,20 +449,31 @@ class PeerGroup:
 
     def _wait_for_peers(self, partitions, timeout: float | None = None) -> bool:
         """Wait until each of ``partitions`` is done with us (at most ``timeout``, default the
-        parameter's); log those that are not."""
+        parameter's); log those that are not. Through a host arena a peer that stopped
+        there (closed, failed, its process gone) is done too: it may never have connected."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        arena = self.arena
+
+        def done() -> bool:
+            left = set(partitions) - self._done_peers
+            return not left or (arena is not None and all(arena.ended(p) for p in left))
+
         with self._done_changed:
-            done = self._done_changed.wait_for(
-                lambda: self._done_peers.issuperset(partitions),
-                timeout=self.timeout if timeout is None else timeout,
-            )
+            while not (finished := done()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                # the arena's ends ring no condition: look again in a while
+                self._done_changed.wait(left if arena is None else min(left, ARENA_LOOK))
             missing = sorted(set(partitions) - self._done_peers)
-        if not done:
+        if not finished:
             log.warning(
                 "partition %d stopped waiting for partitions %s to say they were done",
                 self.partition_id,
                 missing,
             )
-        return done
+        return finished
 
     @property
     def closed(self) -> bool:
@@ -469,8 +488,8 @@ class PeerGroup:
             return
         with self._arena_lock:
             self._closed = True
-        if self.arena is not None:
-            self.arena.end(None)  # a thread of ours waiting in the arena stops
+        if self.arena is not None:  # whoever waits in the arena, we or a peer, stops
+            self.arena.end(f"partition {self.partition_id} was shut down")
         for channel in self._channels:
             channel.abort()
         self._server.close()
