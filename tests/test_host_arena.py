@@ -218,9 +218,9 @@ def test_a_silent_peer_is_a_timeout_naming_it():
 
     results = run_partitions(AllReduceParameter(2, 10, "raw", host_arena=True, timeout=0.5), body)
     assert isinstance(results[0], FetchTimeoutError), results[0]
-    assert "partition 1 at 127.0.0.1" in str(results[0]) and "gradient of version 0" in str(
+    assert "partition 1 at 127.0.0.1" in str(
         results[0]
-    )
+    ) and "gradient block from partition 1 to partition 0, version 0" in str(results[0])
 
 
 def test_a_peer_shut_down_mid_wait_ends_the_wait():
@@ -261,15 +261,17 @@ def test_an_arena_wait_ends_on_our_abort_a_peer_s_close_and_calls_out_of_step(tw
     first, second = two_mappings
     second.publish(GRADIENT, 5, count=1.0)
     with pytest.raises(
-        ProtocolError, match="gradient of version 5 whole while partition 0 waits for version 3"
+        ProtocolError,
+        match="partition 1 published the gradient block from partition 1 to partition 0, "
+        "version 5 while partition 0 waits for version 3: .* out of step",
     ):
-        first.wait(GRADIENT, 3, "gradient")
+        first.wait(GRADIENT, 3)
     second.end(None)
     with pytest.raises(PeerLostError, match="partition 1 closed its handle .* no more calls"):
-        first.wait(WEIGHT, 0, "weight slice")
+        first.wait(WEIGHT, 0)
     first.end("partition 0 failed: boom")
     with pytest.raises(StoreClosedError, match="partition 0 is shutting down"):
-        first.wait(WEIGHT, 0, "weight slice")
+        first.wait(WEIGHT, 0)
     assert second.ended(0) and first.ended(1)
 
 
@@ -323,5 +325,8 @@ def test_a_peer_process_that_dies_mid_wait_is_named_at_once():
     assert partition_id == 0 and outcome.startswith("PeerLostError: partition 1 at 127.0.0.1"), (
         outcome
     )
-    assert "exited while partition 0 waited for its gradient of version 0" in outcome
+    assert (
+        "exited while partition 0 waited for the gradient block from partition 1 to partition 0, "
+        "version 0 in the host's shared memory" in outcome
+    )
     assert "without a word" in outcome and "spark.executor.memory" in outcome

@@ -125,7 +125,7 @@ class AllReduceParameter:
         allow_nonfinite: bool = False,
         unix_sockets: bool = True,
         shared_memory: bool = True,
-        host_arena: bool = False,
+        host_arena: bool = True,
         param_id: int | None = None,
         strategy: Strategy | None = None,
         gradient_codec: str | None = None,

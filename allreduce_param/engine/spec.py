@@ -47,7 +47,7 @@ class ParameterSpec:
     fetch_threads: int | None = None
     unix_sockets: bool = True
     shared_memory: bool = True
-    host_arena: bool = False
+    host_arena: bool = True
     allow_nonfinite: bool = False
     network: NetworkSettings = field(default_factory=NetworkSettings)
     param_id: int = 0

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKey, BlockKind
 from allreduce_param.errors import (
     FetchTimeoutError,
     PeerLostError,
@@ -217,9 +218,15 @@ class HostArena:
             if partition != self.partition_id:
                 os.eventfd_write(doorbell, 1)
 
-    def wait(self, field: int, version: int, what: str) -> None:
-        """Return once every partition has made ``version`` of ``field`` whole; ``what``
-        names it for the errors (``"the weight slice"``). A peer that failed or closed is
+    def describe(self, field: int, partition: int, version: int) -> str:
+        """For errors, as the blocks would say it: 'weight block from partition 1 to all,
+        version 3'."""
+        if field == WEIGHT:
+            return BlockKey(BlockKind.WEIGHT, partition, EVERY_PARTITION, 0).describe(version)
+        return BlockKey(BlockKind.GRADIENT, partition, self.partition_id, 0).describe(version)
+
+    def wait(self, field: int, version: int) -> None:
+        """Return once every partition has made ``version`` of ``field`` whole. A peer that failed or closed is
         a ``PeerLostError`` with its reason, one whose process is gone one saying so, at
         once; one that is not there within the timeout a ``FetchTimeoutError``; a word
         past ``version`` (calls out of step) a ``ProtocolError``."""
@@ -234,46 +241,48 @@ class HostArena:
             missing = np.flatnonzero(column != target).tolist()
             if not missing:
                 return
-            self._check(missing, field, version, what)
+            self._check(missing, field, version)
             if spins < SPINS:
                 spins += 1
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
+                late = missing[0]
                 raise FetchTimeoutError(
-                    f"{self.names[missing[0]]} (on this host) did not make {what} of version "
-                    f"{version} whole within {self.timeout:g} s: the peer is stuck or much "
-                    "slower; raise AllReduceParameter(timeout=...) if its steps are this slow"
+                    f"{self.names[late]} did not publish the {self.describe(field, late, version)} "
+                    f"within {self.timeout:g} s (partition {self.partition_id} waited in the "
+                    "host's shared memory). The peer is stuck or much slower; raise "
+                    "AllReduceParameter(timeout=...) if its steps are this slow"
                 )
-            self._sleep(missing, min(left, NAP), field, version, what)
+            self._sleep(missing, min(left, NAP), field, version)
 
-    def _check(self, missing: list[int], field: int, version: int, what: str) -> None:
+    def _check(self, missing: list[int], field: int, version: int) -> None:
         """Raise for a missing partition that will never come: failed, closed, ahead."""
         own = self._word(self.partition_id)
         if own[STATE] != ALIVE:
             raise StoreClosedError(
                 f"partition {self.partition_id} is shutting down: it stopped waiting for "
-                f"{what} of version {version}"
+                f"version {version} in the host's shared memory"
             )
         for partition in missing:
             word = self._word(partition)
             if word[field] > version + 1:
+                ahead = self.describe(field, partition, int(word[field]) - 1)
                 raise ProtocolError(
-                    f"{self.names[partition]} made {what} of version {int(word[field]) - 1} "
-                    f"whole while partition {self.partition_id} waits for version {version}: "
-                    "the partitions' calls went out of step (every partition must make the "
-                    "same calls in the same order)"
+                    f"{self.names[partition]} published the {ahead} while partition "
+                    f"{self.partition_id} waits for version {version}: the partitions' calls "
+                    "went out of step (every partition must make the same calls in the same order)"
                 )
             if word[STATE] == CLOSED:
                 raise self._lost(
-                    partition, what, version, "closed its handle", said="it makes no more calls"
+                    partition, field, version, "closed its handle", said="it makes no more calls"
                 )
             if word[STATE] != ALIVE:
                 raise self._lost(
-                    partition, what, version, "shut down", said=self._reason(partition)
+                    partition, field, version, "shut down", said=self._reason(partition)
                 )
 
-    def _sleep(self, missing: list[int], seconds: float, field, version, what) -> None:
+    def _sleep(self, missing: list[int], seconds: float, field: int, version: int) -> None:
         """Sleep on the doorbell and on the missing peers' processes for at most ``seconds``."""
         poller = select.poll()
         doorbell = self._doorbells[self.partition_id]
@@ -292,7 +301,7 @@ class HostArena:
             partition = next(p for p, each in self._pidfds.items() if each == fd)
             word = self._word(partition)
             if word[field] != version + 1 and word[STATE] == ALIVE:  # gone without a word
-                raise self._lost(partition, what, version, f"(pid {int(word[PID])}) exited")
+                raise self._lost(partition, field, version, f"(pid {int(word[PID])}) exited")
 
     def ended(self, partition: int) -> bool:
         """Whether ``partition`` has stopped: closed, failed, or its process gone."""
@@ -321,7 +330,7 @@ class HostArena:
         try:
             self._pidfds[partition] = os.pidfd_open(pid)
         except ProcessLookupError:
-            raise self._lost(partition, "anything", 0, f"(pid {pid}) exited") from None
+            raise self._lost(partition, None, 0, f"(pid {pid}) exited") from None
         return self._pidfds[partition]
 
     def _reason(self, partition: int) -> str:
@@ -331,10 +340,11 @@ class HostArena:
             "utf-8", "replace"
         )
 
-    def _lost(self, partition: int, what: str, version: int, detail: str, said: str = ""):
+    def _lost(self, partition: int, field: int | None, version: int, detail: str, said: str = ""):
+        what = "anything" if field is None else f"the {self.describe(field, partition, version)}"
         text = (
             f"{self.names[partition]} {detail} while partition {self.partition_id} waited "
-            f"for its {what} of version {version} in the host's shared memory"
+            f"for {what} in the host's shared memory"
         )
         if said:
             return PeerLostError(f"{text}; it said: {said}")

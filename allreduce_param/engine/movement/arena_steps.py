@@ -68,7 +68,7 @@ class ArenaSteps:
     def gather(self, version: int, out: np.ndarray | None) -> np.ndarray:
         """Wait for every slice of ``version``; the whole vector, read-only (valid until
         this partition's next put, after which the owners update it), or copied into ``out``."""
-        self.arena.wait(WEIGHT, version, "weight slice")
+        self.arena.wait(WEIGHT, version)
         if out is not None:
             np.copyto(out, self.arena.weights)
             return out
@@ -106,7 +106,7 @@ class ArenaSteps:
         """Wait for every partition's gradient of ``version`` and sum the own chunk of each
         into ``out`` in the hosts' order (``sums.sum_in_order``); the summed counts."""
         arena, bounds = self.arena, self._bounds
-        arena.wait(GRADIENT, version, "gradient")
+        arena.wait(GRADIENT, version)
         pending = {}
         for source in range(self.layout.partition_num):
             chunk, count = arena.gradient(source)[bounds], arena.count(source)
