@@ -51,9 +51,10 @@ REASON_BYTES = 1024  # each partition's failure text slot
 WEIGHT, GRADIENT, COUNT, STATE, PID, REASON_LENGTH = range(6)
 ALIVE, CLOSED, FAILED = 0, 1, 2
 
-#: How many times a waiter reads the words before it sleeps on its doorbell: a peer that
-#: is a few microseconds away is waited for on the CPU, a slower one costs no CPU.
-SPINS = 200
+#: How long a waiter reads the words before it sleeps on its doorbell, in seconds: a
+#: peer a few microseconds away is waited for on the CPU; a slower one costs no CPU (and
+#: takes none from the peer it waits for, where cores are fewer than partitions).
+SPIN = 20e-6
 #: How long one sleep on the doorbell lasts at most, in seconds, before the words and
 #: the partitions' states are read again (a lost process is seen through its pidfd at once).
 NAP = 1.0
@@ -226,25 +227,24 @@ class HostArena:
         return BlockKey(BlockKind.GRADIENT, partition, self.partition_id, 0).describe(version)
 
     def wait(self, field: int, version: int) -> None:
-        """Return once every partition has made ``version`` of ``field`` whole. A peer that failed or closed is
-        a ``PeerLostError`` with its reason, one whose process is gone one saying so, at
-        once; one that is not there within the timeout a ``FetchTimeoutError``; a word
-        past ``version`` (calls out of step) a ``ProtocolError``."""
+        """Return once every partition has made ``version`` of ``field`` whole. A peer that
+        failed or closed is a ``PeerLostError`` with its reason, one whose process is gone
+        one saying so, at once; one that is not there within the timeout a
+        ``FetchTimeoutError``; a word past ``version`` (calls out of step) a ``ProtocolError``."""
         target = version + 1
         words = self._words
         column = words[8 + field :: 8]
         if (column == target).all():
             return
-        deadline = time.monotonic() + self.timeout
-        spins = 0
+        now = time.monotonic()
+        deadline, spin_until = now + self.timeout, now + SPIN
+        while not (column == target).all() and time.monotonic() < spin_until:
+            pass
         while True:
             missing = np.flatnonzero(column != target).tolist()
             if not missing:
                 return
             self._check(missing, field, version)
-            if spins < SPINS:
-                spins += 1
-                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 late = missing[0]
