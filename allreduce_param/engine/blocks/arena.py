@@ -7,7 +7,8 @@ writable by every partition (its descriptor passed over the leader's Unix socket
 
 - a control line per partition: the version of its weight slice and of its gradient
   that it last made whole (plus one: 0 means none yet), its gradient's sample count, its
-  state (alive, closed, failed, with the reason in a text slot of its own) and its pid;
+  state (alive, closed, failed, with the reason in a text slot of its own), its pid and
+  its pid namespace (a pid is only looked up from the same namespace);
 - the weight vector, once: each owner updates its slice where it lies;
 - one gradient vector per partition, written where the owners read it.
 
@@ -48,7 +49,7 @@ LINE = 64  # every region starts on a cache line; a control line is 8 int64 word
 REASON_BYTES = 1024  # each partition's failure text slot
 
 #: The words of a partition's control line.
-WEIGHT, GRADIENT, COUNT, STATE, PID, REASON_LENGTH = range(6)
+WEIGHT, GRADIENT, COUNT, STATE, PID, REASON_LENGTH, PID_NAMESPACE = range(7)
 ALIVE, CLOSED, FAILED = 0, 1, 2
 
 #: How long a waiter reads the words before it sleeps on its doorbell, in seconds: a
@@ -68,6 +69,14 @@ def arena_available() -> bool:
         and hasattr(socket, "send_fds")
         and platform.machine().lower() in ("x86_64", "amd64")
     )
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode), or 0 where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _aligned(nbytes: int) -> int:
@@ -139,7 +148,9 @@ class HostArena:
                 f"{int(self._words[1])} partitions of {int(self._words[2])} floats, not "
                 f"{partition_num} of {size}: every partition must run the same parameter"
             )
-        self._word(partition_id)[PID] = os.getpid()
+        own = self._word(partition_id)
+        own[PID_NAMESPACE] = _pid_namespace()
+        own[PID] = os.getpid()
 
     # ---- making and passing ------------------------------------------------------------
 
@@ -321,11 +332,14 @@ class HostArena:
 
     def _pidfd(self, partition: int) -> int | None:
         """A descriptor that becomes readable when ``partition``'s process ends; None for
-        a partition of this very process (threads) or one not attached yet."""
+        a partition of this very process (threads), one not attached yet, or one in
+        another pid namespace (a container of the same pod: its pid means nothing here;
+        its failure and its timeout still end a wait)."""
         if partition in self._pidfds:
             return self._pidfds[partition]
-        pid = int(self._word(partition)[PID])
-        if pid == 0 or pid == os.getpid():
+        word = self._word(partition)
+        pid, namespace = int(word[PID]), int(word[PID_NAMESPACE])
+        if pid == 0 or pid == os.getpid() or not namespace or namespace != _pid_namespace():
             return None
         try:
             self._pidfds[partition] = os.pidfd_open(pid)
