@@ -490,8 +490,9 @@ class PeerGroup:
             return
         with self._arena_lock:
             self._closed = True
-        if self.arena is not None:  # whoever waits in the arena, we or a peer, stops
-            self.arena.end(f"partition {self.partition_id} was shut down")
+        for arena in (self.arena, self._made_arena):  # whoever waits there, we or a peer, stops
+            if arena is not None:
+                arena.end(f"partition {self.partition_id} was shut down")
         for channel in self._channels:
             channel.abort()
         self._server.close()

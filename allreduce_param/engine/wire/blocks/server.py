@@ -138,6 +138,9 @@ class BlockServer:
         self._shared = shared
         self._lock = threading.Lock()
         self._peers: set[_Peer] = set()
+        # the accept loop runs from inside AuthenticatedServer's constructor: a peer quick
+        # enough is proven before ``_server`` is assigned, and its serving waits for this
+        self._started = threading.Event()
         self._server = AuthenticatedServer(
             secret,
             param_id,
@@ -155,6 +158,7 @@ class BlockServer:
             thread_name=f"allreduce-serve-{partition_id}",
             accept_thread_name=f"allreduce-accept-{partition_id}",
         )
+        self._started.set()
         self.address: tuple[str, int] = self._server.address
         self.local_name = self._server.local_name
 
@@ -182,6 +186,9 @@ class BlockServer:
         """A peer proved the secret: every request is read from its connection (sealed, if
         agreed) and every answer written to it."""
         peer = _Peer(proven)
+        if not self._started.wait(self._io_timeout):  # the constructor failed after accepting
+            peer.conn.close()
+            return
         # a request comes whole; an answer's slice is taken in time
         peer.conn.settimeout(self._io_timeout)
         with self._lock:
