@@ -364,3 +364,38 @@ def test_the_arena_leaves_no_descriptor_or_mapping_behind():
     gc.collect()
     assert open_fds() == before
     assert arena_maps() == 0
+
+
+def map_under_a_limit(results) -> None:
+    """Partition 0's arena of 10M floats, mapped again under an address-space limit with
+    no room for it (as spark.executor.pyspark.memory sets one)."""
+    import resource
+
+    arena = HostArena.create(2, 10_000_000, 0, timeout=30)
+    text, fds = arena.offer()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (used + (16 << 20), hard))
+    try:
+        HostArena.attach(text, [os.dup(fd) for fd in fds], 1, timeout=30)
+        results.put("mapped")
+    except BaseException as error:
+        results.put(f"{type(error).__name__}: {error}")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_no_memory_to_map_the_arena_is_a_memory_error_naming_the_limit():
+    context = multiprocessing.get_context("spawn")  # the limit stays in a process of its own
+    results = context.Queue()
+    process = context.Process(target=map_under_a_limit, args=(results,))
+    process.start()
+    try:
+        outcome = results.get(timeout=120)
+    finally:
+        process.join(60)
+    assert outcome.startswith(
+        "MemoryError: partition 1 ran out of memory ([Errno 12] Cannot allocate memory) while "
+        "it mapped its host's shared arena"
+    ), outcome
+    assert "spark.executor.pyspark.memory" in outcome

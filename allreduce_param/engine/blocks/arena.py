@@ -26,6 +26,7 @@ travel as before there.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -132,7 +133,18 @@ class HostArena:
                 f"the host arena passed to partition {partition_id} holds "
                 f"{os.fstat(fd).st_size} bytes, not {layout.nbytes}"
             )
-        self._map = mmap.mmap(fd, layout.nbytes)
+        try:
+            self._map = mmap.mmap(fd, layout.nbytes)
+        except OSError as error:
+            if error.errno != errno.ENOMEM:
+                raise
+            raise MemoryError(
+                f"partition {partition_id} ran out of memory ({error}) while it mapped its "
+                f"host's shared arena ({layout.nbytes} bytes: the weights and every partition's "
+                "gradient): a limit on its address space counts the mapping (under Spark, "
+                "spark.executor.pyspark.memory sets one on each Python worker): raise that "
+                "limit or leave it unset"
+            ) from error
         self._words = np.frombuffer(self._map, np.int64, 8 * (partition_num + 1))
         self._counts = np.frombuffer(self._map, np.float64, 8 * (partition_num + 1))
         self.weights = np.frombuffer(self._map, np.float32, size, layout.weights)
