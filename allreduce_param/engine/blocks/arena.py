@@ -306,7 +306,11 @@ class HostArena:
                 )
 
     def _sleep(self, missing: list[int], seconds: float, field: int, version: int) -> None:
-        """Sleep on the doorbell and on the missing peers' processes for at most ``seconds``."""
+        """Sleep on the doorbell and on the missing peers' processes for at most ``seconds``.
+        Returns at once when this mapping was closed meanwhile (a shutdown from another
+        thread): the caller's next look finds this partition ended."""
+        if self._closed:
+            return
         poller = select.poll()
         doorbell = self._doorbells[self.partition_id]
         poller.register(doorbell, select.POLLIN)
@@ -314,14 +318,18 @@ class HostArena:
             pidfd = self._pidfd(partition)
             if pidfd is not None:
                 poller.register(pidfd, select.POLLIN)
-        for fd, _ in poller.poll(seconds * 1000):
+        for fd, events in poller.poll(seconds * 1000):
+            if self._closed or events & select.POLLNVAL:
+                return
             if fd == doorbell:
                 try:
                     os.eventfd_read(doorbell)
-                except BlockingIOError:
+                except OSError:  # drained by another waiter, or closed meanwhile
                     pass
                 continue
-            partition = next(p for p, each in self._pidfds.items() if each == fd)
+            partition = next((p for p, each in self._pidfds.items() if each == fd), None)
+            if partition is None:
+                continue
             word = self._word(partition)
             if word[field] != version + 1 and word[STATE] == ALIVE:  # gone without a word
                 raise self._lost(partition, field, version, f"(pid {int(word[PID])}) exited")
@@ -406,7 +414,6 @@ class HostArena:
         for fd in [self._fd, *self._doorbells, *self._pidfds.values()]:
             os.close(fd)
         self._pidfds.clear()
-        self.weights = self._gradients = self._words = self._counts = None
         try:
             self._map.close()
         except BufferError:  # a view handed out still exists: the mapping goes when it does
