@@ -25,7 +25,7 @@ from allreduce_param import (
 )
 from allreduce_param.engine.blocks.arena import GRADIENT, WEIGHT, HostArena
 from allreduce_param.engine.movement.peers import PART_LENGTH
-from allreduce_param.errors import ProtocolError, StoreClosedError
+from allreduce_param.errors import ProtocolError, StoreClosedError, UsageError
 
 STEPS = 3
 
@@ -399,3 +399,28 @@ def test_no_memory_to_map_the_arena_is_a_memory_error_naming_the_limit():
         "it mapped its host's shared arena"
     ), outcome
     assert "spark.executor.pyspark.memory" in outcome
+
+
+def test_our_own_shutdown_from_another_thread_ends_our_wait():
+    """A shutdown of this partition from another thread (a task kill's cleanup) while it
+    waits in the arena: the wait ends with this partition's own shutting down (or, had the
+    shutdown come first, the call is refused), never a hang or a closed descriptor's error."""
+    handles = {}
+    about_to_wait = threading.Event()
+
+    def body(p):
+        p.init(np.zeros(10, np.float32))
+        handles[p.partition_id] = p
+        if p.partition_id == 1:
+            about_to_wait.wait(30)
+            handles[0]._peers.shutdown()  # partition 0's, from this thread
+            return "shut partition 0 down"
+        p.get_weights()
+        p.put_gradients(np.ones(10, np.float32))
+        about_to_wait.set()
+        p.aggregate_gradient_partition()  # partition 1's gradient never comes
+
+    results = run_partitions(AllReduceParameter(2, 10, "raw", host_arena=True, timeout=60), body)
+    assert results[1] == "shut partition 0 down"
+    assert isinstance(results[0], (StoreClosedError, UsageError)), results[0]
+    assert "partition 0 is shutting down" in str(results[0]) or "closed" in str(results[0])
