@@ -16,7 +16,8 @@ A ``PeerGroup`` is what a partition needs to reach the others, made once per ``c
 - the host arena (``arena``, with ``host_arena`` on): where every partition is on one host
   under plain BSP with lossless codecs, the step's weights and gradients live in one
   shared segment that partition 0 (the host's leader) makes and passes to the others over
-  its Unix socket (``OP_ARENA``; ``arena_steps.py`` moves the step through it);
+  its Unix socket (``OP_ARENA``; ``host_arenas.py`` decides and passes it,
+  ``arena_steps.py`` moves the step through it);
 - ``channels.Channel``\\ s: each thread that fetches (the worker, a background owner, the
   control blocks) has connections and fetch threads of its own; a connection is made at
   its first use, so a hierarchical partition connects only to its host and, a leader, to
@@ -34,12 +35,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from allreduce_param.engine.blocks.arena import HostArena, arena_available
+from allreduce_param.engine.blocks.arena import HostArena
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.blocks.shm import SharedArenas, shared_memory_available
 from allreduce_param.engine.blocks.store import BlockStore
 from allreduce_param.engine.layout import HostLayout
 from allreduce_param.engine.movement.channels import Channel
+from allreduce_param.engine.movement.host_arenas import ArenaPassing
 from allreduce_param.engine.movement.rendezvous import Rendezvous
 from allreduce_param.engine.spec import ParameterSpec
 from allreduce_param.engine.wire.blocks import (
@@ -52,7 +54,6 @@ from allreduce_param.errors import (
     AllReduceError,
     AuthenticationError,
     ProtocolError,
-    StoreClosedError,
 )
 
 log = logging.getLogger(__name__)
@@ -96,16 +97,15 @@ class PeerGroup:
         self._done_changed = threading.Condition()
         self._channels: list[Channel] = []
         strategy, network = spec.strategy, spec.network
-        #: the host arena this partition's BSP step goes through, if any (``_open_arena``)
+        #: the host arena this partition's BSP step goes through, if any
         self.arena: HostArena | None = None
-        self._made_arena: HostArena | None = None  # partition 0's: made at the first ask
-        self._arena_lock = threading.Lock()
         # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
         self.shared = (
             SharedArenas()
             if spec.unix_sockets and spec.shared_memory and shared_memory_available()
             else None
         )
+        self._arena_passing = ArenaPassing(spec, self.partition_id, self.shared is not None)
         self.store = BlockStore(
             keep=strategy.keep(),
             wait_for_readers=strategy.waits_for_readers(),
@@ -130,7 +130,7 @@ class PeerGroup:
             advertise=advertise,
             handshake_timeout=network.connect_timeout,
             encrypt=network.encrypt,
-            arena=self._offer_arena if self._may_lead_arena() else None,
+            arena=self._arena_passing.offer if self._arena_passing.may_lead else None,
         )
         self._addresses: list = []
         try:
@@ -157,8 +157,8 @@ class PeerGroup:
             # small blocks (choices, signals) on connections of their own, made at first use:
             # a background owner's channel may be waiting for a straggler's gradient meanwhile
             self.control = self.channel(1, "control")
-            if self._uses_arena():
-                self.arena = self._open_arena()
+            if self._arena_passing.applies(self.hosts, self._addresses):
+                self.arena = self._arena_passing.open(self._addresses, self._client)
         except BaseException:
             self.shutdown()
             raise
@@ -192,69 +192,6 @@ class PeerGroup:
                 )
             completed.append(address)
         return completed
-
-    def _may_lead_arena(self) -> bool:
-        """Whether this partition may be asked for a host arena: partition 0 (the leader of
-        a host that holds every partition) of a spec that may use one."""
-        spec = self.spec
-        return (
-            spec.host_arena
-            and self.partition_id == 0
-            and self.partition_num > 1
-            and self.shared is not None
-            and arena_available()
-            and spec.strategy.inline_owner
-            and not get_codec(spec.codec).lossy
-            and not get_codec(spec.gradient_codec).lossy
-        )
-
-    def _uses_arena(self) -> bool:
-        """Whether the step goes through a host arena: every partition decides alike, from
-        the spec and the hosts the meeting gave (one host holds them all)."""
-        spec = self.spec
-        return (
-            spec.host_arena
-            and self.partition_num > 1
-            and self.shared is not None
-            and arena_available()
-            and spec.strategy.inline_owner
-            and not get_codec(spec.codec).lossy
-            and not get_codec(spec.gradient_codec).lossy
-            and len(self.hosts.hosts) == 1
-            and self._addresses[0].local_name is not None
-        )
-
-    def _leader_arena(self) -> HostArena:
-        """Partition 0's arena, made at the first need (its own ``connect``, or a peer's
-        ask, whichever comes first)."""
-        with self._arena_lock:
-            if self._closed:
-                raise StoreClosedError(f"partition {self.partition_id} is shutting down")
-            if self._made_arena is None:
-                self._made_arena = HostArena.create(
-                    self.partition_num, self.spec.size, self.partition_id, self.timeout
-                )
-            return self._made_arena
-
-    def _offer_arena(self) -> tuple[bytes, list[int]]:
-        """The block server's answer to a peer's ``OP_ARENA``."""
-        return self._leader_arena().offer()
-
-    def _open_arena(self) -> HostArena:
-        """This partition's mapping of the host arena: partition 0 makes it, the others
-        ask partition 0 for it over its Unix socket and map it."""
-        if self.partition_id == 0:
-            arena = self._leader_arena()
-        else:
-            address = self._addresses[0]
-            client = self._client(0, address, address.local_name)
-            try:
-                text, fds = client.ask_arena(self.partition_num + 1)
-            finally:
-                client.close()
-            arena = HostArena.attach(text, fds, self.partition_id, self.timeout)
-        arena.names = [f"partition {p} at {a.host}:{a.port}" for p, a in enumerate(self._addresses)]
-        return arena
 
     def _client(self, peer: int, address: PeerAddress, local_name: str | None = None) -> PeerClient:
         """A client of ``peer``'s server at ``address`` (over its Unix socket ``local_name``
@@ -488,18 +425,15 @@ class PeerGroup:
         threads and free the shared memory. Once."""
         if self._closed:
             return
-        with self._arena_lock:
-            self._closed = True
-        for arena in (self.arena, self._made_arena):  # whoever waits there, we or a peer, stops
-            if arena is not None:
-                arena.end(f"partition {self.partition_id} was shut down")
+        self._closed = True
+        # whoever waits in the arena, we or a peer, stops; nothing more is offered
+        self._arena_passing.stop(self.arena, f"partition {self.partition_id} was shut down")
         for channel in self._channels:
             channel.abort()
         self._server.close()
         join()
         for channel in self._channels:
             channel.close()
-        for arena in {id(a): a for a in (self.arena, self._made_arena) if a is not None}.values():
-            arena.close()
+        self._arena_passing.close(self.arena)
         if self.shared is not None:
             self.shared.close()
