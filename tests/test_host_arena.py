@@ -122,12 +122,13 @@ def run_spawned(param, target, partitions: int) -> list:
                 process.kill()
 
 
-def test_plain_processes_share_the_arena_with_the_blocks_bits():
+@pytest.mark.parametrize("n", [2, 3])
+def test_plain_processes_share_the_arena_with_the_blocks_bits(n):
     """Spawned processes map the arena partition 0 made (its descriptor passed over the
     Unix socket) and end with the bits threads get through blocks."""
     size = 40_001
-    got = run_spawned(AllReduceParameter(3, size, "raw", host_arena=True, timeout=60), spawned, 3)
-    _, blocks = both_ways(3, size, lent=True)
+    got = run_spawned(AllReduceParameter(n, size, "raw", host_arena=True, timeout=60), spawned, n)
+    _, blocks = both_ways(n, size, lent=True)
     for partition_id, used, seen in got:
         assert used is True, seen
         assert_same_bits([seen], [blocks[partition_id]])
