@@ -25,9 +25,11 @@ copy's rate of memory traffic (two bytes moved per byte copied) that is
     python jobs/bench_allreduce.py --processes 2,4,8,16 --sizes 1M,10M,100M   # many cores
     python jobs/bench_allreduce.py --processes 2 --sizes 10K --rounds 2 --steps 3 --warmup 1
 
-Memory: an engine partition holds about four vectors (its gradient buffer, the weights
-``get_weights`` fills, the fetched and stored chunks) and gloo's rank two more; at 100M
-float32 and N = 16 that is about 40 GB.
+Memory: through the host arena (the default here: one host, BSP, raw) the host holds the
+weight vector once and one gradient vector per partition, and each partition its summed
+slice; gloo's rank two vectors more (its weights and its gradient): at 100M float32 and
+N = 16 about 20 GB. Through blocks (``host_arena=False``) an engine partition holds about
+four vectors.
 """
 
 from __future__ import annotations

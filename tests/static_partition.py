@@ -3,7 +3,8 @@ PARAM ID ADDRESSES``, where PARAM is a pickled ``AllReduceParameter`` (made once
 process holds the same secret), ID this partition's id and ADDRESSES the JSON list of
 ``[host, port]``. It meets its peers through ``StaticRendezvous``, runs two BSP steps of
 ``gradient(partition, step)`` and prints one JSON line: what it saw (``hosts``,
-``remote_peers``, the family of its Unix/TCP connections) and a digest of the weights.
+``remote_peers``, whether its step went through the host arena, the family of its
+Unix/TCP connections) and a digest of the weights.
 
 For tests that run partitions under other namespaces (``unshare``, ``nsenter``), where a
 ``multiprocessing`` child cannot go.
@@ -61,6 +62,7 @@ def run(param, partition: int, addresses: list) -> dict:
             "partition": partition,
             "hosts": [list(host) for host in p.hosts],
             "remote_peers": p.remote_peers,
+            "host_arena": p.host_arena,
             "families": families,
             "digest": hashlib.sha256(weights.tobytes()).hexdigest(),
             "shm_device": os.stat("/dev/shm").st_dev if os.path.exists("/dev/shm") else None,

@@ -221,7 +221,9 @@ def limited_fetch(results) -> None:
 
     from allreduce_param import AllReduceParameter, LocalRendezvous
 
-    param, group = AllReduceParameter(2, 1000, codec="raw", timeout=30), LocalRendezvous(2)
+    # the blocks' path (through the host arena the mapping is made at connect instead)
+    param = AllReduceParameter(2, 1000, codec="raw", timeout=30, host_arena=False)
+    group = LocalRendezvous(2)
     fetched = threading.Barrier(2)
     outcome = [None, None]
 

@@ -530,7 +530,8 @@ def test_descriptors_and_buffers_do_not_grow_with_the_model():
         return p._peers.shared.count, buffers
 
     for size in (100_000, 10_000_000):
-        results = raise_first(run_partitions(AllReduceParameter(2, size, "raw", timeout=60), body))
+        param = AllReduceParameter(2, size, "raw", timeout=60, host_arena=False)  # blocks
+        results = raise_first(run_partitions(param, body))
         assert all(segments == 1 and buffers == {1} for segments, buffers in results), (
             size,
             results,
@@ -553,7 +554,9 @@ def test_get_weights_without_out_refills_one_array():
             p.send_weight_partition()
         return seen
 
-    for seen in raise_first(run_partitions(AllReduceParameter(2, 1000, "raw", timeout=60), body)):
+    # through blocks (the host arena hands out a view instead: tests/test_host_arena.py)
+    param = AllReduceParameter(2, 1000, "raw", timeout=60, host_arena=False)
+    for seen in raise_first(run_partitions(param, body)):
         assert seen == [(True, 0.0), (True, -1.0), (True, -2.0)]
 
 
@@ -582,7 +585,7 @@ def test_peers_meet_by_scope_not_by_host_name(peer_scope, family):
                 address = (*address[:4], peer_scope)
             return self._member.exchange(address)
 
-    param = AllReduceParameter(2, 10_000, "raw", timeout=30)
+    param = AllReduceParameter(2, 10_000, "raw", timeout=30, host_arena=False)  # blocks
     families = [None, None]
 
     def partition(i):
@@ -673,7 +676,9 @@ def test_a_gradient_in_the_engines_buffer_is_published_where_it_lies_and_exact(t
     buffer itself), over shared memory, Unix sockets and TCP, and the steps stay exact."""
     size, partitions = 1_100_003, 3  # three parts per chunk
     _, grads, counts = make_data(size, partitions, seed=5)
-    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, **transport)
+    param = AllReduceParameter(
+        partitions, size, codec="raw", timeout=60, host_arena=False, **transport
+    )
     results = raise_first(run_partitions(param, in_place_steps(grads, counts)))
     weights = np.zeros(size, np.float32)
     for step in range(3):
@@ -837,7 +842,9 @@ def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threa
     partitions, steps = 24, 3
     size = partitions * 40 + 7
     weights, grads, counts = make_data(size, partitions, seed=24)
-    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, fetch_threads=2)
+    param = AllReduceParameter(
+        partitions, size, codec="raw", timeout=60, fetch_threads=2, host_arena=False
+    )
 
     def body(p):
         p.init(weights)
@@ -956,7 +963,7 @@ def test_with_one_peer_a_small_block_is_fetched_on_the_callers_thread(slice_leng
     def body(p):
         return step(p), len(p._peers.worker.pool._threads)
 
-    param = AllReduceParameter(2, size, "raw", timeout=30)
+    param = AllReduceParameter(2, size, "raw", timeout=30, host_arena=False)  # blocks
     results = raise_first(run_partitions(param, body))
     mean, updated = reference_step(weights, grads, counts)
     for partition_id, ((before, gradient, after), threads) in enumerate(results):

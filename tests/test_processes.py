@@ -189,23 +189,26 @@ def _need_root_and(*tools: str) -> None:
         pytest.skip(f"no {', '.join(missing)} on this machine (util-linux)")
 
 
-def test_a_process_with_a_private_dev_shm_still_shares_memory_with_its_host(tmp_path):
+@pytest.mark.parametrize("host_arena", [True, False])
+def test_a_process_with_a_private_dev_shm_still_shares_memory_with_its_host(tmp_path, host_arena):
     """As two containers of one pod: the same kernel and network namespace, but partition 1
-    has an IPC namespace and a /dev/shm of its own. Shared memory travels as descriptors over
-    the Unix socket, never by a /dev/shm name, so they are still one host, and exact."""
+    has IPC and pid namespaces and a /dev/shm of its own. Shared memory travels as descriptors over
+    the Unix socket, never by a /dev/shm name, so they are still one host, and exact: the
+    host arena's segment as the blocks' (which then travel over no connection at all)."""
     _need_root_and("unshare", "mount")
     partitions, size = 2, 300_001
-    param = AllReduceParameter(partitions, size, codec="raw", timeout=60)
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, host_arena=host_arena)
     addresses = [["127.0.0.1", port] for port in free_loopback_ports(partitions)]
-    private_shm = (
-        "unshare", "--ipc", "--mount", "--propagation", "private", "sh", "-c",
+    private_shm = (  # and a pid namespace of its own: a pid of the other's means nothing here
+        "unshare", "--ipc", "--mount", "--pid", "--fork", "--propagation", "private", "sh", "-c",
         'mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@"',
     )  # fmt: skip
     reports = run_static_partitions(param, addresses, [(), private_shm], tmp_path)
     assert reports[0]["shm_device"] != reports[1]["shm_device"]  # two /dev/shm indeed
     for report in reports:
         assert report["hosts"] == [[0, 1]] and report["remote_peers"] == 0, report
-        assert report["families"] == ["AF_UNIX"], report
+        assert report["host_arena"] == host_arena, report
+        assert report["families"] == ([] if host_arena else ["AF_UNIX"]), report
         assert report["digest"] == expected_digest(size, partitions)
 
 

@@ -40,13 +40,13 @@ verbose weightCol gpusPerTask keepOptimizerState initialModel""".split()
 CLASSIFIER_PARAMS = REGRESSOR_PARAMS + "probabilityCol rawPredictionCol thresholds".split()
 
 CONNECTED_CALLS = """aggregate_gradient_partition allreduce allreduce_exact close connections
-finish_updates get_weights gradient_buffer gradient_partition hierarchical hosts init
+finish_updates get_weights gradient_buffer gradient_partition hierarchical host_arena hosts init
 last_read_version put_gradients remote_peers send_weight_partition serve_updates signal
 stream_gradients updates wait_for_signals weight_partition""".split()
 
 PARAMETER_KEYWORDS = """partition_num size codec timeout fetch_threads allow_nonfinite
 unix_sockets shared_memory param_id strategy gradient_codec bind_address advertise_address
-port_range connect_timeout encrypt topology""".split()
+port_range connect_timeout encrypt topology host_arena""".split()
 
 FIT_ARGUMENTS = "data features_col label_col validation resume_from weight_col initial".split()
 

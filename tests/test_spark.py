@@ -50,10 +50,16 @@ def step_task(params: list[AllReduceParameter], seed: int):
                 p.send_weight_partition()
                 after = p.get_weights()
                 transports = sorted(
-                    {client._sock.family.name for client in p._peers.peers.values()}
+                    {
+                        client._sock.family.name
+                        for client in p._peers.peers.values()
+                        if client._sock is not None
+                    }
                 )
                 if any(client._shared._mappings._maps for client in p._peers.peers.values()):
                     transports.append("shared memory")
+                if p.host_arena:
+                    transports.append("host arena")
                 report.append(
                     (
                         param.size,
@@ -82,11 +88,13 @@ def run_stage(spark, partitions: int, task):
 
 
 TRANSPORTS = {
-    "shared memory": dict(unix_sockets=True, shared_memory=True),
+    "host arena": dict(unix_sockets=True, shared_memory=True, host_arena=True),
+    "shared memory": dict(unix_sockets=True, shared_memory=True, host_arena=False),
     "unix sockets": dict(unix_sockets=True, shared_memory=False),
     "tcp": dict(unix_sockets=False, shared_memory=False),
 }
 SEEN = {
+    "host arena": ("host arena",),  # no block travels: the step's connections are never made
     "shared memory": ("AF_UNIX", "shared memory"),
     "unix sockets": ("AF_UNIX",),
     "tcp": ("AF_INET",),
@@ -94,7 +102,8 @@ SEEN = {
 
 
 @pytest.mark.parametrize(
-    "partitions, transport", [(2, "shared memory"), (3, "tcp"), (4, "unix sockets")]
+    "partitions, transport",
+    [(3, "host arena"), (2, "shared memory"), (3, "tcp"), (4, "unix sockets")],
 )
 def test_raw_sync_is_exact_on_every_partition(spark, partitions, transport):
     sizes = sorted({1, max(1, partitions - 1), 7919, 3_000_017})

@@ -124,7 +124,8 @@ def test_a_whole_chunk_is_published_before_the_stream_closes():
         return p.aggregate_gradient_partition().copy()
 
     results = raise_first(
-        run_partitions(AllReduceParameter(2, size, codec="raw", timeout=30), body)
+        # the blocks' path (through the host arena nothing leaves before the close)
+        run_partitions(AllReduceParameter(2, size, "raw", timeout=30, host_arena=False), body)
     )
     assert all(np.array_equal(mean, np.full(500, 1.5, np.float32)) for mean in results)
 
@@ -214,7 +215,7 @@ def test_the_publishing_thread_ends_with_the_handle():
         return [t.name for t in threading.enumerate() if t.name.startswith("allreduce-publish")]
 
     grads, counts = make_grads()
-    param = AllReduceParameter(PARTITIONS, SIZE, codec="lz4", timeout=60)
+    param = AllReduceParameter(PARTITIONS, SIZE, codec="lz4", timeout=60, host_arena=False)
 
     def body(p):
         steps(grads, counts, "stream")(p)

@@ -61,16 +61,23 @@ def sync(param: AllReduceParameter, grads: list[np.ndarray], touched: bool, host
     return run_partitions(param, body, hosts=hosts)
 
 
-@pytest.mark.parametrize("hosts", [None, [[0, 1], [2]]], ids=["one host", "two hosts"])
-def test_the_touched_sync_gives_the_dense_sums_bits(hosts):
+@pytest.mark.parametrize(
+    "hosts, arena",
+    [(None, False), (None, True), ([[0, 1], [2]], True)],
+    ids=["one host, blocks", "one host, arena", "two hosts"],
+)
+def test_the_touched_sync_gives_the_dense_sums_bits(hosts, arena):
     """Three partitions, slices of two parts and touched blocks of two parts (0.6 of each
-    slice touched: over 2^18 pairs an owner); on two
-    simulated hosts the sums take the hosts' order, as the dense ones do."""
+    slice touched: over 2^18 pairs an owner); on two simulated hosts the sums take the
+    hosts' order, as the dense ones do. Through a host arena the pairs are written into
+    the arena's dense gradient: the same bits again."""
     size, partitions = 3 * (2**19 + 1), 3
     grads = touched_gradients(size, partitions, seed=1)
     results = []
     for touched in (False, True):
-        param = AllReduceParameter(partitions, size, codec="raw", timeout=60, topology="flat")
+        param = AllReduceParameter(
+            partitions, size, codec="raw", timeout=60, topology="flat", host_arena=arena
+        )
         slices = sync(param, grads, touched, hosts)
         for result in slices:
             assert isinstance(result, np.ndarray), result

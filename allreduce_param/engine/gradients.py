@@ -10,10 +10,15 @@ A put cuts the gradient into one chunk per owner and publishes chunk ``j`` for o
   codec, is published where it lies: same-host peers read it in place from shared memory,
   and it is read-only until the next ``get_weights`` has shown every peer summed it.
 
+Through a host arena (``arena_steps.ArenaSteps``: plain BSP, one host) a put publishes
+no blocks: the gradient is written (or, the lent buffer, found) in this partition's vector
+of the arena, where the owners sum it from.
+
 A stream (``stream``) publishes each owner's chunk once it is final (``stream.py``), and
 under BSP starts fetching the own chunk from every peer at once, so the aggregate finds it
 arriving. A ``SparseGradient`` (``put_touched``) travels as its touched elements alone
-(``movement/touched.py``), under plain BSP with a lossless codec. Each put asks the
+(``movement/touched.py``), under plain BSP with a lossless codec; through a host arena it
+is written densely into the arena's gradient, which the owners read in place. Each put asks the
 handle's ``step.StepState`` first, and tells it when done.
 """
 
@@ -28,6 +33,7 @@ import numpy as np
 
 from allreduce_param.engine.blocks.store import BlockKind
 from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.engine.movement.arena_steps import ArenaSteps
 from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.movement.sums import NonFiniteSum
 from allreduce_param.engine.movement.touched import TouchedMoves, TouchedPut
@@ -58,7 +64,8 @@ class GradientPuts:
     keeps (and under its strategy).
 
     ``guard()``: a context that a publish runs in, so that its error is raised as the
-    root cause it follows from (the background owner's, if it failed).
+    root cause it follows from (the background owner's, if it failed). ``arena``: the
+    step through the host arena, where there is one.
     """
 
     def __init__(
@@ -67,8 +74,10 @@ class GradientPuts:
         layout: SliceLayout,
         state: StepState,
         guard: Callable[[], contextlib.AbstractContextManager],
+        arena: ArenaSteps | None = None,
     ) -> None:
         self._moves = moves
+        self._arena = arena
         self._peers = moves.peers
         self.partition_id = moves.partition_id
         self._layout = layout
@@ -90,8 +99,11 @@ class GradientPuts:
         (shared memory that same-host peers read in place) instead of copying it, and
         makes it read-only until the next ``get_weights`` returns, when every peer has
         summed it; a step writes its gradient after ``get_weights`` anyway. Under other
-        codecs and strategies it is copied at put like any vector.
+        codecs and strategies it is copied at put like any vector. Through a host arena it
+        is this partition's gradient vector there, put where it lies whatever the codec.
         """
+        if self._lent is None and self._arena is not None:
+            self._lent = (self._arena.arena.gradient(self.partition_id), None)
         if self._lent is None:
             room = self._peers.room(4 * self._layout.size)
             self._lent = (np.frombuffer(room, dtype=np.float32), room)
@@ -100,6 +112,9 @@ class GradientPuts:
     def put(self, gradients, count: float, residual: np.ndarray | None) -> None:
         """``ConnectedParameter.put_gradients``: publish every owner's chunk now."""
         put = self._start(gradients, count, residual, "put_gradients")
+        if self._arena is not None:
+            self._put_in_arena(put)
+            return
         with self._guard():
             self._moves.scatter(
                 BlockKind.GRADIENT,
@@ -149,6 +164,14 @@ class GradientPuts:
             )
         if not float(count) >= 0:
             raise InputError(f"{where}: count={count!r}; the sample count must be a number >= 0")
+        if self._arena is not None:
+            # one host: the owners read the arena's dense gradients at memory speed, with no
+            # pairs to count or cut; the lent buffer takes the pairs (the same bits summed)
+            dense = self.buffer()
+            dense.fill(0)
+            dense[gradient.indices] = gradient.values
+            self.put(dense, count, None)
+            return
         self._state.put_started(version)
         self._own = None
         with self._guard():
@@ -179,6 +202,8 @@ class GradientPuts:
         publishes what is left, as a put would have: the same bits. An error inside the
         with-block fails the handle, as a failed put would."""
         put = self._start(gradients, count, residual, "stream_gradients")
+        if self._arena is not None:  # nothing leaves early: the close puts it in the arena
+            return self._arena_stream(put)
         if self._strategy.inline_owner and not self._peers.hierarchical:
             # the peers' chunks of the own slice: fetch them as they come
             peers = [j for j in range(self._moves.partition_num) if j != self.partition_id]
@@ -220,6 +245,45 @@ class GradientPuts:
             f"stream_gradients() on partition {self.partition_id}",
         )
 
+    def _put_in_arena(self, put: Put) -> None:
+        """Make ``put`` this partition's gradient in the host arena: the lent buffer stays
+        unchanged (read-only) until the next ``get_weights``, a vector of the caller's is
+        copied there and free at once."""
+        self._own = None  # the reduce sums the own chunk from the arena
+        self._arena.put(put.vector, put.count, put.version, put.residual)
+        if self._lent is not None and put.vector.ctypes.data == self._lent[0].ctypes.data:
+            self._lent[0].flags.writeable = False  # the owners read it until our next get_weights
+        self._state.put_done()
+
+    def _arena_stream(self, put: Put) -> GradientStream:
+        """A stream whose close puts the gradient in the host arena (``_put_in_arena``): the
+        owners read it where it lies, so there is nothing to send early."""
+
+        def closed(error: BaseException | None) -> None:
+            self._state.stream_closed()
+            if error is None:
+                try:
+                    self._put_in_arena(put)
+                except BaseException as failure:
+                    self._state.fail(failure)
+                    raise
+            else:
+                self._state.fail(error)
+
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(
+                1, thread_name_prefix=f"allreduce-publish-{self.partition_id}"
+            )
+        self._state.stream_opened()
+        return GradientStream(
+            self._layout,
+            [],
+            lambda owner: None,
+            self._publisher,
+            closed,
+            f"stream_gradients() on partition {self.partition_id}",
+        )
+
     def _start(self, gradients, count, residual, what: str) -> Put:
         """Check a put's order and arguments, and take its version: what both puts share."""
         version = self._state.check_put(what)
@@ -242,6 +306,7 @@ class GradientPuts:
         self._own = (vector[bounds], count) if keep_own else None
         lent = self._lent is not None and vector.ctypes.data == self._lent[0].ctypes.data
         in_place = lent and inline and codec.publishes_in_place and residual is None
+        in_place = in_place and self._lent[1] is not None
         return Put(vector, version, count, residual, keep_own, self._lent[1] if in_place else None)
 
     def _published(self, put: Put) -> None:

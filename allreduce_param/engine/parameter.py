@@ -41,6 +41,7 @@ from allreduce_param.engine.blocks.store import BlockKind
 from allreduce_param.engine.collectives import Collectives
 from allreduce_param.engine.gradients import GradientPuts
 from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.engine.movement.arena_steps import ArenaSteps
 from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.movement.peers import PeerGroup
 from allreduce_param.engine.movement.rendezvous import Rendezvous
@@ -73,6 +74,12 @@ class AllReduceParameter:
     ``unix_sockets`` lets peers on the same host talk over Unix sockets (Linux), which are
     faster than loopback TCP; cross-host peers always use TCP. ``shared_memory`` (with
     Unix sockets) lets such peers read each other's blocks in place from shared memory.
+    ``host_arena`` (with shared memory, under plain BSP with lossless codecs, every
+    partition on one host): the step goes through one shared arena per host instead of
+    blocks: the weights live there once (each owner updates its slice in place, so
+    ``send_weight_partition`` copies nothing, and ``get_weights()`` hands out a read-only
+    view), and the owners sum straight from the partitions' gradients there, the same
+    bits in the same order.
     ``strategy`` says how the partitions synchronise (``Strategy``; default BSP).
     ``gradient_codec``: another codec for the gradients than ``codec`` (which then carries
     the weights and ``allreduce``), such as ``"topk"``, which only gradients can take.
@@ -118,6 +125,7 @@ class AllReduceParameter:
         allow_nonfinite: bool = False,
         unix_sockets: bool = True,
         shared_memory: bool = True,
+        host_arena: bool = True,
         param_id: int | None = None,
         strategy: Strategy | None = None,
         gradient_codec: str | None = None,
@@ -157,6 +165,7 @@ class AllReduceParameter:
             fetch_threads=fetch_threads,
             unix_sockets=unix_sockets,
             shared_memory=shared_memory,
+            host_arena=host_arena,
             allow_nonfinite=allow_nonfinite,
             network=network,
             param_id=next(_next_param_id) if param_id is None else param_id,
@@ -175,6 +184,7 @@ class AllReduceParameter:
     allow_nonfinite = _spec_field("allow_nonfinite", "Whether NaN/Inf gradients pass.")
     unix_sockets = _spec_field("unix_sockets", "Whether same-host peers use Unix sockets.")
     shared_memory = _spec_field("shared_memory", "Whether they read blocks in shared memory.")
+    host_arena = _spec_field("host_arena", "Whether one host's BSP step goes through an arena.")
     param_id = _spec_field("param_id", "Which parameter this is, for the peers' handshake.")
     secret = _spec_field("secret", "The key the peers authenticate with.")
     size = _spec_field("size", "How many float32 elements the synchronised vector has.")
@@ -246,8 +256,14 @@ class ConnectedParameter:
         self._owner: BackgroundOwner | None = None  # strategies other than plain BSP
         self._peers = PeerGroup(spec, rendezvous)
         self._moves = Movements(self._peers, get_codec(spec.codec), get_codec(spec.gradient_codec))
+        #: the step through the host arena, where the peer group has one (else blocks)
+        self._arena = (
+            None
+            if self._peers.arena is None
+            else ArenaSteps(self._peers.arena, self.layout, self._peers.hosts, self.partition_id)
+        )
         self._gradients = GradientPuts(
-            self._moves, self.layout, self._state, self._owner_failure_first
+            self._moves, self.layout, self._state, self._owner_failure_first, self._arena
         )
         self._collectives = Collectives(self._moves)
 
@@ -268,7 +284,13 @@ class ConnectedParameter:
             self.slice_length if own else self.layout.size,
             f"init(weights) on partition {self.partition_id}",
         )
-        self._weight = (vector if own else vector[self.layout.bounds(self.partition_id)]).copy()
+        own_slice = vector if own else vector[self.layout.bounds(self.partition_id)]
+        if self._arena is not None:  # the slice lives in the host's weight vector
+            self._weight = self._arena.own_slice()
+            np.copyto(self._weight, own_slice)
+            self._arena.publish_weights(self._state.init(step))
+            return
+        self._weight = own_slice.copy()
         self._moves.publish(BlockKind.WEIGHT, self._state.init(step), self._weight)
 
     @property
@@ -284,8 +306,12 @@ class ConnectedParameter:
         Call after updating the slice from ``aggregate_gradient_partition``'s result: at most
         one send per aggregate (the first may follow ``init``). A peer reads version v only
         before its own send of v+1, so the aggregate that follows our send of v+1 proves
-        every peer is past its read of v.
+        every peer is past its read of v. Through a host arena nothing is copied: the
+        slice already lies where the peers read it.
         """
+        if self._arena is not None:
+            self._arena.publish_weights(self._state.send())
+            return
         self._moves.publish(BlockKind.WEIGHT, self._state.send(), self._weight)
 
     @_call
@@ -299,9 +325,21 @@ class ConnectedParameter:
         the codec, so every partition gets bit-identical weights. ``out`` (float32,
         ``size``) is filled and returned when given; otherwise one array the handle keeps,
         which the next ``get_weights()`` without ``out`` fills again: copy it to keep a
-        version past that call.
+        version past that call. Through a host arena (``AllReduceParameter(host_arena=)``)
+        no ``out`` gives a read-only view of the host's one weight vector instead, valid
+        until this partition's next ``put_gradients`` (the owners then update it in
+        place); ``out`` still gets a copy, to keep.
         """
         read = self._state.weight_read(None if self._owner is None else self._owner.steps)
+        if self._arena is not None:
+            if out is not None:
+                out = writable_output(
+                    out, self.layout.size, f"get_weights(out=) on partition {self.partition_id}"
+                )
+            out = self._arena.gather(read.version, out)
+            self._state.weights_read(read.version)
+            self._gradients.weights_read()
+            return out
         if out is None:
             if self._weights_out is None:
                 self._weights_out = np.empty(self.layout.size, dtype=np.float32)
@@ -417,7 +455,10 @@ class ConnectedParameter:
         divisor: Callable[[float], float | None],
         check: NonFiniteSum | None,
     ) -> float:
-        """The step's dense chunks summed into ``gradient_partition``: the summed counts."""
+        """The step's dense chunks summed into ``gradient_partition`` (from the peers'
+        gradients in the host arena, where there is one): the summed counts."""
+        if self._arena is not None:
+            return self._arena.reduce(version, self._gradient, divisor=divisor, check=check)
         own, prefetched = self._gradients.for_reduce()
         return self._moves.reduce(
             BlockKind.GRADIENT,
@@ -518,6 +559,12 @@ class ConnectedParameter:
     def connections(self) -> dict[str, list[int]]:
         """The peers connected to now, by channel: ``PeerGroup.connections``."""
         return self._peers.connections()
+
+    @property
+    def host_arena(self) -> bool:
+        """Whether this partition's step goes through its host's shared arena
+        (``AllReduceParameter(host_arena=)``, where it applies), not blocks."""
+        return self._arena is not None
 
     @property
     def hierarchical(self) -> bool:

@@ -31,7 +31,8 @@ class ParameterSpec:
     ``gradient_codec`` the gradients (unset: ``codec``). ``strategy`` and ``topology``:
     how the partitions synchronise. ``timeout``: the bound on every wait for a peer, in
     seconds. Transport: ``fetch_threads`` (None: ``peers.FETCH_THREADS``),
-    ``unix_sockets``, ``shared_memory``; ``network``: where servers listen and how long a
+    ``unix_sockets``, ``shared_memory``, ``host_arena`` (one host's BSP step through one
+    shared arena, ``peers.PeerGroup.arena``); ``network``: where servers listen and how long a
     connection may take. ``allow_nonfinite``: NaN/Inf gradients pass instead of raising.
     ``param_id`` and ``secret`` tell this vector's peers from any other's (the secret is
     left out of the repr). See ``AllReduceParameter`` for what each one means to a user.
@@ -46,6 +47,7 @@ class ParameterSpec:
     fetch_threads: int | None = None
     unix_sockets: bool = True
     shared_memory: bool = True
+    host_arena: bool = True
     allow_nonfinite: bool = False
     network: NetworkSettings = field(default_factory=NetworkSettings)
     param_id: int = 0

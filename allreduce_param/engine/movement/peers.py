@@ -13,6 +13,11 @@ A ``PeerGroup`` is what a partition needs to reach the others, made once per ``c
 - the hosts (``layout.HostLayout``): which partitions share this one's scope, and whether
   the sync is hierarchical (each host's leader exchanges with the other leaders for its
   host) or flat (every partition with every other);
+- the host arena (``arena``, with ``host_arena`` on): where every partition is on one host
+  under plain BSP with lossless codecs, the step's weights and gradients live in one
+  shared segment that partition 0 (the host's leader) makes and passes to the others over
+  its Unix socket (``OP_ARENA``; ``host_arenas.py`` decides and passes it,
+  ``arena_steps.py`` moves the step through it);
 - ``channels.Channel``\\ s: each thread that fetches (the worker, a background owner, the
   control blocks) has connections and fetch threads of its own; a connection is made at
   its first use, so a hierarchical partition connects only to its host and, a leader, to
@@ -30,11 +35,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from allreduce_param.engine.blocks.arena import HostArena
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.blocks.shm import SharedArenas, shared_memory_available
 from allreduce_param.engine.blocks.store import BlockStore
 from allreduce_param.engine.layout import HostLayout
 from allreduce_param.engine.movement.channels import Channel
+from allreduce_param.engine.movement.host_arenas import ArenaPassing
 from allreduce_param.engine.movement.rendezvous import Rendezvous
 from allreduce_param.engine.spec import ParameterSpec
 from allreduce_param.engine.wire.blocks import (
@@ -43,7 +50,11 @@ from allreduce_param.engine.wire.blocks import (
     PeerClient,
     parse_address,
 )
-from allreduce_param.errors import AllReduceError, AuthenticationError, ProtocolError
+from allreduce_param.errors import (
+    AllReduceError,
+    AuthenticationError,
+    ProtocolError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +73,9 @@ LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
 #: never stuck (docs/DESIGN.md, "Moving blocks: peers, channels, movements"; the threads
 #: and connections this costs as N grows: "Scaling: connections, bytes and steps").
 FETCH_THREADS = 16
+
+#: How often (seconds) a partition ending looks whether its peers stopped in the host arena.
+ARENA_LOOK = 0.02
 
 
 class PeerGroup:
@@ -83,12 +97,15 @@ class PeerGroup:
         self._done_changed = threading.Condition()
         self._channels: list[Channel] = []
         strategy, network = spec.strategy, spec.network
+        #: the host arena this partition's BSP step goes through, if any
+        self.arena: HostArena | None = None
         # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
         self.shared = (
             SharedArenas()
             if spec.unix_sockets and spec.shared_memory and shared_memory_available()
             else None
         )
+        self._arena_passing = ArenaPassing(spec, self.partition_id, self.shared is not None)
         self.store = BlockStore(
             keep=strategy.keep(),
             wait_for_readers=strategy.waits_for_readers(),
@@ -113,6 +130,7 @@ class PeerGroup:
             advertise=advertise,
             handshake_timeout=network.connect_timeout,
             encrypt=network.encrypt,
+            arena=self._arena_passing.offer if self._arena_passing.may_lead else None,
         )
         self._addresses: list = []
         try:
@@ -139,6 +157,8 @@ class PeerGroup:
             # small blocks (choices, signals) on connections of their own, made at first use:
             # a background owner's channel may be waiting for a straggler's gradient meanwhile
             self.control = self.channel(1, "control")
+            if self._arena_passing.applies(self.hosts, self._addresses):
+                self.arena = self._arena_passing.open(self._addresses, self._client)
         except BaseException:
             self.shutdown()
             raise
@@ -316,6 +336,8 @@ class PeerGroup:
         """
         if self._closed:
             return
+        if self.arena is not None:
+            self.arena.end(None)  # whoever still waits for us in the arena waits in vain
         try:
             me = self.partition_id
             near, far = (
@@ -334,6 +356,8 @@ class PeerGroup:
             self.shutdown(join)
 
     def _say_done(self, partitions) -> None:
+        if self.arena is not None:  # every peer is on this host: our closed arena says it
+            return
         for partition in partitions:
             try:
                 self.peers[partition].done()
@@ -351,6 +375,8 @@ class PeerGroup:
         """
         if self._closed:  # closed already (e.g. close() then an error): nothing left to say
             return
+        if self.arena is not None:
+            self.arena.end(reason)  # whoever waits for us in the arena hears why at once
         self.store.close(reason)
         for channel in self._channels:
             channel.abort()
@@ -362,20 +388,31 @@ class PeerGroup:
 
     def _wait_for_peers(self, partitions, timeout: float | None = None) -> bool:
         """Wait until each of ``partitions`` is done with us (at most ``timeout``, default the
-        parameter's); log those that are not."""
+        parameter's); log those that are not. Through a host arena a peer that stopped
+        there (closed, failed, its process gone) is done too: it may never have connected."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        arena = self.arena
+
+        def done() -> bool:
+            left = set(partitions) - self._done_peers
+            return not left or (arena is not None and all(arena.ended(p) for p in left))
+
         with self._done_changed:
-            done = self._done_changed.wait_for(
-                lambda: self._done_peers.issuperset(partitions),
-                timeout=self.timeout if timeout is None else timeout,
-            )
+            while not (finished := done()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                # the arena's ends ring no condition: look again in a while
+                self._done_changed.wait(left if arena is None else min(left, ARENA_LOOK))
             missing = sorted(set(partitions) - self._done_peers)
-        if not done:
+        if not finished:
             log.warning(
                 "partition %d stopped waiting for partitions %s to say they were done",
                 self.partition_id,
                 missing,
             )
-        return done
+        return finished
 
     @property
     def closed(self) -> bool:
@@ -389,11 +426,14 @@ class PeerGroup:
         if self._closed:
             return
         self._closed = True
+        # whoever waits in the arena, we or a peer, stops; nothing more is offered
+        self._arena_passing.stop(self.arena, f"partition {self.partition_id} was shut down")
         for channel in self._channels:
             channel.abort()
         self._server.close()
         join()
         for channel in self._channels:
             channel.close()
+        self._arena_passing.close(self.arena)
         if self.shared is not None:
             self.shared.close()

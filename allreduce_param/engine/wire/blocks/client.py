@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ from allreduce_param.engine.wire.blocks.protocol import (
     MAX_ADDRESS_TEXT,
     MAX_ERROR_TEXT,
     OP_ADDRESS,
+    OP_ARENA,
     OP_DONE,
     OP_GET,
     OP_GET_SHARED,
@@ -354,6 +356,53 @@ class PeerClient:
             finally:
                 self._drop()
 
+    def ask_arena(self, max_fds: int) -> tuple[bytes, list[int]]:
+        """The host arena's description and descriptors (at most ``max_fds``), asked of
+        this host's leader over its Unix socket on a connection of its own, which the
+        leader then ends (``OP_ARENA``). The caller owns the descriptors."""
+        what = "the host arena"
+        if not self.local_name:
+            raise ProtocolError(f"asked {self._peer_text} for {what} without a Unix socket")
+        with self._lock:
+            if self._sock is not None:
+                raise ProtocolError(f"asked {self._peer_text} for {what} on a connection in use")
+            fds: list[int] = []
+            try:
+                with self._failing(what):
+                    sock = self._sock = self._connect(what)
+                    if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
+                        raise ProtocolError(f"{self._peer_text} is not reached over a Unix socket")
+                    sock.settimeout(self._handshake_timeout)
+                    sock.sendall(REQUEST.pack(MAGIC, OP_ARENA, BlockKind.WEIGHT, 0, 0, 0, 0, 0))
+                    first, fds, _, _ = socket.recv_fds(
+                        sock, RESPONSE.size + MAX_ADDRESS_TEXT, max_fds
+                    )
+                    if len(first) < RESPONSE.size:
+                        head = bytearray(RESPONSE.size)
+                        head[: len(first)] = first
+                        recv_exactly(sock, memoryview(head)[len(first) :])
+                        first = bytes(head)
+                    status, length, _ = RESPONSE.unpack(first[: RESPONSE.size])
+                    if status != STATUS_OK:
+                        raise self._answer_error(
+                            status, length, _Prefixed(first[RESPONSE.size :], sock), what
+                        )
+                    if length > MAX_ADDRESS_TEXT:
+                        raise ProtocolError(
+                            f"{self._peer_text} answered {what} with {length} bytes"
+                        )
+                    text = bytearray(length)
+                    got = first[RESPONSE.size : RESPONSE.size + length]
+                    text[: len(got)] = got
+                    recv_exactly(sock, memoryview(text)[len(got) :])
+                return bytes(text), fds
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            finally:
+                self._drop()
+
     def done(self) -> None:
         """Tell the peer this partition will fetch nothing more from it (closing handshake)."""
         what = "nothing more (saying we are done)"
@@ -388,3 +437,19 @@ class PeerClient:
         with self._lock:
             self._drop()
             self._shared.close()
+
+
+class _Prefixed:
+    """A socket to read an error text from whose first bytes came already (with descriptors)."""
+
+    def __init__(self, first: bytes, sock: socket.socket) -> None:
+        self._first = first
+        self._sock = sock
+
+    def recv_into(self, buffer, nbytes: int = 0) -> int:
+        if self._first:
+            size = min(len(self._first), nbytes or len(buffer))
+            buffer[:size] = self._first[:size]
+            self._first = self._first[size:]
+            return size
+        return self._sock.recv_into(buffer, nbytes)

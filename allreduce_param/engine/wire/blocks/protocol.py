@@ -10,7 +10,10 @@ Wire format (little-endian):
   The op's ``FLAG_NEWEST`` bit asks for the newest version at or above ``version``.
   ``OP_ADDRESS`` (the rest zeros) asks for the server's advertised address instead: the
   answer's bytes are its JSON (at most ``MAX_ADDRESS_TEXT``), and the server then ends the
-  connection; such a connection never counts as the peer's "done".
+  connection; such a connection never counts as the peer's "done". ``OP_ARENA`` (over
+  the Unix socket only) asks a host's leader for the host arena (``blocks/arena.py``):
+  the answer's bytes are its description (JSON) and its descriptors ride with them
+  (SCM_RIGHTS); the connection then ends as after ``OP_ADDRESS``.
 * Response: status, length, the version served; then ``length`` bytes (the encoded block,
   or an error text). A peer on this host that asked for shared answers gets, for a block
   in shared memory, where its header and its payload lie instead (segment ids, offsets,
@@ -38,8 +41,11 @@ OP_GET_SHARED = 3  # as GET, but a block in shared memory is answered with where
 #: "where can I reach you": answered with the server's advertised address as JSON (what a
 #: meeting that only knows ``(host, port)``, e.g. a fixed list, cannot tell), then the end
 OP_ADDRESS = 4
+#: "map the host arena": a same-host peer asks the host's leader for the arena's
+#: description and descriptors (the segment, every partition's doorbell), then the end
+OP_ARENA = 5
 FLAG_NEWEST = 0x10  # with a get: the newest version at or above the one asked for
-OPS = (OP_GET, OP_DONE, OP_GET_SHARED, OP_ADDRESS)
+OPS = (OP_GET, OP_DONE, OP_GET_SHARED, OP_ADDRESS, OP_ARENA)
 
 STATUS_OK = 0
 STATUS_TIMEOUT = 1

@@ -18,6 +18,7 @@ from allreduce_param.engine.wire.blocks.protocol import (
     FLAG_NEWEST,
     MAX_ERROR_TEXT,
     OP_ADDRESS,
+    OP_ARENA,
     OP_DONE,
     OP_GET_SHARED,
     OPS,
@@ -88,7 +89,8 @@ class BlockServer:
     ``handshake_timeout`` seconds. ``on_done(partition)`` is called when a proven peer says
     it is done, or its connection ends. A get waits for a version at most ``max_wait``
     seconds, whatever the request asks. With ``encrypt``, connections over TCP are
-    encrypted (``sealing.py``).
+    encrypted (``sealing.py``). ``arena()``: the host arena's description and descriptors
+    (``HostArena.offer``), what a same-host peer's ``OP_ARENA`` is answered with.
 
     However many peers it serves, it holds ``threads`` threads (and the accept thread): the
     accept loop watches the idle connections, a pool thread reads a request and answers it,
@@ -121,8 +123,11 @@ class BlockServer:
         handshake_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         threads: int = SERVE_THREADS,
         encrypt: bool = False,
+        arena: Callable[[], tuple[bytes, list[int]]] | None = None,
     ) -> None:
         self.store = store
+        # the host arena's description and descriptors, for OP_ARENA (a host's leader)
+        self._arena = arena
         self._max_wait = max_wait
         self._secret = secret
         self._param_id = param_id
@@ -133,6 +138,9 @@ class BlockServer:
         self._shared = shared
         self._lock = threading.Lock()
         self._peers: set[_Peer] = set()
+        # the accept loop runs from inside AuthenticatedServer's constructor: a peer quick
+        # enough is proven before ``_server`` is assigned, and its serving waits for this
+        self._started = threading.Event()
         self._server = AuthenticatedServer(
             secret,
             param_id,
@@ -150,6 +158,7 @@ class BlockServer:
             thread_name=f"allreduce-serve-{partition_id}",
             accept_thread_name=f"allreduce-accept-{partition_id}",
         )
+        self._started.set()
         self.address: tuple[str, int] = self._server.address
         self.local_name = self._server.local_name
 
@@ -177,6 +186,9 @@ class BlockServer:
         """A peer proved the secret: every request is read from its connection (sealed, if
         agreed) and every answer written to it."""
         peer = _Peer(proven)
+        if not self._started.wait(self._io_timeout):  # the constructor failed after accepting
+            peer.conn.close()
+            return
         # a request comes whole; an answer's slice is taken in time
         peer.conn.settimeout(self._io_timeout)
         with self._lock:
@@ -219,6 +231,9 @@ class BlockServer:
             return
         if op == OP_ADDRESS:
             self._send_address(peer)
+            return
+        if op == OP_ARENA:
+            self._send_arena(peer)
             return
         if op == OP_DONE:
             self._on_done(peer.partition)
@@ -311,6 +326,28 @@ class BlockServer:
         try:
             peer.conn.sendall(RESPONSE.pack(STATUS_OK, len(data), 0) + data)
         except OSError as error:
+            self._lost(peer, error)
+            return
+        self._end(peer)
+
+    def _send_arena(self, peer: _Peer) -> None:
+        """Answer "map the host arena" with its description and, riding with it, its
+        descriptors; then end the connection, as ``_send_address`` does. Refused (with the
+        reason) over TCP, or where this partition keeps no arena."""
+        peer.only_asked_address = True
+        if not peer.local or self._arena is None:
+            self._send_error(
+                peer,
+                STATUS_CLOSING,
+                f"partition {self._partition_id} keeps no host arena for a peer "
+                + ("on another host" if not peer.local else "(it is not its host's leader)"),
+                last=True,
+            )
+            return
+        try:
+            data, fds = self._arena()
+            socket.send_fds(peer.conn, [RESPONSE.pack(STATUS_OK, len(data), 0) + data], fds)
+        except (OSError, AllReduceError) as error:
             self._lost(peer, error)
             return
         self._end(peer)

@@ -1,0 +1,117 @@
+"""The BSP step through the host arena: no blocks, no requests, no copies but the sums.
+
+Where every partition is on one host under plain BSP with a lossless codec
+(``peers.PeerGroup.arena``), a step's movements read and write the host arena
+(``blocks/arena.py``) instead of the block store:
+
+- the weights: each owner's slice *is* its part of the one weight vector, updated where it
+  lies (``own_slice``); ``publish_weights`` only sets its version word; ``gather`` waits
+  for every slice's word and hands out the whole vector read-only, or copies it out;
+- the gradients: ``put`` writes (or, for the lent ``gradient_buffer()``, finds) the
+  gradient in this partition's vector of the arena and sets its word; ``reduce`` waits
+  for every partition's word and sums the own chunk straight from their vectors with
+  ``sums.sum_in_order``, in the order ``Movements.reduce`` sums, so the bits are the same.
+
+Why nothing is overwritten while read: a partition puts gradient t only after its
+``get_weights`` of t, which waits for every owner's weights t, which each owner sends only
+after its sum of gradient t-1 read every partition's vector; and an owner changes its
+slice only after its sum of gradient t, which waited for every partition's put of t,
+which each makes after it has done with the weights of t.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from allreduce_param.engine.blocks.arena import GRADIENT, WEIGHT, HostArena
+from allreduce_param.engine.layout import HostLayout, SliceLayout, split
+from allreduce_param.engine.movement.peers import PART_LENGTH
+from allreduce_param.engine.movement.sums import NonFiniteSum, sum_in_order
+
+
+class _Ready:
+    """A part as ``sum_in_order`` takes it (a done fetch's ``result()``), with no future."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: tuple) -> None:
+        self._value = value
+
+    def result(self) -> tuple:
+        return self._value
+
+
+class ArenaSteps:
+    """One partition's BSP step through its host's ``arena``."""
+
+    def __init__(
+        self, arena: HostArena, layout: SliceLayout, hosts: HostLayout, partition_id: int
+    ) -> None:
+        self.arena = arena
+        self.layout = layout
+        self.partition_id = partition_id
+        self._bounds = layout.bounds(partition_id)
+        self._groups = hosts.grouped(range(layout.partition_num))
+        self._parts = list(split(layout.length(partition_id), PART_LENGTH))
+
+    # ---- the weights ---------------------------------------------------------------------
+
+    def own_slice(self) -> np.ndarray:
+        """This partition's slice of the host's weight vector, writable: the owner's
+        ``weight_partition``, updated where the peers read it."""
+        return self.arena.weights[self._bounds]
+
+    def publish_weights(self, version: int) -> None:
+        """The own slice now holds ``version``: say so (nothing is copied)."""
+        self.arena.publish(WEIGHT, version)
+
+    def gather(self, version: int, out: np.ndarray | None) -> np.ndarray:
+        """Wait for every slice of ``version``; the whole vector, read-only (valid until
+        this partition's next put, after which the owners update it), or copied into ``out``."""
+        self.arena.wait(WEIGHT, version)
+        if out is not None:
+            np.copyto(out, self.arena.weights)
+            return out
+        view = self.arena.weights.view()
+        view.flags.writeable = False
+        return view
+
+    # ---- the gradients -------------------------------------------------------------------
+
+    def put(
+        self, vector: np.ndarray, count: float, version: int, residual: np.ndarray | None
+    ) -> None:
+        """Make ``vector`` (and ``residual``, as ``Movements.publish`` adds it to the
+        chunks it publishes: not the own, which the reduce sums as it is) this
+        partition's gradient of ``version`` in the arena, and say so."""
+        target = self.arena.gradient(self.partition_id)
+        if vector.ctypes.data != target.ctypes.data:
+            np.copyto(target, vector)
+        if residual is not None:
+            for owner in range(self.layout.partition_num):
+                if owner != self.partition_id:
+                    bounds = self.layout.bounds(owner)
+                    sent = np.add(residual[bounds], target[bounds], out=target[bounds])
+                    # what a lossless codec leaves of the residual: the sent less itself
+                    np.subtract(sent, sent, out=residual[bounds])
+        self.arena.publish(GRADIENT, version, count=count)
+
+    def reduce(
+        self,
+        version: int,
+        out: np.ndarray,
+        divisor,
+        check: NonFiniteSum | None,
+    ) -> float:
+        """Wait for every partition's gradient of ``version`` and sum the own chunk of each
+        into ``out`` in the hosts' order (``sums.sum_in_order``); the summed counts."""
+        arena, bounds = self.arena, self._bounds
+        arena.wait(GRADIENT, version)
+        pending = {}
+        for source in range(self.layout.partition_num):
+            chunk, count = arena.gradient(source)[bounds], arena.count(source)
+            pending[source] = [
+                _Ready((version, count, chunk[start : start + length], None))
+                for start, length in self._parts
+            ]
+        return sum_in_order(pending, self._groups, out, divisor, check)
