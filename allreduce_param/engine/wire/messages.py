@@ -160,6 +160,9 @@ class MessageServer:
         self._lock = threading.Lock()
         self._ended = threading.Condition(self._lock)  # notified as a task's connection ends
         self._tasks: set[_Task] = set()
+        # the accept loop runs from inside AuthenticatedServer's constructor: a connection
+        # proven before ``_server`` is assigned waits for it (as ``BlockServer``'s do)
+        self._started = threading.Event()
         self._server = AuthenticatedServer(
             self.secret,
             MESSAGES_ID,
@@ -175,6 +178,7 @@ class MessageServer:
             thread_name="allreduce-messages",
             accept_thread_name="allreduce-messages-accept",
         )
+        self._started.set()
         self.bound_address: tuple[str, int] = self._server.address
         self.address: tuple[str, int] = (self._server.advertised_host, self.bound_address[1])
 
@@ -186,6 +190,9 @@ class MessageServer:
 
     def _serve(self, proven: Proven) -> None:
         task = _Task(proven)
+        if not self._started.wait(self._connect_timeout):  # the constructor failed after accepting
+            task.conn.close()
+            return
         task.conn.settimeout(self._connect_timeout)  # a message, once begun, comes whole
         with self._lock:
             self._tasks.add(task)
