@@ -41,6 +41,21 @@ class PeerLostError(AllReduceError):
     """A peer closed its connection, shut down, or could not be reached: its task failed or ended."""
 
 
+def peer_lost(text: str, said: str = "") -> PeerLostError:
+    """The one wording of "this peer is gone": ``text`` names the peer and what was awaited
+    from it; ``said``, the reason it gave as it failed, when it could give one. Without a
+    reason the message says what usually happened and what to change (the driver reads
+    "without a word" to name the dead worker: ``train.driver.failures``)."""
+    if said:
+        return PeerLostError(f"{text}; it said: {said}")
+    return PeerLostError(
+        f"{text}, without a word: its task failed or its executor was lost, often killed for "
+        "using too much memory (see that executor's log; under Spark, raise "
+        "spark.executor.memoryOverhead, the Python workers' share, or "
+        "spark.executor.pyspark.memory where it is set)"
+    )
+
+
 class AuthenticationError(AllReduceError):
     """A connection could not prove it knows the parameter's secret."""
 

@@ -33,7 +33,7 @@ if archive := class_archive_options():  # the executors' JVMs map the class arch
 def test_two_executors_sync_exactly_and_bit_identically(spark):
     sizes = [1, 7919, 2_000_003]
     seed = 42
-    # raw through shared memory between the executors' workers, lz4 over TCP
+    # raw through the host arena the executors' workers share, lz4 over TCP
     params = [
         AllReduceParameter(2, size, codec=codec, timeout=60, unix_sockets=codec == "raw")
         for size in sizes
@@ -59,7 +59,7 @@ def test_two_executors_sync_exactly_and_bit_identically(spark):
             assert {row[3] for row in rows} == {digest(start_weights(size, seed))}
             assert {row[4] for row in rows} == {expected}, (size, codec)
             assert {tuple(row[6]) for row in rows} == {
-                ("AF_UNIX", "shared memory") if codec == "raw" else ("AF_INET",)
+                ("host arena",) if codec == "raw" else ("AF_INET",)
             }
 
 

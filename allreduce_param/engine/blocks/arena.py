@@ -43,6 +43,7 @@ from allreduce_param.errors import (
     PeerLostError,
     ProtocolError,
     StoreClosedError,
+    peer_lost,
 )
 
 MAGIC = 0x414E455241505241  # "ARPARENA", little-endian, in the segment's first word
@@ -380,13 +381,7 @@ class HostArena:
             f"{self.names[partition]} {detail} while partition {self.partition_id} waited "
             f"for {what} in the host's shared memory"
         )
-        if said:
-            return PeerLostError(f"{text}; it said: {said}")
-        return PeerLostError(
-            f"{text}, without a word: its task failed or its executor was lost, "
-            "often killed for using too much memory (see that executor's log; raise "
-            "spark.executor.memory or spark.executor.memoryOverhead)"
-        )
+        return peer_lost(text, said)
 
     # ---- the end -------------------------------------------------------------------------
 

@@ -35,11 +35,11 @@ _FAILED_TASK = re.compile(r"barrier task \w*Task\(\d+, (\d+)\)")
 _PYTHON_ERROR = re.compile(
     r"Traceback \(most recent call last\):\n(?:[ \t][^\n]*\n)*([A-Za-z_][\w.]*(?:: [^\n]*)?)"
 )
-#: a partition's report that a peer went away with no reason given (``PeerClient._lost``):
-#: its process died, or its executor
+#: a partition's report that a peer went away with no reason given (``errors.peer_lost``,
+#: from a fetch or a wait in the host arena): its process died, or its executor
 _PEER_GONE = re.compile(
-    r"^partition (\d+)(?:, ([^:]*))?: PeerLostError: partition (\d+) at \S+ (.*?) while we "
-    r"fetched (.*?), without a word"
+    r"^partition (\d+)(?:, ([^:]*))?: PeerLostError: partition (\d+) at \S+ (.*?) while "
+    r"(?:we fetched|partition \d+ waited for) (.*?), without a word"
 )
 #: a task's error that says its process ran out of memory (ENOMEM is errno 12)
 _OUT_OF_MEMORY = re.compile(r"MemoryError|\[Errno 12\]")

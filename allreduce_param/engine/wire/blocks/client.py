@@ -42,6 +42,7 @@ from allreduce_param.errors import (
     ProtocolError,
     StaleVersionError,
     StoreClosedError,
+    peer_lost,
 )
 
 log = logging.getLogger(__name__)
@@ -106,15 +107,7 @@ class PeerClient:
 
         ``said`` is the reason the peer gave as it failed, when it could give one.
         """
-        text = f"{self._peer_text} {detail} while we fetched {what}"
-        if said:
-            return PeerLostError(f"{text}; it said: {said}")
-        return PeerLostError(
-            f"{text}, without a word: its task failed or its executor was lost, "
-            "often killed for using too much memory (see that executor's log; under Spark, "
-            "raise spark.executor.memoryOverhead, the Python workers' share, or "
-            "spark.executor.pyspark.memory where it is set)"
-        )
+        return peer_lost(f"{self._peer_text} {detail} while we fetched {what}", said)
 
     def _open(self) -> socket.socket:
         if self.local_name:
