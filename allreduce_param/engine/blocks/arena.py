@@ -127,6 +127,10 @@ class HostArena:
         self._closed = False
         #: how errors name each partition (``"partition 1 at 127.0.0.1:4000"``)
         self.names = [f"partition {p}" for p in range(partition_num)]
+        #: who writes each partition's words: itself, or (hierarchical, a partition on
+        #: another host) this host's leader, which brings its slice here; a wait watches the
+        #: writer's state and process
+        self.writers = list(range(partition_num))
         layout = self.layout
         if os.fstat(fd).st_size < layout.nbytes:
             raise ProtocolError(
@@ -237,6 +241,14 @@ class HostArena:
         self._words[line + field] = version + 1
         self._ring()
 
+    def publish_for(self, partitions, field: int, version: int) -> None:
+        """The ``field`` of ``version`` of each of ``partitions`` (other hosts' partitions,
+        whose data this host's leader brought here) is whole: their words say so, and every
+        peer is woken."""
+        for partition in partitions:
+            self._words[8 * (partition + 1) + field] = version + 1
+        self._ring()
+
     def _ring(self) -> None:
         for partition, doorbell in enumerate(self._doorbells):
             if partition != self.partition_id:
@@ -249,30 +261,45 @@ class HostArena:
             return BlockKey(BlockKind.WEIGHT, partition, EVERY_PARTITION, 0).describe(version)
         return BlockKey(BlockKind.GRADIENT, partition, self.partition_id, 0).describe(version)
 
-    def wait(self, field: int, version: int) -> None:
-        """Return once every partition has made ``version`` of ``field`` whole. A peer that
+    def wait(self, field: int, version: int, partitions=None) -> None:
+        """Return once every partition (or each of ``partitions``) has made ``version`` of
+        ``field`` whole. A peer that
         failed or closed is a ``PeerLostError`` with its reason, one whose process is gone
         one saying so, at once; one that is not there within the timeout a
         ``FetchTimeoutError``; a word past ``version`` (calls out of step) a ``ProtocolError``."""
         target = version + 1
-        words = self._words
-        column = words[8 + field :: 8]
-        if (column == target).all():
+        column = self._words[8 + field :: 8]  # a view: it sees the peers' writes
+        every = partitions is None
+        if every:
+            done = lambda: (column == target).all()  # noqa: E731
+        else:
+            done = lambda: all(column[p] == target for p in partitions)  # noqa: E731
+        if done():
             return
         now = time.monotonic()
         deadline, spin_until = now + self.timeout, now + SPIN
-        while not (column == target).all() and time.monotonic() < spin_until:
+        while not done() and time.monotonic() < spin_until:
             pass
         while True:
-            missing = np.flatnonzero(column != target).tolist()
+            missing = (
+                np.flatnonzero(column != target).tolist()
+                if every
+                else [p for p in partitions if column[p] != target]
+            )
             if not missing:
                 return
             self._check(missing, field, version)
             left = deadline - time.monotonic()
             if left <= 0:
                 late = missing[0]
+                writer = self.writers[late]
+                who = (
+                    f"{self.names[late]} did not publish"
+                    if writer == late
+                    else f"{self.names[writer]} (this host's leader) did not bring"
+                )
                 raise FetchTimeoutError(
-                    f"{self.names[late]} did not publish the {self.describe(field, late, version)} "
+                    f"{who} the {self.describe(field, late, version)} "
                     f"within {self.timeout:g} s (partition {self.partition_id} waited in the "
                     "host's shared memory). The peer is stuck or much slower; raise "
                     "AllReduceParameter(timeout=...) if its steps are this slow"
@@ -296,14 +323,14 @@ class HostArena:
                     f"{self.partition_id} waits for version {version}: the partitions' calls "
                     "went out of step (every partition must make the same calls in the same order)"
                 )
-            if word[STATE] == CLOSED:
+            writer = self.writers[partition]
+            state = self._word(writer)[STATE]
+            if state == CLOSED:
                 raise self._lost(
                     partition, field, version, "closed its handle", said="it makes no more calls"
                 )
-            if word[STATE] != ALIVE:
-                raise self._lost(
-                    partition, field, version, "shut down", said=self._reason(partition)
-                )
+            if state != ALIVE:
+                raise self._lost(partition, field, version, "shut down", said=self._reason(writer))
 
     def _sleep(self, missing: list[int], seconds: float, field: int, version: int) -> None:
         """Sleep on the doorbell and on the missing peers' processes for at most ``seconds``.
@@ -314,8 +341,8 @@ class HostArena:
         poller = select.poll()
         doorbell = self._doorbells[self.partition_id]
         poller.register(doorbell, select.POLLIN)
-        for partition in missing:
-            pidfd = self._pidfd(partition)
+        for writer in {self.writers[partition] for partition in missing}:
+            pidfd = self._pidfd(writer)
             if pidfd is not None:
                 poller.register(pidfd, select.POLLIN)
         for fd, events in poller.poll(seconds * 1000):
@@ -327,12 +354,19 @@ class HostArena:
                 except OSError:  # drained by another waiter, or closed meanwhile
                     pass
                 continue
-            partition = next((p for p, each in self._pidfds.items() if each == fd), None)
-            if partition is None:
+            writer = next((p for p, each in self._pidfds.items() if each == fd), None)
+            if writer is None:
                 continue
-            word = self._word(partition)
-            if word[field] != version + 1 and word[STATE] == ALIVE:  # gone without a word
-                raise self._lost(partition, field, version, f"(pid {int(word[PID])}) exited")
+            for partition in missing:  # gone without a word
+                word = self._word(partition)
+                if self.writers[partition] == writer and word[field] != version + 1:
+                    if self._word(writer)[STATE] == ALIVE:
+                        raise self._lost(
+                            partition,
+                            field,
+                            version,
+                            f"(pid {int(self._word(writer)[PID])}) exited",
+                        )
 
     def ended(self, partition: int) -> bool:
         """Whether ``partition`` has stopped: closed, failed, or its process gone."""
@@ -376,8 +410,14 @@ class HostArena:
 
     def _lost(self, partition: int, field: int | None, version: int, detail: str, said: str = ""):
         what = "anything" if field is None else f"the {self.describe(field, partition, version)}"
+        writer = self.writers[partition]
+        who = (
+            self.names[partition]
+            if writer == partition
+            else f"{self.names[writer]} (this host's leader, which brings it)"
+        )
         text = (
-            f"{self.names[partition]} {detail} while partition {self.partition_id} waited "
+            f"{who} {detail} while partition {self.partition_id} waited "
             f"for {what} in the host's shared memory"
         )
         if said:
