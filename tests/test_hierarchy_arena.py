@@ -76,6 +76,10 @@ def param(timeout: float) -> AllReduceParameter:
     return AllReduceParameter(4, 1000, "raw", timeout=timeout, host_arena=True)
 
 
+def param_of(size: int) -> AllReduceParameter:
+    return AllReduceParameter(4, size, "raw", timeout=30, host_arena=True)
+
+
 def test_a_failing_member_ends_its_leader_s_wait_with_its_reason():
     """Partition 1 raises before its put: its leader, waiting in the arena to sum the
     host's gradients, hears its reason at once, and the other host the root cause."""
@@ -186,3 +190,35 @@ def test_a_dead_leader_s_process_ends_a_wait_for_what_it_brings():
     assert f"partition 0 (this host's leader, which brings it) (pid {leader.pid}) exited" in message
     assert "weight block from partition 2 to all, version 0" in message
     assert "without a word" in message
+
+
+def test_a_partition_maps_its_host_s_gradients_only():
+    """An arena has a slot for every partition's gradient; a partition maps the weights
+    and its own host's gradients only, so more hosts add no address space (a limit such
+    as spark.executor.pyspark.memory counts it)."""
+    size = 1_000_000
+    both_in = threading.Barrier(4)
+    mapped = []
+
+    def arena_bytes() -> int:
+        total = 0
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "allreduce-param-arena" in line:
+                    start, end = line.split()[0].split("-")
+                    total += int(end, 16) - int(start, 16)
+        return total
+
+    def body(p):
+        p.init(np.zeros(size, np.float32))
+        both_in.wait(30)
+        if p.partition_id == 0:
+            mapped.append(arena_bytes())
+        both_in.wait(30)
+        return p.host_arena
+
+    results = run_partitions(param_of(size), body, hosts=[[0, 1], [2, 3]])
+    assert results == [True] * 4, results
+    vector = 4 * size
+    # 4 partitions, each the weights and its host's 2 gradients (and a few control pages)
+    assert 4 * 3 * vector <= mapped[0] < 4 * 3 * vector + 4 * (1 << 20), mapped

@@ -10,7 +10,10 @@ writable by every partition (its descriptor passed over the leader's Unix socket
   state (alive, closed, failed, with the reason in a text slot of its own), its pid and
   its pid namespace (a pid is only looked up from the same namespace);
 - the weight vector, once: each owner updates its slice where it lies;
-- one gradient vector per partition, written where the owners read it.
+- one gradient vector per partition, written where the owners read it. Each lies on pages
+  of its own and is mapped apart (``map_gradients``): a partition maps those of its host
+  only, so on several hosts (hierarchical) the other hosts' slots, never written, take
+  neither memory nor address space.
 
 Readiness is signalled through the segment itself: a partition writes its data, then
 the version word, then rings the other partitions' doorbells (an ``eventfd`` each, made by
@@ -80,8 +83,8 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // LINE) * LINE
+def _aligned(nbytes: int, unit: int = LINE) -> int:
+    return -(-nbytes // unit) * unit
 
 
 class ArenaLayout:
@@ -93,8 +96,9 @@ class ArenaLayout:
         self.control = LINE
         self.reasons = self.control + LINE * partition_num
         self.weights = _aligned(self.reasons + REASON_BYTES * partition_num)
-        self.stride = _aligned(4 * size)
-        self.gradients = self.weights + self.stride
+        # each gradient is mapped on its own: it starts on a page (an mmap offset's unit)
+        self.stride = _aligned(4 * size, mmap.ALLOCATIONGRANULARITY)
+        self.gradients = _aligned(self.weights + 4 * size, mmap.ALLOCATIONGRANULARITY)
         self.nbytes = self.gradients + self.stride * partition_num
 
 
@@ -137,25 +141,12 @@ class HostArena:
                 f"the host arena passed to partition {partition_id} holds "
                 f"{os.fstat(fd).st_size} bytes, not {layout.nbytes}"
             )
-        try:
-            self._map = mmap.mmap(fd, layout.nbytes)
-        except OSError as error:
-            if error.errno != errno.ENOMEM:
-                raise
-            raise MemoryError(
-                f"partition {partition_id} ran out of memory ({error}) while it mapped its "
-                f"host's shared arena ({layout.nbytes} bytes: the weights and every partition's "
-                "gradient): a limit on its address space counts the mapping (under Spark, "
-                "spark.executor.pyspark.memory sets one on each Python worker): raise that "
-                "limit or leave it unset"
-            ) from error
+        self._map = self._mapped(layout.gradients, 0)  # the control lines and the weights
+        self._gradient_maps: list[mmap.mmap] = []
         self._words = np.frombuffer(self._map, np.int64, 8 * (partition_num + 1))
         self._counts = np.frombuffer(self._map, np.float64, 8 * (partition_num + 1))
         self.weights = np.frombuffer(self._map, np.float32, size, layout.weights)
-        self._gradients = [
-            np.frombuffer(self._map, np.float32, size, layout.gradients + p * layout.stride)
-            for p in range(partition_num)
-        ]
+        self._gradients: dict[int, np.ndarray] = {}  # those mapped (``map_gradients``)
         if owner:
             self._words[:4] = (MAGIC, partition_num, size, 1)
         elif tuple(self._words[:3]) != (MAGIC, partition_num, size):
@@ -167,6 +158,29 @@ class HostArena:
         own = self._word(partition_id)
         own[PID_NAMESPACE] = _pid_namespace()
         own[PID] = os.getpid()
+
+    def _mapped(self, nbytes: int, offset: int) -> mmap.mmap:
+        try:
+            return mmap.mmap(self._fd, nbytes, offset=offset)
+        except OSError as error:
+            if error.errno != errno.ENOMEM:
+                raise
+            raise MemoryError(
+                f"partition {self.partition_id} ran out of memory ({error}) while it mapped its "
+                f"host's shared arena ({nbytes} bytes more: the weights, or a partition's "
+                "gradient): a limit on its address space counts the mapping (under Spark, "
+                "spark.executor.pyspark.memory sets one on each Python worker): raise that "
+                "limit or leave it unset"
+            ) from error
+
+    def map_gradients(self, partitions) -> None:
+        """Map the gradient vectors of ``partitions`` (this host's), for ``gradient``."""
+        layout = self.layout
+        for partition in partitions:
+            if partition not in self._gradients:
+                mapped = self._mapped(layout.stride, layout.gradients + partition * layout.stride)
+                self._gradient_maps.append(mapped)
+                self._gradients[partition] = np.frombuffer(mapped, np.float32, layout.size)
 
     # ---- making and passing ------------------------------------------------------------
 
@@ -218,7 +232,8 @@ class HostArena:
         return self._words[start : start + 8]
 
     def gradient(self, partition: int) -> np.ndarray:
-        """``partition``'s gradient vector, where the owners read it."""
+        """``partition``'s gradient vector (mapped by ``map_gradients``), where the owners
+        read it."""
         return self._gradients[partition]
 
     def count(self, partition: int) -> float:
@@ -454,7 +469,9 @@ class HostArena:
         for fd in [self._fd, *self._doorbells, *self._pidfds.values()]:
             os.close(fd)
         self._pidfds.clear()
-        try:
-            self._map.close()
-        except BufferError:  # a view handed out still exists: the mapping goes when it does
-            pass
+        self._gradients.clear()
+        for mapped in [self._map, *self._gradient_maps]:
+            try:
+                mapped.close()
+            except BufferError:  # a view handed out still exists: the mapping goes when it does
+                pass

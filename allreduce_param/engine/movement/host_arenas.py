@@ -94,6 +94,7 @@ class ArenaPassing:
             finally:
                 asking.close()
             arena = HostArena.attach(text, fds, self.partition_id, self.spec.timeout)
+        arena.map_gradients(hosts.host(self.partition_id))  # the other hosts' are never used
         arena.names = [f"partition {p} at {a.host}:{a.port}" for p, a in enumerate(addresses)]
         arena.writers = [p if hosts.leader(p) == leader else leader for p in range(len(addresses))]
         return arena
