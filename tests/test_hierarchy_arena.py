@@ -21,6 +21,7 @@ from allreduce_param import AllReduceParameter, FetchTimeoutError, PeerLostError
 from allreduce_param.engine.blocks.arena import PID, PID_NAMESPACE, WEIGHT, HostArena
 from allreduce_param.engine.blocks.arena import _pid_namespace as pid_namespace
 from allreduce_param.engine.movement.peers import PART_LENGTH
+from allreduce_param.errors import StoreClosedError, UsageError
 
 LR = np.float32(0.25)
 STEPS = 3
@@ -222,3 +223,32 @@ def test_a_partition_maps_its_host_s_gradients_only():
     vector = 4 * size
     # 4 partitions, each the weights and its host's 2 gradients (and a few control pages)
     assert 4 * 3 * vector <= mapped[0] < 4 * 3 * vector + 4 * (1 << 20), mapped
+
+
+def test_our_own_shutdown_ends_a_wait_for_what_the_leader_brings():
+    """Partition 1 waits in its arena for the other host's slices, which its leader
+    (stalled) would bring; a shutdown of partition 1 from another thread (a task kill's
+    cleanup) ends the wait with its own shutting down, not the timeout."""
+    handles = {}
+    waiting, done = threading.Event(), threading.Event()
+
+    def body(p):
+        p.init(np.zeros(1000, np.float32))
+        handles[p.partition_id] = p
+        if p.partition_id == 0:
+            waiting.wait(30)
+            handles[1]._peers.shutdown()  # partition 1's, from this thread
+            done.wait(30)
+            return "shut partition 1 down"
+        if p.partition_id == 1:
+            waiting.set()  # whether before or in the wait below, it ends with our shutdown
+            try:
+                p.get_weights()
+            finally:
+                done.set()
+        return None
+
+    results = run_partitions(param(60), body, hosts=[[0, 1], [2, 3]])
+    assert results[0] == "shut partition 1 down"
+    assert isinstance(results[1], (StoreClosedError, UsageError)), results[1]
+    assert "partition 1 is shutting down" in str(results[1]) or "closed" in str(results[1])
