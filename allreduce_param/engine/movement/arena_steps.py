@@ -116,15 +116,32 @@ class ArenaSteps:
 
     def _bring(self, version: int) -> None:
         """A hierarchical leader's share of the gather: its host's slices of ``version``,
-        once whole in the arena, published as blocks for the other leaders; the other
-        hosts' fetched from their leaders into their places in the arena (checked as any
-        fetch), then their words set for this host."""
+        once whole in the arena, published as blocks for the other leaders (with the raw
+        codec, where they lie: only headers are written, and the bytes are sent from the
+        arena, sealed, as any block that leaves the host); the other hosts' fetched from
+        their leaders into their places in the arena (checked as any fetch), then their
+        words set for this host.
+
+        A slice published where it lies stays unchanged while the other leaders read it:
+        its owner updates it after its sum of this step's gradients, which needs every
+        leader's host sum, which each makes after its own host has put, so after its own
+        ``get_weights``, which read these blocks."""
         arena, moves, layout = self.arena, self._moves, self.layout
         arena.wait(WEIGHT, version, self._members)
+        in_place = moves.codecs[BlockKind.WEIGHT].publishes_in_place
         for owner in self._members:
-            moves.publish(
-                BlockKind.WEIGHT, version, arena.weights[layout.bounds(owner)], source=owner
-            )
+            values = arena.weights[layout.bounds(owner)]
+            if in_place:
+                moves.publish_in_place(
+                    BlockKind.WEIGHT,
+                    version,
+                    memoryview(values).cast("B"),
+                    EVERY_PARTITION,
+                    0.0,
+                    source=owner,
+                )
+            else:
+                moves.publish(BlockKind.WEIGHT, version, values, source=owner)
         if not self._remote:
             return
         pending = moves.fetcher.fetch_all(

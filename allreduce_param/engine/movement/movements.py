@@ -126,24 +126,32 @@ class Movements:
             del block  # the store holds its own view; ours would pin the buffer's size
 
     def publish_in_place(
-        self, kind: int, version: int, values: memoryview, destination: int, count: float
+        self,
+        kind: int,
+        version: int,
+        values: memoryview,
+        destination: int,
+        count: float,
+        source: int | None = None,
     ) -> None:
         """Publish the float32 bytes ``values`` where they lie, part by part, as ``version``:
         only each part's header is written (raw codec), into a buffer the store gives out.
 
         The caller must leave ``values`` unchanged until every reader is past this version
         (under BSP: until its next ``get_weights``). Bytes in shared memory are then read by
-        same-host peers in place, and sent from there to the others.
+        same-host peers in place, and sent from there to the others. ``source``: as for
+        ``publish``.
         """
         store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
+        source = self.partition_id if source is None else source
         for part, (start, length) in enumerate(split(values.nbytes // 4, PART_LENGTH)):
-            key = BlockKey(kind, self.partition_id, destination, part)
+            key = BlockKey(kind, source, destination, part)
             buffer = store.reserve(key, version, timeout)
             header = codec.encode_header(
                 length,
                 count=count,
                 out=buffer,
-                ids=(kind, self.partition_id, destination, part, version),
+                ids=(kind, source, destination, part, version),
             )
             store.put(
                 key,
