@@ -6,7 +6,8 @@ Unix sockets and shared memory and the hosts over TCP on 127.0.0.1. Each round r
 README's BSP loop (``gradient_buffer()``, put, aggregate, update, send, ``get_weights``)
 with ``host_arena=True`` and then ``False`` (alternating, so a change of the machine's load
 falls on both alike) and takes the slowest partition's median step; the table gives the
-median over rounds and the ratio's range.
+median over rounds and the ratio's range. Every round's final weights must be the same
+bits both ways (the arenas sum in the blocks' order), or the job fails saying so.
 
     PYTHONPATH=$PWD python jobs/bench_host_arenas.py --hosts 2 --slots 2 --sizes 1M,10M --rounds 5
 
@@ -18,6 +19,7 @@ Spark, across network namespaces).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import platform
 import statistics
@@ -46,13 +48,17 @@ class Placed(Rendezvous):
         ]
 
 
-def one_round(hosts: int, slots: int, size: int, arena: bool, steps: int, warmup: int) -> float:
-    """The slowest partition's median step, in ms, for one configuration."""
+def one_round(
+    hosts: int, slots: int, size: int, arena: bool, steps: int, warmup: int
+) -> tuple[float, set[str]]:
+    """The slowest partition's median step, in ms, for one configuration, and the digests of
+    the final weights the partitions read (one, when all agree)."""
     n = hosts * slots
     param = AllReduceParameter(n, size, "raw", timeout=120, host_arena=arena)
     group = LocalRendezvous(n)
     scope_of = {p: f"bench-host-{p // slots}" for p in range(n)}
     medians: list = [None] * n
+    digests: set[str] = set()
 
     def partition(partition_id: int) -> None:
         try:
@@ -70,6 +76,7 @@ def one_round(hosts: int, slots: int, size: int, arena: bool, steps: int, warmup
                     p.send_weight_partition()
                     if step >= warmup:
                         times.append(time.perf_counter() - started)
+                digests.add(hashlib.sha256(p.get_weights().tobytes()).hexdigest())
                 medians[partition_id] = statistics.median(times) * 1e3
         except BaseException as error:
             medians[partition_id] = error
@@ -82,7 +89,7 @@ def one_round(hosts: int, slots: int, size: int, arena: bool, steps: int, warmup
     for result in medians:
         if isinstance(result, BaseException):
             raise result
-    return max(medians)
+    return max(medians), digests
 
 
 def parse_size(text: str) -> int:
@@ -124,10 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     for size in [parse_size(each) for each in args.sizes.split(",")]:
         with_arena, without = [], []
         for _ in range(args.rounds):
-            with_arena.append(
-                one_round(args.hosts, args.slots, size, True, args.steps, args.warmup)
+            arena, arena_digests = one_round(
+                args.hosts, args.slots, size, True, args.steps, args.warmup
             )
-            without.append(one_round(args.hosts, args.slots, size, False, args.steps, args.warmup))
+            blocks, blocks_digests = one_round(
+                args.hosts, args.slots, size, False, args.steps, args.warmup
+            )
+            if len(arena_digests | blocks_digests) != 1:
+                raise SystemExit(
+                    f"the final weights of {size:,} floats differ between the arenas and the "
+                    "blocks (or between partitions): the arenas must give the blocks' bits"
+                )
+            with_arena.append(arena)
+            without.append(blocks)
         ratios = [a / b for a, b in zip(with_arena, without, strict=True)]
         print(
             f"| {size:,} | {statistics.median(with_arena):.1f} | {statistics.median(without):.1f} "
