@@ -117,6 +117,15 @@ def test_bench_allreduce_compares_tcp_with_and_without_encryption():
     assert plain > 0 and sealed > 0 and re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", ratio)
 
 
+def test_bench_host_arenas_prints_a_row_per_size():
+    out = run_job(
+        "bench_host_arenas.py", "--sizes", "10K,20K", "--rounds", "1", "--steps", "2",
+        "--warmup", "1",
+    )  # fmt: skip
+    assert "machine:" in out and "load average" in out
+    assert [row[0] for row in rows(out, ",000 ")] == ["10,000", "20,000"]
+
+
 def test_bench_growth_prints_a_row_per_size():
     out = run_job(
         "bench_growth.py",

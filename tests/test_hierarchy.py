@@ -104,12 +104,16 @@ def test_hierarchical_is_the_documented_sum_bit_for_bit_and_so_is_flat(layout, c
                 assert np.array_equal(got, want), f"{topology}, partition {p}, step {step}"
 
 
-def test_each_partition_connects_only_to_its_host_and_leaders_to_leaders():
+@pytest.mark.parametrize("host_arena", [False, True])
+def test_each_partition_connects_only_to_its_host_and_leaders_to_leaders(host_arena):
     hosts = LAYOUTS["interleaved"]
     weights, grads, counts = make(1000, 6)
-    param = AllReduceParameter(6, 1000, codec="raw", timeout=30)
+    param = AllReduceParameter(6, 1000, codec="raw", timeout=30, host_arena=host_arena)
     results = raise_first(run_partitions(param, steps(weights, grads, counts), hosts=hosts))
-    expected_fetch = {0: [1, 2, 4, 5], 2: [0, 4], 4: [0, 2], 1: [0, 3, 5], 3: [1], 5: [0, 1]}
+    if host_arena:  # a host's gradients and weights are in its arena: only host sums are fetched
+        expected_fetch = {0: [1, 5], 2: [0], 4: [0], 1: [0, 5], 3: [1], 5: [0, 1]}
+    else:
+        expected_fetch = {0: [1, 2, 4, 5], 2: [0, 4], 4: [0, 2], 1: [0, 3, 5], 3: [1], 5: [0, 1]}
     expected_tcp = {0: 2, 1: 2, 5: 2, 2: 0, 3: 0, 4: 0}
     for p, (_, _, connections, remote_peers) in enumerate(results):
         assert connections["fetch"] == expected_fetch[p], p

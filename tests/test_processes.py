@@ -212,14 +212,16 @@ def test_a_process_with_a_private_dev_shm_still_shares_memory_with_its_host(tmp_
         assert report["digest"] == expected_digest(size, partitions)
 
 
-def test_processes_in_other_network_namespaces_are_other_hosts_over_tcp(tmp_path):
+@pytest.mark.parametrize("host_arena", [True, False])
+def test_processes_in_other_network_namespaces_are_other_hosts_over_tcp(tmp_path, host_arena):
     """The same kernel (boot id) but network namespaces of their own, as containers with
     their own network: their abstract Unix sockets cannot be reached, so they are hosts of
-    their own and meet over TCP; within a namespace, over a Unix socket. The same bits."""
+    their own and meet over TCP; within a namespace, over a Unix socket. The same bits,
+    through the first host's arena (hierarchical) or its blocks."""
     from sim_hosts import simulated_hosts
 
     partitions, size = 3, 300_001
-    param = AllReduceParameter(partitions, size, codec="raw", timeout=60)
+    param = AllReduceParameter(partitions, size, codec="raw", timeout=60, host_arena=host_arena)
     with simulated_hosts(2) as made:
         first, second = made.hosts
         places = [first, first, second]
@@ -230,10 +232,12 @@ def test_processes_in_other_network_namespaces_are_other_hosts_over_tcp(tmp_path
     expected = expected_digest(size, partitions)
     for report in reports:
         assert report["hosts"] == [[0, 1], [2]] and report["digest"] == expected, report
+        assert report["host_arena"] == host_arena, report
     # hierarchical: partition 0 leads the first host; 1 reaches only 0, over its Unix socket
+    # (through the arena, for the host sums alone: 0 reads 1's gradients and weights there)
     assert [report["remote_peers"] for report in reports] == [1, 0, 1]
     assert [report["families"] for report in reports] == [
-        ["AF_INET", "AF_UNIX"], ["AF_UNIX"], ["AF_INET"],
+        ["AF_INET"] if host_arena else ["AF_INET", "AF_UNIX"], ["AF_UNIX"], ["AF_INET"],
     ]  # fmt: skip
 
 

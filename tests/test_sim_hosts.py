@@ -103,33 +103,38 @@ def flat_design(partitions: int, per_host: int, fetch_threads: int | None = None
 def hierarchical_design(
     hosts: int, per_host: int, leader: bool, fetch_threads: int | None = None
 ) -> dict:
-    """The hierarchical design, per task process: H hosts of L partitions, BSP.
+    """The hierarchical design, per task process: H hosts of L partitions, BSP, through
+    each host's arena (``host_arena=True``, the default).
 
-    - A leader's worker channel connects to the other H - 1 leaders over TCP and, as every
-      partition's, to the L - 1 others of its host over their Unix sockets; the other
-      leaders connect to it, and its host's partitions: H - 1 TCP and L - 1 Unix in. A
-      partition that is no leader has no TCP connection at all.
+    - A leader's worker channel connects to the other H - 1 leaders over TCP and to none
+      of its host (their gradients and weights are in the arena); the other leaders
+      connect to it, and its host's partitions, for their host sums: H - 1 TCP and L - 1
+      Unix in. A partition that is no leader has one connection, to its leader's Unix
+      socket (the arena was asked over one more, which the leader ends at once), and
+      none in: its server may never start a serve thread.
     - Threads as flat's pools make them: accept, at most ``SERVE_THREADS`` serving (the
       pool does not follow the connections: a read and an answer may be queued at once),
       at most min(``FETCH_THREADS``, N - 1) fetching.
-    - In all, H(H - 1) TCP connections and N(L - 1) Unix ones.
+    - In all, H(H - 1) TCP connections and H(L - 1) Unix ones.
     """
     partitions = hosts * per_host
-    remote, local = (hosts - 1 if leader else 0), per_host - 1
+    remote = hosts - 1 if leader else 0
+    unix_out, unix_in = (0, per_host - 1) if leader else (1, 0)
     most = min(fetch_threads or FETCH_THREADS, partitions - 1)
     serving = SERVE_THREADS
+    fewest_serving = 1 if leader else 0
     return {
         "tcp_out": remote,
         "tcp_in": remote,
-        "unix_out": local,
-        "unix_in": local,
+        "unix_out": unix_out,
+        "unix_in": unix_in,
         "accept": 1,
-        "serve": (1, serving),
+        "serve": (fewest_serving, serving),
         "fetch": (1, most),
         "control": 0,
-        "threads": (1 + 1 + 1, 1 + serving + most),
+        "threads": (1 + fewest_serving + 1, 1 + serving + most),
         "tcp_connections": hosts * (hosts - 1),
-        "unix_connections": partitions * local,
+        "unix_connections": hosts * (per_host - 1),
     }
 
 
@@ -405,6 +410,8 @@ def test_connections_and_threads_per_process_are_the_designs(
         else:
             design = hierarchical_design(HOSTS, PER_HOST, leader=i in leaders)
             far = leaders - {i} if i in leaders else set()
+            # through the arena, a leader reaches none of its host, the others only it
+            beside = set() if i in leaders else {next(j for j in leaders if j in beside)}
         where = f"partition {i} on {here.name}: {json.dumps(c)}\n{table}"
         # TCP out: flat, one to each partition on another host; hierarchical, a leader one to
         # each other leader; from this host's address
@@ -424,7 +431,8 @@ def test_connections_and_threads_per_process_are_the_designs(
         incoming = collections.Counter(entry["remote"] for entry in c["tcp"]["in"])
         assert sum(incoming.values()) == design["tcp_in"], where
         assert incoming == collections.Counter(host_of[j].address for j in far), where
-        # Unix: one out to each partition on this host, as many in; the server listens on both
+        # Unix: flat, one out to each partition on this host, as many in; the server listens
+        # on both
         assert sorted(c["unix"]["out"]) == sorted(beside) and len(beside) == design["unix_out"], (
             where
         )

@@ -260,7 +260,13 @@ class ConnectedParameter:
         self._arena = (
             None
             if self._peers.arena is None
-            else ArenaSteps(self._peers.arena, self.layout, self._peers.hosts, self.partition_id)
+            else ArenaSteps(
+                self._peers.arena,
+                self.layout,
+                self._peers.hosts,
+                self.partition_id,
+                self._moves if self._peers.hierarchical else None,
+            )
         )
         self._gradients = GradientPuts(
             self._moves, self.layout, self._state, self._owner_failure_first, self._arena

@@ -10,7 +10,10 @@ writable by every partition (its descriptor passed over the leader's Unix socket
   state (alive, closed, failed, with the reason in a text slot of its own), its pid and
   its pid namespace (a pid is only looked up from the same namespace);
 - the weight vector, once: each owner updates its slice where it lies;
-- one gradient vector per partition, written where the owners read it.
+- one gradient vector per partition, written where the owners read it. Each lies on pages
+  of its own and is mapped apart (``map_gradients``): a partition maps those of its host
+  only, so on several hosts (hierarchical) the other hosts' slots, never written, take
+  neither memory nor address space.
 
 Readiness is signalled through the segment itself: a partition writes its data, then
 the version word, then rings the other partitions' doorbells (an ``eventfd`` each, made by
@@ -81,8 +84,8 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // LINE) * LINE
+def _aligned(nbytes: int, unit: int = LINE) -> int:
+    return -(-nbytes // unit) * unit
 
 
 class ArenaLayout:
@@ -94,8 +97,9 @@ class ArenaLayout:
         self.control = LINE
         self.reasons = self.control + LINE * partition_num
         self.weights = _aligned(self.reasons + REASON_BYTES * partition_num)
-        self.stride = _aligned(4 * size)
-        self.gradients = self.weights + self.stride
+        # each gradient is mapped on its own: it starts on a page (an mmap offset's unit)
+        self.stride = _aligned(4 * size, mmap.ALLOCATIONGRANULARITY)
+        self.gradients = _aligned(self.weights + 4 * size, mmap.ALLOCATIONGRANULARITY)
         self.nbytes = self.gradients + self.stride * partition_num
 
 
@@ -128,31 +132,22 @@ class HostArena:
         self._closed = False
         #: how errors name each partition (``"partition 1 at 127.0.0.1:4000"``)
         self.names = [f"partition {p}" for p in range(partition_num)]
+        #: who writes each partition's words: itself, or (hierarchical, a partition on
+        #: another host) this host's leader, which brings its slice here; a wait watches the
+        #: writer's state and process
+        self.writers = list(range(partition_num))
         layout = self.layout
         if os.fstat(fd).st_size < layout.nbytes:
             raise ProtocolError(
                 f"the host arena passed to partition {partition_id} holds "
                 f"{os.fstat(fd).st_size} bytes, not {layout.nbytes}"
             )
-        try:
-            self._map = mmap.mmap(fd, layout.nbytes)
-        except OSError as error:
-            if error.errno != errno.ENOMEM:
-                raise
-            raise MemoryError(
-                f"partition {partition_id} ran out of memory ({error}) while it mapped its "
-                f"host's shared arena ({layout.nbytes} bytes: the weights and every partition's "
-                "gradient): a limit on its address space counts the mapping (under Spark, "
-                "spark.executor.pyspark.memory sets one on each Python worker): raise that "
-                "limit or leave it unset"
-            ) from error
+        self._map = self._mapped(layout.gradients, 0)  # the control lines and the weights
+        self._gradient_maps: list[mmap.mmap] = []
         self._words = np.frombuffer(self._map, np.int64, 8 * (partition_num + 1))
         self._counts = np.frombuffer(self._map, np.float64, 8 * (partition_num + 1))
         self.weights = np.frombuffer(self._map, np.float32, size, layout.weights)
-        self._gradients = [
-            np.frombuffer(self._map, np.float32, size, layout.gradients + p * layout.stride)
-            for p in range(partition_num)
-        ]
+        self._gradients: dict[int, np.ndarray] = {}  # those mapped (``map_gradients``)
         if owner:
             self._words[:4] = (MAGIC, partition_num, size, 1)
         elif tuple(self._words[:3]) != (MAGIC, partition_num, size):
@@ -164,6 +159,29 @@ class HostArena:
         own = self._word(partition_id)
         own[PID_NAMESPACE] = _pid_namespace()
         own[PID] = os.getpid()
+
+    def _mapped(self, nbytes: int, offset: int) -> mmap.mmap:
+        try:
+            return mmap.mmap(self._fd, nbytes, offset=offset)
+        except OSError as error:
+            if error.errno != errno.ENOMEM:
+                raise
+            raise MemoryError(
+                f"partition {self.partition_id} ran out of memory ({error}) while it mapped its "
+                f"host's shared arena ({nbytes} bytes more: the weights, or a partition's "
+                "gradient): a limit on its address space counts the mapping (under Spark, "
+                "spark.executor.pyspark.memory sets one on each Python worker): raise that "
+                "limit or leave it unset"
+            ) from error
+
+    def map_gradients(self, partitions) -> None:
+        """Map the gradient vectors of ``partitions`` (this host's), for ``gradient``."""
+        layout = self.layout
+        for partition in partitions:
+            if partition not in self._gradients:
+                mapped = self._mapped(layout.stride, layout.gradients + partition * layout.stride)
+                self._gradient_maps.append(mapped)
+                self._gradients[partition] = np.frombuffer(mapped, np.float32, layout.size)
 
     # ---- making and passing ------------------------------------------------------------
 
@@ -215,7 +233,8 @@ class HostArena:
         return self._words[start : start + 8]
 
     def gradient(self, partition: int) -> np.ndarray:
-        """``partition``'s gradient vector, where the owners read it."""
+        """``partition``'s gradient vector (mapped by ``map_gradients``), where the owners
+        read it."""
         return self._gradients[partition]
 
     def count(self, partition: int) -> float:
@@ -238,6 +257,14 @@ class HostArena:
         self._words[line + field] = version + 1
         self._ring()
 
+    def publish_for(self, partitions, field: int, version: int) -> None:
+        """The ``field`` of ``version`` of each of ``partitions`` (other hosts' partitions,
+        whose data this host's leader brought here) is whole: their words say so, and every
+        peer is woken."""
+        for partition in partitions:
+            self._words[8 * (partition + 1) + field] = version + 1
+        self._ring()
+
     def _ring(self) -> None:
         for partition, doorbell in enumerate(self._doorbells):
             if partition != self.partition_id:
@@ -250,30 +277,45 @@ class HostArena:
             return BlockKey(BlockKind.WEIGHT, partition, EVERY_PARTITION, 0).describe(version)
         return BlockKey(BlockKind.GRADIENT, partition, self.partition_id, 0).describe(version)
 
-    def wait(self, field: int, version: int) -> None:
-        """Return once every partition has made ``version`` of ``field`` whole. A peer that
+    def wait(self, field: int, version: int, partitions=None) -> None:
+        """Return once every partition (or each of ``partitions``) has made ``version`` of
+        ``field`` whole. A peer that
         failed or closed is a ``PeerLostError`` with its reason, one whose process is gone
         one saying so, at once; one that is not there within the timeout a
         ``FetchTimeoutError``; a word past ``version`` (calls out of step) a ``ProtocolError``."""
         target = version + 1
-        words = self._words
-        column = words[8 + field :: 8]
-        if (column == target).all():
+        column = self._words[8 + field :: 8]  # a view: it sees the peers' writes
+        every = partitions is None
+        if every:
+            done = lambda: (column == target).all()  # noqa: E731
+        else:
+            done = lambda: all(column[p] == target for p in partitions)  # noqa: E731
+        if done():
             return
         now = time.monotonic()
         deadline, spin_until = now + self.timeout, now + SPIN
-        while not (column == target).all() and time.monotonic() < spin_until:
+        while not done() and time.monotonic() < spin_until:
             pass
         while True:
-            missing = np.flatnonzero(column != target).tolist()
+            missing = (
+                np.flatnonzero(column != target).tolist()
+                if every
+                else [p for p in partitions if column[p] != target]
+            )
             if not missing:
                 return
             self._check(missing, field, version)
             left = deadline - time.monotonic()
             if left <= 0:
                 late = missing[0]
+                writer = self.writers[late]
+                who = (
+                    f"{self.names[late]} did not publish"
+                    if writer == late
+                    else f"{self.names[writer]} (this host's leader) did not bring"
+                )
                 raise FetchTimeoutError(
-                    f"{self.names[late]} did not publish the {self.describe(field, late, version)} "
+                    f"{who} the {self.describe(field, late, version)} "
                     f"within {self.timeout:g} s (partition {self.partition_id} waited in the "
                     "host's shared memory). The peer is stuck or much slower; raise "
                     "AllReduceParameter(timeout=...) if its steps are this slow"
@@ -297,14 +339,14 @@ class HostArena:
                     f"{self.partition_id} waits for version {version}: the partitions' calls "
                     "went out of step (every partition must make the same calls in the same order)"
                 )
-            if word[STATE] == CLOSED:
+            writer = self.writers[partition]
+            state = self._word(writer)[STATE]
+            if state == CLOSED:
                 raise self._lost(
                     partition, field, version, "closed its handle", said="it makes no more calls"
                 )
-            if word[STATE] != ALIVE:
-                raise self._lost(
-                    partition, field, version, "shut down", said=self._reason(partition)
-                )
+            if state != ALIVE:
+                raise self._lost(partition, field, version, "shut down", said=self._reason(writer))
 
     def _sleep(self, missing: list[int], seconds: float, field: int, version: int) -> None:
         """Sleep on the doorbell and on the missing peers' processes for at most ``seconds``.
@@ -315,8 +357,8 @@ class HostArena:
         poller = select.poll()
         doorbell = self._doorbells[self.partition_id]
         poller.register(doorbell, select.POLLIN)
-        for partition in missing:
-            pidfd = self._pidfd(partition)
+        for writer in {self.writers[partition] for partition in missing}:
+            pidfd = self._pidfd(writer)
             if pidfd is not None:
                 poller.register(pidfd, select.POLLIN)
         for fd, events in poller.poll(seconds * 1000):
@@ -328,12 +370,19 @@ class HostArena:
                 except OSError:  # drained by another waiter, or closed meanwhile
                     pass
                 continue
-            partition = next((p for p, each in self._pidfds.items() if each == fd), None)
-            if partition is None:
+            writer = next((p for p, each in self._pidfds.items() if each == fd), None)
+            if writer is None:
                 continue
-            word = self._word(partition)
-            if word[field] != version + 1 and word[STATE] == ALIVE:  # gone without a word
-                raise self._lost(partition, field, version, f"(pid {int(word[PID])}) exited")
+            for partition in missing:  # gone without a word
+                word = self._word(partition)
+                if self.writers[partition] == writer and word[field] != version + 1:
+                    if self._word(writer)[STATE] == ALIVE:
+                        raise self._lost(
+                            partition,
+                            field,
+                            version,
+                            f"(pid {int(self._word(writer)[PID])}) exited",
+                        )
 
     def ended(self, partition: int) -> bool:
         """Whether ``partition`` has stopped: closed, failed, or its process gone."""
@@ -377,8 +426,14 @@ class HostArena:
 
     def _lost(self, partition: int, field: int | None, version: int, detail: str, said: str = ""):
         what = "anything" if field is None else f"the {self.describe(field, partition, version)}"
+        writer = self.writers[partition]
+        who = (
+            self.names[partition]
+            if writer == partition
+            else f"{self.names[writer]} (this host's leader, which brings it)"
+        )
         text = (
-            f"{self.names[partition]} {detail} while partition {self.partition_id} waited "
+            f"{who} {detail} while partition {self.partition_id} waited "
             f"for {what} in the host's shared memory"
         )
         return peer_lost(text, said)
@@ -409,7 +464,9 @@ class HostArena:
         for fd in [self._fd, *self._doorbells, *self._pidfds.values()]:
             os.close(fd)
         self._pidfds.clear()
-        try:
-            self._map.close()
-        except BufferError:  # a view handed out still exists: the mapping goes when it does
-            pass
+        self._gradients.clear()
+        for mapped in [self._map, *self._gradient_maps]:
+            try:
+                mapped.close()
+            except BufferError:  # a view handed out still exists: the mapping goes when it does
+                pass

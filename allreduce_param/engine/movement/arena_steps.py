@@ -12,6 +12,20 @@ Where every partition is on one host under plain BSP with a lossless codec
   for every partition's word and sums the own chunk straight from their vectors with
   ``sums.sum_in_order``, in the order ``Movements.reduce`` sums, so the bits are the same.
 
+Hierarchical (several hosts, each with its arena, made by its leader), the same arena is
+what the leader fills from and publishes to, so no partition copies what the leader fetched:
+
+- the gradients: every partition puts into the arena as above; the leader sums its host's
+  chunks for every owner straight from the arena (``Movements.host_chunks``, in the order
+  ``Movements._sum_host`` sums fetched blocks: the same bits) and exchanges the host sums
+  with the other leaders as blocks; each owner then sums the H host sums from its leader
+  (``Movements.reduce``);
+- the weights: each owner updates its slice in the arena as above; the leader publishes
+  its host's slices from the arena as blocks for the other leaders (under their owners'
+  keys, as a relay would), fetches the other hosts' slices from their leaders straight
+  into the arena's weight vector and sets their version words for them
+  (``HostArena.writers``); every partition of the host reads the vector as above.
+
 Why nothing is overwritten while read: a partition puts gradient t only after its
 ``get_weights`` of t, which waits for every owner's weights t, which each owner sends only
 after its sum of gradient t-1 read every partition's vector; and an owner changes its
@@ -24,9 +38,13 @@ from __future__ import annotations
 import numpy as np
 
 from allreduce_param.engine.blocks.arena import GRADIENT, WEIGHT, HostArena
+from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKind
 from allreduce_param.engine.layout import HostLayout, SliceLayout, split
+from allreduce_param.engine.movement.fetches import part_plan
+from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.movement.peers import PART_LENGTH
 from allreduce_param.engine.movement.sums import NonFiniteSum, sum_in_order
+from allreduce_param.engine.strategy import WeightRead
 
 
 class _Ready:
@@ -42,10 +60,17 @@ class _Ready:
 
 
 class ArenaSteps:
-    """One partition's BSP step through its host's ``arena``."""
+    """One partition's BSP step through its host's ``arena``; with ``moves`` (hierarchical:
+    its peer group's hosts exchange through their leaders) the host sums and the other
+    hosts' slices travel as blocks between the leaders (see the module)."""
 
     def __init__(
-        self, arena: HostArena, layout: SliceLayout, hosts: HostLayout, partition_id: int
+        self,
+        arena: HostArena,
+        layout: SliceLayout,
+        hosts: HostLayout,
+        partition_id: int,
+        moves: Movements | None = None,
     ) -> None:
         self.arena = arena
         self.layout = layout
@@ -53,6 +78,16 @@ class ArenaSteps:
         self._bounds = layout.bounds(partition_id)
         self._groups = hosts.grouped(range(layout.partition_num))
         self._parts = list(split(layout.length(partition_id), PART_LENGTH))
+        self._moves = moves
+        self._hosts = hosts
+        self._members = hosts.host(partition_id)
+        #: the other hosts' partitions, whose slices this host's leader brings
+        self._remote = [
+            p for p in range(layout.partition_num) if hosts.leader(p) != self._members[0]
+        ]
+        self._leads = moves is not None and self._members[0] == partition_id
+        if self._leads:
+            moves.host_chunks = self._host_chunks
 
     # ---- the weights ---------------------------------------------------------------------
 
@@ -67,7 +102,10 @@ class ArenaSteps:
 
     def gather(self, version: int, out: np.ndarray | None) -> np.ndarray:
         """Wait for every slice of ``version``; the whole vector, read-only (valid until
-        this partition's next put, after which the owners update it), or copied into ``out``."""
+        this partition's next put, after which the owners update it), or copied into ``out``.
+        A hierarchical leader first brings the other hosts' slices (``_bring``)."""
+        if self._leads:
+            self._bring(version)
         self.arena.wait(WEIGHT, version)
         if out is not None:
             np.copyto(out, self.arena.weights)
@@ -75,6 +113,58 @@ class ArenaSteps:
         view = self.arena.weights.view()
         view.flags.writeable = False
         return view
+
+    def _bring(self, version: int) -> None:
+        """A hierarchical leader's share of the gather: its host's slices of ``version``,
+        once whole in the arena, published as blocks for the other leaders (with the raw
+        codec, where they lie: only headers are written, and the bytes are sent from the
+        arena, sealed, as any block that leaves the host); the other hosts' fetched from
+        their leaders into their places in the arena (checked as any fetch), then their
+        words set for this host.
+
+        A slice published where it lies stays unchanged while the other leaders read it:
+        its owner updates it after its sum of this step's gradients, which needs every
+        leader's host sum, which each makes after its own host has put, so after its own
+        ``get_weights``, which read these blocks."""
+        arena, moves, layout = self.arena, self._moves, self.layout
+        arena.wait(WEIGHT, version, self._members)
+        in_place = moves.codecs[BlockKind.WEIGHT].publishes_in_place
+        for owner in self._members:
+            values = arena.weights[layout.bounds(owner)]
+            if in_place:
+                moves.publish_in_place(
+                    BlockKind.WEIGHT,
+                    version,
+                    memoryview(values).cast("B"),
+                    EVERY_PARTITION,
+                    0.0,
+                    source=owner,
+                )
+            else:
+                moves.publish(BlockKind.WEIGHT, version, values, source=owner)
+        if not self._remote:
+            return
+        pending = moves.fetcher.fetch_all(
+            moves.peers.worker,
+            BlockKind.WEIGHT,
+            WeightRead(version, exact=True),
+            layout,
+            EVERY_PARTITION,
+            into=arena.weights,
+            sources=self._remote,
+            via=self._hosts.leader,
+        )
+        plan = part_plan(layout)
+        for owner in self._remote:
+            base = layout.start(owner)
+            for part, (start, length) in enumerate(plan[owner]):
+                _, _, values, recheck = pending[owner][part].result()
+                target = arena.weights[base + start : base + start + length]
+                if not np.shares_memory(values, target):
+                    np.copyto(target, values)
+                if recheck is not None:
+                    recheck()
+        arena.publish_for(self._remote, WEIGHT, version)
 
     # ---- the gradients -------------------------------------------------------------------
 
@@ -104,7 +194,13 @@ class ArenaSteps:
         check: NonFiniteSum | None,
     ) -> float:
         """Wait for every partition's gradient of ``version`` and sum the own chunk of each
-        into ``out`` in the hosts' order (``sums.sum_in_order``); the summed counts."""
+        into ``out`` in the hosts' order (``sums.sum_in_order``); the summed counts.
+        Hierarchical, the host sums are summed (``Movements.reduce``), a leader's made
+        from the arena (``_host_chunks``)."""
+        if self._moves is not None:
+            return self._moves.reduce(
+                BlockKind.GRADIENT, version, self.layout, out, divisor=divisor, check=check
+            )
         arena, bounds = self.arena, self._bounds
         arena.wait(GRADIENT, version)
         pending = {}
@@ -115,3 +211,20 @@ class ArenaSteps:
                 for start, length in self._parts
             ]
         return sum_in_order(pending, self._groups, out, divisor, check)
+
+    def _host_chunks(self, version: int, members: tuple, owners: list) -> dict:
+        """A hierarchical leader's host chunks of ``version`` (``Movements.host_chunks``):
+        once every partition of the host has put, each member's chunk for each owner, read
+        in the arena, part by part as a fetch would give them."""
+        arena, layout, plan = self.arena, self.layout, part_plan(self.layout)
+        arena.wait(GRADIENT, version, members)
+        chunks = {}
+        for member in members:
+            vector, count = arena.gradient(member), arena.count(member)
+            for owner in owners:
+                chunk = vector[layout.bounds(owner)]
+                chunks[(member, owner)] = [
+                    _Ready((version, count, chunk[start : start + length], None))
+                    for start, length in plan[owner]
+                ]
+        return chunks

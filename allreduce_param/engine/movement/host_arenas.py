@@ -1,7 +1,8 @@
 """Whether a partition's BSP step goes through its host's arena, and how the arena is made
-and passed: partition 0 makes it (at the first need: its own ``connect``, or a peer's ask,
-whichever comes first) and its block server answers the others' ``OP_ARENA`` with it; the
-others ask over partition 0's Unix socket and map it. ``peers.PeerGroup`` holds one; the
+and passed: the host's leader (partition 0 on one host; hierarchical, each host's lowest
+partition) makes it (at the first need: its own ``connect``, or a peer's ask, whichever
+comes first) and its block server answers the others' ``OP_ARENA`` with it; the others ask
+over their leader's Unix socket and map it. ``peers.PeerGroup`` holds one; the
 arena itself is ``blocks/arena.py``'s, the step through it ``arena_steps.py``'s.
 """
 
@@ -26,7 +27,7 @@ class ArenaPassing:
         self.spec = spec
         self.partition_id = partition_id
         self._lock = threading.Lock()
-        self._made: HostArena | None = None  # partition 0's, made at the first need
+        self._made: HostArena | None = None  # a leader's, made at the first need
         self._closed = False
         #: whether the spec and platform allow an arena at all (every partition alike)
         self.possible = (
@@ -41,14 +42,21 @@ class ArenaPassing:
 
     @property
     def may_lead(self) -> bool:
-        """Whether this partition may be asked for the arena (partition 0, the leader of a
-        host that holds every partition): its block server answers ``OP_ARENA`` then."""
-        return self.possible and self.partition_id == 0
+        """Whether this partition may be asked for the arena (partition 0 on one host; any
+        partition may lead a host of a hierarchy, which the meeting tells only later): its
+        block server answers ``OP_ARENA`` then."""
+        return self.possible and (self.partition_id == 0 or self.spec.topology != "flat")
 
-    def applies(self, hosts: HostLayout, addresses: list[PeerAddress]) -> bool:
-        """Whether the step goes through an arena: every partition decides alike, from the
-        spec and the hosts the meeting gave (one host holds them all)."""
-        return self.possible and len(hosts.hosts) == 1 and addresses[0].local_name is not None
+    def applies(self, hosts: HostLayout, addresses: list[PeerAddress], hierarchical: bool) -> bool:
+        """Whether the step goes through an arena: every partition of a host decides alike,
+        from the spec and the hosts the meeting gave (one host holds them all, or the
+        hosts' leaders exchange for them: ``hierarchical``)."""
+        leader = hosts.leader(self.partition_id)
+        return (
+            self.possible
+            and (len(hosts.hosts) == 1 or hierarchical)
+            and addresses[leader].local_name is not None
+        )
 
     def _leader_arena(self) -> HostArena:
         with self._lock:
@@ -66,22 +74,29 @@ class ArenaPassing:
         return self._leader_arena().offer()
 
     def open(
-        self, addresses: list[PeerAddress], client: Callable[[int, PeerAddress, str], PeerClient]
+        self,
+        addresses: list[PeerAddress],
+        client: Callable[[int, PeerAddress, str], PeerClient],
+        hosts: HostLayout,
     ) -> HostArena:
-        """This partition's mapping of the arena: partition 0's own, or the one asked of
-        partition 0 over its Unix socket (``client(peer, address, local_name)`` makes the
-        client); its errors name the peers by ``addresses``."""
-        if self.partition_id == 0:
+        """This partition's mapping of its host's arena: the leader's own, or the one asked
+        of the leader over its Unix socket (``client(peer, address, local_name)`` makes the
+        client); its errors name the peers by ``addresses``. The other hosts' partitions'
+        words are written by this host's leader (``HostArena.writers``)."""
+        leader = hosts.leader(self.partition_id)
+        if self.partition_id == leader:
             arena = self._leader_arena()
         else:
-            leader = addresses[0]
-            asking = client(0, leader, leader.local_name)
+            address = addresses[leader]
+            asking = client(leader, address, address.local_name)
             try:
                 text, fds = asking.ask_arena(self.spec.partition_num + 1)
             finally:
                 asking.close()
             arena = HostArena.attach(text, fds, self.partition_id, self.spec.timeout)
+        arena.map_gradients(hosts.host(self.partition_id))  # the other hosts' are never used
         arena.names = [f"partition {p} at {a.host}:{a.port}" for p, a in enumerate(addresses)]
+        arena.writers = [p if hosts.leader(p) == leader else leader for p in range(len(addresses))]
         return arena
 
     def _arenas(self, arena: HostArena | None) -> list[HostArena]:

@@ -73,6 +73,10 @@ class Movements:
         self.fetcher = Fetcher(peers, self.codecs)
         self._host_sums: np.ndarray | None = None  # a leader's sums of its host's chunks
         self._rounded = np.empty(PART_LENGTH, dtype=np.float32)  # error feedback: a part as sent
+        #: hierarchical through a host arena (``arena_steps.ArenaSteps``): a leader's source of
+        #: its host's gradient chunks, ``host_chunks(version, members, owners)``, instead of
+        #: fetching blocks (the same parts, summed in the same order)
+        self.host_chunks: Callable[[int, tuple, list], dict] | None = None
 
     def publish(
         self,
@@ -82,8 +86,13 @@ class Movements:
         destination: int = EVERY_PARTITION,
         count: float = 0.0,
         residual: np.ndarray | None = None,
+        source: int | None = None,
     ) -> None:
         """Encode ``values`` part by part and put each in the own store as ``version``.
+
+        ``source``: whose block it is (default: this partition's); a host's leader publishes
+        its host's weight slices from the host arena under their owners' keys, as a relay
+        would have copied them.
 
         Each part is encoded into a buffer the store gives out, which no reader still uses.
         ``residual`` (as long as ``values``), for error feedback: what the codec's rounding
@@ -91,8 +100,9 @@ class Movements:
         rounding lost, so over the steps nothing is lost.
         """
         store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
+        source = self.partition_id if source is None else source
         for part, (start, length) in enumerate(split(values.size, PART_LENGTH)):
-            key = BlockKey(kind, self.partition_id, destination, part)
+            key = BlockKey(kind, source, destination, part)
             chunk = values[start : start + length]
             if residual is not None:  # the residual's room holds what is sent: values + residual
                 chunk = np.add(
@@ -104,7 +114,7 @@ class Movements:
                 chunk,
                 count=count,
                 out=buffer,
-                ids=(kind, self.partition_id, destination, part, version),
+                ids=(kind, source, destination, part, version),
                 checksum=False,
             )
             if residual is not None:
@@ -116,24 +126,32 @@ class Movements:
             del block  # the store holds its own view; ours would pin the buffer's size
 
     def publish_in_place(
-        self, kind: int, version: int, values: memoryview, destination: int, count: float
+        self,
+        kind: int,
+        version: int,
+        values: memoryview,
+        destination: int,
+        count: float,
+        source: int | None = None,
     ) -> None:
         """Publish the float32 bytes ``values`` where they lie, part by part, as ``version``:
         only each part's header is written (raw codec), into a buffer the store gives out.
 
         The caller must leave ``values`` unchanged until every reader is past this version
         (under BSP: until its next ``get_weights``). Bytes in shared memory are then read by
-        same-host peers in place, and sent from there to the others.
+        same-host peers in place, and sent from there to the others. ``source``: as for
+        ``publish``.
         """
         store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
+        source = self.partition_id if source is None else source
         for part, (start, length) in enumerate(split(values.nbytes // 4, PART_LENGTH)):
-            key = BlockKey(kind, self.partition_id, destination, part)
+            key = BlockKey(kind, source, destination, part)
             buffer = store.reserve(key, version, timeout)
             header = codec.encode_header(
                 length,
                 count=count,
                 out=buffer,
-                ids=(kind, self.partition_id, destination, part, version),
+                ids=(kind, source, destination, part, version),
             )
             store.put(
                 key,
@@ -280,9 +298,12 @@ class Movements:
         hosts, worker, me = self.peers.hosts, self.peers.worker, self.partition_id
         members = hosts.host(me)
         owners = [j for j in range(self.partition_num) if hosts.leader(j) != me] + list(members)
-        chunks = self.fetcher.fetch_blocks(
-            worker, kind, read, layout, [(m, j) for m in members for j in owners]
-        )
+        if kind == BlockKind.GRADIENT and self.host_chunks is not None:
+            chunks = self.host_chunks(read.version, members, owners)
+        else:
+            chunks = self.fetcher.fetch_blocks(
+                worker, kind, read, layout, [(m, j) for m in members for j in owners]
+            )
         host_sum = BlockKind.HOST_SUM[kind]
         relayed = self.fetcher.relay(
             worker,

@@ -157,8 +157,8 @@ class PeerGroup:
             # small blocks (choices, signals) on connections of their own, made at first use:
             # a background owner's channel may be waiting for a straggler's gradient meanwhile
             self.control = self.channel(1, "control")
-            if self._arena_passing.applies(self.hosts, self._addresses):
-                self.arena = self._arena_passing.open(self._addresses, self._client)
+            if self._arena_passing.applies(self.hosts, self._addresses, self.hierarchical):
+                self.arena = self._arena_passing.open(self._addresses, self._client, self.hosts)
         except BaseException:
             self.shutdown()
             raise
@@ -356,8 +356,9 @@ class PeerGroup:
             self.shutdown(join)
 
     def _say_done(self, partitions) -> None:
-        if self.arena is not None:  # every peer is on this host: our closed arena says it
-            return
+        if self.arena is not None:  # to this host's partitions, our closed arena says it
+            own = self.hosts.host(self.partition_id)
+            partitions = [p for p in partitions if p not in own]
         for partition in partitions:
             try:
                 self.peers[partition].done()

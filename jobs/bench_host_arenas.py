@@ -1,0 +1,159 @@
+"""Benchmark: hierarchical sync with and without host arenas, on simulated hosts.
+
+Every partition is a thread of this process; the meeting places them on hosts (as
+``tests/conftest.run_partitions(hosts=...)`` does), so partitions of one host meet over
+Unix sockets and shared memory and the hosts over TCP on 127.0.0.1. Each round runs the
+README's BSP loop (``gradient_buffer()``, put, aggregate, update, send, ``get_weights``)
+with ``host_arena=True`` and then ``False`` (alternating, so a change of the machine's load
+falls on both alike) and takes the slowest partition's median step; the table gives the
+median over rounds and the ratio's range. Every round's final weights must be the same
+bits both ways (the arenas sum in the blocks' order), or the job fails saying so.
+
+    PYTHONPATH=$PWD python jobs/bench_host_arenas.py --hosts 2 --slots 2 --sizes 1M,10M --rounds 5
+
+Nothing crosses a real network: this measures the copies and hand-offs within each host
+(what the arenas remove), not a link's bandwidth (``jobs/bench_hosts.py`` does that, with
+Spark, across network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from allreduce_param import AllReduceParameter, LocalRendezvous, Rendezvous
+
+
+class Placed(Rendezvous):
+    """A ``LocalRendezvous`` member whose meeting gives every partition its host's scope."""
+
+    def __init__(self, member: Rendezvous, scope_of: dict[int, str]) -> None:
+        self._member, self._scope_of = member, scope_of
+        self.partition_id, self.partition_num = member.partition_id, member.partition_num
+
+    def bind_address(self):
+        return self._member.bind_address()
+
+    def exchange(self, address):
+        return [
+            (*peer[:4], self._scope_of[index] if peer[3] else None)
+            for index, peer in enumerate(self._member.exchange(address))
+        ]
+
+
+def one_round(
+    hosts: int, slots: int, size: int, arena: bool, steps: int, warmup: int
+) -> tuple[float, set[str]]:
+    """The slowest partition's median step, in ms, for one configuration, and the digests of
+    the final weights the partitions read (one, when all agree)."""
+    n = hosts * slots
+    param = AllReduceParameter(n, size, "raw", timeout=120, host_arena=arena)
+    group = LocalRendezvous(n)
+    scope_of = {p: f"bench-host-{p // slots}" for p in range(n)}
+    medians: list = [None] * n
+    digests: set[str] = set()
+
+    def partition(partition_id: int) -> None:
+        try:
+            with param.connect(Placed(group.member(partition_id), scope_of)) as p:
+                assert p.hierarchical and p.host_arena == arena
+                p.init(np.zeros(size, np.float32))
+                times = []
+                for step in range(warmup + steps):
+                    started = time.perf_counter()
+                    p.get_weights()
+                    gradient = p.gradient_buffer()
+                    gradient.fill(np.float32(1e-3 * (partition_id + 1)))
+                    p.put_gradients(gradient, count=1.0)
+                    p.weight_partition[:] -= np.float32(0.1) * p.aggregate_gradient_partition()
+                    p.send_weight_partition()
+                    if step >= warmup:
+                        times.append(time.perf_counter() - started)
+                digests.add(hashlib.sha256(p.get_weights().tobytes()).hexdigest())
+                medians[partition_id] = statistics.median(times) * 1e3
+        except BaseException as error:
+            medians[partition_id] = error
+
+    threads = [threading.Thread(target=partition, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in medians:
+        if isinstance(result, BaseException):
+            raise result
+    return max(medians), digests
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    factor = {"K": 1_000, "M": 1_000_000}.get(text[-1], 1)
+    return int(float(text[:-1] if factor > 1 else text) * factor)
+
+
+def machine() -> str:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            memory = f"{int(meminfo.readline().split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        memory = "memory unknown"
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, {memory}, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=2, help="simulated hosts (default 2)")
+    parser.add_argument("--slots", type=int, default=2, help="partitions a host (default 2)")
+    parser.add_argument("--sizes", default="1M,10M", help="float32 elements, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps a round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    args = parser.parse_args(argv)
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.1f} at the start")
+    print(
+        f"{args.hosts} simulated hosts x {args.slots} partitions (threads), hierarchical, raw; "
+        f"{args.rounds} alternating rounds of {args.steps} steps (+{args.warmup} warm-up); "
+        "the slowest partition's median step"
+    )
+    print()
+    print("| size | arena (ms) | blocks (ms) | arena / blocks (range) |")
+    print("|---|---|---|---|")
+    for size in [parse_size(each) for each in args.sizes.split(",")]:
+        with_arena, without = [], []
+        for _ in range(args.rounds):
+            arena, arena_digests = one_round(
+                args.hosts, args.slots, size, True, args.steps, args.warmup
+            )
+            blocks, blocks_digests = one_round(
+                args.hosts, args.slots, size, False, args.steps, args.warmup
+            )
+            if len(arena_digests | blocks_digests) != 1:
+                raise SystemExit(
+                    f"the final weights of {size:,} floats differ between the arenas and the "
+                    "blocks (or between partitions): the arenas must give the blocks' bits"
+                )
+            with_arena.append(arena)
+            without.append(blocks)
+        ratios = [a / b for a, b in zip(with_arena, without, strict=True)]
+        print(
+            f"| {size:,} | {statistics.median(with_arena):.1f} | {statistics.median(without):.1f} "
+            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |",
+            flush=True,
+        )
+    print()
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
