@@ -170,6 +170,15 @@ class FitSettings:
         "auto",
         "send each chunk of a gradient while backward computes the rest: True, False or 'auto'",
     )
+    data_in: str = _setting(
+        "auto",
+        "where a task keeps its partition's rows while it trains: 'memory', 'disk' (row files "
+        "in spark.local.dir, read a block at a time: partitions larger than memory) or 'auto' "
+        "(memory while a partition takes at most a quarter of spark.executor.pyspark.memory, "
+        "or without it its share of half the machine's available memory)",
+        param="dataIn",
+        kind="String",
+    )
     bind_address: str | None = _setting(
         None,
         "where the workers' block servers and the driver's message server listen (None: the Spark setting "
@@ -302,6 +311,10 @@ class FitSettings:
         check_regularisation(
             self.reg_param, self.elastic_net_param, self.fit_intercept, self.standardization
         )
+        if self.data_in not in ("memory", "disk", "auto"):
+            raise ConfigurationError(
+                f"data_in must be 'memory', 'disk' or 'auto', got {self.data_in!r}"
+            )
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
 

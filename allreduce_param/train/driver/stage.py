@@ -15,10 +15,11 @@ from allreduce_param.spark.arrow import record_batch
 from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error, task_failed
 from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
-from allreduce_param.train.rows import arrays_from_arrow, arrays_from_pairs
+from allreduce_param.train.rows import arrays_from_pairs
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
-from allreduce_param.train.task.worker import train_partition
+from allreduce_param.train.task.spill import Place, memory_budget, partition_rows
+from allreduce_param.train.task.worker import train_partition, train_rows
 
 
 def engine_parameter(
@@ -95,10 +96,20 @@ def _stage(job: TrainingJob, rows) -> list[tuple[str, bytes]]:
 
     def arrow_task(batches):
         started = time.time()
-        arrays = arrays_from_arrow(batches, job.n_features, job.sparse)
-        clock = {"started": started, "loaded": time.time()}
-        for kind, payload in train_partition(job, *arrays, clock=clock):
-            yield record_batch(kind=[kind], payload=[payload])
+        data_in, place = job.settings.data_in, None
+        if data_in != "memory":
+            place = Place.of_task(job.param.secret)
+        budget = memory_budget(job.param.partition_num)
+        rows, validation = partition_rows(
+            batches, job.n_features, job.sparse, data_in, place, budget
+        )
+        try:
+            clock = {"started": started, "loaded": time.time()}
+            for kind, payload in train_rows(job, rows, validation, clock=clock):
+                yield record_batch(kind=[kind], payload=[payload])
+        finally:  # every way out, a failure and a task cancelled partway included
+            rows.release()
+            validation.release()
 
     def pairs_task(pairs):
         started = time.time()
