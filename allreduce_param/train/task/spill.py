@@ -7,7 +7,7 @@ The files go to Spark's local directories for the executor (``SPARK_LOCAL_DIRS``
 Spark sets for its Python workers from ``spark.local.dir``, or YARN's and Kubernetes' own;
 the system's temporary directory outside Spark), one directory chosen by the partition, and
 are named by the fit (a digest of its secret), the partition, the stage and the attempt:
-``allreduce-rows-<fit>-p<partition>-s<stage>a<attempt>-<split>.rows``. A task removes its
+``allreduce-rows-<fit>-p<partition>-s<stage>t<task attempt>-<split>.rows``. A task removes its
 files on every way out; one killed outright (its Python worker gone) leaves them, and the
 next attempt of the same partition removes every file of its fit and partition before
 writing its own. What Spark's local directories hold goes with the executor's directory
@@ -101,7 +101,7 @@ class Place:
     directory: str
     fit: str  # the fit's key: a digest of its secret
     partition: int
-    attempt: str  # the stage and its attempt, e.g. "s12a0"
+    attempt: str  # the stage and the task attempt, e.g. "s12t40"
 
     @property
     def prefix(self) -> str:
@@ -136,7 +136,7 @@ class Place:
         if context is None:
             return cls(local_directory(0), fit, 0, "local")
         partition = context.partitionId()
-        attempt = f"s{context.stageId()}a{context.stageAttemptNumber()}t{context.attemptNumber()}"
+        attempt = f"s{context.stageId()}t{context.taskAttemptId()}"
         return cls(local_directory(partition), fit, partition, attempt)
 
 
