@@ -238,3 +238,11 @@ def test_a_fit_from_row_files_of_one_block_gives_the_bits_of_one_from_memory(tmp
             pair.append(DiskRows(writer.close()))
         disk.append(pair)
     np.testing.assert_array_equal(_fit(job, disk), _fit(job, memory))
+
+
+def test_shared_segments_are_sized_by_the_parameter():
+    from allreduce_param.engine.blocks.shm import LARGEST_ARENA, SMALLEST_ARENA, arena_size
+
+    assert arena_size(513) == SMALLEST_ARENA + 8192  # a small model maps about 1 MiB, not 256
+    assert arena_size(10_000_000) == 81_051_648  # 80 MB and 1 MiB, in whole pages
+    assert arena_size(10**9) == LARGEST_ARENA

@@ -11,7 +11,7 @@ from typing import Any
 
 from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
-from allreduce_param.spark.arrow import record_batch
+from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
 from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error, task_failed
 from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
@@ -96,6 +96,7 @@ def _stage(job: TrainingJob, rows) -> list[tuple[str, bytes]]:
 
     def arrow_task(batches):
         started = time.time()
+        fit_the_address_space_limit()  # before the first batch is read
         data_in, place = job.settings.data_in, None
         if data_in != "memory":
             place = Place.of_task(job.param.secret)
