@@ -126,6 +126,8 @@ LIMITED_THREAD_STACK = 1 << 20
 #: glibc's malloc arenas under an address-space limit: each reserves 64 MiB of address
 #: space, and glibc makes up to 8 per core as threads allocate.
 LIMITED_MALLOC_ARENAS = 2
+#: Allocations from this size up are their own mappings, given back when freed.
+LIMITED_MMAP_THRESHOLD = 1 << 20
 
 
 def fit_the_address_space_limit() -> bool:
@@ -138,7 +140,8 @@ def fit_the_address_space_limit() -> bool:
       allocation, which a worker limited to less cannot map. Arrow reads the variable once,
       at its first allocation in the process: a reused worker keeps its allocator.
     - New threads' stacks: ``LIMITED_THREAD_STACK`` (``threading.stack_size``).
-    - glibc's malloc arenas: at most ``LIMITED_MALLOC_ARENAS`` (``mallopt(M_ARENA_MAX)``).
+    - glibc's malloc: at most ``LIMITED_MALLOC_ARENAS`` arenas (``mallopt(M_ARENA_MAX)``),
+      and allocations of ``LIMITED_MMAP_THRESHOLD`` and more mapped on their own.
 
     Whether the worker is limited (and so these were set)."""
     if not os.environ.get("PYSPARK_EXECUTOR_MEMORY_MB"):
@@ -150,7 +153,11 @@ def fit_the_address_space_limit() -> bool:
     try:
         import ctypes
 
-        ctypes.CDLL(None).mallopt(-8, LIMITED_MALLOC_ARENAS)  # M_ARENA_MAX
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-8, LIMITED_MALLOC_ARENAS)  # M_ARENA_MAX
+        # M_MMAP_THRESHOLD: a fixed one (glibc raises its own up to 32 MiB as blocks are
+        # freed, and the arenas' heaps then keep address space that mmap would give back)
+        libc.mallopt(-3, LIMITED_MMAP_THRESHOLD)
     except (OSError, AttributeError):  # not glibc
         pass
     return True

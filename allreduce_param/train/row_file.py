@@ -43,8 +43,8 @@ HEADER_BYTES = 64
 BLOCK_HEADER = struct.Struct("<4sIQQQQQ")  # magic, index, rows, nonzeros, payload, xxh3, spare
 SPARSE, WEIGHTED = 1, 2
 #: About how many bytes a block holds: large enough for sequential reads, small enough that
-#: the blocks a reader holds (two) are a small share of a worker's memory.
-BLOCK_BYTES = 4 << 20
+#: the few copies of a block a write or a read makes are a small share of a worker's memory.
+BLOCK_BYTES = 1 << 20
 
 
 def block_rows_for(row_bytes: float, block_bytes: int = BLOCK_BYTES) -> int:
@@ -147,20 +147,25 @@ class RowFileWriter:
             ]
         else:
             parts.append(np.ascontiguousarray(block.X, "<f4").reshape(-1))
-        payload = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
-        payload += b"\0" * (-len(payload) % 8)
+        views = [memoryview(np.ascontiguousarray(p)).cast("B") for p in parts]
+        length = sum(len(v) for v in views)
+        views.append(memoryview(b"\0" * (-length % 8)))
+        digest = xxhash.xxh3_64()  # over the parts in place: no joined copy of the block
+        for view in views:
+            digest.update(view)
         rows = block.y.shape[0]
         header = BLOCK_HEADER.pack(
             BLOCK_MAGIC,
             len(self.blocks),
             rows,
             nonzeros,
-            len(payload),
-            xxhash.xxh3_64_intdigest(payload),
+            length + len(views[-1]),
+            digest.intdigest(),
             0,
         )
         self.blocks.append((self._offset, rows))
-        self._write(header + payload)
+        for view in (memoryview(header), *views):
+            self._write(view)
         self.rows += rows
 
     def close(self) -> RowFile:

@@ -212,7 +212,8 @@ def _write(batches, n_features: int, sparse: bool, place: Place, writers: dict) 
                 )
         if "arrival" in writers:
             writers["arrival"].append(rows.X, rows.y, rows.weight)
-            keys.append([rows.split.astype(np.int32), *rows.keys])
+            # copies: a view keeps the Arrow batch's whole body alive (one buffer per batch)
+            keys.append([rows.split.astype(np.int32), *(np.array(k) for k in rows.keys)])
             continue
         for code, section in ((TRAIN, "train"), (VALIDATION, "validation")):
             chosen = rows.split == code
