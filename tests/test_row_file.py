@@ -63,6 +63,9 @@ def test_rows_read_back_by_index_and_range_as_written(tmp_path, sparse):
     np.testing.assert_array_equal(got.weight, w[index])
     part = file.range(8, 33)
     np.testing.assert_array_equal(_dense(part.X), _dense(X[8:33]))
+    epoch = block_epoch_order(53, 10, 0, 1, 0)[5:40]  # whole blocks in turn
+    np.testing.assert_array_equal(_dense(file.take(epoch).X), _dense(X[epoch]))
+    np.testing.assert_array_equal(file.take(epoch).weight, w[epoch])
     assert file.take(np.zeros(0, np.int64)).X.shape == (0, 7)
     file.close()
 
@@ -120,7 +123,7 @@ def test_a_full_local_directory_names_it_and_spark_local_dir(tmp_path):
         writer.close()
 
 
-def _batches(X, y, split, weight=None, keys=None, size=13):
+def _batches(X, y, split, weight=None, keys=None, size=13, order=None):
     """Prepared Arrow batches of ``size`` rows (``features array<float>``, label, split,
     then weight and ``_order``/``_i`` where given)."""
     out = []
@@ -134,19 +137,23 @@ def _batches(X, y, split, weight=None, keys=None, size=13):
         if weight is not None:
             columns["weight"] = pa.array(weight[start:stop], pa.float64())
         if keys is not None:
-            columns["_order"] = pa.array(keys[start:stop], pa.int64())
+            ordered = keys if order is None else order
+            columns["_order"] = pa.array(ordered[start:stop], pa.int64())
             columns["_i"] = pa.array(keys[start:stop], pa.int64())
         out.append(pa.RecordBatch.from_pydict(columns))
     return out
 
 
-@pytest.mark.parametrize("shuffled", [False, True], ids=["in order", "shuffled with keys"])
+@pytest.mark.parametrize(
+    "shuffled", ["no", "by _i", "by _order"], ids=["in order", "keys", "keys, _order not _i"]
+)
 def test_a_partition_on_disk_holds_the_rows_memory_would(tmp_path, shuffled):
     rng = np.random.default_rng(4)
     X, y = _matrix(70, 5, False), rng.standard_normal(70)
     split, weight = (rng.random(70) < 0.3).astype(np.int32), rng.random(70) + 0.5
-    keys = rng.permutation(70) if shuffled else None
-    batches = _batches(X, y, split, weight, keys)
+    keys = None if shuffled == "no" else rng.permutation(70)
+    order = rng.integers(0, 9, 70) if shuffled == "by _order" else None  # ties: _i decides
+    batches = _batches(X, y, split, weight, keys, order=order)
     memory = partition_rows(batches, 5, False, "memory")
     place = Place(str(tmp_path), "fit", 3, "s1a0t0")
     with pytest.MonkeyPatch.context() as patch:  # blocks of 8 rows: several per split

@@ -295,29 +295,43 @@ class RowFile:
 
     def take(self, index: np.ndarray) -> Block:
         """The rows at ``index`` (row numbers of the file), in that order: each block they
-        fall in read once per run of them."""
+        fall in read once. Where each block's rows come together (an epoch's order, a range)
+        they are copied straight to their place in the answer."""
         index = np.asarray(index, np.int64)
         if len(index) == 0:
             return self._empty()
         blocks = index // self.block_rows
-        grouped = bool((np.diff(blocks) >= 0).all())
-        by_block = np.arange(len(index)) if grouped else np.argsort(blocks, kind="stable")
-        cuts = np.flatnonzero(np.diff(blocks[by_block])) + 1
-        pieces = []
-        for start, stop in zip(np.r_[0, cuts], np.r_[cuts, len(index)]):
-            number = int(blocks[by_block[start]])
+        starts = np.r_[0, np.flatnonzero(np.diff(blocks)) + 1]
+        if len(np.unique(blocks[starts])) < len(starts):  # a block's rows apart: by block
+            return self._take_by_block(index, blocks)
+        stops = np.r_[starts[1:], len(index)]
+        if self.sparse:
+            pieces = []
+            for start, stop in zip(starts, stops):
+                number = int(blocks[start])
+                block = self.block(number)
+                local = index[start:stop] - number * self.block_rows
+                weight = None if block.weight is None else block.weight[local]
+                pieces.append(Block(block.X[local], block.y[local], weight))
+            return _concatenate(pieces, True)
+        X = np.empty((len(index), self.n_features), np.float32)
+        y = np.empty(len(index), np.float64)
+        weight = np.empty(len(index), np.float64) if self.weighted else None
+        for start, stop in zip(starts, stops):
+            number = int(blocks[start])
             block = self.block(number)
-            local = index[by_block[start:stop]] - number * self.block_rows
-            pieces.append(
-                Block(
-                    block.X[local],
-                    block.y[local],
-                    None if block.weight is None else block.weight[local],
-                )
-            )
-        joined = _concatenate(pieces, self.sparse)
-        if grouped:
-            return joined
+            local = index[start:stop] - number * self.block_rows
+            np.take(block.X, local, axis=0, out=X[start:stop])
+            np.take(block.y, local, out=y[start:stop])
+            if weight is not None:
+                np.take(block.weight, local, out=weight[start:stop])
+        return Block(X, y, weight)
+
+    def _take_by_block(self, index: np.ndarray, blocks: np.ndarray) -> Block:
+        """``take`` where a block's rows are spread over ``index``: grouped by block (each
+        read once), then put in ``index``'s order."""
+        by_block = np.argsort(blocks, kind="stable")
+        joined = self.take(index[by_block])
         place = np.empty_like(by_block)  # row j of the answer is joined row place[j]
         place[by_block] = np.arange(len(index))
         weight = None if joined.weight is None else joined.weight[place]

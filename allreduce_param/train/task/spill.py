@@ -15,10 +15,10 @@ when the application ends.
 
 Writing reads each Arrow batch as it arrives, so a partition is never whole in memory.
 Where the batches carry order keys (a placement that shuffled them, ``columns.ORDER_COLUMNS``)
-the rows arrive in no fixed order: they go to one arrival file as they come, their keys (20
-bytes a row) stay in memory, and once all are in, each split's file is written in key order
-from it, the arrival file then removed. The rows of each split are then in the very order the
-in-memory path gives them.
+the rows arrive in no fixed order: they go to one arrival file as they come, their keys (9
+bytes a row, 17 under ``overlap_reshuffle``) stay in memory, and once all are in, each
+split's file is written in key order from it, the arrival file then removed. The rows of
+each split are then in the very order the in-memory path gives them.
 """
 
 from __future__ import annotations
@@ -212,8 +212,7 @@ def _write(batches, n_features: int, sparse: bool, place: Place, writers: dict) 
                 )
         if "arrival" in writers:
             writers["arrival"].append(rows.X, rows.y, rows.weight)
-            # copies: a view keeps the Arrow batch's whole body alive (one buffer per batch)
-            keys.append([rows.split.astype(np.int32), *(np.array(k) for k in rows.keys)])
+            keys.append(_keys(rows))
             continue
         for code, section in ((TRAIN, "train"), (VALIDATION, "validation")):
             chosen = rows.split == code
@@ -234,16 +233,33 @@ def _write(batches, n_features: int, sparse: bool, place: Place, writers: dict) 
         DiskRows(arrival).release()
 
 
+def _keys(rows) -> tuple:
+    """A batch's order keys as kept until the partition is whole: the split (int8), the
+    ``_i`` column, and ``_order`` only where it differs from ``_i`` (every scheme but
+    ``overlap_reshuffle`` orders by ``_i``). Copies: a numpy view of an Arrow column keeps
+    the batch's whole body alive."""
+    order, index = rows.keys
+    same = np.array_equal(order, index)
+    return rows.split.astype(np.int8), np.array(index), None if same else np.array(order)
+
+
 def _in_key_order(arrival: RowFile, keys: list, place: Place, writers: dict) -> tuple:
     """Each split's rows of the arrival file written in (split, _order, _i) order: the order
     ``rows.arrays_from_arrow`` sorts them into."""
-    split, order_key, index_key = (np.concatenate([k[i] for k in keys]) for i in range(3))
+    split = np.concatenate([k[0] for k in keys])
+    index_key = np.concatenate([k[1] for k in keys])
+    if all(k[2] is None for k in keys):  # _order is _i: one key
+        order_key = None
+    else:
+        order_key = np.concatenate([k[1] if k[2] is None else k[2] for k in keys])
     del keys[:]
-    order = np.lexsort((index_key, order_key, split))
-    del order_key, index_key
     out = []
     for code, section in ((TRAIN, "train"), (VALIDATION, "validation")):
-        chosen = order[split[order] == code]
+        chosen = np.flatnonzero(split == code)
+        if order_key is None:
+            chosen = chosen[np.argsort(index_key[chosen], kind="stable")]
+        else:
+            chosen = chosen[np.lexsort((index_key[chosen], order_key[chosen]))]
         writer = writers[section] = RowFileWriter(
             place.path(section),
             arrival.n_features,
