@@ -253,3 +253,21 @@ def test_shared_segments_are_sized_by_the_parameter():
     assert arena_size(513) == SMALLEST_ARENA + 8192  # a small model maps about 1 MiB, not 256
     assert arena_size(10_000_000) == 81_051_648  # 80 MB and 1 MiB, in whole pages
     assert arena_size(10**9) == LARGEST_ARENA
+
+
+def test_rows_spark_sorted_are_written_as_they_come_and_out_of_order_refused(tmp_path):
+    rng = np.random.default_rng(6)
+    X, y = _matrix(60, 5, False), rng.standard_normal(60)
+    split = np.r_[np.zeros(45, np.int32), np.ones(15, np.int32)]  # sorted: split first
+    keys = np.r_[np.arange(45), np.arange(15)]
+    place = Place(str(tmp_path), "fit", 0, "s1t1")
+    memory = partition_rows(_batches(X, y, split, keys=keys), 5, False, "memory")
+    disk = partition_rows(_batches(X, y, split, keys=keys), 5, False, "disk", place, None, True)
+    for in_memory, on_disk in zip(memory, disk):
+        np.testing.assert_array_equal(on_disk.rows_between(0, 60).X, in_memory.X)
+        on_disk.release()
+    shuffled = rng.permutation(60)
+    batches = _batches(X[shuffled], y[shuffled], split[shuffled], keys=keys[shuffled])
+    with pytest.raises(TrainingError, match="did not arrive sorted by \\(split, _order, _i\\)"):
+        partition_rows(batches, 5, False, "disk", place, None, True)
+    assert os.listdir(tmp_path) == []  # what it had written is gone

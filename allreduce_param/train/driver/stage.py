@@ -12,6 +12,7 @@ from typing import Any
 from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
+from allreduce_param.train.columns import ORDER_COLUMNS
 from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error, task_failed
 from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
@@ -94,15 +95,22 @@ def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int
 def _stage(job: TrainingJob, rows) -> list[tuple[str, bytes]]:
     """Run the tasks over ``rows`` (a DataFrame, or an RDD of pairs); their records, encoded."""
 
+    data_in = job.settings.data_in
+    # rows on disk, after a shuffle: Spark sorts each partition by its order keys (spilling
+    # as it needs), so a task writes its files as the rows come and holds nothing per row
+    presorted = (
+        data_in == "disk" and hasattr(rows, "mapInArrow") and ORDER_COLUMNS[0] in rows.columns
+    )
+    if presorted:
+        rows = rows.sortWithinPartitions("split", *ORDER_COLUMNS)
+
     def arrow_task(batches):
         started = time.time()
         fit_the_address_space_limit()  # before the first batch is read
-        data_in, place = job.settings.data_in, None
-        if data_in != "memory":
-            place = Place.of_task(job.param.secret)
+        place = Place.of_task(job.param.secret) if data_in != "memory" else None
         budget = memory_budget(job.param.partition_num)
         rows, validation = partition_rows(
-            batches, job.n_features, job.sparse, data_in, place, budget
+            batches, job.n_features, job.sparse, data_in, place, budget, presorted
         )
         try:
             clock = {"started": started, "loaded": time.time()}

@@ -14,7 +14,9 @@ writing its own. What Spark's local directories hold goes with the executor's di
 when the application ends.
 
 Writing reads each Arrow batch as it arrives, so a partition is never whole in memory.
-Where the batches carry order keys (a placement that shuffled them, ``columns.ORDER_COLUMNS``)
+With ``data_in="disk"`` after a shuffle, the stage has Spark sort each partition by its
+order keys (``presorted``), and each batch goes straight to its split's file. Otherwise,
+where the batches carry order keys (a placement that shuffled them, ``columns.ORDER_COLUMNS``)
 the rows arrive in no fixed order: they go to one arrival file as they come, their keys (9
 bytes a row, 17 under ``overlap_reshuffle``) stay in memory, and once all are in, each
 split's file is written in key order from it, the arrival file then removed. The rows of
@@ -33,6 +35,7 @@ from itertools import chain
 import numpy as np
 import xxhash
 
+from allreduce_param.errors import TrainingError
 from allreduce_param.train.columns import TRAIN, VALIDATION
 from allreduce_param.train.row_file import RowFile, RowFileWriter, block_rows_for
 from allreduce_param.train.rows import arrays_from_arrow, batch_arrays
@@ -147,11 +150,13 @@ def partition_rows(
     data_in: str,
     place: Place | None = None,
     budget: int | None = None,
+    presorted: bool = False,
 ) -> tuple[Rows | DiskRows, Rows | DiskRows]:
     """A partition's prepared Arrow batches as its (training, validation) rows: in memory
     (``state.Rows``) or in row files at ``place`` (``DiskRows``), as ``data_in`` says
-    ("auto": in memory while the batches take at most ``budget`` bytes). The caller
-    ``release``s both on every way out."""
+    ("auto": in memory while the batches take at most ``budget`` bytes). ``presorted``: the
+    batches come sorted by their order keys (Spark sorted them), so no arrival file. The
+    caller ``release``s both on every way out."""
     batches = iter(batches)
     held: list = []
     if data_in == "auto":
@@ -167,7 +172,7 @@ def partition_rows(
         return split_rows(*arrays_from_arrow(chain(held, batches), n_features, sparse))
     if place is None:
         raise ValueError("rows on disk need a place for their files")
-    return write_partition(chain(held, batches), n_features, sparse, place)
+    return write_partition(chain(held, batches), n_features, sparse, place, presorted)
 
 
 def split_rows(X, y: np.ndarray, split: np.ndarray, weight: np.ndarray | None) -> tuple[Rows, Rows]:
@@ -181,14 +186,15 @@ def split_rows(X, y: np.ndarray, split: np.ndarray, weight: np.ndarray | None) -
 
 
 def write_partition(
-    batches: Iterator, n_features: int, sparse: bool, place: Place
+    batches: Iterator, n_features: int, sparse: bool, place: Place, presorted: bool = False
 ) -> tuple[Rows | DiskRows, Rows | DiskRows]:
     """The batches written to row files at ``place`` (an earlier attempt's removed first), as
-    (training, validation) ``DiskRows``; a partition without rows stays in memory, empty."""
+    (training, validation) ``DiskRows``; a partition without rows stays in memory, empty.
+    ``presorted``: batches with order keys come in key order (checked as they come)."""
     place.remove_leftovers()
     writers: dict[str, RowFileWriter] = {}
     try:
-        return _write(batches, n_features, sparse, place, writers)
+        return _write(batches, n_features, sparse, place, writers, presorted)
     except BaseException:
         for writer in writers.values():
             writer.abandon()
@@ -196,16 +202,22 @@ def write_partition(
         raise
 
 
-def _write(batches, n_features: int, sparse: bool, place: Place, writers: dict) -> tuple:
-    keys: list[list[np.ndarray]] = []
+def _write(
+    batches, n_features: int, sparse: bool, place: Place, writers: dict, presorted: bool
+) -> tuple:
+    keys: list[tuple] = []
+    last: tuple | None = None  # presorted: the latest row's keys
     for batch in batches:
         rows = batch_arrays(batch, n_features, sparse)
         if rows.y.shape[0] == 0:
             continue
+        if presorted and rows.keys is not None:
+            last = _check_sorted(rows, last)
         if not writers:
             block_rows = block_rows_for(_row_bytes(rows))
             weighted = rows.weight is not None
-            sections = ("arrival",) if rows.keys is not None else ("train", "validation")
+            arrival = rows.keys is not None and not presorted
+            sections = ("arrival",) if arrival else ("train", "validation")
             for section in sections:
                 writers[section] = RowFileWriter(
                     place.path(section), n_features, block_rows, sparse, weighted
@@ -231,6 +243,23 @@ def _write(batches, n_features: int, sparse: bool, place: Place, writers: dict) 
         return _in_key_order(arrival, keys, place, writers)
     finally:
         DiskRows(arrival).release()
+
+
+def _check_sorted(rows, last: tuple | None) -> tuple:
+    """That a batch's rows come in (split, _order, _i) order after ``last``; its last row's
+    keys. Rows out of order are an error (Spark sorted them: a change in that contract)."""
+    split = rows.split.astype(np.int64)
+    order, index = (np.asarray(k, np.int64) for k in rows.keys)
+    if last is not None:
+        split, order, index = (np.r_[was, now] for was, now in zip(last, (split, order, index)))
+    d_split, d_order, d_index = np.diff(split), np.diff(order), np.diff(index)
+    ahead = (d_split > 0) | ((d_split == 0) & ((d_order > 0) | ((d_order == 0) & (d_index > 0))))
+    if not ahead.all():
+        raise TrainingError(
+            "the partition's rows did not arrive sorted by (split, _order, _i) as the stage "
+            "asked Spark to sort them (sortWithinPartitions); train with data_in='auto'"
+        )
+    return int(split[-1]), int(order[-1]), int(index[-1])
 
 
 def _keys(rows) -> tuple:
