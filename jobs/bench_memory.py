@@ -152,13 +152,14 @@ def _worker_kind(pid: int) -> str | None:
     return None
 
 
-def fit(frame, features: int, data_in: str, args) -> dict:
-    """One fit; its samples/s over the training phase, accuracy and seconds."""
+def fit(frame, features: int, data_in: str, args, epochs: int | None = None) -> dict:
+    """One fit (``epochs``, else ``--epochs``); its samples/s over the training phase,
+    accuracy and seconds."""
     result = DistriOptimizer(
         models.LogisticRegression(features),
         optim.Adam(lr=0.01),
         batch_size=args.batch_size,
-        epochs=args.epochs,
+        epochs=epochs or args.epochs,
         num_workers=args.workers,
         data_in=data_in,
         seed=1,
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3, help="alternating memory/disk rounds")
+    parser.add_argument("--compare-epochs", type=int, default=5, help="epochs of those rounds")
     args = parser.parse_args(argv)
     limit = args.limit_mb << 20
     factors = [float(f) for f in args.factors.split(",")]
@@ -281,13 +283,14 @@ def main(argv: list[str] | None = None) -> int:
             accuracy = {}
             for _ in range(args.rounds):
                 for data_in in ("memory", "disk"):
-                    outcome = fit(frame, args.features, data_in, args)
+                    outcome = fit(frame, args.features, data_in, args, args.compare_epochs)
                     speeds[data_in].append(outcome["samples/s"])
                     accuracy[data_in] = outcome["accuracy"]
             ratios = [d / m for d, m in zip(speeds["disk"], speeds["memory"])]
             print(
-                f"\nsamples/s over the training phase, {args.rounds} alternating rounds on "
-                f"{rows:,} rows ({args.small:g}x the limit, in the page cache):"
+                f"\nsamples/s over the training phase, {args.rounds} alternating rounds of "
+                f"{args.compare_epochs} epochs on {rows:,} rows ({args.small:g}x the limit, in "
+                "the page cache):"
             )
             print(
                 bench.render(

@@ -208,7 +208,9 @@ def _concatenate(blocks: list[Block], sparse: bool) -> Block:
 
 class RowFile:
     """A complete row file, read a block at a time with its checksum checked; the two blocks
-    read last are kept, so a batch's or an evaluation's reads within a block read it once."""
+    read last are kept, so a batch's or an evaluation's reads within a block read it once.
+    A block's arrays are views of a buffer the next reads reuse: callers copy out (``take``
+    and ``range`` do) before reading further blocks."""
 
     KEEP = 2
 
@@ -226,7 +228,8 @@ class RowFile:
         self.sparse, self.weighted = sparse, weighted
         self.offsets, self.rows = offsets, rows
         self._fd = -1
-        self._kept: OrderedDict[int, Block] = OrderedDict()
+        self._kept: OrderedDict[int, tuple[Block, bytearray]] = OrderedDict()
+        self._spare: list[bytearray] = []  # buffers of blocks no longer kept, to read into
 
     @property
     def block_count(self) -> int:
@@ -237,11 +240,11 @@ class RowFile:
         kept = self._kept.get(index)
         if kept is not None:
             self._kept.move_to_end(index)
-            return kept
-        block = self._read(index)
-        self._kept[index] = block
-        while len(self._kept) > self.KEEP:
-            self._kept.popitem(last=False)
+            return kept[0]
+        while len(self._kept) >= self.KEEP:  # its buffer is read into next: callers copy out
+            self._spare.append(self._kept.popitem(last=False)[1][1])
+        block, buffer = self._read(index)
+        self._kept[index] = (block, buffer)
         return block
 
     def _damaged(self, index: int, what: str) -> TrainingError:
@@ -251,7 +254,7 @@ class RowFile:
             "directory, spark.local.dir, or a failing disk); run the fit again"
         )
 
-    def _read(self, index: int) -> Block:
+    def _read(self, index: int) -> tuple[Block, bytearray]:
         if self._fd < 0:
             try:
                 self._fd = os.open(self.path, os.O_RDONLY)
@@ -265,15 +268,20 @@ class RowFile:
         expected_rows = min(self.block_rows, self.rows - index * self.block_rows)
         if magic != BLOCK_MAGIC or number != index or rows != expected_rows:
             raise self._damaged(index, "has a header that is not its own")
-        payload = os.pread(self._fd, length, offset + BLOCK_HEADER.size)
-        if len(payload) < length:
+        # into a buffer of an earlier block: no fresh pages to fault in for every block
+        buffer = self._spare.pop() if self._spare else bytearray()
+        if len(buffer) < length:
+            buffer = bytearray(length)
+        payload = memoryview(buffer)[:length]
+        got = os.preadv(self._fd, [payload], offset + BLOCK_HEADER.size)
+        if got < length:
             end = offset + BLOCK_HEADER.size + length
             raise self._damaged(index, f"is cut short: the file ends before byte {end}")
         if xxhash.xxh3_64_intdigest(payload) != digest:
             raise self._damaged(index, "does not match its checksum")
-        return self._decode(payload, rows, nonzeros)
+        return self._decode(payload, rows, nonzeros), buffer
 
-    def _decode(self, payload: bytes, rows: int, nonzeros: int) -> Block:
+    def _decode(self, payload: memoryview, rows: int, nonzeros: int) -> Block:
         at = 0
 
         def take(dtype: str, count: int) -> np.ndarray:
@@ -300,6 +308,8 @@ class RowFile:
         index = np.asarray(index, np.int64)
         if len(index) == 0:
             return self._empty()
+        if index.min() < 0 or index.max() >= self.rows:
+            raise IndexError(f"row numbers must lie in 0..{self.rows - 1} of {self.path}")
         blocks = index // self.block_rows
         starts = np.r_[0, np.flatnonzero(np.diff(blocks)) + 1]
         if len(np.unique(blocks[starts])) < len(starts):  # a block's rows apart: by block
@@ -321,10 +331,11 @@ class RowFile:
             number = int(blocks[start])
             block = self.block(number)
             local = index[start:stop] - number * self.block_rows
-            np.take(block.X, local, axis=0, out=X[start:stop])
-            np.take(block.y, local, out=y[start:stop])
+            # "clip": unbuffered (numpy buffers ``out`` under "raise"); checked above
+            np.take(block.X, local, axis=0, out=X[start:stop], mode="clip")
+            np.take(block.y, local, out=y[start:stop], mode="clip")
             if weight is not None:
-                np.take(block.weight, local, out=weight[start:stop])
+                np.take(block.weight, local, out=weight[start:stop], mode="clip")
         return Block(X, y, weight)
 
     def _take_by_block(self, index: np.ndarray, blocks: np.ndarray) -> Block:
@@ -353,6 +364,7 @@ class RowFile:
     def close(self) -> None:
         """Let go of the file (the kept blocks, the descriptor); reading again reopens it."""
         self._kept.clear()
+        self._spare.clear()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
