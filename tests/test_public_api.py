@@ -25,13 +25,13 @@ TrainingError UsageError models optim""".split()
 
 FIT_SETTINGS = """batch_size epochs codec gradient_codec num_workers threads seed timeout progress
 log_path listener strategy staleness backup_workers sync_every model_averaging partition_scheme
-checkpoint_dir checkpoint_every checkpoint_keep verbose overlap bind_address advertise_address
+checkpoint_dir checkpoint_every checkpoint_keep verbose overlap data_in bind_address advertise_address
 port_range connect_timeout encrypt topology fetch_threads early_stopping_patience
 early_stopping_min_delta reg_param elastic_net_param fit_intercept standardization
 gpus_per_task sparse_sync keep_optimizer_state""".split()
 
 REGRESSOR_PARAMS = """advertiseAddress backupWorkers batchSize bindAddress checkpointDir
-checkpointEvery checkpointKeep codec connectTimeout earlyStoppingMinDelta earlyStoppingPatience
+checkpointEvery checkpointKeep codec connectTimeout dataIn earlyStoppingMinDelta earlyStoppingPatience
 elasticNetParam fitIntercept regParam standardization encrypt featuresCol fetchThreads
 gradientCodec hiddenLayers labelCol logPath maxEpochs
 modelAveraging numWorkers optimizer overlap partitionScheme portRange predictionCol seed

@@ -38,6 +38,7 @@ def test_defaults_and_changes_by_name():
         ),
         ({"checkpoint_every": 5}, "checkpoint_every=5 goes with checkpoint_dir"),
         ({"overlap": "sometimes"}, "overlap must be True, False or 'auto'"),
+        ({"data_in": "ssd"}, "data_in must be 'memory', 'disk' or 'auto', got 'ssd'"),
         (
             {"partition_scheme": "hashed"},
             "partition_scheme='hashed' is not a data-partition scheme",

@@ -615,3 +615,42 @@ def test_the_history_says_where_the_fits_time_went(spark, capsys):
     # they add up to the fit
     assert sum(phases.values()) == pytest.approx(result.history.seconds, abs=0.05)
     assert capsys.readouterr().out.strip().endswith(result.history.phases_line())
+
+
+def test_a_fit_from_rows_on_disk_gives_the_bits_of_one_from_memory_and_leaves_no_file(spark):
+    """Shuffled placement (order keys), weights and validation rows: written to row files in
+    Spark's local directory as they arrive, the fit is the in-memory one's, bit for bit, and
+    every task removes its files."""
+    X, y = regression_data(rows=150)
+    rng = np.random.default_rng(3)
+    df = spark.createDataFrame(
+        [(r.tolist(), float(label), float(w)) for r, label, w in zip(X, y, rng.uniform(1, 2, 150))],
+        "features array<float>, label double, w double",
+    )
+    train, valid = df.randomSplit([0.8, 0.2], seed=1)
+    weights = {}
+    for data_in in ("memory", "disk"):
+        weights[data_in] = (
+            DistriOptimizer(
+                models.LinearRegression(5),
+                optim.Adam(lr=0.05),
+                batch_size=16,
+                epochs=2,
+                num_workers=2,
+                partition_scheme="random",
+                data_in=data_in,
+            )
+            .fit(train, validation=valid, weight_col="w")
+            .weights
+        )
+    np.testing.assert_array_equal(weights["disk"], weights["memory"])
+
+    def leftovers(_):
+        import glob
+
+        folders = os.environ.get("SPARK_LOCAL_DIRS", "").split(",")
+        yield [path for f in folders for path in glob.glob(os.path.join(f, "allreduce-rows-*"))]
+        yield [bool(folders[0])]
+
+    found = spark.sparkContext.parallelize([0], 1).mapPartitions(leftovers).collect()
+    assert found == [[], [True]]  # Spark names its local directories to the Python workers

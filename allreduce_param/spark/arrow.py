@@ -9,6 +9,7 @@ records the fit's tasks handle; anything else falls back to pyarrow's conversion
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -116,3 +117,47 @@ def _bits(buffer, start: int, length: int) -> np.ndarray:
         return np.zeros(length, bool)
     bits = np.unpackbits(np.frombuffer(buffer, np.uint8), bitorder="little")
     return bits[start : start + length].astype(bool)
+
+
+#: A thread's stack under an address-space limit (glibc's default is RLIMIT_STACK, 8 MiB, of
+#: address space reserved per thread): the fit's threads run numpy and sockets, no deep
+#: recursion.
+LIMITED_THREAD_STACK = 1 << 20
+#: glibc's malloc arenas under an address-space limit: each reserves 64 MiB of address
+#: space, and glibc makes up to 8 per core as threads allocate.
+LIMITED_MALLOC_ARENAS = 2
+#: Allocations from this size up are their own mappings, given back when freed.
+LIMITED_MMAP_THRESHOLD = 1 << 20
+
+
+def fit_the_address_space_limit() -> bool:
+    """Where the Python worker's address space is limited (``spark.executor.pyspark.memory``,
+    which Spark passes as ``PYSPARK_EXECUTOR_MEMORY_MB`` and sets as RLIMIT_AS), spend it on
+    data rather than on reservations, before the task reads its first batch:
+
+    - Arrow's allocator: the system's (``ARROW_DEFAULT_MEMORY_POOL=system``) unless chosen
+      otherwise. Arrow's default, mimalloc, reserves 1 GiB of address space with its first
+      allocation, which a worker limited to less cannot map. Arrow reads the variable once,
+      at its first allocation in the process: a reused worker keeps its allocator.
+    - New threads' stacks: ``LIMITED_THREAD_STACK`` (``threading.stack_size``).
+    - glibc's malloc: at most ``LIMITED_MALLOC_ARENAS`` arenas (``mallopt(M_ARENA_MAX)``),
+      and allocations of ``LIMITED_MMAP_THRESHOLD`` and more mapped on their own.
+
+    Whether the worker is limited (and so these were set)."""
+    if not os.environ.get("PYSPARK_EXECUTOR_MEMORY_MB"):
+        return False
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    import threading
+
+    threading.stack_size(LIMITED_THREAD_STACK)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-8, LIMITED_MALLOC_ARENAS)  # M_ARENA_MAX
+        # M_MMAP_THRESHOLD: a fixed one (glibc raises its own up to 32 MiB as blocks are
+        # freed, and the arenas' heaps then keep address space that mmap would give back)
+        libc.mallopt(-3, LIMITED_MMAP_THRESHOLD)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return True

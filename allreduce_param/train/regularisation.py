@@ -89,7 +89,9 @@ def local_moments(X: Any, weight: np.ndarray | None) -> tuple[np.ndarray, np.nda
     return first, second, float(w.sum()), float(np.dot(w, w))
 
 
-def feature_std(p: Any, X: Any, weight: np.ndarray | None) -> np.ndarray:
+def feature_std(
+    p: Any, X: Any = None, weight: np.ndarray | None = None, moments: tuple | None = None
+) -> np.ndarray:
     """Each feature's standard deviation over every partition's rows (float32), as MLlib's
     summarizer gives it: weighted, unbiased (``sum w (x - mean)^2 / (W - sum w^2 / W)``).
 
@@ -98,8 +100,10 @@ def feature_std(p: Any, X: Any, weight: np.ndarray | None) -> np.ndarray:
     deviations from the global mean, each one allreduce of one value per feature through
     the parameter's codec (a lossy one rounds them). All partitions get the same bits. A
     std at most ``CONSTANT`` times the mean's magnitude, below what float32 sums resolve,
-    is 0: a constant feature's, as MLlib finds it."""
-    first, second, total_weight, squared_weights = local_moments(X, weight)
+    is 0: a constant feature's, as MLlib finds it. ``moments``: this partition's
+    ``local_moments``, where the caller summed them itself (rows read from a file in
+    blocks), instead of ``X`` and ``weight``."""
+    first, second, total_weight, squared_weights = moments or local_moments(X, weight)
     own_weight = total_weight
     total_weight, squared_weights = (
         float(v) for v in p.allreduce_exact([total_weight, squared_weights])

@@ -11,6 +11,8 @@ predictions read.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from allreduce_param.errors import InputError
@@ -52,6 +54,35 @@ def is_vector_type(kind) -> bool:
     return isinstance(kind, VectorUDT)
 
 
+class BatchRows(NamedTuple):
+    """One prepared Arrow batch's rows as numpy, in the batch's order: features (dense float32
+    or CSR), labels, split codes, weights (or None) and the order keys (``ORDER_COLUMNS``'
+    arrays, or None where the batch has no such columns)."""
+
+    X: Any
+    y: np.ndarray
+    split: np.ndarray
+    weight: np.ndarray | None
+    keys: list[np.ndarray] | None
+
+
+def batch_arrays(batch, n_features: int, sparse: bool = False) -> BatchRows:
+    """One prepared Arrow batch as numpy (``BatchRows``); ``arrays_from_arrow`` joins them."""
+    names = batch.schema.names
+
+    def column(name: str) -> np.ndarray:
+        return arrow.values(batch.column(batch.schema.get_field_index(name)))
+
+    parts = VectorParts.from_arrow(batch.column(batch.schema.get_field_index("features")))
+    return BatchRows(
+        parts.to_csr(n_features) if sparse else parts.to_dense(n_features),
+        column("label"),
+        column("split"),
+        column(WEIGHT_COLUMN) if WEIGHT_COLUMN in names else None,
+        [column(name) for name in ORDER_COLUMNS] if ORDER_COLUMNS[0] in names else None,
+    )
+
+
 def arrays_from_arrow(
     batches, n_features: int, sparse: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -64,19 +95,14 @@ def arrays_from_arrow(
     rows: nothing to weigh)."""
     features, labels, splits, weights, keys = [], [], [], [], []
     for batch in batches:
-        parts = VectorParts.from_arrow(batch.column(batch.schema.get_field_index("features")))
-        features.append(parts.to_csr(n_features) if sparse else parts.to_dense(n_features))
-        labels.append(arrow.values(batch.column(batch.schema.get_field_index("label"))))
-        splits.append(arrow.values(batch.column(batch.schema.get_field_index("split"))))
-        if WEIGHT_COLUMN in batch.schema.names:
-            weights.append(arrow.values(batch.column(batch.schema.get_field_index(WEIGHT_COLUMN))))
-        if ORDER_COLUMNS[0] in batch.schema.names:
-            keys.append(
-                [
-                    arrow.values(batch.column(batch.schema.get_field_index(name)))
-                    for name in ORDER_COLUMNS
-                ]
-            )
+        rows = batch_arrays(batch, n_features, sparse)
+        features.append(rows.X)
+        labels.append(rows.y)
+        splits.append(rows.split)
+        if rows.weight is not None:
+            weights.append(rows.weight)
+        if rows.keys is not None:
+            keys.append(rows.keys)
     if not features:
         return (
             empty_rows(n_features, sparse),

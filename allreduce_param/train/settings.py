@@ -195,6 +195,15 @@ class FitSettings:
         "auto",
         "send each chunk of a gradient while backward computes the rest: True, False or 'auto'",
     )
+    data_in: str = _setting(
+        "auto",
+        "where a task keeps its partition's rows while it trains: 'memory', 'disk' (row files "
+        "in spark.local.dir, read a block at a time: partitions larger than memory) or 'auto' "
+        "(memory while a partition takes at most a quarter of spark.executor.pyspark.memory, "
+        "or without it its share of half the machine's available memory)",
+        param="dataIn",
+        kind="String",
+    )
     bind_address: str | None = _setting(
         None,
         "where the workers' block servers and the driver's message server listen (None: the Spark setting "
@@ -353,6 +362,10 @@ class FitSettings:
         if not isinstance(self.keep_optimizer_state, bool):
             raise ConfigurationError(
                 f"keep_optimizer_state must be True or False, got {self.keep_optimizer_state!r}"
+            )
+        if self.data_in not in ("memory", "disk", "auto"):
+            raise ConfigurationError(
+                f"data_in must be 'memory', 'disk' or 'auto', got {self.data_in!r}"
             )
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")

@@ -62,6 +62,23 @@ def address(buffer) -> int:
     return np.frombuffer(buffer, np.uint8).ctypes.data
 
 
+#: The most, and the least, one shared segment of blocks holds.
+LARGEST_ARENA, SMALLEST_ARENA = 256 << 20, 1 << 20
+
+
+def arena_size(floats: int) -> int:
+    """The segment size for a parameter of ``floats`` float32s: room for about two encoded
+    copies of the vector (a partition's gradient chunks for every owner, its slice, the
+    allreduce blocks) in one segment, between 1 and 256 MiB, in whole pages. Every segment
+    is mapped by its partition and by each same-host peer that reads from it, and each
+    mapping counts against a limit on the Python worker's address space
+    (``spark.executor.pyspark.memory``), pages written or not: a small model's partitions
+    need not map 256 MiB each."""
+    wanted = 8 * floats + SMALLEST_ARENA
+    page = mmap.PAGESIZE
+    return min(LARGEST_ARENA, max(SMALLEST_ARENA, -(-wanted // page) * page))
+
+
 class SharedArenas:
     """Buffers for blocks, carved out of shared segments of ``arena_size`` bytes (or one of
     a buffer's own size, for a larger one); a segment's pages are taken only when written.
@@ -73,7 +90,7 @@ class SharedArenas:
 
     ALIGN = 64  # each buffer starts on a cache line
 
-    def __init__(self, arena_size: int = 256 << 20) -> None:
+    def __init__(self, arena_size: int = LARGEST_ARENA) -> None:
         self.arena_size = arena_size
         self._segments: dict[
             int, tuple[SharedSegment, int]

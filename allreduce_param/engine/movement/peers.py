@@ -37,7 +37,11 @@ from collections.abc import Callable
 
 from allreduce_param.engine.blocks.arena import HostArena
 from allreduce_param.engine.blocks.codec import get_codec
-from allreduce_param.engine.blocks.shm import SharedArenas, shared_memory_available
+from allreduce_param.engine.blocks.shm import (
+    SharedArenas,
+    arena_size,
+    shared_memory_available,
+)
 from allreduce_param.engine.blocks.store import BlockStore
 from allreduce_param.engine.layout import HostLayout
 from allreduce_param.engine.movement.channels import Channel
@@ -101,7 +105,7 @@ class PeerGroup:
         self.arena: HostArena | None = None
         # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
         self.shared = (
-            SharedArenas()
+            SharedArenas(arena_size(spec.size))
             if spec.unix_sockets and spec.shared_memory and shared_memory_available()
             else None
         )

@@ -11,14 +11,16 @@ from typing import Any
 
 from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
-from allreduce_param.spark.arrow import record_batch
+from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
+from allreduce_param.train.columns import ORDER_COLUMNS
 from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error, task_failed
 from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
-from allreduce_param.train.rows import arrays_from_arrow, arrays_from_pairs
+from allreduce_param.train.rows import arrays_from_pairs
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
-from allreduce_param.train.task.worker import train_partition
+from allreduce_param.train.task.spill import Place, memory_budget, partition_rows
+from allreduce_param.train.task.worker import train_partition, train_rows
 
 
 def engine_parameter(
@@ -98,12 +100,30 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
     """Run the tasks over ``rows`` (a DataFrame, or an RDD of pairs), with ``profile`` when
     given; their records, encoded."""
 
+    data_in = job.settings.data_in
+    # rows on disk, after a shuffle: Spark sorts each partition by its order keys (spilling
+    # as it needs), so a task writes its files as the rows come and holds nothing per row
+    presorted = (
+        data_in == "disk" and hasattr(rows, "mapInArrow") and ORDER_COLUMNS[0] in rows.columns
+    )
+    if presorted:
+        rows = rows.sortWithinPartitions("split", *ORDER_COLUMNS)
+
     def arrow_task(batches):
         started = time.time()
-        arrays = arrays_from_arrow(batches, job.n_features, job.sparse)
-        clock = {"started": started, "loaded": time.time()}
-        for kind, payload in train_partition(job, *arrays, clock=clock):
-            yield record_batch(kind=[kind], payload=[payload])
+        fit_the_address_space_limit()  # before the first batch is read
+        place = Place.of_task(job.param.secret) if data_in != "memory" else None
+        budget = memory_budget(job.param.partition_num)
+        rows, validation = partition_rows(
+            batches, job.n_features, job.sparse, data_in, place, budget, presorted
+        )
+        try:
+            clock = {"started": started, "loaded": time.time()}
+            for kind, payload in train_rows(job, rows, validation, clock=clock):
+                yield record_batch(kind=[kind], payload=[payload])
+        finally:  # every way out, a failure and a task cancelled partway included
+            rows.release()
+            validation.release()
 
     def pairs_task(pairs):
         started = time.time()

@@ -43,11 +43,36 @@ def evaluate(
     is evaluated with its own (this partition's), unchanged: where it has no
     ``loss_and_predictions``, the ``loss_and_grad`` calls that give the loss may change
     them, and they are put back afterwards."""
+
+    def part(start: int, stop: int):
+        return (
+            X[start:stop],
+            y[start:stop],
+            (None if sample_weight is None else sample_weight[start:stop]),
+        )
+
+    return evaluate_parts(model, weights, part, X.shape[0], X.shape[1], is_sparse_matrix(X))
+
+
+def evaluate_rows(model, weights: np.ndarray, rows) -> list[float]:
+    """``evaluate`` over a partition's rows as the fit holds them: in memory (``state.Rows``)
+    or in a row file (``disk_rows.DiskRows``), read a chunk at a time; the same sums, in the
+    same order, either way."""
+
+    def part(start: int, stop: int):
+        return tuple(rows.rows_between(start, stop))
+
+    return evaluate_parts(model, weights, part, rows.row_count, rows.n_features, rows.sparse)
+
+
+def evaluate_parts(model, weights: np.ndarray, part, count: int, width: int, sparse: bool):
+    """``evaluate`` over ``count`` rows of ``width`` features that ``part(start, stop)`` gives
+    as ``(X, y, sample_weight)``, chunk by chunk."""
     task = model_task(model)
     both = optional_call(model, "loss_and_predictions", ("loss_and_grad", "predict"))
     before = model.buffers() if both is None and has_buffers(model) else None
     try:
-        return _evaluate(model, task, both, weights, X, y, sample_weight)
+        return _evaluate(model, task, both, weights, part, count, width, sparse)
     finally:
         if before is not None:
             model.set_buffers(before)
@@ -58,19 +83,19 @@ def _evaluate(
     task: str | None,
     both,
     weights: np.ndarray,
-    X: np.ndarray,
-    y: np.ndarray,
-    sample_weight: np.ndarray | None,
+    part,
+    count: int,
+    width: int,
+    sparse: bool,
 ) -> list[float]:
     total = np.zeros(3, dtype=np.float64)
     chunk = EVAL_CHUNK
-    if is_sparse_matrix(X) and not takes_sparse(model):  # chunks made dense: 2^22 elements at most
-        chunk = max(1, min(EVAL_CHUNK, DENSE_CHUNK_ELEMENTS // max(1, X.shape[1])))
-    for start in range(0, X.shape[0], chunk):
-        rows, labels = dense_for(model, X[start : start + chunk]), y[start : start + chunk]
-        weighted = (
-            {} if sample_weight is None else {"sample_weight": sample_weight[start : start + chunk]}
-        )
+    if sparse and not takes_sparse(model):  # chunks made dense: 2^22 elements at most
+        chunk = max(1, min(EVAL_CHUNK, DENSE_CHUNK_ELEMENTS // max(1, width)))
+    for start in range(0, count, chunk):
+        X, labels, chunk_weight = part(start, start + chunk)
+        rows = dense_for(model, X)
+        weighted = {} if chunk_weight is None else {"sample_weight": chunk_weight}
         if both is not None:  # one forward pass
             loss_sum, predicted, count = both(weights, rows, labels, **weighted)
         else:

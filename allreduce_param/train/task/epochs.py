@@ -6,7 +6,7 @@ from typing import Any
 
 from allreduce_param.models.base import model_task
 from allreduce_param.train.records import EpochDone
-from allreduce_param.train.task.compute import evaluate
+from allreduce_param.train.task.compute import evaluate_rows
 from allreduce_param.train.task.state import FitState
 
 
@@ -25,7 +25,7 @@ class Epochs(FitState):
             "task": model_task(self.job.model),
         }
         if self.job.has_validation:
-            metrics["val"] = evaluate(self.job.model, self.weights, *self.validation)
+            metrics["val"] = evaluate_rows(self.job.model, self.weights, self.validation)
         if self._early is not None:
             # every partition's rows: the same sums, bits and decision on every partition
             stop = self._early.after_epoch(
@@ -36,7 +36,7 @@ class Epochs(FitState):
             if last and self._early.best_weights is not None:
                 self.weights[:] = self._early.best_weights
         if last:
-            metrics["train"] = evaluate(self.job.model, self.weights, *self.train)
+            metrics["train"] = evaluate_rows(self.job.model, self.weights, self.train)
         self.epochs.append(metrics)
         self._next_epoch = epoch + 1
         self._report(EpochDone(metrics))

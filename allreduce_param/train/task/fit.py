@@ -40,7 +40,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             job.model,
             p.layout.size,
             slice(0, p.layout.size) if job.local_sgd else p.layout.bounds(p.partition_id),
-            feature_std(p, self.train.X, self.train.weight) if self.settings.standardizes else None,
+            feature_std(p, moments=self.train.moments()) if self.settings.standardizes else None,
         )
         self.start = self._begin()
         if job.local_sgd:

@@ -10,7 +10,10 @@ import numpy as np
 
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.parameter import ConnectedParameter
+from allreduce_param.models.base import is_sparse_matrix
 from allreduce_param.train.checkpoint import CheckpointWriter
+from allreduce_param.train.regularisation import local_moments
+from allreduce_param.train.task.batching import epoch_order
 from allreduce_param.train.task.compute import SubBatches
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.reporter import ProgressReporter
@@ -30,10 +33,35 @@ class Rows(NamedTuple):
         """How many rows (``X`` may be a sparse matrix, whose ``len`` is ambiguous)."""
         return self.X.shape[0]
 
+    @property
+    def n_features(self) -> int:
+        return self.X.shape[1]
+
+    @property
+    def sparse(self) -> bool:
+        """Whether ``X`` is a CSR matrix."""
+        return is_sparse_matrix(self.X)
+
     def take(self, index: np.ndarray) -> Rows:
         return Rows(
             self.X[index], self.y[index], None if self.weight is None else self.weight[index]
         )
+
+    def rows_between(self, start: int, stop: int) -> Rows:
+        """Rows ``start:stop``, in order (views where numpy makes them)."""
+        weight = None if self.weight is None else self.weight[start:stop]
+        return Rows(self.X[start:stop], self.y[start:stop], weight)
+
+    def epoch_order(self, seed: int, epoch: int, partition_id: int) -> np.ndarray:
+        """The order the rows train in during ``epoch`` (``batching.epoch_order``)."""
+        return epoch_order(self.row_count, seed, epoch, partition_id)
+
+    def moments(self) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """The rows' ``regularisation.local_moments``."""
+        return local_moments(self.X, self.weight)
+
+    def release(self) -> None:
+        """Nothing to let go of (rows in a file, ``disk_rows.DiskRows``, delete it)."""
 
 
 class FitState:

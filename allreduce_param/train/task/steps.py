@@ -13,7 +13,6 @@ from allreduce_param.models.base import batch_count
 from allreduce_param.optim import clip_scale, squared_norm
 from allreduce_param.train.records import STEP_FIELDS, StepDone
 from allreduce_param.train.task.batching import (
-    epoch_order,
     global_batch_sizes,
     share_bounds,
     steps_per_epoch,
@@ -54,7 +53,7 @@ class Steps(FitState):
         if epoch != self._order_epoch:
             self._order_epoch, self._order = (
                 epoch,
-                epoch_order(self.train.row_count, self.settings.seed, epoch, self.p.partition_id),
+                self.train.epoch_order(self.settings.seed, epoch, self.p.partition_id),
             )
         return self.train.take(self._order[self.cuts[step] : self.cuts[step + 1]])
 

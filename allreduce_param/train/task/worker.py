@@ -19,7 +19,6 @@ from allreduce_param.engine.movement.rendezvous import Rendezvous
 from allreduce_param.errors import TrainingError
 from allreduce_param.models.base import has_buffers
 from allreduce_param.spark.rendezvous import DriverRendezvous
-from allreduce_param.train.columns import TRAIN, VALIDATION
 from allreduce_param.train.records import (
     Buffers,
     Clock,
@@ -33,9 +32,11 @@ from allreduce_param.train.records import (
     task_failure,
 )
 from allreduce_param.train.task.compute import SubBatches
+from allreduce_param.train.task.disk_rows import DiskRows
 from allreduce_param.train.task.fit import PartitionFit
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.reporter import ProgressReporter
+from allreduce_param.train.task.spill import split_rows
 from allreduce_param.train.task.state import Rows
 
 
@@ -61,14 +62,24 @@ def train_partition(
     ``rendezvous`` defaults to meeting at the driver through ``job.driver``, else the
     Spark barrier stage's ``allGather``.
     """
+    rows, validation = split_rows(X, y, split, weight)
+    yield from train_rows(job, rows, validation, rendezvous, clock)
+
+
+def train_rows(
+    job: TrainingJob,
+    rows: Rows | DiskRows,
+    validation: Rows | DiskRows,
+    rendezvous: Rendezvous | None = None,
+    clock: dict | None = None,
+) -> Iterator[tuple[str, bytes]]:
+    """``train_partition`` over the partition's training and validation rows as they are
+    held: in memory (``state.Rows``) or in row files (``disk_rows.DiskRows``)."""
     clock = dict(clock or {"started": time.time(), "loaded": time.time()})
     if has_buffers(job.model):  # a task's closure is its own; partitions on threads share one
         job = dataclasses.replace(job, model=copy.deepcopy(job.model))
-    # row numbers, not masks: a CSR matrix takes them alike
-    train, valid = np.flatnonzero(split == TRAIN), np.flatnonzero(split == VALIDATION)
-    rows = Rows(X[train], y[train], None if weight is None else weight[train])
-    validation = Rows(X[valid], y[valid], None if weight is None else weight[valid])
-    compute = SubBatches(job.model, job.settings.threads, weighted=weight is not None)
+    weighted = rows.weight is not None if isinstance(rows, Rows) else rows.weighted
+    compute = SubBatches(job.model, job.settings.threads, weighted=weighted)
     reporter = ProgressReporter(job.driver) if job.report_progress else None
     try:
         if rendezvous is None and job.driver is not None:
