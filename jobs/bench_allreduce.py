@@ -20,7 +20,9 @@ treeAggregate the gradients) runs once per size.
 ``--processes N,...`` measures without Spark (no JVM, any many-core machine): N plain
 processes on this host, the README's loop against gloo's in the same processes, with the
 copy bandwidth and each row's floor (``bench_processes.py`` says how; it takes ``--sizes``,
-``--rounds``, ``--steps``, ``--warmup`` and ``--no-baselines`` and ignores the rest).
+``--rounds``, ``--steps``, ``--warmup`` and ``--no-baselines`` and ignores the rest). With
+``--own-gradient`` it compares ``p.gradient_buffer()`` with a vector of the loop's own
+instead of gloo; with ``--memory`` it measures each process's memory instead of time.
 
 ``--transports tcp,tcp-encrypted`` measures what encryption in transit costs
 (``AllReduceParameter(encrypt=True)``, AES-256-GCM records, ``sealing.py``): the same

@@ -24,6 +24,12 @@ copy's rate of memory traffic (two bytes moved per byte copied) that is
     python jobs/bench_allreduce.py --processes 2,4                  # 1M and 10M float32
     python jobs/bench_allreduce.py --processes 2,4,8,16 --sizes 1M,10M,100M   # many cores
     python jobs/bench_allreduce.py --processes 2 --sizes 10K --rounds 2 --steps 3 --warmup 1
+    python jobs/bench_allreduce.py --processes 2,4 --own-gradient     # a vector of one's own
+    python jobs/bench_allreduce.py --processes 2 --memory --sizes 200M --steps 3   # memory
+
+``--own-gradient`` compares, instead of gloo, the loop putting ``p.gradient_buffer()`` with
+it putting a vector of its own, beside one copy of that vector (``own_gradient_size``);
+``--memory`` measures each process's memory instead of time (``bench_process_memory.py``).
 
 Memory: through the host arena (the default here: one host, BSP, raw) the host holds the
 weight vector once and one gradient vector per partition, and each partition its summed
