@@ -20,7 +20,9 @@ treeAggregate the gradients) runs once per size.
 ``--processes N,...`` measures without Spark (no JVM, any many-core machine): N plain
 processes on this host, the README's loop against gloo's in the same processes, with the
 copy bandwidth and each row's floor (``bench_processes.py`` says how; it takes ``--sizes``,
-``--rounds``, ``--steps``, ``--warmup`` and ``--no-baselines`` and ignores the rest).
+``--rounds``, ``--steps``, ``--warmup`` and ``--no-baselines`` and ignores the rest). With
+``--own-gradient`` it compares ``p.gradient_buffer()`` with a vector of the loop's own
+instead of gloo; with ``--memory`` it measures each process's memory instead of time.
 
 ``--transports tcp,tcp-encrypted`` measures what encryption in transit costs
 (``AllReduceParameter(encrypt=True)``, AES-256-GCM records, ``sealing.py``): the same
@@ -503,6 +505,20 @@ def main(argv: list[str] | None = None) -> int:
         "engine against gloo in the same processes, no JVM (jobs/bench_processes.py)",
     )
     parser.add_argument(
+        "--own-gradient",
+        action="store_true",
+        help="with --processes, instead of gloo: the README's loop putting "
+        "p.gradient_buffer() against it putting a vector of its own, beside one copy of it",
+    )
+    parser.add_argument(
+        "--memory",
+        nargs="?",
+        const="arena,blocks",
+        help="with --processes, instead of timings: each process's memory after --steps "
+        "steps through the host arena and blocks (or the ways named: arena, blocks), in "
+        "vectors (jobs/bench_process_memory.py)",
+    )
+    parser.add_argument(
         "--codecs",
         default=",".join(DENSE_CODECS),
         help=f"of {', '.join(DENSE_CODECS)}; WEIGHTS+GRADIENTS (e.g. int8+topk) for a "
@@ -562,6 +578,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes:
         import bench_processes  # beside this file; it imports this module
 
+        if args.memory:
+            import bench_process_memory
+
+            bench_process_memory.run(
+                bench_processes.parse_counts(args.processes),
+                parse_sizes(args.sizes or bench_processes.DEFAULT_SIZES),
+                args.steps,
+                bench_process_memory.parse_ways(args.memory),
+            )
+            return 0
         bench_processes.run(
             bench_processes.parse_counts(args.processes),
             parse_sizes(args.sizes or bench_processes.DEFAULT_SIZES),
@@ -569,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
             args.steps,
             args.warmup,
             gloo=not args.no_baselines,
+            own=args.own_gradient,
         )
         return 0
     if args.link:

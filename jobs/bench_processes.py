@@ -24,6 +24,12 @@ copy's rate of memory traffic (two bytes moved per byte copied) that is
     python jobs/bench_allreduce.py --processes 2,4                  # 1M and 10M float32
     python jobs/bench_allreduce.py --processes 2,4,8,16 --sizes 1M,10M,100M   # many cores
     python jobs/bench_allreduce.py --processes 2 --sizes 10K --rounds 2 --steps 3 --warmup 1
+    python jobs/bench_allreduce.py --processes 2,4 --own-gradient     # a vector of one's own
+    python jobs/bench_allreduce.py --processes 2 --memory --sizes 200M --steps 3   # memory
+
+``--own-gradient`` compares, instead of gloo, the loop putting ``p.gradient_buffer()`` with
+it putting a vector of its own, beside one copy of that vector (``own_gradient_size``);
+``--memory`` measures each process's memory instead of time (``bench_process_memory.py``).
 
 Memory: through the host arena (the default here: one host, BSP, raw) the host holds the
 weight vector once and one gradient vector per partition, and each partition its summed
@@ -56,6 +62,15 @@ DEFAULT_PROCESSES = "2,4"
 #: How long a rank waits for its peers (meeting, gloo's store, one step), in seconds.
 TIMEOUT = 300.0
 LR = np.float32(0.1)
+OWN_HELP = (
+    "instead of gloo: the README's loop putting p.gradient_buffer() against the same loop "
+    "putting a vector of its own, alternating, beside one np.copyto of that vector"
+)
+MEMORY_HELP = (
+    "instead of timings: each process's memory (smaps_rollup) after --steps steps, through "
+    "the host arena and through blocks (or the ways named: arena, blocks), in vectors "
+    "(jobs/bench_process_memory.py)"
+)
 
 
 def run_ranks(processes: list, results, timeout: float) -> dict:
@@ -133,11 +148,12 @@ def rank_main(
     steps: int,
     warmup: int,
     results,
+    own: bool = False,
 ) -> None:
     """One rank: for each parameter (a size), the engine's partition and, with
     ``store_port``, gloo's rank, alternating ``rounds`` rounds; puts ``(rank, [per size:
     (engine's timings per round, gloo's per round)])`` or ``(rank, error text)`` on
-    ``results``."""
+    ``results``. With ``own`` (and no gloo), ``own_gradient_size`` instead."""
     try:
         dist = None
         if store_port is not None:
@@ -156,8 +172,9 @@ def rank_main(
                 "gloo", store=store, rank=rank, world_size=ranks, timeout=timeout
             )
         try:
+            each_size = own_gradient_size if own else one_size
             report = [
-                one_size(rank, ranks, param, size_addresses, dist, rounds, steps, warmup)
+                each_size(rank, ranks, param, size_addresses, dist, rounds, steps, warmup)
                 for param, size_addresses in zip(params, addresses)
             ]
         finally:
@@ -203,11 +220,53 @@ def one_size(rank, ranks, param, addresses, dist, rounds, steps, warmup) -> tupl
     return engine_rounds, gloo_rounds
 
 
+def own_gradient_size(rank, ranks, param, addresses, dist, rounds, steps, warmup) -> tuple:
+    """``rounds`` alternating rounds at ``param``'s size of the README's loop putting
+    ``p.gradient_buffer()`` and of the same loop putting a vector of the user's own (an
+    array of its own, holding the same values), then, in every round, ``steps`` timed
+    ``np.copyto`` of that vector into another array (what a put of it adds), all ranks at
+    once: (buffer's timings per round, own's per round, the copies' per round, in ms).
+    The gradient is computed once, before the rounds: computing it would cost both loops
+    the same."""
+    buffer_rounds, own_rounds, copy_rounds = [], [], []
+    with param.connect(StaticRendezvous(rank, addresses, timeout=TIMEOUT)) as p:
+        rng = np.random.default_rng(rank)
+        buffer = p.gradient_buffer()
+        rng.standard_normal(dtype=np.float32, out=buffer)
+        own = buffer.copy()  # the user's own vector
+        # where the copies are timed to (the buffer is read-only between a put and the
+        # next get_weights()), written once so its pages are there
+        scratch = own.copy()
+        p.init(rng.standard_normal(p.slice_length, dtype=np.float32) * np.float32(1e-3))
+
+        def barrier():
+            p.allreduce_exact(np.zeros(1))
+
+        for number in range(rounds):
+            order = ("buffer", "own") if number % 2 == 0 else ("own", "buffer")
+            for which in order:
+                barrier()
+                timings = engine_steps(p, buffer if which == "buffer" else own, steps, warmup)
+                (buffer_rounds if which == "buffer" else own_rounds).append(timings.tolist())
+            barrier()
+            copies = np.zeros(warmup + steps)
+            for step in range(warmup + steps):
+                start = time.perf_counter()
+                np.copyto(scratch, own)
+                copies[step] = time.perf_counter() - start
+            copy_rounds.append((copies[warmup:] * 1000.0).tolist())
+        barrier()
+    return buffer_rounds, own_rounds, copy_rounds
+
+
 def measure(
-    ranks: int, sizes: list[int], rounds: int, steps: int, warmup: int, gloo: bool
-) -> list[dict]:
+    ranks: int, sizes: list[int], rounds: int, steps: int, warmup: int, gloo: bool,
+    own: bool = False,
+) -> list[dict]:  # fmt: skip
     """The rows of ``ranks`` processes, one per size: per round the engine's median of the
-    slowest rank's step and its phases', and gloo's."""
+    slowest rank's step and its phases', and gloo's; with ``own`` (no gloo), per round the
+    median of the slowest rank's step putting ``gradient_buffer()``, its put's, the same
+    putting a vector of its own, and of the slowest rank's copy of that vector."""
     import multiprocessing
 
     ports = free_ports(ranks * len(sizes) + 1)
@@ -231,12 +290,16 @@ def measure(
                 steps,
                 warmup,
                 results,
+                own,
             ),
             name=f"bench-rank-{rank}",
         )  # fmt: skip
         for rank in range(ranks)
     ]
     got = run_ranks(processes, results, TIMEOUT * (1 + len(sizes)))
+    if own:
+        return [own_row(ranks, size, [got[rank][index] for rank in range(ranks)])
+                for index, size in enumerate(sizes)]  # fmt: skip
     rows = []
     for index, size in enumerate(sizes):
         # rank, round, step, phase
@@ -255,6 +318,70 @@ def measure(
             row["gloo"] = [float(x) for x in np.median(gloo_times.max(axis=0), axis=1)]
         rows.append(row)
     return rows
+
+
+def own_row(ranks: int, size: int, reports: list) -> dict:
+    """One ``--own-gradient`` row from every rank's ``own_gradient_size`` report: per round,
+    the medians over steps of the slowest rank's step (and put) for each loop and of the
+    slowest rank's copy."""
+
+    def per_round(which: int) -> tuple[list[float], list[list[float]]]:
+        timings = np.stack(
+            [np.array(report[which]) for report in reports]
+        )  # rank, round, step, phase
+        steps = np.median(timings.sum(axis=3).max(axis=0), axis=1)
+        phases = np.median(timings.max(axis=0), axis=1)  # round, phase
+        return [float(x) for x in steps], phases.tolist()
+
+    copies = np.stack([np.array(report[2]) for report in reports])  # rank, round, step
+    buffer, buffer_phases = per_round(0)
+    own, own_phases = per_round(1)
+    return dict(
+        partitions=ranks,
+        size=size,
+        buffer=buffer,
+        buffer_phases=buffer_phases,
+        own=own,
+        own_phases=own_phases,
+        copy=[float(x) for x in np.median(copies.max(axis=0), axis=1)],
+    )
+
+
+def own_table(rows: list[dict]) -> str:
+    """The ``--own-gradient`` table: both loops' medians over rounds, the difference (own
+    less buffer), one copy, the median of the per-round differences over that round's
+    copy, with their range (at most 1.00: within one copy), and the difference in each
+    phase (the slowest rank's, medians over rounds)."""
+    header = ("N", "size", "gradient_buffer() ms", "own vector ms", "own - buffer ms",
+              "one copy ms", "difference / copy (range)",
+              *(f"{phase} +ms" for phase in PHASES))  # fmt: skip
+    lines = []
+    for row in rows:
+        buffer, own = statistics.median(row["buffer"]), statistics.median(row["own"])
+        shares = [(o - b) / c for o, b, c in zip(row["own"], row["buffer"], row["copy"])]
+        phases = [
+            statistics.median(each[i] for each in row["own_phases"])
+            - statistics.median(each[i] for each in row["buffer_phases"])
+            for i in range(len(PHASES))
+        ]
+        lines.append(
+            (
+                row["partitions"],
+                bench.label(row["size"]),
+                bench.ms_text(buffer),
+                bench.ms_text(own),
+                f"{own - buffer:+.3g}",
+                bench.ms_text(statistics.median(row["copy"])),
+                f"{statistics.median(shares):.2f} ({min(shares):.2f} to {max(shares):.2f})",
+                *(f"{value:+.3g}" for value in phases),
+            )
+        )
+    return bench.render(header, lines)
+
+
+def load_text() -> str:
+    """The load averages (1, 5, 15 minutes): the machine may be shared."""
+    return ", ".join(f"{value:.1f}" for value in os.getloadavg())
 
 
 def floor_ms(size: int, partitions: int, bandwidth: float) -> float:
@@ -287,17 +414,35 @@ def table(rows: list[dict], bandwidth: float) -> str:
 
 
 def run(processes: list[int], sizes: list[int], rounds: int, steps: int, warmup: int,
-        gloo: bool = True) -> list[dict]:  # fmt: skip
-    """Measure every N and size and print the table; the rows."""
+        gloo: bool = True, own: bool = False) -> list[dict]:  # fmt: skip
+    """Measure every N and size and print the table (with ``own``, ``own_table``); the rows."""
     from bench_growth import copy_bandwidth
 
-    gloo = gloo and baselines.gloo_available()
+    gloo = gloo and not own and baselines.gloo_available()
     bandwidth = copy_bandwidth()
     print(f"machine: {bench.machine()}")
     print(
         f"single-core copy bandwidth: {bandwidth / 1e9:.1f} GB/s (np.copyto of 40 MB, median of 5); "
         "floor = (S + S/N) bytes / (2 x that)"
     )
+    print(f"load average at the start: {load_text()}")
+    if own:
+        print(
+            "plain processes (no Spark) on 127.0.0.1, StaticRendezvous, raw codec, the README's "
+            f"loop putting p.gradient_buffer() or a vector of its own; {rounds} rounds "
+            f"alternating the two, each the median of {steps} steps after {warmup} warm-up, the "
+            "slowest rank's step; then in each round the slowest rank's np.copyto of its vector "
+            "into another, all ranks at once (median of as many)",
+            flush=True,
+        )
+        rows = [
+            row
+            for ranks in processes
+            for row in measure(ranks, sizes, rounds, steps, warmup, False, own=True)
+        ]
+        print(own_table(rows))
+        print(f"load average at the end: {load_text()}", flush=True)
+        return rows
     print(
         f"plain processes (no Spark) on 127.0.0.1, StaticRendezvous, raw codec, the README's loop; "
         f"{rounds} rounds alternating engine and gloo"
@@ -308,7 +453,8 @@ def run(processes: list[int], sizes: list[int], rounds: int, steps: int, warmup:
     rows = [
         row for ranks in processes for row in measure(ranks, sizes, rounds, steps, warmup, gloo)
     ]
-    print(table(rows, bandwidth), flush=True)
+    print(table(rows, bandwidth))
+    print(f"load average at the end: {load_text()}", flush=True)
     return rows
 
 
@@ -335,7 +481,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, each round")
     parser.add_argument("--no-baselines", action="store_true", help="skip gloo")
+    parser.add_argument("--own-gradient", action="store_true", help=OWN_HELP)
+    parser.add_argument("--memory", nargs="?", const="arena,blocks", help=MEMORY_HELP)
     args = parser.parse_args(argv)
+    if args.memory:
+        import bench_process_memory
+
+        sizes = bench.parse_sizes(args.sizes)
+        ways = bench_process_memory.parse_ways(args.memory)
+        bench_process_memory.run(parse_counts(args.processes), sizes, args.steps, ways)
+        return 0
     run(
         parse_counts(args.processes),
         bench.parse_sizes(args.sizes),
@@ -343,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps,
         args.warmup,
         gloo=not args.no_baselines,
+        own=args.own_gradient,
     )
     return 0
 

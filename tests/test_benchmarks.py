@@ -88,6 +88,37 @@ def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size()
         if line[4] != "not installed":
             assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line[5]), line
 
+    # --own-gradient: gradient_buffer() against a vector of the loop's own, beside one copy
+    out = run_job(
+        "bench_allreduce.py", "--processes", "2", "--sizes", "10K", "--own-gradient",
+        "--rounds", "2", "--steps", "2", "--warmup", "1",
+    )  # fmt: skip
+    assert "load average at the start: " in out and "load average at the end: " in out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    assert header[:7] == [
+        "N", "size", "gradient_buffer() ms", "own vector ms", "own - buffer ms",
+        "one copy ms", "difference / copy (range)",
+    ]  # fmt: skip
+    (line,) = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+    assert line[:2] == ["2", "10K"] and float(line[2]) > 0 and float(line[5]) > 0
+    assert float(line[4]) == pytest.approx(float(line[3]) - float(line[2]), abs=0.01)
+
+    # --memory: each process's memory in vectors, and the host's against 1 + N
+    out = run_job(
+        "bench_allreduce.py", "--processes", "2", "--sizes", "10K", "--memory", "--steps", "1",
+    )  # fmt: skip
+    memory = rows(out, "10K")
+    assert [(line[2], line[3]) for line in memory] == [
+        ("host arena", "rank 0"), ("host arena", "rank 1"),
+        ("host arena", "host (sum; memfds once)"),
+        ("blocks", "rank 0"), ("blocks", "rank 1"), ("blocks", "host (sum; memfds once)"),
+    ]  # fmt: skip
+    host = memory[2]
+    assert host[-1] == "3" and float(host[5]) > 0
+    # the arena (weights once, a gradient per partition) is in the memfds: at least 3 vectors
+    assert float(host[-2]) >= 3
+
 
 def test_bench_allreduce_compares_tcp_with_and_without_encryption():
     out = run_job(
