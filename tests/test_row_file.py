@@ -248,11 +248,12 @@ def test_a_fit_from_row_files_of_one_block_gives_the_bits_of_one_from_memory(tmp
 
 
 def test_shared_segments_are_sized_by_the_parameter():
-    from allreduce_param.engine.blocks.shm import LARGEST_ARENA, SMALLEST_ARENA, arena_size
+    from allreduce_param.engine.blocks.shm import LARGEST_ARENA, arena_size
 
-    assert arena_size(513) == SMALLEST_ARENA + 8192  # a small model maps about 1 MiB, not 256
-    assert arena_size(10_000_000) == 81_051_648  # 80 MB and 1 MiB, in whole pages
-    assert arena_size(10**9) == LARGEST_ARENA
+    part = 2 << 20  # each encoded part takes a buffer of its own
+    assert arena_size(513, 2, part) == 4 * part  # a small model maps 8 MiB, not 256
+    assert arena_size(10_000_000, 2, part) == (39 + 3) * part  # 80 MB in parts, and 3 more
+    assert arena_size(10**9, 2, part) == LARGEST_ARENA
 
 
 def test_rows_spark_sorted_are_written_as_they_come_and_out_of_order_refused(tmp_path):

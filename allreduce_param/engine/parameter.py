@@ -268,6 +268,9 @@ class ConnectedParameter:
                 self._moves if self._peers.hierarchical else None,
             )
         )
+        summed = None if self._arena is None else self._arena.summed_slice()
+        if summed is not None:  # zeros at first, as the arena's pages are
+            self._gradient = summed
         self._gradients = GradientPuts(
             self._moves, self.layout, self._state, self._owner_failure_first, self._arena
         )
@@ -430,7 +433,9 @@ class ConnectedParameter:
         Fetches chunk ``partition_id`` of the last ``put_gradients`` from every peer, sums in
         partition order in fp32, then divides by ``avg`` when given, else by the summed
         sample counts (the exact mean over all samples). Returns ``gradient_partition``,
-        which the next call overwrites. BSP only, after the step's ``put_gradients`` (or
+        which the next call overwrites (through a host arena on one host, the next
+        ``put_gradients`` already: it lies in this partition's gradient vector, so a host
+        keeps no vector more for it; copy it to keep it longer). BSP only, after the step's ``put_gradients`` (or
         its stream, closed): under the other strategies the background owner does this.
         """
         version = self._state.check_aggregate()

@@ -144,6 +144,7 @@ class HostArena:
             )
         self._map = self._mapped(layout.gradients, 0)  # the control lines and the weights
         self._gradient_maps: list[mmap.mmap] = []
+        self._gradient_mapped: dict[int, mmap.mmap] = {}  # partition -> its vector's mapping
         self._words = np.frombuffer(self._map, np.int64, 8 * (partition_num + 1))
         self._counts = np.frombuffer(self._map, np.float64, 8 * (partition_num + 1))
         self.weights = np.frombuffer(self._map, np.float32, size, layout.weights)
@@ -181,6 +182,7 @@ class HostArena:
             if partition not in self._gradients:
                 mapped = self._mapped(layout.stride, layout.gradients + partition * layout.stride)
                 self._gradient_maps.append(mapped)
+                self._gradient_mapped[partition] = mapped
                 self._gradients[partition] = np.frombuffer(mapped, np.float32, layout.size)
 
     # ---- making and passing ------------------------------------------------------------
@@ -236,6 +238,13 @@ class HostArena:
         """``partition``'s gradient vector (mapped by ``map_gradients``), where the owners
         read it."""
         return self._gradients[partition]
+
+    def summing_view(self, partition: int, bounds: slice) -> np.ndarray:
+        """A writable view of ``partition``'s gradient vector at ``bounds`` (its own slice),
+        apart from ``gradient``'s array, which a put makes read-only until the next
+        ``get_weights``: where that partition sums its slice of the mean gradient. No other
+        partition reads the own slice of a vector, so the sum needs no vector of its own."""
+        return np.frombuffer(self._gradient_mapped[partition], np.float32, self.layout.size)[bounds]
 
     def count(self, partition: int) -> float:
         """The sample count ``partition`` put with its last gradient."""

@@ -62,21 +62,22 @@ def address(buffer) -> int:
     return np.frombuffer(buffer, np.uint8).ctypes.data
 
 
-#: The most, and the least, one shared segment of blocks holds.
-LARGEST_ARENA, SMALLEST_ARENA = 256 << 20, 1 << 20
+#: The most one shared segment of blocks holds.
+LARGEST_ARENA = 256 << 20
 
 
-def arena_size(floats: int) -> int:
-    """The segment size for a parameter of ``floats`` float32s: room for about two encoded
-    copies of the vector (a partition's gradient chunks for every owner, its slice, the
-    allreduce blocks) in one segment, between 1 and 256 MiB, in whole pages. Every segment
-    is mapped by its partition and by each same-host peer that reads from it, and each
-    mapping counts against a limit on the Python worker's address space
-    (``spark.executor.pyspark.memory``), pages written or not: a small model's partitions
-    need not map 256 MiB each."""
-    wanted = 8 * floats + SMALLEST_ARENA
+def arena_size(floats: int, partitions: int, part_bytes: int) -> int:
+    """The segment size for a parameter of ``floats`` float32s over ``partitions``, whose
+    blocks are encoded into buffers of ``part_bytes`` each (one per part, whatever the
+    part's length): room for about two encoded copies of the vector (a partition's gradient
+    chunks for every owner, its slice, the allreduce blocks) plus a part buffer for each
+    owner and one more, at most 256 MiB, in whole pages. Every segment is mapped by its
+    partition and by each same-host peer that reads from it, and each mapping counts
+    against a limit on the Python worker's address space (``spark.executor.pyspark.memory``),
+    pages written or not: a small model's partitions need not map 256 MiB each."""
+    buffers = -(-8 * floats // part_bytes) + partitions + 1
     page = mmap.PAGESIZE
-    return min(LARGEST_ARENA, max(SMALLEST_ARENA, -(-wanted // page) * page))
+    return min(LARGEST_ARENA, -(-buffers * part_bytes // page) * page)
 
 
 class SharedArenas:

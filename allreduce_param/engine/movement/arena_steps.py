@@ -89,6 +89,16 @@ class ArenaSteps:
         if self._leads:
             moves.host_chunks = self._host_chunks
 
+    def summed_slice(self) -> np.ndarray | None:
+        """Where this partition's slice of the mean gradient is summed (its
+        ``gradient_partition``): on one host, the own slice of its own gradient vector in the
+        arena, which no peer reads, so a host holds one gradient vector per partition and no
+        more; the next put overwrites it. Hierarchical (the leader sends the host sums from
+        the blocks' store): None, a vector of its own."""
+        if self._moves is not None:
+            return None
+        return self.arena.summing_view(self.partition_id, self._bounds)
+
     # ---- the weights ---------------------------------------------------------------------
 
     def own_slice(self) -> np.ndarray:
@@ -210,7 +220,8 @@ class ArenaSteps:
                 _Ready((version, count, chunk[start : start + length], None))
                 for start, length in self._parts
             ]
-        return sum_in_order(pending, self._groups, out, divisor, check)
+        # ``out`` may be the own chunk of the own vector (``summed_slice``), a source too
+        return sum_in_order(pending, self._groups, out, divisor, check, out_is_a_source=True)
 
     def _host_chunks(self, version: int, members: tuple, owners: list) -> dict:
         """A hierarchical leader's host chunks of ``version`` (``Movements.host_chunks``):

@@ -105,7 +105,7 @@ class PeerGroup:
         self.arena: HostArena | None = None
         # where blocks are encoded: shared memory peers on this host read in place, or bytearrays
         self.shared = (
-            SharedArenas(arena_size(spec.size))
+            SharedArenas(arena_size(spec.size, spec.partition_num, LARGEST_PART))
             if spec.unix_sockets and spec.shared_memory and shared_memory_available()
             else None
         )

@@ -82,6 +82,7 @@ def sum_in_order(
     divisor: Callable[[float], float | None] | None = None,
     check: NonFiniteSum | None = None,
     names: list[str] | None = None,
+    out_is_a_source: bool = False,
 ) -> float:
     """Sum the fetched chunks (``pending[source][part]``, as ``Fetcher.fetch_all`` gives them)
     into ``out``; their counts.
@@ -92,8 +93,12 @@ def sum_in_order(
     leave it a sum); ``check`` raises if a summed part holds NaN/Inf, naming the source by
     ``names`` (default: its partition). Both act on each part just after it is summed.
     Every part is summed before anything is raised, so no fetch is left running.
+    ``out_is_a_source``: ``out`` may be one source's chunk; each part is then summed into a
+    scratch part and written to ``out`` once summed, checked and divided (the sources
+    intact until then: the same bits, and the check names the right source).
     """
     order = [source for group in groups for source in group]
+    scratch = np.empty(min(out.size, PART_LENGTH), np.float32) if out_is_a_source else None
     group_sum = (
         np.empty(min(out.size, PART_LENGTH), np.float32)
         if any(len(g) > 1 for g in groups[1:])
@@ -102,7 +107,7 @@ def sum_in_order(
     names = names or [f"partition {source}" for source in order]
     total, scale, failure = 0.0, None, None
     for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
-        target = out[start : start + length]
+        target = out[start : start + length] if scratch is None else scratch[:length]
         parts = {source: pending[source][part].result() for source in order}
         if part == 0:
             total = sum(sum(parts[source][1] for source in group) for group in groups)
@@ -123,6 +128,8 @@ def sum_in_order(
                 failure = error
         if scale is not None:
             target /= scale
+        if scratch is not None:
+            out[start : start + length] = target
         for _, _, _, recheck in parts.values():
             if recheck is not None:
                 recheck()
