@@ -221,8 +221,10 @@ def limited_fetch(results) -> None:
 
     from allreduce_param import AllReduceParameter, LocalRendezvous
 
-    # the blocks' path (through the host arena the mapping is made at connect instead)
-    param = AllReduceParameter(2, 1000, codec="raw", timeout=30, host_arena=False)
+    # the blocks' path (through the host arena the mapping is made at connect instead); a
+    # model whose shared segment (84 MB, sized by the model) cannot fit the limit's headroom
+    size = 10_000_000
+    param = AllReduceParameter(2, size, codec="raw", timeout=30, host_arena=False)
     group = LocalRendezvous(2)
     fetched = threading.Barrier(2)
     outcome = [None, None]
@@ -230,7 +232,8 @@ def limited_fetch(results) -> None:
     def run(i: int) -> None:
         try:
             with param.connect(group.member(i)) as p:
-                p.init(np.zeros(1000, np.float32))
+                p.init(np.zeros(size, np.float32))
+                weights = np.empty(size, np.float32)  # made before the limit
                 if i == 0:
                     p.get_weights()  # before the limit: partition 0 maps partition 1's memory
                 fetched.wait(30)
@@ -238,9 +241,10 @@ def limited_fetch(results) -> None:
                     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
                     status = open("/proc/self/status").read()
                     used = int(status.split("VmSize:")[1].split()[0]) * 1024
+                    # room for threads' stacks, not for the peer's segment
                     resource.setrlimit(resource.RLIMIT_AS, (used + (64 << 20), hard))
                     try:
-                        p.get_weights()
+                        p.get_weights(out=weights)
                     finally:
                         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
             outcome[i] = "trained"

@@ -65,22 +65,30 @@ def test_a_step_is_merged_once_every_partition_reported_it():
 def test_drain_hears_every_message_the_ended_tasks_sent_before_closing():
     """A fit's tasks close their connections as they end, their last steps maybe still
     unread: the driver drains before it closes, so its listener hears every step."""
-    heard, gate = [], threading.Event()
+    heard, gate, hellos, met = [], threading.Event(), [], threading.Event()
 
     def on_message(message, reply):
+        if message["n"] == "hello":  # as a task meets: its connection is the server's now
+            hellos.append(1)
+            if len(hellos) == 3:
+                met.set()
+            return
         gate.wait(30)  # the handler lags behind the senders: messages wait unread
         heard.append(message["n"])
 
     server = MessageServer("127.0.0.1", on_message)
-    clients = [server.client() for _ in range(2)]
-    lingering = server.client()
+    clients = [server.client() for _ in range(3)]
     try:
         for client in clients:
+            client.send({"n": "hello"})
+        assert met.wait(30)
+        *ending, lingering = clients
+        for client in ending:
             for n in range(20):
                 client.send({"n": n})
             client.close()
-        gate.set()
         lingering.send({"n": -1})
+        gate.set()
         assert server.drain(0.5) is False  # a task still connected: drain says so, in time
         lingering.close()
         assert server.drain(30) is True
