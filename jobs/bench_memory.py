@@ -20,6 +20,7 @@ range, and the accuracy of both on their training rows.
 
     python jobs/bench_memory.py                       # limit 512 MB: 0.5, 2 and 8 GB of data
     python jobs/bench_memory.py --limit-mb 1024 --factors 1,4,16 --workers 4
+    python jobs/bench_memory.py --compare-only --rounds 5  # the memory/disk rounds alone
 
 The defaults run on a 2-core, 24 GiB VM in a few minutes; the 16x data needs about twice
 its size free in the local directory (Spark's shuffle files and the row files).
@@ -192,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3, help="alternating memory/disk rounds")
     parser.add_argument("--compare-epochs", type=int, default=5, help="epochs of those rounds")
+    parser.add_argument(
+        "--compare-only",
+        action="store_true",
+        help="only the alternating rounds (no fits on 1x, 4x, 16x data, no memory table)",
+    )
     args = parser.parse_args(argv)
     limit = args.limit_mb << 20
     factors = [float(f) for f in args.factors.split(",")]
@@ -238,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return rows, generated(spark, rows, args.features, parts)
 
         runs = [("memory", args.small), ("disk", args.small)] + [("disk", f) for f in factors]
+        if args.compare_only:
+            runs = []
         for data_in, factor in runs:
             rows, frame = frame_of(factor)
             sampler.window()
@@ -274,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             "accuracy",
             "fit s",
         )
-        print("\npeak resident memory (sampled every 20 ms) per fit:")
-        print(bench.render(header, lines, left=2))
+        if lines:
+            print("\npeak resident memory (sampled every 20 ms) per fit:")
+            print(bench.render(header, lines, left=2))
 
         if args.rounds:
             rows, frame = frame_of(args.small)

@@ -70,6 +70,21 @@ def test_rows_read_back_by_index_and_range_as_written(tmp_path, sparse):
     file.close()
 
 
+def test_batches_of_changing_sizes_from_disk_are_memorys_rows(tmp_path):
+    """DiskRows fills one buffer batch after batch: each answer holds exactly its rows."""
+    X, y = _matrix(53, 7, False), np.arange(53, dtype=np.float64)
+    writer = RowFileWriter(str(tmp_path / "r.rows"), 7, 10, False, weighted=False)
+    writer.append(X, y)
+    rows, order = DiskRows(writer.close()), block_epoch_order(53, 10, 3, 0, 0)
+    for start, stop in ((0, 20), (20, 27), (27, 53)):  # longer, shorter, longer again
+        got = rows.take(order[start:stop])
+        np.testing.assert_array_equal(got.X, X[order[start:stop]])
+        np.testing.assert_array_equal(got.y, y[order[start:stop]])
+    for start in range(0, 53, 25):
+        np.testing.assert_array_equal(rows.rows_between(start, start + 25).X, X[start : start + 25])
+    rows.release()
+
+
 def test_one_block_orders_as_in_memory_and_blocks_stay_whole():
     np.testing.assert_array_equal(block_epoch_order(90, 90, 7, 2, 1), epoch_order(90, 7, 2, 1))
     order = block_epoch_order(95, 10, 7, 2, 1)

@@ -301,10 +301,12 @@ class RowFile:
             X = take("<f4", rows * self.n_features).reshape(rows, self.n_features)
         return Block(X, y, weight)
 
-    def take(self, index: np.ndarray) -> Block:
+    def take(self, index: np.ndarray, out: Block | None = None) -> Block:
         """The rows at ``index`` (row numbers of the file), in that order: each block they
         fall in read once. Where each block's rows come together (an epoch's order, a range)
-        they are copied straight to their place in the answer."""
+        they are copied straight to their place in the answer: into ``out``'s arrays where
+        given (dense rows; at least ``len(index)`` rows each, the answer views of them), so
+        a caller that takes batch after batch fills one buffer rather than fresh pages."""
         index = np.asarray(index, np.int64)
         if len(index) == 0:
             return self._empty()
@@ -324,9 +326,11 @@ class RowFile:
                 weight = None if block.weight is None else block.weight[local]
                 pieces.append(Block(block.X[local], block.y[local], weight))
             return _concatenate(pieces, True)
-        X = np.empty((len(index), self.n_features), np.float32)
-        y = np.empty(len(index), np.float64)
-        weight = np.empty(len(index), np.float64) if self.weighted else None
+        if out is None:
+            out = self.buffers(len(index))
+        count = len(index)
+        X, y = out.X[:count], out.y[:count]
+        weight = None if out.weight is None else out.weight[:count]
         for start, stop in zip(starts, stops):
             number = int(blocks[start])
             block = self.block(number)
@@ -338,6 +342,14 @@ class RowFile:
                 np.take(block.weight, local, out=weight[start:stop], mode="clip")
         return Block(X, y, weight)
 
+    def buffers(self, rows: int) -> Block:
+        """Fresh arrays for ``rows`` dense rows of this file (``take``'s ``out``)."""
+        return Block(
+            np.empty((rows, self.n_features), np.float32),
+            np.empty(rows, np.float64),
+            np.empty(rows, np.float64) if self.weighted else None,
+        )
+
     def _take_by_block(self, index: np.ndarray, blocks: np.ndarray) -> Block:
         """``take`` where a block's rows are spread over ``index``: grouped by block (each
         read once), then put in ``index``'s order."""
@@ -348,9 +360,9 @@ class RowFile:
         weight = None if joined.weight is None else joined.weight[place]
         return Block(joined.X[place], joined.y[place], weight)
 
-    def range(self, start: int, stop: int) -> Block:
-        """Rows ``start:stop``, in order."""
-        return self.take(np.arange(start, min(stop, self.rows), dtype=np.int64))
+    def range(self, start: int, stop: int, out: Block | None = None) -> Block:
+        """Rows ``start:stop``, in order (into ``out`` as ``take``)."""
+        return self.take(np.arange(start, min(stop, self.rows), dtype=np.int64), out)
 
     def _empty(self) -> Block:
         from allreduce_param.train.features import empty_rows

@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from allreduce_param.train.regularisation import local_moments
-from allreduce_param.train.row_file import RowFile
+from allreduce_param.train.row_file import Block, RowFile
 from allreduce_param.train.task.batching import epoch_order
 from allreduce_param.train.task.state import Rows
 
@@ -41,12 +41,37 @@ def block_epoch_order(
     return order
 
 
+class _Reused:
+    """Arrays for a file's dense rows, filled again by each read: grown to the most rows
+    asked for, never shrunk (a batch's size varies by a row within an epoch)."""
+
+    def __init__(self, file: RowFile) -> None:
+        self.file, self.block = file, file.buffers(0)
+
+    def rows(self, count: int) -> Block | None:
+        """Room for ``count`` rows (sparse rows: None, ``RowFile.take`` builds them)."""
+        if self.file.sparse:
+            return None
+        if self.block.X.shape[0] < count:
+            self.block = self.file.buffers(count)
+        return self.block
+
+    def clear(self) -> None:
+        self.block = self.file.buffers(0)
+
+
 class DiskRows:
     """One split of a partition's rows in a row file. ``release`` deletes the file (the task
-    calls it on every way out)."""
+    calls it on every way out).
+
+    ``take`` and ``rows_between`` answer with views of a buffer of their own (one each),
+    which their next call fills again: the fit's step and evaluation use each batch or chunk
+    before they ask for the next, and so copy a step's rows into memory it already holds
+    (fresh pages are faulted in and zeroed, a cost as large as the copy itself)."""
 
     def __init__(self, file: RowFile) -> None:
         self.file = file
+        self._batch, self._chunk = _Reused(file), _Reused(file)
 
     @property
     def row_count(self) -> int:
@@ -65,10 +90,13 @@ class DiskRows:
         return self.file.weighted
 
     def take(self, index: np.ndarray) -> Rows:
-        return Rows(*self.file.take(index))
+        """The rows at ``index``, in that order (views of this object's batch buffer)."""
+        return Rows(*self.file.take(index, self._batch.rows(len(index))))
 
     def rows_between(self, start: int, stop: int) -> Rows:
-        return Rows(*self.file.range(start, stop))
+        """Rows ``start:stop``, in order (views of this object's chunk buffer)."""
+        count = max(0, min(stop, self.row_count) - start)
+        return Rows(*self.file.range(start, stop, self._chunk.rows(count)))
 
     def epoch_order(self, seed: int, epoch: int, partition_id: int) -> np.ndarray:
         return block_epoch_order(self.row_count, self.file.block_rows, seed, epoch, partition_id)
@@ -85,10 +113,12 @@ class DiskRows:
 
     def close(self) -> None:
         self.file.close()
+        self._batch.clear()
+        self._chunk.clear()
 
     def release(self) -> None:
         """Close the file and delete it (gone already: nothing to do)."""
-        self.file.close()
+        self.close()
         try:
             os.unlink(self.file.path)
         except FileNotFoundError:
