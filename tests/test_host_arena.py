@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 from conftest import run_partitions
-from test_processes import free_loopback_ports
+from test_processes import free_loopback_ports, lost_peer_outcome
 
 from allreduce_param import (
     AllReduceParameter,
@@ -290,40 +290,11 @@ def test_an_arena_of_another_parameter_is_refused():
         arena.close()
 
 
-def vanish(param, addresses, partition_id, results) -> None:
-    """Partition 1 reads the weights, then its process ends without a word."""
-    try:
-        with param.connect(StaticRendezvous(partition_id, addresses)) as p:
-            p.init(np.zeros(param.size, np.float32))
-            p.get_weights()
-            if partition_id == 1:
-                os._exit(1)
-            p.put_gradients(np.ones(param.size, np.float32), count=1.0)
-            p.aggregate_gradient_partition()
-        results.put((partition_id, "finished"))
-    except BaseException as error:
-        results.put((partition_id, f"{type(error).__name__}: {error}"))
-
-
 def test_a_peer_process_that_dies_mid_wait_is_named_at_once():
     """Partition 0 waits in the arena for partition 1's gradient; partition 1's process
     ends: its pidfd wakes the wait, long before the 60 s timeout."""
     param = AllReduceParameter(2, 1000, "raw", host_arena=True, timeout=60)
-    addresses = [("127.0.0.1", port) for port in free_loopback_ports(2)]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=vanish, args=(param, addresses, i, results)) for i in range(2)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        partition_id, outcome = results.get(timeout=120)
-    finally:
-        for process in processes:
-            process.join(60)
-            if process.is_alive():
-                process.kill()
+    partition_id, outcome = lost_peer_outcome(param)
     assert partition_id == 0 and outcome.startswith("PeerLostError: partition 1 at 127.0.0.1"), (
         outcome
     )
@@ -331,7 +302,7 @@ def test_a_peer_process_that_dies_mid_wait_is_named_at_once():
         "exited while partition 0 waited for the gradient block from partition 1 to partition 0, "
         "version 0 in the host's shared memory" in outcome
     )
-    assert "without a word" in outcome and "spark.executor.memory" in outcome
+    assert "without a word" in outcome and "spark.executor.memoryOverhead" in outcome
 
 
 def test_the_arena_leaves_no_descriptor_or_mapping_behind():

@@ -112,8 +112,9 @@ def vanish(param: AllReduceParameter, addresses: list, partition_id: int, result
         results.put((partition_id, f"{type(error).__name__}: {error}"))
 
 
-def test_a_peer_lost_without_a_word_points_at_executor_memory():
-    param = AllReduceParameter(2, 1000, codec="raw", timeout=60)
+def lost_peer_outcome(param: AllReduceParameter) -> tuple[int, str]:
+    """Run ``vanish`` in two spawned processes: the first outcome reported (partition 0's,
+    which lost partition 1 without a word)."""
     addresses = [("127.0.0.1", port) for port in free_loopback_ports(2)]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -123,12 +124,18 @@ def test_a_peer_lost_without_a_word_points_at_executor_memory():
     for process in processes:
         process.start()
     try:
-        partition_id, outcome = results.get(timeout=120)
+        return results.get(timeout=120)
     finally:
         for process in processes:
             process.join(60)
             if process.is_alive():
                 process.kill()
+
+
+def test_a_peer_lost_without_a_word_points_at_executor_memory():
+    # the blocks' path (the host arena's wait: test_host_arena)
+    param = AllReduceParameter(2, 1000, codec="raw", timeout=60, host_arena=False)
+    partition_id, outcome = lost_peer_outcome(param)
     assert partition_id == 0 and outcome.startswith("PeerLostError: partition 1 at 127.0.0.1"), (
         outcome
     )

@@ -231,19 +231,24 @@ class GradientPuts:
             else:
                 self._state.fail(error)
 
-        if self._publisher is None:
-            self._publisher = ThreadPoolExecutor(
-                1, thread_name_prefix=f"allreduce-publish-{self.partition_id}"
-            )
         self._state.stream_opened()
         return GradientStream(
             self._layout,
             self._moves.scatter_order(own=not put.keep_own),
             publish,
-            self._publisher,
+            self._publishing_thread(),
             closed,
             f"stream_gradients() on partition {self.partition_id}",
         )
+
+    def _publishing_thread(self) -> ThreadPoolExecutor:
+        """The one thread a stream publishes its chunks and runs its close on, made at the
+        first stream."""
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(
+                1, thread_name_prefix=f"allreduce-publish-{self.partition_id}"
+            )
+        return self._publisher
 
     def _put_in_arena(self, put: Put) -> None:
         """Make ``put`` this partition's gradient in the host arena: the lent buffer stays
@@ -270,16 +275,12 @@ class GradientPuts:
             else:
                 self._state.fail(error)
 
-        if self._publisher is None:
-            self._publisher = ThreadPoolExecutor(
-                1, thread_name_prefix=f"allreduce-publish-{self.partition_id}"
-            )
         self._state.stream_opened()
         return GradientStream(
             self._layout,
             [],
             lambda owner: None,
-            self._publisher,
+            self._publishing_thread(),
             closed,
             f"stream_gradients() on partition {self.partition_id}",
         )
