@@ -28,24 +28,7 @@ import time
 
 import numpy as np
 
-from allreduce_param import AllReduceParameter, LocalRendezvous, Rendezvous
-
-
-class Placed(Rendezvous):
-    """A ``LocalRendezvous`` member whose meeting gives every partition its host's scope."""
-
-    def __init__(self, member: Rendezvous, scope_of: dict[int, str]) -> None:
-        self._member, self._scope_of = member, scope_of
-        self.partition_id, self.partition_num = member.partition_id, member.partition_num
-
-    def bind_address(self):
-        return self._member.bind_address()
-
-    def exchange(self, address):
-        return [
-            (*peer[:4], self._scope_of[index] if peer[3] else None)
-            for index, peer in enumerate(self._member.exchange(address))
-        ]
+from allreduce_param import AllReduceParameter, LocalRendezvous
 
 
 def one_round(
@@ -55,14 +38,15 @@ def one_round(
     the final weights the partitions read (one, when all agree)."""
     n = hosts * slots
     param = AllReduceParameter(n, size, "raw", timeout=120, host_arena=arena)
-    group = LocalRendezvous(n)
-    scope_of = {p: f"bench-host-{p // slots}" for p in range(n)}
+    group = LocalRendezvous(
+        n, hosts=[list(range(h * slots, (h + 1) * slots)) for h in range(hosts)]
+    )
     medians: list = [None] * n
     digests: set[str] = set()
 
     def partition(partition_id: int) -> None:
         try:
-            with param.connect(Placed(group.member(partition_id), scope_of)) as p:
+            with param.connect(group.member(partition_id)) as p:
                 assert p.hierarchical and p.host_arena == arena
                 p.init(np.zeros(size, np.float32))
                 times = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from allreduce_param import AllReduceParameter, LocalRendezvous, Rendezvous
+from allreduce_param import AllReduceParameter, LocalRendezvous
 from allreduce_param.spark.session import java_problem, prepare_local_environment
 
 #: the job files (digits.toml, synthetic.toml)
@@ -150,16 +150,13 @@ def run_partitions(
     one list meet over Unix sockets and shared memory and the others over TCP on
     127.0.0.1, as on several hosts (the real thing, namespaces, is ``test_sim_hosts``).
     """
-    group = LocalRendezvous(param.partition_num)
+    group = LocalRendezvous(param.partition_num, hosts=hosts)
     results: list = [None] * param.partition_num
-    scope_of = {
-        p: f"test-host-{index}" for index, members in enumerate(hosts or []) for p in members
-    }
 
     def partition(partition_id: int) -> None:
         member = group.member(partition_id)
         try:
-            with param.connect(_Placed(member, scope_of) if hosts else member) as p:
+            with param.connect(member) as p:
                 results[partition_id] = body(p)
         except BaseException as error:  # the test inspects it
             results[partition_id] = error
@@ -171,24 +168,6 @@ def run_partitions(
         thread.join(timeout)
         assert not thread.is_alive(), f"a partition is still running after {timeout} s"
     return results
-
-
-class _Placed(Rendezvous):
-    """A ``LocalRendezvous`` member whose meeting gives every partition the scope of the
-    host ``scope_of`` places it on (``run_partitions(hosts=...)``)."""
-
-    def __init__(self, member: Rendezvous, scope_of: dict[int, str]) -> None:
-        self._member, self._scope_of = member, scope_of
-        self.partition_id, self.partition_num = member.partition_id, member.partition_num
-
-    def bind_address(self):
-        return self._member.bind_address()
-
-    def exchange(self, address):
-        return [
-            (*peer[:4], self._scope_of[index] if peer[3] else None)
-            for index, peer in enumerate(self._member.exchange(address))
-        ]
 
 
 def train_on_threads(job, parts: list) -> list:

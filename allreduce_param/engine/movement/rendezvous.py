@@ -218,13 +218,24 @@ class LocalRendezvous:
     """N threads of one process meet here; ``member(i)`` is partition i's ``Rendezvous``.
 
     Binds to 127.0.0.1. Meant for tests and benchmarks that run the engine without Spark.
+    ``hosts`` places the partitions on simulated hosts (lists of partition ids): the meeting
+    tells each partition the others' scopes as if each list were a machine of its own, so
+    peers of one list meet over Unix sockets and shared memory and the others over TCP on
+    127.0.0.1, as on several hosts (None: one host, as the threads are).
     """
 
-    def __init__(self, partition_num: int, timeout: float = 60.0) -> None:
+    def __init__(
+        self, partition_num: int, timeout: float = 60.0, hosts: list[list[int]] | None = None
+    ) -> None:
         self.partition_num = partition_num
         self._timeout = timeout
         self._addresses: list[Address | None] = [None] * partition_num
         self._barrier = threading.Barrier(partition_num)
+        self._scope_of = {
+            p: f"simulated-host-{index}"
+            for index, members in enumerate(hosts or [])
+            for p in members
+        }
 
     def member(self, partition_id: int) -> Rendezvous:
         """Partition ``partition_id``'s side of the meeting."""
@@ -243,7 +254,13 @@ class LocalRendezvous:
                 f"partition {partition_id} waited {self._timeout:g} s at the rendezvous, "
                 f"but not all {self.partition_num} partitions came"
             ) from error
-        return [address for address in self._addresses if address is not None]
+        met = [address for address in self._addresses if address is not None]
+        if not self._scope_of:
+            return met
+        return [  # a peer that offers shared memory is on its simulated host's scope
+            (*peer[:4], self._scope_of[index] if peer[3] else None)
+            for index, peer in enumerate(met)
+        ]
 
 
 class _LocalMember(Rendezvous):
