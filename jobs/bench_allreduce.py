@@ -578,26 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes:
         import bench_processes  # beside this file; it imports this module
 
-        if args.memory:
-            import bench_process_memory
-
-            bench_process_memory.run(
-                bench_processes.parse_counts(args.processes),
-                parse_sizes(args.sizes or bench_processes.DEFAULT_SIZES),
-                args.steps,
-                bench_process_memory.parse_ways(args.memory),
-            )
-            return 0
-        bench_processes.run(
-            bench_processes.parse_counts(args.processes),
-            parse_sizes(args.sizes or bench_processes.DEFAULT_SIZES),
-            args.rounds,
-            args.steps,
-            args.warmup,
-            gloo=not args.no_baselines,
-            own=args.own_gradient,
-        )
-        return 0
+        return bench_processes.run_parsed(args)
     if args.link:
         return run_in_links(
             args.link.split(","), sys.argv[1:] if argv is None else argv, args.link_burst

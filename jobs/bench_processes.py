@@ -483,17 +483,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baselines", action="store_true", help="skip gloo")
     parser.add_argument("--own-gradient", action="store_true", help=OWN_HELP)
     parser.add_argument("--memory", nargs="?", const="arena,blocks", help=MEMORY_HELP)
-    args = parser.parse_args(argv)
+    return run_parsed(parser.parse_args(argv))
+
+
+def run_parsed(args) -> int:
+    """Run what the parsed arguments ask (this module's, or ``bench_allreduce.py
+    --processes``'s): the memory table with ``--memory``, else the timings."""
+    counts, sizes = parse_counts(args.processes), bench.parse_sizes(args.sizes or DEFAULT_SIZES)
     if args.memory:
         import bench_process_memory
 
-        sizes = bench.parse_sizes(args.sizes)
         ways = bench_process_memory.parse_ways(args.memory)
-        bench_process_memory.run(parse_counts(args.processes), sizes, args.steps, ways)
+        bench_process_memory.run(counts, sizes, args.steps, ways)
         return 0
     run(
-        parse_counts(args.processes),
-        bench.parse_sizes(args.sizes),
+        counts,
+        sizes,
         args.rounds,
         args.steps,
         args.warmup,
