@@ -251,7 +251,6 @@ class ConnectedParameter:
         self._allow_nonfinite = spec.allow_nonfinite
         self._state = StepState(self.partition_id, self.strategy)
         self._weight: np.ndarray | None = None
-        self._gradient = np.zeros(self.slice_length, dtype=np.float32)
         self._weights_out: np.ndarray | None = None  # what get_weights() fills when given no out
         self._owner: BackgroundOwner | None = None  # strategies other than plain BSP
         self._peers = PeerGroup(spec, rendezvous)
@@ -269,8 +268,9 @@ class ConnectedParameter:
             )
         )
         summed = None if self._arena is None else self._arena.summed_slice()
-        if summed is not None:  # zeros at first, as the arena's pages are
-            self._gradient = summed
+        # where the slice's mean gradient is summed: in the host arena (zeros at first, as
+        # its pages are), else a vector of its own
+        self._gradient = np.zeros(self.slice_length, dtype=np.float32) if summed is None else summed
         self._gradients = GradientPuts(
             self._moves, self.layout, self._state, self._owner_failure_first, self._arena
         )
