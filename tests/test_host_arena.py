@@ -80,6 +80,7 @@ def assert_same_bits(first: list, second: list) -> None:
         (2, 1_000, True, "raw"),
         (3, 2 * PART_LENGTH * 3 + 5, True, "raw"),  # several parts per slice
         (3, 1_001, False, "lz4"),  # the caller's own vector, copied in; a lossless codec
+        (3, 2 * PART_LENGTH * 3 + 5, False, "raw"),  # the own chunk summed where it lies
     ],
 )
 def test_the_arena_gives_the_blocks_bits(n, size, lent, codec):
@@ -168,11 +169,14 @@ def test_other_strategies_and_lossy_codecs_keep_the_blocks():
         assert run_partitions(param, lambda p: p.host_arena) == [False, False]
 
 
-def test_a_nan_names_its_partition_through_the_arena():
+@pytest.mark.parametrize("lent", [True, False])
+def test_a_nan_names_its_partition_through_the_arena(lent):
+    """Also in the own chunk of a vector of the caller's, which is summed where it lies."""
+
     def body(p):
         p.init(np.zeros(10, np.float32))
         p.get_weights()
-        g = p.gradient_buffer()
+        g = p.gradient_buffer() if lent else np.empty(10, np.float32)
         g[:] = np.nan if p.partition_id == 1 else 1.0
         p.put_gradients(g)
         p.aggregate_gradient_partition()

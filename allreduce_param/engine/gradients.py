@@ -252,9 +252,10 @@ class GradientPuts:
 
     def _put_in_arena(self, put: Put) -> None:
         """Make ``put`` this partition's gradient in the host arena: the lent buffer stays
-        unchanged (read-only) until the next ``get_weights``, a vector of the caller's is
-        copied there and free at once."""
-        self._own = None  # the reduce sums the own chunk from the arena
+        unchanged (read-only) until the next ``get_weights``; of a vector of the caller's
+        the peers' chunks are copied there, and its own chunk is summed where it lies by
+        the aggregate (``ArenaSteps.put``)."""
+        self._own = None  # the arena's reduce sums the own chunk, not Movements.reduce
         self._arena.put(put.vector, put.count, put.version, put.residual)
         if self._lent is not None and put.vector.ctypes.data == self._lent[0].ctypes.data:
             self._lent[0].flags.writeable = False  # the owners read it until our next get_weights

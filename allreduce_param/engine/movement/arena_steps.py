@@ -8,9 +8,11 @@ Where every partition is on one host under plain BSP with a lossless codec
   lies (``own_slice``); ``publish_weights`` only sets its version word; ``gather`` waits
   for every slice's word and hands out the whole vector read-only, or copies it out;
 - the gradients: ``put`` writes (or, for the lent ``gradient_buffer()``, finds) the
-  gradient in this partition's vector of the arena and sets its word; ``reduce`` waits
-  for every partition's word and sums the own chunk straight from their vectors with
-  ``sums.sum_in_order``, in the order ``Movements.reduce`` sums, so the bits are the same.
+  gradient in this partition's vector of the arena and sets its word (of a vector of the
+  caller's, only the peers' chunks are copied: the own chunk is summed from the caller's
+  vector, as ``Movements.reduce`` sums it); ``reduce`` waits for every partition's word
+  and sums the own chunk straight from their vectors with ``sums.sum_in_order``, in the
+  order ``Movements.reduce`` sums, so the bits are the same.
 
 Hierarchical (several hosts, each with its arena, made by its leader), the same arena is
 what the leader fills from and publishes to, so no partition copies what the leader fetched:
@@ -86,6 +88,8 @@ class ArenaSteps:
             p for p in range(layout.partition_num) if hosts.leader(p) != self._members[0]
         ]
         self._leads = moves is not None and self._members[0] == partition_id
+        #: a caller's vector's own chunk, summed from where it lies (``put``), else None
+        self._own_chunk: np.ndarray | None = None
         if self._leads:
             moves.host_chunks = self._host_chunks
 
@@ -183,10 +187,22 @@ class ArenaSteps:
     ) -> None:
         """Make ``vector`` (and ``residual``, as ``Movements.publish`` adds it to the
         chunks it publishes: not the own, which the reduce sums as it is) this
-        partition's gradient of ``version`` in the arena, and say so."""
+        partition's gradient of ``version`` in the arena, and say so. Of a vector of the
+        caller's (not the lent ``gradient_buffer()``), on one host, the own chunk is not
+        copied: ``reduce`` sums it where it lies, so it must stay unchanged until then."""
         target = self.arena.gradient(self.partition_id)
+        self._own_chunk = None
         if vector.ctypes.data != target.ctypes.data:
-            np.copyto(target, vector)
+            if self._moves is None:
+                # one host: only this partition sums its own chunk, so it stays where the
+                # caller has it (unchanged until the aggregate, as put_gradients asks) and
+                # only the peers' chunks are copied: S/N less to copy and to read back
+                start, stop = self._bounds.start, self._bounds.stop
+                np.copyto(target[:start], vector[:start])
+                np.copyto(target[stop:], vector[stop:])
+                self._own_chunk = vector[self._bounds]
+            else:  # a hierarchical leader sums every member's chunks from the arena
+                np.copyto(target, vector)
         if residual is not None:
             for owner in range(self.layout.partition_num):
                 if owner != self.partition_id:
@@ -212,16 +228,22 @@ class ArenaSteps:
                 BlockKind.GRADIENT, version, self.layout, out, divisor=divisor, check=check
             )
         arena, bounds = self.arena, self._bounds
+        own_chunk, self._own_chunk = self._own_chunk, None
         arena.wait(GRADIENT, version)
         pending = {}
         for source in range(self.layout.partition_num):
             chunk, count = arena.gradient(source)[bounds], arena.count(source)
+            if source == self.partition_id and own_chunk is not None:
+                chunk = own_chunk
             pending[source] = [
                 _Ready((version, count, chunk[start : start + length], None))
                 for start, length in self._parts
             ]
-        # ``out`` may be the own chunk of the own vector (``summed_slice``), a source too
-        return sum_in_order(pending, self._groups, out, divisor, check, out_is_a_source=True)
+        # ``out`` may be the own chunk of the own vector (``summed_slice``), a source too,
+        # unless the own chunk is summed from the caller's vector
+        return sum_in_order(
+            pending, self._groups, out, divisor, check, out_is_a_source=own_chunk is None
+        )
 
     def _host_chunks(self, version: int, members: tuple, owners: list) -> dict:
         """A hierarchical leader's host chunks of ``version`` (``Movements.host_chunks``):
