@@ -25,6 +25,7 @@ from allreduce_param import (
 )
 from allreduce_param.engine.blocks.arena import GRADIENT, WEIGHT, HostArena
 from allreduce_param.engine.movement.peers import PART_LENGTH
+from allreduce_param.engine.movement.sums import SUM_PIECE
 from allreduce_param.errors import ProtocolError, StoreClosedError, UsageError
 
 STEPS = 3
@@ -400,3 +401,32 @@ def test_our_own_shutdown_from_another_thread_ends_our_wait():
     assert results[1] == "shut partition 0 down"
     assert isinstance(results[0], (StoreClosedError, UsageError)), results[0]
     assert "partition 0 is shutting down" in str(results[0]) or "closed" in str(results[0])
+
+
+@pytest.mark.parametrize("own_vector", [False, True])
+def test_a_nan_beyond_the_first_summed_piece_is_named_with_its_index(own_vector):
+    """The owner sums, checks and divides a part a cache-sized piece at a time
+    (``sums.SUM_PIECE``); a NaN in a later piece of a later part names its partition and
+    its index in the full vector."""
+    size = 2 * PART_LENGTH + 3 * SUM_PIECE  # partition 1's slice: two parts, several pieces
+    bad = size // 2 + PART_LENGTH + SUM_PIECE + 7
+
+    def body(p):
+        p.init(np.zeros(size, np.float32))
+        p.get_weights()
+        g = np.empty(size, np.float32) if own_vector else p.gradient_buffer()
+        g[:] = 1.0
+        if p.partition_id == 0:
+            g[bad] = np.nan
+        p.put_gradients(g)
+        try:
+            p.aggregate_gradient_partition()
+        except NonFiniteGradientError as error:
+            return str(error)
+        return None
+
+    results = run_partitions(AllReduceParameter(2, size, "raw", host_arena=True), body)
+    assert results[0] is None
+    assert f"the gradient of partition 0 for step 0 holds NaN/Inf (first at index {bad}" in str(
+        results[1]
+    )

@@ -16,6 +16,12 @@ from allreduce_param.engine.layout import split
 from allreduce_param.engine.movement.peers import PART_LENGTH
 from allreduce_param.errors import NonFiniteGradientError
 
+#: elements summed, checked and divided at a time, within a part: the piece being summed
+#: (256 KiB) stays in a core's L2 cache through the adds, the NaN check and the divide, and
+#: a scratch piece's copy to ``out``; a whole part (2 MiB) did not, and every pass after
+#: the adds read it from memory again (2.2x slower at 10M, N = 2, measured)
+SUM_PIECE = 1 << 16
+
 
 def _add_up(values: list[np.ndarray], out: np.ndarray) -> np.ndarray:
     """``out`` = the ``values`` added in order, in fp32: the first two in one pass, not
@@ -90,46 +96,48 @@ def sum_in_order(
     ``groups``: the sources in the order summed: each group in its order, then the groups'
     sums in their order (a host's partitions each, or one host sum each).
     ``divisor(total)``, once the counts are known, gives what to divide the sum by (None:
-    leave it a sum); ``check`` raises if a summed part holds NaN/Inf, naming the source by
-    ``names`` (default: its partition). Both act on each part just after it is summed.
+    leave it a sum); ``check`` raises if a summed piece holds NaN/Inf, naming the first
+    source (by ``names``, default its partition) whose piece does. Both act on each piece
+    (``SUM_PIECE`` elements of a part) just after it is summed, while it is in cache.
     Every part is summed before anything is raised, so no fetch is left running.
-    ``out_is_a_source``: ``out`` may be one source's chunk; each part is then summed into a
-    scratch part and written to ``out`` once summed, checked and divided (the sources
+    ``out_is_a_source``: ``out`` may be one source's chunk; each piece is then summed into
+    a scratch piece and written to ``out`` once summed, checked and divided (the sources
     intact until then: the same bits, and the check names the right source).
     """
     order = [source for group in groups for source in group]
-    scratch = np.empty(min(out.size, PART_LENGTH), np.float32) if out_is_a_source else None
-    group_sum = (
-        np.empty(min(out.size, PART_LENGTH), np.float32)
-        if any(len(g) > 1 for g in groups[1:])
-        else None
-    )
+    piece = min(out.size, SUM_PIECE)
+    scratch = np.empty(piece, np.float32) if out_is_a_source else None
+    group_sum = np.empty(piece, np.float32) if any(len(g) > 1 for g in groups[1:]) else None
     names = names or [f"partition {source}" for source in order]
     total, scale, failure = 0.0, None, None
     for part, (start, length) in enumerate(split(out.size, PART_LENGTH)):
-        target = out[start : start + length] if scratch is None else scratch[:length]
         parts = {source: pending[source][part].result() for source in order}
         if part == 0:
             total = sum(sum(parts[source][1] for source in group) for group in groups)
             value = None if divisor is None else divisor(total)
             scale = None if value is None else np.float32(value)
-        for index, group in enumerate(groups):
-            values = [parts[source][2] for source in group]
-            if index == 0:
-                _add_up(values, target)
-            elif len(values) == 1:
-                target += values[0]
-            else:
-                target += _add_up(values, group_sum[:length])
-        if check is not None and failure is None:
-            try:
-                check.check(target, start, names, [parts[source][2] for source in order])
-            except NonFiniteGradientError as error:
-                failure = error
-        if scale is not None:
-            target /= scale
-        if scratch is not None:
-            out[start : start + length] = target
+        for begin in range(0, length, SUM_PIECE):
+            end = min(length, begin + SUM_PIECE)
+            at = start + begin
+            target = out[at : start + end] if scratch is None else scratch[: end - begin]
+            for index, group in enumerate(groups):
+                values = [parts[source][2][begin:end] for source in group]
+                if index == 0:
+                    _add_up(values, target)
+                elif len(values) == 1:
+                    target += values[0]
+                else:
+                    target += _add_up(values, group_sum[: end - begin])
+            if check is not None and failure is None:
+                try:
+                    sources = [parts[source][2][begin:end] for source in order]
+                    check.check(target, at, names, sources)
+                except NonFiniteGradientError as error:
+                    failure = error
+            if scale is not None:
+                target /= scale
+            if scratch is not None:
+                out[at : start + end] = target
         for _, _, _, recheck in parts.values():
             if recheck is not None:
                 recheck()
