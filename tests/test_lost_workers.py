@@ -21,8 +21,18 @@ import pytest
 from conftest import random_rows
 from pyspark import cloudpickle
 
-from allreduce_param import DistriOptimizer, PeerLostError, TrainingError, models, optim
-from allreduce_param.train.driver.failures import OUT_OF_MEMORY_ADVICE, stage_error
+from allreduce_param import (
+    ConfigurationError,
+    DamagedCheckpointError,
+    DistriOptimizer,
+    InputError,
+    PeerLostError,
+    TrainingError,
+    UsageError,
+    models,
+    optim,
+)
+from allreduce_param.train.driver.failures import OUT_OF_MEMORY_ADVICE, recurs, stage_error
 from allreduce_param.train.records import task_failure
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -277,3 +287,51 @@ def test_no_memory_to_map_a_peers_block_is_this_partitions_memory_error_not_the_
     ), outcome
     assert "spark.executor.pyspark.memory" in outcome[1]
     assert "PeerLostError" not in outcome[0], outcome  # partition 0 did not lose a peer
+
+
+def in_a_task(error: Exception, quoted_by_peer: bool = False) -> Exception:
+    """Spark's report of a stage whose partition 1 raised ``error`` in its training loop
+    (with ``quoted_by_peer``: as partition 0 quotes it, having lost that peer)."""
+    failure = task_failure(1, ", epoch 0, step 0", error)
+    if quoted_by_peer:
+        said = PeerLostError(  # as errors.peer_lost quotes the reason the peer failed with
+            f"partition 1 at 127.0.0.1:4000 shut down; it said: partition 1 failed: "
+            f"TrainingError: {failure}"
+        )
+        failure = task_failure(0, ", epoch 0, step 0", said)
+    return Exception(
+        ABORTED.format(task=0 if quoted_by_peer else 1)
+        + "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        f"allreduce_param.errors.TrainingError: {failure}\n\tat org.apache.spark.api..."
+    )
+
+
+@pytest.mark.parametrize("kind", [ConfigurationError, InputError, UsageError])
+def test_a_task_error_every_run_would_meet_again_comes_back_as_itself(kind):
+    for quoted in (False, True):
+        found = stage_error(in_a_task(kind("no GPU for this task"), quoted))
+        assert type(found) is kind and recurs(found)
+        assert str(found) == "partition 1, epoch 0, step 0: no GPU for this task"
+    outside = stage_error(
+        Exception(
+            ABORTED.format(task=1)
+            + "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+            '  File "spill.py", line 40, in partition_rows\n'
+            f"allreduce_param.errors.{kind.__name__}: a bad row\n\tat org.apache.spark.api..."
+        )
+    )
+    assert type(outside) is kind and recurs(outside)
+    assert str(outside) == (
+        "a task of the fit (partition 1) failed outside its training loop: a bad row"
+    )
+
+
+def test_other_task_errors_stay_training_errors_that_a_new_run_may_not_meet():
+    for error in (
+        ValueError("a poisoned row"),
+        PeerLostError("partition 0 went away"),
+        DamagedCheckpointError("a checkpoint cut short"),  # a new run takes an older one
+    ):
+        found = stage_error(in_a_task(error))
+        assert type(found) is TrainingError and not recurs(found)
+        assert str(found) == f"partition 1, epoch 0, step 0: {type(error).__name__}: {error}"

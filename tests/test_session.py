@@ -1,5 +1,6 @@
-"""The Java check that both README commands run before Spark starts, and what a local session
-leaves out where it must not apply: a cluster's master, and runs under spark-submit."""
+"""The Java check that both README commands run before Spark starts, what a local session
+leaves out where it must not apply (a cluster's master, runs under spark-submit), and what it
+leaves behind for the next session of the process (none of its own settings)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,33 @@ def test_under_spark_submit_nothing_of_this_machine_is_applied(monkeypatch, tmp_
         ("spark.task.maxFailures", "1")
     ]  # no conf_dir, no SPARK_CONF_DIR for the executors
     assert "SPARK_LOCAL_IP" not in os.environ and "PYSPARK_PYTHON" not in os.environ
+
+
+TWO_SESSIONS = textwrap.dedent("""
+    import sys
+    from allreduce_param.spark.session import local_spark
+    own = {"spark.authenticate": "true", "spark.sql.shuffle.partitions": "3"}
+    first = local_spark("local[1]", "first", sys.argv[1], **own)
+    conf = first.sparkContext.getConf()
+    print("first", conf.get("spark.authenticate"), first.conf.get("spark.sql.shuffle.partitions"))
+    first.stop()
+    second = local_spark("local[1]", "second", sys.argv[1])
+    conf = second.sparkContext.getConf()
+    print("second", conf.get("spark.authenticate"), second.conf.get("spark.sql.shuffle.partitions"))
+    second.stop()
+""")
+
+
+def test_the_next_session_of_a_process_has_the_conf_folder_but_not_the_first_ones_settings():
+    """The first session starts the JVM, whose system properties every later session's conf
+    loads: its own settings must not stay there (a ``local-cluster`` session after one with
+    ``spark.authenticate`` failed to start), the conf folder's must."""
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_SESSIONS, str(REPO / "conf" / "local")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "first true 3" in done.stdout
+    assert "second None 4" in done.stdout  # 4: conf/local/spark-defaults.conf

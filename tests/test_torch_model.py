@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -362,6 +364,31 @@ def test_the_regularisation_spares_the_parameters_named_bias():
     # 0.weight (6), 0.bias (2), 2.weight (2), 2.bias (1)
     expected = [True] * 6 + [False] * 2 + [True] * 2 + [False]
     assert model.penalized().tolist() == expected
+
+
+def test_a_task_without_the_gpu_it_asks_for_ends_the_fit_after_one_run(normed_fit):
+    """device="cuda" where Spark assigns no GPU (local[N]) fails in every task, on every run:
+    the fit raises the task's ConfigurationError at once, and runs no stage again."""
+    _, _, _, df = normed_fit
+    fit = DistriOptimizer(
+        models.TorchModel(normed, device="cuda"),  # the driver checks it on the CPU
+        optim.SGD(0.1),
+        batch_size=80,
+        epochs=1,
+        num_workers=2,
+        progress=False,
+        partition_scheme="as_is",
+    )
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(
+            ConfigurationError,
+            match=r"^partition \d, [^:]*: TorchModel\(device='cuda'\): Spark assigned "
+            r"this task no GPU; set .*spark.task.resource.gpu.amount",
+        ) as failure:
+            fit.fit(df)
+    assert not [w for w in said if "runs again" in str(w.message)]  # each run again says so
+    assert "org.apache.spark" in str(failure.value.__cause__)  # Spark's own report stays on it
 
 
 def test_gpus_per_task_in_local_mode_is_refused_before_any_job(normed_fit):

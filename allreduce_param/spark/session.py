@@ -209,9 +209,39 @@ def local_spark(
     }
     with _environment(launch):
         session = builder.getOrCreate()
+    launched = {"spark.app.name", *settings, *(["spark.master"] if master else [])}
+    _forget_session_settings(SparkContext._jvm, launched, conf_dir)
     if archive is not None:
         archive.save_when_jvm_exits(SparkContext._gateway.proc)
     return session
+
+
+def _forget_session_settings(jvm, keys, conf_dir: Path | None) -> None:
+    """Take a session's own settings (``keys``) back out of its JVM's system properties.
+
+    PySpark starts the driver JVM with the first session's settings as ``--conf``, which
+    makes them system properties for the JVM's life, and every later ``SparkConf`` of this
+    process loads those: a next session would inherit them (``spark.authenticate`` would
+    make a ``local-cluster`` session ask for a secret). The running context keeps its own
+    copy; the system properties go back to what ``conf_dir``'s spark-defaults.conf says,
+    which later sessions of this JVM are meant to share.
+    """
+    defaults = jvm.java.util.Properties()
+    if conf_dir is not None:
+        reader = jvm.java.io.InputStreamReader(
+            jvm.java.io.FileInputStream(str(conf_dir / "spark-defaults.conf")), "UTF-8"
+        )
+        try:
+            defaults.load(reader)
+        finally:
+            reader.close()
+    system = jvm.java.lang.System
+    for key in keys:
+        value = defaults.getProperty(key)
+        if value is None:
+            system.clearProperty(key)
+        else:
+            system.setProperty(key, value.strip())
 
 
 @contextlib.contextmanager

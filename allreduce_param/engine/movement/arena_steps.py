@@ -42,7 +42,7 @@ import numpy as np
 from allreduce_param.engine.blocks.arena import GRADIENT, WEIGHT, HostArena
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKind
 from allreduce_param.engine.layout import HostLayout, SliceLayout, split
-from allreduce_param.engine.movement.fetches import part_plan
+from allreduce_param.engine.movement.fetches import part_plan, place_slices
 from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.movement.peers import PART_LENGTH
 from allreduce_param.engine.movement.sums import NonFiniteSum, sum_in_order
@@ -158,26 +158,15 @@ class ArenaSteps:
                 moves.publish(BlockKind.WEIGHT, version, values, source=owner)
         if not self._remote:
             return
-        pending = moves.fetcher.fetch_all(
-            moves.peers.worker,
+        pending = moves.fetcher.fetch_slices(
             BlockKind.WEIGHT,
             WeightRead(version, exact=True),
             layout,
-            EVERY_PARTITION,
-            into=arena.weights,
+            arena.weights,
             sources=self._remote,
             via=self._hosts.leader,
         )
-        plan = part_plan(layout)
-        for owner in self._remote:
-            base = layout.start(owner)
-            for part, (start, length) in enumerate(plan[owner]):
-                _, _, values, recheck = pending[owner][part].result()
-                target = arena.weights[base + start : base + start + length]
-                if not np.shares_memory(values, target):
-                    np.copyto(target, values)
-                if recheck is not None:
-                    recheck()
+        place_slices(pending, layout, arena.weights, self._remote)
         arena.publish_for(self._remote, WEIGHT, version)
 
     # ---- the gradients -------------------------------------------------------------------

@@ -90,6 +90,32 @@ class Fetcher:
             at_once=at_once,
         )
 
+    def fetch_slices(
+        self,
+        kind: int,
+        read: WeightRead,
+        layout: SliceLayout,
+        into: np.ndarray,
+        sources=None,
+        via: Callable[[int], int] | None = None,
+        at_once: bool = False,
+    ) -> dict[int, list[Future]]:
+        """Start fetching whole slices (the blocks ``(kind, j, EVERY_PARTITION)``) of each
+        partition ``j`` of ``sources`` (default: all) with the worker's channel, a lossy codec
+        decoding straight into their places in ``into``: what a gather fetches. ``via`` and
+        ``at_once`` as for ``fetch_all``; ``place_slices`` puts the results in place."""
+        return self.fetch_all(
+            self.peers.worker,
+            kind,
+            read,
+            layout,
+            EVERY_PARTITION,
+            sources=sources,
+            into=into,
+            via=via,
+            at_once=at_once,
+        )
+
     def fetch_all(
         self,
         channel: Channel,
@@ -356,6 +382,27 @@ class Fetcher:
         except BaseException as error:
             self._lost(channel, server, error)
             raise
+
+
+def place_slices(
+    pending: dict[int, list[Future]], layout: SliceLayout, out: np.ndarray, owners
+) -> int | None:
+    """Wait for the fetched slices of ``owners`` (``Fetcher.fetch_slices``) and put each part
+    in its place in ``out``, unless it was decoded there; a part read in place is rechecked
+    after its copy. The lowest version among them (None for no owners)."""
+    lowest = None
+    plan = part_plan(layout)
+    for owner in owners:
+        base = layout.start(owner)
+        for part, (start, length) in enumerate(plan[owner]):
+            version, _, values, recheck = pending[owner][part].result()
+            target = out[base + start : base + start + length]
+            if not np.shares_memory(values, target):
+                np.copyto(target, values)
+            if recheck is not None:
+                recheck()
+            lowest = version if lowest is None else min(lowest, version)
+    return lowest
 
 
 def _slice_of(source: int, destination: int) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 from allreduce_param.engine.blocks.codec import Codec, get_codec
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKey, BlockKind, SplitBlock
 from allreduce_param.engine.layout import SliceLayout, split
-from allreduce_param.engine.movement.fetches import Fetcher, part_plan
+from allreduce_param.engine.movement.fetches import Fetcher, part_plan, place_slices
 from allreduce_param.engine.movement.peers import PART_LENGTH, PeerGroup
 from allreduce_param.engine.movement.sums import NonFiniteSum, sum_in_order
 from allreduce_param.engine.strategy import WeightRead
@@ -351,53 +351,25 @@ class Movements:
         the other hosts' slices come from this host's leader, which first relays its own
         host's slices to the other leaders and theirs here.
         """
-        worker, peers = self.peers.worker, self.peers
+        worker, peers, fetcher = self.peers.worker, self.peers, self.fetcher
         sources = list(range(self.partition_num))
         if peers.is_leader:
             hosts, me = peers.hosts, self.partition_id
             mine = [(p, EVERY_PARTITION) for p in hosts.host(me) if p != me]
             theirs = [(p, EVERY_PARTITION) for p in sources if hosts.leader(p) != me]
-            relayed = self.fetcher.relay(worker, kind, read, layout, mine) + self.fetcher.relay(
+            relayed = fetcher.relay(worker, kind, read, layout, mine) + fetcher.relay(
                 worker, kind, read, layout, theirs, via=hosts.leader
             )
-            pending = self.fetcher.fetch_all(
-                worker, kind, read, layout, EVERY_PARTITION, into=out, sources=hosts.host(me)
-            )
+            pending = fetcher.fetch_slices(kind, read, layout, out, sources=hosts.host(me))
             for done in relayed:  # then the other hosts' slices are in the own store
                 done.result()
             pending.update(
-                self.fetcher.fetch_all(
-                    worker,
-                    kind,
-                    read,
-                    layout,
-                    EVERY_PARTITION,
-                    into=out,
-                    sources=[p for p, _ in theirs],
-                    via=peers.server_of,
+                fetcher.fetch_slices(
+                    kind, read, layout, out, sources=[p for p, _ in theirs], via=peers.server_of
                 )
             )
         else:
-            pending = self.fetcher.fetch_all(
-                worker,
-                kind,
-                read,
-                layout,
-                EVERY_PARTITION,
-                into=out,
-                via=peers.server_of,
-                at_once=True,
+            pending = fetcher.fetch_slices(
+                kind, read, layout, out, via=peers.server_of, at_once=True
             )
-        lowest = None
-        plan = part_plan(layout)
-        for owner in sources:
-            base = layout.start(owner)
-            for part, (start, length) in enumerate(plan[owner]):
-                version, _, values, recheck = pending[owner][part].result()
-                target = out[base + start : base + start + length]
-                if not np.shares_memory(values, target):
-                    np.copyto(target, values)
-                if recheck is not None:
-                    recheck()
-                lowest = version if lowest is None else min(lowest, version)
-        return lowest
+        return place_slices(pending, layout, out, sources)

@@ -124,7 +124,9 @@ class DistriOptimizer:
     and after the last step, keeping the newest ``checkpoint_keep``. When a task fails, the
     fit runs its stage again, up to ``spark.stage.maxConsecutiveAttempts`` times in all (4
     by default; each run again is announced with a ``RuntimeWarning`` saying why), and the
-    new attempt resumes from the newest one instead of starting over;
+    new attempt resumes from the newest one instead of starting over (a task's
+    ``ConfigurationError``, ``InputError`` or ``UsageError``, which every run would meet
+    again, ends the fit after the first);
     ``fit(resume_from=...)`` continues a stopped or finished fit from one, and
     ``fit(initial=trained_model)`` goes on from an earlier fit's result (with
     ``keep_optimizer_state=True``, exactly as one longer fit).
@@ -198,7 +200,10 @@ class DistriOptimizer:
         initial=fit(df))`` of k epochs each gives the same bits as one fit of 2k epochs. It
         must be a model of the same kind and size; pass ``resume_from`` or ``initial``, not
         both. Bad data or settings raise before any task starts; a failing task raises
-        ``TrainingError`` naming its partition, epoch and step.
+        ``TrainingError`` naming its partition, epoch and step, except that what only a task
+        can find wrong with the settings or the input (its ``ConfigurationError``,
+        ``InputError`` or ``UsageError``, which every run would meet again) is raised as that
+        type, with that partition and where, after the stage's first run.
         """
         started, started_at = time.perf_counter(), time.time()
         s = self.settings

@@ -3,14 +3,22 @@ Spark gives, and what the fit's checkpoints make possible then.
 
 A task's own failure is ``records.task_failure``'s, found again by
 ``records.recover_task_failure``; the other causes (too few slots, data that changed under
-the fit, a task that failed outside its training loop) are recognised here.
+the fit, a task that failed outside its training loop) are recognised here. A task's error
+that every run of the stage would meet again (``RECURRING``: a setting, an input, a call
+out of order) comes back as its own type, and the fit does not run its stage again for it.
 """
 
 from __future__ import annotations
 
 import re
 
-from allreduce_param.errors import ConfigurationError, TrainingError
+from allreduce_param.errors import (
+    AllReduceError,
+    ConfigurationError,
+    InputError,
+    TrainingError,
+    UsageError,
+)
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.train.checkpoint import CheckpointSettings, newest
 from allreduce_param.train.records import recover_task_failure
@@ -45,6 +53,14 @@ _PEER_GONE = re.compile(
 _OUT_OF_MEMORY = re.compile(r"MemoryError|\[Errno 12\]")
 #: placing the rows found data that changed since prepare() counted it (partitioning.py)
 _PLACEMENT_MESSAGE = re.compile(r"row \d+ of partition \d+ of the prepared data is not among[^\n]*")
+#: the errors a task meets again on every run of the stage, whatever its data or peers do:
+#: a setting (e.g. a GPU asked for that the task has not), an input, a call out of order.
+#: Only these exact types: a ``DamagedCheckpointError`` (an ``InputError``) is a file that a
+#: new run passes over for an older intact checkpoint.
+RECURRING = (ConfigurationError, InputError, UsageError)
+_RECURRING_NAMES = {kind.__name__: kind for kind in RECURRING}
+#: a task's failure as ``records.task_failure`` words it: where, the error's type, its message
+_TASK_FAILURE_PARTS = re.compile(r"(partition [^:]*): (\w+): (.*)", re.DOTALL)
 _SPARK_REASON = re.compile(r"org\.apache\.spark\.[\w.]*(?:Exception|Failed)[^\n]*")
 
 
@@ -53,6 +69,12 @@ def stage_attempts(spark: SparkInfo) -> int:
     retrying a stage, ``spark.stage.maxConsecutiveAttempts``."""
     # Spark's scheduler reads it at start-up: a session that runs has a valid one
     return max(1, int(spark.setting("spark.stage.maxConsecutiveAttempts", "4")))
+
+
+def recurs(error: Exception) -> bool:
+    """Whether ``error`` (``stage_error``'s) is one that every run of the stage would meet
+    again: the fit then ends at once rather than run the stage again."""
+    return type(error) in RECURRING
 
 
 def task_failed(error: Exception) -> bool:
@@ -68,7 +90,8 @@ def stage_error(error: Exception, runs: int = 1) -> Exception:
     A partition that lost a failed peer quotes what that peer said; the innermost quote
     is the root cause, whichever task's failure Spark reported. A task whose Python worker
     died (``WORKER_CRASHED``), whose executor was lost, or that ran out of memory gets what
-    to change for it.
+    to change for it. A task's ``RECURRING`` error comes back as its own type, its message
+    after where it was raised.
     """
     text = str(error)
     if NOT_ENOUGH_SLOTS in text:  # where the slots could only be estimated first (Spark Connect)
@@ -113,8 +136,9 @@ def _worker_died(partition: str, how: str, executor: bool = False) -> TrainingEr
     )
 
 
-def _task_error(error: Exception) -> TrainingError:
-    """The failed task's error, from the text of Spark's report."""
+def _task_error(error: Exception) -> AllReduceError:
+    """The failed task's error, from the text of Spark's report: a ``TrainingError``, or
+    the task's own ``RECURRING`` one (``_recurring``)."""
     text = str(error)
     task = _FAILED_TASK.search(text)
     partition = task.group(1) if task else "?"
@@ -136,7 +160,8 @@ def _task_error(error: Exception) -> TrainingError:
     if failure is not None:
         gone = _PEER_GONE.search(str(failure))
         if gone is None:
-            return failure
+            parts = _TASK_FAILURE_PARTS.fullmatch(str(failure))
+            return (_recurring(*parts.groups()) if parts else None) or failure
         reporter, where, dead, detail, what = gone.groups()
         at = f" ({where})" if where else ""
         return _worker_died(
@@ -150,14 +175,22 @@ def _task_error(error: Exception) -> TrainingError:
         return TrainingError(placement.group(0))
     python = _PYTHON_ERROR.search(text)
     if python:
-        return TrainingError(
-            f"a task of the fit (partition {partition}) failed outside its training loop: "
-            f"{python.group(1)}"
+        where = f"a task of the fit (partition {partition}) failed outside its training loop"
+        name, _, message = python.group(1).partition(": ")
+        return _recurring(where, name.rpartition(".")[2], message) or TrainingError(
+            f"{where}: {python.group(1)}"
         )
     spark_reason = _SPARK_REASON.search(text)
     return TrainingError(
         spark_reason.group(0) if spark_reason else text.splitlines()[0] if text else repr(error)
     )
+
+
+def _recurring(where: str, name: str, message: str) -> AllReduceError | None:
+    """A task's error of type ``name`` with ``message``, raised ``where``, as that type when
+    it is ``RECURRING``; else None."""
+    kind = _RECURRING_NAMES.get(name)
+    return None if kind is None else kind(f"{where}: {message}")
 
 
 def with_checkpoint_advice(

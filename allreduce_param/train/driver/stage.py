@@ -13,7 +13,12 @@ from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
 from allreduce_param.train.columns import ORDER_COLUMNS
-from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error, task_failed
+from allreduce_param.train.driver.failures import (
+    UNSUPPORTED_CHAIN,
+    recurs,
+    stage_error,
+    task_failed,
+)
 from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
 from allreduce_param.train.rows import arrays_from_pairs
@@ -54,6 +59,9 @@ def run_stage(
     The stage returns the records itself, and Spark never retries such a barrier stage
     when a task fails, so this runs it again, up to ``attempts`` runs in all; a new
     attempt's tasks resume from the fit's newest intact checkpoint (``restart_point``).
+    A task's error that every run would meet again (``failures.recurs``: a
+    ``ConfigurationError``, ``InputError`` or ``UsageError``) ends it after the first run,
+    as that error.
     Each run again is announced with a ``RuntimeWarning`` saying why; the error after the
     last run says how many ran. (A shuffle after the stage would have Spark retry it, for a
     stage more on every fit.) ``profile``: the stage-level resource profile its tasks run
@@ -69,9 +77,9 @@ def run_stage(
                 rows = placed()  # refused before any task ran
                 continue
             failures += 1
-            if failures >= attempts or not task_failed(error):
-                # Spark's own report stays on it, as the cause
-                raise stage_error(error, runs=failures) from error
+            found = stage_error(error, runs=failures)
+            if failures >= attempts or not task_failed(error) or recurs(found):
+                raise found from error  # Spark's own report stays on it, as the cause
             _warn_again(job, stage_error(error), failures, attempts)
             job = restart_point(first)  # the newest intact checkpoint, verified here
     output = StageOutput.of(pairs, job.param.partition_num)
