@@ -383,8 +383,8 @@ def test_a_task_without_the_gpu_it_asks_for_ends_the_fit_after_one_run(normed_fi
         warnings.simplefilter("always")
         with pytest.raises(
             ConfigurationError,
-            match=r"^partition \d, [^:]*: TorchModel\(device='cuda'\): Spark assigned "
-            r"this task no GPU; set .*spark.task.resource.gpu.amount",
+            match=r"^partition \d, setting up its fit [^:]*: TorchModel\(device='cuda'\): Spark "
+            r"assigned this task no GPU; set .*spark.task.resource.gpu.amount",
         ) as failure:
             fit.fit(df)
     assert not [w for w in said if "runs again" in str(w.message)]  # each run again says so

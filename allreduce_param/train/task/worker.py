@@ -86,13 +86,18 @@ def train_rows(
             rendezvous = DriverRendezvous(job.driver, job.param.network.meeting_patience)
         with job.param.connect(rendezvous) as p:
             clock["met"] = time.time()
-            fit = PartitionFit(job, p, compute, rows, validation, reporter)
+            fit = None
             try:
+                fit = PartitionFit(job, p, compute, rows, validation, reporter)
                 fit.run()
                 clock["trained"] = time.time()
             except Exception as error:
                 # raised inside the with-block, so the peers hear where it happened too
-                place = "".join(f", {k} {v}" for k, v in fit.where.items() if v is not None)
+                place = (
+                    ", setting up its fit (model, optimizer, data)"
+                    if fit is None
+                    else "".join(f", {k} {v}" for k, v in fit.where.items() if v is not None)
+                )
                 raise task_failure(p.partition_id, place, error) from error
         yield Steps(np.asarray(fit.records, dtype=np.float64)).encode()
         yield Epochs(fit.epochs).encode()
