@@ -6,6 +6,8 @@ CPU here (``encode_on_device=True``); the tests marked ``cuda`` run it on a GPU.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -24,6 +26,7 @@ from allreduce_param import (  # noqa: E402
     InputError,
     NonFiniteGradientError,
     SliceLayout,
+    Strategy,
     UsageError,
     models,
     optim,
@@ -32,6 +35,10 @@ from allreduce_param.engine.blocks.codec import get_codec  # noqa: E402
 from allreduce_param.engine.encoded import GradientPutPlan  # noqa: E402
 from allreduce_param.engine.movement.peers import PART_LENGTH  # noqa: E402
 from allreduce_param.models.device_codecs import DEVICE_CODECS, DeviceEncoder  # noqa: E402
+from allreduce_param.train.task.device_encoding import (  # noqa: E402
+    check_device_encoding,
+    device_encoding_refusal,
+)
 from allreduce_param.train.task.job import TrainingJob  # noqa: E402
 
 F32 = np.float32
@@ -174,14 +181,17 @@ def test_on_a_gpu_the_blocks_and_residual_are_the_host_codecs(name):
 # ---- the engine's put of pre-encoded parts -----------------------------------------------
 
 
-def test_a_put_of_encoded_parts_sums_as_put_gradients_with_its_residual():
-    size, steps = 1001, 3
+@pytest.mark.parametrize("hosts", [None, [[0, 1], [2]]], ids=["flat", "hierarchical"])
+def test_a_put_of_encoded_parts_sums_as_put_gradients_with_its_residual(hosts):
+    size, steps, partitions = 1001, 3, 2 if hosts is None else 3
     gradients = [
-        np.random.default_rng(seed).standard_normal((2, size)).astype(F32) for seed in range(steps)
+        np.random.default_rng(seed).standard_normal((partitions, size)).astype(F32)
+        for seed in range(steps)
     ]
 
     def body(encoded: bool):
         def run(p):
+            assert p.hierarchical == (hosts is not None)
             plan, residual = p.gradient_put_plan(), np.zeros(size, F32)
             encoder = DeviceEncoder(torch, torch.device("cpu"), plan)
             p.init(np.zeros(size, F32))
@@ -201,8 +211,8 @@ def test_a_put_of_encoded_parts_sums_as_put_gradients_with_its_residual():
 
     results = {}
     for encoded in (False, True):
-        param = AllReduceParameter(2, size, codec="raw", gradient_codec="int8", timeout=30)
-        results[encoded] = run_partitions(param, body(encoded))
+        param = AllReduceParameter(partitions, size, codec="raw", gradient_codec="int8", timeout=30)
+        results[encoded] = run_partitions(param, body(encoded), hosts=hosts)
         assert not any(isinstance(r, BaseException) for r in results[encoded]), results[encoded]
     for host, device in zip(results[False], results[True]):
         for a, b in zip(host, device):
@@ -280,13 +290,13 @@ class DeviceOnly(models.TorchModel):
         raise AssertionError("the gradient came to the host as float32")
 
 
-def fit(model, gradient_codec: str, threads: int = 1):
+def fit(model, gradient_codec: str):
     X, y = blobs(90, 6, 3, seed=1)
     parts = [(X[:40], y[:40]), (X[40:], y[40:])]
     param = AllReduceParameter(
         2, model.size, codec="raw", gradient_codec=gradient_codec, timeout=60
     )
-    settings = FitSettings(batch_size=16, epochs=2, seed=7, threads=threads)
+    settings = FitSettings(batch_size=16, epochs=2, seed=7)
     return train_on_threads(
         TrainingJob(model, optim.Adam(lr=0.01), param, settings, 6, False), parts
     )
@@ -303,6 +313,31 @@ def test_a_fit_encoding_on_the_device_gives_the_same_weights_bit_for_bit(codec):
     assert isinstance(fit(DeviceOnly(net, encode_on_device=False), codec)[0], Exception)
 
 
+class Counted(models.TorchModel):
+    """A TorchModel that counts its device-encoded steps (in the class: each partition trains
+    a copy of the model)."""
+
+    encoded: list = []
+
+    def loss_and_encoded_grad(self, *args):
+        type(self).encoded.append(1)
+        return super().loss_and_encoded_grad(*args)
+
+
+def test_a_fit_under_ssp_encodes_on_the_device_too():
+    X, y = blobs(60, 6, 3, seed=2)
+    model = Counted(net, encode_on_device=True)
+    param = AllReduceParameter(
+        2, model.size, codec="raw", gradient_codec="topk", strategy=Strategy("ssp", staleness=1)
+    )
+    settings = FitSettings(batch_size=16, epochs=2, seed=7, strategy="ssp", staleness=1)
+    job = TrainingJob(model, optim.SGD(0.01), param, settings, 6, False)
+    outputs = train_on_threads(job, [(X[:30], y[:30]), (X[30:], y[30:])])
+    assert all(isinstance(output, dict) for output in outputs), outputs
+    # every step of both partitions: 2 epochs of 4 steps (60 rows, batches of 16)
+    assert len(Counted.encoded) == 2 * 2 * 4
+
+
 def test_encode_on_device_is_refused_where_it_cannot_apply():
     with pytest.raises(ConfigurationError, match="'auto', True or False"):
         models.TorchModel(net, encode_on_device="yes")
@@ -310,9 +345,20 @@ def test_encode_on_device_is_refused_where_it_cannot_apply():
     raw = GradientPutPlan.of(SliceLayout(model.size, 2), get_codec("raw"), "a reason")
     with pytest.raises(ConfigurationError, match="'raw' has no device encoding"):
         model.device_encoder(raw)
-    for output in fit(models.TorchModel(net, encode_on_device=True), "bf16", threads=2):
-        assert isinstance(output, Exception), output
-        assert "encode_on_device=True" in str(output) and "several threads" in str(output)
+    # what the driver (before the stage) and each task ask of the fit's settings
+    settings = FitSettings()
+    for changed, codec, inline, clip, reason in (
+        (settings, "raw", True, None, "'raw' has no device encoding"),
+        (settings.replace(threads=2), "bf16", True, None, "several threads.*threads=1"),
+        (settings.replace(sync_every=4), "bf16", True, None, "local SGD"),
+        (settings, "int8", False, 1.0, "clip_norm under a strategy with a background owner"),
+    ):
+        refusal = device_encoding_refusal(changed, codec, inline, clip)
+        assert re.search(reason, refusal), refusal
+        with pytest.raises(ConfigurationError, match="encode_on_device=True, but this fit"):
+            check_device_encoding(model, refusal)
+        check_device_encoding(models.TorchModel(net), refusal)  # "auto": the host encodes
+    assert device_encoding_refusal(settings, "topk", False, None) is None
     # "auto" on the CPU: the gradient goes down as float32, as before
     assert (
         models.TorchModel(net).device_encoder(

@@ -10,12 +10,15 @@ import numpy as np
 
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.parameter import ConnectedParameter
-from allreduce_param.errors import ConfigurationError
 from allreduce_param.models.base import is_sparse_matrix
 from allreduce_param.train.checkpoint import CheckpointWriter
 from allreduce_param.train.regularisation import local_moments
 from allreduce_param.train.task.batching import epoch_order
 from allreduce_param.train.task.compute import SubBatches
+from allreduce_param.train.task.device_encoding import (
+    check_device_encoding,
+    device_encoding_refusal,
+)
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.reporter import ProgressReporter
 from allreduce_param.train.task.touched import uses_touched_sync
@@ -138,29 +141,17 @@ class FitState:
     def _device_encoder(self, job: TrainingJob, p: ConnectedParameter, compute: SubBatches):
         """The model's encoder of this partition's gradient puts on its device
         (``TorchModel.device_encoder``), where the model asks for one and this fit can use
-        it; None otherwise. ``encode_on_device=True`` in a fit that cannot is refused here."""
-        wanted = getattr(compute.model, "encode_on_device", False)
+        it (``device_encoding.device_encoding_refusal``); None otherwise."""
         make = getattr(compute.model, "device_encoder", None)
-        if make is None or wanted is False:
+        if make is None or getattr(compute.model, "encode_on_device", False) is False:
             return None
-        refusal = (
-            "it is local SGD, which steps each partition's own copy with the float32 gradient"
-            if job.local_sgd
-            else "its batches are split over several threads, whose gradients are summed on "
-            "the host (threads=1 keeps them on the device)"
-            if not compute.streams
-            else "its sparse rows put only the touched elements (sparse_sync)"
-            if self._touched
-            else "each partition clips its own gradient by its norm on the host (clip_norm "
-            "with a background owner)"
-            if not p.strategy.inline_owner and job.optimizer.clip_norm is not None
-            else None
+        refusal = device_encoding_refusal(
+            job.settings,
+            p.gradient_put_plan().codec,
+            p.strategy.inline_owner,
+            getattr(job.optimizer, "clip_norm", None),
         )
-        if refusal is not None:
-            if wanted is True:
-                raise ConfigurationError(
-                    f"{compute.model!r}: encode_on_device=True, but this fit cannot encode the "
-                    f"gradient on the device: {refusal}; pass encode_on_device='auto'"
-                )
-            return None
-        return make(p.gradient_put_plan())
+        if refusal is None and (self._touched or not compute.streams):
+            refusal = "its steps do not compute one dense gradient on one thread"
+        check_device_encoding(compute.model, refusal)
+        return None if refusal is not None else make(p.gradient_put_plan())
