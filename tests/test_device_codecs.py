@@ -313,6 +313,16 @@ def test_a_fit_encoding_on_the_device_gives_the_same_weights_bit_for_bit(codec):
     assert isinstance(fit(DeviceOnly(net, encode_on_device=False), codec)[0], Exception)
 
 
+@cuda
+@pytest.mark.parametrize("codec", ["bf16", "int8", "topk"])
+def test_on_a_gpu_a_fit_encoding_there_gives_the_same_weights(codec):
+    host = fit(models.TorchModel(net, device="cuda:0", encode_on_device=False), codec)
+    device = fit(DeviceOnly(net, device="cuda:0"), codec)  # "auto": on a GPU, it encodes there
+    for outputs in (host, device):
+        assert all(isinstance(output, dict) for output in outputs), outputs
+    assert host[0]["weights"] == device[0]["weights"]
+
+
 class Counted(models.TorchModel):
     """A TorchModel that counts its device-encoded steps (in the class: each partition trains
     a copy of the model)."""

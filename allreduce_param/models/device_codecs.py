@@ -97,7 +97,7 @@ def fp16(torch, values, checks: list) -> tuple:
 def int8(torch, values, checks: list) -> tuple:
     largest = values.abs().amax().double()  # NaN where any is (amax keeps a NaN)
     scale = (largest / 127).float()  # to nearest, as the host's float64 division and cast
-    up = torch.nextafter(scale, torch.tensor(float("inf"), device=values.device))
+    up = torch.nextafter(scale, torch.full_like(scale, float("inf")))
     scale = torch.where(scale.double() * 127 < largest, up, scale)
     scale = torch.clamp(scale, max=_INT8_LARGEST_SCALE)
     scale = torch.where(torch.isfinite(largest), scale, torch.full_like(scale, float("nan")))
