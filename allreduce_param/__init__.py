@@ -7,6 +7,7 @@ back through compressed blocks that the partitions serve to each other, without 
 
 from allreduce_param import _old_paths, models, optim
 from allreduce_param.engine.blocks.codec import CODECS
+from allreduce_param.engine.encoded import GradientPutPlan
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.rendezvous import LocalRendezvous, Rendezvous, StaticRendezvous
 from allreduce_param.engine.parameter import AllReduceParameter, ConnectedParameter
@@ -52,6 +53,7 @@ __all__ = [
     "AllReduceParameter",
     "ConnectedParameter",
     "GradientStream",
+    "GradientPutPlan",
     "SparseGradient",
     "CODECS",
     "Strategy",

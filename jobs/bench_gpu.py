@@ -14,6 +14,12 @@ DDP over gloo only). Three ways of keeping the replicas in sync, alternating in 
   (``stream_gradients``); the owner of each slice sums it (raw codec, through shared
   memory between processes of one host), runs SGD on its slice and publishes it; the next
   step's weights go up in one copy. The processes meet through ``StaticRendezvous``.
+  ``--codec`` puts the gradients with a lossy codec instead (bf16, fp16, bf16-lz4, int8,
+  topk; the weights stay raw): by default (``--encode-on-device auto``) on a GPU the codec
+  and its error feedback run there and only the encoded bytes come down, after backward
+  (``TorchModel(encode_on_device=)``, ``put_encoded_gradients``); ``--encode-on-device off``
+  streams the float32 gradient down and encodes it on the host, as with raw. The header
+  line says which ran.
 - **DDP nccl** and **DDP gloo**: ``DistributedDataParallel`` on the same module and batch,
   ``torch.optim.SGD`` (same learning rate, no momentum), over a process group of each
   backend (NCCL only on CUDA), each rank's BatchNorm statistics its own as in ours
@@ -30,6 +36,8 @@ ratios of steps per second, with their range.
 
     python jobs/bench_gpu.py                                  # 2 processes, the GPUs there are
     python jobs/bench_gpu.py --processes 4 --width 64 --batch 128
+    python jobs/bench_gpu.py --codec bf16 --ways ours               # bf16 encoded on the GPU
+    python jobs/bench_gpu.py --codec bf16 --encode-on-device off     # ... on the host
     python jobs/bench_gpu.py --device cpu --processes 2 --width 4 --blocks 1 --batch 8 \\
         --image 8 --rounds 2 --steps 2 --warmup 1               # a smoke run on a CPU
 """
@@ -58,6 +66,9 @@ from allreduce_param import AllReduceParameter, StaticRendezvous, models  # noqa
 TIMEOUT = 300.0
 LR = 0.01
 WAYS = ("ours", "DDP nccl", "DDP gloo")
+CODECS = ("raw", "bf16", "fp16", "bf16-lz4", "int8", "topk")  # raw, and the device codecs
+ENCODE_ON_DEVICE = {"auto": "auto", "on": True, "off": False}
+ENCODED = "encoded on the device"  # a rank's report: whether ours encoded there
 
 
 def resnet(width: int, blocks: int, classes: int = 10):
@@ -118,16 +129,22 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def ours_steps(p, model, X, y, steps: int, warmup: int, device: str) -> np.ndarray:
-    """The engine's steps: ``(compute ms, sync ms)`` of each timed one."""
+def ours_steps(p, model, X, y, steps: int, warmup: int, encoder, residual) -> np.ndarray:
+    """The engine's steps: ``(compute ms, sync ms)`` of each timed one. ``encoder``: the
+    model's ``device_encoder`` (the gradient encoded on the device and put after backward),
+    else None (streamed down as float32, with ``residual`` for a lossy codec)."""
     times = np.zeros((warmup + steps, 2))
     gradient = p.gradient_buffer()
     for step in range(warmup + steps):
         start = time.perf_counter()
         w = p.get_weights()
         compute_start = time.perf_counter()
-        with p.stream_gradients(gradient, count=float(len(X))) as stream:
-            model.loss_and_grad_into(w, X, y, gradient, stream.ready)
+        if encoder is not None:
+            _, payload, count = model.loss_and_encoded_grad(w, X, y, encoder)
+            p.put_encoded_gradients(payload, count=count)
+        else:
+            with p.stream_gradients(gradient, count=float(len(X)), residual=residual) as stream:
+                model.loss_and_grad_into(w, X, y, gradient, stream.ready)
         compute_end = time.perf_counter()
         g = p.aggregate_gradient_partition()
         p.weight_partition[:] -= np.float32(LR) * g
@@ -195,7 +212,12 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
 
         torch.manual_seed(0)
         module = resnet(args.width, args.blocks)
-        model = models.TorchModel(module, device=device, precision=args.precision)
+        model = models.TorchModel(
+            module,
+            device=device,
+            precision=args.precision,
+            encode_on_device=ENCODE_ON_DEVICE[args.encode_on_device],
+        )
         X, y = batch_of(rank, args)
         X_device = torch.from_numpy(X).to(device)
         y_device = torch.from_numpy(y).to(device)
@@ -224,11 +246,17 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
         report: dict = {way: [] for way in ways}
         with param.connect(StaticRendezvous(rank, addresses, timeout=TIMEOUT)) as p:
             p.init(model.init(np.random.default_rng(0)))
+            encoder = model.device_encoder(p.gradient_put_plan())
+            lossy = args.codec != "raw"
+            residual = np.zeros(p.layout.size, np.float32) if lossy and encoder is None else None
+            report[ENCODED] = encoder is not None
             for number in range(args.rounds):
                 for way in ways if number % 2 == 0 else ways[::-1]:
                     dist.barrier()
                     if way == "ours":
-                        times = ours_steps(p, model, X, y, args.steps, args.warmup, device)
+                        times = ours_steps(
+                            p, model, X, y, args.steps, args.warmup, encoder, residual
+                        )
                     else:
                         with autocast:
                             times = ddp_steps(
@@ -242,15 +270,17 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
         results.put((rank, f"{type(error).__name__}: {error}"))
 
 
-def measure(args, size: int) -> dict:
+def measure(args, size: int) -> tuple[dict, bool]:
     """Every way's rounds: per round the medians over its steps of the slowest rank's
-    ``(compute, sync)``, in ms."""
+    ``(compute, sync)``, in ms; and whether ours encoded the gradient on the device."""
     import multiprocessing
 
     ports = free_ports(args.processes + 1)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    param = AllReduceParameter(args.processes, size, codec="raw", timeout=TIMEOUT)
+    param = AllReduceParameter(
+        args.processes, size, codec="raw", gradient_codec=args.codec, timeout=TIMEOUT
+    )
     processes = [
         context.Process(
             target=rank_main, args=(rank, args, param, ports, results), name=f"bench-gpu-{rank}"
@@ -258,13 +288,14 @@ def measure(args, size: int) -> dict:
         for rank in range(args.processes)
     ]
     got = run_ranks(processes, results, TIMEOUT * 2)
+    encoded = [got[rank].pop(ENCODED) for rank in range(args.processes)]
     rounds = {}
     for way in got[0]:
         times = np.array([got[rank][way] for rank in range(args.processes)])  # rank, round, step, 2
         slowest = times.sum(axis=3).argmax(axis=0)  # round, step: the rank whose step was longest
         picked = np.take_along_axis(times, slowest[None, :, :, None], axis=0)[0]
         rounds[way] = np.median(picked, axis=1).tolist()  # round, (compute, sync)
-    return rounds
+    return rounds, all(encoded)
 
 
 def table(rounds: dict, batch: int, processes: int) -> str:
@@ -326,6 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", type=int, default=32, help="image side, pixels")
     parser.add_argument("--batch", type=int, default=64, help="images per rank and step")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument(
+        "--codec", choices=CODECS, default="raw", help="ours: the gradients' codec (weights raw)"
+    )
+    parser.add_argument(
+        "--encode-on-device",
+        choices=tuple(ENCODE_ON_DEVICE),
+        default="auto",
+        help="ours, a lossy --codec: run it on the model's device (auto: on a GPU)",
+    )
     parser.add_argument("--ways", default=",".join(WAYS), help="of: " + ", ".join(WAYS))
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
@@ -362,7 +402,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.warmup} warm-up, the slowest rank's step",
         flush=True,
     )
-    print(table(measure(args, size), args.batch, args.processes), flush=True)
+    rounds, encoded = measure(args, size)
+    where = (
+        f"on the model's device ({args.device}), only its bytes copied down"
+        if encoded
+        else "on the host"
+    )
+    print(
+        f"ours: gradient codec {args.codec}" + (f", encoded {where}" if args.codec != "raw" else "")
+    )
+    print(table(rounds, args.batch, args.processes), flush=True)
     return 0
 
 

@@ -18,7 +18,8 @@ from allreduce_param._old_paths import MOVED
 
 PUBLIC = """AllReduceError AllReduceParameter AuthenticationError BarrierRendezvous CODECS
 CodecOverflowError ConfigurationError ConnectedParameter CorruptBlockError DamagedCheckpointError
-DistriOptimizer FetchTimeoutError FitSettings GradientStream History InputError LocalRendezvous NetworkError
+DistriOptimizer FetchTimeoutError FitSettings GradientPutPlan GradientStream History InputError
+LocalRendezvous NetworkError
 NetworkSettings NonFiniteGradientError PeerLostError ProtocolError Rendezvous STRATEGIES
 SliceLayout SparseGradient StaleVersionError StaticRendezvous StoreClosedError Strategy TrainedModel
 TrainingError UsageError models optim""".split()
@@ -40,8 +41,9 @@ verbose weightCol gpusPerTask keepOptimizerState initialModel""".split()
 CLASSIFIER_PARAMS = REGRESSOR_PARAMS + "probabilityCol rawPredictionCol thresholds".split()
 
 CONNECTED_CALLS = """aggregate_gradient_partition allreduce allreduce_exact close connections
-finish_updates get_weights gradient_buffer gradient_partition hierarchical host_arena hosts init
-last_read_version put_gradients remote_peers send_weight_partition serve_updates signal
+finish_updates get_weights gradient_buffer gradient_partition gradient_put_plan hierarchical
+host_arena hosts init last_read_version put_encoded_gradients put_gradients remote_peers
+send_weight_partition serve_updates signal
 stream_gradients updates wait_for_signals weight_partition""".split()
 
 PARAMETER_KEYWORDS = """partition_num size codec timeout fetch_threads allow_nonfinite
@@ -57,7 +59,7 @@ initial on_model trigger query_name empty_batches""".split()
 TRAINED_MODEL_FIELDS = "steps_done epochs_done optimizer_state optimizer_kind".split()
 
 #: TorchModel's keywords (needs torch; checked where it is installed)
-TORCH_MODEL_KEYWORDS = "module loss device precision".split()
+TORCH_MODEL_KEYWORDS = "module loss device precision encode_on_device".split()
 
 
 def test_every_public_name_is_still_exported():

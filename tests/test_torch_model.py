@@ -397,3 +397,18 @@ def test_gpus_per_task_in_local_mode_is_refused_before_any_job(normed_fit):
     fit = DistriOptimizer(models.TorchModel(normed), optim.SGD(0.1), gpus_per_task=1)
     with pytest.raises(ConfigurationError, match=r"local mode \(local\[2\]\).*device='cuda:0'"):
         fit.fit(df)
+
+
+def test_encode_on_device_true_where_the_fit_cannot_is_refused_before_the_stage(normed_fit):
+    """The driver asks what each task would: here the batches split over two threads."""
+    _, _, _, df = normed_fit
+    fit = DistriOptimizer(
+        models.TorchModel(normed, encode_on_device=True),
+        optim.SGD(0.1),
+        gradient_codec="bf16",
+        threads=2,
+        num_workers=2,
+        progress=False,
+    )
+    with pytest.raises(ConfigurationError, match="encode_on_device=True.*several threads"):
+        fit.fit(df)

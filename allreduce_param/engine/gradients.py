@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from allreduce_param.engine.blocks.store import BlockKind
+from allreduce_param.engine.encoded import GradientPutPlan
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.arena_steps import ArenaSteps
 from allreduce_param.engine.movement.movements import Movements
@@ -90,6 +91,7 @@ class GradientPuts:
         self._publisher: ThreadPoolExecutor | None = None  # publishes streamed chunks
         self._touched_moves = TouchedMoves(moves)
         self._touched: TouchedPut | None = None  # a touched put's, for the step's aggregate
+        self._plan: GradientPutPlan | None = None  # the cut of a put of pre-encoded parts
 
     def buffer(self) -> np.ndarray:
         """The lent gradient buffer (``ConnectedParameter.gradient_buffer``): a float32
@@ -127,6 +129,63 @@ class GradientPuts:
                 in_place=put.in_place,
             )
         self._published(put)
+
+    def plan(self) -> GradientPutPlan:
+        """``ConnectedParameter.gradient_put_plan``: the parts a put is cut into, their
+        streams' sizes, and why pre-encoded payloads are refused here, if they are."""
+        if self._plan is None:
+            codec = self._moves.codecs[BlockKind.GRADIENT]
+            refusal = (
+                f"its gradient codec {codec.name!r} is lossless, so there is no value format "
+                "to compute elsewhere (only bf16, fp16, bf16-lz4, int8 and topk take streams)"
+                if not codec.takes_streams
+                else "its step goes through a host arena, which takes float32 gradients"
+                if self._arena is not None
+                else None
+            )
+            self._plan = GradientPutPlan.of(self._layout, codec, refusal)
+        return self._plan
+
+    def put_encoded(self, payload: np.ndarray, count: float) -> None:
+        """``ConnectedParameter.put_encoded_gradients``: publish every owner's chunk from the
+        streams in ``payload``, laid out as ``plan()`` says."""
+        what = "put_encoded_gradients"
+        where = f"{what}() on partition {self.partition_id}"
+        plan = self.plan()
+        if plan.refusal is not None:
+            raise InputError(
+                f"{where}: this parameter takes no pre-encoded gradients: {plan.refusal}; "
+                "put the float32 gradient with put_gradients (with residual=)"
+            )
+        version = self._state.check_put(what)
+        if (
+            not isinstance(payload, np.ndarray)
+            or payload.dtype != np.uint8
+            or payload.ndim != 1
+            or not payload.flags.c_contiguous
+            or payload.size != plan.payload_bytes
+        ):
+            described = (
+                f"dtype {payload.dtype}, shape {payload.shape}"
+                if isinstance(payload, np.ndarray)
+                else f"type {type(payload).__name__}"
+            )
+            raise InputError(
+                f"{where}: the payload must be a 1-D contiguous uint8 array of "
+                f"{plan.payload_bytes} bytes (gradient_put_plan().payload_bytes: the "
+                f"{len(plan.parts)} parts' {plan.codec!r} streams one after the other), got "
+                f"{described}"
+            )
+        if not float(count) >= 0:
+            raise InputError(f"{where}: count={count!r}; the sample count must be a number >= 0")
+        self._state.put_started(version)
+        self._own = None
+        with self._guard():
+            for owner in self._moves.scatter_order(own=True):
+                self._moves.publish_streams(
+                    BlockKind.GRADIENT, version, payload, plan.parts_of(owner), owner, float(count)
+                )
+        self._state.put_done()
 
     def put_touched(
         self,

@@ -39,6 +39,7 @@ from allreduce_param.engine import surroundings
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.blocks.store import BlockKind
 from allreduce_param.engine.collectives import Collectives
+from allreduce_param.engine.encoded import GradientPutPlan
 from allreduce_param.engine.gradients import GradientPuts
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.arena_steps import ArenaSteps
@@ -405,6 +406,30 @@ class ConnectedParameter:
             )
         else:
             self._gradients.put(gradients, count, residual)
+
+    def gradient_put_plan(self) -> GradientPutPlan:
+        """How this partition's gradient put is cut, for ``put_encoded_gradients``: the
+        gradient codec's name, the parts (``encoded.EncodedPart``: which values of the
+        vector each holds, where its stream lies in the payload and how many bytes it
+        takes) and the payload's size; ``refusal`` says why this parameter takes no
+        pre-encoded payloads (a lossless gradient codec, a host arena), None where it does.
+        The same plan on every call."""
+        return self._gradients.plan()
+
+    @_call
+    def put_encoded_gradients(self, payload: np.ndarray, count: float = 1.0) -> None:
+        """``put_gradients`` of a gradient whose lossy codec ran elsewhere (on the GPU that
+        computed it: ``models.device_codecs``): ``payload`` (uint8, ``payload_bytes``) holds
+        every part's stream of the ``gradient_put_plan()``, one after the other, made as
+        ``Codec.encode`` makes them from the values, after adding the caller's error
+        feedback residual, which the caller keeps up to date. Only the block headers are
+        written here: the same blocks as ``put_gradients(values, count, residual)``, so the
+        same bits are summed, and a NaN/Inf in the gradient still reaches the owners (every
+        lossy codec decodes it to NaN) and raises ``NonFiniteGradientError`` naming this
+        partition. The same call order as ``put_gradients`` (any strategy, either
+        topology); ``payload`` may be reused once this returns. Refused (``InputError``)
+        where the plan has a ``refusal``, or for a payload of another size or type."""
+        self._gradients.put_encoded(payload, count)
 
     @_call
     def stream_gradients(

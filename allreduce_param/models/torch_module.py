@@ -22,6 +22,12 @@ backward finishes it (``models.transfers``); ``buffers()``, ``set_buffers`` and
 ``state_dict`` take and give host (numpy, CPU torch) values wherever the module runs.
 ``precision="bf16"`` runs the forward pass under ``torch.autocast`` in bfloat16 (the
 parameters, their gradients and the loss stay float32).
+
+Lossy gradient codecs on the device: with ``encode_on_device`` (``"auto"``: where the module
+runs on a GPU) and a gradient codec of ``models.device_codecs.DEVICE_CODECS``, the trainer
+asks ``device_encoder(plan)`` once and then each step ``loss_and_encoded_grad``: the
+gradient stays on the device, the codec (and its error feedback residual) runs there, and
+only the encoded bytes come down, the same bits the host would have made.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numpy as np
 from allreduce_param.engine.vectors import writable_output
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import merge_buffers
+from allreduce_param.models.device_codecs import DEVICE_CODECS, DeviceEncoder
 from allreduce_param.models.devices import CudaInfo, check_device_request, choose_device, task_gpus
 from allreduce_param.models.transfers import GradientCopies, Staging
 
@@ -90,6 +97,12 @@ class TorchModel:
     ``device``: ``"auto"`` (the task's GPU, else the CPU), ``"cuda"`` (the task's GPU,
     required), ``"cuda:N"`` or ``"cpu"``; see ``allreduce_param.models.devices``.
     ``precision``: ``"fp32"``, or ``"bf16"`` for the forward pass under ``torch.autocast``.
+    ``encode_on_device``: whether a lossy gradient codec (bf16, fp16, bf16-lz4, int8, topk)
+    runs on the module's device, so that only its bytes are copied to the host: ``"auto"``
+    on a GPU, ``True`` wherever the module runs (the CPU too: the same torch code, which is
+    how it is tested without a GPU; a fit that cannot use it is refused), ``False`` never.
+    See ``models.device_codecs``; the trainer then puts the gradient after backward
+    rather than streaming it.
     """
 
     def __init__(
@@ -98,6 +111,7 @@ class TorchModel:
         loss: str = "cross_entropy",
         device: str = "auto",
         precision: str = "fp32",
+        encode_on_device: str | bool = "auto",
     ) -> None:
         torch = _torch()
         if loss not in LOSSES:
@@ -106,7 +120,12 @@ class TorchModel:
             raise ConfigurationError(
                 f"TorchModel(precision={precision!r}): precision must be one of {PRECISIONS}"
             )
+        if not isinstance(encode_on_device, bool) and encode_on_device != "auto":
+            raise ConfigurationError(
+                f"TorchModel(encode_on_device={encode_on_device!r}): it must be 'auto', True or False"
+            )
         self.device, self.precision = check_device_request(device), precision
+        self.encode_on_device = encode_on_device
         self.module = (
             module() if callable(module) and not isinstance(module, torch.nn.Module) else module
         )
@@ -145,6 +164,7 @@ class TorchModel:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("encode_on_device", "auto")  # pickled before it was a setting
         self._reset_copies()
 
     @property
@@ -186,6 +206,7 @@ class TorchModel:
             for name, value, default in (
                 ("device", self.device, "auto"),
                 ("precision", self.precision, "fp32"),
+                ("encode_on_device", self.encode_on_device, "auto"),
             )
             if value != default
         )
@@ -289,6 +310,48 @@ class TorchModel:
         if copies is not None:
             copies.finish()
         return float(loss.item()), len(X)
+
+    def device_encoder(self, plan) -> DeviceEncoder | None:
+        """An encoder of gradient puts cut as ``plan`` (``ConnectedParameter.gradient_put_plan``)
+        on this process's device, where ``encode_on_device`` says so and the plan's codec has
+        a device encoding (``DEVICE_CODECS``); None where the gradient goes down as float32.
+        ``encode_on_device=True`` with a codec or parameter that cannot take it is a
+        ``ConfigurationError`` naming why."""
+        if self.encode_on_device is False:
+            return None
+        refusal = (
+            f"the gradient codec {plan.codec!r} has no device encoding (those that do: "
+            f"{', '.join(DEVICE_CODECS)})"
+            if plan.codec not in DEVICE_CODECS
+            else plan.refusal
+        )
+        if refusal is not None:
+            if self.encode_on_device is True:
+                raise ConfigurationError(
+                    f"{self!r}: encode_on_device=True, but {refusal}; pass a lossy "
+                    "gradient_codec or encode_on_device='auto'"
+                )
+            return None
+        if self.encode_on_device == "auto" and not self.uses_gpu:
+            return None
+        return DeviceEncoder(_torch(), self.torch_device, plan)
+
+    def loss_and_encoded_grad(
+        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, encoder: DeviceEncoder
+    ) -> tuple[float, np.ndarray, int]:
+        """``(loss_sum, payload, count)``: ``loss_and_grad``'s, with the gradient encoded on
+        the device by ``encoder`` (``device_encoder``), for ``put_encoded_gradients``; the
+        payload is valid until the encoder's next call."""
+        torch = _torch()
+        if len(X) == 0:
+            flat = torch.zeros(self.size, dtype=torch.float32, device=self.torch_device)
+            return 0.0, encoder.encode(flat), 0
+        parameters = self._parameters(weights, requires_grad=True)
+        loss = self._loss(self._forward(parameters, X, train=True), y)
+        gradients = torch.autograd.grad(loss, list(parameters.values()))
+        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+        payload = encoder.encode(flat)
+        return float(loss.item()), payload, len(X)
 
     @staticmethod
     def _gradient_done(flat_out, start: int, stop: int, gradient, ready) -> None:

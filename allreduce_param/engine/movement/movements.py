@@ -125,6 +125,35 @@ class Movements:
             store.put(key, version, block, buffer=buffer)
             del block  # the store holds its own view; ours would pin the buffer's size
 
+    def publish_streams(
+        self,
+        kind: int,
+        version: int,
+        payload: np.ndarray,
+        parts,
+        destination: int,
+        count: float,
+    ) -> None:
+        """``publish`` of a chunk whose parts were encoded elsewhere: each of ``parts``
+        (``encoded.EncodedPart``) is the codec's stream at ``payload[offset:offset+nbytes]``,
+        written with its header (``Codec.encode_stream``) into a buffer the store gives out.
+        The error feedback was the encoder's: nothing is added or kept here."""
+        store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
+        source = self.partition_id
+        for part in parts:
+            key = BlockKey(kind, source, destination, part.part)
+            buffer = store.reserve(key, version, timeout)
+            block = codec.encode_stream(
+                payload[part.offset : part.offset + part.nbytes],
+                part.length,
+                count=count,
+                out=buffer,
+                ids=(kind, source, destination, part.part, version),
+                checksum=False,  # sealed if it is ever sent
+            )
+            store.put(key, version, block, buffer=buffer)
+            del block  # the store holds its own view; ours would pin the buffer's size
+
     def publish_in_place(
         self,
         kind: int,

@@ -45,6 +45,10 @@ from allreduce_param.train.records import StageOutput
 from allreduce_param.train.result import History, TrainedModel, fit_phases
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.start import StartPoint
+from allreduce_param.train.task.device_encoding import (
+    check_device_encoding,
+    device_encoding_refusal,
+)
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.touched import check_touched
 
@@ -234,6 +238,15 @@ class DistriOptimizer:
         check_start(start, size, self.optimizer)
         network = NetworkSettings.of(s.network_values(), spark.session_setting)  # read once
         param = engine_parameter(s, network, workers, size)
+        check_device_encoding(
+            self.model,
+            device_encoding_refusal(
+                s,
+                param.gradient_codec,
+                param.strategy.inline_owner,
+                getattr(self.optimizer, "clip_norm", None),
+            ),
+        )
         checkpoints = s.checkpoints()
         if checkpoints is not None:
             checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here

@@ -15,6 +15,10 @@ from allreduce_param.train.checkpoint import CheckpointWriter
 from allreduce_param.train.regularisation import local_moments
 from allreduce_param.train.task.batching import epoch_order
 from allreduce_param.train.task.compute import SubBatches
+from allreduce_param.train.task.device_encoding import (
+    check_device_encoding,
+    device_encoding_refusal,
+)
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.reporter import ProgressReporter
 from allreduce_param.train.task.touched import uses_touched_sync
@@ -127,3 +131,27 @@ class FitState:
         self._touched = uses_touched_sync(job, p)
         if self._touched:
             self._streams = self._into_buffer = False
+        # a lossy gradient codec run where a torch model's gradient lies (models/device_codecs):
+        # the gradient is put after backward, encoded there, its residual kept there
+        self._encoder = self._device_encoder(job, p, compute)
+        if self._encoder is not None:
+            self._streams = self._into_buffer = False
+            self._residual = None
+
+    def _device_encoder(self, job: TrainingJob, p: ConnectedParameter, compute: SubBatches):
+        """The model's encoder of this partition's gradient puts on its device
+        (``TorchModel.device_encoder``), where the model asks for one and this fit can use
+        it (``device_encoding.device_encoding_refusal``); None otherwise."""
+        make = getattr(compute.model, "device_encoder", None)
+        if make is None or getattr(compute.model, "encode_on_device", False) is False:
+            return None
+        refusal = device_encoding_refusal(
+            job.settings,
+            p.gradient_put_plan().codec,
+            p.strategy.inline_owner,
+            getattr(job.optimizer, "clip_norm", None),
+        )
+        if refusal is None and (self._touched or not compute.streams):
+            refusal = "its steps do not compute one dense gradient on one thread"
+        check_device_encoding(compute.model, refusal)
+        return None if refusal is not None else make(p.gradient_put_plan())

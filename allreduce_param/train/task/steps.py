@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from allreduce_param.engine.parameter import ConnectedParameter
-from allreduce_param.models.base import batch_count
+from allreduce_param.models.base import batch_count, dense_for
 from allreduce_param.optim import clip_scale, squared_norm
 from allreduce_param.train.records import STEP_FIELDS, StepDone
 from allreduce_param.train.task.batching import (
@@ -89,6 +89,8 @@ class Steps(FitState):
         record, kept before the put (a checkpoint a background owner writes once the gradient
         is in then already holds it), its put time filled in after."""
         batch = self._batch(index)
+        if self._encoder is not None:
+            return self._compute_encoded(index, batch, read_s, staleness)
         if self._streams:
             return self._compute_streaming(index, batch, read_s)
         started = time.perf_counter()
@@ -108,6 +110,25 @@ class Steps(FitState):
             index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0), staleness
         )
         self.p.put_gradients(grad_sum, count=count, residual=self._residual)
+        record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
+        return record
+
+    def _compute_encoded(
+        self, index: int, batch: Rows, read_s: float, staleness: int
+    ) -> np.ndarray:
+        """``_compute_and_put`` with the gradient encoded on the model's device
+        (``TorchModel.loss_and_encoded_grad``): only the codec's bytes come to the host, and
+        the engine writes the blocks around them (``put_encoded_gradients``)."""
+        model = self.compute.model
+        started = time.perf_counter()
+        loss_sum, payload, count = model.loss_and_encoded_grad(
+            self.weights, dense_for(model, batch.X), batch.y, self._encoder
+        )
+        computed = time.perf_counter()
+        record = self._record(
+            index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0), staleness
+        )
+        self.p.put_encoded_gradients(payload, count=count)
         record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
         return record
 

@@ -194,6 +194,60 @@ class Codec:
                 FIELD.pack_into(block, CHECKSUM_OFFSET, checksum_of(block, payload_size))
         return memoryview(out)[: HEADER_SIZE + payload_size]
 
+    def stream_size(self, length: int) -> int:
+        """Bytes of the uncompressed stream (the value format's bytes, before any lz4) of
+        ``length`` values: what ``encode_stream`` takes."""
+        return self._format.stream_size(length)
+
+    @property
+    def takes_streams(self) -> bool:
+        """Whether ``encode_stream`` takes a stream made elsewhere: the lossy codecs, whose
+        value format can be computed where the values lie (on a GPU) and only its bytes
+        brought here."""
+        return self.lossy
+
+    def encode_stream(
+        self,
+        stream: BytesLike,
+        length: int,
+        count: float = 0.0,
+        out: bytearray | mmap.mmap | memoryview | None = None,
+        ids: BlockIds = (0, 0, 0, 0, 0),
+        checksum: bool = True,
+    ) -> memoryview:
+        """``encode`` for a block whose uncompressed stream (``stream_size(length)`` bytes of
+        the value format, as ``encode`` would have made from the values) was made elsewhere:
+        the header is written around it, the lz4 codecs compress it here. The same block as
+        ``encode`` of the values it was made from; ``out``, ``ids``, ``checksum`` as there.
+        Lossy codecs only (``takes_streams``): a lossless one has nothing to compute."""
+        if not self.takes_streams:
+            raise UsageError(
+                f"codec {self.name!r} is lossless: it takes float32 values (encode), not a "
+                "stream made elsewhere; only the lossy codecs (bf16, fp16, bf16-lz4, int8, "
+                "topk) take streams"
+            )
+        view = bytes_view(stream)
+        nbytes = self._format.stream_size(length)
+        if len(view) != nbytes:
+            raise UsageError(
+                f"codec {self.name!r}: a stream of {length} values is {nbytes} bytes, got "
+                f"{len(view)}"
+            )
+        out = room(out, self.max_encoded_size(length))
+        with memoryview(out) as block:
+            FIELD.pack_into(block, VERSION_OFFSET, REWRITING)  # in-place readers can tell
+            block[HEADER_SIZE : HEADER_SIZE + nbytes] = view
+            payload_size, stored_raw = nbytes, self.compressed
+            if self.compressed and nbytes:
+                payload_size, stored_raw = lz4_pack(
+                    block[HEADER_SIZE : HEADER_SIZE + nbytes], block, in_place=True
+                )
+            flags = FLAG_STORED_RAW if stored_raw else 0
+            write_header(block, self.codec_id, flags, length, payload_size, count, ids)
+            if checksum:
+                FIELD.pack_into(block, CHECKSUM_OFFSET, checksum_of(block, payload_size))
+        return memoryview(out)[: HEADER_SIZE + payload_size]
+
     def encode_header(
         self,
         length: int,
