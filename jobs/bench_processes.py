@@ -19,7 +19,9 @@ bytes ``np.copyto`` copies a second, each read once and written once), and each 
 in all for an S-byte vector, whatever N) and write its slice of the weights (S/N); at the
 copy's rate of memory traffic (two bytes moved per byte copied) that is
 ``(S + S/N) / (2 x copy bandwidth)``. Everything above it (the weights copied out for
-``get_weights``, requests, thread hand-offs) is overhead.
+``get_weights``, requests, thread hand-offs) is overhead. ``x floor`` is the step over it;
+``calls x floor`` the engine's calls alone (the step less the loop's own
+``-= 0.1 * g``, the slowest rank's), which is what the engine can bring down.
 
     python jobs/bench_allreduce.py --processes 2,4                  # 1M and 10M float32
     python jobs/bench_allreduce.py --processes 2,4,8,16 --sizes 1M,10M,100M   # many cores
@@ -306,10 +308,13 @@ def measure(
         engine = np.stack([np.array(got[rank][index][0]) for rank in range(ranks)])
         slowest_step = engine.sum(axis=3).max(axis=0)  # round, step
         slowest_phase = engine.max(axis=0)  # round, step, phase
+        # the engine's calls alone: the step less the loop's own update of the slice
+        calls = engine.sum(axis=3) - engine[..., PHASES.index("update")]
         row = dict(
             partitions=ranks,
             size=size,
             engine=[float(x) for x in np.median(slowest_step, axis=1)],
+            calls=[float(x) for x in np.median(calls.max(axis=0), axis=1)],
             phases=np.median(slowest_phase, axis=1).tolist(),  # round, phase
             gloo=[],
         )
@@ -392,7 +397,7 @@ def floor_ms(size: int, partitions: int, bandwidth: float) -> float:
 
 def table(rows: list[dict], bandwidth: float) -> str:
     header = ("N", "size", "floor ms", "ours ms", "gloo ms", "x gloo (range)", "x floor",
-              *(f"{phase} ms" for phase in PHASES))  # fmt: skip
+              "calls x floor", *(f"{phase} ms" for phase in PHASES))  # fmt: skip
     lines = []
     for row in rows:
         ours = statistics.median(row["engine"])
@@ -407,6 +412,7 @@ def table(rows: list[dict], bandwidth: float) -> str:
                 bench.ms_text(statistics.median(row["gloo"])) if row["gloo"] else "not installed",
                 bench.ratio_text(row["engine"], row["gloo"]),
                 f"{ours / floor:.1f}",
+                f"{statistics.median(row['calls']) / floor:.1f}",
                 *(bench.ms_text(value) for value in phases),
             )
         )

@@ -77,7 +77,7 @@ def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size()
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
     assert header == [
         "N", "size", "floor ms", "ours ms", "gloo ms", "x gloo (range)", "x floor",
-        "get ms", "put ms", "aggregate ms", "update ms", "send ms",
+        "calls x floor", "get ms", "put ms", "aggregate ms", "update ms", "send ms",
     ]  # fmt: skip
     lines = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
     assert [(line[0], line[1]) for line in lines] == [
@@ -85,6 +85,7 @@ def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size()
     ]  # fmt: skip
     for line in lines:
         assert float(line[2]) > 0 and float(line[3]) > 0 and float(line[6]) > 0
+        assert 0 < float(line[7]) <= float(line[6])  # the calls alone: the step less the update
         if line[4] != "not installed":
             assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line[5]), line
 
