@@ -1,9 +1,9 @@
 """Benchmark: hierarchical against flat sync, and encrypted against plain, across simulated hosts.
 
 Root only. The job makes H simulated hosts on this machine (``--hosts``, default 4:
-network namespaces on a bridge, 192.0.2.1..H, made by ``tests/sim_hosts.py``), limits
+network namespaces on a bridge, 192.0.2.1..H, made by ``sim_hosts.py``), limits
 each host's link to ``--rate`` both ways (``tc`` tbf, default 1gbit), starts a Spark
-standalone cluster on them (``tests/spark_standalone.py``: the master on h1, one worker of
+standalone cluster on them (``spark_standalone.py``: the master on h1, one worker of
 ``--slots`` cores on each host, so L partitions share a host as they share a machine of a
 real cluster) and submits itself to it with ``spark-submit`` from h1. That driver times
 the loop a user writes (the README's: ``get_weights``, ``put_gradients`` of the gradient
@@ -34,8 +34,9 @@ small beside it).
 Everything the job starts (namespaces, the cluster's daemons, spark-submit and the
 executors) is stopped when it ends, on an error or Ctrl-C too; a second Ctrl-C does not
 interrupt that. Nothing leaves the namespaces: the driver, the cluster and the tasks all
-run inside them, on 192.0.2.x and the namespaces' own loopbacks. It uses the tests' helpers,
-so it needs pytest (``pip install -e '.[test]'``), and tc, ip, unshare and nsenter.
+run inside them, on 192.0.2.x and the namespaces' own loopbacks. Its hosts and cluster are
+made by the same modules as the tests' (beside this file, skipping and failing as pytest
+does), so it needs pytest (``pip install -e '.[test]'``), and tc, ip, unshare and nsenter.
 
     sudo .venv/bin/python jobs/bench_hosts.py                        # 4 hosts x 4 slots, 1gbit, 1M and 10M
     sudo .venv/bin/python jobs/bench_hosts.py --sizes 10M --rate 10gbit --rounds 7
@@ -64,8 +65,6 @@ import numpy as np
 from allreduce_param import AllReduceParameter
 from allreduce_param.engine.blocks.codec import get_codec
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
 #: The configurations, in a round's order (every other round runs them backwards).
 TOPOLOGIES = ("flat", "hierarchical")
 ENCRYPTIONS = (False, True)
@@ -443,15 +442,14 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    sys.path.insert(0, str(TESTS))
     try:
         import pytest
         from sim_hosts import simulated_hosts
         from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
     except ImportError as error:
         print(
-            f"error: bench_hosts.py makes its hosts and cluster with the tests' helpers (tests/sim_hosts.py, "
-            f"tests/spark_standalone.py), which need pytest: pip install -e '.[test]' ({error})",
+            f"error: bench_hosts.py makes its hosts and cluster with jobs/sim_hosts.py and "
+            f"jobs/spark_standalone.py (shared with the tests), which need pytest: pip install -e '.[test]' ({error})",
             file=sys.stderr,
         )
         return 2

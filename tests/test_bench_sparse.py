@@ -128,39 +128,39 @@ def test_the_data_is_fixed_by_the_seed_and_learnable():
 
 
 def test_a_failed_fit_is_named_in_a_few_words():
-    (bench,) = import_jobs("bench_sparse")
+    (runs,) = import_jobs("sparse_runs")
     assert (
-        bench.failure_text(RuntimeError("java.lang.OutOfMemoryError: Java heap space"), False)
+        runs.failure_text(RuntimeError("java.lang.OutOfMemoryError: Java heap space"), False)
         == "OutOfMemoryError (driver JVM)"
     )
-    assert "maxResultSize" in bench.failure_text(
+    assert "maxResultSize" in runs.failure_text(
         RuntimeError("Total size of serialized results is bigger than spark.driver.maxResultSize"),
         False,
     )
-    assert bench.failure_text(RuntimeError("cancelled"), True) == "budget ran out"
+    assert runs.failure_text(RuntimeError("cancelled"), True) == "budget ran out"
 
 
 def test_the_sync_comparison_has_a_row_per_sync_and_the_rounds_ratio():
     """``--compare-syncs``' table from made-up runs (no Spark): medians, and the dense /
     touched ratio of each round's median step on the touched row; a failed run's reason
     where its figures would be."""
-    (bench,) = import_jobs("bench_sparse")
+    sparse_runs, sparse_tables = import_jobs("sparse_runs", "sparse_tables")
 
     def run(step_s: float, seconds: float) -> object:
-        steps = [dict.fromkeys(bench.STEP_PHASES, step_s / 6) for _ in range(3)]
-        return bench.Run("ours", 0.0, seconds=seconds, accuracy=0.7, steps=steps)
+        steps = [dict.fromkeys(sparse_tables.STEP_PHASES, step_s / 6) for _ in range(3)]
+        return sparse_runs.Run("ours", 0.0, seconds=seconds, accuracy=0.7, steps=steps)
 
     runs = {"dense": [run(0.6, 10), run(0.3, 8)], "touched": [run(0.2, 5), run(0.15, 4)]}
-    rows = bench.sync_rows("clicks 2^24", 2**24, runs)
+    rows = sparse_tables.sync_rows("clicks 2^24", 2**24, runs)
     assert [row[:4] for row in rows] == [
         ("clicks 2^24", "dense", "16,777,216", "6"),
         ("clicks 2^24", "touched", "16,777,216", "6"),
     ]
-    assert len(rows[0]) == len(bench.SYNC_HEADER)
+    assert len(rows[0]) == len(sparse_tables.SYNC_HEADER)
     assert rows[0][10] == "450.0" and rows[1][10] == "175.0"  # the rounds' median steps
     assert rows[0][13] == "" and rows[1][13] == "2.50 (2.00-3.00)"
-    failed = {"dense": [bench.Run("ours", 0.0, problem="budget ran out")], "touched": []}
-    assert bench.sync_rows("clicks 2^24", 2**24, failed)[0][3] == "budget ran out"
+    failed = {"dense": [sparse_runs.Run("ours", 0.0, problem="budget ran out")], "touched": []}
+    assert sparse_tables.sync_rows("clicks 2^24", 2**24, failed)[0][3] == "budget ran out"
 
 
 def test_the_sync_step_comparison_runs_both_syncs_without_spark():

@@ -19,8 +19,8 @@ from conftest import run_partitions
 from test_hierarchy import LAYOUTS, make
 
 from allreduce_param import AllReduceParameter, FetchTimeoutError, PeerLostError
-from allreduce_param.engine.blocks.arena import PID, PID_NAMESPACE, WEIGHT, HostArena
-from allreduce_param.engine.blocks.arena import _pid_namespace as pid_namespace
+from allreduce_param.engine.blocks.arena import HostArena
+from allreduce_param.engine.blocks.arena_signals import PID, PID_NAMESPACE, WEIGHT, pid_namespace
 from allreduce_param.engine.movement.peers import PART_LENGTH
 from allreduce_param.errors import StoreClosedError, UsageError
 
@@ -179,7 +179,7 @@ def test_a_dead_leader_s_process_ends_a_wait_for_what_it_brings():
     leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         arena.writers = [0, 1, 0]
-        line = arena._word(0)
+        line = arena.signals.line(0)
         line[PID_NAMESPACE], line[PID] = pid_namespace(), leader.pid
         leader.kill()
         with pytest.raises(PeerLostError) as lost:

@@ -23,7 +23,8 @@ from allreduce_param import (
     StaticRendezvous,
     Strategy,
 )
-from allreduce_param.engine.blocks.arena import GRADIENT, WEIGHT, HostArena
+from allreduce_param.engine.blocks.arena import HostArena
+from allreduce_param.engine.blocks.arena_signals import GRADIENT, WEIGHT
 from allreduce_param.engine.movement.peers import PART_LENGTH
 from allreduce_param.engine.movement.sums import SUM_PIECE
 from allreduce_param.errors import ProtocolError, StoreClosedError, UsageError

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from allreduce_param.engine.blocks.arena import GRADIENT, WEIGHT, HostArena
+from allreduce_param.engine.blocks.arena import HostArena
+from allreduce_param.engine.blocks.arena_signals import GRADIENT, WEIGHT
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKind
 from allreduce_param.engine.layout import HostLayout, SliceLayout, split
 from allreduce_param.engine.movement.fetches import part_plan, place_slices

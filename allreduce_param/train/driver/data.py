@@ -14,32 +14,34 @@ three columns, and nothing changes for an unweighted fit. Every row check is par
 one pass over the data (numpy over Arrow batches, one Spark stage), so a bad row fails the
 fit there, in seconds, not as a NonFiniteGradientError or a label error at some step of
 the barrier stage. The same pass counts the stored non-zeros, which decide whether the fit
-trains on sparse rows (``DataSummary.sparse``).
+trains on sparse rows (``DataSummary.sparse``). The pass is ``data_pass.py``'s, the row
+checks and their messages ``row_checks.py``'s.
 Inside a task, ``train.rows`` turns the partition's rows into numpy arrays.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import math
 import operator
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.spark import arrow
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.train.columns import (
     TRAIN,
     VALIDATION,
     WEIGHT_COLUMN,
 )
-from allreduce_param.train.features import VectorParts, is_sparse
+from allreduce_param.train.driver.data_pass import POSITION_BITS, check_pass, first_bad_row
+from allreduce_param.train.driver.row_checks import (
+    bad_indices_message,
+    check_weight_sum,
+    row_checks,
+)
+from allreduce_param.train.features import is_sparse
 from allreduce_param.train.rows import features_column, is_vector_type
 
 
@@ -69,7 +71,7 @@ class DataSummary:
     tasks of the checks' job), so the driver need not ask Spark again. ``cached``: whether
     the data checked was cached (``df.cache()``), so its partitions stay the ones counted.
     ``weighted``: whether it was prepared with ``weight_col``, so its rows carry the
-    ``weight`` column (``prepared_columns(summary.weighted)`` are its columns): what
+    ``weight`` column (``columns.prepared_columns(summary.weighted)`` are its columns): what
     ``partitioning.place_rows_once`` goes by, without asking Spark for the schema (under
     Spark Connect a round trip). ``sparse``: the data trains as CSR rows (its ``nonzeros``,
     the stored values that are not 0 over both splits, fill at most ``SPARSE_DENSITY`` of
@@ -89,20 +91,6 @@ class DataSummary:
     def rows(self, split: int = TRAIN) -> int:
         """How many rows of ``split`` (TRAIN or VALIDATION) the data has."""
         return sum(count.rows for count in self.partition_counts if count.split == split)
-
-
-def prepared_columns(weighted: bool = False) -> tuple[str, ...]:
-    """The columns of a prepared DataFrame, in order: ``features, label, split``, then
-    ``weight`` for data prepared with ``weight_col`` (``DataSummary.weighted``)."""
-    return (
-        ("features", "label", "split", WEIGHT_COLUMN)
-        if weighted
-        else ("features", "label", "split")
-    )
-
-
-#: monotonically_increasing_id() holds the partition index above this many bits.
-_POSITION_BITS = 33
 
 
 def prepare(
@@ -144,8 +132,10 @@ def prepare(
         parts = _same_features_type(parts)
     prepared = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
     weighted = weight_col is not None
-    checks = _row_checks(task == "classification", classes, weight_col)
-    stats_by_split, partition_num = _statistics(prepared, checks, classes, weighted)
+    checks = row_checks(task == "classification", classes, weight_col)
+    stats_by_split, partition_num = check_pass(
+        prepared, [check.name for check in checks], classes, weighted
+    )
     lengths, counts, nonzeros, rows = [], [], 0, 0
     for name, _, split in frames:
         stats = stats_by_split.get(split)
@@ -159,12 +149,12 @@ def prepare(
         if stats["missing_features"]:
             raise InputError(
                 f"the {name} data has {stats['missing_features']} rows whose {features_col!r} is "
-                f"null (e.g. row {_first_bad_row(stats, 'missing_features')}); drop them first, "
+                f"null (e.g. row {first_bad_row(stats, 'missing_features')}); drop them first, "
                 f"e.g. df.dropna(subset=[{features_col!r}]), or fill them where they come from "
                 "(VectorAssembler(handleInvalid='keep') keeps NaN in a vector instead)"
             )
         if stats["bad_indices"]:
-            raise InputError(_bad_indices(name, features_col, stats))
+            raise InputError(bad_indices_message(name, features_col, stats))
         if stats["shortest"] != stats["longest"]:
             raise InputError(
                 f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
@@ -174,14 +164,14 @@ def prepare(
             if stats[check.name]:
                 raise InputError(check.message(name, features_col, label_col, classes, stats))
         if weighted:
-            _check_weight_sum(name, weight_col, stats)
+            check_weight_sum(name, weight_col, stats)
         lengths.append(stats["longest"])
         counts.extend(
             PartitionCount(
                 split,
                 int(part["partition"]),
                 int(part["rows"]),
-                int(part["first"]) & ((1 << _POSITION_BITS) - 1),
+                int(part["first"]) & ((1 << POSITION_BITS) - 1),
             )
             for part in stats["partitions"]
         )
@@ -313,383 +303,6 @@ def _class_count(num_classes) -> int | None:
             f"the model's num_classes must be a whole number >= 1 (or None), got {num_classes!r}"
         )
     return count
-
-
-class _RowCheck(NamedTuple):
-    """A condition no row may meet: its name (its count's key in the statistics, and its
-    condition's in ``_bad_rows``) and the message's wording."""
-
-    name: str
-    message: object  # (data name, features_col, label_col, classes, stats) -> str
-
-
-def _row_checks(
-    classification: bool, classes: int | None, weight_col: str | None = None
-) -> list[_RowCheck]:
-    """The row conditions ``prepare`` refuses, in the order it reports them.
-
-    Features: NaN, +/-Inf or null elements (a double beyond float32's range became Inf when
-    the column was cast). Labels: +/-Inf (null and NaN are counted apart, as before); for a
-    classifier also fractional, negative, and (when the model says) >= its class count.
-    Weights (with ``weight_col``): null, NaN, negative or +/-Inf.
-    """
-    checks = [
-        _RowCheck("nonfinite_features", _nonfinite_features),
-        _RowCheck("infinite_labels", _infinite_labels),
-    ]
-    if classification:
-        checks += [
-            _RowCheck("fractional_labels", _fractional_labels),
-            _RowCheck("negative_labels", _negative_labels),
-        ]
-        if classes is not None:
-            checks.append(_RowCheck("too_large_labels", _too_large_labels))
-    if weight_col is not None:
-        checks.append(_RowCheck("bad_weights", functools.partial(_bad_weights, weight_col)))
-    return checks
-
-
-def _bad_rows(
-    labels: np.ndarray,
-    bad_features: np.ndarray,
-    classes: int | None,
-    weights: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:
-    """Each row check's condition over a batch: which rows meet it (null labels are NaN here,
-    and meet none: ``bad_labels`` counts them; null weights are NaN here too, and bad)."""
-    with np.errstate(invalid="ignore"):
-        whole = np.abs(labels) < np.inf
-        bad = {
-            "nonfinite_features": bad_features,
-            "infinite_labels": np.abs(labels) == np.inf,
-            "fractional_labels": whole & (labels != np.round(labels)),
-            "negative_labels": whole & (labels < 0),
-            "too_large_labels": whole & (labels >= (np.inf if classes is None else classes)),
-        }
-        if weights is not None:
-            bad["bad_weights"] = ~(np.isfinite(weights) & (weights >= 0))
-        return bad
-
-
-def _nonfinite_features(name, features_col, label_col, classes, stats) -> str:
-    example = stats["nonfinite_features_first"]["value"]
-    return (
-        f"the {name} column {features_col!r} holds NaN, Inf or null in {stats['nonfinite_features']} rows "
-        f"(e.g. row {_first_bad_row(stats, 'nonfinite_features')}: {_number(example['value'])} at element "
-        f"{example['index']}); drop or fill them before training: df.na.drop() or "
-        "pyspark.ml.feature.Imputer on the input columns (before VectorAssembler) for NaN and null, and "
-        "filter out or replace infinite values (a number beyond float32's +-3.4e38 becomes Inf too)"
-    )
-
-
-def _bad_indices(name, features_col, stats) -> str:
-    example = stats["bad_indices_first"]["value"]
-    shown = ", ".join(map(str, example["indices"])) + (", ..." if example["count"] > 8 else "")
-    return (
-        f"the {name} column {features_col!r} holds sparse vectors whose indices are out of range, "
-        f"out of order or not one per value in {stats['bad_indices']} rows (e.g. row "
-        f"{_first_bad_row(stats, 'bad_indices')}: size {example['size']}, {example['count']} indices "
-        f"[{shown}] for {example['values']} values); a sparse vector's indices must be strictly "
-        "increasing, each in 0..size-1, one per value: build it with Vectors.sparse(size, indices, "
-        "values), which checks them"
-    )
-
-
-def _infinite_labels(name, features_col, label_col, classes, stats) -> str:
-    return (
-        f"the {name} data has {stats['infinite_labels']} rows whose label {label_col!r} is infinite "
-        f"({_example(stats, 'infinite_labels')}); drop or fix them first, e.g. "
-        f"df.filter(F.abs({label_col!r}) < float('inf'))"
-    )
-
-
-def _fractional_labels(name, features_col, label_col, classes, stats) -> str:
-    return (
-        f"the {name} data has {stats['fractional_labels']} rows whose label {label_col!r} is not a whole "
-        f"number ({_example(stats, 'fractional_labels')}), but a classification model takes class ids "
-        "0, 1, 2, ...: index the classes with pyspark.ml.feature.StringIndexer, or fit a regression model"
-    )
-
-
-def _negative_labels(name, features_col, label_col, classes, stats) -> str:
-    return (
-        f"the {name} data has {stats['negative_labels']} rows whose label {label_col!r} is negative "
-        f"({_example(stats, 'negative_labels')}), but a classification model takes class ids 0, 1, 2, ...: "
-        "re-index the classes with pyspark.ml.feature.StringIndexer"
-    )
-
-
-def _too_large_labels(name, features_col, label_col, classes, stats) -> str:
-    largest = int(stats["too_large_labels_largest"])
-    return (
-        f"the {name} data has {stats['too_large_labels']} rows whose label {label_col!r} is {classes} or "
-        f"more ({_example(stats, 'too_large_labels')}; the largest is {largest}), but the model has "
-        f"{classes} classes (ids 0..{classes - 1}): use a model with {largest + 1} outputs (e.g. "
-        f"MLP([..., {largest + 1}]) or SoftmaxRegression(n_features, {largest + 1})), or re-index the "
-        "classes with pyspark.ml.feature.StringIndexer"
-    )
-
-
-def _bad_weights(weight_col, name, features_col, label_col, classes, stats) -> str:
-    return (
-        f"the {name} data has {stats['bad_weights']} rows whose weight {weight_col!r} (weight_col) is null, NaN, "
-        f"negative or infinite ({_example(stats, 'bad_weights')}); a weight must be a finite number >= 0: "
-        f"fill them, e.g. df.fillna(1.0, subset=[{weight_col!r}]) for null and NaN, or filter them out, e.g. "
-        f"df.filter((F.col({weight_col!r}) >= 0) & (F.col({weight_col!r}) < float('inf')))"
-    )
-
-
-def _check_weight_sum(name: str, weight_col: str, stats: dict) -> None:
-    """Refuse a split whose weights (each finite and >= 0) sum to 0, or beyond float64."""
-    total = stats["weight_sum"]
-    if total == 0:
-        raise InputError(
-            f"the {name} data's weights in {weight_col!r} (weight_col) sum to 0: all its {stats['rows']} rows "
-            "have weight 0, so no row counts (a weighted mean over them is 0/0); at least one row needs a "
-            "weight > 0"
-        )
-    if not math.isfinite(total):
-        raise InputError(
-            f"the {name} data's weights in {weight_col!r} (weight_col) sum to more than a float64 holds "
-            "(about 1.8e308); scale them down: only their ratios matter"
-        )
-
-
-def _example(stats: dict, check: str) -> str:
-    return f"e.g. {_number(stats[check + '_first']['value'])} at row {_first_bad_row(stats, check)}"
-
-
-def _number(value) -> str:
-    """A value as a message shows it: NaN, Inf, -Inf, null, whole numbers without '.0'."""
-    if value is None:
-        return "null"
-    value = float(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "Inf" if value > 0 else "-Inf"
-    return str(int(value)) if value.is_integer() else repr(value)
-
-
-def _first_bad_row(stats: dict, check: str) -> int:
-    """The index (from 0, in the DataFrame's order) of the first row that failed ``check``.
-
-    Its ``monotonically_increasing_id`` holds its partition and its position there; the rows
-    of the split's earlier partitions come before it.
-    """
-    row = int(stats[check + "_first"]["row"])
-    partition, position = row >> _POSITION_BITS, row & ((1 << _POSITION_BITS) - 1)
-    before, start = 0, position
-    for part in stats["partitions"]:
-        if part["partition"] < partition:
-            before += int(part["rows"])
-        elif part["partition"] == partition:
-            start = int(part["first"]) & ((1 << _POSITION_BITS) - 1)
-    return before + position - start
-
-
-def _statistics(
-    prepared, checks: Sequence[_RowCheck] = (), classes: int | None = None, weighted: bool = False
-) -> tuple[dict, int]:
-    """One pass over the prepared rows, in a single Spark stage (no shuffle, no query to
-    compile): per split, what ``prepare`` checks, and per partition its row count and first
-    row (as ``monotonically_increasing_id`` numbers it, which ``place_rows`` reads); and how
-    many partitions (tasks) there are.
-
-    For each row check: how many rows fail it and the first of them (``row``: its id,
-    ``value``: what the message quotes of it); for the class-count check also the largest
-    label. ``weighted`` (the data has the ``weight`` column): also ``weight_sum``, the sum
-    of the split's good weights (float64; each >= 0, so no cancellation).
-    """
-    from pyspark.sql import functions as F
-
-    names = [check.name for check in checks]
-
-    def task(batches):
-        from pyspark import TaskContext
-
-        for split, stats in _partition_statistics(batches, names, classes, weighted).items():
-            yield arrow.record_batch(stats=[json.dumps({"split": split, **stats})])
-        yield arrow.record_batch(stats=[json.dumps({"task": TaskContext.get().partitionId()})])
-
-    # the ids as place_rows numbers the rows: the same projection over the same plan
-    indexed = prepared.select(
-        *prepared_columns(weighted), F.monotonically_increasing_id().alias("row")
-    )
-    # in row order: by partition, then position (a local relation numbered on the driver, all
-    # in its partition 0, may still be read by several tasks: their parts are joined here)
-    records = [
-        json.loads(row["stats"]) for row in indexed.mapInArrow(task, "stats string").collect()
-    ]
-    tasks = [record["task"] for record in records if "task" in record]
-    parts = sorted(
-        (record for record in records if "task" not in record), key=lambda part: part["first"]
-    )
-    by_split: dict[int, dict] = {}
-    partitions: dict[int, list[dict]] = {}
-    for part in parts:
-        split = part.pop("split")
-        places = partitions.setdefault(split, [])
-        if places and places[-1]["partition"] == part["partition"]:
-            places[-1]["rows"] += part["rows"]
-        else:
-            places.append({key: part[key] for key in ("partition", "rows", "first")})
-        by_split[split] = _merge_statistics(by_split.get(split), part, names)
-    for split, total in by_split.items():
-        total["partitions"] = partitions[split]
-    return by_split, max(tasks, default=-1) + 1  # a DataFrame may have no partitions at all
-
-
-def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> dict:
-    """``total`` (the figures of some rows) with those of ``part``, rows that come after
-    them, added; ``part`` itself when there is no total yet. The first row's features,
-    label and id, and each check's first bad row, stay the earlier ones."""
-    if total is None:
-        return part
-    for key in ("rows", "nonzeros", "bad_labels", "missing_features", "bad_indices", *names):
-        total[key] += part[key]
-    if "weight_sum" in part:
-        total["weight_sum"] += part["weight_sum"]
-    total["labels"] = _merge_labels(total.get("labels"), part.get("labels"))
-    for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
-        if part[key] is not None:
-            total[key] = part[key] if total[key] is None else pick(total[key], part[key])
-    for name in ("missing_features", "bad_indices", *names):
-        if total[name + "_first"] is None:
-            total[name + "_first"] = part[name + "_first"]
-    return total
-
-
-def _partition_statistics(
-    batches, names: Sequence[str], classes: int | None, weighted: bool = False
-) -> dict[int, dict]:
-    """Inside a task: ``_statistics``'s figures of this partition (its rows numbered in
-    ``row``), by split."""
-    found: dict[int, dict] = {}
-    for batch in batches:
-        ids = arrow.values(batch.column(batch.schema.get_field_index("row")))
-        parts = VectorParts.from_arrow(batch.column(batch.schema.get_field_index("features")))
-        label_column = batch.column(batch.schema.get_field_index("label"))
-        label_null = arrow.nulls(label_column)
-        labels = np.where(label_null, np.nan, arrow.values(label_column))
-        splits = arrow.values(batch.column(batch.schema.get_field_index("split")))
-        bad_element = parts.bad_values()
-        bad_features = parts.row_any(bad_element)
-        bad_indices = parts.index_problems()
-        nonzeros = parts.nonzeros()
-        weights = weight_null = None
-        if weighted:
-            weight_column = batch.column(batch.schema.get_field_index(WEIGHT_COLUMN))
-            weight_null = arrow.nulls(weight_column)
-            weights = np.where(weight_null, np.nan, arrow.values(weight_column))
-        bad = _bad_rows(labels, bad_features, classes, weights)
-        bad["bad_indices"] = bad_indices
-
-        def example(name: str, row: int):  # used in this iteration only (B023)
-            if name == "bad_weights":
-                return None if weight_null[row] else float(weights[row])  # noqa: B023
-            if name == "bad_indices":
-                return _indices_example(parts, row)  # noqa: B023
-            if name != "nonfinite_features":
-                return float(labels[row])  # noqa: B023
-            return _element_example(parts, bad_element, row)  # noqa: B023
-
-        for split in np.unique(splits):
-            rows = np.flatnonzero(splits == split)
-            first = int(rows[0])
-            present = parts.size[rows][~parts.null[rows]]
-            stats = {
-                "partition": int(ids[first]) >> _POSITION_BITS,
-                "first": int(ids[first]),
-                "rows": len(rows),
-                "shortest": int(present.min()) if len(present) else None,
-                "longest": int(present.max()) if len(present) else None,
-                "nonzeros": int(nonzeros[rows].sum()),
-                "bad_labels": int(np.count_nonzero(np.isnan(labels[rows]))),
-                "missing_features": int(np.count_nonzero(parts.null[rows])),
-                "missing_features_first": _first_of(ids, rows[parts.null[rows]]),
-                "first_features": _row_entries(parts, first, bad_indices[first]),
-                "first_label": None if label_null[first] else float(labels[first]),
-                "too_large_labels_largest": None,
-                "labels": _distinct_labels(labels[rows]),
-            }
-            if weighted:  # the good weights only: the bad are counted, and refused, apart
-                stats["weight_sum"] = float(weights[rows][~bad["bad_weights"][rows]].sum())
-            for name in (*names, "bad_indices"):
-                failed = rows[bad[name][rows]]
-                stats[name] = len(failed)
-                stats[name + "_first"] = (
-                    {"row": int(ids[failed[0]]), "value": example(name, int(failed[0]))}
-                    if len(failed)
-                    else None
-                )
-                if name == "too_large_labels" and len(failed):
-                    stats["too_large_labels_largest"] = float(labels[failed].max())
-            found[int(split)] = _merge_statistics(found.get(int(split)), stats, names)
-    return found
-
-
-#: The most distinct labels the check pass lists (a classifier's classes); more: not listed.
-DISTINCT_LABELS_KEPT = 10_000
-
-
-def _distinct_labels(labels: np.ndarray) -> list[float] | None:
-    """The distinct finite labels among ``labels``, or None when there are more than
-    ``DISTINCT_LABELS_KEPT`` (a regression target: not worth listing)."""
-    distinct = np.unique(labels[np.isfinite(labels)])
-    return distinct.tolist() if len(distinct) <= DISTINCT_LABELS_KEPT else None
-
-
-def _merge_labels(first: list | None, second: list | None) -> list | None:
-    if first is None or second is None:
-        return None
-    merged = sorted(set(first) | set(second))
-    return merged if len(merged) <= DISTINCT_LABELS_KEPT else None
-
-
-def _first_of(ids: np.ndarray, rows: np.ndarray) -> dict | None:
-    """The first of ``rows`` as a check's first bad row (``{"row": id}``), None if none."""
-    return {"row": int(ids[rows[0]]), "value": None} if len(rows) else None
-
-
-def _element_example(parts: VectorParts, bad_element: np.ndarray, row: int) -> dict:
-    """A row's first bad element: its column and value (None for a null element)."""
-    start = parts.value_offsets[row]
-    position = int(np.argmax(bad_element[start : parts.value_offsets[row + 1]]))
-    at = start + position
-    index = position
-    if not parts.dense[row] and parts.index_offsets[row] + position < parts.index_offsets[row + 1]:
-        index = int(parts.indices[parts.index_offsets[row] + position])
-    null = parts.value_null is not None and parts.value_null[at]
-    return {"index": index, "value": None if null else float(parts.values[at])}
-
-
-def _indices_example(parts: VectorParts, row: int) -> dict:
-    """What a sparse row with bad indices holds: its size, its first indices and how many
-    values it has."""
-    indices = parts.indices[parts.index_offsets[row] : parts.index_offsets[row + 1]]
-    return {
-        "size": int(parts.size[row]),
-        "indices": indices[:8].tolist(),
-        "count": len(indices),
-        "values": int(parts.value_offsets[row + 1] - parts.value_offsets[row]),
-    }
-
-
-def _row_entries(parts: VectorParts, row: int, bad_indices: bool) -> dict | None:
-    """A row's non-zero entries as ``{"size", "indices", "values"}`` (the sample the driver
-    tries the model on, kept small for wide sparse rows); None for a null row or one whose
-    indices are refused."""
-    if parts.null[row] or bad_indices:
-        return None
-    start, stop = parts.value_offsets[row], parts.value_offsets[row + 1]
-    values = parts.values[start:stop]
-    keep = values != 0
-    return {
-        "size": int(parts.size[row]),
-        "indices": parts.row_columns(row)[keep].tolist(),
-        "values": values[keep].astype(float).tolist(),
-    }
 
 
 def check_label_column(frame, label_col: str, name: str | None = None, role: str = "label_col"):

@@ -47,8 +47,8 @@ import mmh3
 import xxhash
 
 from allreduce_param.errors import ConfigurationError
-from allreduce_param.train.columns import ORDER_COLUMNS, TRAIN, VALIDATION
-from allreduce_param.train.driver.data import DataSummary, PartitionCount, prepared_columns
+from allreduce_param.train.columns import ORDER_COLUMNS, TRAIN, VALIDATION, prepared_columns
+from allreduce_param.train.driver.data import DataSummary, PartitionCount
 from allreduce_param.train.settings import check_scheme
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def place_rows(
     ``weighted`` is its ``DataSummary.weighted``: whether the rows carry the weight column
     (the summary knows; asking the DataFrame would cost a round trip under Spark Connect).
 
-    The result has the prepared columns (``data.prepared_columns(weighted)``: a row's weight
+    The result has the prepared columns (``columns.prepared_columns(weighted)``: a row's weight
     goes wherever the row goes, copies too), then ``data.ORDER_COLUMNS``, and exactly ``workers``
     partitions (some empty when there are fewer rows than workers); partition k holds worker
     k's rows, which sorted by (split, _order, _i) are in the order (split, i), or for

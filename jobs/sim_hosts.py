@@ -1,4 +1,5 @@
-"""Simulated hosts for tests: network namespaces joined by a bridge, made and torn down here.
+"""Simulated hosts for the tests and ``bench_hosts.py``: network namespaces joined by a
+bridge, made and torn down here.
 
 ``simulated_hosts(count)`` is a context manager that gives ``count`` hosts h1..hN, each a
 network namespace of its own with ``lo`` up and one link, ``eth0``, at ``192.0.2.i/24`` (a
@@ -35,6 +36,11 @@ descriptor holds any of the namespaces, and this process's namespace has the lin
 had before. Skipped, with the reason, when not root or when ``unshare``, ``nsenter`` or
 ``ip`` (and, given a rate, ``tc``) is missing or refused (a container may forbid
 namespaces, bridges, veth or the tbf queueing discipline).
+
+It lives in jobs/, beside the benchmark that makes its hosts with it, so that no benchmark
+reaches into tests/; the tests import it from here (``tests/conftest.py`` puts jobs/ on
+their path). Its skips and failures are pytest's: a test reports them as such, and
+``bench_hosts.py`` catches them to say why it cannot run.
 """
 
 from __future__ import annotations

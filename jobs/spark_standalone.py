@@ -1,5 +1,6 @@
-"""A Spark standalone cluster for tests: a master and workers started from the installed
-pyspark (``spark-class``), each in a process group of its own, stopped on every path.
+"""A Spark standalone cluster for the tests and ``bench_hosts.py``: a master and workers
+started from the installed pyspark (``spark-class``), each in a process group of its own,
+stopped on every path.
 
 ``standalone_cluster(folder, host=..., prefix=...)`` is a context manager: the master and
 the workers bind ``host`` (``--host`` and ``SPARK_LOCAL_IP``) on free ports (port 0, the
@@ -12,6 +13,9 @@ Everything is read from log files, not over the network, and every command start
 a host of its own instead (its address and prefix: simulated hosts, ``sim_hosts.py``).
 The master and the workers map the class archive a local session saved, when there is one
 (``class_archive_options``), which shortens each daemon's start.
+
+It lives in jobs/ beside ``sim_hosts.py``, for the same reason: the benchmark and the tests
+share it, and no benchmark reaches into tests/.
 """
 
 from __future__ import annotations
