@@ -280,7 +280,8 @@ class Breaker(torch.nn.Module):
 
 def test_an_error_in_backward_ends_the_stream_after_the_last_layers_owner_left():
     """The last layer (owner 1's range) is handed over before backward reaches the broken
-    layer; the error ends the stream, fails the handle, and reaches the peer."""
+    layer; the error ends the stream, fails the handle, and reaches the peer when it next
+    needs this partition."""
     weights_read = threading.Barrier(2)
     X, y = blobs(8, 6, 3, seed=5)
     given: dict[int, list] = {0: [], 1: []}
@@ -307,7 +308,11 @@ def test_an_error_in_backward_ends_the_stream_after_the_last_layers_owner_left()
             with pytest.raises(UsageError, match="failed in an earlier call .*backward broke"):
                 p.aggregate_gradient_partition()
             raise
-        return p.aggregate_gradient_partition()
+        # owner 1 has every chunk it sums (partition 0's left before backward broke); the
+        # next weights, which need partition 0's slice, never come
+        p.aggregate_gradient_partition()
+        p.send_weight_partition()
+        return p.get_weights()
 
     size = 6 * 4 + 4 + 4 * 40 + 40
     results = run_partitions(AllReduceParameter(2, size, gradient_codec="bf16", timeout=30), body)
