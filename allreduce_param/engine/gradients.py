@@ -16,10 +16,12 @@ of the arena, where the owners sum it from.
 
 A stream (``stream``) publishes each owner's chunk once it is final (``stream.py``), and
 under BSP starts fetching the own chunk from every peer at once, so the aggregate finds it
-arriving. A ``SparseGradient`` (``put_touched``) travels as its touched elements alone
+arriving. A gradient encoded elsewhere (a GPU) is put from its parts' streams
+(``put_encoded``), or streamed owner by owner as its bytes are made (``stream_encoded``).
+A ``SparseGradient`` (``put_touched``) travels as its touched elements alone
 (``movement/touched.py``), under plain BSP with a lossless codec; through a host arena it
-is written densely into the arena's gradient, which the owners read in place. Each put asks the
-handle's ``step.StepState`` first, and tells it when done.
+is written densely into the arena's gradient, which the owners read in place. Each put
+asks the handle's ``step.StepState`` first, and tells it when done.
 """
 
 from __future__ import annotations

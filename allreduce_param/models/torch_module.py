@@ -27,7 +27,8 @@ Lossy gradient codecs on the device: with ``encode_on_device`` (``"auto"``: wher
 runs on a GPU) and a gradient codec of ``models.device_codecs.DEVICE_CODECS``, the trainer
 asks ``device_encoder(plan)`` once and then each step ``loss_and_encoded_grad``: the
 gradient stays on the device, the codec (and its error feedback residual) runs there, and
-only the encoded bytes come down, the same bits the host would have made.
+only the encoded bytes come down, the same bits the host would have made; streamed, owner
+by owner as backward finishes each owner's range (``transfers.EncodedCopies``).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ class TorchModel:
     runs on the module's device, so that only its bytes are copied to the host: ``"auto"``
     on a GPU, ``True`` wherever the module runs (the CPU too: the same torch code, which is
     how it is tested without a GPU; a fit that cannot use it is refused), ``False`` never.
-    See ``models.device_codecs``; the trainer then puts the gradient after backward
-    rather than streaming it.
+    See ``models.device_codecs``; where the fit streams (``overlap``), each owner's parts
+    are encoded and sent as soon as backward has finished that owner's range
+    (``loss_and_encoded_grad(ready=)``), else the gradient is put after backward.
     """
 
     def __init__(
