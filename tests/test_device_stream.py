@@ -163,12 +163,19 @@ def encoded_steps(size: int, partitions: int, streamed: bool, steps: int = 2):
     return body
 
 
-def test_a_streamed_encoded_put_sums_as_the_whole_one():
+@pytest.mark.parametrize("hosts", [None, [[0, 1], [2]]], ids=["flat", "hierarchical"])
+def test_a_streamed_encoded_put_sums_as_the_whole_one(hosts):
     size, partitions = 5003, 3
 
     def run(streamed):
         param = AllReduceParameter(partitions, size, codec="raw", gradient_codec="int8", timeout=30)
-        return raise_first(run_partitions(param, encoded_steps(size, partitions, streamed)))
+        steps = encoded_steps(size, partitions, streamed)
+
+        def body(p):
+            assert p.hierarchical == (hosts is not None)
+            return steps(p)
+
+        return raise_first(run_partitions(param, body, hosts=hosts))
 
     for got, want in zip(run(True), run(False)):
         assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, want))
