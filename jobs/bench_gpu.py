@@ -30,10 +30,11 @@ DDP over gloo only). Three ways of keeping the replicas in sync, alternating in 
 A step's time is the slowest rank's; *compute* is the forward and backward pass alone (for
 ours: ``loss_and_grad_into`` or ``loss_and_encoded_grad``, with the copies down and the
 chunks published as they come; for DDP: the same step under ``no_sync()``, no allreduce,
-timed in each round), *sync* the rest of the step (for ours: waiting for the summed slices, the update and the weights; for DDP
-the allreduce that backward did not hide). Each round's figure is the median over its steps;
-the table gives the medians over the rounds, and ``x DDP gloo``: the median of the per-round
-ratios of steps per second, with their range.
+timed in each round), *sync* the rest of the step (for ours: waiting for the summed slices,
+the update and the weights; for DDP the allreduce that backward did not hide). Each
+round's figure is the median over its steps; the table gives the medians over the rounds,
+and ``x DDP gloo``: the median of the per-round ratios of steps per second, with their
+range.
 
     python jobs/bench_gpu.py                                  # 2 processes, the GPUs there are
     python jobs/bench_gpu.py --processes 4 --width 64 --batch 128
