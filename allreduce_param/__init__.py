@@ -12,7 +12,7 @@ from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.rendezvous import LocalRendezvous, Rendezvous, StaticRendezvous
 from allreduce_param.engine.parameter import AllReduceParameter, ConnectedParameter
 from allreduce_param.engine.strategy import STRATEGIES, Strategy
-from allreduce_param.engine.stream import GradientStream
+from allreduce_param.engine.stream import EncodedStream, GradientStream
 from allreduce_param.engine.vectors import SparseGradient
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import (
@@ -53,6 +53,7 @@ __all__ = [
     "AllReduceParameter",
     "ConnectedParameter",
     "GradientStream",
+    "EncodedStream",
     "GradientPutPlan",
     "SparseGradient",
     "CODECS",

@@ -16,10 +16,11 @@ DDP over gloo only). Three ways of keeping the replicas in sync, alternating in 
   step's weights go up in one copy. The processes meet through ``StaticRendezvous``.
   ``--codec`` puts the gradients with a lossy codec instead (bf16, fp16, bf16-lz4, int8,
   topk; the weights stay raw): by default (``--encode-on-device auto``) on a GPU the codec
-  and its error feedback run there and only the encoded bytes come down, after backward
-  (``TorchModel(encode_on_device=)``, ``put_encoded_gradients``); ``--encode-on-device off``
-  streams the float32 gradient down and encodes it on the host, as with raw. The header
-  line says which ran.
+  and its error feedback run there and only the encoded bytes come down, owner by owner as
+  backward finishes each owner's range, published meanwhile, as a fit streams them
+  (``TorchModel(encode_on_device=)``, ``stream_encoded_gradients``);
+  ``--encode-on-device off`` streams the float32 gradient down and encodes it on the host,
+  as with raw. The header line says which ran.
 - **DDP nccl** and **DDP gloo**: ``DistributedDataParallel`` on the same module and batch,
   ``torch.optim.SGD`` (same learning rate, no momentum), over a process group of each
   backend (NCCL only on CUDA), each rank's BatchNorm statistics its own as in ours
@@ -27,12 +28,13 @@ DDP over gloo only). Three ways of keeping the replicas in sync, alternating in 
   batch lies on the device; ours goes up each step, as a fit's rows do.
 
 A step's time is the slowest rank's; *compute* is the forward and backward pass alone (for
-ours: ``loss_and_grad_into``, with the copies down and the chunks published as they come; for
-DDP: the same step under ``no_sync()``, no allreduce, timed in each round), *sync* the rest
-of the step (for ours: waiting for the summed slices, the update and the weights; for DDP
-the allreduce that backward did not hide). Each round's figure is the median over its steps;
-the table gives the medians over the rounds, and ``x DDP gloo``: the median of the per-round
-ratios of steps per second, with their range.
+ours: ``loss_and_grad_into`` or ``loss_and_encoded_grad``, with the copies down and the
+chunks published as they come; for DDP: the same step under ``no_sync()``, no allreduce,
+timed in each round), *sync* the rest of the step (for ours: waiting for the summed slices,
+the update and the weights; for DDP the allreduce that backward did not hide). Each
+round's figure is the median over its steps; the table gives the medians over the rounds,
+and ``x DDP gloo``: the median of the per-round ratios of steps per second, with their
+range.
 
     python jobs/bench_gpu.py                                  # 2 processes, the GPUs there are
     python jobs/bench_gpu.py --processes 4 --width 64 --batch 128
@@ -131,8 +133,8 @@ def sync_device(device: str) -> None:
 
 def ours_steps(p, model, X, y, steps: int, warmup: int, encoder, residual) -> np.ndarray:
     """The engine's steps: ``(compute ms, sync ms)`` of each timed one. ``encoder``: the
-    model's ``device_encoder`` (the gradient encoded on the device and put after backward),
-    else None (streamed down as float32, with ``residual`` for a lossy codec)."""
+    model's ``device_encoder`` (the gradient encoded on the device and streamed owner by
+    owner), else None (streamed down as float32, with ``residual`` for a lossy codec)."""
     times = np.zeros((warmup + steps, 2))
     gradient = p.gradient_buffer()
     for step in range(warmup + steps):
@@ -140,8 +142,8 @@ def ours_steps(p, model, X, y, steps: int, warmup: int, encoder, residual) -> np
         w = p.get_weights()
         compute_start = time.perf_counter()
         if encoder is not None:
-            _, payload, count = model.loss_and_encoded_grad(w, X, y, encoder)
-            p.put_encoded_gradients(payload, count=count)
+            with p.stream_encoded_gradients(count=float(len(X))) as stream:
+                model.loss_and_encoded_grad(w, X, y, encoder, stream.ready)
         else:
             with p.stream_gradients(gradient, count=float(len(X)), residual=residual) as stream:
                 model.loss_and_grad_into(w, X, y, gradient, stream.ready)

@@ -18,8 +18,8 @@ from allreduce_param._old_paths import MOVED
 
 PUBLIC = """AllReduceError AllReduceParameter AuthenticationError BarrierRendezvous CODECS
 CodecOverflowError ConfigurationError ConnectedParameter CorruptBlockError DamagedCheckpointError
-DistriOptimizer FetchTimeoutError FitSettings GradientPutPlan GradientStream History InputError
-LocalRendezvous NetworkError
+DistriOptimizer EncodedStream FetchTimeoutError FitSettings GradientPutPlan GradientStream History
+InputError LocalRendezvous NetworkError
 NetworkSettings NonFiniteGradientError PeerLostError ProtocolError Rendezvous STRATEGIES
 SliceLayout SparseGradient StaleVersionError StaticRendezvous StoreClosedError Strategy TrainedModel
 TrainingError UsageError models optim""".split()
@@ -44,7 +44,7 @@ CONNECTED_CALLS = """aggregate_gradient_partition allreduce allreduce_exact clos
 finish_updates get_weights gradient_buffer gradient_partition gradient_put_plan hierarchical
 host_arena hosts init last_read_version put_encoded_gradients put_gradients remote_peers
 send_weight_partition serve_updates signal
-stream_gradients updates wait_for_signals weight_partition""".split()
+stream_encoded_gradients stream_gradients updates wait_for_signals weight_partition""".split()
 
 PARAMETER_KEYWORDS = """partition_num size codec timeout fetch_threads allow_nonfinite
 unix_sockets shared_memory param_id strategy gradient_codec bind_address advertise_address

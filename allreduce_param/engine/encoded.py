@@ -66,3 +66,19 @@ class GradientPutPlan:
     def parts_of(self, owner: int) -> tuple[EncodedPart, ...]:
         """``owner``'s parts, in order."""
         return tuple(part for part in self.parts if part.owner == owner)
+
+    def owner_span(self, owner: int) -> tuple[int, int]:
+        """``(offset, nbytes)``: where ``owner``'s parts' streams lie in the payload, one
+        after the other (what ``EncodedStream.ready(owner, payload)`` takes)."""
+        parts = self.parts_of(owner)
+        return parts[0].offset, sum(part.nbytes for part in parts)
+
+    def owner_bounds(self, owner: int) -> tuple[int, int]:
+        """``(start, stop)``: the values of the vector ``owner``'s parts hold."""
+        parts = self.parts_of(owner)
+        return parts[0].start, parts[-1].start + parts[-1].length
+
+    @property
+    def owners(self) -> int:
+        """How many owners the vector is cut for (the partitions)."""
+        return self.parts[-1].owner + 1 if self.parts else 0

@@ -16,15 +16,18 @@ of the arena, where the owners sum it from.
 
 A stream (``stream``) publishes each owner's chunk once it is final (``stream.py``), and
 under BSP starts fetching the own chunk from every peer at once, so the aggregate finds it
-arriving. A ``SparseGradient`` (``put_touched``) travels as its touched elements alone
+arriving. A gradient encoded elsewhere (a GPU) is put from its parts' streams
+(``put_encoded``), or streamed owner by owner as its bytes are made (``stream_encoded``).
+A ``SparseGradient`` (``put_touched``) travels as its touched elements alone
 (``movement/touched.py``), under plain BSP with a lossless codec; through a host arena it
-is written densely into the arena's gradient, which the owners read in place. Each put asks the
-handle's ``step.StepState`` first, and tells it when done.
+is written densely into the arena's gradient, which the owners read in place. Each put
+asks the handle's ``step.StepState`` first, and tells it when done.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
@@ -39,7 +42,7 @@ from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.movement.sums import NonFiniteSum
 from allreduce_param.engine.movement.touched import TouchedMoves, TouchedPut
 from allreduce_param.engine.step import StepState
-from allreduce_param.engine.stream import GradientStream
+from allreduce_param.engine.stream import EncodedStream, GradientStream
 from allreduce_param.engine.vectors import (
     SparseGradient,
     float32_vector,
@@ -150,14 +153,7 @@ class GradientPuts:
         """``ConnectedParameter.put_encoded_gradients``: publish every owner's chunk from the
         streams in ``payload``, laid out as ``plan()`` says."""
         what = "put_encoded_gradients"
-        where = f"{what}() on partition {self.partition_id}"
-        plan = self.plan()
-        if plan.refusal is not None:
-            raise InputError(
-                f"{where}: this parameter takes no pre-encoded gradients: {plan.refusal}; "
-                "put the float32 gradient with put_gradients (with residual=)"
-            )
-        version = self._state.check_put(what)
+        plan, version, count = self._start_encoded(what, count)
         if (
             not isinstance(payload, np.ndarray)
             or payload.dtype != np.uint8
@@ -171,21 +167,77 @@ class GradientPuts:
                 else f"type {type(payload).__name__}"
             )
             raise InputError(
-                f"{where}: the payload must be a 1-D contiguous uint8 array of "
-                f"{plan.payload_bytes} bytes (gradient_put_plan().payload_bytes: the "
-                f"{len(plan.parts)} parts' {plan.codec!r} streams one after the other), got "
-                f"{described}"
+                f"{what}() on partition {self.partition_id}: the payload must be a 1-D "
+                f"contiguous uint8 array of {plan.payload_bytes} bytes "
+                f"(gradient_put_plan().payload_bytes: the {len(plan.parts)} parts' "
+                f"{plan.codec!r} streams one after the other), got {described}"
             )
-        if not float(count) >= 0:
-            raise InputError(f"{where}: count={count!r}; the sample count must be a number >= 0")
         self._state.put_started(version)
         self._own = None
         with self._guard():
             for owner in self._moves.scatter_order(own=True):
                 self._moves.publish_streams(
-                    BlockKind.GRADIENT, version, payload, plan.parts_of(owner), owner, float(count)
+                    BlockKind.GRADIENT, version, payload, plan.parts_of(owner), owner, count
                 )
         self._state.put_done()
+
+    def stream_encoded(self, count: float) -> EncodedStream:
+        """``ConnectedParameter.stream_encoded_gradients``: an ``EncodedStream`` that
+        publishes each owner's chunk from its encoded bytes as soon as they are given, on
+        the handle's publishing thread; under BSP (flat) this partition's own chunk starts
+        being fetched from every peer at once, as ``stream`` does. The same blocks as
+        ``put_encoded``."""
+        what = "stream_encoded_gradients"
+        plan, version, count = self._start_encoded(what, count)
+        self._state.put_started(version)
+        self._own = None
+        self._prefetch(version)
+        spans = {owner: plan.owner_span(owner) for owner in range(plan.owners)}
+        # each owner's parts with their offsets counted from its own span's start
+        parts = {
+            owner: tuple(
+                dataclasses.replace(part, offset=part.offset - spans[owner][0])
+                for part in plan.parts_of(owner)
+            )
+            for owner in spans
+        }
+
+        def publish(owner: int, payload: np.ndarray) -> None:
+            with self._guard():
+                self._moves.publish_streams(
+                    BlockKind.GRADIENT, version, payload, parts[owner], owner, count
+                )
+
+        def closed(error: BaseException | None) -> None:
+            self._state.stream_closed()
+            if error is None:
+                self._state.put_done()
+            else:
+                self._state.fail(error)
+
+        self._state.stream_opened()
+        return EncodedStream(
+            spans,
+            publish,
+            self._publishing_thread(),
+            closed,
+            f"{what}() on partition {self.partition_id}",
+        )
+
+    def _start_encoded(self, what: str, count: float) -> tuple[GradientPutPlan, int, float]:
+        """Check a put of pre-encoded parts: the plan takes them, the call order, the count;
+        the plan, the put's version and the count."""
+        where = f"{what}() on partition {self.partition_id}"
+        plan = self.plan()
+        if plan.refusal is not None:
+            raise InputError(
+                f"{where}: this parameter takes no pre-encoded gradients: {plan.refusal}; "
+                "put the float32 gradient with put_gradients (with residual=)"
+            )
+        version = self._state.check_put(what)
+        if not float(count) >= 0:
+            raise InputError(f"{where}: count={count!r}; the sample count must be a number >= 0")
+        return plan, version, float(count)
 
     def put_touched(
         self,
@@ -263,12 +315,7 @@ class GradientPuts:
         put = self._start(gradients, count, residual, "stream_gradients")
         if self._arena is not None:  # nothing leaves early: the close puts it in the arena
             return self._arena_stream(put)
-        if self._strategy.inline_owner and not self._peers.hierarchical:
-            # the peers' chunks of the own slice: fetch them as they come
-            peers = [j for j in range(self._moves.partition_num) if j != self.partition_id]
-            self._prefetched = self._moves.fetcher.fetch_own_chunks(
-                BlockKind.GRADIENT, put.version, self._layout, peers
-            )
+        self._prefetch(put.version)
 
         def publish(owner: int) -> None:
             with self._guard():
@@ -299,6 +346,15 @@ class GradientPuts:
             closed,
             f"stream_gradients() on partition {self.partition_id}",
         )
+
+    def _prefetch(self, version: int) -> None:
+        """Under BSP (flat), a stream's start: fetch the peers' chunks of the own slice as
+        they come, so the aggregate finds them arriving."""
+        if self._strategy.inline_owner and not self._peers.hierarchical:
+            peers = [j for j in range(self._moves.partition_num) if j != self.partition_id]
+            self._prefetched = self._moves.fetcher.fetch_own_chunks(
+                BlockKind.GRADIENT, version, self._layout, peers
+            )
 
     def _publishing_thread(self) -> ThreadPoolExecutor:
         """The one thread a stream publishes its chunks and runs its close on, made at the

@@ -51,7 +51,7 @@ from allreduce_param.engine.owner import BackgroundOwner, owner_failure_first
 from allreduce_param.engine.spec import ParameterSpec
 from allreduce_param.engine.step import StepState
 from allreduce_param.engine.strategy import Strategy
-from allreduce_param.engine.stream import GradientStream
+from allreduce_param.engine.stream import EncodedStream, GradientStream
 from allreduce_param.engine.vectors import SparseGradient, float32_vector, writable_output
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError, InputError, UsageError
@@ -443,6 +443,19 @@ class ConnectedParameter:
         carries it); how it publishes: ``GradientPuts.stream``.
         """
         return self._gradients.stream(gradients, count, residual)
+
+    @_call
+    def stream_encoded_gradients(self, count: float = 1.0) -> EncodedStream:
+        """``put_encoded_gradients``, owner by owner, while the rest of the gradient is still
+        being computed (and encoded): an ``EncodedStream`` to hand each owner's bytes
+        (``ready(owner, payload)``: the streams of its parts, laid out as
+        ``gradient_put_plan().owner_span(owner)`` says) as soon as they are made, and to close
+        (``with p.stream_encoded_gradients(n) as stream:``) once every owner's are. The same
+        blocks are published, the same errors raised, and the same call order holds, as for
+        ``put_encoded_gradients``: the stream takes the place of the step's put; how it
+        publishes: ``GradientPuts.stream_encoded``.
+        """
+        return self._gradients.stream_encoded(count)
 
     @_call
     def gradient_buffer(self) -> np.ndarray:

@@ -147,7 +147,11 @@ class DeviceEncoder:
 
     ``encode(gradient)`` takes the step's flat float32 gradient on the device and returns
     the payload for ``put_encoded_gradients`` (a uint8 numpy view of the host buffer, valid
-    until the next ``encode``)."""
+    until the next ``encode``). Streamed (``stream_encoded_gradients``), the same is done
+    owner by owner as backward finishes each owner's range (``transfers.EncodedCopies``):
+    ``encode_owner`` encodes an owner's parts and starts copying their bytes down,
+    ``owner_payload`` is where they land, ``check_owner`` raises what ``encode`` would have.
+    The same parts are encoded in the same order of values either way: the same bits."""
 
     def __init__(self, torch: Any, device: Any, plan: GradientPutPlan) -> None:
         if plan.refusal is not None:
@@ -162,11 +166,21 @@ class DeviceEncoder:
             )
         self.torch, self.device, self.plan = torch, device, plan
         self._format = FORMATS[plan.codec]
+        pinned = device.type == "cuda"
         self.residual = torch.zeros(plan.size, dtype=torch.float32, device=device)
         self._payload = torch.empty(plan.payload_bytes, dtype=torch.uint8, device=device)
-        self._host = torch.empty(
-            plan.payload_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda"
+        self._host = torch.empty(plan.payload_bytes, dtype=torch.uint8, pin_memory=pinned)
+        # each owner's parts, their first index in plan.parts, and where their bytes lie
+        self._owners = [plan.parts_of(owner) for owner in range(plan.owners)]
+        self._first = np.cumsum([0] + [len(parts) for parts in self._owners]).tolist()
+        self._spans = [plan.owner_span(owner) for owner in range(plan.owners)]
+        # fp16: whether each part overflowed, copied down with its bytes when streamed
+        self._flags = (
+            torch.zeros(len(plan.parts), dtype=torch.bool, pin_memory=pinned)
+            if plan.codec == "fp16"
+            else None
         )
+        self._gradient = None  # streamed: the flat gradient on the device, made at first use
 
     def encode(self, gradient: Any) -> np.ndarray:
         """Add each part of ``gradient`` (flat float32, ``plan.size``, on the device) to the
@@ -178,27 +192,78 @@ class DeviceEncoder:
                 f"DeviceEncoder.encode: a flat float32 gradient of {plan.size} values, got "
                 f"{gradient.dtype} {tuple(gradient.shape)}"
             )
+        checks = self._encode_parts(gradient, plan.parts)
+        if any(check is not None for check in checks):
+            # one wait for the device per put
+            flags = torch.stack([c for c in checks if c is not None]).cpu().numpy()
+            self._raise_overflow([p for p in plan.parts if p.length], flags)
+        self._host.copy_(self._payload)
+        return self.payload
+
+    @property
+    def gradient(self) -> Any:
+        """A flat float32 device vector of ``plan.size`` that a streamed call assembles the
+        gradient in (made at the first use, the same one after)."""
+        if self._gradient is None:
+            torch = self.torch
+            self._gradient = torch.empty(self.plan.size, dtype=torch.float32, device=self.device)
+        return self._gradient
+
+    def encode_owner(self, owner: int, gradient: Any) -> None:
+        """``encode`` of ``owner``'s parts alone, from ``gradient`` (flat, final in the
+        owner's range), queued on the current stream: the residual updated, the bytes (and
+        fp16's overflow flags) copied into the host buffer without waiting; they are there
+        (``owner_payload``) once the stream has passed this point."""
+        parts, span = self._owners[owner], self._spans[owner]
+        checks = self._encode_parts(gradient, parts)
+        stop = span[0] + span[1]
+        self._host[span[0] : stop].copy_(self._payload[span[0] : stop], non_blocking=True)
+        if self._flags is not None and checks[0] is not None:  # fp16, an owner with values
+            first = self._first[owner]
+            flags = self._flags[first : first + len(parts)]
+            flags.copy_(self.torch.stack(checks), non_blocking=True)
+
+    @property
+    def payload(self) -> np.ndarray:
+        """The host buffer the payload lands in, as a uint8 numpy view (what ``encode``
+        returns)."""
+        return self._host.numpy()
+
+    def owner_payload(self, owner: int) -> np.ndarray:
+        """The host bytes of ``owner``'s parts (what ``EncodedStream.ready`` takes): a view of
+        the host buffer, valid once ``encode_owner``'s copy landed, until the next call."""
+        offset, nbytes = self._spans[owner]
+        return self._host.numpy()[offset : offset + nbytes]
+
+    def check_owner(self, owner: int) -> None:
+        """Once ``encode_owner``'s copy landed: raise ``CodecOverflowError`` (fp16) for a value
+        of the owner's parts that it could not hold, as ``encode`` does."""
+        parts = self._owners[owner]
+        if self._flags is not None and parts[0].length:
+            first = self._first[owner]
+            self._raise_overflow(parts, self._flags[first : first + len(parts)].numpy())
+
+    def _encode_parts(self, gradient: Any, parts) -> list:
+        """Encode ``parts`` of ``gradient`` into the payload on the device, updating the
+        residual; each part's overflow check (a device bool, fp16) or None."""
         checks: list = []
-        with torch.no_grad():
-            for part in plan.parts:
+        with self.torch.no_grad():
+            for part in parts:
                 if not part.length:
                     checks.append(None)
                     continue
                 stop = part.start + part.length
                 values = self.residual[part.start : stop].add_(gradient[part.start : stop])
-                stream, decoded = self._format(torch, values, checks)
+                check: list = []
+                stream, decoded = self._format(self.torch, values, check)
                 self._payload[part.offset : part.offset + part.nbytes].copy_(stream)
                 values.sub_(decoded)
-            if checks and any(c is not None for c in checks):
-                self._check_overflow(gradient, checks)
-            self._host.copy_(self._payload)
-        return self._host.numpy()
+                checks.append(check[0] if check else None)
+        return checks
 
-    def _check_overflow(self, gradient: Any, checks: list) -> None:
-        """Raise for the first part where fp16 rounded a finite value to Inf (looked at once:
-        one wait for the device per put)."""
-        torch, parts = self.torch, [p for p in self.plan.parts if p.length]
-        flags = torch.stack([c for c in checks if c is not None]).cpu().numpy()
+    def _raise_overflow(self, parts, flags: np.ndarray) -> None:
+        """Raise for the first of ``parts`` (those with values) where fp16 rounded a finite
+        value to Inf, as ``flags`` say."""
         if not flags.any():
             return
         part = parts[int(flags.argmax())]

@@ -27,7 +27,8 @@ Lossy gradient codecs on the device: with ``encode_on_device`` (``"auto"``: wher
 runs on a GPU) and a gradient codec of ``models.device_codecs.DEVICE_CODECS``, the trainer
 asks ``device_encoder(plan)`` once and then each step ``loss_and_encoded_grad``: the
 gradient stays on the device, the codec (and its error feedback residual) runs there, and
-only the encoded bytes come down, the same bits the host would have made.
+only the encoded bytes come down, the same bits the host would have made; streamed, owner
+by owner as backward finishes each owner's range (``transfers.EncodedCopies``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import merge_buffers
 from allreduce_param.models.device_codecs import DEVICE_CODECS, DeviceEncoder
 from allreduce_param.models.devices import CudaInfo, check_device_request, choose_device, task_gpus
-from allreduce_param.models.transfers import GradientCopies, Staging
+from allreduce_param.models.transfers import EncodedCopies, GradientCopies, Staging, run_here
 
 LOSSES = ("cross_entropy", "mse")
 PRECISIONS = ("fp32", "bf16")
@@ -101,8 +102,9 @@ class TorchModel:
     runs on the module's device, so that only its bytes are copied to the host: ``"auto"``
     on a GPU, ``True`` wherever the module runs (the CPU too: the same torch code, which is
     how it is tested without a GPU; a fit that cannot use it is refused), ``False`` never.
-    See ``models.device_codecs``; the trainer then puts the gradient after backward
-    rather than streaming it.
+    See ``models.device_codecs``; where the fit streams (``overlap``), each owner's parts
+    are encoded and sent as soon as backward has finished that owner's range
+    (``loss_and_encoded_grad(ready=)``), else the gradient is put after backward.
     """
 
     def __init__(
@@ -337,12 +339,26 @@ class TorchModel:
         return DeviceEncoder(_torch(), self.torch_device, plan)
 
     def loss_and_encoded_grad(
-        self, weights: np.ndarray, X: np.ndarray, y: np.ndarray, encoder: DeviceEncoder
+        self,
+        weights: np.ndarray,
+        X: np.ndarray,
+        y: np.ndarray,
+        encoder: DeviceEncoder,
+        ready: Callable[[int, np.ndarray], None] | None = None,
     ) -> tuple[float, np.ndarray, int]:
         """``(loss_sum, payload, count)``: ``loss_and_grad``'s, with the gradient encoded on
         the device by ``encoder`` (``device_encoder``), for ``put_encoded_gradients``; the
-        payload is valid until the encoder's next call."""
+        payload is valid until the encoder's next call.
+
+        With ``ready`` (``EncodedStream.ready``, of ``stream_encoded_gradients``), each
+        owner's parts are encoded as soon as backward has finished that owner's range, on
+        the side stream, and ``ready(owner, bytes)`` hands their bytes over once they have
+        landed on the host (``transfers.EncodedCopies``): the last layers' owners first,
+        while backward goes on. The same bits as without; the payload is then all of them.
+        An error in backward waits for the copies under way and hands nothing more over."""
         torch = _torch()
+        if ready is not None:
+            return self._loss_and_streamed_encoding(weights, X, y, encoder, ready)
         if len(X) == 0:
             flat = torch.zeros(self.size, dtype=torch.float32, device=self.torch_device)
             return 0.0, encoder.encode(flat), 0
@@ -352,6 +368,35 @@ class TorchModel:
         flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
         payload = encoder.encode(flat)
         return float(loss.item()), payload, len(X)
+
+    def _loss_and_streamed_encoding(
+        self, weights, X, y, encoder: DeviceEncoder, ready: Callable[[int, np.ndarray], None]
+    ) -> tuple[float, np.ndarray, int]:
+        """``loss_and_encoded_grad`` with ``ready``: each parameter's gradient given to
+        ``EncodedCopies`` by a hook as autograd finishes it."""
+        torch = _torch()
+        staging = self._own().staging
+        copies = EncodedCopies(encoder, run_here if staging is None else staging.aside, ready)
+        try:
+            if len(X) == 0:  # the residual alone goes out, as an unstreamed put sends it
+                zeros = torch.zeros(self.size, dtype=torch.float32, device=self.torch_device)
+                copies.part_done(0, self.size, zeros)
+                loss_sum = 0.0
+            else:
+                parameters = self._parameters(weights, requires_grad=True)
+                start = 0
+                for tensor in parameters.values():
+                    stop = start + tensor.numel()
+                    tensor.register_hook(functools.partial(copies.part_done, start, stop))
+                    start = stop
+                loss = self._loss(self._forward(parameters, X, train=True), y)
+                torch.autograd.grad(loss, list(parameters.values()))  # the hooks keep it
+                loss_sum = float(loss.item())
+            copies.finish()
+        except BaseException:
+            copies.abandon()
+            raise
+        return loss_sum, encoder.payload, len(X)
 
     @staticmethod
     def _gradient_done(flat_out, start: int, stop: int, gradient, ready) -> None:

@@ -132,8 +132,10 @@ class FitState:
         if self._touched:
             self._streams = self._into_buffer = False
         # a lossy gradient codec run where a torch model's gradient lies (models/device_codecs):
-        # the gradient is put after backward, encoded there, its residual kept there
+        # encoded there, its residual kept there; streamed owner by owner as backward
+        # finishes each where the float32 gradient would have been, else put after backward
         self._encoder = self._device_encoder(job, p, compute)
+        self._streams_encoded = self._encoder is not None and self._streams
         if self._encoder is not None:
             self._streams = self._into_buffer = False
             self._residual = None

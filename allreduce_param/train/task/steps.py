@@ -119,6 +119,8 @@ class Steps(FitState):
         """``_compute_and_put`` with the gradient encoded on the model's device
         (``TorchModel.loss_and_encoded_grad``): only the codec's bytes come to the host, and
         the engine writes the blocks around them (``put_encoded_gradients``)."""
+        if self._streams_encoded:
+            return self._compute_encoded_streaming(index, batch, read_s)
         model = self.compute.model
         started = time.perf_counter()
         loss_sum, payload, count = model.loss_and_encoded_grad(
@@ -129,6 +131,26 @@ class Steps(FitState):
             index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0), staleness
         )
         self.p.put_encoded_gradients(payload, count=count)
+        record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
+        return record
+
+    def _compute_encoded_streaming(self, index: int, batch: Rows, read_s: float) -> np.ndarray:
+        """``_compute_encoded`` under plain BSP with overlap: each owner's parts are encoded on
+        the device and leave as soon as backward has finished that owner's range
+        (``stream_encoded_gradients``); the put time is what was left to send once backward
+        was done."""
+        model = self.compute.model
+        started = time.perf_counter()
+        with self.p.stream_encoded_gradients(
+            count=batch_count(batch.row_count, batch.weight)
+        ) as stream:
+            loss_sum, _, count = model.loss_and_encoded_grad(
+                self.weights, dense_for(model, batch.X), batch.y, self._encoder, stream.ready
+            )
+            computed = time.perf_counter()
+        record = self._record(
+            index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0)
+        )
         record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
         return record
 
