@@ -1049,6 +1049,41 @@ def test_topk_with_many_ties_keeps_k_of_the_largest():
     assert (y == 5.0).sum() == 100 and (y[300:] == 0).all()
 
 
+def lowest_index_top_k(x: np.ndarray) -> np.ndarray:
+    """The indices topk keeps: the k largest magnitudes, ties at the k-th going to the lowest
+    indices (a stable sort by descending magnitude), in increasing order."""
+    k = -(-x.size // 100)
+    return np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+
+
+def sample_misleads_high_with_ties() -> np.ndarray:
+    """Where the strided sample looks (every 97th) a 10, elsewhere ones: fewer than k exceed
+    the sampled threshold, and the ones tie at the k-th magnitude."""
+    x = np.ones(1 << 19, np.float32)
+    x[::97] = 10.0
+    return x
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        *(
+            topk_data(kind, n, seed=n)
+            for kind in ("zeros", "ties", "rounded", "sparse")
+            for n in (7, 7919, 262_145)
+        ),
+        np.array([0.0, -0.0, 0.0, -1.0, 1.0, -1.0], np.float32),  # -0.0 ties with 0.0
+        sample_misleads_high_with_ties(),
+    ],
+)
+def test_topk_ties_at_the_kth_magnitude_keep_the_lowest_indices(x):
+    """Whichever path chooses (a partition of the candidates, ties at the sampled threshold,
+    zeros, or a partition of the whole part), the tied values kept are those of the lowest
+    indices: the choice depends on the values only, and the device codec matches it."""
+    indices, _ = topk_parts(encoded("topk", x), x.size)
+    assert np.array_equal(indices, lowest_index_top_k(x))
+
+
 # sampled or not; first and last piece
 @pytest.mark.parametrize("where", [0, 1, 97, 262_143, 262_144, -1])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -323,6 +323,27 @@ def test_on_a_gpu_a_fit_encoding_there_gives_the_same_weights(codec):
     assert host[0]["weights"] == device[0]["weights"]
 
 
+def test_a_fit_every_task_refuses_ends_at_once_with_the_refusal(caplog):
+    """Each task refuses encode_on_device=True with two threads as it sets up its fit (the
+    driver refuses it first in a real fit): every partition fails before it fetched
+    anything, and none waits out the engine's linger for a goodbye (logged where it gives
+    up waiting)."""
+    X, y = blobs(60, 6, 3, seed=3)
+    model = models.TorchModel(net, encode_on_device=True)
+    param = AllReduceParameter(2, model.size, codec="raw", gradient_codec="bf16")
+    settings = FitSettings(batch_size=16, epochs=1, seed=7, threads=2)
+    job = TrainingJob(model, optim.SGD(0.01), param, settings, 6, False)
+    with caplog.at_level("WARNING", logger="allreduce_param"):
+        outputs = train_on_threads(job, [(X[:30], y[:30]), (X[30:], y[30:])])
+    for partition, output in enumerate(outputs):
+        assert re.match(
+            rf"partition {partition}, setting up its fit \(model, optimizer, data\): "
+            r"ConfigurationError: .*encode_on_device=True, but this fit .*several threads",
+            str(output),
+        ), outputs
+    assert not [r.message for r in caplog.records if "to say they were done" in r.message]
+
+
 class Counted(models.TorchModel):
     """A TorchModel that counts its device-encoded steps (in the class: each partition trains
     a copy of the model)."""

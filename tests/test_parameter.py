@@ -390,6 +390,36 @@ def test_a_peer_that_dies_mid_step_fails_the_others_promptly(unix_sockets):
         ), str(error)
 
 
+@pytest.mark.parametrize("unix_sockets", [True, False])
+@pytest.mark.parametrize("failing", [(0, 1, 2), (1,)])
+def test_partitions_failing_before_any_fetch_do_not_wait_out_the_linger(
+    failing, unix_sockets, caplog
+):
+    """Partitions that fail before fetching anything (a task's fit refused as it is set up)
+    have no connection to hang up: each tells its peers it fetches nothing more, so no
+    partition, failed or told of the failure, waits ``failure_linger`` for a goodbye that
+    never comes (the engine logs it where it gives up waiting)."""
+
+    def body(p):
+        if p.partition_id in failing:
+            raise RuntimeError(f"partition {p.partition_id} refused its fit")
+        p.init(np.zeros(12))
+        p.get_weights()
+
+    param = AllReduceParameter(
+        3, 12, "raw", timeout=600, unix_sockets=unix_sockets, host_arena=False
+    )
+    with caplog.at_level("WARNING", logger="allreduce_param"):
+        results = run_partitions(param, body, timeout=60)
+    for partition, result in enumerate(results):
+        if partition in failing:
+            assert str(result) == f"partition {partition} refused its fit"
+        else:
+            assert isinstance(result, PeerLostError), results
+            assert "it said: partition 1 failed: RuntimeError: partition 1 refused" in str(result)
+    assert not [r.message for r in caplog.records if "to say they were done" in r.message]
+
+
 def test_a_partition_that_finishes_first_serves_until_its_peers_are_done():
     closing = threading.Event()
 

@@ -19,6 +19,7 @@ from allreduce_param.train.task.batching import (
     steps_per_epoch,
 )
 from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.state import Rows
 
 run_workers = train_on_threads
 
@@ -114,6 +115,59 @@ def test_bsp_steps_equal_single_process_minibatch_training(case):
     steps = [np.frombuffer(o["steps"], np.float64).reshape(-1, len(STEP_FIELDS)) for o in outputs]
     assert len({len(s) for s in steps}) == 1
     assert sum(s[:, 3].sum() for s in steps) == 3 * sum(counts)
+
+
+def test_rows_in_memory_gathered_into_a_room_are_the_fresh_rows_bit_for_bit():
+    """``Rows.take`` into a room: each answer holds exactly its rows (batches longer, shorter,
+    longer again), in views of the room's arrays; CSR rows come fresh."""
+    rng = np.random.default_rng(0)
+    X, y, w = rng.standard_normal((53, 7), np.float32), rng.random(53), rng.random(53)
+    rows, order = Rows(X, y, w), epoch_order(53, 3, 0, 0)
+    room = rows.room_for(26)
+    for start, stop in ((0, 20), (20, 27), (27, 53)):
+        got, fresh = rows.take(order[start:stop], room), rows.take(order[start:stop])
+        for a, b, kept in zip(got, fresh, room):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+            assert np.shares_memory(a, kept)
+    sparse = Rows(sp.csr_matrix(X), y, None)
+    taken = sparse.take(order[:5], sparse.room_for(5))
+    assert sp.issparse(taken.X) and (taken.X.toarray() == X[order[:5]]).all()
+
+
+class Gathered(models.SoftmaxRegression):
+    """Keeps each step's rows, by partition, to see where they lie (a one-thread fit computes
+    into the parameter's buffer; each partition trains this one model). Kept alive, fresh
+    arrays could not share an address by reuse of freed memory."""
+
+    rows: dict[str, list] = {}
+
+    def loss_and_grad_into(self, weights, X, y, out, ready=None, sample_weight=None):
+        kept = Gathered.rows.setdefault(threading.current_thread().name, [])
+        kept.append((X, y, sample_weight))
+        return super().loss_and_grad_into(weights, X, y, out, ready, sample_weight=sample_weight)
+
+
+def test_a_fit_gathers_each_steps_rows_in_memory_into_one_room():
+    """Every step of a partition's fit (batches of 11 and 12 rows, weighted) takes its rows
+    in one room of its own, not in fresh arrays each step."""
+    X, y = blobs(70, 4, 2, seed=4)
+    weight = np.random.default_rng(1).random(70)
+    split = np.zeros(70, np.int32)
+    model = Gathered(4, 2)
+    param = AllReduceParameter(3, model.size, codec="raw", timeout=60)
+    settings = FitSettings(batch_size=35, epochs=2, seed=0, overlap=False)
+    parts = [(X[a:b], y[a:b], split[a:b], weight[a:b]) for a, b in ((0, 23), (23, 46), (46, 70))]
+    outputs = train_on_threads(
+        TrainingJob(model, optim.SGD(lr=0.1), param, settings, 4, False), parts
+    )
+    assert all(isinstance(output, dict) for output in outputs), outputs
+    assert sorted(Gathered.rows) == ["partition-0", "partition-1", "partition-2"]
+    assert {len(y) for steps in Gathered.rows.values() for _, y, _ in steps} == {11, 12}
+    for steps in Gathered.rows.values():
+        assert len(steps) == 4
+        first = steps[0]
+        for step in steps[1:]:
+            assert all(np.shares_memory(a, b) for a, b in zip(step, first))
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,8 @@ class Model(Protocol):
         ``X`` is float32 of shape (rows, features); ``y`` holds class ids (classification),
         float32 targets (regression) or the labels as float64 (no ``task``). Zero rows give
         ``(0.0, zeros, 0)``. A model with buffers may update them here (a training step).
+        ``X``, ``y`` (and ``sample_weight``) are lent for the call: the trainer writes the
+        next step's rows into the same arrays, so a model copies what it keeps.
         """
         ...
 

@@ -212,6 +212,17 @@ class PeerGroup:
             encrypt=self.spec.network.encrypt,
         )
 
+    def _client_of(self, peer: int) -> PeerClient:
+        """A client of ``peer`` at its exchanged address: over its Unix socket (and shared
+        memory, if on) where the peer is in this partition's scope (the same machine and
+        network namespace, as its own server says), else over TCP."""
+        address = self._addresses[peer]
+        same_scope = (
+            address.local_name is not None
+            and address.scope == self._addresses[self.partition_id].scope
+        )
+        return self._client(peer, address, address.local_name if same_scope else None)
+
     def _ask_address(self, peer: int, address: PeerAddress) -> PeerAddress:
         client = self._client(peer, address)
         try:
@@ -256,14 +267,7 @@ class PeerGroup:
         for peer in range(self.partition_num):
             if peer == self.partition_id:
                 continue
-            address = self._addresses[peer]
-            # the same machine and network namespace as this partition's own server says it is in
-            same_scope = (
-                address.local_name is not None
-                and address.scope == self._addresses[self.partition_id].scope
-            )
-            # a Unix socket, and shared memory if on, where the peer is in the same scope
-            clients[peer] = self._client(peer, address, address.local_name if same_scope else None)
+            clients[peer] = self._client_of(peer)
         channel = Channel(
             clients, threads, f"allreduce-{role}-{self.partition_id}", role, idle_waits
         )
@@ -383,13 +387,56 @@ class PeerGroup:
         if self.arena is not None:
             self.arena.end(reason)  # whoever waits for us in the arena hears why at once
         self.store.close(reason)
+        neighbours = self.hosts.neighbours(self.partition_id, self.hierarchical)
+        unconnected = self._unconnected(neighbours)
         for channel in self._channels:
-            channel.abort()
-        self._wait_for_peers(
-            self.hosts.neighbours(self.partition_id, self.hierarchical),
-            min(self.timeout, self.spec.network.failure_linger),
-        )
-        self.shutdown(join)
+            channel.abort()  # a connection cut is a hang-up: those peers know we are done
+        goodbyes = self._part_from(unconnected)
+        try:
+            self._wait_for_peers(neighbours, min(self.timeout, self.spec.network.failure_linger))
+        finally:
+            for goodbye in goodbyes:
+                goodbye.join()
+            self.shutdown(join)
+
+    def _unconnected(self, partitions) -> list[int]:
+        """Those of ``partitions`` no channel has a connection to now (none through this
+        host's arena, which tells them of our end itself)."""
+        own = self.hosts.host(self.partition_id) if self.arena is not None else ()
+        return [
+            partition
+            for partition in partitions
+            if partition not in own
+            and not any(channel.clients[partition].connected for channel in self._channels)
+        ]
+
+    def _part_from(self, partitions) -> list[threading.Thread]:
+        """Tell each of ``partitions`` (peers never connected to) that this failed partition
+        fetches nothing more from it, each on a connection of its own, all at once (a peer
+        out of reach costs one connect timeout, whatever their number); the threads doing it.
+
+        Without it a peer that fails too, before either fetched from the other, would wait
+        ``failure_linger`` for our hang-up as we wait for its, though neither will fetch
+        again. A connection of its own: a channel's client may be held by a fetch."""
+
+        def goodbye(partition: int) -> None:
+            client = self._client_of(partition)
+            try:
+                client.done()
+            except (AllReduceError, OSError) as error:  # gone, or not of this parameter
+                log.debug("partition %d: no goodbye to %d: %s", self.partition_id, partition, error)
+            finally:
+                client.close()
+
+        threads = [
+            threading.Thread(
+                target=goodbye, args=(p,), name=f"allreduce-goodbye-{self.partition_id}-{p}"
+            )
+            for p in partitions
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
 
     def _wait_for_peers(self, partitions, timeout: float | None = None) -> bool:
         """Wait until each of ``partitions`` is done with us (at most ``timeout``, default the

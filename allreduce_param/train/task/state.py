@@ -46,9 +46,33 @@ class Rows(NamedTuple):
         """Whether ``X`` is a CSR matrix."""
         return is_sparse_matrix(self.X)
 
-    def take(self, index: np.ndarray) -> Rows:
+    def take(self, index: np.ndarray, room: Rows | None = None) -> Rows:
+        """The rows at ``index``, in that order: in fresh arrays, or, dense rows given a
+        ``room`` (``room_for``) of at least ``len(index)`` rows, in views of its arrays, which
+        the next such call fills again (a fit's step uses its rows before it asks for the
+        next: no fresh pages, faulted in and zeroed, each step)."""
+        if room is None or self.sparse:
+            return Rows(
+                self.X[index], self.y[index], None if self.weight is None else self.weight[index]
+            )
+        count = len(index)
+        X, y = room.X[:count], room.y[:count]
+        # "clip": unbuffered (numpy buffers ``out`` under "raise"); an epoch order's indices
+        # are in range
+        np.take(self.X, index, axis=0, out=X, mode="clip")
+        np.take(self.y, index, out=y, mode="clip")
+        weight = None
+        if self.weight is not None:
+            weight = room.weight[:count]
+            np.take(self.weight, index, out=weight, mode="clip")
+        return Rows(X, y, weight)
+
+    def room_for(self, count: int) -> Rows:
+        """Arrays for ``count`` of these rows, of their dtypes (``take``'s ``room``)."""
         return Rows(
-            self.X[index], self.y[index], None if self.weight is None else self.weight[index]
+            np.empty((count, *self.X.shape[1:]), self.X.dtype),
+            np.empty(count, self.y.dtype),
+            None if self.weight is None else np.empty(count, self.weight.dtype),
         )
 
     def rows_between(self, start: int, stop: int) -> Rows:
@@ -104,6 +128,8 @@ class FitState:
         self._writer = CheckpointWriter(job.checkpoints) if job.checkpoints is not None else None
         self._report = reporter.report if reporter is not None else (lambda report: None)
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
+        # dense rows in memory: where each step's rows are gathered (``Steps._batch``)
+        self._batch_room: Rows | None = None
         self._early = settings.early_stopping()  # this partition's; every one decides alike
         self.stopped = False  # whether early stopping ended the fit before its last epoch
         self.first_epoch = job.start.epochs_before

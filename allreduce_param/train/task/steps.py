@@ -48,14 +48,22 @@ class Steps(FitState):
         self._steps_per_epoch = int(np.count_nonzero(sizes))
 
     def _batch(self, index: int) -> Rows:
-        """This partition's rows of global step ``index`` (shuffled anew each epoch)."""
+        """This partition's rows of global step ``index`` (shuffled anew each epoch). Dense
+        rows in memory come in views of one room, filled again by the next step's call, as
+        a row file's (``disk_rows.DiskRows``): every caller is done with a step's rows before
+        it asks for the next step's (a model keeps no batch beyond its call)."""
         epoch, step = self._at(index)
         if epoch != self._order_epoch:
             self._order_epoch, self._order = (
                 epoch,
                 self.train.epoch_order(self.settings.seed, epoch, self.p.partition_id),
             )
-        return self.train.take(self._order[self.cuts[step] : self.cuts[step + 1]])
+        chosen = self._order[self.cuts[step] : self.cuts[step + 1]]
+        if not isinstance(self.train, Rows) or self.train.sparse:
+            return self.train.take(chosen)  # a row file reuses its own; CSR rows: fresh
+        if self._batch_room is None:  # sized once, for this partition's largest share
+            self._batch_room = self.train.room_for(int(np.diff(self.cuts).max()))
+        return self.train.take(chosen, self._batch_room)
 
     def _at(self, index: int) -> tuple[int, int]:
         """Global step ``index`` as (epoch, step), which errors from here on name."""

@@ -18,8 +18,11 @@ from allreduce_param.errors import CodecOverflowError, CorruptBlockError
 
 
 class TopK(ValueFormat):
-    """The k = ceil(length / DENSITY) values of largest magnitude (ties: any of them), as
-    k u32 indices, strictly increasing, then their k float32 values; the others decode to 0.
+    """The k = ceil(length / DENSITY) values of largest magnitude, as k u32 indices, strictly
+    increasing, then their k float32 values; the others decode to 0. Where values tie at the
+    k-th largest magnitude, those of the lowest indices are kept, on every path below: the
+    choice is a function of the values alone, which ``models/device_codecs.py`` relies on to
+    match this format bit for bit.
 
     Choosing them takes one pass over the part, not a partition of it (many times dearer).
     A threshold is taken from a strided sample of the magnitudes: if fewer than ``rank``
