@@ -17,7 +17,7 @@ torch = pytest.importorskip(
 
 from conftest import blobs, raise_first, run_partitions, train_on_threads  # noqa: E402
 from test_device_codecs import same_bits  # noqa: E402
-from test_torch_devices import _NO_GPU  # noqa: E402
+from test_torch_devices import _NO_GPU, StandInLanding  # noqa: E402
 
 from allreduce_param import (  # noqa: E402
     AllReduceParameter,
@@ -73,19 +73,6 @@ def test_streamed_encoded_owners_are_the_unstreamed_payload_last_layers_first(co
         weights = weights - F32(0.1) * np.sign(weights)  # another step's weights
 
 
-class _Landing:
-    """A stand-in for a CUDA event: lands when the test says so."""
-
-    def __init__(self) -> None:
-        self.landed = False
-
-    def query(self) -> bool:
-        return self.landed
-
-    def synchronize(self) -> None:
-        self.landed = True
-
-
 def test_an_owner_is_handed_over_only_once_its_bytes_landed_in_order():
     plan = GradientPutPlan.of(SliceLayout(6, 3), get_codec("bf16"))  # owners of 2 values
     encoder = DeviceEncoder(torch, torch.device("cpu"), plan)
@@ -93,7 +80,7 @@ def test_an_owner_is_handed_over_only_once_its_bytes_landed_in_order():
 
     def run_aside(work):
         work()
-        landings.append(_Landing())
+        landings.append(StandInLanding())
         return landings[-1]
 
     def ready(owner, payload):

@@ -139,7 +139,7 @@ def test_bf16_autocast_gives_a_float32_gradient_close_to_fp32s():
     np.testing.assert_allclose(grad16, grad, rtol=0.1, atol=0.05 * np.abs(grad).max())
 
 
-class _Landing:
+class StandInLanding:
     """A stand-in for a CUDA event: lands when the test says so."""
 
     def __init__(self) -> None:
@@ -158,7 +158,7 @@ def test_gradient_parts_reach_the_vector_before_ready_announces_them_in_order():
 
     def start_copy(start, stop, gradient):
         zone[start:stop] = gradient  # the copy "on its way"
-        landings.append(_Landing())
+        landings.append(StandInLanding())
         return landings[-1]
 
     def ready(start, stop):
