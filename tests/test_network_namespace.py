@@ -178,8 +178,10 @@ def test_the_fit_trains_on_both_workers_inside_the_namespace(fit, cluster, names
         output[-3000:],
     )
     # an executor of the application in each worker's work dir, and the barrier stage on both
+    # (a worker may hold two: the standalone master relaunches an executor that exited, which
+    # a run of fresh-ci once saw while the fit itself trained on both)
     executors = [sorted(work.glob("app-*/*/stderr")) for work in cluster.worker_dirs()]
-    assert [len(found) for found in executors] == [1, 1], executors
+    assert len(executors) == 2 and all(executors), executors
     assert "scheduled all the 2 tasks for barrier stage" in output, output[-3000:]
 
 
