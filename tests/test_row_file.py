@@ -258,12 +258,18 @@ def test_auto_keeps_few_rdd_pairs_in_memory_and_spills_many(tmp_path):
     [
         (
             (np.ones(4), 1.0),
-            r"row 20 of an RDD partition has features of shape \(4,\); every "
+            r"row 20 of this partition's RDD pairs has features of shape \(4,\); every "
             r"row's features must be a vector of 5 numbers",
         ),
         ((np.ones((1, 5)), 1.0), r"row 20 .* shape \(1, 5\)"),
-        (np.ones(5), r"row 20 of an RDD partition is ndarray, not a \(features, label\) pair"),
-        ((["a"] * 5, 1.0), r"row 20 of an RDD partition holds a value that is not a number"),
+        (
+            np.ones(5),
+            r"row 20 of this partition's RDD pairs is ndarray, not a \(features, label\) pair",
+        ),
+        (
+            (["a"] * 5, 1.0),
+            r"row 20 of this partition's RDD pairs holds a value that is not a number",
+        ),
     ],
     ids=["narrow", "a matrix", "not a pair", "not numbers"],
 )

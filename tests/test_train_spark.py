@@ -704,8 +704,8 @@ def test_a_failing_rdd_fit_from_disk_leaves_no_file_and_a_bad_pair_is_named(spar
     pairs[25] = (X[25][:4], y[25])
     with pytest.raises(
         InputError,
-        match=r"row \d+ of an RDD partition has features of shape \(4,\); every row's features "
-        r"must be a vector of 5 numbers",
+        match=r"partition \d.*: row \d+ of this partition's RDD pairs has features of shape "
+        r"\(4,\); every row's features must be a vector of 5 numbers",
     ):
         fit(spark.sparkContext.parallelize(pairs, 2))
     assert row_files_left(spark) == []

@@ -3,11 +3,11 @@
 Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into one
 contiguous float32 matrix, once, with no per-row Python objects, in the order the rows
 were placed in; the labels, splits and (weighted data) weights come as arrays in that order.
-``pair_chunks`` reads an RDD partition's numpy pairs into such chunks as they arrive, and
-``arrays_from_pairs`` joins them as ``arrays_from_arrow`` joins batches (``join_rows``). On the driver,
-``features_column`` reads a vector column as it is (sparse or dense vectors, never
-densified) or an array column as ``array<float>``: what the fit trains on and what
-predictions read.
+``pair_chunks`` reads an RDD partition's numpy pairs into such chunks as they arrive,
+and ``arrays_from_pairs`` joins them as ``arrays_from_arrow`` joins batches
+(``join_rows``). On the driver, ``features_column`` reads a vector column as it is
+(sparse or dense vectors, never densified) or an array column as ``array<float>``: what
+the fit trains on and what predictions read.
 """
 
 from __future__ import annotations
@@ -188,21 +188,21 @@ def _pair_values(pair, row: int, n_features: int) -> tuple[np.ndarray, float]:
         features, label = pair
     except (TypeError, ValueError):
         raise InputError(
-            f"row {row} of an RDD partition is {type(pair).__name__}, not a (features, label) "
-            "pair; fit() takes an RDD of (features, label) pairs, e.g. rdd.map(lambda r: "
-            "(np.asarray(r[:-1]), r[-1]))"
+            f"row {row} of this partition's RDD pairs is {type(pair).__name__}, not a "
+            "(features, label) pair; fit() takes an RDD of (features, label) pairs, e.g. "
+            "rdd.map(lambda r: (np.asarray(r[:-1]), r[-1]))"
         ) from None
     try:
         vector, value = np.asarray(features, dtype=np.float32), float(label)
     except (TypeError, ValueError) as error:
         raise InputError(
-            f"row {row} of an RDD partition holds a value that is not a number ({error}); a "
-            "pair's features must be a vector of numbers and its label a number"
+            f"row {row} of this partition's RDD pairs holds a value that is not a number "
+            f"({error}); a pair's features must be a vector of numbers and its label a number"
         ) from None
     if vector.shape != (n_features,):
         raise InputError(
-            f"row {row} of an RDD partition has features of shape {vector.shape}; every row's "
-            f"features must be a vector of {n_features} numbers, as the first row's "
-            "(the model's n_features)"
+            f"row {row} of this partition's RDD pairs has features of shape {vector.shape}; "
+            f"every row's features must be a vector of {n_features} numbers, as the first "
+            "row's (the model's n_features)"
         )
     return vector, value
