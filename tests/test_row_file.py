@@ -14,6 +14,7 @@ from conftest import blobs
 from allreduce_param import (
     AllReduceParameter,
     FitSettings,
+    InputError,
     LocalRendezvous,
     TrainingError,
     models,
@@ -23,7 +24,7 @@ from allreduce_param.train.row_file import RowFileWriter, read_header
 from allreduce_param.train.task.batching import epoch_order
 from allreduce_param.train.task.disk_rows import DiskRows, block_epoch_order
 from allreduce_param.train.task.job import TrainingJob
-from allreduce_param.train.task.spill import Place, partition_rows
+from allreduce_param.train.task.spill import Place, pair_rows, partition_rows
 
 CSR = pytest.param(True, id="sparse")
 DENSE = pytest.param(False, id="dense")
@@ -212,6 +213,76 @@ def test_a_new_attempt_removes_what_a_killed_one_left(tmp_path):
     assert not left.exists() and other.exists()
     rows.release()
     validation.release()
+
+
+def _pairs(rows: int, features: int = 5, seed: int = 0) -> list:
+    X, y = _matrix(rows, features, False, seed), np.random.default_rng(seed).standard_normal(rows)
+    return [(X[i].astype(np.float64), y[i]) for i in range(rows)]  # as an RDD holds them
+
+
+def test_rdd_pairs_on_disk_are_in_arrival_order_and_memorys_rows(tmp_path):
+    pairs = _pairs(50)
+    memory, _ = pair_rows(iter(pairs), 5, "memory")
+    place = Place(str(tmp_path), "fit", 1, "s2t3")
+    with pytest.MonkeyPatch.context() as patch:  # chunks of 8 pairs, blocks of 16 rows
+        patch.setattr("allreduce_param.train.rows.block_rows_for", lambda _: 8)
+        patch.setattr("allreduce_param.train.task.spill.block_rows_for", lambda _: 16)
+        rows, validation = pair_rows(iter(pairs), 5, "disk", place)
+    assert sorted(os.listdir(tmp_path)) == [
+        "allreduce-rows-fit-p1-s2t3-train.rows",
+        "allreduce-rows-fit-p1-s2t3-validation.rows",
+    ]
+    assert read_header(rows.file.path)["blocks"] == 4 and validation.row_count == 0
+    got = rows.rows_between(0, 50)
+    np.testing.assert_array_equal(got.X, np.asarray([x for x, _ in pairs], np.float32))
+    np.testing.assert_array_equal(got.y, [label for _, label in pairs])
+    np.testing.assert_array_equal(got.X, memory.X)
+    assert got.weight is None and memory.weight is None
+    rows.release()
+    validation.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_auto_keeps_few_rdd_pairs_in_memory_and_spills_many(tmp_path):
+    place = Place(str(tmp_path), "fit", 0, "s1t1")
+    small, _ = pair_rows(iter(_pairs(40)), 5, "auto", place, budget=1 << 20)
+    large, empty = pair_rows(iter(_pairs(40)), 5, "auto", place, budget=100)
+    assert not isinstance(small, DiskRows) and isinstance(large, DiskRows)
+    np.testing.assert_array_equal(large.rows_between(0, 40).X, small.X)
+    large.release()
+    empty.release()
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            (np.ones(4), 1.0),
+            r"row 20 of this partition's RDD pairs has features of shape \(4,\); every "
+            r"row's features must be a vector of 5 numbers",
+        ),
+        ((np.ones((1, 5)), 1.0), r"row 20 .* shape \(1, 5\)"),
+        (
+            np.ones(5),
+            r"row 20 of this partition's RDD pairs is ndarray, not a \(features, label\) pair",
+        ),
+        (
+            (["a"] * 5, 1.0),
+            r"row 20 of this partition's RDD pairs holds a value that is not a number",
+        ),
+    ],
+    ids=["narrow", "a matrix", "not a pair", "not numbers"],
+)
+def test_a_bad_rdd_pair_is_an_error_naming_its_row_and_leaves_no_file(tmp_path, bad, message):
+    pairs = _pairs(30)
+    pairs[20] = bad
+    place = Place(str(tmp_path), "fit", 0, "s1t1")
+    with pytest.MonkeyPatch.context() as patch:  # two chunks written before the bad row
+        patch.setattr("allreduce_param.train.rows.block_rows_for", lambda _: 8)
+        for data_in in ("memory", "disk"):
+            with pytest.raises(InputError, match=message):
+                pair_rows(iter(pairs), 5, data_in, place)
+    assert os.listdir(tmp_path) == []
 
 
 def _fit(job, parts):

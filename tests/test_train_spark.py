@@ -644,13 +644,68 @@ def test_a_fit_from_rows_on_disk_gives_the_bits_of_one_from_memory_and_leaves_no
             .weights
         )
     np.testing.assert_array_equal(weights["disk"], weights["memory"])
+    assert row_files_left(spark) == []
 
-    def leftovers(_):
-        import glob
 
-        folders = os.environ.get("SPARK_LOCAL_DIRS", "").split(",")
-        yield [path for f in folders for path in glob.glob(os.path.join(f, "allreduce-rows-*"))]
-        yield [bool(folders[0])]
+def _row_files() -> list[str]:
+    """The fits' row files in this Python worker's local directories (``SPARK_LOCAL_DIRS``)."""
+    import glob
 
-    found = spark.sparkContext.parallelize([0], 1).mapPartitions(leftovers).collect()
-    assert found == [[], [True]]  # Spark names its local directories to the Python workers
+    folders = [f for f in os.environ.get("SPARK_LOCAL_DIRS", "").split(",") if f]
+    assert folders, "Spark names its local directories to the Python workers"
+    return [path for f in folders for path in glob.glob(os.path.join(f, "allreduce-rows-*"))]
+
+
+def row_files_left(spark) -> list[str]:
+    """The row files left in the local directories of the session's Python workers."""
+    return spark.sparkContext.parallelize([0], 1).mapPartitions(lambda _: _row_files()).collect()
+
+
+def test_an_rdd_fit_from_rows_on_disk_gives_the_bits_of_one_from_memory(spark):
+    """Each partition's pairs (one block) written to row files in arrival order: the epochs'
+    order is the in-memory one, and so are the weights; no file is left."""
+    X, y = regression_data(rows=150)
+    rdd = spark.sparkContext.parallelize(list(zip(X, y)), 3)
+    weights = {
+        data_in: DistriOptimizer(
+            Ridge(5), optim.Adam(lr=0.05), batch_size=16, epochs=2, num_workers=2, data_in=data_in
+        )
+        .fit(rdd)
+        .weights
+        for data_in in ("memory", "disk")
+    }
+    np.testing.assert_array_equal(weights["disk"], weights["memory"])
+    assert row_files_left(spark) == []
+
+
+class RowFilesSeen(Ridge):
+    """Ridge that, in a task, fails its first step saying which row files it trains from."""
+
+    def loss_and_grad(self, weights, X, y):
+        from pyspark import TaskContext
+
+        if TaskContext.get() is not None:  # not the driver's try of the model
+            raise InputError(f"training from {sorted(map(os.path.basename, _row_files()))}")
+        return super().loss_and_grad(weights, X, y)
+
+
+def test_a_failing_rdd_fit_from_disk_leaves_no_file_and_a_bad_pair_is_named(spark):
+    X, y = regression_data(rows=40)
+    rdd = spark.sparkContext.parallelize(list(zip(X, y)), 2)
+    fit = DistriOptimizer(
+        RowFilesSeen(5), optim.SGD(lr=0.1), batch_size=8, epochs=1, num_workers=2, data_in="disk"
+    ).fit
+    with pytest.raises(
+        InputError, match=r"training from \[.*'allreduce-rows-\w+-p\d-s\d+t\d+-train"
+    ):
+        fit(rdd)
+    assert row_files_left(spark) == []
+    pairs = list(zip(X, y))
+    pairs[25] = (X[25][:4], y[25])
+    with pytest.raises(
+        InputError,
+        match=r"partition \d.*: row \d+ of this partition's RDD pairs has features of shape "
+        r"\(4,\); every row's features must be a vector of 5 numbers",
+    ):
+        fit(spark.sparkContext.parallelize(pairs, 2))
+    assert row_files_left(spark) == []

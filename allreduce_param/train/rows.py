@@ -3,14 +3,16 @@
 Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into one
 contiguous float32 matrix, once, with no per-row Python objects, in the order the rows
 were placed in; the labels, splits and (weighted data) weights come as arrays in that order.
-``arrays_from_pairs`` does the same for an RDD of numpy pairs. On the driver,
-``features_column`` reads a vector column as it is (sparse or dense vectors, never
-densified) or an array column as ``array<float>``: what the fit trains on and what
-predictions read.
+``pair_chunks`` reads an RDD partition's numpy pairs into such chunks as they arrive,
+and ``arrays_from_pairs`` joins them as ``arrays_from_arrow`` joins batches
+(``join_rows``). On the driver, ``features_column`` reads a vector column as it is
+(sparse or dense vectors, never densified) or an array column as ``array<float>``: what
+the fit trains on and what predictions read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -19,6 +21,7 @@ from allreduce_param.errors import InputError
 from allreduce_param.spark import arrow
 from allreduce_param.train.columns import ORDER_COLUMNS, WEIGHT_COLUMN
 from allreduce_param.train.features import VectorParts, empty_rows
+from allreduce_param.train.row_file import block_rows_for
 
 
 def features_column(frame, features_col: str, name: str | None = None, role: str = "features_col"):
@@ -93,9 +96,19 @@ def arrays_from_arrow(
     float64 weights, in the same order, where the batches carry the ``weight`` column (data
     prepared with ``weight_col``), else None; None too for a partition without batches (no
     rows: nothing to weigh)."""
+    return join_rows(
+        (batch_arrays(batch, n_features, sparse) for batch in batches), n_features, sparse
+    )
+
+
+def join_rows(
+    chunks: Iterable[BatchRows], n_features: int, sparse: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A partition's rows, read in chunks (``BatchRows``: an Arrow batch's, or a run of an
+    RDD's pairs), as one ``(X, y, split, weight)``: ``arrays_from_arrow``'s, in (split,
+    _order, _i) order where the chunks carry order keys, else as they came."""
     features, labels, splits, weights, keys = [], [], [], [], []
-    for batch in batches:
-        rows = batch_arrays(batch, n_features, sparse)
+    for rows in chunks:
         features.append(rows.X)
         labels.append(rows.y)
         splits.append(rows.split)
@@ -140,21 +153,56 @@ def arrays_from_arrow(
 
 def arrays_from_pairs(pairs, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
     """A partition of an RDD of ``(features, label)`` pairs as ``(X, y, split, None)``, all
-    training rows, unweighted (the same shape as ``arrays_from_arrow``'s)."""
-    rows = list(pairs)
-    if not rows:
-        return (
-            np.zeros((0, n_features), np.float32),
-            np.zeros(0, np.float64),
-            np.zeros(0, np.int32),
-            None,
-        )
-    X = np.asarray(
-        [np.asarray(features, dtype=np.float32) for features, _ in rows], dtype=np.float32
-    )
-    if X.ndim != 2 or X.shape[1] != n_features:
+    training rows, unweighted (the same shape as ``arrays_from_arrow``'s), read in chunks
+    (``pair_chunks``): never a list of all the pairs."""
+    return join_rows(pair_chunks(pairs, n_features), n_features)  # type: ignore[return-value]
+
+
+def pair_chunks(
+    pairs: Iterable, n_features: int, chunk_rows: int | None = None
+) -> Iterator[BatchRows]:
+    """An RDD partition's ``(features, label)`` pairs as they arrive, ``chunk_rows`` at a
+    time (by default about a row file's block, 1 MiB of features), each chunk a
+    ``BatchRows`` of dense float32 features and float64 labels, all training rows,
+    unweighted, without order keys. A pair that is not one, or whose features are not a
+    vector of ``n_features`` numbers (the first row's width, which the model was built
+    for), is an ``InputError`` naming its row in the partition."""
+    if chunk_rows is None:
+        chunk_rows = block_rows_for(4 * n_features + 8)
+    X, y, filled = None, None, 0
+    for row, pair in enumerate(pairs):
+        if X is None:
+            X, y = np.empty((chunk_rows, n_features), np.float32), np.empty(chunk_rows)
+        X[filled], y[filled] = _pair_values(pair, row, n_features)
+        filled += 1
+        if filled == chunk_rows:
+            yield BatchRows(X, y, np.zeros(filled, np.int32), None, None)
+            X, filled = None, 0
+    if filled:
+        yield BatchRows(X[:filled], y[:filled], np.zeros(filled, np.int32), None, None)
+
+
+def _pair_values(pair, row: int, n_features: int) -> tuple[np.ndarray, float]:
+    """One pair's features (float32) and label, checked; ``row``: its place in the partition."""
+    try:
+        features, label = pair
+    except (TypeError, ValueError):
         raise InputError(
-            f"expected feature vectors of {n_features} elements, got an array of shape {X.shape}"
+            f"row {row} of this partition's RDD pairs is {type(pair).__name__}, not a "
+            "(features, label) pair; fit() takes an RDD of (features, label) pairs, e.g. "
+            "rdd.map(lambda r: (np.asarray(r[:-1]), r[-1]))"
+        ) from None
+    try:
+        vector, value = np.asarray(features, dtype=np.float32), float(label)
+    except (TypeError, ValueError) as error:
+        raise InputError(
+            f"row {row} of this partition's RDD pairs holds a value that is not a number "
+            f"({error}); a pair's features must be a vector of numbers and its label a number"
+        ) from None
+    if vector.shape != (n_features,):
+        raise InputError(
+            f"row {row} of this partition's RDD pairs has features of shape {vector.shape}; "
+            f"every row's features must be a vector of {n_features} numbers, as the first "
+            "row's (the model's n_features)"
         )
-    y = np.asarray([label for _, label in rows], dtype=np.float64)
-    return X, y, np.zeros(len(rows), np.int32), None
+    return vector, value

@@ -21,11 +21,10 @@ from allreduce_param.train.driver.failures import (
 )
 from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
-from allreduce_param.train.rows import arrays_from_pairs
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
-from allreduce_param.train.task.spill import Place, memory_budget, partition_rows
-from allreduce_param.train.task.worker import train_partition, train_rows
+from allreduce_param.train.task.spill import Place, memory_budget, pair_rows, partition_rows
+from allreduce_param.train.task.worker import train_rows
 
 
 def engine_parameter(
@@ -117,26 +116,34 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
     if presorted:
         rows = rows.sortWithinPartitions("split", *ORDER_COLUMNS)
 
-    def arrow_task(batches):
-        started = time.time()
-        fit_the_address_space_limit()  # before the first batch is read
-        place = Place.of_task(job.param.secret) if data_in != "memory" else None
-        budget = memory_budget(job.param.partition_num)
-        rows, validation = partition_rows(
-            batches, job.n_features, job.sparse, data_in, place, budget, presorted
-        )
+    def trained(started: float, rows, validation):
+        """The fit over the partition's rows as they are held; both released on every way
+        out, a failure and a task cancelled partway included."""
         try:
             clock = {"started": started, "loaded": time.time()}
-            for kind, payload in train_rows(job, rows, validation, clock=clock):
-                yield record_batch(kind=[kind], payload=[payload])
-        finally:  # every way out, a failure and a task cancelled partway included
+            yield from train_rows(job, rows, validation, clock=clock)
+        finally:
             rows.release()
             validation.release()
 
+    def held():  # where this task's rows go: its place, and the budget "auto" keeps to
+        fit_the_address_space_limit()  # before the first row is read
+        place = Place.of_task(job.param.secret) if data_in != "memory" else None
+        return place, memory_budget(job.param.partition_num)
+
+    def arrow_task(batches):
+        started = time.time()
+        place, budget = held()
+        loaded = partition_rows(
+            batches, job.n_features, job.sparse, data_in, place, budget, presorted
+        )
+        for kind, payload in trained(started, *loaded):
+            yield record_batch(kind=[kind], payload=[payload])
+
     def pairs_task(pairs):
         started = time.time()
-        arrays = arrays_from_pairs(pairs, job.n_features)
-        yield from train_partition(job, *arrays, clock={"started": started, "loaded": time.time()})
+        place, budget = held()
+        yield from trained(started, *pair_rows(pairs, job.n_features, data_in, place, budget))
 
     if hasattr(rows, "mapInArrow"):
         extra = {} if profile is None else {"profile": profile}  # PySpark 4.0+ takes it

@@ -1,7 +1,8 @@
 """Where a partition's rows live while it trains: in memory as today, or written once to row
 files in the executor's local directory (``row_file``) and read back in blocks
 (``disk_rows.DiskRows``). ``FitSettings.data_in`` chooses: "memory", "disk", or "auto"
-(memory while the partition's Arrow batches stay within ``memory_budget``, else disk).
+(memory while the partition's Arrow batches, or its RDD pairs' arrays, stay within
+``memory_budget``, else disk).
 
 The files go to Spark's local directories for the executor (``SPARK_LOCAL_DIRS``, which
 Spark sets for its Python workers from ``spark.local.dir``, or YARN's and Kubernetes' own;
@@ -13,7 +14,10 @@ next attempt of the same partition removes every file of its fit and partition b
 writing its own. What Spark's local directories hold goes with the executor's directory
 when the application ends.
 
-Writing reads each Arrow batch as it arrives, so a partition is never whole in memory.
+Writing reads each Arrow batch as it arrives, so a partition is never whole in memory; an
+RDD of ``(features, label)`` pairs is read alike, in chunks of about a block
+(``rows.pair_chunks``), and written in arrival order (an RDD has no order keys). Both go
+through the same choice, writing and clean-up (``_choose``, ``_hold``, ``write_partition``).
 With ``data_in="disk"`` after a shuffle, the stage has Spark sort each partition by its
 order keys (``presorted``), and each batch goes straight to its split's file. Otherwise,
 where the batches carry order keys (a placement that shuffled them, ``columns.ORDER_COLUMNS``)
@@ -38,7 +42,7 @@ import xxhash
 from allreduce_param.errors import TrainingError
 from allreduce_param.train.columns import TRAIN, VALIDATION
 from allreduce_param.train.row_file import RowFile, RowFileWriter, block_rows_for
-from allreduce_param.train.rows import arrays_from_arrow, batch_arrays
+from allreduce_param.train.rows import BatchRows, batch_arrays, join_rows, pair_chunks
 from allreduce_param.train.task.disk_rows import DiskRows
 from allreduce_param.train.task.state import Rows
 
@@ -157,22 +161,66 @@ def partition_rows(
     ("auto": in memory while the batches take at most ``budget`` bytes). ``presorted``: the
     batches come sorted by their order keys (Spark sorted them), so no arrival file. The
     caller ``release``s both on every way out."""
-    batches = iter(batches)
+
+    def arrays(batch) -> BatchRows:
+        return batch_arrays(batch, n_features, sparse)
+
+    chosen, held, rest = _choose(iter(batches), data_in, budget, lambda batch: batch.nbytes)
+    return _hold(map(arrays, chain(held, rest)), n_features, sparse, chosen, place, presorted)
+
+
+def pair_rows(
+    pairs: Iterable,
+    n_features: int,
+    data_in: str,
+    place: Place | None = None,
+    budget: int | None = None,
+) -> tuple[Rows | DiskRows, Rows | DiskRows]:
+    """A partition of an RDD of ``(features, label)`` pairs as its (training, validation)
+    rows, as ``partition_rows`` holds Arrow batches: read in chunks as the pairs arrive
+    (``rows.pair_chunks``, never the whole partition as a list), in memory or written to row
+    files at ``place`` in arrival order ("auto": in memory while the chunks' arrays take at
+    most ``budget`` bytes). All rows train; the validation rows are empty. The caller
+    ``release``s both on every way out."""
+    chosen, held, rest = _choose(pair_chunks(pairs, n_features), data_in, budget, _chunk_bytes)
+    return _hold(chain(held, rest), n_features, False, chosen, place)
+
+
+def _choose(items: Iterator, data_in: str, budget: int | None, size) -> tuple[str, list, Iterator]:
+    """Where a partition's rows go ("memory" or "disk"), the items read to decide, and the
+    rest: under "auto", items are read until their ``size`` passes ``budget`` (disk) or
+    none are left (memory)."""
     held: list = []
-    if data_in == "auto":
-        size = 0
-        for batch in batches:
-            held.append(batch)
-            size += batch.nbytes
-            if budget is not None and size > budget:
-                break
-        else:
-            data_in = "memory"
+    if data_in != "auto":
+        return data_in, held, items
+    total = 0
+    for item in items:
+        held.append(item)
+        total += size(item)
+        if budget is not None and total > budget:
+            return "disk", held, items
+    return "memory", held, items
+
+
+def _hold(
+    rows: Iterator[BatchRows],
+    n_features: int,
+    sparse: bool,
+    data_in: str,
+    place: Place | None,
+    presorted: bool = False,
+) -> tuple[Rows | DiskRows, Rows | DiskRows]:
+    """A partition's rows, chunk by chunk, in memory or written to row files at ``place``."""
     if data_in == "memory":
-        return split_rows(*arrays_from_arrow(chain(held, batches), n_features, sparse))
+        return split_rows(*join_rows(rows, n_features, sparse))
     if place is None:
         raise ValueError("rows on disk need a place for their files")
-    return write_partition(chain(held, batches), n_features, sparse, place, presorted)
+    return write_partition(rows, n_features, sparse, place, presorted)
+
+
+def _chunk_bytes(rows: BatchRows) -> int:
+    """The bytes a chunk of dense rows holds."""
+    return rows.X.nbytes + rows.y.nbytes + rows.split.nbytes
 
 
 def split_rows(X, y: np.ndarray, split: np.ndarray, weight: np.ndarray | None) -> tuple[Rows, Rows]:
@@ -186,15 +234,20 @@ def split_rows(X, y: np.ndarray, split: np.ndarray, weight: np.ndarray | None) -
 
 
 def write_partition(
-    batches: Iterator, n_features: int, sparse: bool, place: Place, presorted: bool = False
+    chunks: Iterator[BatchRows],
+    n_features: int,
+    sparse: bool,
+    place: Place,
+    presorted: bool = False,
 ) -> tuple[Rows | DiskRows, Rows | DiskRows]:
-    """The batches written to row files at ``place`` (an earlier attempt's removed first), as
+    """A partition's rows, chunk by chunk as they are read (an Arrow batch's, or a run of an
+    RDD's pairs), written to row files at ``place`` (an earlier attempt's removed first), as
     (training, validation) ``DiskRows``; a partition without rows stays in memory, empty.
-    ``presorted``: batches with order keys come in key order (checked as they come)."""
+    ``presorted``: chunks with order keys come in key order (checked as they come)."""
     place.remove_leftovers()
     writers: dict[str, RowFileWriter] = {}
     try:
-        return _write(batches, n_features, sparse, place, writers, presorted)
+        return _write(chunks, n_features, sparse, place, writers, presorted)
     except BaseException:
         for writer in writers.values():
             writer.abandon()
@@ -203,12 +256,16 @@ def write_partition(
 
 
 def _write(
-    batches, n_features: int, sparse: bool, place: Place, writers: dict, presorted: bool
+    chunks: Iterator[BatchRows],
+    n_features: int,
+    sparse: bool,
+    place: Place,
+    writers: dict,
+    presorted: bool,
 ) -> tuple:
     keys: list[tuple] = []
     last: tuple | None = None  # presorted: the latest row's keys
-    for batch in batches:
-        rows = batch_arrays(batch, n_features, sparse)
+    for rows in chunks:
         if rows.y.shape[0] == 0:
             continue
         if presorted and rows.keys is not None:
@@ -235,7 +292,7 @@ def _write(
                 weight = None if rows.weight is None else rows.weight[index]
                 writers[section].append(rows.X[index], rows.y[index], weight)
     if not writers:
-        return split_rows(*arrays_from_arrow([], n_features, sparse))
+        return split_rows(*join_rows([], n_features, sparse))
     if "arrival" not in writers:
         return DiskRows(writers.pop("train").close()), DiskRows(writers.pop("validation").close())
     arrival = writers.pop("arrival").close()
