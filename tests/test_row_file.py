@@ -270,8 +270,14 @@ def test_auto_keeps_few_rdd_pairs_in_memory_and_spills_many(tmp_path):
             (["a"] * 5, 1.0),
             r"row 20 of this partition's RDD pairs holds a value that is not a number",
         ),
+        (
+            (np.array([1.0, 2.0, np.nan, 4.0, 5.0]), 1.0),
+            r"row 20 of this partition's RDD pairs holds NaN or Inf \(feature 2 is nan;",
+        ),
+        ((np.ones(5), float("inf")), r"row 20 .* holds NaN or Inf \(its label is inf;"),
+        ((np.array([1.0, 1e39, 1, 1, 1]), 1.0), r"row 20 .* \(feature 1 is inf; a feature beyond"),
     ],
-    ids=["narrow", "a matrix", "not a pair", "not numbers"],
+    ids=["narrow", "a matrix", "not a pair", "not numbers", "NaN", "Inf label", "beyond f32"],
 )
 def test_a_bad_rdd_pair_is_an_error_naming_its_row_and_leaves_no_file(tmp_path, bad, message):
     pairs = _pairs(30)

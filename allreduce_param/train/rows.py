@@ -176,10 +176,34 @@ def pair_chunks(
         X[filled], y[filled] = _pair_values(pair, row, n_features)
         filled += 1
         if filled == chunk_rows:
+            _check_finite(X, y, row + 1 - filled)
             yield BatchRows(X, y, np.zeros(filled, np.int32), None, None)
             X, filled = None, 0
     if filled:
+        _check_finite(X[:filled], y[:filled], row + 1 - filled)
         yield BatchRows(X[:filled], y[:filled], np.zeros(filled, np.int32), None, None)
+
+
+def _check_finite(X: np.ndarray, y: np.ndarray, first_row: int) -> None:
+    """Refuse a chunk of RDD pairs (from row ``first_row`` of the partition) holding NaN or
+    Inf, naming the first such row: an RDD has no check pass on the driver, and a NaN would
+    otherwise surface only as a NaN gradient a step later. A feature beyond float32's range
+    is Inf here (the pairs are read as float32). One pass over the chunk, in cache."""
+    if np.isfinite(X).all() and np.isfinite(y).all():
+        return
+    bad_rows = ~np.isfinite(X).all(axis=1) | ~np.isfinite(y)
+    at = int(np.argmax(bad_rows))
+    features = np.flatnonzero(~np.isfinite(X[at]))
+    where = (
+        f"feature {int(features[0])} is {X[at, features[0]]}"
+        if features.size
+        else f"its label is {y[at]}"
+    )
+    raise InputError(
+        f"row {first_row + at} of this partition's RDD pairs holds NaN or Inf ({where}; a "
+        "feature beyond float32's range reads as Inf); clean the pairs first, e.g. "
+        "rdd.filter(lambda pair: np.isfinite(pair[0]).all() and np.isfinite(pair[1]))"
+    )
 
 
 def _pair_values(pair, row: int, n_features: int) -> tuple[np.ndarray, float]:
@@ -193,7 +217,8 @@ def _pair_values(pair, row: int, n_features: int) -> tuple[np.ndarray, float]:
             "rdd.map(lambda r: (np.asarray(r[:-1]), r[-1]))"
         ) from None
     try:
-        vector, value = np.asarray(features, dtype=np.float32), float(label)
+        with np.errstate(over="ignore"):  # beyond float32 becomes Inf: refused, named, below
+            vector, value = np.asarray(features, dtype=np.float32), float(label)
     except (TypeError, ValueError) as error:
         raise InputError(
             f"row {row} of this partition's RDD pairs holds a value that is not a number "
