@@ -21,6 +21,13 @@ range, and the accuracy of both on their training rows.
     python jobs/bench_memory.py                       # limit 512 MB: 0.5, 2 and 8 GB of data
     python jobs/bench_memory.py --limit-mb 1024 --factors 1,4,16 --workers 4
     python jobs/bench_memory.py --compare-only --rounds 5  # the memory/disk rounds alone
+    python jobs/bench_memory.py --reads-only --rounds 9    # no Spark: an epoch's batches
+
+``--reads-only`` times, without Spark, what the two paths differ in: the CPU time of taking
+one epoch's batches (``--rows`` rows of ``--features``, a partition's share of
+``--batch-size``) from rows in memory (``state.Rows.take`` into a reused room) and from a
+row file in a temporary folder, which the page cache holds (``DiskRows.take``: each block
+``pread``, checked against its checksum, gathered), in alternating rounds.
 
 The defaults run on a 2-core, 24 GiB VM in a few minutes; the 16x data needs about twice
 its size free in the local directory (Spark's shuffle files and the row files).
@@ -33,6 +40,7 @@ import os
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +189,62 @@ def megabytes(value: int) -> str:
     return f"{value / 2**20:,.0f}"
 
 
+def reads(args) -> int:
+    """``--reads-only``: an epoch's batches from memory and from a row file, alternating."""
+    import tempfile
+
+    from allreduce_param.train.row_file import RowFileWriter, block_rows_for
+    from allreduce_param.train.task.disk_rows import DiskRows
+    from allreduce_param.train.task.state import Rows
+
+    rows, width = args.rows, args.features
+    batch = max(1, args.batch_size // args.workers)
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((rows, width), dtype=np.float32)
+    y = rng.integers(0, 2, rows).astype(np.float64)
+    print(f"machine: {bench.machine()}")
+    print(
+        f"memory copy: {copy_bandwidth() / 1e9:.2f} GB/s (np.copyto of 40 MB, median of 5); no "
+        f"Spark: one partition of {rows:,} rows of {width} float32 features, batches of "
+        f"{batch:,}; CPU time of taking one epoch's batches, {args.rounds} alternating rounds "
+        "(median of 3 epochs each)",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        writer = RowFileWriter(os.path.join(folder, "rows"), width, block_rows_for(4 * width + 8),
+                               False, False)  # fmt: skip
+        for start in range(0, rows, 4096):
+            writer.append(X[start : start + 4096], y[start : start + 4096])
+        disk, memory = DiskRows(writer.close()), Rows(X, y, None)
+        room = memory.room_for(batch)
+        takes = {
+            "memory": lambda order: [
+                memory.take(order[s : s + batch], room) for s in range(0, rows, batch)
+            ],
+            "disk": lambda order: [disk.take(order[s : s + batch]) for s in range(0, rows, batch)],
+        }
+        sources = {"memory": memory, "disk": disk}
+        times: dict[str, list[float]] = {"memory": [], "disk": []}
+        for turn in range(args.rounds):
+            for way in ("memory", "disk") if turn % 2 == 0 else ("disk", "memory"):
+                epochs = []
+                for epoch in range(3):
+                    order = sources[way].epoch_order(0, 3 * turn + epoch, 0)
+                    started = time.process_time()
+                    takes[way](order)
+                    epochs.append(time.process_time() - started)
+                times[way].append(1e3 * statistics.median(epochs))
+        disk.release()
+    ratios = [d / m for d, m in zip(times["disk"], times["memory"])]
+    lines = [
+        ("memory", f"{statistics.median(times['memory']):.2f}", "1.00"),
+        ("disk", f"{statistics.median(times['disk']):.2f}",
+         f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"),
+    ]  # fmt: skip
+    print(bench.render(("data in", "ms an epoch (median)", "x memory (range)"), lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[2]")
@@ -198,7 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the alternating rounds (no fits on 1x, 4x, 16x data, no memory table)",
     )
+    parser.add_argument(
+        "--reads-only", action="store_true", help="no Spark: an epoch's batches, memory/disk"
+    )
+    parser.add_argument("--rows", type=int, default=32768, help="--reads-only: the partition")
     args = parser.parse_args(argv)
+    if args.reads_only:
+        return reads(args)
     limit = args.limit_mb << 20
     factors = [float(f) for f in args.factors.split(",")]
     row_bytes = 4 * args.features

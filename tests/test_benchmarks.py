@@ -322,3 +322,16 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
     far = weights + np.float32(1.0)
     with pytest.raises(SystemExit, match=r"partition 0's weights are 1 off numpy's"):
         bench_hosts.check(reports([far] * 4, far), "int8", steps, True, {})
+
+
+def test_bench_memory_reads_only_times_an_epoch_from_memory_and_from_a_row_file():
+    """``--reads-only``: no Spark; both ways' epoch times and disk over memory with its range."""
+    out = run_job("bench_memory.py", "--reads-only", "--rows", "4096", "--features", "8",
+                  "--rounds", "2")  # fmt: skip
+    assert out.startswith("machine: ") and "no Spark: one partition of 4,096 rows" in out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    assert cells[0] == ["data in", "ms an epoch (median)", "x memory (range)"]
+    assert [line[0] for line in cells[2:]] == ["memory", "disk"]
+    assert float(cells[2][1]) > 0 and float(cells[3][1]) > 0
+    assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", cells[3][2]), cells[3]

@@ -313,14 +313,16 @@ class RowFile:
         if index.min() < 0 or index.max() >= self.rows:
             raise IndexError(f"row numbers must lie in 0..{self.rows - 1} of {self.path}")
         blocks = index // self.block_rows
-        starts = np.r_[0, np.flatnonzero(np.diff(blocks)) + 1]
-        if len(np.unique(blocks[starts])) < len(starts):  # a block's rows apart: by block
+        # where each run of one block's rows starts and stops (a step's batch: two or three
+        # runs; Python lists, as small as they are, cost less than numpy's calls on them)
+        starts = [0, *(np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist()]
+        numbers = blocks[starts].tolist()
+        if len(set(numbers)) < len(numbers):  # a block's rows apart: by block
             return self._take_by_block(index, blocks)
-        stops = np.r_[starts[1:], len(index)]
+        stops = [*starts[1:], len(index)]
         if self.sparse:
             pieces = []
-            for start, stop in zip(starts, stops):
-                number = int(blocks[start])
+            for start, stop, number in zip(starts, stops, numbers):
                 block = self.block(number)
                 local = index[start:stop] - number * self.block_rows
                 weight = None if block.weight is None else block.weight[local]
@@ -331,15 +333,14 @@ class RowFile:
         count = len(index)
         X, y = out.X[:count], out.y[:count]
         weight = None if out.weight is None else out.weight[:count]
-        for start, stop in zip(starts, stops):
-            number = int(blocks[start])
+        for start, stop, number in zip(starts, stops, numbers):
             block = self.block(number)
             local = index[start:stop] - number * self.block_rows
             # "clip": unbuffered (numpy buffers ``out`` under "raise"); checked above
-            np.take(block.X, local, axis=0, out=X[start:stop], mode="clip")
-            np.take(block.y, local, out=y[start:stop], mode="clip")
+            block.X.take(local, axis=0, out=X[start:stop], mode="clip")
+            block.y.take(local, out=y[start:stop], mode="clip")
             if weight is not None:
-                np.take(block.weight, local, out=weight[start:stop], mode="clip")
+                block.weight.take(local, out=weight[start:stop], mode="clip")
         return Block(X, y, weight)
 
     def buffers(self, rows: int) -> Block:
