@@ -9,6 +9,7 @@ Instances are stateless and shared; the format each uses lives in its family's m
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 
 import numpy as np
 
@@ -180,12 +181,33 @@ class Codec:
         may never leave this host's memory.
         """
         check_values(values)
-        length = values.size
+        return self._framed(
+            values.size,
+            count,
+            out,
+            ids,
+            checksum,
+            lambda target, block: self._encode_payload(values, target, block),
+        )
+
+    def _framed(
+        self,
+        length: int,
+        count: float,
+        out: bytearray | mmap.mmap | memoryview | None,
+        ids: BlockIds,
+        checksum: bool,
+        write_payload: Callable[[bytearray | mmap.mmap | memoryview, memoryview], tuple[int, bool]],
+    ) -> memoryview:
+        """The block both ``encode`` and ``encode_stream`` make: ``out`` made room in, marked
+        as being rewritten, the payload written after the header by ``write_payload(out,
+        block)`` (its size, and whether it is stored raw), then the header and, with
+        ``checksum``, the checksum; a view of exactly the block."""
         out = room(out, self.max_encoded_size(length))
         with memoryview(out) as block:
             FIELD.pack_into(block, VERSION_OFFSET, REWRITING)  # in-place readers can tell
             try:
-                payload_size, stored_raw = self._encode_payload(values, out, block)
+                payload_size, stored_raw = write_payload(out, block)
             except CodecOverflowError as exc:
                 raise exc.with_traceback(None) from None  # drop frames holding views of out
             flags = FLAG_STORED_RAW if stored_raw else 0
@@ -233,20 +255,14 @@ class Codec:
                 f"codec {self.name!r}: a stream of {length} values is {nbytes} bytes, got "
                 f"{len(view)}"
             )
-        out = room(out, self.max_encoded_size(length))
-        with memoryview(out) as block:
-            FIELD.pack_into(block, VERSION_OFFSET, REWRITING)  # in-place readers can tell
+
+        def write_payload(_, block: memoryview) -> tuple[int, bool]:
             block[HEADER_SIZE : HEADER_SIZE + nbytes] = view
-            payload_size, stored_raw = nbytes, self.compressed
             if self.compressed and nbytes:
-                payload_size, stored_raw = lz4_pack(
-                    block[HEADER_SIZE : HEADER_SIZE + nbytes], block, in_place=True
-                )
-            flags = FLAG_STORED_RAW if stored_raw else 0
-            write_header(block, self.codec_id, flags, length, payload_size, count, ids)
-            if checksum:
-                FIELD.pack_into(block, CHECKSUM_OFFSET, checksum_of(block, payload_size))
-        return memoryview(out)[: HEADER_SIZE + payload_size]
+                return lz4_pack(block[HEADER_SIZE : HEADER_SIZE + nbytes], block, in_place=True)
+            return nbytes, self.compressed
+
+        return self._framed(length, count, out, ids, checksum, write_payload)
 
     def encode_header(
         self,
