@@ -45,6 +45,7 @@ from allreduce_param.engine.step import StepState
 from allreduce_param.engine.stream import EncodedStream, GradientStream
 from allreduce_param.engine.vectors import (
     SparseGradient,
+    byte_payload,
     float32_vector,
     sparse_gradient,
     writable_output,
@@ -154,24 +155,13 @@ class GradientPuts:
         streams in ``payload``, laid out as ``plan()`` says."""
         what = "put_encoded_gradients"
         plan, version, count = self._start_encoded(what, count)
-        if (
-            not isinstance(payload, np.ndarray)
-            or payload.dtype != np.uint8
-            or payload.ndim != 1
-            or not payload.flags.c_contiguous
-            or payload.size != plan.payload_bytes
-        ):
-            described = (
-                f"dtype {payload.dtype}, shape {payload.shape}"
-                if isinstance(payload, np.ndarray)
-                else f"type {type(payload).__name__}"
-            )
-            raise InputError(
-                f"{what}() on partition {self.partition_id}: the payload must be a 1-D "
-                f"contiguous uint8 array of {plan.payload_bytes} bytes "
-                f"(gradient_put_plan().payload_bytes: the {len(plan.parts)} parts' "
-                f"{plan.codec!r} streams one after the other), got {described}"
-            )
+        byte_payload(
+            payload,
+            plan.payload_bytes,
+            f"{what}() on partition {self.partition_id}",
+            f"gradient_put_plan().payload_bytes: the {len(plan.parts)} parts' {plan.codec!r} "
+            "streams one after the other",
+        )
         self._state.put_started(version)
         self._own = None
         with self._guard():

@@ -27,6 +27,7 @@ from concurrent.futures import Executor, Future
 import numpy as np
 
 from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.engine.vectors import byte_payload
 from allreduce_param.errors import InputError, UsageError
 
 
@@ -201,23 +202,12 @@ class EncodedStream(_Publishing):
                 f"{len(self._spans) - 1}"
             )
         nbytes = self._spans[owner][1]
-        if (
-            not isinstance(payload, np.ndarray)
-            or payload.dtype != np.uint8
-            or payload.ndim != 1
-            or not payload.flags.c_contiguous
-            or payload.size != nbytes
-        ):
-            described = (
-                f"dtype {payload.dtype}, shape {payload.shape}"
-                if isinstance(payload, np.ndarray)
-                else f"type {type(payload).__name__}"
-            )
-            raise InputError(
-                f"{self._what}: ready({owner}, payload): the payload must be a 1-D contiguous "
-                f"uint8 array of {nbytes} bytes (the streams of owner {owner}'s parts: "
-                f"gradient_put_plan().owner_span({owner})), got {described}"
-            )
+        byte_payload(
+            payload,
+            nbytes,
+            f"{self._what}: ready({owner}, payload)",
+            f"the streams of owner {owner}'s parts: gradient_put_plan().owner_span({owner})",
+        )
         with self._lock:
             self._refuse_closed(f"ready({owner}, ...)")
             if owner in self._given:

@@ -95,3 +95,25 @@ def sparse_gradient(gradient: SparseGradient, size: int, what: str) -> SparseGra
             f"vector has {size} elements, so an index must be in 0..{size - 1}"
         )
     return SparseGradient(indices, np.ascontiguousarray(values, dtype=np.float32))
+
+
+def byte_payload(payload, nbytes: int, what: str, why: str) -> np.ndarray:
+    """``payload``, if it is a 1-D contiguous uint8 array of ``nbytes`` bytes (encoded
+    streams made elsewhere); ``InputError`` naming ``what`` and ``why`` that many otherwise."""
+    if (
+        not isinstance(payload, np.ndarray)
+        or payload.dtype != np.uint8
+        or payload.ndim != 1
+        or not payload.flags.c_contiguous
+        or payload.size != nbytes
+    ):
+        described = (
+            f"dtype {payload.dtype}, shape {payload.shape}"
+            if isinstance(payload, np.ndarray)
+            else f"type {type(payload).__name__}"
+        )
+        raise InputError(
+            f"{what}: the payload must be a 1-D contiguous uint8 array of {nbytes} bytes "
+            f"({why}), got {described}"
+        )
+    return payload
