@@ -26,7 +26,7 @@ from allreduce_param.train.driver.partitioning import (
     rows_in_place,
     xxhash64,
 )
-from allreduce_param.train.rows import arrays_from_arrow, arrays_from_pairs
+from allreduce_param.train.rows import arrays_from_arrow, join_rows, pair_chunks
 from allreduce_param.train.settings import SCHEMES, check_scheme
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -463,10 +463,11 @@ def test_a_shuffled_partition_is_put_in_order_by_its_keys(weighted):
 def test_no_batches_or_pairs_are_unweighted_and_empty():
     X, y, split, weight = arrays_from_arrow(iter([]), 3)
     assert (X.shape, y.shape, split.shape, weight) == ((0, 3), (0,), (0,), None)
-    X, y, split, weight = arrays_from_pairs(iter([([1.0, 2.0], 1.0), ([3.0, 4.0], 0.0)]), 2)
+    pairs = iter([([1.0, 2.0], 1.0), ([3.0, 4.0], 0.0)])
+    X, y, split, weight = join_rows(pair_chunks(pairs, 2), 2)
     assert X.tolist() == [[1.0, 2.0], [3.0, 4.0]] and y.tolist() == [1.0, 0.0]
     assert split.tolist() == [0, 0] and weight is None
-    assert arrays_from_pairs(iter([]), 2)[3] is None
+    assert join_rows(pair_chunks(iter([]), 2), 2)[3] is None
 
 
 @pytest.mark.parametrize("scheme", ["random", "overlap_reshuffle"])

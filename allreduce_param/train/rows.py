@@ -4,8 +4,7 @@ Inside a task, ``arrays_from_arrow`` turns the partition's Arrow batches into on
 contiguous float32 matrix, once, with no per-row Python objects, in the order the rows
 were placed in; the labels, splits and (weighted data) weights come as arrays in that order.
 ``pair_chunks`` reads an RDD partition's numpy pairs into such chunks as they arrive,
-and ``arrays_from_pairs`` joins them as ``arrays_from_arrow`` joins batches
-(``join_rows``). On the driver, ``features_column`` reads a vector column as it is
+which ``join_rows`` joins as it joins batches. On the driver, ``features_column`` reads a vector column as it is
 (sparse or dense vectors, never densified) or an array column as ``array<float>``: what
 the fit trains on and what predictions read.
 """
@@ -149,13 +148,6 @@ def join_rows(
     if order is None:
         return X, y, split, weight
     return X, y[order], split[order], None if weight is None else weight[order]
-
-
-def arrays_from_pairs(pairs, n_features: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
-    """A partition of an RDD of ``(features, label)`` pairs as ``(X, y, split, None)``, all
-    training rows, unweighted (the same shape as ``arrays_from_arrow``'s), read in chunks
-    (``pair_chunks``): never a list of all the pairs."""
-    return join_rows(pair_chunks(pairs, n_features), n_features)  # type: ignore[return-value]
 
 
 def pair_chunks(
