@@ -300,6 +300,34 @@ def test_tasks_at_the_meeting_point_go_to_allgather_when_one_never_comes(caplog)
     assert "only 2 of 3 tasks reached the driver within 0.5 s" in caplog.text
 
 
+def test_a_failed_stage_ends_its_meeting_and_a_run_again_meets_as_before():
+    """``end()``: the tasks waiting for a peer that failed stop at once (not after the
+    patience), a late task of that stage too; the next run's stage meets."""
+    meeting = MeetingPoint(3, patience=60)
+    arrived = threading.Semaphore(0)
+
+    def on_message(message, reply):
+        meeting.on_message(message, reply)
+        arrived.release()
+
+    server = MessageServer("127.0.0.1", on_message)
+    try:
+        answers: dict = {}
+        waiting = threading.Thread(target=lambda: answers.update(meet(server, [0, 2])))
+        waiting.start()
+        assert arrived.acquire(timeout=30) and arrived.acquire(timeout=30)
+        meeting.end()
+        waiting.join(30)
+        late = meet(server, [1])
+        again = meet(server, [0, 1, 2], stage=8)
+        assert server.drain(30)  # every task's connection has ended
+    finally:
+        server.close()
+    assert answers == {0: {"kind": "ended"}, 2: {"kind": "ended"}}
+    assert late == {1: {"kind": "ended"}}
+    assert sorted(again) == [0, 1, 2] and {a["kind"] for a in again.values()} == {"met"}
+
+
 def test_addresses_missing_a_partition_are_refused():
     with pytest.raises(UsageError, match=r"reported partitions \[0, 2\], expected 0..2"):
         by_partition({"0": ["h", 1], "2": ["h", 3]}, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -657,7 +658,23 @@ def _row_files() -> list[str]:
 
 
 def row_files_left(spark) -> list[str]:
-    """The row files left in the local directories of the session's Python workers."""
+    """The row files left in the local directories of the session's Python workers, once
+    the tasks of the session's latest jobs have ended: a failed fit waits for the tasks
+    that reached its driver, but Spark may start one of a failed barrier stage late and
+    kill it after the fit raised; what it wrote is gone when it has ended."""
+    tracker = spark.sparkContext.statusTracker()
+    latest = sorted(tracker.getJobIdsForGroup(None))[-3:]
+    infos = [tracker.getJobInfo(job) for job in latest]
+    stages = [stage for info in infos if info is not None for stage in info.stageIds]
+
+    def running() -> int:
+        infos = [tracker.getStageInfo(stage) for stage in stages]
+        return sum(info.numActiveTasks for info in infos if info is not None)
+
+    deadline = time.monotonic() + 60
+    while running():
+        assert time.monotonic() < deadline, "a task of the latest jobs is still running after 60 s"
+        time.sleep(0.05)  # polling Spark's own count of running tasks
     return spark.sparkContext.parallelize([0], 1).mapPartitions(lambda _: _row_files()).collect()
 
 

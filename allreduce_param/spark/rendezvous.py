@@ -18,7 +18,7 @@ from allreduce_param.engine.movement.rendezvous import (
     by_partition,
 )
 from allreduce_param.engine.wire.messages import MessageClient
-from allreduce_param.errors import AllReduceError, UsageError
+from allreduce_param.errors import AllReduceError, PeerLostError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -108,4 +108,9 @@ class DriverRendezvous(BarrierRendezvous):
             ) from error
         if answer.get("kind") == "met":
             return by_partition(answer["addresses"], self.partition_num)
+        if answer.get("kind") == "ended":
+            raise PeerLostError(
+                f"partition {self.partition_id} stops while meeting its peers: the fit ended on "
+                "the driver (another task of the stage failed; its error is the fit's)"
+            )
         return super().exchange(address)

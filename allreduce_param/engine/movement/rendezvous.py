@@ -62,7 +62,8 @@ def by_partition(addresses: dict, partition_num: int) -> list[Address]:
 @dataclass
 class _Meeting:
     """One stage's meeting at a ``MeetingPoint``: each partition's address and the task that
-    gave it, the replies owed, until ``decided`` says ``"met"`` or ``"allgather"``."""
+    gave it, the replies owed, until ``decided`` says ``"met"``, ``"allgather"`` or
+    ``"ended"``."""
 
     addresses: dict[int, list] = field(default_factory=dict)
     tasks: dict[int, int] = field(default_factory=dict)
@@ -95,6 +96,7 @@ class MeetingPoint:
         self._on_met = on_met
         self._meetings: dict[int, _Meeting] = {}  # by stage id: the newest meeting of each
         self._lock = threading.Lock()
+        self._ended: set = set()  # the stages whose runs end() ended
 
     def on_message(self, message: dict, reply: Reply) -> bool:
         """Take a ``meet`` message, to be answered through ``reply`` once its meeting is
@@ -112,29 +114,52 @@ class MeetingPoint:
             int(message.get("task", 0)),
         )
         with self._lock:
-            meeting = self._meetings.get(stage)
-            if meeting is None or meeting.decided is not None:
-                meeting = self._meetings[stage] = _Meeting()
-                meeting.timer = threading.Timer(self.patience, self._give_up, args=(meeting,))
-                meeting.timer.daemon = True
-                meeting.timer.start()
-            if task >= meeting.tasks.get(partition, -1):
-                meeting.addresses[partition], meeting.tasks[partition] = message["address"], task
-            meeting.replies.append(reply)
-            if len(meeting.addresses) < self.partition_num:
-                return True
-            meeting.decided = "met"
-            meeting.timer.cancel()
-            addresses = dict(meeting.addresses)
+            if stage in self._ended:
+                meeting = None
+            else:
+                meeting = self._meetings.get(stage)
+                if meeting is None or meeting.decided is not None:
+                    meeting = self._meetings[stage] = _Meeting()
+                    meeting.timer = threading.Timer(self.patience, self._give_up, args=(meeting,))
+                    meeting.timer.daemon = True
+                    meeting.timer.start()
+                if task >= meeting.tasks.get(partition, -1):
+                    meeting.addresses[partition], meeting.tasks[partition] = (
+                        message["address"],
+                        task,
+                    )
+                meeting.replies.append(reply)
+                if len(meeting.addresses) < self.partition_num:
+                    return True
+                meeting.decided = "met"
+                meeting.timer.cancel()
+                addresses = dict(meeting.addresses)
+        if meeting is None:
+            self._answer([reply], {"kind": "ended"})
+            return True
         if self._on_met is not None:
             try:
                 self._on_met(addresses)
             except Exception:  # a listener's bug must not keep the tasks from meeting
                 log.exception("a listener of the meeting failed")
         self._answer(
-            meeting, {"kind": "met", "addresses": {str(k): v for k, v in addresses.items()}}
+            meeting.replies, {"kind": "met", "addresses": {str(k): v for k, v in addresses.items()}}
         )
         return True
+
+    def end(self) -> None:
+        """The stages met here so far have failed on the driver: their tasks waiting to
+        meet, and any of theirs that come after, are answered ``{"kind": "ended"}`` and stop,
+        instead of waiting out the patience for peers that will not come. (A run again is a
+        stage of its own: it meets as before.)"""
+        with self._lock:
+            self._ended.update(self._meetings)
+            waiting = [m for m in self._meetings.values() if m.decided is None]
+            for meeting in waiting:
+                meeting.decided = "ended"
+                meeting.timer.cancel()
+        for meeting in waiting:
+            self._answer(meeting.replies, {"kind": "ended"})
 
     def _give_up(self, meeting: _Meeting) -> None:
         """The patience is over: those that came meet through allGather."""
@@ -150,11 +175,11 @@ class MeetingPoint:
             self.partition_num,
             self.patience,
         )
-        self._answer(meeting, {"kind": "allgather"})
+        self._answer(meeting.replies, {"kind": "allgather"})
 
     @staticmethod
-    def _answer(meeting: _Meeting, answer: dict) -> None:
-        for reply in meeting.replies:  # decided: no more are added
+    def _answer(replies: list[Reply], answer: dict) -> None:
+        for reply in replies:  # their meeting is decided: no more are added
             try:
                 reply(answer)
             except OSError as error:  # that task is gone; the others still hear

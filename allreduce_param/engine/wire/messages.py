@@ -332,6 +332,13 @@ class MessageClient:
             self._sent = self._received = 0
         return self._sock
 
+    def connect(self) -> None:
+        """Open the connection now (it stays open until ``close``): the driver's server
+        counts this task as running from here until its connection ends (``drain``). OSError,
+        AuthenticationError or ProtocolError as ``send``."""
+        with self._lock:
+            self._connected()
+
     def send(self, message: dict) -> None:
         """Send one message; OSError when the driver cannot be reached (or takes no more)."""
         with self._lock:

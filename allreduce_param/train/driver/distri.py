@@ -250,7 +250,7 @@ class DistriOptimizer:
         checkpoints = s.checkpoints()
         if checkpoints is not None:
             checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
-        with driver_end(s, spark, workers, network) as driver:
+        with driver_end(s, spark, workers, network) as end:
             job = TrainingJob(
                 self.model,
                 self.optimizer,
@@ -258,7 +258,7 @@ class DistriOptimizer:
                 s,
                 n_features,
                 validation is not None,
-                driver,
+                end.client,
                 checkpoints,
                 start,
                 sparse=summary is not None and summary.sparse,
@@ -269,7 +269,9 @@ class DistriOptimizer:
                 num_classes = getattr(self.model, "num_classes", None)
                 warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
             try:
-                output = run_stage(job, kept, placed, stage_attempts(spark), profile)
+                output = run_stage(
+                    job, kept, placed, stage_attempts(spark), profile, end.stage_failed
+                )
             except TrainingError as error:
                 if checkpoints is None:
                     raise

@@ -4,8 +4,10 @@ their live progress goes (the bar, the log, the listener)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from allreduce_param.engine.movement.rendezvous import MeetingPoint, by_partition
 from allreduce_param.engine.wire.messages import MessageClient, MessageServer
@@ -15,16 +17,43 @@ from allreduce_param.train.driver.progress import ProgressBar, ProgressMerger
 from allreduce_param.train.result import merge_epoch, merge_step
 from allreduce_param.train.settings import FitSettings
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DriverEnd:
+    """What ``driver_end`` gives the fit: ``client``, what its tasks use to reach the
+    driver (None: they cannot), and ``stage_failed``."""
+
+    client: MessageClient | None
+    _meeting: MeetingPoint
+    _server: MessageServer
+    _timeout: float
+
+    def stage_failed(self) -> None:
+        """A run of the stage failed: its tasks still waiting to meet are told to stop, and
+        this waits, up to ``spark.allreduce.connectTimeout``, until each task that reached
+        the driver has ended (Spark kills the rest of a failed barrier stage within seconds),
+        so the row files they wrote are gone before the fit runs again or raises."""
+        self._meeting.end()
+        if not self._server.drain(self._timeout):
+            log.warning(
+                "tasks of the failed stage were still running %g s after it failed "
+                "(spark.allreduce.connectTimeout); Spark kills them, and what they wrote in "
+                "its local directories goes with the executor",
+                self._timeout,
+            )
+
 
 @contextlib.contextmanager
 def driver_end(
     settings: FitSettings, spark: SparkInfo, workers: int, network: NetworkSettings
-) -> Iterator[MessageClient | None]:
+) -> Iterator[DriverEnd]:
     """The driver's end for the length of the fit: where the partitions meet, and where
     their progress goes (the bar, the log, the listener, which also hears where everyone
     listens: a ``"meeting"`` event). Listens where ``network`` says, by default on
     ``spark.driver.bindAddress`` (or the driver's host); yields what the tasks use to
-    reach it (``_client_of``)."""
+    reach it (``_client_of``) and what to call when a run of the stage fails."""
     log_file = open(settings.log_path, "a") if settings.log_path else None
     bar = ProgressBar(show=settings.progress, log_file=log_file)
     listeners = [bar] + ([settings.listener] if settings.listener else [])
@@ -61,7 +90,8 @@ def driver_end(
         encrypt=network.encrypt,
     )
     try:
-        yield _client_of(server, spark, network.connect_timeout)
+        client = _client_of(server, spark, network.connect_timeout)
+        yield DriverEnd(client, meeting, server, network.connect_timeout)
         # the tasks have ended: hear what they sent last before the fit returns
         if not server.drain(network.connect_timeout):
             warnings.warn(

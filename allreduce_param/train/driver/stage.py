@@ -4,13 +4,16 @@ the tasks return, decoded (``records.StageOutput``)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
+from allreduce_param.errors import AllReduceError
 from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
 from allreduce_param.train.columns import ORDER_COLUMNS
 from allreduce_param.train.driver.failures import (
@@ -25,6 +28,8 @@ from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.spill import Place, memory_budget, pair_rows, partition_rows
 from allreduce_param.train.task.worker import train_rows
+
+log = logging.getLogger(__name__)
 
 
 def engine_parameter(
@@ -48,7 +53,12 @@ def engine_parameter(
 
 
 def run_stage(
-    job: TrainingJob, kept, placed: Callable[[], Any], attempts: int, profile: Any = None
+    job: TrainingJob,
+    kept,
+    placed: Callable[[], Any],
+    attempts: int,
+    profile: Any = None,
+    failed: Callable[[], None] | None = None,
 ) -> StageOutput:
     """The fit's one barrier stage, over ``kept`` (the rows as they lie, or None) or, where
     Spark refuses a barrier stage over those (a union or a coalesce in their lineage,
@@ -64,7 +74,9 @@ def run_stage(
     Each run again is announced with a ``RuntimeWarning`` saying why; the error after the
     last run says how many ran. (A shuffle after the stage would have Spark retry it, for a
     stage more on every fit.) ``profile``: the stage-level resource profile its tasks run
-    with (``spark.gpus.stage_profile``; None: the session's default)."""
+    with (``spark.gpus.stage_profile``; None: the session's default). ``failed``: called
+    after a run failed, before the next or the error (``DriverEnd.stage_failed``: it waits
+    for that run's tasks to end)."""
     submitted = time.time()
     rows, failures, first = (kept if kept is not None else placed()), 0, job
     while True:
@@ -75,6 +87,8 @@ def run_stage(
             if rows is kept and UNSUPPORTED_CHAIN in str(error):
                 rows = placed()  # refused before any task ran
                 continue
+            if failed is not None:
+                failed()
             failures += 1
             found = stage_error(error, runs=failures)
             if failures >= attempts or not task_failed(error) or recurs(found):
@@ -101,6 +115,25 @@ def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+@contextlib.contextmanager
+def driver_link(job: TrainingJob) -> Iterator[None]:
+    """A task's connection to the driver (``job.driver``) for the task's whole length:
+    opened as it starts, closed last, after its row files are removed. A failed fit's driver
+    waits for its tasks' connections to end (``meeting.driver_end``), so what the tasks
+    left is gone when the fit's error reaches the caller. A driver out of reach here is
+    tried again, and met without, when the task meets its peers (``DriverRendezvous``)."""
+    if job.driver is not None:
+        try:
+            job.driver.connect()
+        except (OSError, AllReduceError) as error:
+            log.info("this task cannot reach the driver yet (%s)", error)
+    try:
+        yield
+    finally:
+        if job.driver is not None:
+            job.driver.close()
 
 
 def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
@@ -133,17 +166,20 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
 
     def arrow_task(batches):
         started = time.time()
-        place, budget = held()
-        loaded = partition_rows(
-            batches, job.n_features, job.sparse, data_in, place, budget, presorted
-        )
-        for kind, payload in trained(started, *loaded):
-            yield record_batch(kind=[kind], payload=[payload])
+        with driver_link(job):
+            place, budget = held()
+            loaded = partition_rows(
+                batches, job.n_features, job.sparse, data_in, place, budget, presorted
+            )
+            for kind, payload in trained(started, *loaded):
+                yield record_batch(kind=[kind], payload=[payload])
 
     def pairs_task(pairs):
         started = time.time()
-        place, budget = held()
-        yield from trained(started, *pair_rows(pairs, job.n_features, data_in, place, budget))
+        with driver_link(job):
+            place, budget = held()
+            loaded = pair_rows(pairs, job.n_features, data_in, place, budget)
+            yield from trained(started, *loaded)
 
     if hasattr(rows, "mapInArrow"):
         extra = {} if profile is None else {"profile": profile}  # PySpark 4.0+ takes it

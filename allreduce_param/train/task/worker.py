@@ -63,7 +63,11 @@ def train_partition(
     Spark barrier stage's ``allGather``.
     """
     rows, validation = split_rows(X, y, split, weight)
-    yield from train_rows(job, rows, validation, rendezvous, clock)
+    try:
+        yield from train_rows(job, rows, validation, rendezvous, clock)
+    finally:
+        if job.driver is not None:
+            job.driver.close()
 
 
 def train_rows(
@@ -74,7 +78,8 @@ def train_rows(
     clock: dict | None = None,
 ) -> Iterator[tuple[str, bytes]]:
     """``train_partition`` over the partition's training and validation rows as they are
-    held: in memory (``state.Rows``) or in row files (``disk_rows.DiskRows``)."""
+    held: in memory (``state.Rows``) or in row files (``disk_rows.DiskRows``). The caller
+    closes ``job.driver`` after it (the stage's task, once its rows are released)."""
     clock = dict(clock or {"started": time.time(), "loaded": time.time()})
     if has_buffers(job.model):  # a task's closure is its own; partitions on threads share one
         job = dataclasses.replace(job, model=copy.deepcopy(job.model))
@@ -118,8 +123,6 @@ def train_rows(
         raise task_failure(_partition_of(rendezvous), ", meeting its peers", error) from error
     finally:
         compute.close()
-        if job.driver is not None:
-            job.driver.close()
 
 
 def _partition_of(rendezvous: Rendezvous | None) -> int | str:
