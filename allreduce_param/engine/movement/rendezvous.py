@@ -25,6 +25,11 @@ from allreduce_param.errors import ConfigurationError, UsageError
 #: they all meet through ``allGather`` instead, unless told: ``NetworkSettings.meeting_patience``.
 DEFAULT_PATIENCE = NetworkSettings().meeting_patience
 
+#: The longest pause (seconds) between looks at a peer process that does not serve yet:
+#: it starts serving at most this long before it is found, for at most 20 refused
+#: connections a second (cheap: nothing listens there yet).
+SERVING_LOOK = 0.05
+
 log = logging.getLogger(__name__)
 
 #: Where a partition's block server listens: ``(host, port)``, or as the server advertises
@@ -221,7 +226,9 @@ class StaticRendezvous(Rendezvous):
         return list(self._addresses)
 
     def _wait_until_serving(self, peer: int, address: Address, deadline: float) -> None:
-        delay = 0.01
+        """Connect to ``peer`` until it accepts (or the deadline passes), looking again after
+        5 ms, then twice as long each time up to ``SERVING_LOOK``."""
+        delay = 0.005
         while True:
             try:
                 with socket.create_connection(
@@ -236,7 +243,7 @@ class StaticRendezvous(Rendezvous):
                         "with the same address list"
                     ) from error
                 time.sleep(delay)  # the peer process is still starting: poll with backoff
-                delay = min(2 * delay, 0.5)
+                delay = min(2 * delay, SERVING_LOOK)
 
 
 class LocalRendezvous:
