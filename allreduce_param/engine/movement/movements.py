@@ -27,7 +27,7 @@ How a block gets here is ``fetches.py``'s (``Fetcher``); how fetched chunks are 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 import numpy as np
@@ -94,36 +94,29 @@ class Movements:
         its host's weight slices from the host arena under their owners' keys, as a relay
         would have copied them.
 
-        Each part is encoded into a buffer the store gives out, which no reader still uses.
         ``residual`` (as long as ``values``), for error feedback: what the codec's rounding
         lost before is added to the values first, and it is then replaced by what this
         rounding lost, so over the steps nothing is lost.
         """
-        store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
-        source = self.partition_id if source is None else source
-        for part, (start, length) in enumerate(split(values.size, PART_LENGTH)):
-            key = BlockKey(kind, source, destination, part)
+        codec = self.codecs[kind]
+        pieces = split(values.size, PART_LENGTH)
+
+        def encode(part: int, buffer, ids: tuple) -> memoryview:
+            start, length = pieces[part]
             chunk = values[start : start + length]
             if residual is not None:  # the residual's room holds what is sent: values + residual
                 chunk = np.add(
                     residual[start : start + length], chunk, out=residual[start : start + length]
                 )
-            buffer = store.reserve(key, version, timeout)
-            # sealed if it is ever sent
-            block = codec.encode(
-                chunk,
-                count=count,
-                out=buffer,
-                ids=(kind, source, destination, part, version),
-                checksum=False,
-            )
+            block = codec.encode(chunk, count=count, out=buffer, ids=ids, checksum=False)
             if residual is not None:
                 _, sent = codec.decode(
                     block, length, scratch=self._rounded[:length], checksum=False
                 )
                 chunk -= sent
-            store.put(key, version, block, buffer=buffer)
-            del block  # the store holds its own view; ours would pin the buffer's size
+            return block
+
+        self._publish_parts(kind, version, range(len(pieces)), destination, source, encode)
 
     def publish_streams(
         self,
@@ -135,24 +128,20 @@ class Movements:
         count: float,
     ) -> None:
         """``publish`` of a chunk whose parts were encoded elsewhere: each of ``parts``
-        (``encoded.EncodedPart``) is the codec's stream at ``payload[offset:offset+nbytes]``,
-        written with its header (``Codec.encode_stream``) into a buffer the store gives out.
+        (``encoded.EncodedPart``, in order) is the codec's stream at
+        ``payload[offset:offset+nbytes]``, written with its header (``Codec.encode_stream``).
         The error feedback was the encoder's: nothing is added or kept here."""
-        store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
-        source = self.partition_id
-        for part in parts:
-            key = BlockKey(kind, source, destination, part.part)
-            buffer = store.reserve(key, version, timeout)
-            block = codec.encode_stream(
-                payload[part.offset : part.offset + part.nbytes],
-                part.length,
-                count=count,
-                out=buffer,
-                ids=(kind, source, destination, part.part, version),
-                checksum=False,  # sealed if it is ever sent
+        codec = self.codecs[kind]
+        by_part = {given.part: given for given in parts}
+
+        def encode(part: int, buffer, ids: tuple) -> memoryview:
+            given = by_part[part]
+            stream = payload[given.offset : given.offset + given.nbytes]
+            return codec.encode_stream(
+                stream, given.length, count=count, out=buffer, ids=ids, checksum=False
             )
-            store.put(key, version, block, buffer=buffer)
-            del block  # the store holds its own view; ours would pin the buffer's size
+
+        self._publish_parts(kind, version, by_part, destination, None, encode)
 
     def publish_in_place(
         self,
@@ -171,24 +160,37 @@ class Movements:
         same-host peers in place, and sent from there to the others. ``source``: as for
         ``publish``.
         """
-        store, codec, timeout = self.peers.store, self.codecs[kind], self.peers.timeout
+        codec = self.codecs[kind]
+        pieces = split(values.nbytes // 4, PART_LENGTH)
+
+        def encode(part: int, buffer, ids: tuple) -> SplitBlock:
+            start, length = pieces[part]
+            header = codec.encode_header(length, count=count, out=buffer, ids=ids)
+            return SplitBlock(header, values[4 * start : 4 * (start + length)])
+
+        self._publish_parts(kind, version, range(len(pieces)), destination, source, encode)
+
+    def _publish_parts(
+        self,
+        kind: int,
+        version: int,
+        parts: Iterable[int],
+        destination: int,
+        source: int | None,
+        encode: Callable[[int, object, tuple], object],
+    ) -> None:
+        """What every publish does for each of its ``parts`` (their numbers): reserve a buffer in the own
+        store that no reader still uses, have ``encode(part, buffer, ids)`` write the block
+        into it (``ids``: what seals it, if it is ever sent; no checksum, sealing covers
+        it), and put the block as ``version``. ``source`` None: this partition's block."""
+        store, timeout = self.peers.store, self.peers.timeout
         source = self.partition_id if source is None else source
-        for part, (start, length) in enumerate(split(values.nbytes // 4, PART_LENGTH)):
+        for part in parts:
             key = BlockKey(kind, source, destination, part)
             buffer = store.reserve(key, version, timeout)
-            header = codec.encode_header(
-                length,
-                count=count,
-                out=buffer,
-                ids=(kind, source, destination, part, version),
-            )
-            store.put(
-                key,
-                version,
-                SplitBlock(header, values[4 * start : 4 * (start + length)]),
-                buffer=buffer,
-            )
-            del header
+            block = encode(part, buffer, (kind, source, destination, part, version))
+            store.put(key, version, block, buffer=buffer)
+            del block  # the store holds its own view; ours would pin the buffer's size
 
     def scatter(
         self,
