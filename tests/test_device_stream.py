@@ -106,6 +106,17 @@ def test_an_owner_is_handed_over_only_once_its_bytes_landed_in_order():
         short.finish()
 
 
+def test_an_empty_owner_is_handed_over_at_once_and_a_part_completes_every_owner_it_spans():
+    plan = GradientPutPlan.of(SliceLayout(2, 3), get_codec("bf16"))  # owner 2 holds nothing
+    given = []
+    copies = EncodedCopies(
+        DeviceEncoder(torch, torch.device("cpu"), plan), run_here, lambda o, b: given.append(o)
+    )
+    copies.part_done(0, 2, torch.tensor([1.0, 2.0]))  # owners 0 and 1 at once
+    copies.finish()
+    assert given == [2, 0, 1]
+
+
 def test_fp16_overflow_stops_the_owner_before_it_is_handed_over():
     plan = GradientPutPlan.of(SliceLayout(300, 2), get_codec("fp16"))
     given = []

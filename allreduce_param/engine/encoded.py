@@ -82,3 +82,8 @@ class GradientPutPlan:
     def owners(self) -> int:
         """How many owners the vector is cut for (the partitions)."""
         return self.parts[-1].owner + 1 if self.parts else 0
+
+    @property
+    def layout(self) -> SliceLayout:
+        """The slices the vector is cut into, one per owner (what the plan was made of)."""
+        return SliceLayout(self.size, self.owners)

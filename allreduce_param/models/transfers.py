@@ -25,7 +25,6 @@ stand-in for the CUDA copies.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -167,10 +166,10 @@ class EncodedCopies:
     ) -> None:
         self._encoder, self._run_aside, self._ready = encoder, run_aside, ready
         self._flat = encoder.gradient
-        plan = encoder.plan
-        self._bounds = [plan.owner_bounds(owner) for owner in range(plan.owners)]
-        self._starts = [start for start, _ in self._bounds]
-        self._waiting = {owner: stop - start for owner, (start, stop) in enumerate(self._bounds)}
+        self._layout = encoder.plan.layout
+        self._waiting = {  # elements of each owner's range not given yet
+            owner: self._layout.length(owner) for owner in range(self._layout.partition_num)
+        }
         self._pending: deque[tuple[Landing, int]] = deque()
         for owner in [owner for owner, left in self._waiting.items() if not left]:
             self._encode(owner)  # an empty chunk: nothing to wait for
@@ -179,14 +178,12 @@ class EncodedCopies:
         """Autograd's hook for the part ``[start, stop)``: put it in place; encode the owners
         it completes; hand over those that landed."""
         self._flat[start:stop].copy_(gradient.reshape(-1))
-        owner = max(0, bisect.bisect_right(self._starts, start) - 1)
-        while owner < len(self._bounds) and self._bounds[owner][0] < stop:
-            low, high = self._bounds[owner]
-            if high > start and owner in self._waiting:
-                self._waiting[owner] -= min(stop, high) - max(start, low)
+        for owner in self._layout.owners(start, stop):
+            if owner in self._waiting:
+                bounds = self._layout.bounds(owner)
+                self._waiting[owner] -= min(stop, bounds.stop) - max(start, bounds.start)
                 if self._waiting[owner] == 0:
                     self._encode(owner)
-            owner += 1
         while self._pending and self._pending[0][0].query():
             self._deliver()
 
