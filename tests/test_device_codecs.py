@@ -397,3 +397,21 @@ def test_encode_on_device_is_refused_where_it_cannot_apply():
         )
         is None
     )
+
+
+def test_the_encoder_and_the_model_refuse_a_put_that_takes_no_encoded_parts_alike():
+    """The engine's own refusal (here: a host arena's) and a codec without a device format
+    read the same from ``TorchModel.device_encoder`` and ``DeviceEncoder``."""
+    model = models.TorchModel(net, encode_on_device=True)
+    arena = GradientPutPlan.of(SliceLayout(model.size, 2), get_codec("bf16"), "a host arena's")
+    raw = GradientPutPlan.of(SliceLayout(model.size, 2), get_codec("raw"), "lossless")
+    for plan, reason in (
+        (arena, r"put takes no pre-encoded parts \(a host arena's\)"),
+        (raw, "'raw' has no device encoding"),
+    ):
+        with pytest.raises(ConfigurationError, match=f"encode_on_device=True, but .*{reason}"):
+            model.device_encoder(plan)
+        with pytest.raises(
+            ConfigurationError, match=f"cannot be encoded on the device: .*{reason}"
+        ):
+            DeviceEncoder(torch, torch.device("cpu"), plan)

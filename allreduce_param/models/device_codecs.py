@@ -140,6 +140,22 @@ FORMATS: dict[str, Callable] = {
 }
 
 
+def device_refusal(codec: str, put_refusal: str | None = None) -> str | None:
+    """Why a gradient put in ``codec`` cannot be encoded on the device, None if it can: the
+    codec has no device format, or the parameter's put takes no pre-encoded parts
+    (``put_refusal``: a ``GradientPutPlan``'s ``refusal``). The one place that decides it:
+    ``DeviceEncoder``, ``TorchModel.device_encoder`` and the fit's checks
+    (``train/task/device_encoding.py``, with the plan's codec alone on the driver) ask here."""
+    if codec not in DEVICE_CODECS:
+        return (
+            f"the gradient codec {codec!r} has no device encoding (those that do: "
+            f"{', '.join(DEVICE_CODECS)})"
+        )
+    if put_refusal is not None:
+        return f"the parameter's put takes no pre-encoded parts ({put_refusal})"
+    return None
+
+
 class DeviceEncoder:
     """One partition's gradient puts encoded on ``device``, as ``plan`` (the engine's
     ``gradient_put_plan()``) cuts them; holds the error feedback residual there (zeros at
@@ -154,16 +170,9 @@ class DeviceEncoder:
     The same parts are encoded in the same order of values either way: the same bits."""
 
     def __init__(self, torch: Any, device: Any, plan: GradientPutPlan) -> None:
-        if plan.refusal is not None:
-            raise ConfigurationError(
-                f"the gradient cannot be encoded on the device: the parameter's put takes no "
-                f"pre-encoded parts ({plan.refusal})"
-            )
-        if plan.codec not in FORMATS:
-            raise ConfigurationError(
-                f"gradient codec {plan.codec!r} has no device encoding; those that do: "
-                f"{', '.join(DEVICE_CODECS)}"
-            )
+        refusal = device_refusal(plan.codec, plan.refusal)
+        if refusal is not None:
+            raise ConfigurationError(f"the gradient cannot be encoded on the device: {refusal}")
         self.torch, self.device, self.plan = torch, device, plan
         self._format = FORMATS[plan.codec]
         pinned = device.type == "cuda"

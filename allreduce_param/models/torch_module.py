@@ -45,7 +45,7 @@ import numpy as np
 from allreduce_param.engine.vectors import writable_output
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import merge_buffers
-from allreduce_param.models.device_codecs import DEVICE_CODECS, DeviceEncoder
+from allreduce_param.models.device_codecs import DeviceEncoder, device_refusal
 from allreduce_param.models.devices import CudaInfo, check_device_request, choose_device, task_gpus
 from allreduce_param.models.transfers import EncodedCopies, GradientCopies, Staging, run_here
 
@@ -315,18 +315,13 @@ class TorchModel:
 
     def device_encoder(self, plan) -> DeviceEncoder | None:
         """An encoder of gradient puts cut as ``plan`` (``ConnectedParameter.gradient_put_plan``)
-        on this process's device, where ``encode_on_device`` says so and the plan's codec has
-        a device encoding (``DEVICE_CODECS``); None where the gradient goes down as float32.
-        ``encode_on_device=True`` with a codec or parameter that cannot take it is a
-        ``ConfigurationError`` naming why."""
+        on this process's device, where ``encode_on_device`` says so and the plan can be
+        encoded there (``device_codecs.device_refusal``); None where the gradient goes down
+        as float32. ``encode_on_device=True`` with a codec or parameter that cannot take it
+        is a ``ConfigurationError`` naming why."""
         if self.encode_on_device is False:
             return None
-        refusal = (
-            f"the gradient codec {plan.codec!r} has no device encoding (those that do: "
-            f"{', '.join(DEVICE_CODECS)})"
-            if plan.codec not in DEVICE_CODECS
-            else plan.refusal
-        )
+        refusal = device_refusal(plan.codec, plan.refusal)
         if refusal is not None:
             if self.encode_on_device is True:
                 raise ConfigurationError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from allreduce_param.errors import ConfigurationError
-from allreduce_param.models.device_codecs import DEVICE_CODECS
+from allreduce_param.models.device_codecs import device_refusal
 from allreduce_param.train.settings import FitSettings, workload_shares
 
 
@@ -18,11 +18,9 @@ def device_encoding_refusal(
     """Why a fit with these settings cannot put the gradient encoded on the device; None if
     it can. (A model that takes sparse rows never encodes on the device: it has no
     ``device_encoder``.)"""
-    if gradient_codec not in DEVICE_CODECS:
-        return (
-            f"its gradient codec {gradient_codec!r} has no device encoding (those that do: "
-            f"{', '.join(DEVICE_CODECS)})"
-        )
+    refusal = device_refusal(gradient_codec)  # the put's own: the task's model asks it
+    if refusal is not None:
+        return refusal
     if settings.sync_every != 1:
         return (
             "it is local SGD (sync_every), which steps each partition's own copy with the "
