@@ -170,6 +170,24 @@ def test_allreduce_and_the_exact_allreduce_go_through_the_hosts():
         assert exact.tolist() == [15.0, 3.0]
 
 
+def test_a_raw_allreduce_goes_through_the_hosts_unrounded_by_a_lossy_codec():
+    hosts = LAYOUTS["one alone first"]
+    rng = np.random.default_rng(6)
+    vectors = [rng.standard_normal(777).astype(np.float32) for _ in range(6)]
+
+    def body(p):
+        return p.allreduce(vectors[p.partition_id], raw=True), p.allreduce(vectors[p.partition_id])
+
+    results = raise_first(
+        run_partitions(AllReduceParameter(6, 10, codec="int8", timeout=30), body, hosts=hosts)
+    )
+    host_sums = [vectors[0], vectors[1] + vectors[2] + vectors[3], vectors[4] + vectors[5]]
+    expected = host_sums[0] + host_sums[1] + host_sums[2]
+    for raw, coded in results:
+        assert np.array_equal(raw, expected)
+        assert not np.array_equal(coded, expected)  # int8 rounds the same sum through the codec
+
+
 def test_a_nan_gradient_is_named_by_its_partition():
     hosts = LAYOUTS["2x2"]
     weights, grads, counts = make(400, 4, seed=6)

@@ -105,6 +105,9 @@ def test_each_strategy_keeps_exactly_what_a_reader_can_ask_for():
         BlockKind.SIGNAL: 1,
         BlockKind.GRADIENT_HOST_SUM: 1,
         BlockKind.REDUCE_INPUT_HOST_SUM: 1,
+        BlockKind.RAW_REDUCE_INPUT: 1,
+        BlockKind.RAW_REDUCE_OUTPUT: 1,
+        BlockKind.RAW_REDUCE_INPUT_HOST_SUM: 1,
         BlockKind.METADATA: 2,
     }
     assert Strategy("bsp", backup_workers=1).keep()[BlockKind.GRADIENT] == 1

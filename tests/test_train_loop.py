@@ -587,6 +587,27 @@ def test_the_moments_for_standardization_are_the_same_from_dense_and_sparse_rows
         assert (total, squares) == pytest.approx((weight.sum(), (weight**2).sum()))
 
 
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_a_lossy_codec_standardizes_with_the_moments_a_raw_one_has(codec):
+    """The features' moments are summed raw whatever the fit's codec (a bf16 or int8 sum of
+    them moved every std by up to 7%): the very bits of a raw fit's std."""
+    from conftest import run_partitions
+
+    from allreduce_param.train.regularisation import feature_std
+
+    rng = np.random.default_rng(5)
+    X = (rng.standard_normal((90, 4)) * [1.0, 10.0, 0.1, 0.0] + [0, 100, 0, 3]).astype(np.float32)
+    cuts = [(0, 40), (40, 40), (40, 90)]
+
+    def std(p):
+        return feature_std(p, X[slice(*cuts[p.partition_id])])
+
+    raw = run_partitions(AllReduceParameter(3, 8, codec="raw", timeout=60), std)
+    lossy = run_partitions(AllReduceParameter(3, 8, codec=codec, timeout=60), std)
+    for result in lossy:
+        assert np.array_equal(result, raw[0]), (result, raw[0])
+
+
 def test_the_feature_std_over_partitions_is_mllibs_weighted_unbiased_one():
     """Each partition's rows (one partition with none) and sample weights: every partition
     gets the same std, numpy's weighted unbiased one to float32 rounding."""

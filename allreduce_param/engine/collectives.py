@@ -1,4 +1,4 @@
-"""Collectives on any vector, beside the steps: allreduce (through the codec), exact
+"""Collectives on any vector, beside the steps: allreduce (through the codec, or raw), exact
 allreduce (row counts, norms, metrics), and signals (a checkpoint written, a fit's stop).
 
 Each is made of the four movements (``movement/movements.py``) and has block kinds of its
@@ -32,34 +32,47 @@ class Collectives:
         self.partition_id = moves.partition_id
         self.partition_num = moves.partition_num
         self._allreduces = -1  # versions taken so far
+        self._raw_allreduces = -1
         self._exact_allreduces = -1
 
-    def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum") -> np.ndarray:
+    def allreduce(
+        self, values: np.ndarray, op: Literal["sum", "mean"] = "sum", raw: bool = False
+    ) -> np.ndarray:
         """Sum (or average over partitions) a float32 vector of any length across partitions.
 
-        A reduce-scatter then an all-gather, like a step, through the parameter's codec.
-        Every partition must call it with a vector of the same length; all get the same
-        result. For counts, norms and metrics that a lossy codec would round, use
-        ``allreduce_exact``.
+        A reduce-scatter then an all-gather, like a step, through the parameter's codec;
+        ``raw=True``: through the raw codec whatever the parameter's, so that only the
+        float32 sums round (the same bits as a raw parameter's allreduce: statistics a
+        lossy codec must not change, such as the features' moments of a standardized fit).
+        Every partition must call it with a vector of the same length and the same ``raw``;
+        all get the same result. For counts, norms and metrics, which float32 would round,
+        use ``allreduce_exact``.
         """
         if op not in ("sum", "mean"):
             raise InputError(f"allreduce(op={op!r}): op must be 'sum' or 'mean'")
         vector = float32_vector(values, None, f"allreduce(values) on partition {self.partition_id}")
-        self._allreduces += 1
-        version, moves = self._allreduces, self._moves
+        if raw:
+            self._raw_allreduces += 1
+            version = self._raw_allreduces
+            inputs, outputs = BlockKind.RAW_REDUCE_INPUT, BlockKind.RAW_REDUCE_OUTPUT
+        else:
+            self._allreduces += 1
+            version = self._allreduces
+            inputs, outputs = BlockKind.REDUCE_INPUT, BlockKind.REDUCE_OUTPUT
+        moves = self._moves
         layout = SliceLayout(vector.size, self.partition_num)
-        moves.scatter(BlockKind.REDUCE_INPUT, version, vector, layout, 1.0)
+        moves.scatter(inputs, version, vector, layout, 1.0)
         reduced = np.empty(layout.length(self.partition_id), dtype=np.float32)
         moves.reduce(
-            BlockKind.REDUCE_INPUT,
+            inputs,
             version,
             layout,
             reduced,
             divisor=(lambda total: self.partition_num) if op == "mean" else None,
         )
-        moves.publish(BlockKind.REDUCE_OUTPUT, version, reduced)
+        moves.publish(outputs, version, reduced)
         out = np.empty(vector.size, dtype=np.float32)
-        moves.gather(BlockKind.REDUCE_OUTPUT, WeightRead(version, exact=True), layout, out)
+        moves.gather(outputs, WeightRead(version, exact=True), layout, out)
         return out
 
     def allreduce_exact(self, values) -> np.ndarray:

@@ -573,9 +573,12 @@ class ConnectedParameter:
     # ---- collectives on any vector: collectives.Collectives's ----------------------------
 
     @_call
-    def allreduce(self, values: np.ndarray, op: Literal["sum", "mean"] = "sum") -> np.ndarray:
-        """Sum (or average) a float32 vector across partitions: ``Collectives.allreduce``."""
-        return self._collectives.allreduce(values, op)
+    def allreduce(
+        self, values: np.ndarray, op: Literal["sum", "mean"] = "sum", raw: bool = False
+    ) -> np.ndarray:
+        """Sum (or average) a float32 vector across partitions, through the codec or with
+        ``raw=True`` unrounded by it: ``Collectives.allreduce``."""
+        return self._collectives.allreduce(values, op, raw)
 
     @_call
     def allreduce_exact(self, values) -> np.ndarray:

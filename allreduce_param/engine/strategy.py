@@ -203,6 +203,9 @@ class Strategy:
             BlockKind.SIGNAL: 1,
             BlockKind.GRADIENT_HOST_SUM: 1,
             BlockKind.REDUCE_INPUT_HOST_SUM: 1,
+            BlockKind.RAW_REDUCE_INPUT: 1,
+            BlockKind.RAW_REDUCE_OUTPUT: 1,
+            BlockKind.RAW_REDUCE_INPUT_HOST_SUM: 1,
             # all-gathered with no reduce between: a peer may still read v while we publish v+1
             BlockKind.METADATA: 2,
         }
@@ -213,7 +216,14 @@ class Strategy:
         t before its gradient t, which the owner sums before it publishes weights t+1; a
         leader's host sums and relays follow the same order), and allreduce's blocks under
         every strategy (all partitions go through it together)."""
-        kinds = {BlockKind.REDUCE_INPUT, BlockKind.REDUCE_OUTPUT, BlockKind.REDUCE_INPUT_HOST_SUM}
+        kinds = {
+            BlockKind.REDUCE_INPUT,
+            BlockKind.REDUCE_OUTPUT,
+            BlockKind.REDUCE_INPUT_HOST_SUM,
+            BlockKind.RAW_REDUCE_INPUT,
+            BlockKind.RAW_REDUCE_OUTPUT,
+            BlockKind.RAW_REDUCE_INPUT_HOST_SUM,
+        }
         if self.inline_owner:
             kinds |= {BlockKind.WEIGHT, BlockKind.GRADIENT, BlockKind.GRADIENT_HOST_SUM}
         return frozenset(kinds)

@@ -97,8 +97,9 @@ def feature_std(
 
     Every partition calls it at once (``p``: its ``ConnectedParameter``): one exact
     allreduce of the weight sums, then the per-feature sums and the sums of squared
-    deviations from the global mean, each one allreduce of one value per feature through
-    the parameter's codec (a lossy one rounds them). All partitions get the same bits. A
+    deviations from the global mean, each one raw allreduce of one value per feature
+    (float32 sums, never the codec's rounding: a fit with a lossy codec standardizes as a
+    raw one does). All partitions get the same bits. A
     std at most ``CONSTANT`` times the mean's magnitude, below what float32 sums resolve,
     is 0: a constant feature's, as MLlib finds it. ``moments``: this partition's
     ``local_moments``, where the caller summed them itself (rows read from a file in
@@ -111,7 +112,7 @@ def feature_std(
     features = first.shape[0]
     if not total_weight > 0:
         return np.zeros(features, np.float32)
-    mean = np.asarray(p.allreduce(first.astype(np.float32)), np.float64)
+    mean = np.asarray(p.allreduce(first.astype(np.float32), raw=True), np.float64)
     mean /= total_weight
     # this partition's sum w (x - mean)^2 = second + mean * own * (mean - 2 * first / own),
     # in place: three float64 vectors at most (a 2**24-feature fit: 384 MiB for a moment)
@@ -123,7 +124,7 @@ def feature_std(
         second += first
         np.maximum(second, 0.0, out=second)
     del first
-    spread = np.asarray(p.allreduce(second.astype(np.float32)), np.float64)
+    spread = np.asarray(p.allreduce(second.astype(np.float32), raw=True), np.float64)
     del second
     denominator = total_weight - squared_weights / total_weight
     if not denominator > 0:  # a single row (or one row's weight): no spread to measure

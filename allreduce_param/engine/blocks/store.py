@@ -71,6 +71,10 @@ class BlockKind:
     # hierarchical sync: a host's sum of its partitions' chunks for one owner, made by its leader
     GRADIENT_HOST_SUM = 8
     REDUCE_INPUT_HOST_SUM = 9
+    # allreduce(raw=True): as REDUCE_INPUT, REDUCE_OUTPUT and their host sum, always raw
+    RAW_REDUCE_INPUT = 10
+    RAW_REDUCE_OUTPUT = 11
+    RAW_REDUCE_INPUT_HOST_SUM = 12
 
     NAMES = {
         WEIGHT: "weight",
@@ -82,9 +86,16 @@ class BlockKind:
         METADATA: "metadata",
         GRADIENT_HOST_SUM: "host sum of gradients",
         REDUCE_INPUT_HOST_SUM: "host sum of allreduce inputs",
+        RAW_REDUCE_INPUT: "raw allreduce input",
+        RAW_REDUCE_OUTPUT: "raw allreduce output",
+        RAW_REDUCE_INPUT_HOST_SUM: "host sum of raw allreduce inputs",
     }
     #: the kind a leader sums a host's blocks of each summed kind into
-    HOST_SUM = {GRADIENT: GRADIENT_HOST_SUM, REDUCE_INPUT: REDUCE_INPUT_HOST_SUM}
+    HOST_SUM = {
+        GRADIENT: GRADIENT_HOST_SUM,
+        REDUCE_INPUT: REDUCE_INPUT_HOST_SUM,
+        RAW_REDUCE_INPUT: RAW_REDUCE_INPUT_HOST_SUM,
+    }
 
 
 class BlockKey(NamedTuple):

@@ -14,7 +14,8 @@ NaN/Inf) is done on that part while it is in cache, not in a pass of its own.
 
 Each kind of block has one codec: weights and allreduce blocks the parameter's, gradients
 the parameter's gradient codec (the same unless it says otherwise);
-the small blocks (metadata, step choices, signals) raw, so they are exact whatever it is.
+the small blocks (metadata, step choices, signals) and ``allreduce(raw=True)``'s raw, so
+no codec rounds them.
 
 Hierarchical (``peers.PeerGroup.hierarchical``), a host's leader also *relays*: it copies
 blocks as they are into its own store, under their own keys, for its host or the other
@@ -42,8 +43,16 @@ from allreduce_param.engine.strategy import WeightRead
 
 __all__ = ["EXACT_KINDS", "Movements", "NonFiniteSum", "block_codecs", "part_plan"]
 
-#: The block kinds that always travel raw: small, and wanted exact.
-EXACT_KINDS = (BlockKind.CHOICE, BlockKind.SIGNAL, BlockKind.METADATA)
+#: The block kinds that always travel raw, whatever the parameter's codecs: the small ones,
+#: wanted exact, and ``allreduce(raw=True)``'s, whose sums no codec may round.
+EXACT_KINDS = (
+    BlockKind.CHOICE,
+    BlockKind.SIGNAL,
+    BlockKind.METADATA,
+    BlockKind.RAW_REDUCE_INPUT,
+    BlockKind.RAW_REDUCE_OUTPUT,
+    BlockKind.RAW_REDUCE_INPUT_HOST_SUM,
+)
 
 
 def block_codecs(codec: Codec, gradient_codec: Codec | None = None) -> dict[int, Codec]:
