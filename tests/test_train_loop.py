@@ -243,6 +243,44 @@ def test_the_background_owner_and_local_sgd_regularise_too(changes):
     assert (weights[model.penalized()] == 0).sum() > 10
 
 
+@pytest.mark.parametrize("strategy", ["ssp", "asp"])
+@pytest.mark.parametrize("standardization", [False, True])
+def test_a_background_owners_clip_leaves_out_the_held_coordinates_as_bsps_does(
+    strategy, standardization
+):
+    """Each partition clips its own gradient under SSP/ASP: by the norm of the trained
+    coordinates alone, as BSP clips, not counting the gradient of an intercept held at 0
+    by fit_intercept=False (or of a constant feature's weights). One step on one partition
+    reads the initial weights under any strategy, so it is then BSP's step, to float32
+    rounding (where the clip's scale is applied)."""
+    X, y = blobs(40, 5, 3, seed=4)
+    X[:, 3] = 2.0  # a constant feature: its weights are held at 0 under standardization
+    model = models.MLP([5, 8, 3])
+
+    def one_step(**strategy):
+        settings = FitSettings(
+            batch_size=40,
+            epochs=1,
+            seed=1,
+            reg_param=0.01,
+            fit_intercept=False,
+            standardization=standardization,
+            **strategy,
+        )
+        param = AllReduceParameter(
+            1, model.size, codec="raw", timeout=60, strategy=settings.synchronisation
+        )
+        optimizer = optim.SGD(lr=0.5, clip_norm=0.05)  # far below the step's gradient norm
+        job = TrainingJob(model, optimizer, param, settings, n_features=5, has_validation=False)
+        (output,) = run_workers(job, [(X, y)])
+        assert isinstance(output, dict), output
+        return np.frombuffer(output["weights"], np.float32)
+
+    staleness = {"staleness": 1} if strategy == "ssp" else {}
+    bsp, background = one_step(), one_step(strategy=strategy, **staleness)
+    np.testing.assert_allclose(background, bsp, rtol=1e-5, atol=1e-7)
+
+
 class Counted(models.MLP):
     """An MLP that counts its calls of each kind (class-wide: the partitions are threads)."""
 

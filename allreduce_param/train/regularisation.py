@@ -144,6 +144,9 @@ class OwnedRegularisation:
     standardization the weights of a feature of std 0), which every optimizer then leaves
     at the 0 ``initial`` gave them: no state, decay or threshold moves a 0 with a 0 gradient.
     ``std``: each feature's standard deviation (``feature_std``), when the fit standardizes.
+    ``clips_whole``: the partition clips the whole gradient it puts by its own norm (SSP,
+    ASP, backup workers: ``hold_whole``), which must leave the held coordinates out, as
+    BSP's clip of the owners' held slices does.
     """
 
     def __init__(
@@ -153,21 +156,23 @@ class OwnedRegularisation:
         size: int,
         part: slice,
         std: np.ndarray | None = None,
+        clips_whole: bool = False,
     ) -> None:
         self.penalty: ElasticNet | None = settings.penalty()
         mask = None
         if self.penalty is not None or not settings.fit_intercept:
             mask = penalized_mask(model, size)
-        own = None if mask is None else mask[part]
-        held = None if settings.fit_intercept or own is None else ~own
-        self.penalized: np.ndarray | None = None
+        factors = None
         if self.penalty is not None and settings.standardizes:
-            self.penalized = np.array(model.penalty_factors(std)[part], np.float32)
-            constant = (self.penalized == 0) if own is None else (self.penalized == 0) & own
-            held = constant if held is None else held | constant
+            factors = np.asarray(model.penalty_factors(std), np.float32)
+        own = None if mask is None else mask[part]
+        self.penalized: np.ndarray | None = None
+        if factors is not None:
+            self.penalized = np.array(factors[part], np.float32)
         elif self.penalty is not None and own is not None:
             self.penalized = own.astype(np.float32)
-        self._held = held if held is not None and held.any() else None
+        self._held = _held(settings, own, self.penalized if factors is not None else None)
+        self._held_whole = _held(settings, mask, factors) if clips_whole else None
         self._part, self._size = part, size
 
     @property
@@ -189,3 +194,23 @@ class OwnedRegularisation:
         """Zero the held coordinates' gradient of this part, in place."""
         if self._held is not None:
             np.copyto(gradient, 0.0, where=self._held)
+
+    def hold_whole(self, gradient: np.ndarray) -> None:
+        """Zero the held coordinates' gradient of the whole vector, in place (made with
+        ``clips_whole``): before a partition clips the gradient it puts by its own norm."""
+        if self._held_whole is not None:
+            np.copyto(gradient, 0.0, where=self._held_whole)
+
+
+def _held(
+    settings: FitSettings, penalized: np.ndarray | None, factors: np.ndarray | None
+) -> np.ndarray | None:
+    """Which coordinates of a part (or the whole vector) are held at 0, given the model's
+    ``penalized`` mask and standardized penalty ``factors`` of the same coordinates: the
+    intercepts under ``fit_intercept=False``, the weights of a feature of std 0 (factor 0);
+    None where none is."""
+    held = None if settings.fit_intercept or penalized is None else ~penalized
+    if factors is not None:
+        constant = (factors == 0) if penalized is None else (factors == 0) & penalized
+        held = constant if held is None else held | constant
+    return held if held is not None and held.any() else None

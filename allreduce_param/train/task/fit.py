@@ -41,6 +41,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             p.layout.size,
             slice(0, p.layout.size) if job.local_sgd else p.layout.bounds(p.partition_id),
             feature_std(p, moments=self.train.moments()) if self.settings.standardizes else None,
+            clips_whole=self._clips_own,
         )
         self.start = self._begin()
         if job.local_sgd:

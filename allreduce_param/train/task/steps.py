@@ -111,7 +111,8 @@ class Steps(FitState):
             )
         else:
             loss_sum, grad_sum, count = self.compute(self.weights, *batch)
-        if clip_own:
+        if clip_own and self._clips_own:
+            self.regularisation.hold_whole(grad_sum)  # the held ones' are not trained
             self._clip_own(grad_sum, count)
         computed = time.perf_counter()
         record = self._record(
@@ -180,6 +181,16 @@ class Steps(FitState):
         )
         record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
         return record
+
+    @property
+    def _clips_own(self) -> bool:
+        """Whether each partition clips the whole gradient it puts by its own norm (a
+        background owner's strategies with ``clip_norm``), where BSP clips the owners' sum."""
+        return (
+            not self.job.local_sgd
+            and not self.p.strategy.inline_owner
+            and self.job.optimizer.clip_norm is not None
+        )
 
     def _clip_own(self, grad_sum: np.ndarray, count: int) -> None:
         """Clip a gradient by its own norm (where the global norm would need every partition)."""
