@@ -344,3 +344,25 @@ def test_a_checkpoint_written_before_checksums_still_resumes_exactly(written, tm
     parts = parts_of(90, 3)
     resumed = run(job_for(parts, tmp_path / "resumed", every=5, resume=middle), parts)
     assert np.array_equal(weights(resumed), written[1])
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [{}, {"strategy": Strategy("ssp", 1)}, {"sync_every": 2}],
+    ids=["bsp", "ssp", "local sgd"],
+)
+def test_a_fit_resumed_into_fit_intercept_false_starts_and_keeps_its_intercepts_at_0(
+    tmp_path, loop
+):
+    """As a fresh fit with fit_intercept=False, and as MLlib's initialModel under
+    fitIntercept=false: the earlier fit's intercepts and their Adam moments do not come along
+    (a local SGD checkpoint part, a slice of the whole copy, is zeroed too)."""
+    parts = parts_of(90, 3)
+    run(job_for(parts, tmp_path, every="epoch", keep=5, epochs=1, **loop), parts)
+    manifest = newest(str(tmp_path))
+    resumed = weights(
+        run(job_for(parts, epochs=2, resume=manifest, fit_intercept=False, **loop), parts)
+    )
+    biases = ~models.MLP([5, 8, 3]).penalized()
+    assert (resumed[biases] == 0).all()
+    assert (resumed[~biases] != 0).all()

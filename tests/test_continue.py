@@ -193,3 +193,23 @@ def test_partitions_on_threads_continue_under_every_loop(settings):
         assert np.array_equal(second.weights, whole.weights)
         for name, value in whole.state.items():
             assert np.array_equal(second.state[name], value)
+
+
+def test_continuing_into_fit_intercept_false_warns_of_the_intercepts_it_drops():
+    """The task starts them at 0 (as MLlib's initialModel under fitIntercept=false); the
+    driver says so where the initial model's were not 0, and only there."""
+    import warnings
+
+    from allreduce_param.train.driver.checks import check_initial
+    from allreduce_param.train.result import TrainedModel
+
+    model = models.MLP([5, 8, 3])
+    weights = np.ones(model.size, np.float32)
+    without = FitSettings(fit_intercept=False)
+    with pytest.warns(UserWarning, match=r"fit_intercept=False: initial's 11 non-zero intercept"):
+        check_initial(TrainedModel(model, weights), model, optim.SGD(lr=0.1), without)
+    weights[~model.penalized()] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_initial(TrainedModel(model, weights), model, optim.SGD(lr=0.1), without)
+        check_initial(TrainedModel(model, weights + 1), model, optim.SGD(lr=0.1), FitSettings())

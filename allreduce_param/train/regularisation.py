@@ -180,15 +180,32 @@ class OwnedRegularisation:
         """``Optimizer.step``'s ``penalty`` and ``penalized`` for this part."""
         return {"penalty": self.penalty, "penalized": self.penalized}
 
-    def initial(self, weights: np.ndarray) -> np.ndarray:
-        """The weights a fit starts from, the whole vector or this part alone (a
-        checkpoint's), with this part's held coordinates 0 (every partition zeroes its own
-        part; ``ConnectedParameter.init`` keeps only that)."""
-        if self._held is not None and weights.size == self._size:
-            weights[self._part][self._held] = 0.0
-        elif self._held is not None and weights.size == self._held.size:
-            weights[self._held] = 0.0
+    def initial(self, weights: np.ndarray, own: slice) -> np.ndarray:
+        """The weights a fit starts from, the whole vector or this partition's slice ``own``
+        of it alone (a checkpoint's part), with the held coordinates of this part that they
+        hold set to 0: an earlier fit's intercepts, or a constant feature's weights, do not
+        come along into a fit that holds them (MLlib's ``initialModel`` under
+        ``fitIntercept=false`` gives its intercept no say either). Every partition zeroes
+        what it holds of its part; ``ConnectedParameter.init`` keeps its own slice."""
+        if self._held is None:
+            return weights
+        covered = slice(0, self._size) if weights.size == self._size else own
+        start = max(self._part.start, covered.start)
+        stop = min(self._part.stop, covered.stop)
+        if start < stop:
+            held = self._held[start - self._part.start : stop - self._part.start]
+            weights[start - covered.start : stop - covered.start][held] = 0.0
         return weights
+
+    def initial_state(self, state: dict[str, np.ndarray], fresh: dict[str, np.ndarray]) -> None:
+        """An earlier fit's optimizer ``state`` of this part (each array as long as it), with
+        the held coordinates' values set to a fresh state's (``fresh``: the optimizer's
+        ``init_state(1)``), in place: a momentum or Adam moment carried over would move an
+        intercept the fit holds at 0, though its gradient is 0."""
+        if self._held is None:
+            return
+        for name, values in state.items():
+            np.copyto(values, fresh[name][0], where=self._held)
 
     def hold(self, gradient: np.ndarray) -> None:
         """Zero the held coordinates' gradient of this part, in place."""

@@ -20,6 +20,7 @@ from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import task_slots
 from allreduce_param.train.checkpoint import Manifest
 from allreduce_param.train.columns import TRAIN
+from allreduce_param.train.regularisation import penalized_mask
 from allreduce_param.train.start import StartPoint
 
 
@@ -133,6 +134,7 @@ def check_initial(initial: Any, model: Any, optimizer: Any, settings: Any) -> An
             f"initial holds a {type(trained.model).__name__} model, this fit trains a "
             f"{type(model).__name__}: continue with the kind of model initial was trained as"
         )
+    _warn_of_dropped_intercepts(trained, model, settings)
     if not settings.keep_optimizer_state:
         return trained
     if trained.optimizer_state is None:
@@ -150,6 +152,25 @@ def check_initial(initial: Any, model: Any, optimizer: Any, settings: Any) -> An
             "trained with, or pass keep_optimizer_state=False to start this one afresh"
         )
     return trained
+
+
+def _warn_of_dropped_intercepts(trained: Any, model: Any, settings: Any) -> None:
+    """A ``UserWarning`` where ``fit_intercept=False`` continues a model whose intercepts are
+    not 0: the fit starts them at 0 and holds them there (as a fresh fit does, and as MLlib's
+    ``initialModel`` under ``fitIntercept=false``, whose intercept it ignores)."""
+    if settings.fit_intercept:
+        return
+    weights = np.asarray(trained.weights)
+    mask = penalized_mask(model, weights.size)
+    dropped = 0 if mask is None else int(np.count_nonzero(weights[~mask]))
+    if dropped:
+        warnings.warn(
+            f"fit_intercept=False: initial's {dropped} non-zero intercept(s) start this fit at 0 "
+            "and stay there, as MLlib's initialModel under fitIntercept=false; pass "
+            "fit_intercept=True to train on from them",
+            UserWarning,
+            stacklevel=5,  # fit()'s caller
+        )
 
 
 def check_start(start: StartPoint, size: int, optimizer: Any) -> None:

@@ -28,11 +28,11 @@ class Checkpoints(FitState):
         local = job.local_sgd
         start = job.start
         part = start.part(job.model, self.settings.seed, p.partition_id, p.layout, local)
-        self.state = (
-            part.state
-            if part.state is not None
-            else job.optimizer.init_state(p.layout.size if local else p.slice_length)
-        )
+        if part.state is not None:  # an earlier fit's: the held coordinates' start afresh
+            self.state = part.state
+            self.regularisation.initial_state(self.state, job.optimizer.init_state(1))
+        else:
+            self.state = job.optimizer.init_state(p.layout.size if local else p.slice_length)
         if part.buffers is not None and has_buffers(job.model):
             job.model.set_buffers(part.buffers)
         records = part.records
@@ -47,7 +47,8 @@ class Checkpoints(FitState):
         if self._early is not None and manifest is not None and manifest.early_stopping is not None:
             self._early.restore(manifest.early_stopping, part.best)
         self._report_start(start.step)  # before init: no peer can report a step before it
-        p.init(self.regularisation.initial(part.weights), step=start.step)
+        own = p.layout.bounds(p.partition_id)
+        p.init(self.regularisation.initial(part.weights, own), step=start.step)
         return start.step
 
     def _evaluated_before(self, start: int) -> int:
