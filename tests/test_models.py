@@ -585,3 +585,23 @@ def test_bad_sample_weights_are_refused_naming_what_is_wrong():
     for bad in ([1.0, -1.0, 1.0], [1.0, np.nan, 1.0], [np.inf, 1.0, 1.0]):
         with pytest.raises(InputError, match="negative, NaN or infinite weight"):
             model.loss_and_grad(weights, X, y, sample_weight=bad)
+
+
+@pytest.mark.parametrize(
+    "model", [MLP([5, 4, 3]), SoftmaxRegression(7, 3), LinearRegression(6)], ids=repr
+)
+def test_the_penalty_of_a_slice_is_built_alone_with_the_whole_vectors_bits(model):
+    """penalized(part=) and penalty_factors(std, part=) give the whole vector's slice, bit for
+    bit, for slices that cut w1's rows anywhere (a task builds its owner's slice alone)."""
+    rng = np.random.default_rng(3)
+    std = (rng.random(model.n_features) * 3).astype(np.float32)
+    std[1] = 0.0
+    mask, factors = model.penalized(), model.penalty_factors(std)
+    cuts = {0, 1, model.size - 1, model.size} | set(rng.integers(0, model.size, 12).tolist())
+    for start in sorted(cuts):
+        for stop in sorted(c for c in cuts if c >= start):
+            part = slice(start, stop)
+            assert np.array_equal(model.penalized(part), mask[part])
+            assert model.penalty_factors(std, part).tobytes() == factors[part].tobytes()
+    with pytest.raises(InputError, match=r"penalized: part must be a slice\(start, stop\) with"):
+        model.penalized(slice(0, model.size + 1))

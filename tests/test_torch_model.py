@@ -364,6 +364,8 @@ def test_the_regularisation_spares_the_parameters_named_bias():
     # 0.weight (6), 0.bias (2), 2.weight (2), 2.bias (1)
     expected = [True] * 6 + [False] * 2 + [True] * 2 + [False]
     assert model.penalized().tolist() == expected
+    for start, stop in [(0, 11), (5, 9), (7, 7), (8, 11)]:  # a task builds its slice alone
+        assert model.penalized(slice(start, stop)).tolist() == expected[start:stop]
 
 
 def test_a_task_without_the_gpu_it_asks_for_ends_the_fit_after_one_run(normed_fit):

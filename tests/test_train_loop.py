@@ -281,6 +281,54 @@ def test_a_background_owners_clip_leaves_out_the_held_coordinates_as_bsps_does(
     np.testing.assert_allclose(background, bsp, rtol=1e-5, atol=1e-7)
 
 
+class AskedParts(models.MLP):
+    """An MLP that records the ``part`` each penalty call asks for (class-wide: threads)."""
+
+    asked: list = []
+
+    def penalized(self, part=None):
+        AskedParts.asked.append(part)
+        return super().penalized(part)
+
+    def penalty_factors(self, feature_std, part=None):
+        AskedParts.asked.append(part)
+        return super().penalty_factors(feature_std, part)
+
+
+class WholeOnly(models.MLP):
+    """An MLP whose penalty calls build the whole vector only (no ``part=``), as a model
+    written before ``part`` was."""
+
+    def penalized(self):
+        return super().penalized()
+
+    def penalty_factors(self, feature_std):
+        return super().penalty_factors(feature_std)
+
+
+def test_each_task_builds_its_own_slice_of_the_penalty_alone_with_the_same_bits():
+    """Each owner asks the model for its slice of the mask and the standardized factors
+    (not the whole vector's, 64-128 MB at 2**24 features); a model that builds only the
+    whole vector is cut instead, to the same bits."""
+    X, y = blobs(60, 5, 3, seed=6)
+    parts = [(X[:20], y[:20]), (X[20:45], y[20:45]), (X[45:], y[45:])]
+    settings = FitSettings(batch_size=15, epochs=2, seed=2, reg_param=0.3, elastic_net_param=0.5)
+
+    def fit(model):
+        param = AllReduceParameter(3, model.size, codec="raw", timeout=60)
+        job = TrainingJob(model, optim.Adam(lr=0.05), param, settings, 5, has_validation=False)
+        outputs = run_workers(job, parts)
+        assert all(isinstance(output, dict) for output in outputs), outputs
+        return np.frombuffer(outputs[0]["weights"], np.float32), param
+
+    AskedParts.asked = []
+    sliced, param = fit(AskedParts([5, 8, 3]))
+    owners = {(param.layout.start(i), param.layout.bounds(i).stop) for i in range(3)}
+    asked = {None if part is None else (part.start, part.stop) for part in AskedParts.asked}
+    assert asked == owners, AskedParts.asked
+    assert np.array_equal(sliced, fit(WholeOnly([5, 8, 3]))[0])
+
+
 class Counted(models.MLP):
     """An MLP that counts its calls of each kind (class-wide: the partitions are threads)."""
 

@@ -66,7 +66,9 @@ class Model(Protocol):
       ``elasticNetParam``) applies, the weights, and False for the intercepts (biases), which
       it never penalises and ``fit_intercept=False`` holds at 0 (not trained). The built-in
       dense models mark every ``b1``, ``b2``, ... False; ``TorchModel`` every parameter whose
-      name ends in ``bias``. Each owner cuts its slice out of it. Without it every
+      name ends in ``bias``. Each owner cuts its slice out of it; a ``penalized(part=)``
+      that takes a slice ``part`` of the flat vector and returns that slice alone (the
+      built-ins' do) spares each task the whole vector's mask. Without it every
       coordinate is penalised, and ``fit_intercept=False`` is refused (which are the
       intercepts is not known).
     - ``penalty_factors(feature_std) -> np.ndarray``: float32 of the flat vector's length,
@@ -76,8 +78,8 @@ class Model(Protocol):
       that multiplies feature ``j``, 1 for the other weights, 0 for the intercepts. The
       L1 part then penalises ``std_j * |w|``, the L2 part ``std_j^2 * w^2``: MLlib's penalty
       on the coefficients of standardized features. The built-in dense models have it
-      (``w1``'s rows scaled, deeper layers 1). Without it a fit with a penalty needs
-      ``standardization=False``.
+      (``w1``'s rows scaled, deeper layers 1), and take ``part=`` as ``penalized`` does.
+      Without it a fit with a penalty needs ``standardization=False``.
     - ``sample_weight=`` on ``loss_and_grad``, ``loss_and_grad_into`` and
       ``loss_and_predictions``: one weight >= 0 per row; each row's loss and gradient count
       its weight times, and ``count`` is the weights' sum. The built-in dense models take
@@ -248,6 +250,38 @@ def takes_sample_weight(method) -> bool:
     return any(
         p.name == "sample_weight" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
     )
+
+
+def takes_part(method) -> bool:
+    """Whether a model's ``penalized`` or ``penalty_factors`` takes ``part=`` (builds only
+    a slice of the flat vector), by name; without it the caller cuts the whole one."""
+    import inspect
+
+    try:
+        return "part" in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): do not guess
+        return False
+
+
+def part_bounds(part: slice | None, size: int, who: str) -> tuple[int, int]:
+    """``(start, stop)`` of ``part`` (a slice of a flat vector of ``size``; None: all of
+    it), for ``penalized(part=)`` and ``penalty_factors(part=)``; anything else is refused
+    naming ``who``."""
+    if part is None:
+        return 0, size
+    start, stop = part.start, part.stop
+    if (
+        not isinstance(part, slice)
+        or part.step not in (None, 1)
+        or not isinstance(start, int)
+        or not isinstance(stop, int)
+        or not 0 <= start <= stop <= size
+    ):
+        raise InputError(
+            f"{who}: part must be a slice(start, stop) with 0 <= start <= stop <= {size}, "
+            f"got {part!r}"
+        )
+    return start, stop
 
 
 def optional_call(model, name: str, instead_of: tuple[str, ...]):

@@ -23,7 +23,7 @@ import numpy as np
 from allreduce_param.engine.layout import TensorLayout
 from allreduce_param.engine.vectors import SparseGradient, writable_output
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import batch_count, is_sparse_matrix
+from allreduce_param.models.base import batch_count, is_sparse_matrix, part_bounds, takes_part
 
 
 class Activation(NamedTuple):
@@ -288,27 +288,43 @@ class DenseNetwork:
         """``name -> view`` of a flat parameter vector (``w1``, ``b1``, ...), for inspection."""
         return self.layout.views(self._check_weights(weights))
 
-    def penalized(self) -> np.ndarray:
+    def penalized(self, part: slice | None = None) -> np.ndarray:
         """Which coordinates the regularisation applies to: the weights ``w1``, ``w2``, ...
-        (True), not the biases ``b1``, ``b2``, ... (False); see ``Model``."""
-        mask = np.zeros(self.size, dtype=bool)
+        (True), not the biases ``b1``, ``b2``, ... (False); see ``Model``. ``part``: only
+        that slice of the flat vector (None: all of it)."""
+        start, stop = part_bounds(part, self.size, f"{self!r}.penalized")
+        mask = np.zeros(stop - start, dtype=bool)
         for weight, _ in self._names:
-            start = self.layout.offset(weight)
-            mask[start : start + int(np.prod(self.layout.shape(weight)))] = True
+            first = self.layout.offset(weight)
+            last = first + int(np.prod(self.layout.shape(weight)))
+            mask[max(first, start) - start : max(min(last, stop), start) - start] = True
         return mask
 
-    def penalty_factors(self, feature_std: np.ndarray) -> np.ndarray:
+    def penalty_factors(self, feature_std: np.ndarray, part: slice | None = None) -> np.ndarray:
         """Each coordinate's factor of a standardized penalty: ``feature_std[j]`` for row ``j``
         of ``w1`` (the weights of input feature ``j``), 1 for the deeper weights, 0 for the
-        biases; see ``Model``."""
+        biases; see ``Model``. ``part``: only that slice of the flat vector (None: all of
+        it), the same bits as the whole vector's slice."""
         std = np.asarray(feature_std, dtype=np.float32)
         if std.shape != (self.n_features,):
             raise InputError(
                 f"{self!r}: feature_std must hold one value per feature, shape "
                 f"({self.n_features},), got {std.shape}"
             )
-        factors = self.penalized().astype(np.float32)
-        self.layout.views(factors)["w1"][...] *= std[:, None]
+        start, stop = part_bounds(part, self.size, f"{self!r}.penalty_factors")
+        penalized = self.penalized
+        if takes_part(penalized):
+            factors = penalized(slice(start, stop)).astype(np.float32)
+        else:  # a subclass's penalized() of the whole vector
+            factors = penalized()[start:stop].astype(np.float32)
+        width = self.layout.shape("w1")[1]
+        w1 = self.layout.offset("w1")  # w1 is (n_features, width), row j: feature j
+        first, last = max(w1, start), min(w1 + self.n_features * width, stop)
+        if first < last:  # the rows of w1 this part cuts, partly at either end
+            top, bottom = (first - w1) // width, (last - 1 - w1) // width
+            rows = np.repeat(std[top : bottom + 1], width)
+            skip = first - w1 - top * width
+            factors[first - start : last - start] *= rows[skip : skip + last - first]
         return factors
 
     # -- the math -------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import numpy as np
 
 from allreduce_param.engine.vectors import writable_output
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import merge_buffers
+from allreduce_param.models.base import merge_buffers, part_bounds
 from allreduce_param.models.device_codecs import DeviceEncoder, device_refusal
 from allreduce_param.models.devices import CudaInfo, check_device_request, choose_device, task_gpus
 from allreduce_param.models.transfers import EncodedCopies, GradientCopies, Staging, run_here
@@ -508,18 +508,20 @@ class TorchModel:
             start += count
         return {key: views[name] for key, name in self._parameter_keys.items()}
 
-    def penalized(self) -> np.ndarray:
+    def penalized(self, part: slice | None = None) -> np.ndarray:
         """Which coordinates the regularisation applies to: every parameter but those whose
         name ends in ``bias`` (``fc.bias``: an intercept, never penalised, held at 0 by
         ``fit_intercept=False``); a module's other unpenalised parameters (a norm layer's
-        ``weight``) are penalised all the same. See ``Model``."""
-        mask = np.ones(self.size, dtype=bool)
-        start = 0
+        ``weight``) are penalised all the same. ``part``: only that slice of the flat vector
+        (None: all of it). See ``Model``."""
+        start, stop = part_bounds(part, self.size, f"{self!r}.penalized")
+        mask = np.ones(stop - start, dtype=bool)
+        first = 0
         for name, shape in zip(self._names, self._shapes):
-            count = int(np.prod(shape))
+            last = first + int(np.prod(shape))
             if name.endswith("bias"):
-                mask[start : start + count] = False
-            start += count
+                mask[max(first, start) - start : max(min(last, stop), start) - start] = False
+            first = last
         return mask
 
     def state_dict(

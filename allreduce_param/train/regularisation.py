@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import is_sparse_matrix
+from allreduce_param.models.base import is_sparse_matrix, takes_part
 from allreduce_param.optim import ElasticNet
 from allreduce_param.train.settings import FitSettings
 
@@ -35,18 +35,38 @@ ROWS_AT_ONCE = 4096  # dense rows per float64 pass of ``local_moments``
 CONSTANT = 1e-6
 
 
-def penalized_mask(model: Any, size: int) -> np.ndarray | None:
-    """The model's ``penalized()`` as a boolean vector of ``size`` (None: it has none)."""
+def penalized_mask(model: Any, size: int, part: slice | None = None) -> np.ndarray | None:
+    """The model's ``penalized()`` as a boolean vector of ``size`` (None: it has none), or
+    its slice ``part`` alone: built as that slice where the model's takes ``part=``, else
+    cut from the whole vector."""
     method = getattr(model, "penalized", None)
     if not callable(method):
         return None
-    mask = np.asarray(method())
-    if mask.dtype != bool or mask.shape != (size,):
+    whole = part is None or not takes_part(method)
+    mask = np.asarray(method() if whole else method(part=part))
+    expected = size if whole else part.stop - part.start
+    if mask.dtype != bool or mask.shape != (expected,):
         raise InputError(
-            f"{model!r}.penalized() must return a boolean vector of {size} elements (one per "
-            f"parameter: True where the regularisation applies), got {mask.dtype} {mask.shape}"
+            f"{model!r}.penalized({'' if whole else 'part=' + repr(part)}) must return a "
+            f"boolean vector of {expected} elements (one per parameter: True where the "
+            f"regularisation applies), got {mask.dtype} {mask.shape}"
         )
-    return mask
+    return mask if part is None or not whole else mask[part].copy()  # not the whole one
+
+
+def penalty_factors(model: Any, std: np.ndarray, size: int, part: slice) -> np.ndarray:
+    """The model's ``penalty_factors(std)`` of slice ``part`` (float32): built as that slice
+    where the model's takes ``part=``, else cut from the whole vector."""
+    method = model.penalty_factors
+    whole = not takes_part(method)
+    factors = np.asarray(method(std) if whole else method(std, part=part), np.float32)
+    expected = size if whole else part.stop - part.start
+    if factors.shape != (expected,):
+        raise InputError(
+            f"{model!r}.penalty_factors must return one float32 factor per parameter "
+            f"({expected} of them), got shape {factors.shape}"
+        )
+    return factors[part].copy() if whole else factors  # not a view of the whole one
 
 
 def check_model(model: Any, settings: FitSettings, size: int) -> None:
@@ -159,19 +179,24 @@ class OwnedRegularisation:
         clips_whole: bool = False,
     ) -> None:
         self.penalty: ElasticNet | None = settings.penalty()
+        # the arrays are built for this part alone (where the model can), or for the whole
+        # vector where a partition also holds the whole gradient (clips_whole)
+        built = slice(0, size) if clips_whole else part
         mask = None
         if self.penalty is not None or not settings.fit_intercept:
-            mask = penalized_mask(model, size)
+            mask = penalized_mask(model, size, built)
         factors = None
         if self.penalty is not None and settings.standardizes:
-            factors = np.asarray(model.penalty_factors(std), np.float32)
-        own = None if mask is None else mask[part]
+            factors = penalty_factors(model, std, size, built)
+        own = slice(part.start - built.start, part.stop - built.start)  # the part in them
         self.penalized: np.ndarray | None = None
         if factors is not None:
-            self.penalized = np.array(factors[part], np.float32)
-        elif self.penalty is not None and own is not None:
-            self.penalized = own.astype(np.float32)
-        self._held = _held(settings, own, self.penalized if factors is not None else None)
+            self.penalized = factors if built == part else factors[own].copy()
+        elif self.penalty is not None and mask is not None:
+            self.penalized = mask[own].astype(np.float32)
+        self._held = _held(
+            settings, None if mask is None else mask[own], None if factors is None else factors[own]
+        )
         self._held_whole = _held(settings, mask, factors) if clips_whole else None
         self._part, self._size = part, size
 
