@@ -23,7 +23,7 @@ import numpy as np
 from allreduce_param.engine.layout import TensorLayout
 from allreduce_param.engine.vectors import SparseGradient, writable_output
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import batch_count, is_sparse_matrix
+from allreduce_param.models.base import batch_count, is_sparse_matrix, weight_keywords
 
 
 class Activation(NamedTuple):
@@ -160,8 +160,7 @@ class DenseNetwork:
         weight times, and ``count`` is the weights' sum."""
         grad = np.empty(self.size, dtype=np.float32)
         # a subclass's loss_and_grad_into without sample_weight still serves unweighted calls
-        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
-        loss, count = self.loss_and_grad_into(weights, X, y, grad, **weighted)
+        loss, count = self.loss_and_grad_into(weights, X, y, grad, **weight_keywords(sample_weight))
         return loss, grad, count
 
     def loss_and_grad_into(
