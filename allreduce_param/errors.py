@@ -44,15 +44,18 @@ class PeerLostError(AllReduceError):
 def peer_lost(text: str, said: str = "") -> PeerLostError:
     """The one wording of "this peer is gone": ``text`` names the peer and what was awaited
     from it; ``said``, the reason it gave as it failed, when it could give one. Without a
-    reason the message says what usually happened and what to change (the driver reads
-    "without a word" to name the dead worker: ``train.driver.failures``)."""
+    reason the message says what usually happened and what to change: the process's memory,
+    which under Spark is the Python worker's (not ``spark.executor.memory``, the JVM's heap);
+    the driver reads "without a word" to name the dead worker and gives the same settings
+    (``train.driver.failures.OUT_OF_MEMORY_ADVICE``)."""
     if said:
         return PeerLostError(f"{text}; it said: {said}")
     return PeerLostError(
-        f"{text}, without a word: its task failed or its executor was lost, often killed for "
-        "using too much memory (see that executor's log; under Spark, raise "
-        "spark.executor.memoryOverhead, the Python workers' share, or "
-        "spark.executor.pyspark.memory where it is set)"
+        f"{text}, without a word: it failed, or its process was killed, most often for using "
+        "more memory than it may (by the kernel's OOM killer, or a container's limit; see its "
+        "log). Give that process more memory (under Spark, the Python workers': "
+        "spark.executor.pyspark.memory where it is set, else spark.executor.memoryOverhead), "
+        "or give it less to hold"
     )
 
 

@@ -12,6 +12,7 @@ newest checkpoint and ends with the uninterrupted fit's weights: ``test_fault_to
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -32,6 +33,7 @@ from allreduce_param import (
     models,
     optim,
 )
+from allreduce_param.errors import peer_lost
 from allreduce_param.train.driver.failures import OUT_OF_MEMORY_ADVICE, recurs, stage_error
 from allreduce_param.train.records import task_failure
 
@@ -153,10 +155,9 @@ def test_the_dead_worker_is_named_whether_spark_reports_it_or_the_peer_that_lost
         "org.apache.spark.SparkException: Python worker exited unexpectedly (crashed). Consider "
         "setting 'spark.python.worker.faulthandler.enabled' ...\n\tat org.apache.spark.api..."
     )
-    lost = PeerLostError(
+    lost = peer_lost(  # the engine's own wording, which the driver reads
         "partition 1 at 127.0.0.1:4100 closed the connection ([Errno 104] Connection reset by "
-        "peer) while we fetched gradient block from partition 1 to partition 0, version 4, "
-        "without a word: its task failed or its executor was lost, ..."
+        "peer) while we fetched gradient block from partition 1 to partition 0, version 4"
     )
     peer = ABORTED.format(task=0) + (
         "org.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
@@ -184,6 +185,18 @@ def test_the_dead_worker_is_named_whether_spark_reports_it_or_the_peer_that_lost
         "(the fit ran its stage 3 times, as spark.stage.maxConsecutiveAttempts allows, and "
         "every run failed: this is the last run's error)"
     )
+
+
+def test_a_peer_lost_without_a_word_names_the_settings_the_driver_names():
+    """The engine's advice for a peer gone without a word and the driver's for the Python
+    worker it names dead give the same Spark settings in the same order: the Python
+    workers' memory, never spark.executor.memory (the JVM's heap, which cannot help them)."""
+    engine = str(
+        peer_lost("partition 1 at 127.0.0.1:4100 closed the connection while we fetched x")
+    )
+    named = re.findall(r"spark\.executor\.[\w.]*\w", engine)
+    assert named == ["spark.executor.pyspark.memory", "spark.executor.memoryOverhead"]
+    assert re.findall(r"spark\.executor\.[\w.]*\w", OUT_OF_MEMORY_ADVICE) == named
 
 
 def test_a_lost_executor_is_named_with_its_reason_and_the_memory_settings():

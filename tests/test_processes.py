@@ -132,7 +132,7 @@ def lost_peer_outcome(param: AllReduceParameter) -> tuple[int, str]:
                 process.kill()
 
 
-def test_a_peer_lost_without_a_word_points_at_executor_memory():
+def test_a_peer_lost_without_a_word_points_at_the_python_workers_memory():
     # the blocks' path (the host arena's wait: test_host_arena)
     param = AllReduceParameter(2, 1000, codec="raw", timeout=60, host_arena=False)
     partition_id, outcome = lost_peer_outcome(param)
@@ -140,9 +140,12 @@ def test_a_peer_lost_without_a_word_points_at_executor_memory():
         outcome
     )
     assert (
-        "without a word: its task failed or its executor was lost, often killed for using too much memory"
+        "without a word: it failed, or its process was killed, most often for using more memory"
         in outcome
-        and "spark.executor.memoryOverhead" in outcome
+    )
+    assert (
+        "spark.executor.pyspark.memory where it is set, else spark.executor.memoryOverhead"
+        in outcome
     )
 
 

@@ -221,6 +221,13 @@ def batch_count(rows: int, sample_weight: np.ndarray | None) -> float:
     return rows if sample_weight is None else float(np.sum(sample_weight, dtype=np.float64))
 
 
+def weight_keywords(sample_weight: np.ndarray | None) -> dict:
+    """The keyword arguments that pass ``sample_weight`` to a model's call: none without
+    weights, so that a model whose calls take no ``sample_weight`` (it is optional in
+    ``Model``) still serves every unweighted call."""
+    return {} if sample_weight is None else {"sample_weight": sample_weight}
+
+
 def is_sparse_matrix(X) -> bool:
     """Whether ``X`` is a scipy.sparse matrix (told apart without importing scipy)."""
     return hasattr(X, "tocsr") and hasattr(X, "nnz")

@@ -23,7 +23,13 @@ import numpy as np
 from allreduce_param.engine.layout import TensorLayout
 from allreduce_param.engine.vectors import SparseGradient, writable_output
 from allreduce_param.errors import ConfigurationError, InputError
-from allreduce_param.models.base import batch_count, is_sparse_matrix, part_bounds, takes_part
+from allreduce_param.models.base import (
+    batch_count,
+    is_sparse_matrix,
+    part_bounds,
+    takes_part,
+    weight_keywords,
+)
 
 
 class Activation(NamedTuple):
@@ -160,8 +166,7 @@ class DenseNetwork:
         weight times, and ``count`` is the weights' sum."""
         grad = np.empty(self.size, dtype=np.float32)
         # a subclass's loss_and_grad_into without sample_weight still serves unweighted calls
-        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
-        loss, count = self.loss_and_grad_into(weights, X, y, grad, **weighted)
+        loss, count = self.loss_and_grad_into(weights, X, y, grad, **weight_keywords(sample_weight))
         return loss, grad, count
 
     def loss_and_grad_into(
@@ -187,9 +192,7 @@ class DenseNetwork:
                 raise InputError(f"{self!r}: X has 0 rows but there are {np.size(y)} labels")
             out[:] = 0
             return 0.0, 0
-        targets = self._head.targets(y, rows, self._layers[-1])
-        params = self.layout.views(weights)
-        outputs = self._forward(params, X)
+        params, outputs, targets = self._forward_with_targets(weights, X, y)
         loss = self._head.loss_and_delta(outputs[-1], targets, sample_weight)
         self._backward(params, outputs, out, ready)
         return loss, batch_count(rows, sample_weight)
@@ -220,9 +223,7 @@ class DenseNetwork:
             if np.size(y) != 0:
                 raise InputError(f"{self!r}: X has 0 rows but there are {np.size(y)} labels")
             return 0.0, SparseGradient(rest, tail), 0
-        targets = self._head.targets(y, rows, self._layers[-1])
-        params = self.layout.views(weights)
-        outputs = self._forward(params, X)
+        params, outputs, targets = self._forward_with_targets(weights, X, y)
         loss = self._head.loss_and_delta(outputs[-1], targets, sample_weight)
         grads = {
             name: tail[self.layout.offset(name) - first :][
@@ -261,14 +262,24 @@ class DenseNetwork:
         sample_weight = self._check_sample_weight(sample_weight, X.shape[0])
         if X.shape[0] == 0:
             return 0.0, self.predict(weights, X), 0
-        targets = self._head.targets(y, X.shape[0], self._layers[-1])
-        z = self._forward(self.layout.views(weights), X)[-1]
+        _, outputs, targets = self._forward_with_targets(weights, X, y)
+        z = outputs[-1]
         predictions = np.array(self._head.predict(z))  # a copy: the loss overwrites z
         return (
             self._head.loss_and_delta(z, targets, sample_weight),
             predictions,
             batch_count(X.shape[0], sample_weight),
         )
+
+    def _forward_with_targets(
+        self, weights: np.ndarray, X, y: np.ndarray
+    ) -> tuple[dict[str, np.ndarray], list[np.ndarray], np.ndarray]:
+        """What every call with labels starts with, on checked ``weights`` and ``X`` of at
+        least one row: ``(the parameters' views, _forward's outputs, the head's targets for
+        y)``. The head's loss then turns the last outputs into its delta, in place."""
+        targets = self._head.targets(y, X.shape[0], self._layers[-1])
+        params = self.layout.views(weights)
+        return params, self._forward(params, X), targets
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class ids (int64) for classification, float32 values for regression."""

@@ -242,33 +242,19 @@ def prepare_once(
     ``weight_col`` (a weighted fit's prepared data has a column an unweighted one's lacks).
     """
     frames = [df] if validation is None else [df, validation]
-    if not all(_cached(frame) for frame in frames):
-        return prepare(
-            df,
+    settings = None
+    if all(_cached(frame) for frame in frames):
+        settings = (
+            SparkInfo(df.sparkSession).application_id,
             features_col,
             label_col,
-            validation,
-            task=task,
-            num_classes=num_classes,
-            weight_col=weight_col,
+            task,
+            num_classes,
+            weight_col,
         )
-    settings = (
-        SparkInfo(df.sparkSession).application_id,
-        features_col,
-        label_col,
-        task,
-        num_classes,
-        weight_col,
-    )
-    with _checked_lock:
-        earlier = list(reversed(_checked))
-    for earlier_settings, earlier_frames, result in earlier:
-        if (
-            earlier_settings == settings
-            and len(earlier_frames) == len(frames)
-            and all(_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames))
-        ):
-            return result
+        earlier = _checked_before(settings, frames)
+        if earlier is not None:
+            return earlier
     result = prepare(
         df,
         features_col,
@@ -278,10 +264,26 @@ def prepare_once(
         num_classes=num_classes,
         weight_col=weight_col,
     )
-    with _checked_lock:
-        _checked.append((settings, frames, result))
-        del _checked[:-CHECKED_KEEP]
+    if settings is not None:
+        with _checked_lock:
+            _checked.append((settings, frames, result))
+            del _checked[:-CHECKED_KEEP]
     return result
+
+
+def _checked_before(settings: tuple, frames: list):
+    """``prepare``'s result for cached ``frames`` checked before with ``settings``, the
+    newest such; None where there is none (or a frame is no longer cached)."""
+    with _checked_lock:
+        earlier = list(reversed(_checked))
+    for earlier_settings, earlier_frames, result in earlier:
+        if (
+            earlier_settings == settings
+            and len(earlier_frames) == len(frames)
+            and all(_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames))
+        ):
+            return result
+    return None
 
 
 def _cached(frame) -> bool:

@@ -19,6 +19,7 @@ from allreduce_param.models.base import (
     optional_call,
     takes_sample_weight,
     takes_sparse,
+    weight_keywords,
 )
 from allreduce_param.train.settings import workload_shares
 
@@ -95,7 +96,7 @@ def _evaluate(
     for start in range(0, count, chunk):
         X, labels, chunk_weight = part(start, start + chunk)
         rows = dense_for(model, X)
-        weighted = {} if chunk_weight is None else {"sample_weight": chunk_weight}
+        weighted = weight_keywords(chunk_weight)
         if both is not None:  # one forward pass
             loss_sum, predicted, count = both(weights, rows, labels, **weighted)
         else:
@@ -156,8 +157,7 @@ class SubBatches:
     ):
         """The batch's ``(loss_sum, SparseGradient, count)`` from the model's
         ``loss_and_touched_grad`` (CSR rows, one thread: ``train/task/touched.py``)."""
-        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
-        return self.model.loss_and_touched_grad(weights, X, y, **weighted)
+        return self.model.loss_and_touched_grad(weights, X, y, **weight_keywords(sample_weight))
 
     def into(
         self,
@@ -171,9 +171,10 @@ class SubBatches:
         """The batch's ``(loss_sum, count)``, its gradient written into ``out`` with ``ready``
         (if any) called for each range as it is final (only where ``streams``). The count must be
         ``batch_count``'s: the stream has sent it with the first chunk."""
-        weighted = {} if sample_weight is None else {"sample_weight": sample_weight}
         X = dense_for(self.model, X)
-        loss_sum, count = self.model.loss_and_grad_into(weights, X, y, out, ready, **weighted)
+        loss_sum, count = self.model.loss_and_grad_into(
+            weights, X, y, out, ready, **weight_keywords(sample_weight)
+        )
         expected = batch_count(X.shape[0], sample_weight)
         if not np.isclose(count, expected, rtol=1e-9, atol=0):
             what = (
@@ -194,9 +195,11 @@ class SubBatches:
         sample_weight: np.ndarray | None = None,
     ) -> tuple[float, np.ndarray, float]:
         def compute(start: int, stop: int):
-            weighted = {} if sample_weight is None else {"sample_weight": sample_weight[start:stop]}
+            part_weight = None if sample_weight is None else sample_weight[start:stop]
             rows = dense_for(self.model, X[start:stop])
-            return self.model.loss_and_grad(weights, rows, y[start:stop], **weighted)
+            return self.model.loss_and_grad(
+                weights, rows, y[start:stop], **weight_keywords(part_weight)
+            )
 
         if self._pool is None or X.shape[0] < len(self._cuts) - 1:
             return compute(0, X.shape[0])
