@@ -324,3 +324,57 @@ def test_tasks_meet_at_the_driver_and_fall_back_to_allgather_where_it_is_out_of_
             assert next(iter(meeting._meetings.values())).decided == (
                 "met" if len(reachable) == 2 else "allgather"
             )
+
+
+def test_a_task_whose_meeting_the_driver_ended_stops_with_a_peer_lost_error(spark):
+    """``MeetingPoint.end()`` (a run of the fit's stage failed) while partition 0 waits for
+    a partition 1 that never comes: partition 0 stops at once, saying why, rather than
+    waiting out the patience."""
+    from allreduce_param.engine.movement.rendezvous import MeetingPoint
+    from allreduce_param.engine.wire.messages import MessageServer
+
+    meeting = MeetingPoint(2, patience=600)
+    came = threading.Event()
+
+    def on_message(message, reply):
+        meeting.on_message(message, reply)
+        came.set()
+
+    server = MessageServer("127.0.0.1", on_message)
+    link = server.client()
+
+    def task(_rows):
+        from pyspark import BarrierTaskContext
+
+        from allreduce_param.errors import PeerLostError
+        from allreduce_param.spark.rendezvous import DriverRendezvous
+
+        if BarrierTaskContext.get().partitionId() == 1:
+            yield 1, "stayed away"
+            return
+        try:
+            # waits at most 2 x 15 s for an answer: without end()'s, the task fails, not hangs
+            DriverRendezvous(link, patience=15).exchange(("127.0.0.1", 6000))
+            yield 0, "met"
+        except PeerLostError as error:
+            yield 0, str(error)
+
+    def end_once_partition_0_came():
+        if came.wait(120):
+            meeting.end()
+
+    ender = threading.Thread(target=end_once_partition_0_came, daemon=True)
+    ender.start()
+    try:
+        found = dict(
+            spark.sparkContext.parallelize(range(2), 2).barrier().mapPartitions(task).collect()
+        )
+    finally:
+        came.set()
+        ender.join(30)
+        server.close()
+    assert found[1] == "stayed away"
+    assert found[0] == (
+        "partition 0 stops while meeting its peers: the fit ended on the driver (another task "
+        "of the stage failed; its error is the fit's)"
+    )
