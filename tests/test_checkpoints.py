@@ -366,3 +366,25 @@ def test_a_fit_resumed_into_fit_intercept_false_starts_and_keeps_its_intercepts_
     biases = ~models.MLP([5, 8, 3]).penalized()
     assert (resumed[biases] == 0).all()
     assert (resumed[~biases] != 0).all()
+
+
+def test_a_checkpoint_part_is_read_while_no_other_thread_reads_numpy_headers():
+    """numpy parses headers with ``ast``, which CPython 3.11 cannot run on two threads at
+    once (a SystemError a reader took for a damaged checkpoint): a part is read under
+    ``NUMPY_READS``, so a reader waits while another thread holds it."""
+    import io
+    import threading
+
+    from allreduce_param.train.integrity import open_part
+    from allreduce_param.train.numpy_files import NUMPY_READS
+
+    stream = io.BytesIO()
+    np.savez(stream, w=np.arange(4, dtype=np.float32))
+    data, read = stream.getvalue(), {}
+    reader = threading.Thread(target=lambda: read.update(open_part(data, "part", "ckpt", None)))
+    with NUMPY_READS:
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and not read  # waiting for the lock, not reading
+    reader.join(30)
+    np.testing.assert_array_equal(read["w"], np.arange(4, dtype=np.float32))

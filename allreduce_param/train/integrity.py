@@ -19,6 +19,7 @@ import numpy as np
 import xxhash
 
 from allreduce_param.errors import DamagedCheckpointError
+from allreduce_param.train.numpy_files import read_arrays
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,7 @@ def open_part(data: bytes, url: str, folder: str, check: PartCheck | None) -> di
                 "(overwritten or corrupted)",
             )
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
+        return read_arrays(io.BytesIO(data))
     # whatever reading these bytes raises (BadZipFile, numpy's ValueError for an object
     # array or a bad header, EOFError, the TypeError of a bare .npy array, which is no
     # archive to enter): they are not a part as written

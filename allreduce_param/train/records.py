@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from allreduce_param.errors import TrainingError
+from allreduce_param.train.numpy_files import read_arrays
 
 #: The fields of a partition's per-step record (a float64 row). ``staleness``: how many
 #: steps older than the step the weights it computed on were (0 under BSP).
@@ -169,13 +170,13 @@ class Buffers(Record):
 
     @classmethod
     def decode(cls, payload: bytes, partitions: int = 0) -> Buffers:
-        with np.load(io.BytesIO(bytes(payload))) as arrays:
-            buffers = {
-                name[len("buffer/") :]: arrays[name]
-                for name in arrays.files
-                if name.startswith("buffer/")
-            }
-            return cls(buffers, int(arrays["rows"]))
+        arrays = read_arrays(io.BytesIO(bytes(payload)))
+        buffers = {
+            name[len("buffer/") :]: value
+            for name, value in arrays.items()
+            if name.startswith("buffer/")
+        }
+        return cls(buffers, int(arrays["rows"]))
 
     def gather(self, output: StageOutput) -> None:
         output.buffers.append((self.buffers, self.rows))
@@ -216,13 +217,13 @@ class OptimizerState(Record):
 
     @classmethod
     def decode(cls, payload: bytes, partitions: int = 0) -> OptimizerState:
-        with np.load(io.BytesIO(bytes(payload))) as arrays:
-            state = {
-                name[len("state/") :]: arrays[name]
-                for name in arrays.files
-                if name.startswith("state/")
-            }
-            return cls(int(arrays["partition"]), state)
+        arrays = read_arrays(io.BytesIO(bytes(payload)))
+        state = {
+            name[len("state/") :]: value
+            for name, value in arrays.items()
+            if name.startswith("state/")
+        }
+        return cls(int(arrays["partition"]), state)
 
     def gather(self, output: StageOutput) -> None:
         output.state_slices[self.partition] = self.state

@@ -15,6 +15,7 @@ from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import dense_for, has_buffers, is_sparse_matrix
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.train.features import matrix_from_pandas
+from allreduce_param.train.numpy_files import read_array, read_arrays
 from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS
 from allreduce_param.train.rows import features_column, is_vector_type
 from allreduce_param.train.storage import Location, locate
@@ -443,7 +444,7 @@ class TrainedModel:
         buffers = _read_npz(folder, "buffers.npz")
         state = _read_npz(folder, "optimizer_state.npz")
         with folder.child("weights.npy").open_read() as file:
-            weights = np.load(file, allow_pickle=False)
+            weights = read_array(file)
         return cls(
             model,
             weights,
@@ -506,8 +507,8 @@ def _read_npz(folder: Location, name: str) -> dict[str, np.ndarray] | None:
     it has none (a model without buffers, or one saved without its optimizer state)."""
     if not folder.child(name).is_file():
         return None
-    with folder.child(name).open_read() as file, np.load(file, allow_pickle=False) as saved:
-        return {key: saved[key] for key in saved.files}
+    with folder.child(name).open_read() as file:
+        return read_arrays(file)
 
 
 def write_npz(path: str | os.PathLike | IO[bytes], arrays: dict[str, np.ndarray]) -> None:
