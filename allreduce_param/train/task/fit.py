@@ -63,7 +63,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             read_s = self._read(index)
             if self._epochs_before(index):
                 break
-            record = self._compute_and_put(index, read_s, clip_own=False)
+            record = self._compute_and_put(index, read_s)
             t0 = time.perf_counter()
             gradient = p.aggregate_gradient_partition()
             t1 = time.perf_counter()
@@ -117,9 +117,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             read_s = self._read(index)
             self._epochs_before(index)
             staleness = index - p.strategy.clock(p.last_read_version)
-            self._report_step(
-                self._compute_and_put(index, read_s, clip_own=True, staleness=staleness)
-            )
+            self._report_step(self._compute_and_put(index, read_s, staleness=staleness))
         self._finish()
 
     def _with_backups(self) -> None:
@@ -135,7 +133,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             self._epochs_before(version)
             if version == len(self.plan):
                 break
-            self._report_step(self._compute_and_put(version, read_s, clip_own=True))
+            self._report_step(self._compute_and_put(version, read_s))
             index = version + 1
         self._finish()
 

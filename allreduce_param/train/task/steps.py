@@ -90,9 +90,7 @@ class Steps(FitState):
         self.p.get_weights(out=self.weights)
         return time.perf_counter() - started
 
-    def _compute_and_put(
-        self, index: int, read_s: float, clip_own: bool, staleness: int = 0
-    ) -> np.ndarray:
+    def _compute_and_put(self, index: int, read_s: float, staleness: int = 0) -> np.ndarray:
         """This partition's share of step ``index``: compute it and put the gradient; the step's
         record, kept before the put (a checkpoint a background owner writes once the gradient
         is in then already holds it), its put time filled in after."""
@@ -111,7 +109,7 @@ class Steps(FitState):
             )
         else:
             loss_sum, grad_sum, count = self.compute(self.weights, *batch)
-        if clip_own and self._clips_own:
+        if self._clips_own:
             self.regularisation.hold_whole(grad_sum)  # the held ones' are not trained
             self._clip_own(grad_sum, count)
         computed = time.perf_counter()
