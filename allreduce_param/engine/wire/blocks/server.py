@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 from allreduce_param.engine.blocks.codec import HEADER_SIZE, Codec
 from allreduce_param.engine.blocks.shm import SharedArenas
-from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore, SplitBlock, Waiter
+from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore, SplitBlock
+from allreduce_param.engine.blocks.waiters import Waiter
 from allreduce_param.engine.wire.blocks.addresses import local_scope, secret_fingerprint
 from allreduce_param.engine.wire.blocks.protocol import (
     FLAG_NEWEST,
