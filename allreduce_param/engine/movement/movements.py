@@ -19,7 +19,7 @@ no codec rounds them.
 
 Hierarchical (``peers.PeerGroup.hierarchical``), a host's leader also *relays*: it copies
 blocks as they are into its own store, under their own keys, for its host or the other
-leaders to fetch from it (``fetches.Fetcher.relay``); a block is fetched from whoever
+leaders to fetch from it (``relays.Relays``); a block is fetched from whoever
 serves it (``peers.PeerGroup.server_of``).
 
 How a block gets here is ``fetches.py``'s (``Fetcher``); how fetched chunks are summed,
@@ -38,6 +38,7 @@ from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKey, Block
 from allreduce_param.engine.layout import SliceLayout, split
 from allreduce_param.engine.movement.fetches import Fetcher, part_plan, place_slices
 from allreduce_param.engine.movement.peers import PART_LENGTH, PeerGroup
+from allreduce_param.engine.movement.relays import Relays
 from allreduce_param.engine.movement.sums import NonFiniteSum, sum_in_order
 from allreduce_param.engine.strategy import WeightRead
 
@@ -80,6 +81,7 @@ class Movements:
         self.partition_num = peers.partition_num
         self.codecs = block_codecs(codec, gradient_codec)
         self.fetcher = Fetcher(peers, self.codecs)
+        self.relays = Relays(peers, self.codecs)  # a hierarchical leader's
         self._host_sums: np.ndarray | None = None  # a leader's sums of its host's chunks
         self._rounded = np.empty(PART_LENGTH, dtype=np.float32)  # error feedback: a part as sent
         #: hierarchical through a host arena (``arena_steps.ArenaSteps``): a leader's source of
@@ -345,7 +347,7 @@ class Movements:
                 worker, kind, read, layout, [(m, j) for m in members for j in owners]
             )
         host_sum = BlockKind.HOST_SUM[kind]
-        relayed = self.fetcher.relay(
+        relayed = self.relays.start(
             worker,
             host_sum,
             read,
@@ -397,7 +399,7 @@ class Movements:
             hosts, me = peers.hosts, self.partition_id
             mine = [(p, EVERY_PARTITION) for p in hosts.host(me) if p != me]
             theirs = [(p, EVERY_PARTITION) for p in sources if hosts.leader(p) != me]
-            relayed = fetcher.relay(worker, kind, read, layout, mine) + fetcher.relay(
+            relayed = self.relays.start(worker, kind, read, layout, mine) + self.relays.start(
                 worker, kind, read, layout, theirs, via=hosts.leader
             )
             pending = fetcher.fetch_slices(kind, read, layout, out, sources=hosts.host(me))
