@@ -9,24 +9,21 @@ How many versions of a block are kept, and whether a producer waits for its read
 instead of dropping a version nobody took, follow from the update strategy
 (``strategy.Strategy.keep``): under BSP one version each.
 
-The store also owns the buffers blocks are encoded into. A reader may still be reading a
-version (in place, from shared memory, or while the server sends it) after a newer one
-replaced it, so a buffer is reused only when its version is neither kept nor *held*: a
-reader holds the version it was last served of a block until it asks for that block
-again or goes away.
-
-A get can also not wait (``get_or_notify``): a server that serves many connections with a
-few threads registers a callback instead of holding a thread while a version is awaited.
+The store also owns the buffers blocks are encoded into (``encode_buffers.EncodeBuffers``:
+one is reused only when its version is neither kept nor held by a reader). A get can also
+not wait (``get_or_notify``): a server that serves many connections with a few threads
+registers a callback instead of holding a thread (``waiters.Waiters``).
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import NamedTuple, Union
 
+from allreduce_param.engine.blocks.encode_buffers import Buffer, EncodeBuffers
+from allreduce_param.engine.blocks.waiters import Waiter, Waiters
 from allreduce_param.errors import (
     AllReduceError,
     ConfigurationError,
@@ -38,8 +35,6 @@ from allreduce_param.errors import (
 
 #: ``BlockKey.destination`` of a block meant for every peer (a weight slice).
 EVERY_PARTITION = 0xFFFFFFFF
-
-Buffer = Union[bytearray, mmap.mmap, memoryview]  # noqa: UP007 - what blocks are encoded into
 
 
 class SplitBlock(NamedTuple):
@@ -120,30 +115,6 @@ class BlockKey(NamedTuple):
         return text if version is None else f"{text}, version {version}"
 
 
-_RESERVED = -1  # a buffer handed out by reserve() and not yet put
-
-
-class Waiter:
-    """A get that found its version not there yet and did not wait (``get_or_notify``).
-
-    Its ``on_ready()`` is called once, when the version (or a newer one) is put or the store
-    closes; or never, when ``expire`` came first.
-    """
-
-    __slots__ = ("_store", "key", "version", "_on_ready", "fired")
-
-    def __init__(
-        self, store: BlockStore, key: BlockKey, version: int, on_ready: Callable[[], None]
-    ) -> None:
-        self._store, self.key, self.version, self._on_ready = store, key, version, on_ready
-        self.fired = False  # on_ready was called, or the wait expired: nothing more will happen
-
-    def expire(self, timeout: float) -> FetchTimeoutError | None:
-        """End the wait at its timeout (``timeout``: how long it was, for the message): the
-        error a blocking get would have raised, or None when ``on_ready`` came first."""
-        return self._store._expire(self, timeout)
-
-
 class BlockStore:
     """Versioned blocks in memory, ``keep`` versions per key and at most ``max_bytes`` in all.
 
@@ -175,17 +146,13 @@ class BlockStore:
             )
         self.max_bytes = max_bytes
         self._wait_for_readers = frozenset(wait_for_readers)
-        self._reuse_at_once = frozenset(reuse_at_once)
-        self._new_buffer = new_buffer
         self._blocks: dict[BlockKey, OrderedDict[int, Block]] = {}
         self._asked: dict[BlockKey, int] = {}  # the highest version any reader asked for
-        self._holds: dict[BlockKey, dict[Hashable, int]] = {}  # reader -> version last served
-        self._buffers: dict[BlockKey, list[Buffer]] = {}
-        self._buffer_versions: dict[int, int] = {}  # id(buffer) -> the version it holds
+        self._buffers = EncodeBuffers(new_buffer, reuse_at_once)  # and the readers' holds
         self._bytes = 0
         self._closed = False
         self._closing_reason = ""
-        self._waiters: dict[BlockKey, list[Waiter]] = {}  # gets that did not wait, by key
+        self._waiters = Waiters()  # gets that did not wait
         self._changed = threading.Condition()
 
     def keep(self, key: BlockKey) -> int:
@@ -214,14 +181,7 @@ class BlockStore:
                         f"{reader} did not take {key.describe(self._oldest(key))} within {timeout:g} s, so "
                         f"{key.describe(version)} has no room: the owner is stuck or much slower"
                     )
-            for buffer in self._buffers.setdefault(key, []):
-                if key.kind in self._reuse_at_once or not self._in_use(key, buffer):
-                    break
-            else:
-                buffer = self._new_buffer()
-                self._buffers[key].append(buffer)
-            self._buffer_versions[id(buffer)] = _RESERVED
-            return buffer
+            return self._buffers.take(key, key.kind, self._blocks.get(key, ()))
 
     def put(
         self,
@@ -258,14 +218,12 @@ class BlockStore:
             versions[version] = view
             if buffer is None:
                 buffer = (view.header if isinstance(view, SplitBlock) else view).obj
-            owner = id(buffer)
-            if owner in self._buffer_versions:
-                self._buffer_versions[owner] = version
+            self._buffers.filled(buffer, version)
             self._bytes = after
             self._changed.notify_all()
-            ready = self._ready_waiters(key, version)
+            ready = self._waiters.ready(key, version)
         for waiter in ready:
-            waiter._on_ready()
+            waiter.notify()
 
     def get(
         self,
@@ -318,15 +276,14 @@ class BlockStore:
             if self._closed or self._newest(key) >= version:
                 self._raise_if_closed(key, version)
                 return self._take(key, version, newest, reader)
-            waiter = Waiter(self, key, version, on_ready)
-            self._waiters.setdefault(key, []).append(waiter)
+            waiter = Waiter(self._expire, key, version, on_ready)
+            self._waiters.add(waiter)
             return waiter
 
     def release(self, reader: Hashable) -> None:
         """Drop every hold of ``reader`` (its connection ended, or it is done reading)."""
         with self._changed:
-            for holders in self._holds.values():
-                holders.pop(reader, None)
+            self._buffers.release(reader)
 
     def newest(self, key: BlockKey) -> int:
         """The newest version of ``key`` in the store, or -1."""
@@ -337,7 +294,7 @@ class BlockStore:
     def waiting(self) -> int:
         """How many gets wait through ``get_or_notify`` (holding no thread) right now."""
         with self._changed:
-            return sum(len(waiters) for waiters in self._waiters.values())
+            return len(self._waiters)
 
     @property
     def nbytes(self) -> int:
@@ -348,7 +305,7 @@ class BlockStore:
     def buffer_count(self, key: BlockKey) -> int:
         """How many buffers ``key`` has needed so far (bounded by kept + held versions + 1)."""
         with self._changed:
-            return len(self._buffers.get(key, ()))
+            return self._buffers.count(key)
 
     def close(self, reason: str = "") -> None:
         """Drop every block and fail every waiting (and later) get with ``StoreClosedError``.
@@ -359,27 +316,17 @@ class BlockStore:
             self._closed = True
             self._closing_reason = self._closing_reason or reason
             self._blocks.clear()
-            self._holds.clear()
             self._buffers.clear()
-            self._buffer_versions.clear()
             self._bytes = 0
             self._changed.notify_all()
-            ready = [waiter for waiters in self._waiters.values() for waiter in waiters]
-            self._waiters.clear()
-            for waiter in ready:
-                waiter.fired = True
+            ready = self._waiters.all()
         for waiter in ready:
-            waiter._on_ready()
+            waiter.notify()
 
     def _expire(self, waiter: Waiter, timeout: float) -> FetchTimeoutError | None:
         with self._changed:
-            if waiter.fired:
+            if not self._waiters.expire(waiter):
                 return None
-            waiter.fired = True
-            waiters = self._waiters.get(waiter.key, [])
-            waiters.remove(waiter)
-            if not waiters:
-                self._waiters.pop(waiter.key, None)
             return self._not_published(waiter.key, waiter.version, timeout)
 
     # ---- under the lock ------------------------------------------------------------------
@@ -391,7 +338,7 @@ class BlockStore:
             self._asked[key] = version
             self._changed.notify_all()  # a producer may wait for this
         if reader is not None:
-            self._holds.get(key, {}).pop(reader, None)
+            self._buffers.unhold(key, reader)
 
     def _take(
         self, key: BlockKey, version: int, newest: bool, reader: Hashable | None
@@ -406,7 +353,7 @@ class BlockStore:
                 "a peer fell behind further than the update strategy allows"
             )
         if reader is not None:
-            self._holds.setdefault(key, {})[reader] = version
+            self._buffers.hold(key, reader, version)
         return version, versions[version]
 
     def _not_published(self, key: BlockKey, version: int, timeout: float) -> FetchTimeoutError:
@@ -414,22 +361,6 @@ class BlockStore:
             f"{key.describe(version)} was not published within {timeout:g} s "
             f"(newest there: {self._newest(key) if key in self._blocks else 'none'})"
         )
-
-    def _ready_waiters(self, key: BlockKey, version: int) -> list[Waiter]:
-        """The waiters of ``key`` that ``version``, just put, answers; no longer waiting."""
-        waiters = self._waiters.get(key)
-        if not waiters:
-            return []
-        ready = [waiter for waiter in waiters if waiter.version <= version]
-        if ready:
-            left = [waiter for waiter in waiters if waiter.version > version]
-            if left:
-                self._waiters[key] = left
-            else:
-                del self._waiters[key]
-            for waiter in ready:
-                waiter.fired = True
-        return ready
 
     def _newest(self, key: BlockKey) -> int:
         versions = self._blocks.get(key)
@@ -446,14 +377,6 @@ class BlockStore:
             not versions
             or len(versions) < self.keep(key)
             or self._oldest(key) < self._asked.get(key, -1)
-        )
-
-    def _in_use(self, key: BlockKey, buffer: Buffer) -> bool:
-        version = self._buffer_versions.get(id(buffer), _RESERVED)
-        return (
-            version == _RESERVED
-            or version in self._blocks.get(key, ())
-            or version in self._holds.get(key, {}).values()
         )
 
     def _raise_if_closed(self, key: BlockKey, version: int, doing: str = "") -> None:

@@ -18,8 +18,8 @@ Hierarchical (several hosts, each with its arena, made by its leader), the same 
 what the leader fills from and publishes to, so no partition copies what the leader fetched:
 
 - the gradients: every partition puts into the arena as above; the leader sums its host's
-  chunks for every owner straight from the arena (``Movements.host_chunks``, in the order
-  ``Movements._sum_host`` sums fetched blocks: the same bits) and exchanges the host sums
+  chunks for every owner straight from the arena (``HostSums.host_chunks``, in the order
+  ``HostSums._sum_host`` sums fetched blocks: the same bits) and exchanges the host sums
   with the other leaders as blocks; each owner then sums the H host sums from its leader
   (``Movements.reduce``);
 - the weights: each owner updates its slice in the arena as above; the leader publishes
@@ -92,7 +92,7 @@ class ArenaSteps:
         #: a caller's vector's own chunk, summed from where it lies (``put``), else None
         self._own_chunk: np.ndarray | None = None
         if self._leads:
-            moves.host_chunks = self._host_chunks
+            moves.host_sums.host_chunks = self._host_chunks
 
     def summed_slice(self) -> np.ndarray | None:
         """Where this partition's slice of the mean gradient is summed (its
@@ -236,7 +236,7 @@ class ArenaSteps:
         )
 
     def _host_chunks(self, version: int, members: tuple, owners: list) -> dict:
-        """A hierarchical leader's host chunks of ``version`` (``Movements.host_chunks``):
+        """A hierarchical leader's host chunks of ``version`` (``HostSums.host_chunks``):
         once every partition of the host has put, each member's chunk for each owner, read
         in the arena, part by part as a fetch would give them."""
         arena, layout, plan = self.arena, self.layout, part_plan(self.layout)

@@ -24,7 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from allreduce_param.engine.blocks.store import Block, BlockKey, BlockStore, Waiter
+from allreduce_param.engine.blocks.store import Block, BlockKey, BlockStore
+from allreduce_param.engine.blocks.waiters import Waiter
 from allreduce_param.engine.wire.blocks import PeerClient
 from allreduce_param.engine.wire.events import EventLoop
 from allreduce_param.engine.wire.server import CLOSE_TIMEOUT

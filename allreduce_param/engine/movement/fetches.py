@@ -4,8 +4,8 @@ gets here, written once for every movement.
 A block travels in parts (``part_plan``); ``Fetcher.fetch_blocks`` starts one fetch per
 serving partition on a ``channels.Channel`` (the own store's on the calling thread) and
 hands back one future per part, resolved as each part is decoded, so a caller sums part
-k while part k+1 is on the wire. ``Fetcher.relay`` copies blocks as they are into the own
-store for others to fetch from here (a hierarchical leader's job, ``movements.py``).
+k while part k+1 is on the wire. Relaying blocks (a hierarchical leader's job) is
+``relays.py``'s, with the helpers here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from allreduce_param.engine.blocks.codec import Codec, parse_header
+from allreduce_param.engine.blocks.codec import Codec
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKey, SplitBlock
 from allreduce_param.engine.layout import SliceLayout, split
 from allreduce_param.engine.movement.channels import (
@@ -44,18 +44,26 @@ def part_plan(layout: SliceLayout) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(tuple(split(layout.length(j), PART_LENGTH)) for j in range(layout.partition_num))
 
 
-def _header_and_payload(block) -> tuple[memoryview, memoryview | None]:
+def header_and_payload(block) -> tuple[memoryview, memoryview | None]:
     """A block as ``Codec.decode`` takes it: its bytes, or a split block's two parts."""
     return (block.header, block.payload) if isinstance(block, SplitBlock) else (block, None)
 
 
-def _recheck(block: memoryview, header, what: str) -> None:
+def check_unchanged(block: memoryview, header, what: str) -> None:
     """Raise if a block read in place was rewritten while it was read."""
     if not Codec.unchanged(block, header):
         raise CorruptBlockError(
             f"{what} was rewritten while it was read in place: a protocol slip (its owner "
             "reused the buffer of a version still being read)"
         )
+
+
+def note_lost(peers: PeerGroup, channel: Channel, server: int, error: BaseException) -> None:
+    """After a fetch (or relay) from ``server`` failed: a peer gone, or not of this
+    parameter, fetches nothing from us (a fetch we cut ourselves, failing, says nothing of
+    the peer, which may still wait on us)."""
+    if isinstance(error, (PeerLostError, AuthenticationError)) and not channel.aborted:
+        peers.peer_done(server)
 
 
 class Fetcher:
@@ -184,10 +192,10 @@ class Fetcher:
         plan = part_plan(layout)
         pending: dict[tuple[int, int], list[Future]] = {}
         by_server: dict[int, list[_Fetch]] = {}
-        for server, server_blocks in _by_server(blocks, via).items():
+        for server, server_blocks in group_by_server(blocks, via).items():
             by_server[server] = []
             for source, destination in server_blocks:
-                slice_of = _slice_of(source, destination)
+                slice_of = slice_holding(source, destination)
                 parts = plan[slice_of]
                 room = None if into is None else into[layout.bounds(slice_of)]
                 futures = pending[(source, destination)] = [Future() for _ in parts]
@@ -279,7 +287,7 @@ class Fetcher:
                         in_place,
                         not read.exact,
                     )
-                block, payload = _header_and_payload(block)
+                block, payload = header_and_payload(block)
                 header, values = codec.decode(
                     block,
                     length,
@@ -290,12 +298,12 @@ class Fetcher:
                     payload=payload,
                 )
             except BaseException as error:
-                self._lost(channel, server, error)
+                note_lost(self.peers, channel, server, error)
                 for future in futures[part:]:
                     future.set_exception(error)
                 return error
             recheck = (
-                functools.partial(_recheck, block, header, key.describe(version))
+                functools.partial(check_unchanged, block, header, key.describe(version))
                 if in_place
                 else None
             )
@@ -304,84 +312,6 @@ class Fetcher:
             if follow_first:
                 read = WeightRead(version, exact=True)
         return None
-
-    def _lost(self, channel: Channel, server: int, error: BaseException) -> None:
-        """After a fetch from ``server`` failed: a peer gone, or not of this parameter, fetches
-        nothing from us (a fetch we cut ourselves, failing, says nothing of the peer, which
-        may still wait on us)."""
-        if isinstance(error, (PeerLostError, AuthenticationError)) and not channel.aborted:
-            self.peers.peer_done(server)
-
-    def relay(
-        self,
-        channel: Channel,
-        kind: int,
-        read: WeightRead,
-        layout: SliceLayout,
-        blocks: list[tuple[int, int]],
-        via: Callable[[int], int] | None = None,
-    ) -> list[Future]:
-        """Copy blocks ``(source, destination)`` of ``read.version`` (exact) as they are into the
-        own store, under their own keys, for this host (or the other hosts' leaders) to fetch
-        from here: from ``via(source)`` (default: the source), one pool thread per server.
-        A block that crossed a socket is checked (its checksum included) before it is
-        published; one read in place is copied and then checked unchanged. Returns one
-        future per server, done when all its blocks are in."""
-        return [
-            channel.pool.submit(
-                self._relay_from, channel, server, kind, read, layout, server_blocks
-            )
-            for server, server_blocks in _by_server(blocks, via).items()
-        ]
-
-    def _relay_from(
-        self,
-        channel: Channel,
-        server: int,
-        kind: int,
-        read: WeightRead,
-        layout: SliceLayout,
-        blocks: list[tuple[int, int]],
-    ) -> None:
-        peers, codec, version = self.peers, self.codecs[kind], read.version
-        client = channel.clients[server]
-        in_place = peers.reads_in_place(channel, server)
-        plan = part_plan(layout)
-        try:
-            for source, destination in blocks:
-                for part, (_, length) in enumerate(plan[_slice_of(source, destination)]):
-                    key = BlockKey(kind, source, destination, part)
-                    size = codec.max_encoded_size(length)
-                    buffer = peers.store.reserve(key, version, peers.timeout)
-                    if (
-                        len(buffer) < size
-                    ):  # a bytearray, the first time: never while a view of it lives
-                        buffer.extend(bytes(size - len(buffer)))
-                    room = memoryview(buffer)[:size]
-                    _, block = client.fetch(
-                        key, version, size, None if in_place else room, in_place
-                    )
-                    header_bytes, payload = _header_and_payload(block)
-                    what = key.describe(version)
-                    if in_place:
-                        nbytes = header_bytes.nbytes + (0 if payload is None else payload.nbytes)
-                        room[: header_bytes.nbytes] = header_bytes
-                        if payload is not None:
-                            room[header_bytes.nbytes : nbytes] = payload
-                        _recheck(header_bytes, parse_header(room, what), what)
-                    else:
-                        nbytes = block.nbytes
-                        codec.verify(
-                            room[:nbytes],
-                            length,
-                            what,
-                            expect=(kind, source, destination, part, version),
-                        )
-                    peers.store.put(key, version, room[:nbytes], buffer=buffer)
-                    del room, block, header_bytes, payload
-        except BaseException as error:
-            self._lost(channel, server, error)
-            raise
 
 
 def place_slices(
@@ -405,13 +335,13 @@ def place_slices(
     return lowest
 
 
-def _slice_of(source: int, destination: int) -> int:
+def slice_holding(source: int, destination: int) -> int:
     """Whose slice block ``(source, destination)`` holds: the source's when it is for every
     partition (a weight slice), else the destination's (its chunk of a gradient)."""
     return source if destination == EVERY_PARTITION else destination
 
 
-def _by_server(
+def group_by_server(
     blocks: list[tuple[int, int]], via: Callable[[int], int] | None
 ) -> dict[int, list[tuple[int, int]]]:
     """``blocks`` ``(source, destination)`` by who serves them (``via(source)``, default the

@@ -19,7 +19,7 @@ no codec rounds them.
 
 Hierarchical (``peers.PeerGroup.hierarchical``), a host's leader also *relays*: it copies
 blocks as they are into its own store, under their own keys, for its host or the other
-leaders to fetch from it (``fetches.Fetcher.relay``); a block is fetched from whoever
+leaders to fetch from it (``relays.Relays``); a block is fetched from whoever
 serves it (``peers.PeerGroup.server_of``).
 
 How a block gets here is ``fetches.py``'s (``Fetcher``); how fetched chunks are summed,
@@ -37,7 +37,9 @@ from allreduce_param.engine.blocks.codec import Codec, get_codec
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKey, BlockKind, SplitBlock
 from allreduce_param.engine.layout import SliceLayout, split
 from allreduce_param.engine.movement.fetches import Fetcher, part_plan, place_slices
+from allreduce_param.engine.movement.host_sums import HostSums
 from allreduce_param.engine.movement.peers import PART_LENGTH, PeerGroup
+from allreduce_param.engine.movement.relays import Relays
 from allreduce_param.engine.movement.sums import NonFiniteSum, sum_in_order
 from allreduce_param.engine.strategy import WeightRead
 
@@ -80,12 +82,10 @@ class Movements:
         self.partition_num = peers.partition_num
         self.codecs = block_codecs(codec, gradient_codec)
         self.fetcher = Fetcher(peers, self.codecs)
-        self._host_sums: np.ndarray | None = None  # a leader's sums of its host's chunks
+        self.relays = Relays(peers, self.codecs)  # a hierarchical leader's
         self._rounded = np.empty(PART_LENGTH, dtype=np.float32)  # error feedback: a part as sent
-        #: hierarchical through a host arena (``arena_steps.ArenaSteps``): a leader's source of
-        #: its host's gradient chunks, ``host_chunks(version, members, owners)``, instead of
-        #: fetching blocks (the same parts, summed in the same order)
-        self.host_chunks: Callable[[int, tuple, list], dict] | None = None
+        #: the hierarchical reduce, through the hosts' leaders
+        self.host_sums = HostSums(peers, self.fetcher, self.relays, self.publish)
 
     def publish(
         self,
@@ -271,9 +271,9 @@ class Movements:
         are as for ``sum``. ``own``: this partition's chunk and count as they are, when
         ``scatter`` did not publish them (an exact codec would give the same bits).
         ``pending``: the fetches ``Fetcher.fetch_own_chunks`` started already; the others
-        are fetched now. Hierarchical, the host sums are summed instead (``_sum_host``)."""
+        are fetched now. Hierarchical, the host sums are summed instead (``HostSums``)."""
         if self.peers.hierarchical:
-            return self._reduce_host_sums(kind, version, layout, out, divisor, check)
+            return self.host_sums.reduce(kind, version, layout, out, divisor, check)
         pending = dict(pending or {})
         missing = [
             j
@@ -291,81 +291,6 @@ class Movements:
                 futures.append(Future())
                 futures[-1].set_result((version, count, values[start : start + length], None))
         return self.sum(pending, range(self.partition_num), out, divisor, check)
-
-    def _reduce_host_sums(
-        self,
-        kind: int,
-        version: int,
-        layout: SliceLayout,
-        out: np.ndarray,
-        divisor: Callable[[float], float | None] | None,
-        check: NonFiniteSum | None,
-    ) -> float:
-        """Hierarchical ``reduce``: every host's sum of the own chunk, in host order, read
-        from this host's leader (which relayed the other hosts' from their leaders); a
-        leader first makes its host's sums (``_sum_host``)."""
-        hosts, read = self.peers.hosts, WeightRead(version, exact=True)
-        leader = hosts.leader(self.partition_id)
-        if leader == self.partition_id:
-            self._sum_host(kind, read, layout, check)
-        pending = self.fetcher.fetch_all(
-            self.peers.worker,
-            BlockKind.HOST_SUM[kind],
-            read,
-            layout,
-            self.partition_id,
-            sources=hosts.leaders,
-            via=lambda source: leader,
-        )
-        names = [f"a partition of {list(members)}" for members in hosts.hosts]
-        return self.sum(
-            pending,
-            hosts.leaders,
-            out,
-            divisor,
-            check,
-            groups=[(p,) for p in hosts.leaders],
-            names=names,
-        )
-
-    def _sum_host(
-        self, kind: int, read: WeightRead, layout: SliceLayout, check: NonFiniteSum | None
-    ) -> None:
-        """A leader's share of a hierarchical reduce: for every owner, the sum of its chunk over
-        this host's partitions, published for the owner (the other hosts' first, for their
-        leaders to fetch); meanwhile the other hosts' sums for this host's owners are relayed
-        here. Returns once both are in the own store."""
-        hosts, worker, me = self.peers.hosts, self.peers.worker, self.partition_id
-        members = hosts.host(me)
-        owners = [j for j in range(self.partition_num) if hosts.leader(j) != me] + list(members)
-        if kind == BlockKind.GRADIENT and self.host_chunks is not None:
-            chunks = self.host_chunks(read.version, members, owners)
-        else:
-            chunks = self.fetcher.fetch_blocks(
-                worker, kind, read, layout, [(m, j) for m in members for j in owners]
-            )
-        host_sum = BlockKind.HOST_SUM[kind]
-        relayed = self.fetcher.relay(
-            worker,
-            host_sum,
-            read,
-            layout,
-            [(leader, j) for leader in hosts.leaders if leader != me for j in members],
-        )
-        sums = self._host_sums
-        if sums is None or sums.size != layout.size:
-            sums = self._host_sums = np.empty(layout.size, dtype=np.float32)
-        for owner in owners:
-            partial = sums[layout.bounds(owner)]
-            count = self.sum(
-                {m: chunks[(m, owner)] for m in members},
-                members,
-                partial,
-                check=None if check is None else NonFiniteSum(check.version, layout.start(owner)),
-            )
-            self.publish(host_sum, read.version, partial, destination=owner, count=count)
-        for done in relayed:
-            done.result()
 
     def sum(
         self,
@@ -397,7 +322,7 @@ class Movements:
             hosts, me = peers.hosts, self.partition_id
             mine = [(p, EVERY_PARTITION) for p in hosts.host(me) if p != me]
             theirs = [(p, EVERY_PARTITION) for p in sources if hosts.leader(p) != me]
-            relayed = fetcher.relay(worker, kind, read, layout, mine) + fetcher.relay(
+            relayed = self.relays.start(worker, kind, read, layout, mine) + self.relays.start(
                 worker, kind, read, layout, theirs, via=hosts.leader
             )
             pending = fetcher.fetch_slices(kind, read, layout, out, sources=hosts.host(me))

@@ -5,11 +5,11 @@ A ``PeerGroup`` is what a partition needs to reach the others, made once per ``c
 - the own ``BlockStore`` (where its published blocks wait for the peers), its encode
   buffers (in shared memory when same-host peers may read them in place), and the
   ``BlockServer`` that serves it;
-- the address exchange: what this partition advertises, and how it reads a peer's
-  (``(host, port)``, plus a Unix socket name and the kernel scope it lives in; a peer in
-  the same scope, i.e. this machine and network namespace, is reached over the Unix
-  socket, and its blocks in shared memory are read in place); a bare ``(host, port)``
-  (a fixed list) is completed by asking that peer;
+- the address exchange (``directory.PeerDirectory``): what this partition advertises, and
+  how it reads a peer's (``(host, port)``, plus a Unix socket name and the kernel scope it
+  lives in; a peer in the same scope, i.e. this machine and network namespace, is reached
+  over the Unix socket, and its blocks in shared memory are read in place); a bare
+  ``(host, port)`` (a fixed list) is completed by asking that peer;
 - the hosts (``layout.HostLayout``): which partitions share this one's scope, and whether
   the sync is hierarchical (each host's leader exchanges with the other leaders for its
   host) or flat (every partition with every other);
@@ -23,7 +23,8 @@ A ``PeerGroup`` is what a partition needs to reach the others, made once per ``c
   its first use, so a hierarchical partition connects only to its host and, a leader, to
   the leaders;
 - the end: ``close`` (say done, wait until every peer is, stop), ``fail`` (answer every
-  peer with the reason for a short while, then stop), ``shutdown`` (stop at once).
+  peer with the reason for a short while, then stop), ``shutdown`` (stop at once); which
+  peers are done with this partition is ``farewells.Farewells``'.
 
 It moves no data itself: ``movements.py`` does, through the store and the channels here.
 """
@@ -31,8 +32,6 @@ It moves no data itself: ``movements.py`` does, through the store and the channe
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 
 from allreduce_param.engine.blocks.arena import HostArena
@@ -45,20 +44,13 @@ from allreduce_param.engine.blocks.shm import (
 from allreduce_param.engine.blocks.store import BlockStore
 from allreduce_param.engine.layout import HostLayout
 from allreduce_param.engine.movement.channels import Channel
+from allreduce_param.engine.movement.directory import PeerDirectory
+from allreduce_param.engine.movement.farewells import Farewells
 from allreduce_param.engine.movement.host_arenas import ArenaPassing
 from allreduce_param.engine.movement.rendezvous import Rendezvous
 from allreduce_param.engine.spec import ParameterSpec
-from allreduce_param.engine.wire.blocks import (
-    BlockServer,
-    PeerAddress,
-    PeerClient,
-    parse_address,
-)
-from allreduce_param.errors import (
-    AllReduceError,
-    AuthenticationError,
-    ProtocolError,
-)
+from allreduce_param.engine.wire.blocks import BlockServer
+from allreduce_param.errors import AllReduceError
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +70,6 @@ LARGEST_PART = get_codec("raw").max_encoded_size(PART_LENGTH)
 #: and connections this costs as N grows: "Scaling: connections, bytes and steps").
 FETCH_THREADS = 16
 
-#: How often (seconds) a partition ending looks whether its peers stopped in the host arena.
-ARENA_LOOK = 0.02
-
 
 class PeerGroup:
     """This partition's server and its connections to the peers of one parameter.
@@ -97,8 +86,7 @@ class PeerGroup:
         self.timeout = spec.timeout
         self.spec = spec
         self._closed = False
-        self._done_peers: set[int] = set()
-        self._done_changed = threading.Condition()
+        self._farewells = Farewells(self.partition_id, spec.timeout)
         self._channels: list[Channel] = []
         strategy, network = spec.strategy, spec.network
         #: the host arena this partition's BSP step goes through, if any
@@ -136,19 +124,14 @@ class PeerGroup:
             encrypt=network.encrypt,
             arena=self._arena_passing.offer if self._arena_passing.may_lead else None,
         )
-        self._addresses: list = []
         try:
-            self._addresses = self._complete(
-                [
-                    parse_address(address)
-                    for address in rendezvous.exchange(self._server.advertised_address)
-                ]
-            )
-            self._check_fingerprints()
+            #: every peer's address, and a client of any of them
+            self.directory = PeerDirectory(spec, self._server, rendezvous)
+            addresses = self.directory.addresses
             self.hosts = HostLayout(
                 [
                     address.scope if address.local_name is not None and spec.unix_sockets else None
-                    for address in self._addresses
+                    for address in addresses
                 ]
             )
             #: each host's leader exchanges for it; the others only within their host
@@ -161,104 +144,12 @@ class PeerGroup:
             # small blocks (choices, signals) on connections of their own, made at first use:
             # a background owner's channel may be waiting for a straggler's gradient meanwhile
             self.control = self.channel(1, "control")
-            if self._arena_passing.applies(self.hosts, self._addresses, self.hierarchical):
-                self.arena = self._arena_passing.open(self._addresses, self._client, self.hosts)
+            if self._arena_passing.applies(self.hosts, addresses, self.hierarchical):
+                self.arena = self._arena_passing.open(addresses, self.directory.client, self.hosts)
         except BaseException:
             self.shutdown()
             raise
         self.peers = self.worker.clients
-
-    def _complete(self, addresses: list[PeerAddress]) -> list[PeerAddress]:
-        """The exchanged addresses with what a bare ``(host, port)`` leaves out (a fixed list,
-        ``StaticRendezvous``): this partition's own from its server, each peer's asked of
-        it over TCP with the secret proven (``PeerClient.ask_address``), so that plain
-        processes on one host find each other's scope and Unix socket as tasks do. The
-        host and port stay those the meeting gave. Only with Unix sockets on: without
-        them (or where this platform has none), every peer is reached over TCP anyway."""
-        if self._server.local_name is None or all(a.fingerprint is not None for a in addresses):
-            return addresses
-        completed = []
-        for peer, address in enumerate(addresses):
-            if address.fingerprint is None:
-                if peer == self.partition_id:
-                    full = parse_address(self._server.advertised_address)
-                else:
-                    try:
-                        full = self._ask_address(peer, address)
-                    except AuthenticationError:
-                        # a peer of another parameter: keep serving (refusing it in turn)
-                        # a while, so that it hears "the secrets differ" from us too,
-                        # rather than finding us gone
-                        time.sleep(min(self.timeout, self.spec.network.failure_linger))
-                        raise
-                address = address._replace(
-                    fingerprint=full.fingerprint, local_name=full.local_name, scope=full.scope
-                )
-            completed.append(address)
-        return completed
-
-    def _client(self, peer: int, address: PeerAddress, local_name: str | None = None) -> PeerClient:
-        """A client of ``peer``'s server at ``address`` (over its Unix socket ``local_name``
-        where given), with this parameter's secret, timeouts and encryption."""
-        return PeerClient(
-            (address.host, address.port),
-            self.spec.secret,
-            self.spec.param_id,
-            self.partition_id,
-            peer,
-            self.timeout,
-            local_name=local_name,
-            handshake_timeout=self.spec.network.connect_timeout,
-            encrypt=self.spec.network.encrypt,
-        )
-
-    def _client_of(self, peer: int) -> PeerClient:
-        """A client of ``peer`` at its exchanged address: over its Unix socket (and shared
-        memory, if on) where the peer is in this partition's scope (the same machine and
-        network namespace, as its own server says), else over TCP."""
-        address = self._addresses[peer]
-        same_scope = (
-            address.local_name is not None
-            and address.scope == self._addresses[self.partition_id].scope
-        )
-        return self._client(peer, address, address.local_name if same_scope else None)
-
-    def _ask_address(self, peer: int, address: PeerAddress) -> PeerAddress:
-        client = self._client(peer, address)
-        try:
-            answer = client.ask_address()
-        finally:
-            client.close()
-        try:
-            full = parse_address(answer)
-        except TypeError as error:
-            raise ProtocolError(
-                f"partition {peer} at {address.host}:{address.port} gave the address {answer!r}"
-            ) from error
-        if not all(
-            value is None or isinstance(value, str)
-            for value in (full.fingerprint, full.local_name, full.scope)
-        ):
-            raise ProtocolError(
-                f"partition {peer} at {address.host}:{address.port} gave the address {answer!r}"
-            )
-        return full
-
-    def _check_fingerprints(self) -> None:
-        """Refuse, on every partition at once, peers that serve another parameter (each
-        task made its own AllReduceParameter instead of using the driver's)."""
-        own = self._addresses[self.partition_id].fingerprint
-        others = [
-            peer
-            for peer, address in enumerate(self._addresses)
-            if address.fingerprint is not None and own is not None and address.fingerprint != own
-        ]
-        if others:
-            raise AuthenticationError(
-                f"partition {self.partition_id} met partitions {others} with another AllReduceParameter: the "
-                "secrets differ. Every partition must use the same AllReduceParameter object, made on the driver "
-                "(make it before the barrier stage; the tasks get it in their closure)"
-            )
 
     def channel(self, threads: int, role: str, idle_waits: bool = False) -> Channel:
         """A new set of connections to every peer (each connects on first use), with
@@ -267,7 +158,7 @@ class PeerGroup:
         for peer in range(self.partition_num):
             if peer == self.partition_id:
                 continue
-            clients[peer] = self._client_of(peer)
+            clients[peer] = self.directory.client_of(peer)
         channel = Channel(
             clients, threads, f"allreduce-{role}-{self.partition_id}", role, idle_waits
         )
@@ -328,9 +219,7 @@ class PeerGroup:
 
     def peer_done(self, partition: int) -> None:
         """``partition`` fetches nothing more from us: it said so, hung up, or is gone."""
-        with self._done_changed:
-            self._done_peers.add(partition)
-            self._done_changed.notify_all()
+        self._farewells.peer_done(partition)
 
     def close(self, join: Callable[[], None] = lambda: None) -> None:
         """Finish cleanly: tell the peers we are done, wait until they are, then stop.
@@ -354,12 +243,12 @@ class PeerGroup:
                 else (self.hosts.neighbours(me, hierarchical=False), ())
             )
             if far:
-                self._wait_for_peers(near)  # every partition of this host is done with us
+                self._wait_for(near)  # every partition of this host is done with us
                 self._say_done(far)
-                self._wait_for_peers(far)  # and every other host is
+                self._wait_for(far)  # and every other host is
             self._say_done(near)
             if not far:
-                self._wait_for_peers(near)
+                self._wait_for(near)
         finally:
             self.shutdown(join)
 
@@ -391,9 +280,9 @@ class PeerGroup:
         unconnected = self._unconnected(neighbours)
         for channel in self._channels:
             channel.abort()  # a connection cut is a hang-up: those peers know we are done
-        goodbyes = self._part_from(unconnected)
+        goodbyes = self._farewells.part_from(unconnected, self.directory.client_of)
         try:
-            self._wait_for_peers(neighbours, min(self.timeout, self.spec.network.failure_linger))
+            self._wait_for(neighbours, min(self.timeout, self.spec.network.failure_linger))
         finally:
             for goodbye in goodbyes:
                 goodbye.join()
@@ -410,61 +299,9 @@ class PeerGroup:
             and not any(channel.clients[partition].connected for channel in self._channels)
         ]
 
-    def _part_from(self, partitions) -> list[threading.Thread]:
-        """Tell each of ``partitions`` (peers never connected to) that this failed partition
-        fetches nothing more from it, each on a connection of its own, all at once (a peer
-        out of reach costs one connect timeout, whatever their number); the threads doing it.
-
-        Without it a peer that fails too, before either fetched from the other, would wait
-        ``failure_linger`` for our hang-up as we wait for its, though neither will fetch
-        again. A connection of its own: a channel's client may be held by a fetch."""
-
-        def goodbye(partition: int) -> None:
-            client = self._client_of(partition)
-            try:
-                client.done()
-            except (AllReduceError, OSError) as error:  # gone, or not of this parameter
-                log.debug("partition %d: no goodbye to %d: %s", self.partition_id, partition, error)
-            finally:
-                client.close()
-
-        threads = [
-            threading.Thread(
-                target=goodbye, args=(p,), name=f"allreduce-goodbye-{self.partition_id}-{p}"
-            )
-            for p in partitions
-        ]
-        for thread in threads:
-            thread.start()
-        return threads
-
-    def _wait_for_peers(self, partitions, timeout: float | None = None) -> bool:
-        """Wait until each of ``partitions`` is done with us (at most ``timeout``, default the
-        parameter's); log those that are not. Through a host arena a peer that stopped
-        there (closed, failed, its process gone) is done too: it may never have connected."""
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        arena = self.arena
-
-        def done() -> bool:
-            left = set(partitions) - self._done_peers
-            return not left or (arena is not None and all(arena.ended(p) for p in left))
-
-        with self._done_changed:
-            while not (finished := done()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                # the arena's ends ring no condition: look again in a while
-                self._done_changed.wait(left if arena is None else min(left, ARENA_LOOK))
-            missing = sorted(set(partitions) - self._done_peers)
-        if not finished:
-            log.warning(
-                "partition %d stopped waiting for partitions %s to say they were done",
-                self.partition_id,
-                missing,
-            )
-        return finished
+    def _wait_for(self, partitions, timeout: float | None = None) -> bool:
+        """``Farewells.wait``, through this partition's host arena if it has one."""
+        return self._farewells.wait(partitions, timeout, self.arena)
 
     @property
     def closed(self) -> bool:

@@ -3,7 +3,8 @@ the block header), and the registry of them by name: ``get_codec``, ``codec_name
 ``parse_header``, whose checks need the codec a header names.
 
 Instances are stateless and shared; the format each uses lives in its family's module
-(``raw``, ``float16s``, ``int8``, ``topk``), the layout in ``header``.
+(``raw``, ``float16s``, ``int8``, ``topk``), the layout in ``header``, and what is done to
+the frame around a payload (written, sealed, checked) in ``framing``.
 """
 
 from __future__ import annotations
@@ -16,32 +17,25 @@ import numpy as np
 from allreduce_param.engine.blocks.codec.buffers import check_values, room, scratch_for
 from allreduce_param.engine.blocks.codec.float16s import BFloat16, Float16, ShuffledBFloat16
 from allreduce_param.engine.blocks.codec.format import U8, ValueFormat
+from allreduce_param.engine.blocks.codec.framing import Out, checked, framed, seal, unchanged
 from allreduce_param.engine.blocks.codec.header import (
-    CHECKSUM_OFFSET,
     CODECS,
-    FIELD,
     FLAG_STORED_RAW,
     FORMAT_VERSION,
     HEADER,
     HEADER_SIZE,
     MAGIC,
-    PAYLOAD_SIZE_OFFSET,
     RESERVED,
-    REWRITING,
-    UNSEALED,
-    VERSION_OFFSET,
     BlockHeader,
     BlockIds,
     BytesLike,
     bytes_view,
-    checksum_of,
     write_header,
 )
 from allreduce_param.engine.blocks.codec.int8 import ScaledInt8
 from allreduce_param.engine.blocks.codec.raw import Float32, lz4_pack, lz4_unpack
 from allreduce_param.engine.blocks.codec.topk import TopK
 from allreduce_param.errors import (
-    CodecOverflowError,
     ConfigurationError,
     CorruptBlockError,
     UsageError,
@@ -194,27 +188,15 @@ class Codec:
         self,
         length: int,
         count: float,
-        out: bytearray | mmap.mmap | memoryview | None,
+        out: Out | None,
         ids: BlockIds,
         checksum: bool,
-        write_payload: Callable[[bytearray | mmap.mmap | memoryview, memoryview], tuple[int, bool]],
+        write: Callable[[Out, memoryview], tuple[int, bool]],
     ) -> memoryview:
-        """The block both ``encode`` and ``encode_stream`` make: ``out`` made room in, marked
-        as being rewritten, the payload written after the header by ``write_payload(out,
-        block)`` (its size, and whether it is stored raw), then the header and, with
-        ``checksum``, the checksum; a view of exactly the block."""
-        out = room(out, self.max_encoded_size(length))
-        with memoryview(out) as block:
-            FIELD.pack_into(block, VERSION_OFFSET, REWRITING)  # in-place readers can tell
-            try:
-                payload_size, stored_raw = write_payload(out, block)
-            except CodecOverflowError as exc:
-                raise exc.with_traceback(None) from None  # drop frames holding views of out
-            flags = FLAG_STORED_RAW if stored_raw else 0
-            write_header(block, self.codec_id, flags, length, payload_size, count, ids)
-            if checksum:
-                FIELD.pack_into(block, CHECKSUM_OFFSET, checksum_of(block, payload_size))
-        return memoryview(out)[: HEADER_SIZE + payload_size]
+        """The block ``encode`` and ``encode_stream`` make (``framing.framed``): ``write``
+        writes the payload after the header."""
+        max_size = self.max_encoded_size(length)
+        return framed(self.codec_id, max_size, length, count, out, ids, checksum, write)
 
     def stream_size(self, length: int) -> int:
         """Bytes of the uncompressed stream (the value format's bytes, before any lz4) of
@@ -289,20 +271,8 @@ class Codec:
         be published where it lies with only a header written (``encode_header``)."""
         return self._format.passthrough and not self.compressed
 
-    @staticmethod
-    def seal(block: memoryview, payload: BytesLike | None = None) -> None:
-        """Write the checksum of a block ``encode`` left without one (a no-op otherwise):
-        before its bytes first leave this host's memory. ``payload``: where it lies, when
-        apart from the header (``block`` is then the header alone). Sealing the same block
-        from several threads at once is safe; each writes the same eight bytes. Bytes that
-        are not a block are left as they are, for the reader's ``decode`` to name what is
-        wrong with them."""
-        if len(block) < HEADER_SIZE or bytes(block[:2]) != MAGIC:
-            return
-        (checksum,) = FIELD.unpack_from(block, CHECKSUM_OFFSET)
-        if checksum == UNSEALED:
-            (payload_size,) = FIELD.unpack_from(block, PAYLOAD_SIZE_OFFSET)
-            FIELD.pack_into(block, CHECKSUM_OFFSET, checksum_of(block, payload_size, payload))
+    #: ``framing.seal``: a block encoded without its checksum gets it
+    seal = staticmethod(seal)
 
     def _encode_payload(
         self, values: np.ndarray, out: bytearray, block: memoryview
@@ -388,57 +358,13 @@ class Codec:
         """The header and payload of a block that passed ``decode``'s checks."""
         view = bytes_view(block)
         header = parse_header(view, what)
-        if expect is not None and tuple(header.ids) != tuple(expect):
-            kind, source, destination, part, version = header.ids
-            raise CorruptBlockError(
-                f"{what}: its header names another block (kind {kind}, from partition {source} to "
-                f"{'all' if destination == 0xFFFFFFFF else f'partition {destination}'}, part {part}, version "
-                f"{version}): a protocol slip; every partition must run the same allreduce-param"
-            )
-        if header.codec != self.name:
-            raise CorruptBlockError(
-                f"{what}: encoded with codec {header.codec!r} but decoded as {self.name!r}: "
-                "do all partitions use the same codec?"
-            )
-        if header.length != length:
-            raise CorruptBlockError(
-                f"{what}: expected {length} elements, header says {header.length}"
-            )
-        if payload is None:
-            payload = view[HEADER_SIZE:]
-        elif len(view) != HEADER_SIZE:
-            raise CorruptBlockError(
-                f"{what}: a header of {len(view)} bytes, expected {HEADER_SIZE}"
-            )
-        else:
-            payload = bytes_view(payload)
-        held = len(payload)
-        if held != header.payload_size:
-            problem = "truncated" if held < header.payload_size else "extra bytes"
-            raise CorruptBlockError(
-                f"{what}: header says {header.payload_size} payload bytes but the block holds "
-                f"{held} ({problem})"
-            )
-        nbytes = self._format.stream_size(length)
-        if (not self.compressed or header.stored_raw) and header.payload_size != nbytes:
-            raise CorruptBlockError(
-                f"{what}: uncompressed payload of {header.payload_size} bytes, "
-                f"{length} elements need {nbytes}"
-            )
-        actual = checksum_of(view, header.payload_size, payload) if checksum else header.checksum
-        if actual != header.checksum:
-            raise CorruptBlockError(
-                f"{what}: checksum mismatch (header {header.checksum:#018x}, bytes hash to "
-                f"{actual:#018x}): the block was damaged in memory or on the wire"
-            )
+        stored_raw = not self.compressed or header.stored_raw
+        size = self._format.stream_size(length) if stored_raw else None
+        payload = checked(view, header, self.name, size, length, what, expect, checksum, payload)
         return header, payload
 
-    @staticmethod
-    def unchanged(block: BytesLike, header: BlockHeader) -> bool:
-        """Whether ``block``, decoded earlier with ``header``, still holds that very block: a
-        reader of a buffer in place (shared memory) asks after using what it decoded."""
-        (version,) = FIELD.unpack_from(memoryview(block), VERSION_OFFSET)
-        return version == header.ids[4]  # encode marks it first, and a key's versions only grow
+    #: ``framing.unchanged``: whether a block read in place still holds what was decoded
+    unchanged = staticmethod(unchanged)
 
 
 _REGISTRY: dict[str, Codec] = {

@@ -6,8 +6,9 @@ that version is in its store (or with an error once the wait times out). Both pr
 parameter's secret first (``wire.handshake``).
 
 The frames are in ``protocol``, how a server is named to its peers in ``addresses``, the
-two ends in ``server`` and ``client`` (with ``shared_answers``: blocks read in place from
-a peer's shared memory, on one host).
+two ends in ``server`` (with ``serving``: the frames read from and written to each peer)
+and ``client`` (with ``dialing``, ``client_errors``, ``questions``, and ``shared_answers``:
+blocks read in place from a peer's shared memory, on one host).
 """
 
 from allreduce_param.engine.wire.blocks.addresses import (
@@ -30,7 +31,8 @@ from allreduce_param.engine.wire.blocks.protocol import (
     STATUS_STALE,
     STATUS_TIMEOUT,
 )
-from allreduce_param.engine.wire.blocks.server import SEND_SLICE, SERVE_THREADS, BlockServer
+from allreduce_param.engine.wire.blocks.server import SERVE_THREADS, BlockServer
+from allreduce_param.engine.wire.blocks.serving import SEND_SLICE
 
 __all__ = [
     "FLAG_NEWEST",

@@ -1,40 +1,45 @@
-"""The block client: one partition's connection to one peer's ``BlockServer``."""
+"""The block client: one partition's connection to one peer's ``BlockServer``.
+
+How it connects is ``dialing.py``'s, how its errors are worded ``client_errors.py``'s, and
+the one-off questions (the peer's address, the host arena) ``questions.py``'s.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
-import logging
-import os
 import socket
 import threading
 import time
 from typing import NamedTuple
 
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, SplitBlock
+from allreduce_param.engine.wire.blocks.client_errors import (
+    answer_error,
+    late,
+    lost,
+    out_of_memory,
+)
+from allreduce_param.engine.wire.blocks.dialing import Dialer
 from allreduce_param.engine.wire.blocks.protocol import (
     FLAG_NEWEST,
-    MAX_ADDRESS_TEXT,
-    MAX_ERROR_TEXT,
-    OP_ADDRESS,
-    OP_ARENA,
     OP_DONE,
     OP_GET,
     OP_GET_SHARED,
     REQUEST,
-    RESPONSE,
-    STATUS_CLOSING,
     STATUS_OK,
     STATUS_SHARED,
-    STATUS_STALE,
-    STATUS_TIMEOUT,
+)
+from allreduce_param.engine.wire.blocks.questions import (
+    parse_address_answer,
+    read_address,
+    read_arena,
 )
 from allreduce_param.engine.wire.blocks.shared_answers import SharedAnswers
-from allreduce_param.engine.wire.handshake import MAGIC, client_handshake, seals
+from allreduce_param.engine.wire.handshake import MAGIC
 from allreduce_param.engine.wire.sealing import SealedConnection
 from allreduce_param.engine.wire.settings import DEFAULT_CONNECT_TIMEOUT
-from allreduce_param.engine.wire.sockets import recv_exactly, tune, unix_sockets_available
+from allreduce_param.engine.wire.sockets import recv_exactly, unix_sockets_available
 from allreduce_param.errors import (
     AllReduceError,
     FetchTimeoutError,
@@ -42,10 +47,7 @@ from allreduce_param.errors import (
     ProtocolError,
     StaleVersionError,
     StoreClosedError,
-    peer_lost,
 )
-
-log = logging.getLogger(__name__)
 
 
 class AnswerDue(NamedTuple):
@@ -79,14 +81,20 @@ class PeerClient:
         encrypt: bool = False,
     ) -> None:
         self.address = address
-        self._encrypt = encrypt
         self._handshake_timeout = handshake_timeout
         self.local_name = local_name if unix_sockets_available() else None
         self.peer_partition = peer_partition
-        self._secret = secret
-        self._param_id = param_id
-        self._partition_id = partition_id
         self._timeout = timeout
+        self._dialer = Dialer(
+            address,
+            self.local_name,
+            secret,
+            param_id,
+            partition_id,
+            self._peer_text,
+            handshake_timeout,
+            encrypt,
+        )
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()
         self._asked: tuple | None = None  # (key, version, shared, newest) of the get sent last
@@ -103,23 +111,8 @@ class PeerClient:
         return f"partition {self.peer_partition} at {self.address[0]}:{self.address[1]}"
 
     def _lost(self, what: str, detail: str, said: str = "") -> PeerLostError:
-        """The one wording of 'this peer is gone', naming the peer, the block and the cause.
-
-        ``said`` is the reason the peer gave as it failed, when it could give one.
-        """
-        return peer_lost(f"{self._peer_text} {detail} while we fetched {what}", said)
-
-    def _open(self) -> socket.socket:
-        if self.local_name:
-            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            local.settimeout(self._handshake_timeout)
-            try:
-                local.connect("\0" + self.local_name)
-                return local
-            except OSError as error:  # another network namespace, or gone: TCP will tell
-                local.close()
-                log.debug("no local socket for %s (%s), using TCP", self._peer_text, error)
-        return socket.create_connection(self.address, timeout=self._handshake_timeout)
+        """``client_errors.lost``: this peer is gone (``said``: the reason it gave)."""
+        return lost(self._peer_text, what, detail, said)
 
     def _connect(self, what: str) -> socket.socket | SealedConnection:
         if self._aborted:
@@ -127,42 +120,7 @@ class PeerClient:
                 f"this partition is shutting down: no new connection to {self._peer_text} "
                 f"for {what}"
             )
-        try:
-            sock = self._open()
-        except OSError as error:
-            raise self._lost(what, f"cannot be reached ({error})") from error
-        try:
-            tune(sock)
-            key = client_handshake(
-                sock,
-                self._secret,
-                self._param_id,
-                self._partition_id,
-                self._peer_text,
-                "the secrets differ. Every partition must use the same AllReduceParameter "
-                "object, made on the driver",
-                encrypt=self._encrypt,
-            )
-            sock.settimeout(None)
-            return (
-                SealedConnection(sock, key, client=True, peer_text=self._peer_text)
-                if seals(sock, self._encrypt)
-                else sock
-            )
-        except AllReduceError:
-            sock.close()
-            raise
-        except TimeoutError as error:
-            sock.close()
-            raise FetchTimeoutError(
-                f"{self._peer_text} did not finish the handshake within "
-                f"{self._handshake_timeout:g} s while we fetched {what}"
-            ) from error
-        except (OSError, EOFError) as error:
-            sock.close()
-            raise self._lost(
-                what, f"dropped the connection during the handshake ({error})"
-            ) from error
+        return self._dialer.connect(what)
 
     def fetch(
         self,
@@ -229,7 +187,7 @@ class PeerClient:
                 raise self._lost(what, "was cut off by this partition")
             status, length, served = self._shared.receive_head(sock, shared)
             if status not in (STATUS_OK, STATUS_SHARED):
-                raise self._answer_error(status, length, sock, what)
+                raise answer_error(self._peer_text, status, length, sock, what)
             if length > max_size:
                 raise ProtocolError(
                     f"{self._peer_text} sent {length} bytes for {what}; such a block has at "
@@ -252,10 +210,7 @@ class PeerClient:
         return self._late(key.describe(version))
 
     def _late(self, what: str) -> FetchTimeoutError:
-        return FetchTimeoutError(
-            f"{self._peer_text} did not answer for {what} within "
-            f"{self._timeout + self._handshake_timeout:g} s"
-        )
+        return late(self._peer_text, what, self._timeout + self._handshake_timeout)
 
     @contextlib.contextmanager
     def _failing(self, what: str):
@@ -277,40 +232,8 @@ class PeerClient:
         except (OSError, EOFError) as error:
             self._drop()
             if getattr(error, "errno", None) == errno.ENOMEM:  # ours, not the peer's
-                raise self._out_of_memory(what, error) from error
+                raise out_of_memory(what, error) from error
             raise self._lost(what, f"closed the connection ({error})") from error
-
-    def _out_of_memory(self, what: str, error: OSError) -> MemoryError:
-        """This process, not the peer, could not get memory (ENOMEM) for ``what``: most
-        often mapping the peer's shared memory under a limit on the address space."""
-        return MemoryError(
-            f"this partition ran out of memory ({error}) while it fetched {what}: it maps the "
-            "shared memory its peers on this host publish blocks in, and a limit on its address "
-            "space counts the mappings (under Spark, spark.executor.pyspark.memory sets one on "
-            "each Python worker): raise that limit or leave it unset"
-        )
-
-    def _answer_error(
-        self, status: int, length: int, sock: socket.socket, what: str
-    ) -> AllReduceError:
-        """The error a non-OK answer stands for, its text read off the connection."""
-        if length > MAX_ERROR_TEXT:
-            raise ProtocolError(
-                f"{self._peer_text} sent an error text of {length} bytes for {what}"
-            )
-        text = bytearray(length)
-        recv_exactly(sock, memoryview(text))
-        reason = text.decode("utf-8", "replace")
-        if status == STATUS_TIMEOUT:
-            return FetchTimeoutError(
-                f"{self._peer_text} did not publish {what} in time: {reason}. The peer is stuck or "
-                "much slower; raise AllReduceParameter(timeout=...) if its steps are this slow"
-            )
-        if status == STATUS_CLOSING:
-            return self._lost(what, "shut down", said=reason)
-        if status == STATUS_STALE:
-            return StaleVersionError(f"{self._peer_text} no longer has {what}: {reason}")
-        return ProtocolError(f"{self._peer_text} answered {what} with unknown status {status}")
 
     def ask_address(self) -> list:
         """The peer's advertised address (``BlockServer.advertised_address``, as a list),
@@ -324,28 +247,8 @@ class PeerClient:
                 with self._failing(what):
                     sock = self._sock = self._connect(what)
                     sock.settimeout(self._handshake_timeout)
-                    sock.sendall(REQUEST.pack(MAGIC, OP_ADDRESS, BlockKind.WEIGHT, 0, 0, 0, 0, 0))
-                    head = bytearray(RESPONSE.size)
-                    recv_exactly(sock, memoryview(head))
-                    status, length, _ = RESPONSE.unpack(head)
-                    if status != STATUS_OK or length > MAX_ADDRESS_TEXT:
-                        raise ProtocolError(
-                            f"{self._peer_text} answered the question of {what} with status "
-                            f"{status} and {length} bytes"
-                        )
-                    text = bytearray(length)
-                    recv_exactly(sock, memoryview(text))
-                try:
-                    address = json.loads(bytes(text))
-                except ValueError as error:
-                    raise ProtocolError(
-                        f"{self._peer_text} answered the question of {what} with no JSON: {error}"
-                    ) from error
-                if not isinstance(address, list):
-                    raise ProtocolError(
-                        f"{self._peer_text} answered the question of {what} with {address!r}"
-                    )
-                return address
+                    text = read_address(sock, self._peer_text, what)
+                return parse_address_answer(text, self._peer_text, what)
             finally:
                 self._drop()
 
@@ -359,40 +262,13 @@ class PeerClient:
         with self._lock:
             if self._sock is not None:
                 raise ProtocolError(f"asked {self._peer_text} for {what} on a connection in use")
-            fds: list[int] = []
             try:
                 with self._failing(what):
                     sock = self._sock = self._connect(what)
                     if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
                         raise ProtocolError(f"{self._peer_text} is not reached over a Unix socket")
                     sock.settimeout(self._handshake_timeout)
-                    sock.sendall(REQUEST.pack(MAGIC, OP_ARENA, BlockKind.WEIGHT, 0, 0, 0, 0, 0))
-                    first, fds, _, _ = socket.recv_fds(
-                        sock, RESPONSE.size + MAX_ADDRESS_TEXT, max_fds
-                    )
-                    if len(first) < RESPONSE.size:
-                        head = bytearray(RESPONSE.size)
-                        head[: len(first)] = first
-                        recv_exactly(sock, memoryview(head)[len(first) :])
-                        first = bytes(head)
-                    status, length, _ = RESPONSE.unpack(first[: RESPONSE.size])
-                    if status != STATUS_OK:
-                        raise self._answer_error(
-                            status, length, _Prefixed(first[RESPONSE.size :], sock), what
-                        )
-                    if length > MAX_ADDRESS_TEXT:
-                        raise ProtocolError(
-                            f"{self._peer_text} answered {what} with {length} bytes"
-                        )
-                    text = bytearray(length)
-                    got = first[RESPONSE.size : RESPONSE.size + length]
-                    text[: len(got)] = got
-                    recv_exactly(sock, memoryview(text)[len(got) :])
-                return bytes(text), fds
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
+                    return read_arena(sock, max_fds, self._peer_text, what)
             finally:
                 self._drop()
 
@@ -430,19 +306,3 @@ class PeerClient:
         with self._lock:
             self._drop()
             self._shared.close()
-
-
-class _Prefixed:
-    """A socket to read an error text from whose first bytes came already (with descriptors)."""
-
-    def __init__(self, first: bytes, sock: socket.socket) -> None:
-        self._first = first
-        self._sock = sock
-
-    def recv_into(self, buffer, nbytes: int = 0) -> int:
-        if self._first:
-            size = min(len(self._first), nbytes or len(buffer))
-            buffer[:size] = self._first[:size]
-            self._first = self._first[size:]
-            return size
-        return self._sock.recv_into(buffer, nbytes)

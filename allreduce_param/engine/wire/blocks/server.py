@@ -1,81 +1,46 @@
-"""The block server: one partition's ``BlockStore`` served to the peers that prove the secret."""
+"""The block server: one partition's ``BlockStore`` served to the peers that prove the secret.
+
+What it reads from and writes to each peer's connection (the frames) is ``serving.py``'s.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
 
-from allreduce_param.engine.blocks.codec import HEADER_SIZE, Codec
 from allreduce_param.engine.blocks.shm import SharedArenas
-from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore, SplitBlock, Waiter
+from allreduce_param.engine.blocks.store import BlockStore
+from allreduce_param.engine.blocks.waiters import Waiter
 from allreduce_param.engine.wire.blocks.addresses import local_scope, secret_fingerprint
 from allreduce_param.engine.wire.blocks.protocol import (
-    FLAG_NEWEST,
     MAX_ERROR_TEXT,
     OP_ADDRESS,
     OP_ARENA,
     OP_DONE,
-    OP_GET_SHARED,
-    OPS,
-    REQUEST,
-    RESPONSE,
-    SHARED_PLACE,
     STATUS_CLOSING,
     STATUS_OK,
-    STATUS_SHARED,
     STATUS_STALE,
     STATUS_TIMEOUT,
 )
-from allreduce_param.engine.wire.handshake import MAGIC, Proven
+from allreduce_param.engine.wire.blocks.serving import (
+    ServedPeer,
+    read_request,
+    send_block,
+    send_frame,
+)
+from allreduce_param.engine.wire.handshake import Proven
 from allreduce_param.engine.wire.server import AuthenticatedServer
 from allreduce_param.engine.wire.settings import DEFAULT_CONNECT_TIMEOUT
-from allreduce_param.engine.wire.sockets import recv_exactly
 from allreduce_param.errors import AllReduceError, StaleVersionError, StoreClosedError
 
 log = logging.getLogger(__name__)
 
 #: The threads a block server answers with, however many peers it serves.
 SERVE_THREADS = 8
-#: A block leaves in slices of at most this many bytes, each within the connect timeout: a
-#: reader that takes nothing for that long is taken for gone, and its connection closed.
-SEND_SLICE = 1 << 20
-
-
-class _Peer:
-    """A proven peer's connection, as the block server keeps it between its requests."""
-
-    __slots__ = (
-        "conn",
-        "partition",
-        "peer_text",
-        "local",
-        "fds_passed",
-        "request",
-        "deadline",
-        "timer",
-        "ended",
-        "only_asked_address",
-    )
-
-    def __init__(self, proven: Proven) -> None:
-        # what requests are read from and answers written to (sealed, if agreed)
-        self.conn = proven.sock
-        self.partition = proven.partition
-        self.peer_text = proven.peer_text
-        self.local = self.conn.family == socket.AF_UNIX
-        self.fds_passed: set[int] = set()  # segments whose descriptor this peer already has
-        # (key, version, newest, op, wait) of the get being answered
-        self.request: tuple | None = None
-        self.deadline = 0.0  # when that get stops waiting
-        self.timer = None  # the server's timer for that deadline
-        self.ended = False
-        # the connection only asked where to reach us (OP_ADDRESS): its end is no "done"
-        self.only_asked_address = False
 
 
 class BlockServer:
@@ -96,12 +61,12 @@ class BlockServer:
     accept loop watches the idle connections, a pool thread reads a request and answers it,
     and a get for a version not published yet holds no thread while it waits: the store
     calls back when the version comes (or it closes), the accept loop at the deadline.
-    Answers are sent from the pool threads, each slice of a block (``SEND_SLICE``) within the
-    handshake timeout, so a reader that stops reading holds one thread for that long at
-    most, never the others: sending whole blocks blocking keeps a connection wrapper (made
-    by ``wire.server.AuthenticatedServer`` as it hands a proven connection over) free to frame
-    each send as it likes, and a shared-memory answer's descriptors in the same call as
-    its bytes.
+    Answers are sent from the pool threads, each slice of a block (``serving.SEND_SLICE``)
+    within the handshake timeout, so a reader that stops reading holds one thread for that
+    long at most, never the others: sending whole blocks blocking keeps a connection wrapper
+    (made by ``wire.server.AuthenticatedServer`` as it hands a proven connection over) free
+    to frame each send as it likes, and a shared-memory answer's descriptors in the same
+    call as its bytes.
     """
 
     def __init__(
@@ -137,7 +102,7 @@ class BlockServer:
         # where the owner's blocks lie in shared memory, if they do
         self._shared = shared
         self._lock = threading.Lock()
-        self._peers: set[_Peer] = set()
+        self._peers: set[ServedPeer] = set()
         # the accept loop runs from inside AuthenticatedServer's constructor: a peer quick
         # enough is proven before ``_server`` is assigned, and its serving waits for this
         self._started = threading.Event()
@@ -185,7 +150,7 @@ class BlockServer:
     def _serve(self, proven: Proven) -> None:
         """A peer proved the secret: every request is read from its connection (sealed, if
         agreed) and every answer written to it."""
-        peer = _Peer(proven)
+        peer = ServedPeer(proven)
         if not self._started.wait(self._io_timeout):  # the constructor failed after accepting
             peer.conn.close()
             return
@@ -195,37 +160,25 @@ class BlockServer:
             self._peers.add(peer)
         self._await_request(peer)
 
-    def _await_request(self, peer: _Peer) -> None:
+    def _await_request(self, peer: ServedPeer) -> None:
         if not self._server.watch(peer.conn, functools.partial(self._read_request, peer)):
             self._end(peer)  # closing
 
-    def _read_request(self, peer: _Peer) -> None:
-        request = bytearray(REQUEST.size)
+    def _read_request(self, peer: ServedPeer) -> None:
         try:
-            recv_exactly(peer.conn, memoryview(request))
+            op, key, version, newest, timeout_ms = read_request(peer.conn)
         except EOFError:
             self._end(peer)
             return
         except OSError as error:
             self._lost(peer, error)
             return
-        except AllReduceError as error:  # an encrypted record that failed its tag or its length
+        except AllReduceError as error:  # malformed, or a sealed record failing its check
             log.warning(
                 "closed connection from partition %d at %s: %s",
                 peer.partition,
                 peer.peer_text,
                 error,
-            )
-            self._end(peer)
-            return
-        magic, op, kind, source, destination, part, version, timeout_ms = REQUEST.unpack(request)
-        newest, op = bool(op & FLAG_NEWEST), op & ~FLAG_NEWEST
-        if magic != MAGIC or op not in OPS or kind not in BlockKind.NAMES:
-            log.warning(
-                "closed connection from partition %d at %s: malformed request frame %s",
-                peer.partition,
-                peer.peer_text,
-                bytes(request[:16]).hex(),
             )
             self._end(peer)
             return
@@ -240,11 +193,11 @@ class BlockServer:
             self._await_request(peer)
             return
         wait = min(timeout_ms / 1000.0, self._max_wait)
-        peer.request = (BlockKey(kind, source, destination, part), version, newest, op, wait)
+        peer.request = (key, version, newest, op, wait)
         peer.deadline = time.monotonic() + wait
         self._answer(peer)
 
-    def _answer(self, peer: _Peer) -> None:
+    def _answer(self, peer: ServedPeer) -> None:
         """Answer the peer's get if its version is there (or can never come); else leave a
         waiter with the store and a timer for its deadline, and return."""
         key, version, newest, op, wait = peer.request
@@ -267,7 +220,7 @@ class BlockServer:
                 if got.fired:  # answered meanwhile, or about to be
                     timer.cancel()
                 return
-            self._send_block(peer, op, *got)
+            send_block(peer, op, *got, self._shared)
         except StaleVersionError as error:
             self._send_error(peer, STATUS_STALE, str(error))
         except StoreClosedError as error:  # this partition stops: the peer hears why, then the end
@@ -277,12 +230,12 @@ class BlockServer:
         else:
             self._await_request(peer)
 
-    def _version_ready(self, peer: _Peer) -> None:
+    def _version_ready(self, peer: ServedPeer) -> None:
         """The store's call: the awaited version was put, or the store closed. On the thread
         that did that, so the answer goes to the pool."""
         self._server.submit(functools.partial(self._answer, peer))  # closing: close() ends the peer
 
-    def _expire(self, peer: _Peer, waiter: Waiter, wait: float) -> None:
+    def _expire(self, peer: ServedPeer, waiter: Waiter, wait: float) -> None:
         """The get's deadline passed: answer TIMEOUT, unless its version came first."""
         error = waiter.expire(wait)
         if error is None:
@@ -290,47 +243,19 @@ class BlockServer:
         peer.timer = None
         self._send_error(peer, STATUS_TIMEOUT, str(error))
 
-    def _send_block(self, peer: _Peer, op: int, version: int, block) -> None:
-        conn = peer.conn
-        header, payload = (
-            block if isinstance(block, SplitBlock) else (block[:HEADER_SIZE], block[HEADER_SIZE:])
-        )
-        places = (
-            [self._shared.locate(header), self._shared.locate(payload)]
-            if op == OP_GET_SHARED and peer.local and self._shared
-            else [None]
-        )
-        if None in places:
-            # its bytes leave this host's memory: they need their checksum
-            Codec.seal(header, payload)
-            conn.sendall(RESPONSE.pack(STATUS_OK, block.nbytes, version) + header)
-            for start in range(0, payload.nbytes, SEND_SLICE):
-                conn.sendall(payload[start : start + SEND_SLICE])
-            return
-        (header_segment, header_offset), (payload_segment, payload_offset) = places
-        answer = RESPONSE.pack(STATUS_SHARED, block.nbytes, version) + SHARED_PLACE.pack(
-            header_segment.id, header_offset, header.nbytes, payload_segment.id, payload_offset
-        )
-        new = {segment.id: segment.fd for segment, _ in places if segment.id not in peer.fds_passed}
-        if new:  # the descriptors ride with the answer, once per connection
-            socket.send_fds(conn, [answer], list(new.values()))
-            peer.fds_passed.update(new)
-        else:
-            conn.sendall(answer)
-
-    def _send_address(self, peer: _Peer) -> None:
+    def _send_address(self, peer: ServedPeer) -> None:
         """Answer "where can I reach you" with the advertised address, then end the
         connection: it was made for that alone, so its end says nothing of the peer's fetches."""
         data = json.dumps(list(self.advertised_address)).encode()
         peer.only_asked_address = True
         try:
-            peer.conn.sendall(RESPONSE.pack(STATUS_OK, len(data), 0) + data)
+            send_frame(peer.conn, STATUS_OK, data)
         except OSError as error:
             self._lost(peer, error)
             return
         self._end(peer)
 
-    def _send_arena(self, peer: _Peer) -> None:
+    def _send_arena(self, peer: ServedPeer) -> None:
         """Answer "map the host arena" with its description and, riding with it, its
         descriptors; then end the connection, as ``_send_address`` does. Refused (with the
         reason) over TCP, or where this partition keeps no arena."""
@@ -346,18 +271,18 @@ class BlockServer:
             return
         try:
             data, fds = self._arena()
-            socket.send_fds(peer.conn, [RESPONSE.pack(STATUS_OK, len(data), 0) + data], fds)
+            send_frame(peer.conn, STATUS_OK, data, fds)
         except (OSError, AllReduceError) as error:
             self._lost(peer, error)
             return
         self._end(peer)
 
-    def _send_error(self, peer: _Peer, status: int, text: str, last: bool = False) -> None:
+    def _send_error(self, peer: ServedPeer, status: int, text: str, last: bool = False) -> None:
         """Answer with ``status`` and ``text``, then await the next request; with ``last``,
         end the connection instead."""
         data = text.encode("utf-8")[:MAX_ERROR_TEXT]
         try:
-            peer.conn.sendall(RESPONSE.pack(status, len(data), 0) + data)
+            send_frame(peer.conn, status, data)
         except OSError as error:
             self._lost(peer, error)
             return
@@ -366,12 +291,12 @@ class BlockServer:
         else:
             self._await_request(peer)
 
-    def _lost(self, peer: _Peer, error: BaseException) -> None:
+    def _lost(self, peer: ServedPeer, error: BaseException) -> None:
         if not self._server.closed:
             log.debug("connection from %s ended: %s", peer.peer_text, error)
         self._end(peer)
 
-    def _end(self, peer: _Peer) -> None:
+    def _end(self, peer: ServedPeer) -> None:
         """The peer's connection is done: its holds go, and as it fetches nothing more, it
         counts as done; then it is closed. Once."""
         with self._lock:
