@@ -19,7 +19,7 @@ from allreduce_param.train.task.batching import (
     steps_per_epoch,
 )
 from allreduce_param.train.task.job import TrainingJob
-from allreduce_param.train.task.state import Rows
+from allreduce_param.train.task.memory_rows import Rows
 
 run_workers = train_on_threads
 

@@ -56,7 +56,7 @@ def evaluate(
 
 
 def evaluate_rows(model, weights: np.ndarray, rows) -> list[float]:
-    """``evaluate`` over a partition's rows as the fit holds them: in memory (``state.Rows``)
+    """``evaluate`` over a partition's rows as the fit holds them: in memory (``memory_rows.Rows``)
     or in a row file (``disk_rows.DiskRows``), read a chunk at a time; the same sums, in the
     same order, either way."""
 

@@ -1,7 +1,7 @@
 """Whether a fit's steps encode the gradient on the model's device (``TorchModel
 (encode_on_device=)``, ``models/device_codecs.py``), and why not where they cannot: asked on
 the driver before the stage (``encode_on_device=True`` is refused there, naming why) and in
-each task (``FitState``), from the same settings."""
+each task (``gradient_path.choose_path``), from the same settings."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A partition's rows of one split in a row file (``train.row_file``), as the fit reads them:
-the same calls as ``state.Rows`` (``take``, ``rows_between``, ``epoch_order``), each reading
+the same calls as ``memory_rows.Rows`` (``take``, ``rows_between``, ``epoch_order``), each reading
 the blocks it needs.
 
 An epoch's order is a seeded permutation of the blocks, then of the rows within each block
@@ -18,7 +18,7 @@ import numpy as np
 from allreduce_param.train.regularisation import local_moments
 from allreduce_param.train.row_file import Block, RowFile
 from allreduce_param.train.task.batching import epoch_order
-from allreduce_param.train.task.state import Rows
+from allreduce_param.train.task.memory_rows import Rows
 
 
 def block_epoch_order(

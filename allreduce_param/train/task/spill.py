@@ -44,7 +44,7 @@ from allreduce_param.train.columns import TRAIN, VALIDATION
 from allreduce_param.train.row_file import RowFile, RowFileWriter, block_rows_for
 from allreduce_param.train.rows import BatchRows, batch_arrays, join_rows, pair_chunks
 from allreduce_param.train.task.disk_rows import DiskRows
-from allreduce_param.train.task.state import Rows
+from allreduce_param.train.task.memory_rows import Rows
 
 DATA_IN = ("memory", "disk", "auto")
 FILE_PREFIX = "allreduce-rows-"
@@ -157,7 +157,7 @@ def partition_rows(
     presorted: bool = False,
 ) -> tuple[Rows | DiskRows, Rows | DiskRows]:
     """A partition's prepared Arrow batches as its (training, validation) rows: in memory
-    (``state.Rows``) or in row files at ``place`` (``DiskRows``), as ``data_in`` says
+    (``memory_rows.Rows``) or in row files at ``place`` (``DiskRows``), as ``data_in`` says
     ("auto": in memory while the batches take at most ``budget`` bytes). ``presorted``: the
     batches come sorted by their order keys (Spark sorted them), so no arrival file. The
     caller ``release``s both on every way out."""

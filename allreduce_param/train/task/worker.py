@@ -35,9 +35,9 @@ from allreduce_param.train.task.compute import SubBatches
 from allreduce_param.train.task.disk_rows import DiskRows
 from allreduce_param.train.task.fit import PartitionFit
 from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.memory_rows import Rows
 from allreduce_param.train.task.reporter import ProgressReporter
 from allreduce_param.train.task.spill import split_rows
-from allreduce_param.train.task.state import Rows
 
 
 def train_partition(
@@ -78,7 +78,7 @@ def train_rows(
     clock: dict | None = None,
 ) -> Iterator[tuple[str, bytes]]:
     """``train_partition`` over the partition's training and validation rows as they are
-    held: in memory (``state.Rows``) or in row files (``disk_rows.DiskRows``). The caller
+    held: in memory (``memory_rows.Rows``) or in row files (``disk_rows.DiskRows``). The caller
     closes ``job.driver`` after it (the stage's task, once its rows are released)."""
     clock = dict(clock or {"started": time.time(), "loaded": time.time()})
     if has_buffers(job.model):  # a task's closure is its own; partitions on threads share one
