@@ -66,7 +66,7 @@ from pathlib import Path
 import baselines  # jobs/baselines.py, beside this file
 import numpy as np
 
-from allreduce_param import CODECS, AllReduceParameter
+from allreduce_param.engine import CODECS, AllReduceParameter
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.spark.session import java_problem, local_spark
 
@@ -110,7 +110,7 @@ def engine_task(
         report = []
         for param in params:
             with param.connect() as p:
-                rng = np.random.default_rng(p.partition_id)
+                rng = np.random.default_rng(p.info.partition_id)
                 # as the README's loop computes it: into the engine's buffer, which a raw put
                 # publishes where it lies (float32 straight from the generator: no float64
                 # vector twice the size at 200M)

@@ -20,11 +20,10 @@ import numpy as np
 import pytest
 from conftest import raise_first, run_partitions
 
-from allreduce_param import (
+from allreduce_param import ConfigurationError, FitSettings
+from allreduce_param.engine import (
     AllReduceParameter,
     AuthenticationError,
-    ConfigurationError,
-    FitSettings,
     NetworkSettings,
     ProtocolError,
 )
@@ -484,12 +483,13 @@ def sync(param: AllReduceParameter) -> list:
     its worker channel's connections."""
 
     def body(p):
-        rng = np.random.default_rng(p.partition_id)
+        rng = np.random.default_rng(p.info.partition_id)
         p.init(np.linspace(-1, 1, param.size, dtype=np.float32))
         for _ in range(2):
             p.get_weights()
             p.put_gradients(
-                rng.standard_normal(param.size).astype(np.float32), count=float(p.partition_id + 1)
+                rng.standard_normal(param.size).astype(np.float32),
+                count=float(p.info.partition_id + 1),
             )
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
@@ -591,12 +591,12 @@ def encrypted_stage_task(param: AllReduceParameter):
     def task(_rows):
         with param.connect() as p:
             p.init(np.zeros(param.size, np.float32))
-            p.put_gradients(np.full(param.size, p.partition_id + 1.0, np.float32), count=1.0)
+            p.put_gradients(np.full(param.size, p.info.partition_id + 1.0, np.float32), count=1.0)
             mean = p.aggregate_gradient_partition().copy()
             kinds = sorted(
                 {type(client._sock).__name__ for client in p._peers.worker.clients.values()}
             )
-        yield p.partition_id, float(mean.min()), float(mean.max()), kinds
+        yield p.info.partition_id, float(mean.min()), float(mean.max()), kinds
 
     return task
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from sim_hosts import simulated_hosts
 
-from allreduce_param import AllReduceParameter
+from allreduce_param.engine import AllReduceParameter
 
 SIZE = 65536  # 256 KiB a vector: a slice per partition of 128 KiB
 PORT = 45123  # the namespaces are new: every port is free
@@ -67,7 +67,7 @@ print(f"captured {packets} {drops}", flush=True)
 PARTITION = r"""
 import json, pickle, sys
 import numpy as np
-from allreduce_param import StaticRendezvous
+from allreduce_param.engine import StaticRendezvous
 param_file, partition, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 with open(param_file, "rb") as file:
     param, start, gradients = pickle.load(file)

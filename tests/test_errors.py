@@ -8,16 +8,18 @@ import pytest
 import allreduce_param
 from allreduce_param import (
     AllReduceError,
-    AllReduceParameter,
-    AuthenticationError,
     FetchTimeoutError,
     FitSettings,
-    LocalRendezvous,
     PeerLostError,
-    StaleVersionError,
     TrainingError,
     models,
     optim,
+)
+from allreduce_param.engine import (
+    AllReduceParameter,
+    AuthenticationError,
+    LocalRendezvous,
+    StaleVersionError,
 )
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.engine.wire.blocks import BlockServer, PeerClient

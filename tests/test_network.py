@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import raise_first, run_partitions
 
-from allreduce_param import AllReduceParameter, ConfigurationError, NetworkError, NetworkSettings
+from allreduce_param import ConfigurationError, NetworkError
+from allreduce_param.engine import AllReduceParameter, NetworkSettings
 from allreduce_param.engine.blocks.store import BlockStore
 from allreduce_param.engine.wire.blocks import BlockServer
 from allreduce_param.engine.wire.messages import MessageServer
@@ -218,7 +219,7 @@ def test_partitions_serve_in_the_port_range_and_sync_exactly():
 
     def body(p):
         p.init(np.zeros(1000))
-        p.put_gradients(np.full(1000, p.partition_id + 1.0, np.float32), count=1.0)
+        p.put_gradients(np.full(1000, p.info.partition_id + 1.0, np.float32), count=1.0)
         return p._peers._server.address, p.aggregate_gradient_partition().copy()
 
     results = raise_first(run_partitions(param, body))

@@ -16,13 +16,8 @@ import numpy as np
 import pytest
 from static_partition import expected_digest
 
-from allreduce_param import (
-    AllReduceError,
-    AllReduceParameter,
-    AuthenticationError,
-    StaticRendezvous,
-    UsageError,
-)
+from allreduce_param import AllReduceError, UsageError
+from allreduce_param.engine import AllReduceParameter, AuthenticationError, StaticRendezvous
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -41,8 +36,8 @@ def partition(param: AllReduceParameter, addresses: list, partition_id: int, res
             p.put_gradients(np.full(param.size, partition_id + 1.0, np.float32), count=2.0)
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
-            weights, total = p.get_weights(), p.allreduce(np.ones(3), op="sum")
-            results.put((partition_id, weights, total, p.hosts, p.remote_peers))
+            weights, total = p.get_weights(), p.collectives.allreduce(np.ones(3), op="sum")
+            results.put((partition_id, weights, total, p.info.hosts, p.info.remote_peers))
     except BaseException as error:  # reported to the test, which fails on it
         results.put((partition_id, repr(error), None, None, None))
 

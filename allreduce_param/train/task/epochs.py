@@ -21,7 +21,7 @@ class Epochs(FitState):
         self.where.update(epoch=epoch, step=None)
         metrics: dict[str, Any] = {
             "epoch": epoch,
-            "partition": self.p.partition_id,
+            "partition": self.p.info.partition_id,
             "task": model_task(self.job.model),
         }
         if self.job.has_validation:
@@ -29,7 +29,7 @@ class Epochs(FitState):
         if self._early is not None:
             # every partition's rows: the same sums, bits and decision on every partition
             stop = self._early.after_epoch(
-                epoch, self.p.allreduce_exact(metrics["val"]), self.weights
+                epoch, self.p.collectives.allreduce_exact(metrics["val"]), self.weights
             )
             self.stopped, last = stop and not last, last or stop
             metrics.update(best_epoch=self._early.best_epoch, stopped=self.stopped)

@@ -5,7 +5,7 @@
   the own slice (its state lives here: 1/N of it), publish the slice;
 - BSP with backup workers (``_with_backups``), SSP, ASP (``_asynchronous``): fetch the
   weights the strategy allows, compute, put; a background owner
-  (``AllReduceParameter.serve_updates``) updates the own slice;
+  (``ConnectedParameter.background.serve_updates``) updates the own slice;
 - ``sync_every=k`` or ``"epoch"`` (``_local_sgd``): each partition steps a copy of its own
   for k steps, then the partitions average their models (or sum their updates).
 
@@ -38,17 +38,19 @@ class PartitionFit(Steps, Epochs, Checkpoints):
         self.regularisation = OwnedRegularisation(
             self.settings,
             job.model,
-            p.layout.size,
-            slice(0, p.layout.size) if job.local_sgd else p.layout.bounds(p.partition_id),
+            p.info.layout.size,
+            slice(0, p.info.layout.size)
+            if job.local_sgd
+            else p.info.layout.bounds(p.info.partition_id),
             feature_std(p, moments=self.train.moments()) if self.settings.standardizes else None,
             clips_whole=self._clips_own,
         )
         self.start = self._begin()
         if job.local_sgd:
             self._local_sgd()
-        elif p.strategy.inline_owner:
+        elif p.info.strategy.inline_owner:
             self._bsp()
-        elif p.strategy.backup_workers:
+        elif p.info.strategy.backup_workers:
             self._with_backups()
         else:
             self._asynchronous()
@@ -70,7 +72,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             regularisation.hold(gradient)
             scale = 1.0
             if job.optimizer.clip_norm is not None:  # by the global norm: one scalar allreduce
-                squared = p.allreduce_exact([squared_norm(gradient)])[0]
+                squared = p.collectives.allreduce_exact([squared_norm(gradient)])[0]
                 scale = clip_scale(float(squared), job.optimizer.clip_norm)
             job.optimizer.step(
                 p.weight_partition,
@@ -107,7 +109,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
             regularisation.hold(gradient)
             optimizer.step(weights, gradient, state, before + step, **regularisation.step_arguments)
 
-        self.p.serve_updates(update, len(self.plan), steps_done)
+        self.p.background.serve_updates(update, len(self.plan), steps_done)
 
     def _asynchronous(self) -> None:
         """SSP, ASP: read what the strategy allows, compute, put; the owner does the rest."""
@@ -116,7 +118,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
         for index in range(self.start, len(self.plan)):
             read_s = self._read(index)
             self._epochs_before(index)
-            staleness = index - p.strategy.clock(p.last_read_version)
+            staleness = index - p.info.strategy.clock(p.info.last_read_version)
             self._report_step(self._compute_and_put(index, read_s, staleness=staleness))
         self._finish()
 
@@ -127,7 +129,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
         index = self.start  # the first global step not yet recorded
         while True:
             read_s = self._read(index)
-            version = min(p.last_read_version, len(self.plan))
+            version = min(p.info.last_read_version, len(self.plan))
             for skipped in range(index, version):  # the others went on without us
                 self._report_step(self._record(skipped, 0.0, 0, (0.0,) * 6))
             self._epochs_before(version)
@@ -214,7 +216,7 @@ class PartitionFit(Steps, Epochs, Checkpoints):
         SGD, the slice of its own whole state), for the ``TrainedModel`` to keep."""
         if not self.job.local_sgd:
             return {name: value.copy() for name, value in self.state.items()}
-        bounds = self.p.layout.bounds(self.p.partition_id)
+        bounds = self.p.info.layout.bounds(self.p.info.partition_id)
         return {name: value[bounds].copy() for name, value in self.state.items()}
 
     def reached(self) -> tuple[int, int]:
@@ -228,8 +230,8 @@ class PartitionFit(Steps, Epochs, Checkpoints):
     def _finish(self) -> None:
         """The final weights, on every partition, and the last epoch's metrics with them
         (where early stopping ended the fit, it has done both)."""
-        if not self.p.strategy.inline_owner:
-            self.p.finish_updates()
+        if not self.p.info.strategy.inline_owner:
+            self.p.background.finish_updates()
         if self.stopped:
             return
         self.p.get_weights(out=self.weights)

@@ -27,12 +27,14 @@ class Checkpoints(FitState):
         job, p = self.job, self.p
         local = job.local_sgd
         start = job.start
-        part = start.part(job.model, self.settings.seed, p.partition_id, p.layout, local)
+        part = start.part(job.model, self.settings.seed, p.info.partition_id, p.info.layout, local)
         if part.state is not None:  # an earlier fit's: the held coordinates' start afresh
             self.state = part.state
             self.regularisation.initial_state(self.state, job.optimizer.init_state(1))
         else:
-            self.state = job.optimizer.init_state(p.layout.size if local else p.slice_length)
+            self.state = job.optimizer.init_state(
+                p.info.layout.size if local else p.info.slice_length
+            )
         if part.buffers is not None and has_buffers(job.model):
             job.model.set_buffers(part.buffers)
         records = part.records
@@ -47,7 +49,7 @@ class Checkpoints(FitState):
         if self._early is not None and manifest is not None and manifest.early_stopping is not None:
             self._early.restore(manifest.early_stopping, part.best)
         self._report_start(start.step)  # before init: no peer can report a step before it
-        own = p.layout.bounds(p.partition_id)
+        own = p.info.layout.bounds(p.info.partition_id)
         p.init(self.regularisation.initial(part.weights, own), step=start.step)
         return start.step
 
@@ -66,7 +68,11 @@ class Checkpoints(FitState):
         resumed = list(self.plan[start]) if 0 < start < len(self.plan) else None
         self._report(
             Started(
-                self.p.partition_id, self._steps_per_epoch, self.settings.epochs, start, resumed
+                self.p.info.partition_id,
+                self._steps_per_epoch,
+                self.settings.epochs,
+                start,
+                resumed,
             )
         )
 
@@ -89,7 +95,9 @@ class Checkpoints(FitState):
         if local:  # the owners' slices of the state are not kept: cut them from the own whole one
             arrays.update(
                 {
-                    f"state/{name}": self.state[name][p.layout.bounds(p.partition_id)].copy()
+                    f"state/{name}": self.state[name][
+                        p.info.layout.bounds(p.info.partition_id)
+                    ].copy()
                     for name in self.state
                 }
             )
@@ -97,7 +105,9 @@ class Checkpoints(FitState):
             arrays.update({f"buffers/{name}": value for name, value in job.model.buffers().items()})
         early = self._early
         if early is not None and early.best_weights is not None:  # load_best joins the slices
-            arrays["best/weights"] = early.best_weights[p.layout.bounds(p.partition_id)].copy()
+            arrays["best/weights"] = early.best_weights[
+                p.info.layout.bounds(p.info.partition_id)
+            ].copy()
         end_epoch = self.plan[steps_done][0] if steps_done < len(self.plan) else self.last_epoch
         steps = [row.tolist() for row in self.records[:steps_done]]
         # a straggler's steps the others went on without
@@ -110,14 +120,16 @@ class Checkpoints(FitState):
             "resumed": self.resumed,
             "rows": self.train.row_count,
         }
-        self._writer.write_part(steps_done, p.partition_id, p.partition_num, arrays, records)
-        p.signal(steps_done)
-        if p.partition_id == 0:
-            p.wait_for_signals(steps_done)
+        self._writer.write_part(
+            steps_done, p.info.partition_id, p.info.partition_num, arrays, records
+        )
+        p.collectives.signal(steps_done)
+        if p.info.partition_id == 0:
+            p.collectives.wait_for_signals(steps_done)
             self._writer.write_manifest(
                 steps_done,
-                p.partition_num,
-                p.layout.size,
+                p.info.partition_num,
+                p.info.layout.size,
                 tuple(self.state),
                 local,
                 job.manifest_settings(),
@@ -129,13 +141,17 @@ class Checkpoints(FitState):
         """With backup workers: the own owner's updates (those of steps before ``before``), as
         rows of ``UPDATE_FIELDS`` then one 0/1 column per partition, earlier ones included."""
         p = self.p
-        table = np.zeros((0, len(UPDATE_FIELDS) + p.partition_num), dtype=np.float64)
-        if not p.strategy.backup_workers:
+        table = np.zeros((0, len(UPDATE_FIELDS) + p.info.partition_num), dtype=np.float64)
+        if not p.info.strategy.backup_workers:
             return table
-        updates = [update for update in p.updates if before is None or update.step < before]
-        table = np.zeros((len(updates), len(UPDATE_FIELDS) + p.partition_num), dtype=np.float64)
+        updates = [
+            update for update in p.background.updates if before is None or update.step < before
+        ]
+        table = np.zeros(
+            (len(updates), len(UPDATE_FIELDS) + p.info.partition_num), dtype=np.float64
+        )
         for row, update in zip(table, updates):
-            row[: len(UPDATE_FIELDS)] = p.partition_id, update.step, update.count
+            row[: len(UPDATE_FIELDS)] = p.info.partition_id, update.step, update.count
             row[len(UPDATE_FIELDS) + np.asarray(update.sources, dtype=np.int64)] = 1
         earlier = np.asarray(self._earlier_updates, dtype=np.float64).reshape(-1, table.shape[1])
         return np.concatenate([earlier, table])

@@ -144,11 +144,11 @@ class FitState:
         # this thread's, so a step's record is kept before any other thread sees its gradient);
         # "auto": where there is wire time to hide, or backward runs on a GPU, off the cores
         wanted = (
-            p.remote_peers > 0 or bool(getattr(job.model, "uses_gpu", False))
+            p.info.remote_peers > 0 or bool(getattr(job.model, "uses_gpu", False))
             if settings.overlap == "auto"
             else settings.overlap
         )
-        into_buffer = p.strategy.inline_owner and not job.local_sgd and compute.streams
+        into_buffer = p.info.strategy.inline_owner and not job.local_sgd and compute.streams
         self._streams = bool(wanted and into_buffer)
         # else, where it can: the gradient computed into the parameter's own buffer (BSP: it
         # is summed before the next step writes it), not into a fresh vector each step
@@ -175,11 +175,11 @@ class FitState:
             return None
         refusal = device_encoding_refusal(
             job.settings,
-            p.gradient_put_plan().codec,
-            p.strategy.inline_owner,
+            p.info.gradient_put_plan.codec,
+            p.info.strategy.inline_owner,
             getattr(job.optimizer, "clip_norm", None),
         )
         if refusal is None and (self._touched or not compute.streams):
             refusal = "its steps do not compute one dense gradient on one thread"
         check_device_encoding(compute.model, refusal)
-        return None if refusal is not None else make(p.gradient_put_plan())
+        return None if refusal is not None else make(p.info.gradient_put_plan)

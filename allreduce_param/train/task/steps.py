@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from allreduce_param.engine.parameter import ConnectedParameter
+from allreduce_param.engine.vectors import EncodedGradient
 from allreduce_param.models.base import batch_count, dense_for
 from allreduce_param.optim import clip_scale, squared_norm
 from allreduce_param.train.records import STEP_FIELDS, StepDone
@@ -22,9 +23,9 @@ from allreduce_param.train.task.state import FitState, Rows
 
 def all_counts(p: ConnectedParameter, rows: int) -> list[int]:
     """Every partition's row count, learnt with one exact allreduce."""
-    own = np.zeros(p.partition_num)
-    own[p.partition_id] = rows
-    return [int(count) for count in p.allreduce_exact(own)]
+    own = np.zeros(p.info.partition_num)
+    own[p.info.partition_id] = rows
+    return [int(count) for count in p.collectives.allreduce_exact(own)]
 
 
 class Steps(FitState):
@@ -38,7 +39,9 @@ class Steps(FitState):
         counts = all_counts(p, self.train.row_count)
         steps = steps_per_epoch(sum(counts), self.settings.batch_size)
         sizes = global_batch_sizes(counts, steps)
-        self.cuts = share_bounds(self.train.row_count, p.partition_id, p.partition_num, steps)
+        self.cuts = share_bounds(
+            self.train.row_count, p.info.partition_id, p.info.partition_num, steps
+        )
         self.plan = [
             (epoch, step)
             for epoch in range(self.first_epoch, self.last_epoch + 1)
@@ -56,7 +59,7 @@ class Steps(FitState):
         if epoch != self._order_epoch:
             self._order_epoch, self._order = (
                 epoch,
-                self.train.epoch_order(self.settings.seed, epoch, self.p.partition_id),
+                self.train.epoch_order(self.settings.seed, epoch, self.p.info.partition_id),
             )
         chosen = self._order[self.cuts[step] : self.cuts[step + 1]]
         if not isinstance(self.train, Rows) or self.train.sparse:
@@ -81,7 +84,7 @@ class Steps(FitState):
         return record
 
     def _report_step(self, record: np.ndarray) -> None:
-        self._report(StepDone(record.tolist(), self.p.partition_id))
+        self._report(StepDone(record.tolist(), self.p.info.partition_id))
 
     def _read(self, index: int) -> float:
         """Fetch the weights the strategy allows before global step ``index``; its seconds."""
@@ -125,7 +128,7 @@ class Steps(FitState):
     ) -> np.ndarray:
         """``_compute_and_put`` with the gradient encoded on the model's device
         (``TorchModel.loss_and_encoded_grad``): only the codec's bytes come to the host, and
-        the engine writes the blocks around them (``put_encoded_gradients``)."""
+        the engine writes the blocks around them (``put_gradients(EncodedGradient)``)."""
         if self._streams_encoded:
             return self._compute_encoded_streaming(index, batch, read_s)
         model = self.compute.model
@@ -137,19 +140,19 @@ class Steps(FitState):
         record = self._record(
             index, loss_sum, count, (read_s, computed - started, 0.0, 0.0, 0.0, 0.0), staleness
         )
-        self.p.put_encoded_gradients(payload, count=count)
+        self.p.put_gradients(EncodedGradient(payload), count=count)
         record[STEP_FIELDS.index("put_s")] = time.perf_counter() - computed
         return record
 
     def _compute_encoded_streaming(self, index: int, batch: Rows, read_s: float) -> np.ndarray:
         """``_compute_encoded`` under plain BSP with overlap: each owner's parts are encoded on
         the device and leave as soon as backward has finished that owner's range
-        (``stream_encoded_gradients``); the put time is what was left to send once backward
+        (``stream_gradients(encoded=True)``); the put time is what was left to send once backward
         was done."""
         model = self.compute.model
         started = time.perf_counter()
-        with self.p.stream_encoded_gradients(
-            count=batch_count(batch.row_count, batch.weight)
+        with self.p.stream_gradients(
+            count=batch_count(batch.row_count, batch.weight), encoded=True
         ) as stream:
             loss_sum, _, count = model.loss_and_encoded_grad(
                 self.weights, dense_for(model, batch.X), batch.y, self._encoder, stream.ready
@@ -186,7 +189,7 @@ class Steps(FitState):
         background owner's strategies with ``clip_norm``), where BSP clips the owners' sum."""
         return (
             not self.job.local_sgd
-            and not self.p.strategy.inline_owner
+            and not self.p.info.strategy.inline_owner
             and self.job.optimizer.clip_norm is not None
         )
 
