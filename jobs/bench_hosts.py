@@ -9,7 +9,7 @@ real cluster) and submits itself to it with ``spark-submit`` from h1. That drive
 the loop a user writes (the README's: ``get_weights``, ``put_gradients`` of the gradient
 in ``gradient_buffer()``, ``aggregate_gradient_partition``, the update of the own slice,
 ``send_weight_partition``) for each size of ``--sizes``, in four configurations:
-``AllReduceParameter(topology="flat" | "hierarchical", encrypt=False | True)``.
+``AllReduceParameter(topology="flat" | "hierarchical", network=NetworkSettings(encrypt=...))``.
 
 Measuring rules: the machine drifts between runs, so the configurations alternate within
 one run. Each round is one barrier stage in which every task runs every configuration in
@@ -62,7 +62,7 @@ from pathlib import Path
 import bench_allreduce as bench  # jobs/bench_allreduce.py, beside this file: its table helpers
 import numpy as np
 
-from allreduce_param.engine import AllReduceParameter
+from allreduce_param.engine import AllReduceParameter, NetworkSettings
 from allreduce_param.engine.blocks.codec import get_codec
 
 #: The configurations, in a round's order (every other round runs them backwards).
@@ -242,7 +242,7 @@ def run_driver(args: argparse.Namespace) -> int:
                 codec=args.codec,
                 timeout=PEER_TIMEOUT,
                 topology=topology,
-                encrypt=encrypt,
+                network=NetworkSettings(encrypt=encrypt),
             )
             for size in args.sizes
             for encrypt in ENCRYPTIONS

@@ -17,7 +17,12 @@ import pytest
 from static_partition import expected_digest
 
 from allreduce_param import AllReduceError, UsageError
-from allreduce_param.engine import AllReduceParameter, AuthenticationError, StaticRendezvous
+from allreduce_param.engine import (
+    AllReduceParameter,
+    AuthenticationError,
+    NetworkSettings,
+    StaticRendezvous,
+)
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -257,7 +262,9 @@ def test_processes_of_different_parameters_are_refused_when_they_meet():
 
     def meet(partition_id: int) -> None:
         # a secret of its own; refusing each other, each lingers a connect timeout
-        param = AllReduceParameter(2, 10, codec="raw", timeout=10, connect_timeout=1.0)
+        param = AllReduceParameter(
+            2, 10, codec="raw", timeout=10, network=NetworkSettings(connect_timeout=1.0)
+        )
         try:
             with param.connect(StaticRendezvous(partition_id, addresses, timeout=30)):
                 pass

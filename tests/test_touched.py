@@ -243,7 +243,7 @@ def test_auto_takes_the_touched_sync_from_2_to_the_22_features_on_sparse_rows():
 
     from allreduce_param.train.task.touched import TOUCHED_FROM_FEATURES, uses_touched_sync
 
-    flat = SimpleNamespace(hierarchical=False)
+    flat = SimpleNamespace(info=SimpleNamespace(hierarchical=False))
     for features, sparse, sync, expected in [
         (TOUCHED_FROM_FEATURES, True, "auto", True),
         (TOUCHED_FROM_FEATURES - 1, True, "auto", False),

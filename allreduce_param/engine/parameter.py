@@ -60,7 +60,7 @@ from allreduce_param.engine.vectors import (
     writable_output,
 )
 from allreduce_param.engine.wire.settings import NetworkSettings
-from allreduce_param.errors import ConfigurationError, InputError
+from allreduce_param.errors import InputError
 
 _next_param_id = itertools.count()
 
@@ -99,23 +99,21 @@ class AllReduceParameter:
     other. Both sum in the same order (``layout.HostLayout``), so a lossless codec gives
     the same bits either way; a lossy one rounds each host sum once more.
 
-    Networking (``wire.settings.NetworkSettings``): ``bind_address`` is where each partition's
-    block server listens (one address of its host, never every interface; default: its
-    executor's address as Spark names it), ``advertise_address`` the address its peers are
-    told, ``port_range`` the ports it may take (``"40000-40099"``; default any free one), and
-    ``connect_timeout`` how long a connection and its handshake may take. Those left unset
-    come from the Spark settings ``spark.allreduce.bindAddress``, ``...advertiseAddress``,
-    ``...portRange`` and ``...connectTimeout`` of the driver's active session, when made
-    there; the environment variables ``ALLREDUCE_BIND_ADDRESS`` and
-    ``ALLREDUCE_ADVERTISE_ADDRESS`` win on the host that sets them. ``encrypt``: whether
-    the blocks that travel over TCP (to peers on other hosts, or to all with
-    ``unix_sockets=False``) are encrypted (AES-256-GCM, ``sealing.py``); Unix sockets and
-    shared memory never leave the host and are not. Unset (None), it is the Spark setting
-    ``spark.allreduce.encrypt``, else on where the session encrypts its own traffic
-    (``spark.network.crypto.enabled`` or ``spark.ssl.enabled`` true), else off.
-    ``network``: those five at once, resolved already (a ``NetworkSettings``, such as the
-    trainer reads on the driver): used as it is, with no Spark setting read; giving it
-    with any of the five keywords is a ``ConfigurationError``.
+    ``network`` (a ``wire.settings.NetworkSettings``): where each partition's block server
+    listens (``bind_address``: one address of its host, never every interface; default: its
+    executor's address as Spark names it), the address its peers are told
+    (``advertise_address``), the ports it may take (``port_range``, ``"40000-40099"``;
+    default any free one), how long a connection and its handshake may take
+    (``connect_timeout``), and whether the blocks that travel over TCP (to peers on other
+    hosts, or to all with ``unix_sockets=False``) are encrypted (``encrypt``, AES-256-GCM,
+    ``sealing.py``; Unix sockets and shared memory never leave the host and are not). Given,
+    it is used as it is, with no Spark setting read. Unset (None), each of the five comes
+    from the Spark settings ``spark.allreduce.bindAddress``, ``...advertiseAddress``,
+    ``...portRange``, ``...connectTimeout`` and ``...encrypt`` of the driver's active
+    session, when made there, else its default; ``encrypt`` unset is on where the session
+    encrypts its own traffic (``spark.network.crypto.enabled`` or ``spark.ssl.enabled``
+    true). Either way the environment variables ``ALLREDUCE_BIND_ADDRESS`` and
+    ``ALLREDUCE_ADVERTISE_ADDRESS`` win on the host that sets them.
 
     Everything is checked here, on the driver, and kept in ``spec`` (a frozen
     ``ParameterSpec``): what every partition's engine reads its configuration from.
@@ -136,31 +134,11 @@ class AllReduceParameter:
         param_id: int | None = None,
         strategy: Strategy | None = None,
         gradient_codec: str | None = None,
-        bind_address: str | None = None,
-        advertise_address: str | None = None,
-        port_range: str | tuple[int, int] | None = None,
-        connect_timeout: float | None = None,
-        encrypt: bool | None = None,
         topology: Literal["auto", "hierarchical", "flat"] = "auto",
         network: NetworkSettings | None = None,
     ) -> None:
-        network_keywords = dict(
-            bind_address=bind_address,
-            advertise_address=advertise_address,
-            port_range=port_range,
-            connect_timeout=connect_timeout,
-            encrypt=encrypt,
-        )
         if network is None:
-            network = NetworkSettings.of(network_keywords, surroundings.current().setting)
-        else:
-            given = [name for name, value in network_keywords.items() if value is not None]
-            if given:
-                raise ConfigurationError(
-                    f"network= and {', '.join(name + '=' for name in given)} were both given: "
-                    f"pass the network settings one way, in network=NetworkSettings({given[0]}=...) "
-                    "or as keywords"
-                )
+            network = NetworkSettings.of({}, surroundings.current().setting)
         #: what every partition uses; checked as it is made
         self.spec = ParameterSpec(
             layout=SliceLayout(size, partition_num),
