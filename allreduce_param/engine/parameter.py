@@ -297,8 +297,8 @@ class ConnectedParameter:
 
         After ``init``; each step's first call. Which version of each slice the strategy's
         rule gives this step: under BSP the one of this step, under the others the newest
-        allowed (``last_read_version`` tells which); after ``finish_updates``, the final
-        weights. Waits for slow owners up to the timeout. The own slice also goes through
+        allowed (``info.last_read_version`` tells which); after
+        ``background.finish_updates``, the final weights. Waits for slow owners up to the timeout. The own slice also goes through
         the codec, so every partition gets bit-identical weights. ``out`` (float32,
         ``size``) is filled and returned when given; otherwise one array the handle keeps,
         which the next ``get_weights()`` without ``out`` fills again: copy it to keep a
@@ -417,8 +417,8 @@ class ConnectedParameter:
 
     @handle_call
     def gradient_buffer(self) -> np.ndarray:
-        """A float32 vector of ``size`` (zeros at first) to compute the gradient into: the
-        same array on every call, valid until the handle closes; under BSP with the raw
+        """A float32 vector of ``size`` (zeros at first) to compute the gradient into, at any
+        point after ``connect()``: the same array on every call, valid until the handle closes; under BSP with the raw
         codec, put where it lies, not copied (``GradientPuts.buffer``)."""
         return self._gradients.buffer()
 
@@ -426,7 +426,7 @@ class ConnectedParameter:
     def aggregate_gradient_partition(self, avg: float | None = None) -> np.ndarray:
         """Reduce-scatter: sum this slice's chunk from every partition and divide.
 
-        Fetches chunk ``partition_id`` of the last ``put_gradients`` from every peer, sums in
+        Fetches chunk ``info.partition_id`` of the last ``put_gradients`` from every peer, sums in
         partition order in fp32, then divides by ``avg`` when given, else by the summed
         sample counts (the exact mean over all samples). Returns this slice's mean gradient,
         which the next call overwrites (through a host arena on one host, the next
