@@ -298,8 +298,9 @@ class ConnectedParameter:
         After ``init``; each step's first call. Which version of each slice the strategy's
         rule gives this step: under BSP the one of this step, under the others the newest
         allowed (``info.last_read_version`` tells which); after
-        ``background.finish_updates``, the final weights. Waits for slow owners up to the timeout. The own slice also goes through
-        the codec, so every partition gets bit-identical weights. ``out`` (float32,
+        ``background.finish_updates``, the final weights. Waits for slow owners up to the
+        timeout. The own slice also goes through the codec, so every partition gets
+        bit-identical weights. ``out`` (float32,
         ``size``) is filled and returned when given; otherwise one array the handle keeps,
         which the next ``get_weights()`` without ``out`` fills again: copy it to keep a
         version past that call. Through a host arena (``AllReduceParameter(host_arena=)``)
