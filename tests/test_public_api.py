@@ -206,3 +206,11 @@ def test_torch_models_keywords_are_kept():
     pytest.importorskip("torch", reason="TorchModel needs PyTorch: pip install -e '.[torch]'")
     keywords = inspect.signature(allreduce_param.models.TorchModel).parameters
     assert list(keywords) == TORCH_MODEL_KEYWORDS
+
+
+def test_the_handle_and_its_puts_are_small_classes():
+    from allreduce_param.engine.gradients import GradientPuts
+
+    for cls in (ConnectedParameter, GradientPuts):
+        lines, _ = inspect.getsourcelines(cls)
+        assert len(lines) < 300, f"{cls.__name__} has {len(lines)} lines"
