@@ -3,38 +3,29 @@
 Inside one barrier ``mapPartitions`` stage each partition owns a slice of the flattened
 parameter vector; gradients are reduce-scattered to the owners and weights all-gathered
 back through compressed blocks that the partitions serve to each other, without the driver.
+
+The names here are the trainer's: ``DistriOptimizer`` fits a model (``models``) with an
+optimizer (``optim``) under ``FitSettings`` into a ``TrainedModel`` and its ``History``;
+``ml`` holds the pyspark.ml Estimators (loaded when first named, so ``import
+allreduce_param`` loads no pyspark); the errors are those a fit's caller catches (every
+other one is in ``allreduce_param.errors``). The engine a loop of one's own drives
+(``AllReduceParameter`` and its handle) is ``allreduce_param.engine``.
 """
 
 from allreduce_param import _old_paths, models, optim
-from allreduce_param.engine.blocks.codec import CODECS
-from allreduce_param.engine.encoded import GradientPutPlan
-from allreduce_param.engine.layout import SliceLayout
-from allreduce_param.engine.movement.rendezvous import LocalRendezvous, Rendezvous, StaticRendezvous
-from allreduce_param.engine.parameter import AllReduceParameter, ConnectedParameter
-from allreduce_param.engine.strategy import STRATEGIES, Strategy
-from allreduce_param.engine.stream import EncodedStream, GradientStream
-from allreduce_param.engine.vectors import SparseGradient
-from allreduce_param.engine.wire.settings import NetworkSettings
+from allreduce_param.engine.wire.settings import NetworkSettings  # noqa: F401
 from allreduce_param.errors import (
     AllReduceError,
-    AuthenticationError,
-    CodecOverflowError,
     ConfigurationError,
-    CorruptBlockError,
     DamagedCheckpointError,
     FetchTimeoutError,
     InputError,
     NetworkError,
-    NonFiniteGradientError,
     PeerLostError,
-    ProtocolError,
-    StaleVersionError,
-    StoreClosedError,
     TrainingError,
     UsageError,
 )
 from allreduce_param.spark import surroundings as _spark_surroundings
-from allreduce_param.spark.rendezvous import BarrierRendezvous
 from allreduce_param.train import DistriOptimizer, FitSettings, History, TrainedModel
 
 _spark_surroundings.install()
@@ -47,37 +38,26 @@ __all__ = [
     "FitSettings",
     "TrainedModel",
     "History",
-    "TrainingError",
     "models",
     "optim",
-    "AllReduceParameter",
-    "ConnectedParameter",
-    "GradientStream",
-    "EncodedStream",
-    "GradientPutPlan",
-    "SparseGradient",
-    "CODECS",
-    "Strategy",
-    "STRATEGIES",
-    "SliceLayout",
-    "NetworkSettings",
-    "Rendezvous",
-    "BarrierRendezvous",
-    "StaticRendezvous",
-    "LocalRendezvous",
+    "ml",
     "AllReduceError",
-    "AuthenticationError",
-    "CodecOverflowError",
-    "ConfigurationError",
-    "CorruptBlockError",
-    "DamagedCheckpointError",
-    "FetchTimeoutError",
+    "TrainingError",
     "InputError",
-    "NetworkError",
-    "NonFiniteGradientError",
-    "PeerLostError",
-    "ProtocolError",
-    "StaleVersionError",
-    "StoreClosedError",
+    "ConfigurationError",
     "UsageError",
+    "DamagedCheckpointError",
+    "PeerLostError",
+    "FetchTimeoutError",
+    "NetworkError",
 ]
+
+
+def __getattr__(name: str):
+    """``allreduce_param.ml``, imported when first named: it imports pyspark, which a task or
+    a loop of the engine's alone need not load."""
+    if name == "ml":
+        import importlib
+
+        return importlib.import_module("allreduce_param.ml")
+    raise AttributeError(f"module 'allreduce_param' has no attribute {name!r}")

@@ -25,7 +25,7 @@ copy bandwidth and each row's floor (``bench_processes.py`` says how; it takes `
 instead of gloo; with ``--memory`` it measures each process's memory instead of time.
 
 ``--transports tcp,tcp-encrypted`` measures what encryption in transit costs
-(``AllReduceParameter(encrypt=True)``, AES-256-GCM records, ``sealing.py``): the same
+(``AllReduceParameter(network=NetworkSettings(encrypt=True))``, AES-256-GCM records, ``sealing.py``): the same
 partitions over loopback TCP without and with it, in the same barrier stage of every round
 (their order swapped from one round to the next), and a second table gives the median of
 the per-round ratios, encrypted over plain, with their range.
@@ -66,7 +66,7 @@ from pathlib import Path
 import baselines  # jobs/baselines.py, beside this file
 import numpy as np
 
-from allreduce_param import CODECS, AllReduceParameter
+from allreduce_param.engine import CODECS, AllReduceParameter, NetworkSettings
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.spark.session import java_problem, local_spark
 
@@ -110,7 +110,7 @@ def engine_task(
         report = []
         for param in params:
             with param.connect() as p:
-                rng = np.random.default_rng(p.partition_id)
+                rng = np.random.default_rng(p.info.partition_id)
                 # as the README's loop computes it: into the engine's buffer, which a raw put
                 # publishes where it lies (float32 straight from the generator: no float64
                 # vector twice the size at 200M)
@@ -641,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                 codec=codec.split("+")[0],
                 gradient_codec=codec.split("+")[-1],
                 timeout=300,
-                **TRANSPORTS[transport],
+                network=NetworkSettings(encrypt=TRANSPORTS[transport]["encrypt"]),
+                **{k: v for k, v in TRANSPORTS[transport].items() if k != "encrypt"},
             )
             for size in sizes
             for codec in codecs

@@ -18,7 +18,7 @@ DDP over gloo only). Three ways of keeping the replicas in sync, alternating in 
   topk; the weights stay raw): by default (``--encode-on-device auto``) on a GPU the codec
   and its error feedback run there and only the encoded bytes come down, owner by owner as
   backward finishes each owner's range, published meanwhile, as a fit streams them
-  (``TorchModel(encode_on_device=)``, ``stream_encoded_gradients``);
+  (``TorchModel(encode_on_device=)``, ``stream_gradients(encoded=True)``);
   ``--encode-on-device off`` streams the float32 gradient down and encodes it on the host,
   as with raw. The header line says which ran.
 - **DDP nccl** and **DDP gloo**: ``DistributedDataParallel`` on the same module and batch,
@@ -63,7 +63,8 @@ import baselines  # noqa: E402
 import bench_allreduce as bench  # noqa: E402
 from bench_processes import free_ports, run_ranks  # noqa: E402
 
-from allreduce_param import AllReduceParameter, StaticRendezvous, models  # noqa: E402
+from allreduce_param import models  # noqa: E402
+from allreduce_param.engine import AllReduceParameter, StaticRendezvous  # noqa: E402
 
 TIMEOUT = 300.0
 LR = 0.01
@@ -142,7 +143,7 @@ def ours_steps(p, model, X, y, steps: int, warmup: int, encoder, residual) -> np
         w = p.get_weights()
         compute_start = time.perf_counter()
         if encoder is not None:
-            with p.stream_encoded_gradients(count=float(len(X))) as stream:
+            with p.stream_gradients(count=float(len(X)), encoded=True) as stream:
                 model.loss_and_encoded_grad(w, X, y, encoder, stream.ready)
         else:
             with p.stream_gradients(gradient, count=float(len(X)), residual=residual) as stream:
@@ -248,9 +249,11 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
         report: dict = {way: [] for way in ways}
         with param.connect(StaticRendezvous(rank, addresses, timeout=TIMEOUT)) as p:
             p.init(model.init(np.random.default_rng(0)))
-            encoder = model.device_encoder(p.gradient_put_plan())
+            encoder = model.device_encoder(p.info.gradient_put_plan)
             lossy = args.codec != "raw"
-            residual = np.zeros(p.layout.size, np.float32) if lossy and encoder is None else None
+            residual = (
+                np.zeros(p.info.layout.size, np.float32) if lossy and encoder is None else None
+            )
             report[ENCODED] = encoder is not None
             for number in range(args.rounds):
                 for way in ways if number % 2 == 0 else ways[::-1]:

@@ -42,7 +42,7 @@ import baselines  # jobs/baselines.py, beside this file
 import bench_allreduce as bench
 import numpy as np
 
-from allreduce_param import CODECS, AllReduceParameter
+from allreduce_param.engine import CODECS, AllReduceParameter
 from allreduce_param.spark.session import java_problem, local_spark
 
 DEFAULT_SIZES = "10K,100K,1M,10M,50M,200M"

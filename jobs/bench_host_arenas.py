@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from allreduce_param import AllReduceParameter, LocalRendezvous
+from allreduce_param.engine import AllReduceParameter, LocalRendezvous
 
 
 def one_round(
@@ -47,7 +47,7 @@ def one_round(
     def partition(partition_id: int) -> None:
         try:
             with param.connect(group.member(partition_id)) as p:
-                assert p.hierarchical and p.host_arena == arena
+                assert p.info.hierarchical and p.info.host_arena == arena
                 p.init(np.zeros(size, np.float32))
                 times = []
                 for step in range(warmup + steps):

@@ -9,7 +9,7 @@ real cluster) and submits itself to it with ``spark-submit`` from h1. That drive
 the loop a user writes (the README's: ``get_weights``, ``put_gradients`` of the gradient
 in ``gradient_buffer()``, ``aggregate_gradient_partition``, the update of the own slice,
 ``send_weight_partition``) for each size of ``--sizes``, in four configurations:
-``AllReduceParameter(topology="flat" | "hierarchical", encrypt=False | True)``.
+``AllReduceParameter(topology="flat" | "hierarchical", network=NetworkSettings(encrypt=...))``.
 
 Measuring rules: the machine drifts between runs, so the configurations alternate within
 one run. Each round is one barrier stage in which every task runs every configuration in
@@ -62,7 +62,7 @@ from pathlib import Path
 import bench_allreduce as bench  # jobs/bench_allreduce.py, beside this file: its table helpers
 import numpy as np
 
-from allreduce_param import AllReduceParameter
+from allreduce_param.engine import AllReduceParameter, NetworkSettings
 from allreduce_param.engine.blocks.codec import get_codec
 
 #: The configurations, in a round's order (every other round runs them backwards).
@@ -118,9 +118,9 @@ def timed_task(params: list[AllReduceParameter], steps: int, warmup: int, keep_v
         entries, hosts, partition = [], None, None
         for param in params:
             with param.connect() as p:
-                partition, hosts = p.partition_id, [list(members) for members in p.hosts]
+                partition, hosts = p.info.partition_id, [list(members) for members in p.info.hosts]
                 if param.size not in gradients:
-                    gradients[param.size] = gradient_of(param.size, p.partition_id)
+                    gradients[param.size] = gradient_of(param.size, p.info.partition_id)
                 grad_sum = p.gradient_buffer()
                 grad_sum[:] = gradients[param.size]
                 p.init(np.zeros(param.size, np.float32))
@@ -130,7 +130,7 @@ def timed_task(params: list[AllReduceParameter], steps: int, warmup: int, keep_v
                     if get_codec(param.gradient_codec).lossy
                     else None
                 )
-                reports_link = any(members[0] == p.partition_id for members in hosts)
+                reports_link = any(members[0] == p.info.partition_id for members in hosts)
                 times, sent_before = [], None
                 for step in range(warmup + steps):
                     if step == warmup:
@@ -154,7 +154,7 @@ def timed_task(params: list[AllReduceParameter], steps: int, warmup: int, keep_v
                         "sent": None
                         if sent_before is None or sent_after is None
                         else sent_after - sent_before,
-                        "weights": w.copy() if keep_vector and p.partition_id == 0 else None,
+                        "weights": w.copy() if keep_vector and p.info.partition_id == 0 else None,
                     }
                 )
                 del w, g, grad_sum
@@ -242,7 +242,7 @@ def run_driver(args: argparse.Namespace) -> int:
                 codec=args.codec,
                 timeout=PEER_TIMEOUT,
                 topology=topology,
-                encrypt=encrypt,
+                network=NetworkSettings(encrypt=encrypt),
             )
             for size in args.sizes
             for encrypt in ENCRYPTIONS

@@ -40,8 +40,9 @@ from bench_allreduce import (
     run_in_links,
 )
 
-from allreduce_param import AllReduceParameter, DistriOptimizer, models, optim
+from allreduce_param import DistriOptimizer, models, optim
 from allreduce_param.cli import synthetic
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.spark.session import java_problem, local_spark
 from allreduce_param.train.driver import distri
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_allreduce as bench  # noqa: E402
 import bench_processes  # noqa: E402
 
-from allreduce_param import AllReduceParameter, StaticRendezvous  # noqa: E402
+from allreduce_param.engine import AllReduceParameter, StaticRendezvous  # noqa: E402
 
 #: The smaps_rollup fields kept, in kB there.
 FIELDS = (
@@ -99,7 +99,7 @@ def memory_rank(rank, ranks, param, addresses, steps, results) -> None:
         start = rollup()
         with param.connect(StaticRendezvous(rank, addresses, timeout=bench_processes.TIMEOUT)) as p:
             rng = np.random.default_rng(rank)
-            p.init(rng.standard_normal(p.slice_length, dtype=np.float32) * np.float32(1e-3))
+            p.init(rng.standard_normal(p.info.slice_length, dtype=np.float32) * np.float32(1e-3))
             gradient = p.gradient_buffer()
             rng.standard_normal(dtype=np.float32, out=gradient)  # computed into the buffer
             for _ in range(steps):
@@ -109,9 +109,9 @@ def memory_rank(rank, ranks, param, addresses, steps, results) -> None:
                 p.weight_partition[:] -= 0.1 * g
                 p.send_weight_partition()
             del w, g
-            p.allreduce_exact(np.zeros(1))  # every process has taken its steps
-            report = dict(start=start, end=rollup(), memfds=memfds(), arena=p.host_arena)
-            p.allreduce_exact(np.zeros(1))  # and read its memory: now close
+            p.collectives.allreduce_exact(np.zeros(1))  # every process has taken its steps
+            report = dict(start=start, end=rollup(), memfds=memfds(), arena=p.info.host_arena)
+            p.collectives.allreduce_exact(np.zeros(1))  # and read its memory: now close
         results.put((rank, report))
     except BaseException as error:  # the parent names it and fails
         results.put((rank, f"{type(error).__name__}: {error}"))

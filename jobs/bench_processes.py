@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_allreduce, ben
 import baselines  # noqa: E402
 import bench_allreduce as bench  # noqa: E402
 
-from allreduce_param import AllReduceParameter, StaticRendezvous  # noqa: E402
+from allreduce_param.engine import AllReduceParameter, StaticRendezvous  # noqa: E402
 
 PHASES = bench.PHASES
 DEFAULT_SIZES = "1M,10M"
@@ -206,7 +206,7 @@ def one_size(rank, ranks, param, addresses, dist, rounds, steps, warmup) -> tupl
             if dist is not None:
                 dist.barrier()
             else:
-                p.allreduce_exact(np.zeros(1))
+                p.collectives.allreduce_exact(np.zeros(1))
 
         for number in range(rounds):
             order = ("engine", "gloo") if number % 2 == 0 else ("gloo", "engine")
@@ -239,10 +239,10 @@ def own_gradient_size(rank, ranks, param, addresses, dist, rounds, steps, warmup
         # where the copies are timed to (the buffer is read-only between a put and the
         # next get_weights()), written once so its pages are there
         scratch = own.copy()
-        p.init(rng.standard_normal(p.slice_length, dtype=np.float32) * np.float32(1e-3))
+        p.init(rng.standard_normal(p.info.slice_length, dtype=np.float32) * np.float32(1e-3))
 
         def barrier():
-            p.allreduce_exact(np.zeros(1))
+            p.collectives.allreduce_exact(np.zeros(1))
 
         for number in range(rounds):
             order = ("buffer", "own") if number % 2 == 0 else ("own", "buffer")

@@ -137,7 +137,8 @@ def sync_row(X_parts: list, label_parts: list, repeats: int, seed: int) -> tuple
     get and the send around them (untimed) are the same either way."""
     import threading
 
-    from allreduce_param import AllReduceParameter, LocalRendezvous, models
+    from allreduce_param import models
+    from allreduce_param.engine import AllReduceParameter, LocalRendezvous
 
     partitions, features = len(X_parts), X_parts[0].shape[1]
     model = models.SoftmaxRegression(features, 2)

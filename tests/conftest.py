@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from allreduce_param import AllReduceParameter, LocalRendezvous
+from allreduce_param.engine import AllReduceParameter, LocalRendezvous
 from allreduce_param.spark.session import java_problem, prepare_local_environment
 
 # the simulated hosts and the standalone cluster (sim_hosts.py, spark_standalone.py) are

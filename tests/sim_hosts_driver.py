@@ -125,12 +125,12 @@ def census(p, before: dict) -> dict:
     server = peers._server
     own_address = tuple(server.address)
     peer_servers = {
-        (a.host, a.port): j for j, a in enumerate(peers._addresses) if j != p.partition_id
+        (a.host, a.port): j for j, a in enumerate(peers._addresses) if j != p.info.partition_id
     }
     peer_names = {
         ("\0" + a.local_name).encode(): j
         for j, a in enumerate(peers._addresses)
-        if j != p.partition_id and a.local_name
+        if j != p.info.partition_id and a.local_name
     }
     own_name = ("\0" + server.local_name).encode() if server.local_name else None
     sockets = _own_sockets()
@@ -251,13 +251,17 @@ def task(param, rounds: int, seed: int):
             p.init(start_weights(param.size, seed))
             for step in range(rounds):
                 seen.append(digest(p.get_weights()))
-                values, count = gradient(param.size, seed, step, p.partition_id)
+                values, count = gradient(param.size, seed, step, p.info.partition_id)
                 p.put_gradients(values, count=count)
                 p.weight_partition[:] -= p.aggregate_gradient_partition()
                 p.send_weight_partition()
             seen.append(digest(p.get_weights()))
             counted = census(p, before)
-            remote_peers, connections, hierarchical = p.remote_peers, p.connections, p.hierarchical
+            remote_peers, connections, hierarchical = (
+                p.info.remote_peers,
+                p.info.connections,
+                p.info.hierarchical,
+            )
         yield {
             "partition": context.partitionId(),
             "pid": os.getpid(),
@@ -277,7 +281,7 @@ def task(param, rounds: int, seed: int):
 def main(partitions: int, size: int, rounds: int, seed: int) -> int:
     from pyspark.sql import SparkSession
 
-    from allreduce_param import AllReduceParameter
+    from allreduce_param.engine import AllReduceParameter
 
     spark = SparkSession.builder.appName("allreduce-param simulated hosts").getOrCreate()
     try:

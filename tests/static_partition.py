@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from allreduce_param import StaticRendezvous
+from allreduce_param.engine import StaticRendezvous
 
 STEPS = 2
 
@@ -60,9 +60,9 @@ def run(param, partition: int, addresses: list) -> dict:
         )
         return {
             "partition": partition,
-            "hosts": [list(host) for host in p.hosts],
-            "remote_peers": p.remote_peers,
-            "host_arena": p.host_arena,
+            "hosts": [list(host) for host in p.info.hosts],
+            "remote_peers": p.info.remote_peers,
+            "host_arena": p.info.host_arena,
             "families": families,
             "digest": hashlib.sha256(weights.tobytes()).hexdigest(),
             "shm_device": os.stat("/dev/shm").st_dev if os.path.exists("/dev/shm") else None,

@@ -12,16 +12,14 @@ import pytest
 from conftest import blobs, train_on_threads
 
 from allreduce_param import (
-    AllReduceParameter,
     ConfigurationError,
     DamagedCheckpointError,
     FitSettings,
     InputError,
-    SliceLayout,
-    Strategy,
     models,
     optim,
 )
+from allreduce_param.engine import AllReduceParameter, SliceLayout, Strategy
 from allreduce_param.train.checkpoint import (
     MANIFEST,
     CheckpointSettings,

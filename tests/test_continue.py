@@ -150,7 +150,7 @@ def test_partitions_on_threads_continue_under_every_loop(settings):
     local SGD's loops number their epochs and count their steps on alike."""
     from conftest import train_on_threads
 
-    from allreduce_param import AllReduceParameter
+    from allreduce_param.engine import AllReduceParameter
     from allreduce_param.train.records import OptimizerState, Reached, Steps
     from allreduce_param.train.start import StartPoint
     from allreduce_param.train.task.job import TrainingJob

@@ -19,17 +19,20 @@ from conftest import blobs, run_partitions, train_on_threads  # noqa: E402
 from test_torch_devices import cuda  # noqa: E402
 
 from allreduce_param import (  # noqa: E402
-    AllReduceParameter,
-    CodecOverflowError,
     ConfigurationError,
     FitSettings,
     InputError,
-    NonFiniteGradientError,
-    SliceLayout,
-    Strategy,
     UsageError,
     models,
     optim,
+)
+from allreduce_param.engine import (  # noqa: E402
+    AllReduceParameter,
+    CodecOverflowError,
+    EncodedGradient,
+    NonFiniteGradientError,
+    SliceLayout,
+    Strategy,
 )
 from allreduce_param.engine.blocks.codec import get_codec  # noqa: E402
 from allreduce_param.engine.encoded import GradientPutPlan  # noqa: E402
@@ -191,16 +194,18 @@ def test_a_put_of_encoded_parts_sums_as_put_gradients_with_its_residual(hosts):
 
     def body(encoded: bool):
         def run(p):
-            assert p.hierarchical == (hosts is not None)
-            plan, residual = p.gradient_put_plan(), np.zeros(size, F32)
+            assert p.info.hierarchical == (hosts is not None)
+            plan, residual = p.info.gradient_put_plan, np.zeros(size, F32)
             encoder = DeviceEncoder(torch, torch.device("cpu"), plan)
             p.init(np.zeros(size, F32))
             sums = []
             for step in range(steps):
                 p.get_weights()
-                gradient = gradients[step][p.partition_id]
+                gradient = gradients[step][p.info.partition_id]
                 if encoded:
-                    p.put_encoded_gradients(encoder.encode(torch.from_numpy(gradient)), count=2)
+                    p.put_gradients(
+                        EncodedGradient(encoder.encode(torch.from_numpy(gradient))), count=2
+                    )
                 else:
                     p.put_gradients(gradient, count=2, residual=residual)
                 sums.append(p.aggregate_gradient_partition().copy())
@@ -223,13 +228,13 @@ def test_a_nan_gradient_put_encoded_still_names_its_partition():
     size = 400
 
     def run(p):
-        encoder = DeviceEncoder(torch, torch.device("cpu"), p.gradient_put_plan())
+        encoder = DeviceEncoder(torch, torch.device("cpu"), p.info.gradient_put_plan)
         p.init(np.zeros(size, F32))
         p.get_weights()
         gradient = np.ones(size, F32)
-        if p.partition_id == 1:
+        if p.info.partition_id == 1:
             gradient[7] = np.nan
-        p.put_encoded_gradients(encoder.encode(torch.from_numpy(gradient)), count=1)
+        p.put_gradients(EncodedGradient(encoder.encode(torch.from_numpy(gradient))), count=1)
         p.aggregate_gradient_partition()
 
     param = AllReduceParameter(2, size, codec="raw", gradient_codec="bf16", timeout=30)
@@ -238,14 +243,14 @@ def test_a_nan_gradient_put_encoded_still_names_its_partition():
     assert "partition 1" in str(results[0])
 
 
-def test_put_encoded_gradients_refuses_what_it_cannot_take():
+def test_encoded_gradient_put_refuses_what_it_cannot_take():
     size = 64
 
     def run(p):
-        plan = p.gradient_put_plan()
+        plan = p.info.gradient_put_plan
         p.init(np.zeros(size, F32))
         p.get_weights()
-        if p.partition_id == 0:
+        if p.info.partition_id == 0:
             return plan, None
         errors = []
         for payload in (
@@ -253,7 +258,7 @@ def test_put_encoded_gradients_refuses_what_it_cannot_take():
             np.zeros(plan.payload_bytes, np.int8),
         ):
             with pytest.raises(InputError, match=f"{plan.payload_bytes} bytes") as caught:
-                p.put_encoded_gradients(payload)
+                p.put_gradients(EncodedGradient(payload))
             errors.append(caught.value)
         return plan, errors
 
@@ -263,8 +268,8 @@ def test_put_encoded_gradients_refuses_what_it_cannot_take():
 
     def lossless(p):
         with pytest.raises(InputError, match="'raw' is lossless.*put_gradients"):
-            p.put_encoded_gradients(np.zeros(0, np.uint8))
-        return p.gradient_put_plan().refusal
+            p.put_gradients(EncodedGradient(np.zeros(0, np.uint8)))
+        return p.info.gradient_put_plan.refusal
 
     refusals = run_partitions(AllReduceParameter(2, size, codec="raw", timeout=5), lossless)
     assert all(isinstance(r, str) and "lossless" in r for r in refusals), refusals

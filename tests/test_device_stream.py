@@ -1,5 +1,5 @@
 """A gradient encoded on the model's device and streamed while backward runs
-(``stream_encoded_gradients``, ``TorchModel.loss_and_encoded_grad(ready=)``,
+(``stream_gradients(encoded=True)``, ``TorchModel.loss_and_encoded_grad(ready=)``,
 ``transfers.EncodedCopies``): the same blocks and residual as the unstreamed put, the last
 layers' owners first, the same fit bit for bit, and misuse and a broken backward refused
 clearly. The torch code runs on the CPU here; the tests marked ``cuda`` run it on a GPU."""
@@ -20,15 +20,18 @@ from test_device_codecs import same_bits  # noqa: E402
 from test_torch_devices import _NO_GPU, StandInLanding  # noqa: E402
 
 from allreduce_param import (  # noqa: E402
-    AllReduceParameter,
-    CodecOverflowError,
     FitSettings,
     InputError,
     PeerLostError,
-    SliceLayout,
     UsageError,
     models,
     optim,
+)
+from allreduce_param.engine import (  # noqa: E402
+    AllReduceParameter,
+    CodecOverflowError,
+    EncodedGradient,
+    SliceLayout,
 )
 from allreduce_param.engine.blocks.codec import get_codec  # noqa: E402
 from allreduce_param.engine.encoded import GradientPutPlan  # noqa: E402
@@ -139,21 +142,21 @@ def encoded_steps(size: int, partitions: int, streamed: bool, steps: int = 2):
     streamed owner by owner (the last owner first); each step's mean."""
 
     def body(p):
-        plan = p.gradient_put_plan()
+        plan = p.info.gradient_put_plan
         encoder = DeviceEncoder(torch, torch.device("cpu"), plan)
         p.init(np.zeros(size, F32))
         means = []
         for step in range(steps):
             p.get_weights()
-            rng = np.random.default_rng(10 * step + p.partition_id)
+            rng = np.random.default_rng(10 * step + p.info.partition_id)
             payload = encoder.encode(torch.from_numpy(rng.standard_normal(size).astype(F32)))
             if streamed:
-                with p.stream_encoded_gradients(count=3) as stream:
+                with p.stream_gradients(count=3, encoded=True) as stream:
                     for owner in reversed(range(partitions)):
                         offset, nbytes = plan.owner_span(owner)
                         stream.ready(owner, payload[offset : offset + nbytes])
             else:
-                p.put_encoded_gradients(payload, count=3)
+                p.put_gradients(EncodedGradient(payload), count=3)
             means.append(p.aggregate_gradient_partition().copy())
             p.send_weight_partition()
         return means
@@ -170,7 +173,7 @@ def test_a_streamed_encoded_put_sums_as_the_whole_one(hosts):
         steps = encoded_steps(size, partitions, streamed)
 
         def body(p):
-            assert p.hierarchical == (hosts is not None)
+            assert p.info.hierarchical == (hosts is not None)
             return steps(p)
 
         return raise_first(run_partitions(param, body, hosts=hosts))
@@ -180,7 +183,7 @@ def test_a_streamed_encoded_put_sums_as_the_whole_one(hosts):
 
 
 def _payload(p, owner: int, extra: int = 0) -> np.ndarray:
-    return np.zeros(p.gradient_put_plan().owner_span(owner)[1] + extra, np.uint8)
+    return np.zeros(p.info.gradient_put_plan.owner_span(owner)[1] + extra, np.uint8)
 
 
 @pytest.mark.parametrize(
@@ -204,7 +207,7 @@ def _payload(p, owner: int, extra: int = 0) -> np.ndarray:
             "ready(0, ...) came after the stream was closed",
         ),
         (
-            lambda p, s: p.put_encoded_gradients(np.zeros(104, np.uint8)),
+            lambda p, s: p.put_gradients(EncodedGradient(np.zeros(104, np.uint8))),
             UsageError,
             "came while the gradient stream of the step is still open",
         ),
@@ -219,7 +222,7 @@ def test_misuse_of_an_encoded_stream_is_refused_with_what_to_do(misuse, error, f
     def body(p):
         p.init(np.zeros(100, F32))
         p.get_weights()
-        with p.stream_encoded_gradients(count=1) as stream:
+        with p.stream_gradients(count=1, encoded=True) as stream:
             misuse(p, stream)
 
     results = run_partitions(AllReduceParameter(1, 100, gradient_codec="int8", timeout=10), body)
@@ -231,7 +234,7 @@ def test_an_encoded_stream_is_refused_where_puts_take_no_encoded_parts():
         p.init(np.zeros(100, F32))
         p.get_weights()
         with pytest.raises(InputError, match=message):
-            p.stream_encoded_gradients(count=count)
+            p.stream_gradients(count=count, encoded=True)
         p.put_gradients(np.zeros(100, F32))  # refused before it changed anything
 
     lossless = "'raw' is lossless.*put_gradients"
@@ -248,9 +251,11 @@ def test_closed_with_an_owner_missing_fails_the_handle_and_reaches_the_peer():
         p.init(np.zeros(100, F32))
         p.get_weights()
         weights_read.wait(30)
-        with p.stream_encoded_gradients(count=1) as stream:
-            stream.ready(p.partition_id, _payload(p, p.partition_id))  # the own chunk alone
-            if p.partition_id == 1:
+        with p.stream_gradients(count=1, encoded=True) as stream:
+            stream.ready(
+                p.info.partition_id, _payload(p, p.info.partition_id)
+            )  # the own chunk alone
+            if p.info.partition_id == 1:
                 stream.ready(0, _payload(p, 0))
         return p.aggregate_gradient_partition()
 
@@ -294,18 +299,18 @@ def test_an_error_in_backward_ends_the_stream_after_the_last_layers_owner_left()
     def body(p):
         # the last Linear holds more than half the values: owner 1's range is in it alone
         module = torch.nn.Sequential(
-            torch.nn.Linear(6, 4), Breaker(p.partition_id == 0), torch.nn.Linear(4, 40)
+            torch.nn.Linear(6, 4), Breaker(p.info.partition_id == 0), torch.nn.Linear(4, 40)
         )
         model = models.TorchModel(module, encode_on_device=True)
-        encoder = model.device_encoder(p.gradient_put_plan())
+        encoder = model.device_encoder(p.info.gradient_put_plan)
         p.init(model.init(np.random.default_rng(0)))
         weights = p.get_weights()
         weights_read.wait(30)
         try:
-            with p.stream_encoded_gradients(count=len(X)) as stream:
+            with p.stream_gradients(count=len(X), encoded=True) as stream:
 
                 def ready(owner, payload):
-                    given[p.partition_id].append(owner)
+                    given[p.info.partition_id].append(owner)
                     stream.ready(owner, payload)
 
                 model.loss_and_encoded_grad(weights, X, y, encoder, ready)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import raise_first, train_on_threads
 
-from allreduce_param import AllReduceParameter, ConfigurationError, FitSettings, models, optim
+from allreduce_param import ConfigurationError, FitSettings, models, optim
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.train.checkpoint import CheckpointSettings, newest
 from allreduce_param.train.result import STEP_FIELDS, History
 from allreduce_param.train.start import StartPoint

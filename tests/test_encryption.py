@@ -20,11 +20,10 @@ import numpy as np
 import pytest
 from conftest import raise_first, run_partitions
 
-from allreduce_param import (
+from allreduce_param import ConfigurationError, FitSettings
+from allreduce_param.engine import (
     AllReduceParameter,
     AuthenticationError,
-    ConfigurationError,
-    FitSettings,
     NetworkSettings,
     ProtocolError,
 )
@@ -484,12 +483,13 @@ def sync(param: AllReduceParameter) -> list:
     its worker channel's connections."""
 
     def body(p):
-        rng = np.random.default_rng(p.partition_id)
+        rng = np.random.default_rng(p.info.partition_id)
         p.init(np.linspace(-1, 1, param.size, dtype=np.float32))
         for _ in range(2):
             p.get_weights()
             p.put_gradients(
-                rng.standard_normal(param.size).astype(np.float32), count=float(p.partition_id + 1)
+                rng.standard_normal(param.size).astype(np.float32),
+                count=float(p.info.partition_id + 1),
             )
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
@@ -502,8 +502,16 @@ def sync(param: AllReduceParameter) -> list:
 @pytest.mark.parametrize("codec", ["raw", "lz4"])
 def test_an_encrypted_sync_gives_the_same_bits_as_a_plain_one(codec):
     size = 3 * RECORD_SIZE // 4 + 17  # a part longer than a record, and an odd length
-    plain = sync(AllReduceParameter(3, size, codec=codec, unix_sockets=False, encrypt=False))
-    sealed = sync(AllReduceParameter(3, size, codec=codec, unix_sockets=False, encrypt=True))
+    plain = sync(
+        AllReduceParameter(
+            3, size, codec=codec, unix_sockets=False, network=NetworkSettings(encrypt=False)
+        )
+    )
+    sealed = sync(
+        AllReduceParameter(
+            3, size, codec=codec, unix_sockets=False, network=NetworkSettings(encrypt=True)
+        )
+    )
     assert all(kinds == {"socket"} for _, kinds in plain)
     assert all(kinds == {"SealedConnection"} for _, kinds in sealed)
     for (expected, _), (weights, _) in zip(plain, sealed):
@@ -512,7 +520,11 @@ def test_an_encrypted_sync_gives_the_same_bits_as_a_plain_one(codec):
 
 def test_peers_on_one_host_keep_their_unix_sockets_under_encryption():
     # the blocks' path (a host arena has no connections to keep)
-    [(_, kinds), _] = sync(AllReduceParameter(2, 1000, codec="raw", encrypt=True, host_arena=False))
+    [(_, kinds), _] = sync(
+        AllReduceParameter(
+            2, 1000, codec="raw", network=NetworkSettings(encrypt=True), host_arena=False
+        )
+    )
     assert kinds == {"socket"}
 
 
@@ -547,7 +559,7 @@ def test_the_setting_follows_the_argument_then_spark_allreduce_then_sparks_own_e
     with pytest.raises(ConfigurationError, match="encrypt=1 must be true or false"):
         FitSettings(encrypt=1)
     assert FitSettings(encrypt=True).network_values()["encrypt"] is True
-    assert AllReduceParameter(2, 10, encrypt=True).network.encrypt is True
+    assert AllReduceParameter(2, 10, network=NetworkSettings(encrypt=True)).network.encrypt is True
 
 
 def test_encryption_without_its_package_says_what_to_install(monkeypatch):
@@ -555,7 +567,7 @@ def test_encryption_without_its_package_says_what_to_install(monkeypatch):
     with pytest.raises(
         ConfigurationError, match=r"pip install 'cryptography>=41'.* on every executor"
     ):
-        AllReduceParameter(2, 10, encrypt=True)
+        AllReduceParameter(2, 10, network=NetworkSettings(encrypt=True))
     with pytest.raises(
         ConfigurationError, match=r"^spark.network.crypto.enabled true on the driver .*pip install"
     ):
@@ -591,12 +603,12 @@ def encrypted_stage_task(param: AllReduceParameter):
     def task(_rows):
         with param.connect() as p:
             p.init(np.zeros(param.size, np.float32))
-            p.put_gradients(np.full(param.size, p.partition_id + 1.0, np.float32), count=1.0)
+            p.put_gradients(np.full(param.size, p.info.partition_id + 1.0, np.float32), count=1.0)
             mean = p.aggregate_gradient_partition().copy()
             kinds = sorted(
                 {type(client._sock).__name__ for client in p._peers.worker.clients.values()}
             )
-        yield p.partition_id, float(mean.min()), float(mean.max()), kinds
+        yield p.info.partition_id, float(mean.min()), float(mean.max()), kinds
 
     return task
 
@@ -618,7 +630,9 @@ def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
         assert AllReduceParameter(2, 10).network.encrypt is False
     finally:
         spark.conf.unset("spark.allreduce.encrypt")
-    assert AllReduceParameter(2, 10, encrypt=False).network.encrypt is False
+    assert (
+        AllReduceParameter(2, 10, network=NetworkSettings(encrypt=False)).network.encrypt is False
+    )
 
     # two Python workers, their blocks over encrypted TCP
     results = sorted(

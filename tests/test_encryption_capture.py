@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from sim_hosts import simulated_hosts
 
-from allreduce_param import AllReduceParameter
+from allreduce_param.engine import AllReduceParameter, NetworkSettings
 
 SIZE = 65536  # 256 KiB a vector: a slice per partition of 128 KiB
 PORT = 45123  # the namespaces are new: every port is free
@@ -67,7 +67,7 @@ print(f"captured {packets} {drops}", flush=True)
 PARTITION = r"""
 import json, pickle, sys
 import numpy as np
-from allreduce_param import StaticRendezvous
+from allreduce_param.engine import StaticRendezvous
 param_file, partition, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 with open(param_file, "rb") as file:
     param, start, gradients = pickle.load(file)
@@ -129,7 +129,9 @@ def run_on_two_hosts(
     """One capture on h1's eth0 around one sync of two partitions, one per host."""
     h1, h2 = hosts.hosts
     start, gradients = patterns()
-    param = AllReduceParameter(2, SIZE, codec="raw", timeout=60, encrypt=encrypt)
+    param = AllReduceParameter(
+        2, SIZE, codec="raw", timeout=60, network=NetworkSettings(encrypt=encrypt)
+    )
     param_file = tmp_path / f"param-{encrypt}.pickle"
     param_file.write_bytes(pickle.dumps((param, start, gradients)))
     environment = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -5,19 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import allreduce_param
+import allreduce_param.errors
 from allreduce_param import (
     AllReduceError,
-    AllReduceParameter,
-    AuthenticationError,
     FetchTimeoutError,
     FitSettings,
-    LocalRendezvous,
     PeerLostError,
-    StaleVersionError,
     TrainingError,
     models,
     optim,
+)
+from allreduce_param.engine import (
+    AllReduceParameter,
+    AuthenticationError,
+    LocalRendezvous,
+    StaleVersionError,
 )
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.engine.wire.blocks import BlockServer, PeerClient
@@ -31,10 +33,10 @@ KEY = BlockKey(BlockKind.WEIGHT, 0, 0xFFFFFFFF)
 def test_every_error_is_ours_and_none_is_an_oserror():
     errors = [
         value
-        for value in vars(allreduce_param).values()
+        for value in vars(allreduce_param.errors).values()
         if isinstance(value, type) and issubclass(value, BaseException)
     ]
-    assert len(errors) >= 14
+    assert len(errors) >= 16
     for error in errors:
         assert issubclass(error, AllReduceError), error
         # code catching socket errors never catches ours

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 from conftest import raise_first, run_partitions
 
-from allreduce_param import AllReduceParameter
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.engine.wire.server import MAX_UNPROVEN
 
 FLOODER = """
@@ -68,9 +68,9 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
     address, seen = {}, {}
 
     def body(p):
-        grads = np.full(size, p.partition_id + 1.0, np.float32)
+        grads = np.full(size, p.info.partition_id + 1.0, np.float32)
         p.init(np.zeros(size))
-        if p.partition_id == 0:
+        if p.info.partition_id == 0:
             address["tcp"] = p._peers._server.address
             served.set()
         assert flooded.wait(120)

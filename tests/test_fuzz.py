@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from allreduce_param import AllReduceError, CorruptBlockError
+from allreduce_param import AllReduceError
+from allreduce_param.engine import CorruptBlockError
 from allreduce_param.engine.blocks.codec import CODECS, HEADER_SIZE, get_codec
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.engine.wire.blocks import OP_GET, STATUS_OK, BlockServer, PeerClient

@@ -13,13 +13,8 @@ import numpy as np
 import pytest
 from conftest import raise_first, run_partitions
 
-from allreduce_param import (
-    AllReduceParameter,
-    ConfigurationError,
-    NonFiniteGradientError,
-    PeerLostError,
-    Strategy,
-)
+from allreduce_param import ConfigurationError, PeerLostError
+from allreduce_param.engine import AllReduceParameter, NonFiniteGradientError, Strategy
 from allreduce_param.engine.layout import HostLayout
 from allreduce_param.engine.movement.peers import PART_LENGTH
 
@@ -66,16 +61,16 @@ def steps(weights, grads, counts, stream=False, in_place=False):
         for step in range(STEPS):
             seen.append(p.get_weights().copy())
             gradient = p.gradient_buffer() if in_place else np.empty_like(grads[0])
-            np.multiply(grads[p.partition_id], np.float32(step + 1), out=gradient)
+            np.multiply(grads[p.info.partition_id], np.float32(step + 1), out=gradient)
             if stream:
-                with p.stream_gradients(gradient, count=counts[p.partition_id]) as flow:
+                with p.stream_gradients(gradient, count=counts[p.info.partition_id]) as flow:
                     flow.ready(0, gradient.size)
             else:
-                p.put_gradients(gradient, count=counts[p.partition_id])
+                p.put_gradients(gradient, count=counts[p.info.partition_id])
             p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
             p.send_weight_partition()
         seen.append(p.get_weights().copy())
-        return seen, p.hierarchical, p.connections, p.remote_peers
+        return seen, p.info.hierarchical, p.info.connections, p.info.remote_peers
 
     return body
 
@@ -154,9 +149,9 @@ def test_allreduce_and_the_exact_allreduce_go_through_the_hosts():
 
     def body(p):
         return (
-            p.allreduce(vectors[p.partition_id]),
-            p.allreduce_exact([p.partition_id, 0.5]),
-            p.hierarchical,
+            p.collectives.allreduce(vectors[p.info.partition_id]),
+            p.collectives.allreduce_exact([p.info.partition_id, 0.5]),
+            p.info.hierarchical,
         )
 
     results = raise_first(
@@ -176,7 +171,8 @@ def test_a_raw_allreduce_goes_through_the_hosts_unrounded_by_a_lossy_codec():
     vectors = [rng.standard_normal(777).astype(np.float32) for _ in range(6)]
 
     def body(p):
-        return p.allreduce(vectors[p.partition_id], raw=True), p.allreduce(vectors[p.partition_id])
+        vector = vectors[p.info.partition_id]
+        return p.collectives.allreduce(vector, raw=True), p.collectives.allreduce(vector)
 
     results = raise_first(
         run_partitions(AllReduceParameter(6, 10, codec="int8", timeout=30), body, hosts=hosts)
@@ -207,7 +203,7 @@ def test_a_member_that_dies_fails_every_partition_naming_it():
     body = steps(weights, grads, counts)
 
     def dying(p):
-        if p.partition_id == 3:
+        if p.info.partition_id == 3:
             p.init(weights)
             p.get_weights()
             raise RuntimeError("the model blew up on partition 3")
@@ -237,7 +233,7 @@ def test_other_strategies_stay_flat_and_hierarchical_is_refused_for_them():
     param = AllReduceParameter(4, 10, strategy=Strategy("asp"))
 
     def body(p):
-        return p.hierarchical
+        return p.info.hierarchical
 
     assert raise_first(run_partitions(param, body, hosts=LAYOUTS["2x2"])) == [False] * 4
 
@@ -259,16 +255,16 @@ def test_signals_go_through_the_leaders_and_the_waiter_sees_every_one():
     signalled: list[int] = []
 
     def body(p):
-        if p.partition_id == 3:
+        if p.info.partition_id == 3:
             zero_waits.wait(30)
-        if p.partition_id != 0:
-            signalled.append(p.partition_id)
-            p.signal(1)
+        if p.info.partition_id != 0:
+            signalled.append(p.info.partition_id)
+            p.collectives.signal(1)
             return None
-        p.signal(1)
+        p.collectives.signal(1)
         zero_waits.set()
-        p.wait_for_signals(1)
-        return sorted(signalled), p.connections["control"]
+        p.collectives.wait_for_signals(1)
+        return sorted(signalled), p.info.connections["control"]
 
     results = raise_first(run_partitions(AllReduceParameter(6, 10, timeout=30), body, hosts=hosts))
     seen, control = results[0]

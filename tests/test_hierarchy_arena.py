@@ -18,7 +18,8 @@ import pytest
 from conftest import run_partitions
 from test_hierarchy import LAYOUTS, make
 
-from allreduce_param import AllReduceParameter, FetchTimeoutError, PeerLostError
+from allreduce_param import FetchTimeoutError, PeerLostError
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.engine.blocks.arena import HostArena
 from allreduce_param.engine.blocks.arena_signals import PID, PID_NAMESPACE, WEIGHT, pid_namespace
 from allreduce_param.engine.movement.peers import PART_LENGTH
@@ -35,12 +36,12 @@ def steps(weights, grads, counts, lent):
         for step in range(STEPS):
             seen.append(p.get_weights().copy())
             gradient = p.gradient_buffer() if lent else np.empty_like(grads[0])
-            np.multiply(grads[p.partition_id], np.float32(step + 1), out=gradient)
-            p.put_gradients(gradient, count=counts[p.partition_id])
+            np.multiply(grads[p.info.partition_id], np.float32(step + 1), out=gradient)
+            p.put_gradients(gradient, count=counts[p.info.partition_id])
             p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
             p.send_weight_partition()
         seen.append(p.get_weights().copy())
-        return seen, p.hierarchical, p.host_arena
+        return seen, p.info.hierarchical, p.info.host_arena
 
     return body
 
@@ -89,7 +90,7 @@ def test_a_failing_member_ends_its_leader_s_wait_with_its_reason():
     def body(p):
         p.init(np.zeros(1000, np.float32))
         p.get_weights()
-        if p.partition_id == 1:
+        if p.info.partition_id == 1:
             raise RuntimeError("boom in partition 1")
         p.put_gradients(np.ones(1000, np.float32))
         p.aggregate_gradient_partition()
@@ -109,7 +110,7 @@ def test_a_failure_on_another_host_reaches_a_member_through_its_leader():
     partition 1, waiting in its arena for slices its leader brings, hears its leader."""
 
     def body(p):
-        if p.partition_id == 3:
+        if p.info.partition_id == 3:
             raise RuntimeError("boom in partition 3")
         p.init(np.zeros(1000, np.float32))
         p.get_weights()
@@ -133,13 +134,13 @@ def test_a_silent_leader_is_a_timeout_naming_it():
 
     def body(p):
         p.init(np.zeros(1000, np.float32))
-        if p.partition_id == 0:
+        if p.info.partition_id == 0:
             stop.wait(30)  # until the others have given up
             return None
         try:
             p.get_weights()
         finally:
-            if p.partition_id == 1:
+            if p.info.partition_id == 1:
                 stop.set()
 
     results = run_partitions(param(0.5), body, hosts=[[0, 1], [2, 3]])
@@ -154,7 +155,7 @@ def test_a_silent_member_is_a_timeout_naming_it():
 
     def body(p):
         p.init(np.zeros(1000, np.float32))
-        if p.partition_id == 3:
+        if p.info.partition_id == 3:
             stop.wait(30)
             return None
         try:
@@ -162,7 +163,7 @@ def test_a_silent_member_is_a_timeout_naming_it():
             p.put_gradients(np.ones(1000, np.float32))
             p.aggregate_gradient_partition()
         finally:
-            if p.partition_id == 2:
+            if p.info.partition_id == 2:
                 stop.set()
 
     results = run_partitions(param(0.5), body, hosts=[[0, 1], [2, 3]])
@@ -214,10 +215,10 @@ def test_a_partition_maps_its_host_s_gradients_only():
     def body(p):
         p.init(np.zeros(size, np.float32))
         both_in.wait(30)
-        if p.partition_id == 0:
+        if p.info.partition_id == 0:
             mapped.append(arena_bytes())
         both_in.wait(30)
-        return p.host_arena
+        return p.info.host_arena
 
     gc.collect()  # earlier tests' arenas, unmapped once their last views are garbage
     before = arena_bytes()  # any still held elsewhere in this process
@@ -237,13 +238,13 @@ def test_our_own_shutdown_ends_a_wait_for_what_the_leader_brings():
 
     def body(p):
         p.init(np.zeros(1000, np.float32))
-        handles[p.partition_id] = p
-        if p.partition_id == 0:
+        handles[p.info.partition_id] = p
+        if p.info.partition_id == 0:
             waiting.wait(30)
             handles[1]._peers.shutdown()  # partition 1's, from this thread
             done.wait(30)
             return "shut partition 1 down"
-        if p.partition_id == 1:
+        if p.info.partition_id == 1:
             waiting.set()  # whether before or in the wait below, it ends with our shutdown
             try:
                 p.get_weights()

@@ -15,11 +15,10 @@ import pytest
 from conftest import run_partitions
 from test_processes import free_loopback_ports, lost_peer_outcome
 
-from allreduce_param import (
+from allreduce_param import FetchTimeoutError, PeerLostError
+from allreduce_param.engine import (
     AllReduceParameter,
-    FetchTimeoutError,
     NonFiniteGradientError,
-    PeerLostError,
     StaticRendezvous,
     Strategy,
 )
@@ -35,7 +34,7 @@ STEPS = 3
 def steps(p, size: int, lent: bool, stream: bool = False) -> list[np.ndarray]:
     """A few BSP steps whose gradients depend on the weights and the partition; every
     ``get_weights`` as read (copied)."""
-    rng = np.random.default_rng(p.partition_id)
+    rng = np.random.default_rng(p.info.partition_id)
     p.init(np.linspace(-1, 1, size, dtype=np.float32))
     seen = []
     for _ in range(STEPS):
@@ -44,10 +43,10 @@ def steps(p, size: int, lent: bool, stream: bool = False) -> list[np.ndarray]:
         g = p.gradient_buffer() if lent else np.empty(size, np.float32)
         np.multiply(rng.standard_normal(size, dtype=np.float32), w, out=g)
         if stream:
-            with p.stream_gradients(g, count=1.0 + p.partition_id) as s:
+            with p.stream_gradients(g, count=1.0 + p.info.partition_id) as s:
                 s.ready(0, size)
         else:
-            p.put_gradients(g, count=1.0 + p.partition_id)
+            p.put_gradients(g, count=1.0 + p.info.partition_id)
         p.weight_partition[:] -= np.float32(0.1) * p.aggregate_gradient_partition()
         p.send_weight_partition()
     seen.append(p.get_weights().copy())
@@ -60,7 +59,7 @@ def both_ways(n: int, size: int, codec: str = "raw", **body) -> tuple[list, list
     for arena in (True, False):
         param = AllReduceParameter(n, size, codec, host_arena=arena, timeout=30)
         results = run_partitions(
-            param, lambda p: (p.host_arena, steps(p, size, **body)), timeout=60
+            param, lambda p: (p.info.host_arena, steps(p, size, **body)), timeout=60
         )
         for result in results:
             if isinstance(result, BaseException):
@@ -101,7 +100,7 @@ def test_a_streamed_gradient_goes_through_the_arena_with_the_same_bits():
 def spawned(param, addresses, partition_id, results) -> None:
     try:
         with param.connect(StaticRendezvous(partition_id, addresses)) as p:
-            results.put((partition_id, p.host_arena, steps(p, param.size, lent=True)))
+            results.put((partition_id, p.info.host_arena, steps(p, param.size, lent=True)))
     except BaseException as error:  # reported to the test, which fails on it
         results.put((partition_id, None, f"{type(error).__name__}: {error}"))
 
@@ -168,7 +167,7 @@ def test_other_strategies_and_lossy_codecs_keep_the_blocks():
         AllReduceParameter(2, 100, "bf16", host_arena=True),
         AllReduceParameter(2, 100, "raw", host_arena=True, shared_memory=False),
     ):
-        assert run_partitions(param, lambda p: p.host_arena) == [False, False]
+        assert run_partitions(param, lambda p: p.info.host_arena) == [False, False]
 
 
 @pytest.mark.parametrize("lent", [True, False])
@@ -179,7 +178,7 @@ def test_a_nan_names_its_partition_through_the_arena(lent):
         p.init(np.zeros(10, np.float32))
         p.get_weights()
         g = p.gradient_buffer() if lent else np.empty(10, np.float32)
-        g[:] = np.nan if p.partition_id == 1 else 1.0
+        g[:] = np.nan if p.info.partition_id == 1 else 1.0
         p.put_gradients(g)
         p.aggregate_gradient_partition()
 
@@ -196,7 +195,7 @@ def test_a_failing_peer_ends_the_wait_with_its_reason():
         p.init(np.zeros(10, np.float32))
         p.get_weights()
         p.put_gradients(np.ones(10, np.float32))
-        if p.partition_id == 1:
+        if p.info.partition_id == 1:
             raise RuntimeError("boom in partition 1")
         p.aggregate_gradient_partition()
         p.send_weight_partition()
@@ -214,7 +213,7 @@ def test_a_silent_peer_is_a_timeout_naming_it():
 
     def body(p):
         p.init(np.zeros(10, np.float32))
-        if p.partition_id == 1:
+        if p.info.partition_id == 1:
             stop.wait(30)  # until partition 0 has given up
             return None
         try:
@@ -238,7 +237,7 @@ def test_a_peer_shut_down_mid_wait_ends_the_wait():
 
     def body(p):
         p.init(np.zeros(10, np.float32))
-        if p.partition_id == 1:
+        if p.info.partition_id == 1:
             waiting.wait(30)
             p._peers.shutdown()
             return "shut down"
@@ -405,8 +404,8 @@ def test_our_own_shutdown_from_another_thread_ends_our_wait():
 
     def body(p):
         p.init(np.zeros(10, np.float32))
-        handles[p.partition_id] = p
-        if p.partition_id == 1:
+        handles[p.info.partition_id] = p
+        if p.info.partition_id == 1:
             about_to_wait.wait(30)
             handles[0]._peers.shutdown()  # partition 0's, from this thread
             return "shut partition 0 down"
@@ -434,7 +433,7 @@ def test_a_nan_beyond_the_first_summed_piece_is_named_with_its_index(own_vector)
         p.get_weights()
         g = np.empty(size, np.float32) if own_vector else p.gradient_buffer()
         g[:] = 1.0
-        if p.partition_id == 0:
+        if p.info.partition_id == 0:
             g[bad] = np.nan
         p.put_gradients(g)
         try:

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from allreduce_param import ConfigurationError, FetchTimeoutError, SliceLayout, UsageError
+from allreduce_param import ConfigurationError, FetchTimeoutError, UsageError
+from allreduce_param.engine import SliceLayout
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.errors import StaleVersionError, StoreClosedError
 

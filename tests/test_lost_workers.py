@@ -242,7 +242,7 @@ def limited_fetch(results) -> None:
     limit with no room for the mapping (as spark.executor.pyspark.memory sets one)."""
     import resource
 
-    from allreduce_param import AllReduceParameter, LocalRendezvous
+    from allreduce_param.engine import AllReduceParameter, LocalRendezvous
 
     # the blocks' path (through the host arena the mapping is made at connect instead); a
     # model whose shared segment (84 MB, sized by the model) cannot fit the limit's headroom

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import raise_first, run_partitions
 
-from allreduce_param import AllReduceParameter, ConfigurationError, NetworkError, NetworkSettings
+from allreduce_param import ConfigurationError, NetworkError
+from allreduce_param.engine import AllReduceParameter, NetworkSettings
 from allreduce_param.engine.blocks.store import BlockStore
 from allreduce_param.engine.wire.blocks import BlockServer
 from allreduce_param.engine.wire.messages import MessageServer
@@ -90,8 +91,7 @@ def test_arguments_win_over_spark_settings_and_a_bad_spark_setting_is_named_by_i
 
 
 def test_a_parameter_given_network_settings_uses_them_as_they_are(monkeypatch):
-    """``network=``: settings resolved once on the driver; no Spark setting is read again,
-    and giving one of the five keywords beside it is refused, naming both."""
+    """``network=``: settings resolved once on the driver; no Spark setting is read again."""
     from allreduce_param.engine import surroundings
 
     class NoSettings(surroundings.Standalone):
@@ -102,9 +102,6 @@ def test_a_parameter_given_network_settings_uses_them_as_they_are(monkeypatch):
     settings = NetworkSettings("127.0.0.1", port_range=(40000, 40009), connect_timeout=4.0)
     param = AllReduceParameter(2, 8, network=settings)
     assert param.network is settings and param.spec.network is settings
-    for keyword in ({"port_range": "40000-40009"}, {"encrypt": False}):
-        with pytest.raises(ConfigurationError, match=rf"network= and {next(iter(keyword))}= "):
-            AllReduceParameter(2, 8, network=settings, **keyword)
     with pytest.raises(ConfigurationError, match="network must be a NetworkSettings"):
         AllReduceParameter(2, 8, network={"bind_address": "127.0.0.1"})
 
@@ -212,13 +209,17 @@ def test_an_address_this_host_does_not_have_is_named():
 def test_partitions_serve_in_the_port_range_and_sync_exactly():
     first, last = free_ports(4)
     param = AllReduceParameter(
-        3, 1000, codec="raw", unix_sockets=False, port_range=f"{first}-{last}", connect_timeout=5
+        3,
+        1000,
+        codec="raw",
+        unix_sockets=False,
+        network=NetworkSettings(port_range=f"{first}-{last}", connect_timeout=5),
     )
     assert param.network.port_range == (first, last) and param.network.connect_timeout == 5.0
 
     def body(p):
         p.init(np.zeros(1000))
-        p.put_gradients(np.full(1000, p.partition_id + 1.0, np.float32), count=1.0)
+        p.put_gradients(np.full(1000, p.info.partition_id + 1.0, np.float32), count=1.0)
         return p._peers._server.address, p.aggregate_gradient_partition().copy()
 
     results = raise_first(run_partitions(param, body))
@@ -233,8 +234,7 @@ def test_partitions_are_reached_at_the_advertised_address_apart_from_the_bound_o
         100,
         codec="raw",
         unix_sockets=False,
-        bind_address="127.0.0.1",
-        advertise_address="localhost",
+        network=NetworkSettings(bind_address="127.0.0.1", advertise_address="localhost"),
     )
 
     def body(p):
@@ -254,7 +254,7 @@ def test_partitions_are_reached_at_the_advertised_address_apart_from_the_bound_o
 
 def test_a_partition_with_no_free_port_fails_naming_the_range():
     first, last = free_ports(1)
-    param = AllReduceParameter(1, 10, port_range=(first, last))
+    param = AllReduceParameter(1, 10, network=NetworkSettings(port_range=(first, last)))
     with socket.create_server(("127.0.0.1", first)):
         [error] = run_partitions(param, lambda p: None)
     assert isinstance(error, NetworkError) and f"no free port in {first}-{last}" in str(error)

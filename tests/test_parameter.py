@@ -11,15 +11,13 @@ import pytest
 from conftest import raise_first, run_partitions
 
 from allreduce_param import (
-    CODECS,
-    AllReduceParameter,
     ConfigurationError,
     FetchTimeoutError,
     InputError,
-    NonFiniteGradientError,
     PeerLostError,
     UsageError,
 )
+from allreduce_param.engine import CODECS, AllReduceParameter, NonFiniteGradientError
 from allreduce_param.engine.movement.fetches import INLINE_LENGTH
 
 LR = np.float32(0.125)
@@ -44,7 +42,7 @@ def one_step(weights, grads, counts):
     def body(p):
         p.init(weights)
         before = p.get_weights().copy()
-        p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+        p.put_gradients(grads[p.info.partition_id], count=counts[p.info.partition_id])
         gradient = p.aggregate_gradient_partition().copy()
         p.weight_partition[:] -= LR * gradient
         p.send_weight_partition()
@@ -130,7 +128,7 @@ def test_avg_divides_by_the_given_number():
 
     def body(p):
         p.init(weights)
-        p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+        p.put_gradients(grads[p.info.partition_id], count=counts[p.info.partition_id])
         return p.aggregate_gradient_partition(avg=2).copy()
 
     results = raise_first(run_partitions(AllReduceParameter(2, 100, "raw"), body))
@@ -147,7 +145,10 @@ def test_allreduce_any_length(op):
     }
 
     def body(p):
-        return {length: p.allreduce(vs[p.partition_id], op=op) for length, vs in vectors.items()}
+        return {
+            length: p.collectives.allreduce(vs[p.info.partition_id], op=op)
+            for length, vs in vectors.items()
+        }
 
     results = raise_first(run_partitions(AllReduceParameter(partitions, 10, "raw"), body))
     for length, vs in vectors.items():
@@ -167,7 +168,7 @@ def test_many_steps_keep_only_the_versions_needed():
         held = []
         for _ in range(steps):
             p.get_weights()
-            p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+            p.put_gradients(grads[p.info.partition_id], count=counts[p.info.partition_id])
             p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
             p.send_weight_partition()
             held.append(p._peers.store.nbytes)
@@ -236,7 +237,9 @@ def test_nan_gradient_names_partition_and_step():
     def body(p):
         p.init(weights)
         for step in range(2):
-            p.put_gradients(poisoned if (p.partition_id, step) == (1, 1) else grads[p.partition_id])
+            p.put_gradients(
+                poisoned if (p.info.partition_id, step) == (1, 1) else grads[p.info.partition_id]
+            )
             p.aggregate_gradient_partition()
             p.send_weight_partition()
             p.get_weights()
@@ -258,7 +261,7 @@ def test_nan_gradient_passes_when_allowed():
 
     def body(p):
         p.init(np.zeros(10))
-        p.put_gradients(grads[p.partition_id])
+        p.put_gradients(grads[p.info.partition_id])
         return p.aggregate_gradient_partition().copy()
 
     results = raise_first(
@@ -326,7 +329,7 @@ def test_settings_are_checked_on_the_driver():
 
 
 def test_partition_count_mismatch_says_what_to_change():
-    from allreduce_param import LocalRendezvous
+    from allreduce_param.engine import LocalRendezvous
 
     with pytest.raises(
         ConfigurationError, match="made for 3 partitions but this stage has 2 tasks"
@@ -343,7 +346,7 @@ def test_a_silent_peer_times_out_naming_peer_block_and_version(unix_sockets):
 
     def body(p):
         p.init(np.zeros(10))
-        if p.partition_id == 1:
+        if p.info.partition_id == 1:
             released.wait(60)  # alive but silent: never publishes version 1
             return "never sent version 1"
         try:
@@ -366,7 +369,7 @@ def test_a_peer_that_dies_mid_step_fails_the_others_promptly(unix_sockets):
     def body(p):
         p.init(np.zeros(1000))
         p.get_weights()
-        if p.partition_id == 2:
+        if p.info.partition_id == 2:
             raise RuntimeError("partition 2 crashed")
         p.put_gradients(np.ones(1000))
         return p.aggregate_gradient_partition()
@@ -401,8 +404,8 @@ def test_partitions_failing_before_any_fetch_do_not_wait_out_the_linger(
     never comes (the engine logs it where it gives up waiting)."""
 
     def body(p):
-        if p.partition_id in failing:
-            raise RuntimeError(f"partition {p.partition_id} refused its fit")
+        if p.info.partition_id in failing:
+            raise RuntimeError(f"partition {p.info.partition_id} refused its fit")
         p.init(np.zeros(12))
         p.get_weights()
 
@@ -425,7 +428,7 @@ def test_a_partition_that_finishes_first_serves_until_its_peers_are_done():
 
     def body(p):
         p.init(np.arange(10.0))
-        if p.partition_id == 0:
+        if p.info.partition_id == 0:
             p.weight_partition[:] += 1
             p.send_weight_partition()
             closing.set()  # leaves the with-block: close() must wait for partition 1
@@ -454,7 +457,7 @@ def test_no_thread_outlives_the_handle_on_any_path():
 
     def failing(p):
         p.init(np.zeros(100))
-        if p.partition_id == 0:
+        if p.info.partition_id == 0:
             raise RuntimeError("stop")
         p.put_gradients(np.zeros(100))
         p.aggregate_gradient_partition()
@@ -468,11 +471,11 @@ def test_no_thread_outlives_the_handle_on_any_path():
 
 def test_exact_allreduce_keeps_counts_whole_under_a_lossy_codec():
     def body(p):
-        counts = np.array([4095.0, 1797.0, 16_000_001.0, 2.0**51 + p.partition_id])
+        counts = np.array([4095.0, 1797.0, 16_000_001.0, 2.0**51 + p.info.partition_id])
         return (
-            p.allreduce_exact(counts),
-            p.allreduce_exact(counts * 2),
-            p.allreduce(counts.astype(np.float32)),
+            p.collectives.allreduce_exact(counts),
+            p.collectives.allreduce_exact(counts * 2),
+            p.collectives.allreduce(counts.astype(np.float32)),
         )
 
     for exact, again, rounded in raise_first(
@@ -486,7 +489,7 @@ def test_exact_allreduce_keeps_counts_whole_under_a_lossy_codec():
 
 def test_exact_allreduce_refuses_what_is_not_a_vector():
     def body(p):
-        p.allreduce_exact(np.zeros((2, 2)))
+        p.collectives.allreduce_exact(np.zeros((2, 2)))
 
     expect_error(
         AllReduceParameter(1, 10),
@@ -515,8 +518,8 @@ def test_a_handle_that_failed_partway_takes_no_more_calls():
         p.get_weights()
         bad = np.zeros(size, np.float32)
         bad[0] = np.nan  # in partition 0's chunk: its owner finds it as it sums
-        p.put_gradients(bad if p.partition_id == 1 else np.ones(size, np.float32))
-        if p.partition_id == 0:
+        p.put_gradients(bad if p.info.partition_id == 1 else np.ones(size, np.float32))
+        if p.info.partition_id == 0:
             with pytest.raises(
                 NonFiniteGradientError, match="the gradient of partition 1 for step 0 .* index 0"
             ):
@@ -543,18 +546,18 @@ def test_descriptors_and_buffers_do_not_grow_with_the_model():
     from allreduce_param.engine.blocks.store import BlockKey, BlockKind
 
     def body(p):
-        grads = np.full(p.layout.size, 1.0, np.float32)
-        p.init(np.zeros(p.layout.size))
+        grads = np.full(p.info.layout.size, 1.0, np.float32)
+        p.init(np.zeros(p.info.layout.size))
         for _ in range(3):
             p.get_weights()
             p.put_gradients(grads)
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
         buffers = {
-            p._peers.store.buffer_count(BlockKey(kind, p.partition_id, destination, 0))
+            p._peers.store.buffer_count(BlockKey(kind, p.info.partition_id, destination, 0))
             for kind, destination in (
                 (BlockKind.WEIGHT, 0xFFFFFFFF),
-                (BlockKind.GRADIENT, 1 - p.partition_id),
+                (BlockKind.GRADIENT, 1 - p.info.partition_id),
             )
         }
         return p._peers.shared.count, buffers
@@ -573,13 +576,13 @@ def test_get_weights_without_out_refills_one_array():
     array again, and the values are each step's weights."""
 
     def body(p):
-        p.init(np.zeros(p.layout.size, np.float32))
+        p.init(np.zeros(p.info.layout.size, np.float32))
         first = p.get_weights()
         seen = []
         for _ in range(3):
             w = p.get_weights()
             seen.append((w is first, float(w[0])))
-            p.put_gradients(np.ones(p.layout.size, np.float32))
+            p.put_gradients(np.ones(p.info.layout.size, np.float32))
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
         return seen
@@ -597,7 +600,7 @@ def test_peers_meet_by_scope_not_by_host_name(peer_scope, family):
     """Spark may name a task's host "localhost" while its server reports 127.0.0.1: peers of
     one machine and network namespace still meet over Unix sockets and shared memory; a peer
     that says it is elsewhere is reached over TCP."""
-    from allreduce_param import LocalRendezvous
+    from allreduce_param.engine import LocalRendezvous
     from allreduce_param.engine.movement.rendezvous import Rendezvous
 
     group = LocalRendezvous(2)
@@ -640,7 +643,7 @@ def test_error_feedback_keeps_what_the_codec_rounds_off():
     def body(p, feedback):
         p.init(np.zeros(8))
         residual = np.zeros(8, np.float32) if feedback else None
-        total = np.zeros(p.slice_length, np.float64)
+        total = np.zeros(p.info.slice_length, np.float64)
         for _ in range(steps):
             p.get_weights()
             p.put_gradients(gradient, count=1, residual=residual)
@@ -679,17 +682,19 @@ def in_place_steps(grads, counts, steps: int = 3):
     def body(p):
         from allreduce_param.engine.blocks.store import BlockKey, BlockKind
 
-        p.init(np.zeros(p.layout.size, np.float32))
+        p.init(np.zeros(p.info.layout.size, np.float32))
         g = p.gradient_buffer()
-        assert g is p.gradient_buffer() and g.dtype == np.float32 and g.shape == (p.layout.size,)
+        assert (
+            g is p.gradient_buffer() and g.dtype == np.float32 and g.shape == (p.info.layout.size,)
+        )
         seen = []
         for step in range(steps):
             p.get_weights()
-            np.multiply(grads[p.partition_id], np.float32(step + 1), out=g)
-            p.put_gradients(g, count=counts[p.partition_id])
-            peer = (p.partition_id + 1) % p.partition_num
+            np.multiply(grads[p.info.partition_id], np.float32(step + 1), out=g)
+            p.put_gradients(g, count=counts[p.info.partition_id])
+            peer = (p.info.partition_id + 1) % p.info.partition_num
             _, kept = p._peers.store.get(
-                BlockKey(BlockKind.GRADIENT, p.partition_id, peer, 0), step, 1.0
+                BlockKey(BlockKind.GRADIENT, p.info.partition_id, peer, 0), step, 1.0
             )
             mean = p.aggregate_gradient_partition().copy()
             p.weight_partition[:] -= LR * mean
@@ -727,14 +732,16 @@ def test_the_engines_gradient_buffer_is_copied_where_it_cannot_be_published_in_p
 ):
     """A lossy codec encodes, and a background owner reads gradients while the next is
     computed: there the buffer is copied at put, like any vector, and stays writable."""
-    from allreduce_param import Strategy
+    from allreduce_param.engine import Strategy
 
     def body(p):
-        p.init(np.zeros(p.layout.size, np.float32))
+        p.init(np.zeros(p.info.layout.size, np.float32))
         g = p.gradient_buffer()
         means = []  # every mean gradient an update applied
         if strategy:
-            p.serve_updates(lambda gradient, weights, step: means.append(gradient.copy()), steps=2)
+            p.background.serve_updates(
+                lambda gradient, weights, step: means.append(gradient.copy()), steps=2
+            )
         for _ in range(2):
             p.get_weights()
             g[:] = 1.0
@@ -744,7 +751,7 @@ def test_the_engines_gradient_buffer_is_copied_where_it_cannot_be_published_in_p
                 means.append(p.aggregate_gradient_partition().copy())
                 p.send_weight_partition()
         if strategy:
-            p.finish_updates()
+            p.background.finish_updates()
         return means
 
     param = AllReduceParameter(
@@ -759,7 +766,7 @@ def test_the_engines_gradient_buffer_is_read_only_while_peers_read_it():
     it meanwhile is refused, not silently sent half-changed."""
 
     def body(p):
-        p.init(np.zeros(p.layout.size, np.float32))
+        p.init(np.zeros(p.info.layout.size, np.float32))
         g = p.gradient_buffer()
         p.get_weights()
         g[:] = 1.0
@@ -789,13 +796,15 @@ def test_topk_gradients_with_error_feedback_lose_nothing_over_the_steps():
     def body(p):
         p.init(np.zeros(size, np.float32))
         residual = np.zeros(size, np.float32)
-        summed = np.zeros(p.slice_length, np.float64)
+        summed = np.zeros(p.info.slice_length, np.float64)
         for _ in range(steps):
             p.get_weights()
-            p.put_gradients(grads[p.partition_id], count=counts[p.partition_id], residual=residual)
+            p.put_gradients(
+                grads[p.info.partition_id], count=counts[p.info.partition_id], residual=residual
+            )
             mean = p.aggregate_gradient_partition()
             # 1 % from each partition
-            assert np.count_nonzero(mean) <= 2 * -(-p.slice_length // 100)
+            assert np.count_nonzero(mean) <= 2 * -(-p.info.slice_length // 100)
             summed += mean.astype(np.float64) * sum(counts)
             p.weight_partition[:] -= mean
             p.send_weight_partition()
@@ -822,7 +831,7 @@ def test_partitions_of_different_parameters_all_learn_it_at_the_meeting():
     """Each partition made its own AllReduceParameter (the mistake of making it inside the
     task): every one of them fails at connect with the same clear message, whichever of them
     would have connected first."""
-    from allreduce_param import AuthenticationError, LocalRendezvous
+    from allreduce_param.engine import AuthenticationError, LocalRendezvous
 
     group = LocalRendezvous(3)
     errors: list = [None] * 3
@@ -882,15 +891,15 @@ def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threa
         for _ in range(steps):
             p.get_weights()
             if put == "put_gradients":
-                p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
+                p.put_gradients(grads[p.info.partition_id], count=counts[p.info.partition_id])
             else:
                 with p.stream_gradients(
-                    grads[p.partition_id], count=counts[p.partition_id]
+                    grads[p.info.partition_id], count=counts[p.info.partition_id]
                 ) as stream:
                     stream.ready(0, size)
             p.weight_partition[:] -= LR * p.aggregate_gradient_partition()
             p.send_weight_partition()
-            seen.append(engine_threads(p.partition_id))
+            seen.append(engine_threads(p.info.partition_id))
         return p.get_weights().copy(), seen
 
     results = raise_first(run_partitions(param, body))
@@ -911,7 +920,7 @@ def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threa
 def test_a_background_owner_with_more_partitions_than_fetch_threads_applies_every_gradient():
     """ssp over 12 partitions with one fetch thread each: the workers' reads queue, the
     owners (waiting idle, on one thread too) take every gradient once, and all end with the same weights."""
-    from allreduce_param import Strategy
+    from allreduce_param.engine import Strategy
 
     partitions, steps = 12, 4
     size = partitions * 10
@@ -936,16 +945,18 @@ def assert_owners_take_every_gradient(param, weights, grads, counts, steps, part
 
     def body(p):
         p.init(weights)
-        p.serve_updates(lambda gradient, weight, step: weight.__isub__(LR * gradient), steps)
-        if partition_0_waits is not None and p.partition_id == 0:
+        p.background.serve_updates(
+            lambda gradient, weight, step: weight.__isub__(LR * gradient), steps
+        )
+        if partition_0_waits is not None and p.info.partition_id == 0:
             partition_0_waits.wait(timeout=30)
         for _ in range(steps):
             p.get_weights()
-            p.put_gradients(grads[p.partition_id], count=counts[p.partition_id])
-        if partition_0_waits is not None and p.partition_id != 0:
+            p.put_gradients(grads[p.info.partition_id], count=counts[p.info.partition_id])
+        if partition_0_waits is not None and p.info.partition_id != 0:
             partition_0_waits.wait(timeout=30)
-        p.finish_updates()
-        return p.get_weights().copy(), sum(update.count for update in p.updates)
+        p.background.finish_updates()
+        return p.get_weights().copy(), sum(update.count for update in p.background.updates)
 
     results = raise_first(run_partitions(param, body))
     assert all(np.array_equal(after, results[0][0]) for after, _ in results)
@@ -963,7 +974,7 @@ def test_a_background_owner_on_one_thread_takes_a_ready_gradient_while_another_s
     meanwhile. A fetch that held the thread while it waited for the late source would keep
     the others' queued, and the other source, whose next gradient waits until its last one
     was read, could never finish: every partition would time out."""
-    from allreduce_param import Strategy
+    from allreduce_param.engine import Strategy
 
     partitions, steps = 3, 4
     size = partitions * 8

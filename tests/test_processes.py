@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from static_partition import expected_digest
 
-from allreduce_param import (
-    AllReduceError,
+from allreduce_param import AllReduceError, UsageError
+from allreduce_param.engine import (
     AllReduceParameter,
     AuthenticationError,
+    NetworkSettings,
     StaticRendezvous,
-    UsageError,
 )
 
 
@@ -41,8 +41,8 @@ def partition(param: AllReduceParameter, addresses: list, partition_id: int, res
             p.put_gradients(np.full(param.size, partition_id + 1.0, np.float32), count=2.0)
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
-            weights, total = p.get_weights(), p.allreduce(np.ones(3), op="sum")
-            results.put((partition_id, weights, total, p.hosts, p.remote_peers))
+            weights, total = p.get_weights(), p.collectives.allreduce(np.ones(3), op="sum")
+            results.put((partition_id, weights, total, p.info.hosts, p.info.remote_peers))
     except BaseException as error:  # reported to the test, which fails on it
         results.put((partition_id, repr(error), None, None, None))
 
@@ -262,7 +262,9 @@ def test_processes_of_different_parameters_are_refused_when_they_meet():
 
     def meet(partition_id: int) -> None:
         # a secret of its own; refusing each other, each lingers a connect timeout
-        param = AllReduceParameter(2, 10, codec="raw", timeout=10, connect_timeout=1.0)
+        param = AllReduceParameter(
+            2, 10, codec="raw", timeout=10, network=NetworkSettings(connect_timeout=1.0)
+        )
         try:
             with param.connect(StaticRendezvous(partition_id, addresses, timeout=30)):
                 pass

@@ -1,7 +1,9 @@
-"""The public API survives the move into layer folders: names, Params, job keys, old paths.
+"""The public API: the top level's names (the trainer's, at most 20), the engine's API page,
+a handle's calls (at most 12), Params, job keys, old paths.
 
-The lists below were read off the package before the redesign (commit 57978c3); the API may
-grow, never shrink. Spark-free: the Estimators' Params are read from their classes.
+The lists of settings and Params were read off the package before the redesign (commit
+57978c3) and may grow, never shrink; the names are those of issue 39's smaller surface.
+Spark-free: the Estimators' Params are read from their classes.
 """
 
 from __future__ import annotations
@@ -10,19 +12,32 @@ import dataclasses
 import importlib
 import inspect
 import pickle
+import subprocess
+import sys
 
 import pytest
 
 import allreduce_param
 from allreduce_param._old_paths import MOVED
+from allreduce_param.engine import (
+    AllReduceParameter,
+    ConnectedParameter,
+    LocalRendezvous,
+    Strategy,
+)
 
-PUBLIC = """AllReduceError AllReduceParameter AuthenticationError BarrierRendezvous CODECS
-CodecOverflowError ConfigurationError ConnectedParameter CorruptBlockError DamagedCheckpointError
-DistriOptimizer EncodedStream FetchTimeoutError FitSettings GradientPutPlan GradientStream History
-InputError LocalRendezvous NetworkError
-NetworkSettings NonFiniteGradientError PeerLostError ProtocolError Rendezvous STRATEGIES
-SliceLayout SparseGradient StaleVersionError StaticRendezvous StoreClosedError Strategy TrainedModel
-TrainingError UsageError models optim""".split()
+#: the top level: the trainer's names and the errors a fit's caller catches (at most 20)
+PUBLIC = """DistriOptimizer FitSettings TrainedModel History models optim ml AllReduceError
+TrainingError InputError ConfigurationError UsageError DamagedCheckpointError PeerLostError
+FetchTimeoutError NetworkError""".split()
+
+#: the engine's API page, allreduce_param.engine
+ENGINE = """AllReduceParameter ConnectedParameter GradientStream EncodedStream SparseGradient
+EncodedGradient GradientPutPlan CODECS Strategy STRATEGIES SliceLayout NetworkSettings Rendezvous
+StaticRendezvous LocalRendezvous AllReduceError AuthenticationError CodecOverflowError
+ConfigurationError CorruptBlockError FetchTimeoutError InputError NetworkError
+NonFiniteGradientError PeerLostError ProtocolError StaleVersionError StoreClosedError
+UsageError""".split()
 
 FIT_SETTINGS = """batch_size epochs codec gradient_codec num_workers threads seed timeout progress
 log_path listener strategy staleness backup_workers sync_every model_averaging partition_scheme
@@ -40,15 +55,22 @@ showProgress sparseSync staleness stepSize strategy syncEvery timeout topology v
 verbose weightCol gpusPerTask keepOptimizerState initialModel""".split()
 CLASSIFIER_PARAMS = REGRESSOR_PARAMS + "probabilityCol rawPredictionCol thresholds".split()
 
-CONNECTED_CALLS = """aggregate_gradient_partition allreduce allreduce_exact close connections
-finish_updates get_weights gradient_buffer gradient_partition gradient_put_plan hierarchical
-host_arena hosts init last_read_version put_encoded_gradients put_gradients remote_peers
-send_weight_partition serve_updates signal
-stream_encoded_gradients stream_gradients updates wait_for_signals weight_partition""".split()
+#: a handle's public members, all of them (methods, properties, attributes): at most 12
+CONNECTED_CALLS = """init get_weights put_gradients aggregate_gradient_partition
+send_weight_partition weight_partition gradient_buffer stream_gradients close info collectives
+background""".split()
+#: what the objects a handle hands out hold
+HANDED_OUT = {
+    "info": """partition_id partition_num layout strategy slice_start slice_length
+    last_read_version remote_peers hosts connections host_arena hierarchical
+    gradient_put_plan""".split(),
+    "collectives": "allreduce allreduce_exact signal wait_for_signals".split(),
+    "background": "serve_updates finish_updates updates".split(),
+}
 
+#: AllReduceParameter's parameters, all of them: the network's five are one NetworkSettings
 PARAMETER_KEYWORDS = """partition_num size codec timeout fetch_threads allow_nonfinite
-unix_sockets shared_memory param_id strategy gradient_codec bind_address advertise_address
-port_range connect_timeout encrypt topology host_arena""".split()
+unix_sockets shared_memory host_arena param_id strategy gradient_codec topology network""".split()
 
 FIT_ARGUMENTS = "data features_col label_col validation resume_from weight_col initial".split()
 
@@ -62,11 +84,33 @@ TRAINED_MODEL_FIELDS = "steps_done epochs_done optimizer_state optimizer_kind".s
 TORCH_MODEL_KEYWORDS = "module loss device precision encode_on_device".split()
 
 
-def test_every_public_name_is_still_exported():
-    missing = sorted(set(PUBLIC) - set(allreduce_param.__all__))
-    assert not missing, f"names dropped from allreduce_param.__all__: {missing}"
+def test_the_top_level_is_the_trainers_and_small():
+    assert sorted(PUBLIC) == sorted(set(PUBLIC) & set(allreduce_param.__all__))
+    assert len(allreduce_param.__all__) <= 20, allreduce_param.__all__
+    engine_only = set(ENGINE) - set(PUBLIC)
+    assert not engine_only & set(allreduce_param.__all__), "the engine's names are its own"
     for name in allreduce_param.__all__:
         assert hasattr(allreduce_param, name), name
+
+
+def test_the_engines_names_are_its_api_page():
+    import allreduce_param.engine as engine
+
+    missing = sorted(set(ENGINE) - set(engine.__all__))
+    assert not missing, f"names dropped from allreduce_param.engine.__all__: {missing}"
+    for name in engine.__all__:
+        assert hasattr(engine, name), name
+    assert "BSP" in engine.__doc__ and "p.collectives" in engine.__doc__  # it reads as a reference
+
+
+def test_importing_the_package_loads_no_pyspark_until_ml_is_named():
+    code = (
+        "import sys, allreduce_param\n"
+        "assert 'pyspark' not in sys.modules, 'import allreduce_param loaded pyspark'\n"
+        "from allreduce_param import ml\n"
+        "assert 'pyspark' in sys.modules and ml.AllReduceRegressor\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 OPTIM = """Optimizer SGD Adam AdamW Adagrad RMSprop Schedule StepLR CosineLR LinearWarmup
@@ -91,13 +135,24 @@ def test_job_file_keys_and_estimator_params_are_kept():
         assert not set(expected) - names, (estimator.__name__, sorted(set(expected) - names))
 
 
+def test_a_handle_has_at_most_twelve_public_members():
+    param = AllReduceParameter(1, 10, codec="raw", timeout=10)
+    with param.connect(LocalRendezvous(1).member(0)) as p:
+        members = {name for name in dir(p) if not name.startswith("_")}
+        assert members == set(CONNECTED_CALLS), sorted(members ^ set(CONNECTED_CALLS))
+        assert len(members) <= 12
+        for name, expected in HANDED_OUT.items():
+            held = {member for member in dir(getattr(p, name)) if not member.startswith("_")}
+            assert set(expected) <= held, (name, sorted(set(expected) - held))
+        assert p.info.partition_id == 0 and p.info.slice_length == 10
+        assert p.info.gradient_put_plan.refusal is not None  # raw: nothing encoded elsewhere
+
+
 def test_engine_calls_and_signatures_are_kept():
-    calls = {name for name in dir(allreduce_param.ConnectedParameter) if not name.startswith("_")}
-    assert not set(CONNECTED_CALLS) - calls, sorted(set(CONNECTED_CALLS) - calls)
-    keywords = inspect.signature(allreduce_param.AllReduceParameter).parameters
-    assert not set(PARAMETER_KEYWORDS) - set(keywords), sorted(
-        set(PARAMETER_KEYWORDS) - set(keywords)
-    )
+    calls = {name for name in dir(ConnectedParameter) if not name.startswith("_")}
+    assert calls <= set(CONNECTED_CALLS), sorted(calls - set(CONNECTED_CALLS))
+    keywords = inspect.signature(AllReduceParameter).parameters
+    assert set(keywords) == set(PARAMETER_KEYWORDS), sorted(set(keywords) ^ set(PARAMETER_KEYWORDS))
     fit = inspect.signature(allreduce_param.DistriOptimizer.fit).parameters
     assert list(fit)[1:] == FIT_ARGUMENTS
     stream = inspect.signature(allreduce_param.DistriOptimizer.fit_stream).parameters
@@ -117,6 +172,7 @@ def test_a_trained_model_keeps_where_training_stopped():
 
 
 def test_old_paths_of_public_names_import():
+    import allreduce_param.engine as engine
     from allreduce_param.codec import CODECS
     from allreduce_param.network import NetworkSettings
     from allreduce_param.parameter import AllReduceParameter, ConnectedParameter
@@ -125,15 +181,12 @@ def test_old_paths_of_public_names_import():
     from allreduce_param.train.distri import DistriOptimizer
     from allreduce_param.train.result import TrainedModel
 
-    assert CODECS is allreduce_param.CODECS
-    assert NetworkSettings is allreduce_param.NetworkSettings
-    assert AllReduceParameter is allreduce_param.AllReduceParameter
-    assert ConnectedParameter is allreduce_param.ConnectedParameter
-    assert (LocalRendezvous, StaticRendezvous) == (
-        allreduce_param.LocalRendezvous,
-        allreduce_param.StaticRendezvous,
-    )
-    assert Strategy is allreduce_param.Strategy
+    assert CODECS is engine.CODECS
+    assert NetworkSettings is engine.NetworkSettings
+    assert AllReduceParameter is engine.AllReduceParameter
+    assert ConnectedParameter is engine.ConnectedParameter
+    assert (LocalRendezvous, StaticRendezvous) == (engine.LocalRendezvous, engine.StaticRendezvous)
+    assert Strategy is engine.Strategy
     assert DistriOptimizer is allreduce_param.DistriOptimizer
     assert TrainedModel is allreduce_param.TrainedModel
 
@@ -141,15 +194,23 @@ def test_old_paths_of_public_names_import():
 def test_a_pickle_that_names_an_old_module_loads():
     # what pickle wrote for a Strategy before the move: the class by its old module's name
     # (protocol 0 names it in a line of text, so the name can be swapped)
-    old = pickle.dumps(allreduce_param.Strategy("ssp", staleness=2), protocol=0).replace(
-        allreduce_param.Strategy.__module__.encode(), b"allreduce_param.strategy"
+    old = pickle.dumps(Strategy("ssp", staleness=2), protocol=0).replace(
+        Strategy.__module__.encode(), b"allreduce_param.strategy"
     )
     assert b"allreduce_param.strategy" in old
     strategy = pickle.loads(old)
-    assert isinstance(strategy, allreduce_param.Strategy) and strategy.staleness == 2
+    assert isinstance(strategy, Strategy) and strategy.staleness == 2
 
 
 def test_torch_models_keywords_are_kept():
     pytest.importorskip("torch", reason="TorchModel needs PyTorch: pip install -e '.[torch]'")
     keywords = inspect.signature(allreduce_param.models.TorchModel).parameters
     assert list(keywords) == TORCH_MODEL_KEYWORDS
+
+
+def test_the_handle_and_its_puts_are_small_classes():
+    from allreduce_param.engine.gradients import GradientPuts
+
+    for cls in (ConnectedParameter, GradientPuts):
+        lines, _ = inspect.getsourcelines(cls)
+        assert len(lines) < 300, f"{cls.__name__} has {len(lines)} lines"

@@ -11,15 +11,8 @@ import pytest
 import scipy.sparse as sp
 from conftest import blobs
 
-from allreduce_param import (
-    AllReduceParameter,
-    FitSettings,
-    InputError,
-    LocalRendezvous,
-    TrainingError,
-    models,
-    optim,
-)
+from allreduce_param import FitSettings, InputError, TrainingError, models, optim
+from allreduce_param.engine import AllReduceParameter, LocalRendezvous
 from allreduce_param.train.row_file import RowFileWriter, read_header
 from allreduce_param.train.task.batching import epoch_order
 from allreduce_param.train.task.disk_rows import DiskRows, block_epoch_order

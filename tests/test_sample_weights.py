@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import blobs, raise_first, train_on_threads
 
-from allreduce_param import AllReduceParameter, FitSettings, InputError, models, optim
+from allreduce_param import FitSettings, InputError, models, optim
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.train.result import STEP_FIELDS
 from allreduce_param.train.task.compute import SubBatches, evaluate
 from allreduce_param.train.task.job import TrainingJob

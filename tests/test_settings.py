@@ -82,7 +82,7 @@ def test_distri_optimizer_takes_a_settings_object_with_changes_by_name():
 
 
 def test_the_optimizers_settings_read_through_and_change_as_checked_copies():
-    from allreduce_param import Strategy
+    from allreduce_param.engine import Strategy
 
     trainer = DistriOptimizer(
         models.MLP([4, 8, 2]), optim.Adam(), gradient_codec=None, sync_every=2, strategy="bsp"

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 from conftest import raise_first, run_partitions
 
-from allreduce_param import AllReduceParameter
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.engine.wire.blocks import SERVE_THREADS
 
 SYNCS, WARM = 20_000, 2_000
@@ -39,7 +39,7 @@ def test_twenty_thousand_syncs_leave_memory_threads_and_descriptors_flat():
     samples = {}
 
     def body(p):
-        gradient = np.full(size, p.partition_id + 1.0, np.float32)
+        gradient = np.full(size, p.info.partition_id + 1.0, np.float32)
         weights = np.empty(size, np.float32)
         p.init(np.zeros(size))
         for sync in range(SYNCS):
@@ -47,7 +47,7 @@ def test_twenty_thousand_syncs_leave_memory_threads_and_descriptors_flat():
             p.put_gradients(gradient, count=1.0)
             p.weight_partition[:] -= np.float32(1e-4) * p.aggregate_gradient_partition()
             p.send_weight_partition()
-            if p.partition_id == 0 and sync in (WARM, SYNCS - 1):
+            if p.info.partition_id == 0 and sync in (WARM, SYNCS - 1):
                 samples[sync] = usage()
         return p.get_weights()
 

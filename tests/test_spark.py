@@ -13,7 +13,7 @@ import pytest
 import xxhash
 from pyspark import cloudpickle
 
-from allreduce_param import AllReduceParameter, Strategy
+from allreduce_param.engine import AllReduceParameter, Strategy
 
 # the tasks below are defined in this module: ship them by value, workers cannot import tests/
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -42,7 +42,7 @@ def step_task(params: list[AllReduceParameter], seed: int):
         for param in params:
             with param.connect() as p:
                 weights = start_weights(param.size, seed)
-                gradient, count = partition_data(param.size, seed, p.partition_id)
+                gradient, count = partition_data(param.size, seed, p.info.partition_id)
                 p.init(weights)
                 before = p.get_weights().copy()
                 p.put_gradients(gradient, count=count)
@@ -58,13 +58,13 @@ def step_task(params: list[AllReduceParameter], seed: int):
                 )
                 if any(client._shared._mappings._maps for client in p._peers.peers.values()):
                     transports.append("shared memory")
-                if p.host_arena:
+                if p.info.host_arena:
                     transports.append("host arena")
                 report.append(
                     (
                         param.size,
                         param.codec,
-                        p.partition_id,
+                        p.info.partition_id,
                         digest(before),
                         digest(after),
                         after if param.size < 100_000 else None,
@@ -157,7 +157,7 @@ def test_uneven_partitions_and_an_empty_one_give_the_exact_mean(spark):
                 np.sum(samples, axis=0, dtype=np.float32) if samples else np.zeros(size, np.float32)
             )
             p.put_gradients(gradient, count=len(samples))
-            yield p.partition_id, len(samples), p.aggregate_gradient_partition().copy()
+            yield p.info.partition_id, len(samples), p.aggregate_gradient_partition().copy()
 
     # 7 rows over 3 partitions, the first emptied: uneven counts and an empty partition
     rdd = spark.sparkContext.parallelize(rows, 3).mapPartitionsWithIndex(
@@ -181,7 +181,7 @@ def test_a_peer_that_crashes_fails_the_job_with_its_error(spark):
         with param.connect() as p:
             p.init(np.zeros(1000))
             p.get_weights()
-            if p.partition_id == 1:
+            if p.info.partition_id == 1:
                 raise RuntimeError("partition 1 crashed on purpose")
             p.put_gradients(np.ones(1000))
             p.aggregate_gradient_partition()
@@ -200,7 +200,7 @@ def test_a_hung_peer_fails_the_job_within_the_timeout_naming_it(spark):
     def task(_rows):
         with param.connect() as p:
             p.init(np.zeros(1000))
-            if p.partition_id == 1:
+            if p.info.partition_id == 1:
                 threading.Event().wait(60)  # stuck, publishes nothing more (Spark kills it)
             p.send_weight_partition()
             p.get_weights()
@@ -238,14 +238,14 @@ def test_a_second_stage_in_the_same_session_starts_clean(spark, strategy):
             with param.connect() as p:
                 p.init(np.ones(5000))
                 if not strategy.inline_owner:  # a few steps with the background owner, then its end
-                    p.serve_updates(update, 3)
+                    p.background.serve_updates(update, 3)
                     for _ in range(3):
                         p.get_weights()
-                        if strategy.backup_workers and p.last_read_version >= 3:
+                        if strategy.backup_workers and p.info.last_read_version >= 3:
                             break  # a straggler skips to the newest step: here, past the last
                         p.put_gradients(np.ones(5000), count=1)
-                    p.finish_updates()
-                total = p.allreduce(np.full(10, p.partition_id + 1.0))
+                    p.background.finish_updates()
+                total = p.collectives.allreduce(np.full(10, p.info.partition_id + 1.0))
                 during = ours()
             yield os.getpid(), before, during, ours(), total.tolist()
 

@@ -12,7 +12,7 @@ from pyspark import cloudpickle
 from spark_standalone import class_archive_options
 from test_spark import digest, expected_after, run_stage, start_weights, step_task
 
-from allreduce_param import AllReduceParameter
+from allreduce_param.engine import AllReduceParameter
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(test_spark)

@@ -10,7 +10,8 @@ import pytest
 import scipy.sparse as sp
 from conftest import train_on_threads
 
-from allreduce_param import AllReduceParameter, FitSettings, InputError, models, optim
+from allreduce_param import FitSettings, InputError, models, optim
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.train.features import VectorParts, is_sparse
 from allreduce_param.train.task.job import TrainingJob
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from allreduce_param import InputError, Strategy, UsageError
+from allreduce_param import InputError, UsageError
+from allreduce_param.engine import Strategy
 from allreduce_param.engine.step import StepState
 
 

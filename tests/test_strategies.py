@@ -14,13 +14,8 @@ import numpy as np
 import pytest
 from conftest import raise_first, run_partitions
 
-from allreduce_param import (
-    AllReduceParameter,
-    ConfigurationError,
-    FetchTimeoutError,
-    Strategy,
-    UsageError,
-)
+from allreduce_param import ConfigurationError, FetchTimeoutError, UsageError
+from allreduce_param.engine import AllReduceParameter, Strategy
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore
 from allreduce_param.engine.strategy import CLOCK_SHIFT, GRADIENT_BACKLOG
 
@@ -188,18 +183,18 @@ def test_ssp_reads_never_lag_more_than_the_staleness():
 
     def body(p):
         p.init(start)
-        p.serve_updates(sgd, steps)
+        p.background.serve_updates(sgd, steps)
         lags = []
         for step in range(steps):
             p.get_weights()
-            lags.append(step - p.strategy.clock(p.last_read_version))
-            if p.partition_id == 0 and step == staleness:
+            lags.append(step - p.info.strategy.clock(p.info.last_read_version))
+            if p.info.partition_id == 0 and step == staleness:
                 ahead.set()  # partition 0 read at step s while partition 1 has not finished step 0
-            if p.partition_id == 1 and step == 0:
+            if p.info.partition_id == 1 and step == 0:
                 assert ahead.wait(60), "partition 0 could not run the staleness ahead"
-            p.put_gradients(grads[p.partition_id][step], count=counts(2)[p.partition_id])
-        p.finish_updates()
-        return lags, p.get_weights(), p.updates
+            p.put_gradients(grads[p.info.partition_id][step], count=counts(2)[p.info.partition_id])
+        p.background.finish_updates()
+        return lags, p.get_weights(), p.background.updates
 
     results = raise_first(run_partitions(param, body))
     lags = [lag for result in results for lag in result[0]]
@@ -217,16 +212,16 @@ def test_asp_lets_the_others_finish_while_one_partition_is_stuck():
 
     def body(p):
         p.init(start)
-        p.serve_updates(sgd, steps)
+        p.background.serve_updates(sgd, steps)
         for step in range(steps):
             p.get_weights()
-            if p.partition_id == 1 and step == 0:
+            if p.info.partition_id == 1 and step == 0:
                 assert others_done.wait(60), "partition 0 waited for the stuck partition"
-            p.put_gradients(grads[p.partition_id][step], count=counts(2)[p.partition_id])
-        if p.partition_id == 0:
+            p.put_gradients(grads[p.info.partition_id][step], count=counts(2)[p.info.partition_id])
+        if p.info.partition_id == 0:
             others_done.set()  # every step of partition 0 is put; partition 1 has computed nothing
-        p.finish_updates()
-        return None, p.get_weights(), p.updates
+        p.background.finish_updates()
+        return None, p.get_weights(), p.background.updates
 
     results = raise_first(run_partitions(param, body))
     check_every_gradient_applied_once(param, start, grads, steps, results)
@@ -260,23 +255,23 @@ def test_backup_workers_go_on_without_the_straggler_and_use_exactly_the_rest():
 
     def body(p):
         p.init(start)
-        p.serve_updates(sgd, steps)
+        p.background.serve_updates(sgd, steps)
         read = []
         while True:
             p.get_weights()
-            version = p.last_read_version
+            version = p.info.last_read_version
             read.append(version)
-            if p.partition_id == 0 and version == late_step + 1:
+            if p.info.partition_id == 0 and version == late_step + 1:
                 step_done.set()  # every owner finished the step without partition 2
             if version >= steps:
                 break
-            if p.partition_id == 2 and version == late_step:
+            if p.info.partition_id == 2 and version == late_step:
                 assert step_done.wait(60), "the owners waited for the straggler"
             p.put_gradients(
-                grads[p.partition_id][version], count=counts(partitions)[p.partition_id]
+                grads[p.info.partition_id][version], count=counts(partitions)[p.info.partition_id]
             )
-        p.finish_updates()
-        return read, p.get_weights(), p.updates
+        p.background.finish_updates()
+        return read, p.get_weights(), p.background.updates
 
     results = raise_first(run_partitions(param, body))
     # every slice took the same partitions' gradients at every step
@@ -307,14 +302,14 @@ def test_the_bsp_calls_are_refused_under_a_background_owner():
         ):
             p.aggregate_gradient_partition()
         with pytest.raises(UsageError, match=r"finish_updates\(\) came before serve_updates\(\)"):
-            p.finish_updates()
-        p.serve_updates(sgd, 1)
+            p.background.finish_updates()
+        p.background.serve_updates(sgd, 1)
         with pytest.raises(UsageError, match=r"serve_updates\(\) was called twice"):
-            p.serve_updates(sgd, 1)
+            p.background.serve_updates(sgd, 1)
         p.get_weights()
         p.put_gradients(np.ones(10), count=1)
-        p.finish_updates()
-        return p.get_weights(), len(p.updates)
+        p.background.finish_updates()
+        return p.get_weights(), len(p.background.updates)
 
     results = raise_first(run_partitions(param, body))
     # each update subtracts LR times the mean of the gradients it took: 1 everywhere
@@ -330,11 +325,11 @@ def test_an_owner_that_fails_fails_its_partition_with_the_reason():
 
     def body(p):
         p.init(np.zeros(10))
-        p.serve_updates(broken if p.partition_id == 1 else sgd, 3)
+        p.background.serve_updates(broken if p.info.partition_id == 1 else sgd, 3)
         for _ in range(3):
             p.get_weights()
             p.put_gradients(np.ones(10), count=1)
-        p.finish_updates()
+        p.background.finish_updates()
 
     results = run_partitions(param, body)
     assert isinstance(results[1], Exception) and "the optimizer broke" in str(results[1])

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import raise_first, run_partitions
 
-from allreduce_param import AllReduceParameter, InputError, PeerLostError, UsageError
+from allreduce_param import InputError, PeerLostError, UsageError
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind
 
 LR = np.float32(0.125)
@@ -33,21 +34,23 @@ def steps(grads, counts, how: str, residuals: bool = False):
     reported (``"silent"``); each step's mean and the final weights (and residual)."""
 
     def body(p):
-        p.init(np.zeros(p.layout.size, np.float32))
+        p.init(np.zeros(p.info.layout.size, np.float32))
         g = p.gradient_buffer()
-        residual = np.zeros(p.layout.size, np.float32) if residuals else None
+        residual = np.zeros(p.info.layout.size, np.float32) if residuals else None
         means = []
         for step in range(STEPS):
             p.get_weights()
-            value = grads[p.partition_id] * np.float32(step + 1)
+            value = grads[p.info.partition_id] * np.float32(step + 1)
             if how == "put":
                 g[:] = value
-                p.put_gradients(g, count=counts[p.partition_id], residual=residual)
+                p.put_gradients(g, count=counts[p.info.partition_id], residual=residual)
             else:
                 with p.stream_gradients(
-                    g, count=counts[p.partition_id], residual=residual
+                    g, count=counts[p.info.partition_id], residual=residual
                 ) as stream:
-                    for start, stop in pieces(p.layout.size, seed=10 * step + p.partition_id):
+                    for start, stop in pieces(
+                        p.info.layout.size, seed=10 * step + p.info.partition_id
+                    ):
                         g[start:stop] = value[start:stop]
                         if how == "stream":
                             stream.ready(start, stop)
@@ -108,14 +111,14 @@ def test_a_whole_chunk_is_published_before_the_stream_closes():
         p.init(np.zeros(size, np.float32))
         p.get_weights()
         g = p.gradient_buffer()
-        g[:] = p.partition_id + 1
-        peer = (p.partition_id + 1) % 2
-        bounds = p.layout.bounds(peer)
+        g[:] = p.info.partition_id + 1
+        peer = (p.info.partition_id + 1) % 2
+        bounds = p.info.layout.bounds(peer)
         with p.stream_gradients(g, count=1.0) as stream:
             stream.ready(bounds.start, bounds.stop)
             # blocks until published: the stream is still open, so ready() published it
             version, block = p._peers.store.get(
-                BlockKey(BlockKind.GRADIENT, p.partition_id, peer, 0), 0, 10.0
+                BlockKey(BlockKind.GRADIENT, p.info.partition_id, peer, 0), 0, 10.0
             )
             assert version == 0 and block is not None
             del block
@@ -195,7 +198,7 @@ def test_an_error_during_backward_fails_the_handle_and_reaches_the_peers():
         g = p.gradient_buffer()
         try:
             with p.stream_gradients(g, count=1.0) as stream:
-                if p.partition_id == 0:
+                if p.info.partition_id == 0:
                     stream.ready(0, 50)  # the own chunk; owner 1's never comes
                     raise RuntimeError("backward broke")
                 stream.ready(0, 100)

@@ -14,9 +14,7 @@ torch = pytest.importorskip(
 from conftest import train_on_threads  # noqa: E402
 from test_train_loop import blobs, reference_fit, run_workers  # noqa: E402
 
-# noqa: E402
 from allreduce_param import (  # noqa: E402
-    AllReduceParameter,
     ConfigurationError,
     DistriOptimizer,
     FitSettings,
@@ -25,6 +23,7 @@ from allreduce_param import (  # noqa: E402
     models,
     optim,
 )
+from allreduce_param.engine import AllReduceParameter  # noqa: E402
 from allreduce_param.models.base import merge_buffers  # noqa: E402
 from allreduce_param.train.checkpoint import CheckpointSettings, load_buffers, newest  # noqa: E402
 from allreduce_param.train.records import Buffers  # noqa: E402

@@ -10,16 +10,8 @@ import pytest
 import scipy.sparse as sp
 from conftest import run_partitions, train_on_threads
 
-from allreduce_param import (
-    AllReduceParameter,
-    ConfigurationError,
-    FitSettings,
-    InputError,
-    SparseGradient,
-    Strategy,
-    models,
-    optim,
-)
+from allreduce_param import ConfigurationError, FitSettings, InputError, models, optim
+from allreduce_param.engine import AllReduceParameter, SparseGradient, Strategy
 from allreduce_param.engine.movement.touched import pack, unpack
 from allreduce_param.errors import CorruptBlockError, NonFiniteGradientError
 from allreduce_param.train.task.job import TrainingJob
@@ -51,11 +43,11 @@ def sync(param: AllReduceParameter, grads: list[np.ndarray], touched: bool, host
     def body(p):
         p.init(np.zeros(param.size, np.float32))
         p.get_weights()
-        grad = grads[p.partition_id]
+        grad = grads[p.info.partition_id]
         if touched:
             where = np.flatnonzero((grad != 0) | np.signbit(grad))
             grad = SparseGradient(where, grad[where])
-        p.put_gradients(grad, count=p.partition_id + 1)
+        p.put_gradients(grad, count=p.info.partition_id + 1)
         return p.aggregate_gradient_partition().copy()
 
     return run_partitions(param, body, hosts=hosts)
@@ -94,7 +86,7 @@ def test_a_nan_among_the_touched_names_its_partition_and_index():
         p.init(np.zeros(param.size, np.float32))
         p.get_weights()
         values = np.ones(3, np.float32)
-        if p.partition_id == 1:
+        if p.info.partition_id == 1:
             values[1] = np.nan
         p.put_gradients(SparseGradient(np.array([2, 600, 999]), values))
         return p.aggregate_gradient_partition()
@@ -251,7 +243,7 @@ def test_auto_takes_the_touched_sync_from_2_to_the_22_features_on_sparse_rows():
 
     from allreduce_param.train.task.touched import TOUCHED_FROM_FEATURES, uses_touched_sync
 
-    flat = SimpleNamespace(hierarchical=False)
+    flat = SimpleNamespace(info=SimpleNamespace(hierarchical=False))
     for features, sparse, sync, expected in [
         (TOUCHED_FROM_FEATURES, True, "auto", True),
         (TOUCHED_FROM_FEATURES - 1, True, "auto", False),
@@ -275,6 +267,6 @@ def test_a_hierarchical_sync_refuses_the_touched_put_by_name():
         p.get_weights()
         with pytest.raises(InputError, match=r"topology hierarchical\): put the gradient as"):
             p.put_gradients(SparseGradient(np.array([3]), np.array([2.0], np.float32)))
-        return p.hierarchical
+        return p.info.hierarchical
 
     assert run_partitions(param, body, hosts=[[0, 1], [2]]) == [True, True, True]

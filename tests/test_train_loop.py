@@ -10,7 +10,8 @@ import pytest
 import scipy.sparse as sp
 from conftest import blobs, train_on_threads
 
-from allreduce_param import AllReduceParameter, FitSettings, TrainingError, models, optim
+from allreduce_param import FitSettings, TrainingError, models, optim
+from allreduce_param.engine import AllReduceParameter
 from allreduce_param.train.records import STEP_FIELDS
 from allreduce_param.train.task.batching import (
     epoch_order,
@@ -462,7 +463,7 @@ def test_a_model_without_the_protocol_is_refused():
 
 # ---- strategies and sync frequencies ---------------------------------------------------------
 
-from allreduce_param import Strategy  # noqa: E402
+from allreduce_param.engine import Strategy  # noqa: E402
 from allreduce_param.train.result import (  # noqa: E402
     UPDATE_FIELDS,
     History,  # noqa: E402
@@ -686,7 +687,7 @@ def test_a_lossy_codec_standardizes_with_the_moments_a_raw_one_has(codec):
     cuts = [(0, 40), (40, 40), (40, 90)]
 
     def std(p):
-        return feature_std(p, X[slice(*cuts[p.partition_id])])
+        return feature_std(p, X[slice(*cuts[p.info.partition_id])])
 
     raw = run_partitions(AllReduceParameter(3, 8, codec="raw", timeout=60), std)
     lossy = run_partitions(AllReduceParameter(3, 8, codec=codec, timeout=60), std)
@@ -709,7 +710,7 @@ def test_the_feature_std_over_partitions_is_mllibs_weighted_unbiased_one():
     results = run_partitions(
         param,
         lambda p: feature_std(
-            p, X[slice(*cuts[p.partition_id])], weight[slice(*cuts[p.partition_id])]
+            p, X[slice(*cuts[p.info.partition_id])], weight[slice(*cuts[p.info.partition_id])]
         ),
     )
     x, total = X.astype(np.float64), weight.sum()

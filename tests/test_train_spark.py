@@ -13,7 +13,6 @@ from conftest import JOB_FILES
 from pyspark import cloudpickle
 
 from allreduce_param import (
-    AllReduceParameter,
     ConfigurationError,
     DistriOptimizer,
     InputError,
@@ -23,6 +22,7 @@ from allreduce_param import (
     optim,
 )
 from allreduce_param.cli import build, load_data, load_job
+from allreduce_param.engine import AllReduceParameter
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -96,13 +96,13 @@ class ReportingParameter(AllReduceParameter):
         handle = super().connect(rendezvous)
         try:
             with open(
-                os.path.join(self.report_dir, f"partition-{handle.partition_id}.json"), "w"
+                os.path.join(self.report_dir, f"partition-{handle.info.partition_id}.json"), "w"
             ) as file:
                 json.dump(
                     {
                         "topology": self.topology,
                         "fetch_threads": self.fetch_threads,
-                        "hierarchical": handle.hierarchical,
+                        "hierarchical": handle.info.hierarchical,
                     },
                     file,
                 )

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import raise_first, run_partitions
 
-from allreduce_param import AllReduceParameter, AuthenticationError, ProtocolError
+from allreduce_param.engine import AllReduceParameter, AuthenticationError, ProtocolError
 from allreduce_param.engine.blocks.store import BlockKey, BlockKind, BlockStore, SplitBlock
 from allreduce_param.engine.wire.blocks import (
     OP_GET,
@@ -187,10 +187,10 @@ def test_intruders_during_a_real_run_do_not_disturb_it():
         p.init(np.zeros(size))
         for step in range(steps):
             p.get_weights()
-            p.put_gradients(grads[p.partition_id])
+            p.put_gradients(grads[p.info.partition_id])
             p.weight_partition[:] -= p.aggregate_gradient_partition()
             p.send_weight_partition()
-            if p.partition_id == 0 and step == 1:
+            if p.info.partition_id == 0 and step == 1:
                 target = p._peers.peers[1].address
                 intruder = PeerClient(target, b"x" * 32, 0, 0, 1, timeout=5)
                 with pytest.raises(AuthenticationError):
@@ -380,7 +380,7 @@ def test_a_shared_answer_naming_a_segment_never_passed_is_refused():
 
 
 def test_a_client_cut_off_for_shutting_down_opens_no_new_connection():
-    from allreduce_param import StoreClosedError
+    from allreduce_param.engine import StoreClosedError
 
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)

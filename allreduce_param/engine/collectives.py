@@ -5,7 +5,9 @@ Each is made of the four movements (``movement/movements.py``) and has block kin
 own, so it never meets a step's weights or gradients: a partition may call them between
 any two calls of a step. Like the steps, every partition makes the same calls in the same
 order; the n-th call meets the n-th on the others (its version counts them).
-``ConnectedParameter`` exposes each as a method of the handle.
+``ConnectedParameter`` hands this object out as ``p.collectives``: ``p.collectives.allreduce(v)``.
+Its calls are the handle's (``step.handle_call``): refused once the handle failed or closed,
+and one that fails partway fails the handle.
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ import numpy as np
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKind
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.movements import Movements
+from allreduce_param.engine.step import StepState, handle_call
 from allreduce_param.engine.strategy import WeightRead
 from allreduce_param.engine.vectors import float32_vector
 from allreduce_param.errors import InputError
 
 
 class Collectives:
-    """One partition's collectives, through its ``Movements``."""
+    """One partition's collectives, through its ``Movements``, as calls of the handle whose
+    call order ``state`` keeps."""
 
-    def __init__(self, moves: Movements) -> None:
+    def __init__(self, moves: Movements, state: StepState) -> None:
         self._moves = moves
+        self._state = state
         self._peers = moves.peers
         self.partition_id = moves.partition_id
         self.partition_num = moves.partition_num
@@ -35,6 +40,7 @@ class Collectives:
         self._raw_allreduces = -1
         self._exact_allreduces = -1
 
+    @handle_call
     def allreduce(
         self, values: np.ndarray, op: Literal["sum", "mean"] = "sum", raw: bool = False
     ) -> np.ndarray:
@@ -75,6 +81,7 @@ class Collectives:
         moves.gather(outputs, WeightRead(version, exact=True), layout, out)
         return out
 
+    @handle_call
     def allreduce_exact(self, values) -> np.ndarray:
         """Sum small float64 vectors (row counts, norms, metrics) across partitions, exactly.
 
@@ -102,6 +109,7 @@ class Collectives:
             total += row
         return total
 
+    @handle_call
     def signal(self, version: int) -> None:
         """Tell every partition this one has done ``version`` of something (e.g. written a
         checkpoint); see ``wait_for_signals``. Versions must increase.
@@ -113,6 +121,7 @@ class Collectives:
             self._wait_for(version, self._peers.hosts.mates(self.partition_id))
         self._moves.publish(BlockKind.SIGNAL, version, np.ones(1, np.float32))
 
+    @handle_call
     def wait_for_signals(self, version: int) -> None:
         """Wait until every partition has signalled ``version`` (or a later one)."""
         hosts = self._peers.hosts

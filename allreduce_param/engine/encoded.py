@@ -1,7 +1,7 @@
 """A gradient put of parts encoded elsewhere: the plan that says which parts a partition's
 gradient is cut into and how many bytes each one's stream takes, for a caller that computes
 the lossy codec's value format where the gradient lies (a GPU: ``models.device_codecs``) and
-hands over only those bytes (``ConnectedParameter.put_encoded_gradients``).
+hands over only those bytes (``ConnectedParameter.put_gradients(EncodedGradient)``).
 
 The caller does what ``Movements.publish`` does on the host for each part: adds its error
 feedback residual to the part, makes the codec's stream (``Codec.encode_stream`` takes the
@@ -60,7 +60,7 @@ class GradientPutPlan:
 
     @property
     def takes_payloads(self) -> bool:
-        """Whether ``put_encoded_gradients`` takes payloads made by this plan."""
+        """Whether ``put_gradients(EncodedGradient)`` takes payloads made by this plan."""
         return self.refusal is None
 
     def parts_of(self, owner: int) -> tuple[EncodedPart, ...]:

@@ -5,7 +5,7 @@ A put cuts the gradient into one chunk per owner and publishes chunk ``j`` for o
 (``Movements.scatter``). Two shortcuts keep copies off the step under plain BSP:
 
 - with an exact codec, the own chunk is not published at all: the aggregate sums it
-  straight from the caller's vector (``for_reduce``);
+  straight from the caller's vector (``reduce``);
 - the lent buffer (``buffer``, the handle's ``gradient_buffer()``), put with the raw
   codec, is published where it lies: same-host peers read it in place from shared memory,
   and it is read-only until the next ``get_weights`` has shown every peer summed it.
@@ -16,8 +16,8 @@ of the arena, where the owners sum it from.
 
 A stream (``stream``) publishes each owner's chunk once it is final (``stream.py``), and
 under BSP starts fetching the own chunk from every peer at once, so the aggregate finds it
-arriving. A gradient encoded elsewhere (a GPU) is put from its parts' streams
-(``put_encoded``), or streamed owner by owner as its bytes are made (``stream_encoded``).
+arriving. A gradient encoded elsewhere (a GPU) is ``encoded_puts.EncodedPuts``'s, which
+shares this class's movements, guard, publishing thread and prefetch.
 A ``SparseGradient`` (``put_touched``) travels as its touched elements alone
 (``movement/touched.py``), under plain BSP with a lossless codec; through a host arena it
 is written densely into the arena's gradient, which the owners read in place. Each put
@@ -27,7 +27,6 @@ asks the handle's ``step.StepState`` first, and tells it when done.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
@@ -35,17 +34,15 @@ from typing import NamedTuple
 import numpy as np
 
 from allreduce_param.engine.blocks.store import BlockKind
-from allreduce_param.engine.encoded import GradientPutPlan
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.arena_steps import ArenaSteps
 from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.movement.sums import NonFiniteSum
 from allreduce_param.engine.movement.touched import TouchedMoves, TouchedPut
 from allreduce_param.engine.step import StepState
-from allreduce_param.engine.stream import EncodedStream, GradientStream
+from allreduce_param.engine.stream import GradientStream
 from allreduce_param.engine.vectors import (
     SparseGradient,
-    byte_payload,
     float32_vector,
     sparse_gradient,
     writable_output,
@@ -70,7 +67,8 @@ class GradientPuts:
 
     ``guard()``: a context that a publish runs in, so that its error is raised as the
     root cause it follows from (the background owner's, if it failed). ``arena``: the
-    step through the host arena, where there is one.
+    step through the host arena, where there is one. Those, ``layout``, ``prefetch`` and
+    ``publishing_thread`` are what ``encoded_puts.EncodedPuts`` shares with it.
     """
 
     def __init__(
@@ -81,21 +79,20 @@ class GradientPuts:
         guard: Callable[[], contextlib.AbstractContextManager],
         arena: ArenaSteps | None = None,
     ) -> None:
-        self._moves = moves
-        self._arena = arena
+        self.moves = moves
+        self.arena = arena
         self._peers = moves.peers
         self.partition_id = moves.partition_id
-        self._layout = layout
-        self._state = state
+        self.layout = layout
+        self.state = state
         self._strategy = state.strategy
-        self._guard = guard
+        self.guard = guard
         self._lent: tuple[np.ndarray, memoryview] | None = None  # buffer(), and its bytes
         self._own: tuple[np.ndarray, float] | None = None  # the own chunk, summed from the vector
         self._prefetched: dict[int, list[Future]] | None = None  # a stream's own-chunk fetches
         self._publisher: ThreadPoolExecutor | None = None  # publishes streamed chunks
         self._touched_moves = TouchedMoves(moves)
         self._touched: TouchedPut | None = None  # a touched put's, for the step's aggregate
-        self._plan: GradientPutPlan | None = None  # the cut of a put of pre-encoded parts
 
     def buffer(self) -> np.ndarray:
         """The lent gradient buffer (``ConnectedParameter.gradient_buffer``): a float32
@@ -108,126 +105,31 @@ class GradientPuts:
         codecs and strategies it is copied at put like any vector. Through a host arena it
         is this partition's gradient vector there, put where it lies whatever the codec.
         """
-        if self._lent is None and self._arena is not None:
-            self._lent = (self._arena.arena.gradient(self.partition_id), None)
+        if self._lent is None and self.arena is not None:
+            self._lent = (self.arena.arena.gradient(self.partition_id), None)
         if self._lent is None:
-            room = self._peers.room(4 * self._layout.size)
+            room = self._peers.room(4 * self.layout.size)
             self._lent = (np.frombuffer(room, dtype=np.float32), room)
         return self._lent[0]
 
     def put(self, gradients, count: float, residual: np.ndarray | None) -> None:
         """``ConnectedParameter.put_gradients``: publish every owner's chunk now."""
         put = self._start(gradients, count, residual, "put_gradients")
-        if self._arena is not None:
+        if self.arena is not None:
             self._put_in_arena(put)
             return
-        with self._guard():
-            self._moves.scatter(
+        with self.guard():
+            self.moves.scatter(
                 BlockKind.GRADIENT,
                 put.version,
                 put.vector,
-                self._layout,
+                self.layout,
                 put.count,
                 put.residual,
                 own=not put.keep_own,
                 in_place=put.in_place,
             )
         self._published(put)
-
-    def plan(self) -> GradientPutPlan:
-        """``ConnectedParameter.gradient_put_plan``: the parts a put is cut into, their
-        streams' sizes, and why pre-encoded payloads are refused here, if they are."""
-        if self._plan is None:
-            codec = self._moves.codecs[BlockKind.GRADIENT]
-            refusal = (
-                f"its gradient codec {codec.name!r} is lossless, so there is no value format "
-                "to compute elsewhere (only bf16, fp16, bf16-lz4, int8 and topk take streams)"
-                if not codec.takes_streams
-                else "its step goes through a host arena, which takes float32 gradients"
-                if self._arena is not None
-                else None
-            )
-            self._plan = GradientPutPlan.of(self._layout, codec, refusal)
-        return self._plan
-
-    def put_encoded(self, payload: np.ndarray, count: float) -> None:
-        """``ConnectedParameter.put_encoded_gradients``: publish every owner's chunk from the
-        streams in ``payload``, laid out as ``plan()`` says."""
-        what = "put_encoded_gradients"
-        plan, version, count = self._start_encoded(what, count)
-        byte_payload(
-            payload,
-            plan.payload_bytes,
-            f"{what}() on partition {self.partition_id}",
-            f"gradient_put_plan().payload_bytes: the {len(plan.parts)} parts' {plan.codec!r} "
-            "streams one after the other",
-        )
-        self._state.put_started(version)
-        self._own = None
-        with self._guard():
-            for owner in self._moves.scatter_order(own=True):
-                self._moves.publish_streams(
-                    BlockKind.GRADIENT, version, payload, plan.parts_of(owner), owner, count
-                )
-        self._state.put_done()
-
-    def stream_encoded(self, count: float) -> EncodedStream:
-        """``ConnectedParameter.stream_encoded_gradients``: an ``EncodedStream`` that
-        publishes each owner's chunk from its encoded bytes as soon as they are given, on
-        the handle's publishing thread; under BSP (flat) this partition's own chunk starts
-        being fetched from every peer at once, as ``stream`` does. The same blocks as
-        ``put_encoded``."""
-        what = "stream_encoded_gradients"
-        plan, version, count = self._start_encoded(what, count)
-        self._state.put_started(version)
-        self._own = None
-        self._prefetch(version)
-        spans = {owner: plan.owner_span(owner) for owner in range(plan.owners)}
-        # each owner's parts with their offsets counted from its own span's start
-        parts = {
-            owner: tuple(
-                dataclasses.replace(part, offset=part.offset - spans[owner][0])
-                for part in plan.parts_of(owner)
-            )
-            for owner in spans
-        }
-
-        def publish(owner: int, payload: np.ndarray) -> None:
-            with self._guard():
-                self._moves.publish_streams(
-                    BlockKind.GRADIENT, version, payload, parts[owner], owner, count
-                )
-
-        def closed(error: BaseException | None) -> None:
-            self._state.stream_closed()
-            if error is None:
-                self._state.put_done()
-            else:
-                self._state.fail(error)
-
-        self._state.stream_opened()
-        return EncodedStream(
-            spans,
-            publish,
-            self._publishing_thread(),
-            closed,
-            f"{what}() on partition {self.partition_id}",
-        )
-
-    def _start_encoded(self, what: str, count: float) -> tuple[GradientPutPlan, int, float]:
-        """Check a put of pre-encoded parts: the plan takes them, the call order, the count;
-        the plan, the put's version and the count."""
-        where = f"{what}() on partition {self.partition_id}"
-        plan = self.plan()
-        if plan.refusal is not None:
-            raise InputError(
-                f"{where}: this parameter takes no pre-encoded gradients: {plan.refusal}; "
-                "put the float32 gradient with put_gradients (with residual=)"
-            )
-        version = self._state.check_put(what)
-        if not float(count) >= 0:
-            raise InputError(f"{where}: count={count!r}; the sample count must be a number >= 0")
-        return plan, version, float(count)
 
     def put_touched(
         self,
@@ -240,10 +142,10 @@ class GradientPuts:
         owner, published for each peer owner once ``exchange`` (an exact allreduce) has told
         every partition the blocks' lengths (``TouchedMoves.scatter``)."""
         what = "put_gradients(SparseGradient)"
-        version = self._state.check_put(what)
+        version = self.state.check_put(what)
         where = f"{what} on partition {self.partition_id}"
-        gradient = sparse_gradient(gradient, self._layout.size, where)
-        codec = self._moves.codecs[BlockKind.GRADIENT]
+        gradient = sparse_gradient(gradient, self.layout.size, where)
+        codec = self.moves.codecs[BlockKind.GRADIENT]
         refusal = (
             "its strategy has a background owner, which sums dense chunks"
             if not self._strategy.inline_owner
@@ -254,7 +156,7 @@ class GradientPuts:
             else "residual= is for a lossy codec's error feedback"
             if residual is not None
             else "its slices have 2^32 elements or more (the pairs' indices are uint32)"
-            if self._layout.length(0) >= 2**32
+            if self.layout.length(0) >= 2**32
             else None
         )
         if refusal is not None:
@@ -265,7 +167,7 @@ class GradientPuts:
             )
         if not float(count) >= 0:
             raise InputError(f"{where}: count={count!r}; the sample count must be a number >= 0")
-        if self._arena is not None:
+        if self.arena is not None:
             # one host: the owners read the arena's dense gradients at memory speed, with no
             # pairs to count or cut; the lent buffer takes the pairs (the same bits summed)
             dense = self.buffer()
@@ -273,27 +175,42 @@ class GradientPuts:
             dense[gradient.indices] = gradient.values
             self.put(dense, count, None)
             return
-        self._state.put_started(version)
+        self.state.put_started(version)
         self._own = None
-        with self._guard():
+        with self.guard():
             self._touched = self._touched_moves.scatter(
-                version, gradient, self._layout, float(count), exchange
+                version, gradient, self.layout, float(count), exchange
             )
-        self._state.put_done()
+        self.state.put_done()
 
-    def reduce_touched(
+    def reduce(
         self,
         version: int,
         out: np.ndarray,
         divisor: Callable[[float], float | None],
         check: NonFiniteSum | None,
-    ) -> float | None:
-        """The step's aggregate, if its put was touched (``TouchedMoves.reduce``): the summed
-        counts; None if it was not (the dense reduce then runs)."""
-        put, self._touched = self._touched, None
-        if put is None:
-            return None
-        return self._touched_moves.reduce(version, self._layout, put, out, divisor, check)
+    ) -> float:
+        """The step's aggregate (``ConnectedParameter.aggregate_gradient_partition``): this
+        slice's chunks of ``version`` summed into ``out``, from the touched pairs
+        (``TouchedMoves.reduce``), the peers' gradients in the host arena, or their blocks
+        (with the own chunk and a stream's fetches, taken once): the summed counts."""
+        touched, self._touched = self._touched, None
+        if touched is not None:
+            return self._touched_moves.reduce(version, self.layout, touched, out, divisor, check)
+        if self.arena is not None:
+            return self.arena.reduce(version, out, divisor=divisor, check=check)
+        own, prefetched = self._own, self._prefetched
+        self._own, self._prefetched = None, None
+        return self.moves.reduce(
+            BlockKind.GRADIENT,
+            version,
+            self.layout,
+            out,
+            divisor=divisor,
+            check=check,
+            own=own,
+            pending=prefetched,
+        )
 
     def stream(self, gradients, count: float, residual: np.ndarray | None) -> GradientStream:
         """``ConnectedParameter.stream_gradients``: a ``GradientStream`` that publishes each
@@ -303,17 +220,17 @@ class GradientPuts:
         publishes what is left, as a put would have: the same bits. An error inside the
         with-block fails the handle, as a failed put would."""
         put = self._start(gradients, count, residual, "stream_gradients")
-        if self._arena is not None:  # nothing leaves early: the close puts it in the arena
+        if self.arena is not None:  # nothing leaves early: the close puts it in the arena
             return self._arena_stream(put)
-        self._prefetch(put.version)
+        self.prefetch(put.version)
 
         def publish(owner: int) -> None:
-            with self._guard():
-                self._moves.scatter_chunk(
+            with self.guard():
+                self.moves.scatter_chunk(
                     BlockKind.GRADIENT,
                     put.version,
                     put.vector,
-                    self._layout,
+                    self.layout,
                     put.count,
                     owner,
                     put.residual,
@@ -321,32 +238,32 @@ class GradientPuts:
                 )
 
         def closed(error: BaseException | None) -> None:
-            self._state.stream_closed()
+            self.state.stream_closed()
             if error is None:
                 self._published(put)
             else:
-                self._state.fail(error)
+                self.state.fail(error)
 
-        self._state.stream_opened()
+        self.state.stream_opened()
         return GradientStream(
-            self._layout,
-            self._moves.scatter_order(own=not put.keep_own),
+            self.layout,
+            self.moves.scatter_order(own=not put.keep_own),
             publish,
-            self._publishing_thread(),
+            self.publishing_thread(),
             closed,
             f"stream_gradients() on partition {self.partition_id}",
         )
 
-    def _prefetch(self, version: int) -> None:
+    def prefetch(self, version: int) -> None:
         """Under BSP (flat), a stream's start: fetch the peers' chunks of the own slice as
         they come, so the aggregate finds them arriving."""
         if self._strategy.inline_owner and not self._peers.hierarchical:
-            peers = [j for j in range(self._moves.partition_num) if j != self.partition_id]
-            self._prefetched = self._moves.fetcher.fetch_own_chunks(
-                BlockKind.GRADIENT, version, self._layout, peers
+            peers = [j for j in range(self.moves.partition_num) if j != self.partition_id]
+            self._prefetched = self.moves.fetcher.fetch_own_chunks(
+                BlockKind.GRADIENT, version, self.layout, peers
             )
 
-    def _publishing_thread(self) -> ThreadPoolExecutor:
+    def publishing_thread(self) -> ThreadPoolExecutor:
         """The one thread a stream publishes its chunks and runs its close on, made at the
         first stream."""
         if self._publisher is None:
@@ -361,40 +278,40 @@ class GradientPuts:
         the peers' chunks are copied there, and its own chunk is summed where it lies by
         the aggregate (``ArenaSteps.put``)."""
         self._own = None  # the arena's reduce sums the own chunk, not Movements.reduce
-        self._arena.put(put.vector, put.count, put.version, put.residual)
+        self.arena.put(put.vector, put.count, put.version, put.residual)
         if self._lent is not None and put.vector.ctypes.data == self._lent[0].ctypes.data:
             self._lent[0].flags.writeable = False  # the owners read it until our next get_weights
-        self._state.put_done()
+        self.state.put_done()
 
     def _arena_stream(self, put: Put) -> GradientStream:
         """A stream whose close puts the gradient in the host arena (``_put_in_arena``): the
         owners read it where it lies, so there is nothing to send early."""
 
         def closed(error: BaseException | None) -> None:
-            self._state.stream_closed()
+            self.state.stream_closed()
             if error is None:
                 try:
                     self._put_in_arena(put)
                 except BaseException as failure:
-                    self._state.fail(failure)
+                    self.state.fail(failure)
                     raise
             else:
-                self._state.fail(error)
+                self.state.fail(error)
 
-        self._state.stream_opened()
+        self.state.stream_opened()
         return GradientStream(
-            self._layout,
+            self.layout,
             [],
             lambda owner: None,
-            self._publishing_thread(),
+            self.publishing_thread(),
             closed,
             f"stream_gradients() on partition {self.partition_id}",
         )
 
     def _start(self, gradients, count, residual, what: str) -> Put:
         """Check a put's order and arguments, and take its version: what both puts share."""
-        version = self._state.check_put(what)
-        size, where = self._layout.size, f"on partition {self.partition_id}"
+        version = self.state.check_put(what)
+        size, where = self.layout.size, f"on partition {self.partition_id}"
         vector = float32_vector(gradients, size, f"{what}(gradients) {where}")
         if not float(count) >= 0:
             raise InputError(
@@ -403,13 +320,13 @@ class GradientPuts:
         if residual is not None:
             writable_output(residual, size, f"{what}(residual=) {where}")
         count = float(count)
-        self._state.put_started(version)
+        self.state.put_started(version)
         inline = self._strategy.inline_owner
-        codec = self._moves.codecs[BlockKind.GRADIENT]
+        codec = self.moves.codecs[BlockKind.GRADIENT]
         # BSP with an exact codec: the own chunk is summed straight from the caller's vector
         # (hierarchical, a leader reads it from the store)
         keep_own = inline and not codec.lossy and not self._peers.hierarchical
-        bounds = self._layout.bounds(self.partition_id)
+        bounds = self.layout.bounds(self.partition_id)
         self._own = (vector[bounds], count) if keep_own else None
         lent = self._lent is not None and vector.ctypes.data == self._lent[0].ctypes.data
         in_place = lent and inline and codec.publishes_in_place and residual is None
@@ -421,14 +338,7 @@ class GradientPuts:
         unchanged until every peer has read it; the state is told."""
         if put.in_place is not None:
             self._lent[0].flags.writeable = False  # peers read it until our next get_weights
-        self._state.put_done()
-
-    def for_reduce(self) -> tuple[tuple[np.ndarray, float] | None, dict[int, list[Future]] | None]:
-        """What the step's aggregate takes from the put, once: the own chunk and count when
-        they were not published, and the fetches a stream started (``Movements.reduce``)."""
-        own, prefetched = self._own, self._prefetched
-        self._own, self._prefetched = None, None
-        return own, prefetched
+        self.state.put_done()
 
     def weights_read(self) -> None:
         """A ``get_weights`` returned: every peer has summed the last gradient published

@@ -14,6 +14,9 @@ producer without holding a thread: ``channels.Channel``'s idle waits), at most o
 per producer at a time, so a block it has fetched stays valid until it has summed it. After
 each update it publishes the slice. An error stops the owner and closes the
 partition's store with the reason, which the partition's next call then raises.
+
+The handle hands out ``Background`` as ``p.background``: ``serve_updates`` starts the owner,
+``finish_updates`` waits for it, ``updates`` tells what it took.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKind
 from allreduce_param.engine.layout import SliceLayout
+from allreduce_param.engine.step import StepState, handle_call
 from allreduce_param.engine.strategy import Strategy, WeightRead
 from allreduce_param.errors import UsageError
 
@@ -50,6 +54,90 @@ def owner_failure_first(owner: BackgroundOwner | None):
         raise
 
 
+class Background:
+    """A partition's background owner, as its handle hands it out (``p.background``): its
+    calls are the handle's (``step.handle_call``), in the order ``state`` keeps.
+
+    Made by ``ConnectedParameter`` with its ``moves``, the slice's ``layout``, where the
+    slice's gradient is summed (``gradient``), how to find the owned slice once ``init``
+    has made it (``weight()``), what checks a summed gradient for NaN/Inf (``check``), and
+    ``barrier(values)``: an exact allreduce every partition makes once its owner is done.
+    """
+
+    def __init__(
+        self,
+        moves: Movements,
+        state: StepState,
+        layout: SliceLayout,
+        gradient: np.ndarray,
+        weight: Callable[[], np.ndarray],
+        check: Callable[[int], NonFiniteSum | None],
+        barrier: Callable[[np.ndarray], np.ndarray],
+    ) -> None:
+        self._moves = moves
+        self._peers = moves.peers
+        self._state = state
+        self._layout = layout
+        self._gradient = gradient
+        self._weight = weight
+        self._check = check
+        self._barrier = barrier
+        self._owner: BackgroundOwner | None = None
+
+    @handle_call
+    def serve_updates(
+        self,
+        update: Callable[[np.ndarray, np.ndarray, int], None],
+        steps: int,
+        on_steps_done: Callable[[int], None] | None = None,
+    ) -> None:
+        """Start the background owner (``BackgroundOwner``; once, after ``init``, under a
+        strategy other than plain BSP): it takes this slice's gradients as the strategy
+        allows, calls ``update(gradient, weight_partition, step)`` to change the slice in
+        place, and publishes it. ``steps``: the fit's global steps, the first being
+        ``init``'s; ``on_steps_done(k)`` follows the update after which the slice holds
+        every partition's steps before k.
+        """
+        self._state.start_owner()
+        self._owner = BackgroundOwner(
+            self._moves, self._state.strategy, self._layout, self._weight(), self._gradient,
+            self._state.start, update, int(steps), on_steps_done, check=self._check,
+        )  # fmt: skip
+
+    @handle_call
+    def finish_updates(self) -> None:
+        """Wait until every owner has applied every partition's gradients (after
+        ``serve_updates``); afterwards ``get_weights`` gives the final weights. Ends with
+        one exact allreduce as a barrier.
+        """
+        self._state.check_finish()
+        self._owner.join()
+        with self.failure_first():
+            self._barrier(np.zeros(1))  # every owner has published its last
+        self._state.finished()
+
+    @property
+    def updates(self) -> list[Update]:
+        """The background owner's updates so far: which partitions' gradients each one took."""
+        return [] if self._owner is None else list(self._owner.updates)
+
+    # ---- for the handle -----------------------------------------------------------------
+
+    @property
+    def final_steps(self) -> int | None:
+        """The fit's steps, once the owner was started: what the final weights' read takes."""
+        return None if self._owner is None else self._owner.steps
+
+    def failure_first(self) -> contextlib.AbstractContextManager:
+        """A context in which an error raises the owner's first, if it failed."""
+        return owner_failure_first(self._owner)
+
+    def stop(self) -> None:
+        """End the owner's thread (the handle is closing), raising nothing."""
+        if self._owner is not None:
+            self._owner.join(raise_error=False)
+
+
 @dataclass(frozen=True)
 class Update:
     """One update of the owned slice: its step, whose gradients it took, and their rows."""
@@ -64,7 +152,7 @@ class BackgroundOwner:
     gradients are in (``steps``: the fit's global steps, the first being ``start``; every
     partition puts a gradient for each, with backup workers for those it does not skip).
 
-    Made by ``ConnectedParameter.serve_updates``: ``weight`` and ``gradient`` are the
+    Made by ``ConnectedParameter.background.serve_updates``: ``weight`` and ``gradient`` are the
     handle's owned slice and its gradient room, ``start`` the fit's first step.
     ``update(gradient, weights, step)`` changes the owned slice in place (``gradient``: the
     exact mean over the rows of the gradients taken; ``step``: 0-based, for learning-rate

@@ -12,7 +12,7 @@ Partition ``i`` of ``N`` owns slice ``i`` of the vector (``layout.SliceLayout``)
 
 That is BSP, the default. Under the other strategies (``strategy.Strategy``: BSP with
 backup workers, SSP, ASP) steps 3-5 move to a background owner thread (``owner.py``) that
-``serve_updates`` starts, and each step is just ``get_weights`` and ``put_gradients``.
+``p.background.serve_updates`` starts, and each step is just ``get_weights`` and ``put_gradients``.
 
 Nothing here waits on Spark: a fetch of a version blocks until the peer publishes it. The
 driver makes the ``AllReduceParameter`` (its id and secret travel with the task closure);
@@ -21,16 +21,16 @@ each task calls ``connect()``, which meets the peers once and returns a
 
 The handle's calls are written here; what they lean on has a module each: ``spec.py``
 (the settings every partition agrees on), ``step.py`` (the call order and versions),
-``gradients.py`` (puts and streams of a gradient), ``collectives.py`` (allreduce, signals),
-``owner.py`` (the background owner), ``movement/`` (the peers and the blocks' movements).
+``gradients.py`` (puts and streams of a gradient), ``encoded_puts.py`` (of one encoded
+elsewhere), ``collectives.py`` (allreduce, signals: ``p.collectives``), ``owner.py`` (the
+background owner: ``p.background``), ``info.py`` (what the handle is: ``p.info``),
+``movement/`` (the peers and the blocks' movements).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import secrets
-from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -39,22 +39,28 @@ from allreduce_param.engine import surroundings
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.blocks.store import BlockKind
 from allreduce_param.engine.collectives import Collectives
-from allreduce_param.engine.encoded import GradientPutPlan
+from allreduce_param.engine.encoded_puts import EncodedPuts
 from allreduce_param.engine.gradients import GradientPuts
+from allreduce_param.engine.info import HandleInfo
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.arena_steps import ArenaSteps
 from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.movement.peers import PeerGroup
 from allreduce_param.engine.movement.rendezvous import Rendezvous
 from allreduce_param.engine.movement.sums import NonFiniteSum
-from allreduce_param.engine.owner import BackgroundOwner, owner_failure_first
+from allreduce_param.engine.owner import Background
 from allreduce_param.engine.spec import ParameterSpec
-from allreduce_param.engine.step import StepState
+from allreduce_param.engine.step import StepState, handle_call
 from allreduce_param.engine.strategy import Strategy
 from allreduce_param.engine.stream import EncodedStream, GradientStream
-from allreduce_param.engine.vectors import SparseGradient, float32_vector, writable_output
+from allreduce_param.engine.vectors import (
+    EncodedGradient,
+    SparseGradient,
+    float32_vector,
+    writable_output,
+)
 from allreduce_param.engine.wire.settings import NetworkSettings
-from allreduce_param.errors import ConfigurationError, InputError, UsageError
+from allreduce_param.errors import InputError
 
 _next_param_id = itertools.count()
 
@@ -93,23 +99,21 @@ class AllReduceParameter:
     other. Both sum in the same order (``layout.HostLayout``), so a lossless codec gives
     the same bits either way; a lossy one rounds each host sum once more.
 
-    Networking (``wire.settings.NetworkSettings``): ``bind_address`` is where each partition's
-    block server listens (one address of its host, never every interface; default: its
-    executor's address as Spark names it), ``advertise_address`` the address its peers are
-    told, ``port_range`` the ports it may take (``"40000-40099"``; default any free one), and
-    ``connect_timeout`` how long a connection and its handshake may take. Those left unset
-    come from the Spark settings ``spark.allreduce.bindAddress``, ``...advertiseAddress``,
-    ``...portRange`` and ``...connectTimeout`` of the driver's active session, when made
-    there; the environment variables ``ALLREDUCE_BIND_ADDRESS`` and
-    ``ALLREDUCE_ADVERTISE_ADDRESS`` win on the host that sets them. ``encrypt``: whether
-    the blocks that travel over TCP (to peers on other hosts, or to all with
-    ``unix_sockets=False``) are encrypted (AES-256-GCM, ``sealing.py``); Unix sockets and
-    shared memory never leave the host and are not. Unset (None), it is the Spark setting
-    ``spark.allreduce.encrypt``, else on where the session encrypts its own traffic
-    (``spark.network.crypto.enabled`` or ``spark.ssl.enabled`` true), else off.
-    ``network``: those five at once, resolved already (a ``NetworkSettings``, such as the
-    trainer reads on the driver): used as it is, with no Spark setting read; giving it
-    with any of the five keywords is a ``ConfigurationError``.
+    ``network`` (a ``wire.settings.NetworkSettings``): where each partition's block server
+    listens (``bind_address``: one address of its host, never every interface; default: its
+    executor's address as Spark names it), the address its peers are told
+    (``advertise_address``), the ports it may take (``port_range``, ``"40000-40099"``;
+    default any free one), how long a connection and its handshake may take
+    (``connect_timeout``), and whether the blocks that travel over TCP (to peers on other
+    hosts, or to all with ``unix_sockets=False``) are encrypted (``encrypt``, AES-256-GCM,
+    ``sealing.py``; Unix sockets and shared memory never leave the host and are not). Given,
+    it is used as it is, with no Spark setting read. Unset (None), each of the five comes
+    from the Spark settings ``spark.allreduce.bindAddress``, ``...advertiseAddress``,
+    ``...portRange``, ``...connectTimeout`` and ``...encrypt`` of the driver's active
+    session, when made there, else its default; ``encrypt`` unset is on where the session
+    encrypts its own traffic (``spark.network.crypto.enabled`` or ``spark.ssl.enabled``
+    true). Either way the environment variables ``ALLREDUCE_BIND_ADDRESS`` and
+    ``ALLREDUCE_ADVERTISE_ADDRESS`` win on the host that sets them.
 
     Everything is checked here, on the driver, and kept in ``spec`` (a frozen
     ``ParameterSpec``): what every partition's engine reads its configuration from.
@@ -130,31 +134,11 @@ class AllReduceParameter:
         param_id: int | None = None,
         strategy: Strategy | None = None,
         gradient_codec: str | None = None,
-        bind_address: str | None = None,
-        advertise_address: str | None = None,
-        port_range: str | tuple[int, int] | None = None,
-        connect_timeout: float | None = None,
-        encrypt: bool | None = None,
         topology: Literal["auto", "hierarchical", "flat"] = "auto",
         network: NetworkSettings | None = None,
     ) -> None:
-        network_keywords = dict(
-            bind_address=bind_address,
-            advertise_address=advertise_address,
-            port_range=port_range,
-            connect_timeout=connect_timeout,
-            encrypt=encrypt,
-        )
         if network is None:
-            network = NetworkSettings.of(network_keywords, surroundings.current().setting)
-        else:
-            given = [name for name, value in network_keywords.items() if value is not None]
-            if given:
-                raise ConfigurationError(
-                    f"network= and {', '.join(name + '=' for name in given)} were both given: "
-                    f"pass the network settings one way, in network=NetworkSettings({given[0]}=...) "
-                    "or as keywords"
-                )
+            network = NetworkSettings.of({}, surroundings.current().setting)
         #: what every partition uses; checked as it is made
         self.spec = ParameterSpec(
             layout=SliceLayout(size, partition_num),
@@ -211,75 +195,56 @@ class AllReduceParameter:
         return ConnectedParameter(self, rendezvous or surroundings.current().rendezvous())
 
 
-def _call(method):
-    """A public call of a handle: refused once the handle failed or closed; one that fails
-    partway (anything but a refusal of its arguments or order) marks the handle failed."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        self._state.check_usable(f"{method.__name__}()", self._peers.closed)
-        try:
-            return method(self, *args, **kwargs)
-        except (InputError, UsageError):
-            raise  # refused before it changed anything
-        except BaseException as error:
-            self._state.fail(error)
-            raise
-
-    return call
-
-
 class ConnectedParameter:
     """One partition's live side of an ``AllReduceParameter``; made by ``connect()``.
 
     Every partition must make the same calls in the same order: the n-th call of a kind on
     one partition meets the n-th call on the others (the version numbers count them). The
-    step's calls are written here; the call order is ``step.StepState``'s. The rest are
-    one-line delegates to their homes: the gradient's puts and streams
-    (``gradients.GradientPuts``), collectives (``collectives.Collectives``), the
-    background owner (``owner.BackgroundOwner``), the peers (``peers.PeerGroup``).
+    step's calls are written here (BigDL's ``init``, ``get_weights``, ``put_gradients``,
+    ``aggregate_gradient_partition``, ``send_weight_partition``, and what a loop needs
+    beside them); the call order is ``step.StepState``'s. Three small objects it hands out
+    hold the rest: ``info`` (what this handle is: ``info.HandleInfo``), ``collectives``
+    (allreduce and signals: ``collectives.Collectives``) and ``background`` (the background
+    owner of the strategies other than BSP: ``owner.Background``).
     """
 
     def __init__(self, param: AllReduceParameter, rendezvous: Rendezvous) -> None:
         spec = param.spec
         spec.check_stage(rendezvous.partition_num, repr(param))
-        self.partition_id = rendezvous.partition_id
-        self.partition_num = spec.partition_num
-        self.layout = spec.layout
-        self.strategy = spec.strategy
-        self.slice_start = self.layout.start(self.partition_id)
-        self.slice_length = self.layout.length(self.partition_id)
+        self._partition_id = partition_id = rendezvous.partition_id
+        self._layout = layout = spec.layout
         self._allow_nonfinite = spec.allow_nonfinite
-        self._state = StepState(self.partition_id, self.strategy)
+        self._state = StepState(partition_id, spec.strategy)
         self._weight: np.ndarray | None = None
         self._weights_out: np.ndarray | None = None  # what get_weights() fills when given no out
-        self._owner: BackgroundOwner | None = None  # strategies other than plain BSP
         self._peers = PeerGroup(spec, rendezvous)
         self._moves = Movements(self._peers, get_codec(spec.codec), get_codec(spec.gradient_codec))
         #: the step through the host arena, where the peer group has one (else blocks)
-        self._arena = (
-            None
-            if self._peers.arena is None
-            else ArenaSteps(
-                self._peers.arena,
-                self.layout,
-                self._peers.hosts,
-                self.partition_id,
-                self._moves if self._peers.hierarchical else None,
-            )
-        )
+        self._arena = ArenaSteps.of(self._moves, layout)
         summed = None if self._arena is None else self._arena.summed_slice()
         # where the slice's mean gradient is summed: in the host arena (zeros at first, as
         # its pages are), else a vector of its own
-        self._gradient = np.zeros(self.slice_length, dtype=np.float32) if summed is None else summed
-        self._gradients = GradientPuts(
-            self._moves, self.layout, self._state, self._owner_failure_first, self._arena
+        self._gradient = (
+            np.zeros(layout.length(partition_id), dtype=np.float32) if summed is None else summed
         )
-        self._collectives = Collectives(self._moves)
+        #: allreduce, allreduce_exact, signal, wait_for_signals: ``collectives.Collectives``
+        self.collectives = Collectives(self._moves, self._state)
+        #: serve_updates, finish_updates, updates: ``owner.Background``
+        self.background = Background(
+            self._moves, self._state, layout, self._gradient, lambda: self._weight,
+            self._nonfinite_check, self.collectives.allreduce_exact,
+        )  # fmt: skip
+        guard = self.background.failure_first
+        self._gradients = GradientPuts(self._moves, layout, self._state, guard, self._arena)
+        self._encoded = EncodedPuts(self._gradients)
+        #: what this handle is (partition, slice, strategy, hosts, ...): ``info.HandleInfo``
+        self.info = HandleInfo(
+            self._state, self._peers, self._arena is not None, self._encoded.plan
+        )
 
     # ---- the weights ---------------------------------------------------------------------
 
-    @_call
+    @handle_call
     def init(self, weights: np.ndarray, step: int = 0) -> None:
         """Keep this partition's slice of ``weights`` (fp32) and publish it as the weights of
         ``step``, the global step the fit starts at (0, or the step after a checkpoint).
@@ -288,13 +253,14 @@ class ConnectedParameter:
         with this partition's own slice (what a checkpoint holds for it), and the same step.
         """
         self._state.check_init(step)
-        own = np.asarray(weights).size == self.slice_length
+        length = self._layout.length(self._partition_id)
+        own = np.asarray(weights).size == length
         vector = float32_vector(
             weights,
-            self.slice_length if own else self.layout.size,
-            f"init(weights) on partition {self.partition_id}",
+            length if own else self._layout.size,
+            f"init(weights) on partition {self._partition_id}",
         )
-        own_slice = vector if own else vector[self.layout.bounds(self.partition_id)]
+        own_slice = vector if own else vector[self._layout.bounds(self._partition_id)]
         if self._arena is not None:  # the slice lives in the host's weight vector
             self._weight = self._arena.own_slice()
             np.copyto(self._weight, own_slice)
@@ -305,11 +271,12 @@ class ConnectedParameter:
 
     @property
     def weight_partition(self) -> np.ndarray:
-        """This partition's fp32 slice of the weights; an optimizer updates it in place."""
+        """This partition's fp32 slice of the weights (after ``init``); an optimizer updates
+        it in place."""
         self._state.require_init("weight_partition")
         return self._weight
 
-    @_call
+    @handle_call
     def send_weight_partition(self) -> None:
         """Publish ``weight_partition`` as the next version, for every peer's ``get_weights``.
 
@@ -324,15 +291,16 @@ class ConnectedParameter:
             return
         self._moves.publish(BlockKind.WEIGHT, self._state.send(), self._weight)
 
-    @_call
+    @handle_call
     def get_weights(self, out: np.ndarray | None = None) -> np.ndarray:
         """All-gather: fetch every owner's published slice into one full float32 vector.
 
         After ``init``; each step's first call. Which version of each slice the strategy's
         rule gives this step: under BSP the one of this step, under the others the newest
-        allowed (``last_read_version`` tells which); after ``finish_updates``, the final
-        weights. Waits for slow owners up to the timeout. The own slice also goes through
-        the codec, so every partition gets bit-identical weights. ``out`` (float32,
+        allowed (``info.last_read_version`` tells which); after
+        ``background.finish_updates``, the final weights. Waits for slow owners up to the
+        timeout. The own slice also goes through the codec, so every partition gets
+        bit-identical weights. ``out`` (float32,
         ``size``) is filled and returned when given; otherwise one array the handle keeps,
         which the next ``get_weights()`` without ``out`` fills again: copy it to keep a
         version past that call. Through a host arena (``AllReduceParameter(host_arena=)``)
@@ -340,11 +308,11 @@ class ConnectedParameter:
         until this partition's next ``put_gradients`` (the owners then update it in
         place); ``out`` still gets a copy, to keep.
         """
-        read = self._state.weight_read(None if self._owner is None else self._owner.steps)
+        read = self._state.weight_read(self.background.final_steps)
         if self._arena is not None:
             if out is not None:
                 out = writable_output(
-                    out, self.layout.size, f"get_weights(out=) on partition {self.partition_id}"
+                    out, self._layout.size, f"get_weights(out=) on partition {self._partition_id}"
                 )
             out = self._arena.gather(read.version, out)
             self._state.weights_read(read.version)
@@ -352,27 +320,25 @@ class ConnectedParameter:
             return out
         if out is None:
             if self._weights_out is None:
-                self._weights_out = np.empty(self.layout.size, dtype=np.float32)
+                self._weights_out = np.empty(self._layout.size, dtype=np.float32)
             out = self._weights_out
         out = writable_output(
-            out, self.layout.size, f"get_weights(out=) on partition {self.partition_id}"
+            out, self._layout.size, f"get_weights(out=) on partition {self._partition_id}"
         )
-        with self._owner_failure_first():
-            lowest = self._moves.gather(BlockKind.WEIGHT, read, self.layout, out)
+        with self.background.failure_first():
+            lowest = self._moves.gather(BlockKind.WEIGHT, read, self._layout, out)
         self._state.weights_read(lowest)
         self._gradients.weights_read()  # every peer has summed the last gradient put in place
         return out
 
-    @property
-    def last_read_version(self) -> int:
-        """The lowest weight version (over the slices) the last ``get_weights`` took."""
-        return self._state.last_read
-
     # ---- the gradients -------------------------------------------------------------------
 
-    @_call
+    @handle_call
     def put_gradients(
-        self, gradients: np.ndarray, count: float = 1.0, residual: np.ndarray | None = None
+        self,
+        gradients: np.ndarray | SparseGradient | EncodedGradient,
+        count: float = 1.0,
+        residual: np.ndarray | None = None,
     ) -> None:
         """Publish the local gradient sum, cut into one chunk per owner, with its sample count.
 
@@ -399,78 +365,71 @@ class ConnectedParameter:
         would have given (``movement/touched.py``). Plain BSP, a lossless gradient codec and
         a flat topology only; every partition puts a ``SparseGradient`` at the same step, or
         none does. It costs one small exact allreduce more (the pairs' counts).
+
+        ``gradients`` may be an ``EncodedGradient``: a gradient whose lossy codec ran
+        elsewhere (the GPU that computed it: ``models.device_codecs``), its payload the
+        streams of every part of ``info.gradient_put_plan`` (the caller keeps the error
+        feedback residual, so no ``residual=`` here). Only the block headers are written
+        here: the same blocks as the float32 put with its residual, so the same bits are
+        summed, and a NaN/Inf still reaches the owners (every lossy codec decodes it to
+        NaN). Any strategy, either topology; the payload may be reused once this returns.
+        Refused (``InputError``) where the plan has a ``refusal`` (``encoded_puts.py``).
         """
-        if isinstance(gradients, SparseGradient):
+        if isinstance(gradients, EncodedGradient):
+            self._encoded.put(gradients.payload, count, residual)
+        elif isinstance(gradients, SparseGradient):
             self._gradients.put_touched(
-                gradients, count, residual, self._collectives.allreduce_exact
+                gradients, count, residual, self.collectives.allreduce_exact
             )
         else:
             self._gradients.put(gradients, count, residual)
 
-    def gradient_put_plan(self) -> GradientPutPlan:
-        """How this partition's gradient put is cut, for ``put_encoded_gradients``: the
-        gradient codec's name, the parts (``encoded.EncodedPart``: which values of the
-        vector each holds, where its stream lies in the payload and how many bytes it
-        takes) and the payload's size; ``refusal`` says why this parameter takes no
-        pre-encoded payloads (a lossless gradient codec, a host arena), None where it does.
-        The same plan on every call."""
-        return self._gradients.plan()
-
-    @_call
-    def put_encoded_gradients(self, payload: np.ndarray, count: float = 1.0) -> None:
-        """``put_gradients`` of a gradient whose lossy codec ran elsewhere (on the GPU that
-        computed it: ``models.device_codecs``): ``payload`` (uint8, ``payload_bytes``) holds
-        every part's stream of the ``gradient_put_plan()``, one after the other, made as
-        ``Codec.encode`` makes them from the values, after adding the caller's error
-        feedback residual, which the caller keeps up to date. Only the block headers are
-        written here: the same blocks as ``put_gradients(values, count, residual)``, so the
-        same bits are summed, and a NaN/Inf in the gradient still reaches the owners (every
-        lossy codec decodes it to NaN) and raises ``NonFiniteGradientError`` naming this
-        partition. The same call order as ``put_gradients`` (any strategy, either
-        topology); ``payload`` may be reused once this returns. Refused (``InputError``)
-        where the plan has a ``refusal``, or for a payload of another size or type."""
-        self._gradients.put_encoded(payload, count)
-
-    @_call
+    @handle_call
     def stream_gradients(
-        self, gradients: np.ndarray, count: float = 1.0, residual: np.ndarray | None = None
-    ) -> GradientStream:
+        self,
+        gradients: np.ndarray | None = None,
+        count: float = 1.0,
+        residual: np.ndarray | None = None,
+        *,
+        encoded: bool = False,
+    ) -> GradientStream | EncodedStream:
         """``put_gradients``, chunk by chunk, while ``gradients`` is still being computed: a
         ``GradientStream`` to tell ``ready(start, stop)`` as ranges become final, and to
         close (``with p.stream_gradients(...) as stream:``) once all are. The same bits are
         published, and the same call order holds: the stream takes the place of the step's
         put. Arguments as for ``put_gradients`` (``count`` is needed at once: every chunk
         carries it); how it publishes: ``GradientPuts.stream``.
+
+        ``encoded=True`` (with no ``gradients``): an ``EncodedGradient`` put, owner by owner,
+        while the rest of the gradient is still being computed and encoded: an
+        ``EncodedStream`` to hand each owner's bytes (``ready(owner, payload)``: the streams
+        of its parts, laid out as ``info.gradient_put_plan.owner_span(owner)`` says) as soon
+        as they are made, and to close once every owner's are. The same blocks, errors and
+        call order as ``put_gradients(EncodedGradient(...))``: ``EncodedPuts.stream``.
         """
+        if encoded:
+            return self._encoded.stream(count, gradients, residual)
+        if gradients is None:
+            raise InputError(
+                f"stream_gradients() on partition {self._partition_id}: give the float32 "
+                "gradients vector being computed (or encoded=True for a gradient encoded elsewhere)"
+            )
         return self._gradients.stream(gradients, count, residual)
 
-    @_call
-    def stream_encoded_gradients(self, count: float = 1.0) -> EncodedStream:
-        """``put_encoded_gradients``, owner by owner, while the rest of the gradient is still
-        being computed (and encoded): an ``EncodedStream`` to hand each owner's bytes
-        (``ready(owner, payload)``: the streams of its parts, laid out as
-        ``gradient_put_plan().owner_span(owner)`` says) as soon as they are made, and to close
-        (``with p.stream_encoded_gradients(n) as stream:``) once every owner's are. The same
-        blocks are published, the same errors raised, and the same call order holds, as for
-        ``put_encoded_gradients``: the stream takes the place of the step's put; how it
-        publishes: ``GradientPuts.stream_encoded``.
-        """
-        return self._gradients.stream_encoded(count)
-
-    @_call
+    @handle_call
     def gradient_buffer(self) -> np.ndarray:
-        """A float32 vector of ``size`` (zeros at first) to compute the gradient into: the
-        same array on every call, valid until the handle closes; under BSP with the raw
+        """A float32 vector of ``size`` (zeros at first) to compute the gradient into, at any
+        point after ``connect()``: the same array on every call, valid until the handle closes; under BSP with the raw
         codec, put where it lies, not copied (``GradientPuts.buffer``)."""
         return self._gradients.buffer()
 
-    @_call
+    @handle_call
     def aggregate_gradient_partition(self, avg: float | None = None) -> np.ndarray:
         """Reduce-scatter: sum this slice's chunk from every partition and divide.
 
-        Fetches chunk ``partition_id`` of the last ``put_gradients`` from every peer, sums in
+        Fetches chunk ``info.partition_id`` of the last ``put_gradients`` from every peer, sums in
         partition order in fp32, then divides by ``avg`` when given, else by the summed
-        sample counts (the exact mean over all samples). Returns ``gradient_partition``,
+        sample counts (the exact mean over all samples). Returns this slice's mean gradient,
         which the next call overwrites (through a host arena on one host, the next
         ``put_gradients`` already: it lies in this partition's gradient vector, so a host
         keeps no vector more for it; copy it to keep it longer). BSP only, after the step's ``put_gradients`` (or
@@ -479,7 +438,7 @@ class ConnectedParameter:
         version = self._state.check_aggregate()
         if avg is not None and not float(avg) > 0:
             raise InputError(
-                f"aggregate_gradient_partition(avg={avg!r}) on partition {self.partition_id}: "
+                f"aggregate_gradient_partition(avg={avg!r}) on partition {self._partition_id}: "
                 "avg must be a positive number"
             )
 
@@ -487,9 +446,7 @@ class ConnectedParameter:
             return (total if total > 0 else None) if avg is None else float(avg)
 
         check = self._nonfinite_check(version)
-        total = self._gradients.reduce_touched(version, self._gradient, divisor, check)
-        if total is None:
-            total = self._reduce_dense(version, divisor, check)
+        total = self._gradients.reduce(version, self._gradient, divisor, check)
         self._state.aggregated()
         if avg is None and not total > 0:
             raise InputError(
@@ -498,130 +455,10 @@ class ConnectedParameter:
             )
         return self._gradient
 
-    def _reduce_dense(
-        self,
-        version: int,
-        divisor: Callable[[float], float | None],
-        check: NonFiniteSum | None,
-    ) -> float:
-        """The step's dense chunks summed into ``gradient_partition`` (from the peers'
-        gradients in the host arena, where there is one): the summed counts."""
-        if self._arena is not None:
-            return self._arena.reduce(version, self._gradient, divisor=divisor, check=check)
-        own, prefetched = self._gradients.for_reduce()
-        return self._moves.reduce(
-            BlockKind.GRADIENT,
-            version,
-            self.layout,
-            self._gradient,
-            divisor=divisor,
-            check=check,
-            own=own,
-            pending=prefetched,
-        )
-
-    @property
-    def gradient_partition(self) -> np.ndarray:
-        """The last result of ``aggregate_gradient_partition``: this slice's mean gradient."""
-        return self._gradient
-
     def _nonfinite_check(self, version: int) -> NonFiniteSum | None:
         """What checks this slice's summed gradients of ``version`` for NaN/Inf, unless allowed."""
-        return None if self._allow_nonfinite else NonFiniteSum(version, self.slice_start)
-
-    # ---- the background owner (strategies other than plain BSP): owner.py ----------------
-
-    @_call
-    def serve_updates(
-        self,
-        update: Callable[[np.ndarray, np.ndarray, int], None],
-        steps: int,
-        on_steps_done: Callable[[int], None] | None = None,
-    ) -> None:
-        """Start the background owner (``owner.BackgroundOwner``; once, after ``init``): it
-        takes this slice's gradients as the strategy allows, calls ``update(gradient,
-        weight_partition, step)`` to change the slice in place, and publishes it. ``steps``:
-        the fit's global steps, the first being ``init``'s; ``on_steps_done(k)`` follows
-        the update after which the slice holds every partition's steps before k.
-        """
-        self._state.start_owner()
-        self._owner = BackgroundOwner(
-            self._moves, self.strategy, self.layout, self._weight, self._gradient,
-            self._state.start, update, int(steps), on_steps_done, check=self._nonfinite_check,
-        )  # fmt: skip
-
-    @_call
-    def finish_updates(self) -> None:
-        """Wait until every owner has applied every partition's gradients; afterwards
-        ``get_weights`` gives the final weights. Ends with one exact allreduce as a barrier.
-        """
-        self._state.check_finish()
-        self._owner.join()
-        with self._owner_failure_first():
-            self._collectives.allreduce_exact(np.zeros(1))  # every owner has published its last
-        self._state.finished()
-
-    @property
-    def updates(self) -> list:
-        """The background owner's updates so far: which partitions' gradients each one took."""
-        return [] if self._owner is None else list(self._owner.updates)
-
-    def _owner_failure_first(self):
-        """A context in which an error raises the background owner's first, if it failed."""
-        return owner_failure_first(self._owner)
-
-    # ---- collectives on any vector: collectives.Collectives's ----------------------------
-
-    @_call
-    def allreduce(
-        self, values: np.ndarray, op: Literal["sum", "mean"] = "sum", raw: bool = False
-    ) -> np.ndarray:
-        """Sum (or average) a float32 vector across partitions, through the codec or with
-        ``raw=True`` unrounded by it: ``Collectives.allreduce``."""
-        return self._collectives.allreduce(values, op, raw)
-
-    @_call
-    def allreduce_exact(self, values) -> np.ndarray:
-        """Sum small float64 vectors exactly: ``Collectives.allreduce_exact``."""
-        return self._collectives.allreduce_exact(values)
-
-    @_call
-    def signal(self, version: int) -> None:
-        """Tell every partition this one has done ``version``: ``Collectives.signal``."""
-        self._collectives.signal(version)
-
-    @_call
-    def wait_for_signals(self, version: int) -> None:
-        """Wait until every partition has signalled ``version``: ``Collectives.wait_for_signals``."""
-        self._collectives.wait_for_signals(version)
-
-    # ---- the peers: peers.PeerGroup's ----------------------------------------------------
-
-    @property
-    def remote_peers(self) -> int:
-        """How many peers are reached over TCP: ``PeerGroup.remote_peers``."""
-        return self._peers.remote_peers
-
-    @property
-    def hosts(self) -> tuple[tuple[int, ...], ...]:
-        """The partitions of each host, in the order sums take them: ``HostLayout.hosts``."""
-        return self._peers.hosts.hosts
-
-    @property
-    def connections(self) -> dict[str, list[int]]:
-        """The peers connected to now, by channel: ``PeerGroup.connections``."""
-        return self._peers.connections()
-
-    @property
-    def host_arena(self) -> bool:
-        """Whether this partition's step goes through its host's shared arena
-        (``AllReduceParameter(host_arena=)``, where it applies), not blocks."""
-        return self._arena is not None
-
-    @property
-    def hierarchical(self) -> bool:
-        """Whether hosts sum within themselves first: ``PeerGroup.hierarchical``."""
-        return self._peers.hierarchical
+        start = self._layout.start(self._partition_id)
+        return None if self._allow_nonfinite else NonFiniteSum(version, start)
 
     # ---- closing -------------------------------------------------------------------------
 
@@ -635,8 +472,7 @@ class ConnectedParameter:
 
     def _join_threads(self) -> None:
         """End the handle's threads: the background owner's, the publishing one."""
-        if self._owner is not None:
-            self._owner.join(raise_error=False)
+        self.background.stop()
         self._gradients.close()
 
     def __enter__(self) -> ConnectedParameter:
@@ -647,6 +483,6 @@ class ConnectedParameter:
             self.close()
         else:
             self._peers.fail(
-                f"partition {self.partition_id} failed: {exc_type.__name__}: {exc}",
+                f"partition {self._partition_id} failed: {exc_type.__name__}: {exc}",
                 join=self._join_threads,
             )

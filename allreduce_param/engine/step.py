@@ -12,6 +12,8 @@ elsewhere (``movement/``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from allreduce_param.engine.strategy import Strategy, WeightRead
@@ -22,6 +24,26 @@ BSP_STEP = (
     "A step is get_weights, put_gradients, aggregate_gradient_partition, update, "
     "send_weight_partition"
 )
+
+
+def handle_call(method):
+    """A public call of a handle or of an object it hands out (its collectives, its
+    background owner): refused once the handle failed or closed; one that fails partway
+    (anything but a refusal of its arguments or order) marks the handle failed. The
+    object keeps the handle's ``StepState`` as ``_state`` and its ``PeerGroup`` as ``_peers``."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        self._state.check_usable(f"{method.__name__}()", self._peers.closed)
+        try:
+            return method(self, *args, **kwargs)
+        except (InputError, UsageError):
+            raise  # refused before it changed anything
+        except BaseException as error:
+            self._state.fail(error)
+            raise
+
+    return call
 
 
 class StepState:

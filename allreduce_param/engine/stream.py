@@ -11,9 +11,9 @@ store moves anyway, so the result is the same bits as publishing the whole vecto
 An ``EncodedStream`` does the same for a gradient whose lossy codec runs where the gradient
 lies (a GPU: ``models.device_codecs``): it is handed each owner's encoded bytes
 (``ready(owner, payload)``) once the caller has encoded that owner's chunk, and publishes
-them as ``put_encoded_gradients`` would have.
+them as ``put_gradients(EncodedGradient)`` would have.
 
-``ConnectedParameter.stream_gradients`` and ``stream_encoded_gradients`` make them; this
+``ConnectedParameter.stream_gradients`` and ``stream_gradients(encoded=True)`` make them; this
 module knows nothing of versions or codecs: it is told how to publish one owner's chunk.
 """
 
@@ -166,11 +166,11 @@ class GradientStream(_Publishing):
 
 class EncodedStream(_Publishing):
     """Publishes each owner's chunk of one gradient from the bytes its lossy codec made
-    elsewhere (``put_encoded_gradients``, owner by owner); close it on every path.
+    elsewhere (``put_gradients(EncodedGradient)``, owner by owner); close it on every path.
 
-    Made by ``ConnectedParameter.stream_encoded_gradients``. Call ``ready(owner, payload)``
+    Made by ``ConnectedParameter.stream_gradients(encoded=True)``. Call ``ready(owner, payload)``
     (from any thread) once for every owner: ``payload`` holds the streams of the owner's
-    parts, as ``gradient_put_plan().owner_span(owner)`` lays them out (a view of a full
+    parts, as ``info.gradient_put_plan.owner_span(owner)`` lays them out (a view of a full
     payload at that span is one), and is read on the publishing thread, so it must stay
     unchanged until the stream is closed. ``close()`` (or leaving the with-block) waits for
     every publish and raises the first error one met; a close with an owner never given is
@@ -206,7 +206,7 @@ class EncodedStream(_Publishing):
             payload,
             nbytes,
             f"{self._what}: ready({owner}, payload)",
-            f"the streams of owner {owner}'s parts: gradient_put_plan().owner_span({owner})",
+            f"the streams of owner {owner}'s parts: info.gradient_put_plan.owner_span({owner})",
         )
         with self._lock:
             self._refuse_closed(f"ready({owner}, ...)")

@@ -62,6 +62,20 @@ class SparseGradient(NamedTuple):
     values: np.ndarray
 
 
+class EncodedGradient(NamedTuple):
+    """A gradient whose lossy codec ran elsewhere (the GPU that computed it:
+    ``models.device_codecs``): what ``put_gradients`` takes, besides a dense vector, to
+    publish only the bytes made there (``encoded_puts.py``).
+
+    ``payload``: a 1-D contiguous uint8 array of ``info.gradient_put_plan.payload_bytes``,
+    every part's stream of the plan one after the other, made as ``Codec.encode`` makes
+    them from the values after adding the caller's error feedback residual (which the
+    caller keeps up to date).
+    """
+
+    payload: np.ndarray
+
+
 def sparse_gradient(gradient: SparseGradient, size: int, what: str) -> SparseGradient:
     """``gradient`` with int64 indices and contiguous float32 values, if its indices are
     strictly increasing, in ``0..size-1``, and as many as its values; ``InputError``

@@ -7,7 +7,7 @@ host, part by part as the engine's ``GradientPutPlan`` cuts it: adds the error f
 residual (kept on the device) to the part, makes the codec's stream (the bytes
 ``Codec.encode`` writes after the block header), and keeps as residual what decoding that
 stream loses. The streams go down in one copy, and the engine writes each block's header
-around its stream (``ConnectedParameter.put_encoded_gradients``). The result is bit for bit
+around its stream (``ConnectedParameter.put_gradients(EncodedGradient)``). The result is bit for bit
 what the host codec makes of the same gradient and residual, which the tests check over
 awkward values; what each format takes care of:
 
@@ -158,12 +158,12 @@ def device_refusal(codec: str, put_refusal: str | None = None) -> str | None:
 
 class DeviceEncoder:
     """One partition's gradient puts encoded on ``device``, as ``plan`` (the engine's
-    ``gradient_put_plan()``) cuts them; holds the error feedback residual there (zeros at
+    ``info.gradient_put_plan``) cuts them; holds the error feedback residual there (zeros at
     first) and a host buffer the payload lands in (pinned on a GPU).
 
     ``encode(gradient)`` takes the step's flat float32 gradient on the device and returns
-    the payload for ``put_encoded_gradients`` (a uint8 numpy view of the host buffer, valid
-    until the next ``encode``). Streamed (``stream_encoded_gradients``), the same is done
+    the payload for ``put_gradients(EncodedGradient)`` (a uint8 numpy view of the host buffer, valid
+    until the next ``encode``). Streamed (``stream_gradients(encoded=True)``), the same is done
     owner by owner as backward finishes each owner's range (``transfers.EncodedCopies``):
     ``encode_owner`` encodes an owner's parts and starts copying their bytes down,
     ``owner_payload`` is where they land, ``check_owner`` raises what ``encode`` would have.

@@ -314,7 +314,7 @@ class TorchModel:
         return float(loss.item()), len(X)
 
     def device_encoder(self, plan) -> DeviceEncoder | None:
-        """An encoder of gradient puts cut as ``plan`` (``ConnectedParameter.gradient_put_plan``)
+        """An encoder of gradient puts cut as ``plan`` (``ConnectedParameter.info.gradient_put_plan``)
         on this process's device, where ``encode_on_device`` says so and the plan can be
         encoded there (``device_codecs.device_refusal``); None where the gradient goes down
         as float32. ``encode_on_device=True`` with a codec or parameter that cannot take it
@@ -342,10 +342,10 @@ class TorchModel:
         ready: Callable[[int, np.ndarray], None] | None = None,
     ) -> tuple[float, np.ndarray, int]:
         """``(loss_sum, payload, count)``: ``loss_and_grad``'s, with the gradient encoded on
-        the device by ``encoder`` (``device_encoder``), for ``put_encoded_gradients``; the
+        the device by ``encoder`` (``device_encoder``), for ``put_gradients(EncodedGradient)``; the
         payload is valid until the encoder's next call.
 
-        With ``ready`` (``EncodedStream.ready``, of ``stream_encoded_gradients``), each
+        With ``ready`` (``EncodedStream.ready``, of ``stream_gradients(encoded=True)``), each
         owner's parts are encoded as soon as backward has finished that owner's range, on
         the side stream, and ``ready(owner, bytes)`` hands their bytes over once they have
         landed on the host (``transfers.EncodedCopies``): the last layers' owners first,

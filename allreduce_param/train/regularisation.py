@@ -127,12 +127,12 @@ def feature_std(
     first, second, total_weight, squared_weights = moments or local_moments(X, weight)
     own_weight = total_weight
     total_weight, squared_weights = (
-        float(v) for v in p.allreduce_exact([total_weight, squared_weights])
+        float(v) for v in p.collectives.allreduce_exact([total_weight, squared_weights])
     )
     features = first.shape[0]
     if not total_weight > 0:
         return np.zeros(features, np.float32)
-    mean = np.asarray(p.allreduce(first.astype(np.float32), raw=True), np.float64)
+    mean = np.asarray(p.collectives.allreduce(first.astype(np.float32), raw=True), np.float64)
     mean /= total_weight
     # this partition's sum w (x - mean)^2 = second + mean * own * (mean - 2 * first / own),
     # in place: three float64 vectors at most (a 2**24-feature fit: 384 MiB for a moment)
@@ -144,7 +144,7 @@ def feature_std(
         second += first
         np.maximum(second, 0.0, out=second)
     del first
-    spread = np.asarray(p.allreduce(second.astype(np.float32), raw=True), np.float64)
+    spread = np.asarray(p.collectives.allreduce(second.astype(np.float32), raw=True), np.float64)
     del second
     denominator = total_weight - squared_weights / total_weight
     if not denominator > 0:  # a single row (or one row's weight): no spread to measure

@@ -67,6 +67,16 @@ class ArenaSteps:
     its peer group's hosts exchange through their leaders) the host sums and the other
     hosts' slices travel as blocks between the leaders (see the module)."""
 
+    @classmethod
+    def of(cls, moves: Movements, layout: SliceLayout) -> ArenaSteps | None:
+        """The step through the arena of ``moves``'s peer group, if it has one (else None:
+        the step moves blocks)."""
+        peers = moves.peers
+        if peers.arena is None:
+            return None
+        hierarchical = moves if peers.hierarchical else None
+        return cls(peers.arena, layout, peers.hosts, peers.partition_id, hierarchical)
+
     def __init__(
         self,
         arena: HostArena,
@@ -95,8 +105,8 @@ class ArenaSteps:
             moves.host_sums.host_chunks = self._host_chunks
 
     def summed_slice(self) -> np.ndarray | None:
-        """Where this partition's slice of the mean gradient is summed (its
-        ``gradient_partition``): on one host, the own slice of its own gradient vector in the
+        """Where this partition's slice of the mean gradient is summed (what
+        ``aggregate_gradient_partition`` returns): on one host, the own slice of its own gradient vector in the
         arena, which no peer reads, so a host holds one gradient vector per partition and no
         more; the next put overwrites it. Hierarchical (the leader sends the host sums from
         the blocks' store): None, a vector of its own."""

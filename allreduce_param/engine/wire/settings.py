@@ -32,7 +32,7 @@ SPARK_SETTINGS = {
 SPARK_ENCRYPTION = ("spark.network.crypto.enabled", "spark.ssl.enabled")
 #: What the encryption settings say, in every place: how to turn it on or off.
 ENCRYPT_SETTINGS = (
-    f"encrypt (AllReduceParameter, the fit's settings) or the Spark setting "
+    f"encrypt (the fit's settings; AllReduceParameter(network=NetworkSettings(encrypt=...))) or the Spark setting "
     f"{SPARK_SETTINGS['encrypt']}; unset, it follows {' and '.join(SPARK_ENCRYPTION)} on the driver"
 )
 #: Per host, these environment variables (set in each machine's spark-env.sh, or a pod's

@@ -51,7 +51,7 @@ class CheckpointKeeper:
         on partition 0, once every part is written, the manifest."""
         job, p, state = self.job, self.p, self.updater.state
         local = job.local_sgd
-        own = p.layout.bounds(p.partition_id)
+        own = p.info.layout.bounds(p.info.partition_id)
         arrays = {"weights": p.weight_partition.copy()}
         arrays.update(
             {f"{'local' if local else 'state'}/{name}": state[name].copy() for name in state}
@@ -70,14 +70,16 @@ class CheckpointKeeper:
             "resumed": self.recorder.resumed,
             "rows": self.rows,
         }
-        self.writer.write_part(steps_done, p.partition_id, p.partition_num, arrays, records)
-        p.signal(steps_done)
-        if p.partition_id == 0:
-            p.wait_for_signals(steps_done)
+        self.writer.write_part(
+            steps_done, p.info.partition_id, p.info.partition_num, arrays, records
+        )
+        p.collectives.signal(steps_done)
+        if p.info.partition_id == 0:
+            p.collectives.wait_for_signals(steps_done)
             self.writer.write_manifest(
                 steps_done,
-                p.partition_num,
-                p.layout.size,
+                p.info.partition_num,
+                p.info.layout.size,
                 tuple(state),
                 local,
                 job.manifest_settings(),
@@ -89,5 +91,5 @@ class CheckpointKeeper:
         """With backup workers, the own owner's updates before ``before`` and the earlier
         run's (``StepRecorder.updates_table``); else an empty table."""
         p = self.p
-        updates = p.updates if p.strategy.backup_workers else None
-        return self.recorder.updates_table(updates, p.partition_num, before)
+        updates = p.background.updates if p.info.strategy.backup_workers else None
+        return self.recorder.updates_table(updates, p.info.partition_num, before)

@@ -72,14 +72,16 @@ class Evaluator:
         self.recorder.at(epoch, None)
         metrics: dict[str, Any] = {
             "epoch": epoch,
-            "partition": self.p.partition_id,
+            "partition": self.p.info.partition_id,
             "task": model_task(self.model),
         }
         if self.validation is not None:
             metrics["val"] = evaluate_rows(self.model, weights, self.validation)
         if self.early is not None:
             # every partition's rows: the same sums, bits and decision on every partition
-            stop = self.early.after_epoch(epoch, self.p.allreduce_exact(metrics["val"]), weights)
+            stop = self.early.after_epoch(
+                epoch, self.p.collectives.allreduce_exact(metrics["val"]), weights
+            )
             self.stopped, last = stop and not last, last or stop
             metrics.update(best_epoch=self.early.best_epoch, stopped=self.stopped)
             if last and self.early.best_weights is not None:

@@ -36,18 +36,18 @@ from allreduce_param.train.task.updater import Updater
 
 def all_counts(p: ConnectedParameter, rows: int) -> list[int]:
     """Every partition's row count, learnt with one exact allreduce."""
-    own = np.zeros(p.partition_num)
-    own[p.partition_id] = rows
-    return [int(count) for count in p.allreduce_exact(own)]
+    own = np.zeros(p.info.partition_num)
+    own[p.info.partition_id] = rows
+    return [int(count) for count in p.collectives.allreduce_exact(own)]
 
 
 def loop_for(job: TrainingJob, p: ConnectedParameter) -> type[Loop]:
     """The loop the settings call for: local SGD, plain BSP, backup workers, or SSP/ASP."""
     if job.local_sgd:
         return LocalSgdLoop
-    if p.strategy.inline_owner:
+    if p.info.strategy.inline_owner:
         return BspLoop
-    if p.strategy.backup_workers:
+    if p.info.strategy.backup_workers:
         return BackupsLoop
     return AsynchronousLoop
 
@@ -71,7 +71,7 @@ class PartitionFit:
         self.job, self.p, self.compute = job, p, compute
         self.train, self.validation = train, validation
         self.recorder = StepRecorder(
-            p.partition_id, reporter.report if reporter is not None else None
+            p.info.partition_id, reporter.report if reporter is not None else None
         )
         self.weights = np.empty(job.param.size, dtype=np.float32)
         self.parts: FitParts | None = None
@@ -88,7 +88,7 @@ class PartitionFit:
         first = job.start.epochs_before
         plan = StepPlan(
             all_counts(p, self.train.row_count),
-            p.partition_id,
+            p.info.partition_id,
             settings.batch_size,
             first,
             first + settings.epochs - 1,
@@ -96,8 +96,10 @@ class PartitionFit:
         regularisation = OwnedRegularisation(
             settings,
             job.model,
-            p.layout.size,
-            slice(0, p.layout.size) if job.local_sgd else p.layout.bounds(p.partition_id),
+            p.info.layout.size,
+            slice(0, p.info.layout.size)
+            if job.local_sgd
+            else p.info.layout.bounds(p.info.partition_id),
             feature_std(p, moments=self.train.moments()) if settings.standardizes else None,
             clips_whole=clips_own(job, p),
         )
@@ -109,7 +111,7 @@ class PartitionFit:
         keeper = CheckpointKeeper(
             job, p, plan, updater, evaluator, self.recorder, self.train.row_count
         )
-        rows = StepRows(self.train, plan, settings.seed, p.partition_id)
+        rows = StepRows(self.train, plan, settings.seed, p.info.partition_id)
         self.parts = FitParts(
             job, p, plan, rows, self.compute, self.path, updater, evaluator, keeper,
             self.recorder, self.weights,
@@ -139,7 +141,7 @@ class PartitionFit:
     def state_slice(self) -> dict[str, np.ndarray]:
         """This partition's slice of the optimizer's state, as the fit left it (with local
         SGD, the slice of its own whole state), for the ``TrainedModel`` to keep."""
-        bounds = self.p.layout.bounds(self.p.partition_id) if self.job.local_sgd else None
+        bounds = self.p.info.layout.bounds(self.p.info.partition_id) if self.job.local_sgd else None
         return self.parts.updater.state_slice(bounds)
 
     def reached(self) -> tuple[int, int]:

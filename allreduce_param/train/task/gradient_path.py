@@ -31,6 +31,7 @@ import numpy as np
 
 from allreduce_param.engine.blocks.codec import get_codec
 from allreduce_param.engine.parameter import ConnectedParameter
+from allreduce_param.engine.vectors import EncodedGradient
 from allreduce_param.models.base import batch_count, dense_for
 from allreduce_param.train.task.compute import SubBatches
 from allreduce_param.train.task.device_encoding import (
@@ -141,7 +142,7 @@ class StreamedPut(GradientPath):
 class EncodedPut(GradientPath):
     """The gradient encoded on the model's device (``TorchModel.loss_and_encoded_grad``):
     only the codec's bytes come to the host, and the engine writes the blocks around them
-    (``put_encoded_gradients``)."""
+    (``put_gradients(EncodedGradient(...))``)."""
 
     def __init__(self, p: ConnectedParameter, compute: SubBatches, encoder: Any) -> None:
         super().__init__(p, compute)
@@ -155,20 +156,20 @@ class EncodedPut(GradientPath):
         )
         computed = time.perf_counter()
         keep(loss_sum, count, computed - started)
-        self.p.put_encoded_gradients(payload, count=count)
+        self.p.put_gradients(EncodedGradient(payload), count=count)
         return time.perf_counter() - computed
 
 
 class EncodedStreamedPut(EncodedPut):
     """``EncodedPut`` under plain BSP with overlap: each owner's parts are encoded on the
     device and leave as soon as backward has finished that owner's range
-    (``stream_encoded_gradients``)."""
+    (``stream_gradients(encoded=True)``)."""
 
     def step(self, weights: np.ndarray, batch: Rows, keep: Keep) -> float:
         model = self.compute.model
         started = time.perf_counter()
-        with self.p.stream_encoded_gradients(
-            count=batch_count(batch.row_count, batch.weight)
+        with self.p.stream_gradients(
+            count=batch_count(batch.row_count, batch.weight), encoded=True
         ) as stream:
             loss_sum, _, count = model.loss_and_encoded_grad(
                 weights, dense_for(model, batch.X), batch.y, self.encoder, stream.ready
@@ -191,10 +192,10 @@ def choose_path(
     # the gradient into the parameter's own buffer where it can (BSP: summed before the
     # next step writes it); overlap streams it from there: "auto" where there is wire time
     # to hide, or backward runs on a GPU, off the cores
-    into_buffer = p.strategy.inline_owner and not job.local_sgd and compute.streams
+    into_buffer = p.info.strategy.inline_owner and not job.local_sgd and compute.streams
     overlap = job.settings.overlap
     wanted = (
-        p.remote_peers > 0 or bool(getattr(job.model, "uses_gpu", False))
+        p.info.remote_peers > 0 or bool(getattr(job.model, "uses_gpu", False))
         if overlap == "auto"
         else overlap
     )
@@ -216,7 +217,7 @@ def clips_own(job: TrainingJob, p: ConnectedParameter) -> bool:
     background owner's strategies with ``clip_norm``), where BSP clips the owners' sum."""
     return (
         not job.local_sgd
-        and not p.strategy.inline_owner
+        and not p.info.strategy.inline_owner
         and getattr(job.optimizer, "clip_norm", None) is not None
     )
 
@@ -232,11 +233,11 @@ def device_encoder(
         return None
     refusal = device_encoding_refusal(
         job.settings,
-        p.gradient_put_plan().codec,
-        p.strategy.inline_owner,
+        p.info.gradient_put_plan.codec,
+        p.info.strategy.inline_owner,
         getattr(job.optimizer, "clip_norm", None),
     )
     if refusal is None and (touched or not compute.streams):
         refusal = "its steps do not compute one dense gradient on one thread"
     check_device_encoding(compute.model, refusal)
-    return None if refusal is not None else make(p.gradient_put_plan())
+    return None if refusal is not None else make(p.info.gradient_put_plan)

@@ -108,8 +108,8 @@ class Loop(ABC):
     def finish(self) -> None:
         """The final weights, on every partition, and the last epoch's metrics with them
         (where early stopping ended the fit, it has done both)."""
-        if not self.p.strategy.inline_owner:
-            self.p.finish_updates()
+        if not self.p.info.strategy.inline_owner:
+            self.p.background.finish_updates()
         if self.parts.evaluator.stopped:
             return
         self.p.get_weights(out=self.weights)
@@ -132,7 +132,7 @@ class BspLoop(Loop):
             updater.hold(gradient)
             scale = 1.0
             if updater.clip_norm is not None:  # by the global norm: one scalar allreduce
-                squared = p.allreduce_exact([squared_norm(gradient)])[0]
+                squared = p.collectives.allreduce_exact([squared_norm(gradient)])[0]
                 scale = updater.global_clip_scale(float(squared))
             updater.step(p.weight_partition, gradient, index, grad_scale=scale)
             t2 = time.perf_counter()
@@ -162,7 +162,7 @@ class AsynchronousLoop(Loop):
             updater.hold(gradient)
             updater.step(weights, gradient, step)
 
-        self.p.serve_updates(update, len(self.plan), steps_done)
+        self.p.background.serve_updates(update, len(self.plan), steps_done)
 
     def run(self, start: int) -> None:
         p, recorder = self.p, self.parts.recorder
@@ -170,7 +170,7 @@ class AsynchronousLoop(Loop):
         for index in range(start, len(self.plan)):
             read_s = self.read(index)
             self.epochs_before(index)
-            staleness = index - p.strategy.clock(p.last_read_version)
+            staleness = index - p.info.strategy.clock(p.info.last_read_version)
             recorder.report_step(self.compute_and_put(index, read_s, staleness=staleness))
         self.finish()
 
@@ -184,7 +184,7 @@ class BackupsLoop(AsynchronousLoop):
         index = start  # the first global step not yet recorded
         while True:
             read_s = self.read(index)
-            version = min(p.last_read_version, len(plan))
+            version = min(p.info.last_read_version, len(plan))
             for skipped in range(index, version):  # the others went on without us
                 recorder.report_step(self.keep(skipped, 0.0, 0, (0.0,) * 6))
             self.epochs_before(version)

@@ -28,8 +28,8 @@ def begin(
     file named, and the next attempt passes over that checkpoint."""
     local = job.local_sgd
     start = job.start
-    part = start.part(job.model, job.settings.seed, p.partition_id, p.layout, local)
-    updater.start(part.state, p.layout.size if local else p.slice_length)
+    part = start.part(job.model, job.settings.seed, p.info.partition_id, p.info.layout, local)
+    updater.start(part.state, p.info.layout.size if local else p.info.slice_length)
     if part.buffers is not None and has_buffers(job.model):
         job.model.set_buffers(part.buffers)
     records = part.records
@@ -48,6 +48,6 @@ def begin(
     # before init: no peer can report a step before it
     at = plan[start.step] if 0 < start.step < len(plan) else None
     recorder.started(plan.steps_per_epoch, job.settings.epochs, start.step, at)
-    own = p.layout.bounds(p.partition_id)
+    own = p.info.layout.bounds(p.info.partition_id)
     p.init(updater.regularisation.initial(part.weights, own), step=start.step)
     return start.step

@@ -68,7 +68,7 @@ def uses_touched_sync(job: TrainingJob, p: ConnectedParameter) -> bool:
     choice = job.settings.sparse_sync
     if choice == "dense":
         return False
-    check_touched(job, p.hierarchical)
-    return why_not_touched(job, p.hierarchical) is None and (
+    check_touched(job, p.info.hierarchical)
+    return why_not_touched(job, p.info.hierarchical) is None and (
         choice == "touched" or job.n_features >= TOUCHED_FROM_FEATURES
     )

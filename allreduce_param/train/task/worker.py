@@ -103,7 +103,7 @@ def train_rows(
                     if fit is None
                     else "".join(f", {k} {v}" for k, v in fit.where.items() if v is not None)
                 )
-                raise task_failure(p.partition_id, place, error) from error
+                raise task_failure(p.info.partition_id, place, error) from error
         yield Steps(np.asarray(fit.records, dtype=np.float64)).encode()
         yield Epochs(fit.epochs).encode()
         yield Clock(clock).encode()
@@ -112,8 +112,8 @@ def train_rows(
         if has_buffers(job.model):
             yield Buffers(job.model.buffers(), rows.row_count).encode()
         if job.settings.keep_optimizer_state:
-            yield OptimizerState(p.partition_id, fit.state_slice()).encode()
-        if p.partition_id == 0:
+            yield OptimizerState(p.info.partition_id, fit.state_slice()).encode()
+        if p.info.partition_id == 0:
             yield Resumed(fit.resumed).encode()
             yield Reached(*fit.reached()).encode()
             yield Weights(fit.weights).encode()
