@@ -113,8 +113,10 @@ def _next_module_shares(items, module, kind) -> bool:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the modules that take a session of the same kind one after another (see the
-    module's docstring); the order within each module, and of the others, stays as it was."""
+    """Mark the tiers (see ``_mark_tiers``), then run the modules that take a session of the
+    same kind one after another (see the module's docstring); the order within each module,
+    and of the others, stays as it was."""
+    _mark_tiers(items)
     modules: dict = {}  # module: its items, in collection order
     for item in items:
         modules.setdefault(getattr(item, "module", None), []).append(item)
@@ -128,6 +130,20 @@ def pytest_collection_modifyitems(session, config, items):
         for module in sorted(group, key=lambda m: bool(getattr(m, "SPARK_STOPS_SESSION", False)))
         for item in modules[module]
     ]
+
+
+def _mark_tiers(items) -> None:
+    """The markers a test's set-up implies, so that ``-m`` selects by what a test needs: a
+    test that takes the ``spark`` fixture is ``spark``, and ``cluster`` too where the module's
+    master is a ``local-cluster`` (a JVM per executor). The others are written on the tests:
+    ``spark`` on tests that start Spark in a process of their own, ``netns`` on tests that make
+    network namespaces, ``slow`` on those the fast tier (``-m "not slow"``) leaves out."""
+    for item in items:
+        if "spark" not in getattr(item, "fixturenames", ()):
+            continue
+        item.add_marker(pytest.mark.spark)
+        if _spark_kind(item.module)[0].startswith("local-cluster"):
+            item.add_marker(pytest.mark.cluster)
 
 
 def pytest_sessionfinish(session, exitstatus):
