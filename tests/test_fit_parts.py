@@ -11,15 +11,8 @@ import pytest
 import scipy.sparse as sp
 from conftest import blobs
 
-from allreduce_param import (
-    AllReduceParameter,
-    ConfigurationError,
-    FitSettings,
-    LocalRendezvous,
-    Strategy,
-    models,
-    optim,
-)
+from allreduce_param import ConfigurationError, FitSettings, models, optim
+from allreduce_param.engine import AllReduceParameter, LocalRendezvous, Strategy
 from allreduce_param.engine.owner import Update
 from allreduce_param.train.checkpoint import CheckpointSettings, load_part, newest
 from allreduce_param.train.early_stopping import EarlyStopping
