@@ -5,7 +5,7 @@ parameter vector; gradients are reduce-scattered to the owners and weights all-g
 back through compressed blocks that the partitions serve to each other, without the driver.
 """
 
-from allreduce_param import _old_paths, models, optim
+from allreduce_param import models, optim
 from allreduce_param.engine.blocks.codec import CODECS
 from allreduce_param.engine.encoded import GradientPutPlan
 from allreduce_param.engine.layout import SliceLayout
@@ -38,7 +38,6 @@ from allreduce_param.spark.rendezvous import BarrierRendezvous
 from allreduce_param.train import DistriOptimizer, FitSettings, History, TrainedModel
 
 _spark_surroundings.install()
-_old_paths.install()
 
 __version__ = "0.1.0"
 

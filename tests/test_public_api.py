@@ -1,4 +1,4 @@
-"""The public API survives the move into layer folders: names, Params, job keys, old paths.
+"""The public API survives the move into layer folders: names, Params, job keys.
 
 The lists below were read off the package before the redesign (commit 57978c3); the API may
 grow, never shrink. Spark-free: the Estimators' Params are read from their classes.
@@ -7,14 +7,11 @@ grow, never shrink. Spark-free: the Estimators' Params are read from their class
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
-import pickle
 
 import pytest
 
 import allreduce_param
-from allreduce_param._old_paths import MOVED
 
 PUBLIC = """AllReduceError AllReduceParameter AuthenticationError BarrierRendezvous CODECS
 CodecOverflowError ConfigurationError ConnectedParameter CorruptBlockError DamagedCheckpointError
@@ -104,49 +101,10 @@ def test_engine_calls_and_signatures_are_kept():
     assert list(stream)[1:] == FIT_STREAM_ARGUMENTS
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_is_the_new_module(old):
-    module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED[old])
-
-
 def test_a_trained_model_keeps_where_training_stopped():
     trained = allreduce_param.TrainedModel(allreduce_param.models.LinearRegression(2), None)
     for name in TRAINED_MODEL_FIELDS:
         assert hasattr(trained, name), name
-
-
-def test_old_paths_of_public_names_import():
-    from allreduce_param.codec import CODECS
-    from allreduce_param.network import NetworkSettings
-    from allreduce_param.parameter import AllReduceParameter, ConnectedParameter
-    from allreduce_param.rendezvous import LocalRendezvous, StaticRendezvous
-    from allreduce_param.strategy import Strategy
-    from allreduce_param.train.distri import DistriOptimizer
-    from allreduce_param.train.result import TrainedModel
-
-    assert CODECS is allreduce_param.CODECS
-    assert NetworkSettings is allreduce_param.NetworkSettings
-    assert AllReduceParameter is allreduce_param.AllReduceParameter
-    assert ConnectedParameter is allreduce_param.ConnectedParameter
-    assert (LocalRendezvous, StaticRendezvous) == (
-        allreduce_param.LocalRendezvous,
-        allreduce_param.StaticRendezvous,
-    )
-    assert Strategy is allreduce_param.Strategy
-    assert DistriOptimizer is allreduce_param.DistriOptimizer
-    assert TrainedModel is allreduce_param.TrainedModel
-
-
-def test_a_pickle_that_names_an_old_module_loads():
-    # what pickle wrote for a Strategy before the move: the class by its old module's name
-    # (protocol 0 names it in a line of text, so the name can be swapped)
-    old = pickle.dumps(allreduce_param.Strategy("ssp", staleness=2), protocol=0).replace(
-        allreduce_param.Strategy.__module__.encode(), b"allreduce_param.strategy"
-    )
-    assert b"allreduce_param.strategy" in old
-    strategy = pickle.loads(old)
-    assert isinstance(strategy, allreduce_param.Strategy) and strategy.staleness == 2
 
 
 def test_torch_models_keywords_are_kept():
