@@ -56,6 +56,8 @@ from allreduce_param.models.torch_state import ModuleState, fresh_parameters, re
 
 #: The settings ``to_config`` gives (besides the module's import path), as the constructor takes them.
 SETTINGS = ("loss", "device", "precision", "encode_on_device")
+#: The settings' defaults, which ``repr`` leaves out.
+DEFAULTS = {"device": "auto", "precision": "fp32", "encode_on_device": "auto"}
 
 
 class TorchModel:
@@ -118,8 +120,9 @@ class TorchModel:
         return {"module": self.module, **{name: getattr(self, name) for name in SETTINGS}}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({name: state[name] for name in ("module", *SETTINGS) if name in state})
-        self.__dict__.setdefault("encode_on_device", "auto")  # pickled before it was a setting
+        # a setting pickled before it was one takes its default
+        given = {name: state[name] for name in ("module", *SETTINGS) if name in state}
+        self.__dict__.update({**DEFAULTS, **given})
         self._build()
 
     def to_config(self) -> dict:
@@ -152,13 +155,9 @@ class TorchModel:
 
     def __repr__(self) -> str:
         extra = "".join(
-            f", {name}={value!r}"
-            for name, value, default in (
-                ("device", self.device, "auto"),
-                ("precision", self.precision, "fp32"),
-                ("encode_on_device", self.encode_on_device, "auto"),
-            )
-            if value != default
+            f", {name}={getattr(self, name)!r}"
+            for name, default in DEFAULTS.items()
+            if getattr(self, name) != default
         )
         return (
             f"TorchModel({self.module.__class__.__name__}, loss={self.loss!r}{extra}, "

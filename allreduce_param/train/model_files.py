@@ -59,7 +59,12 @@ def write_model(folder: Location, files: ModelFiles, allow_pickle: bool = False)
     """Write ``files`` into ``folder`` (made if missing; an earlier save's files that this one
     has not, removed), ``meta.json`` last. A model ``models.saving`` has no saved form for
     is pickled where ``allow_pickle``, else an ``InputError`` before anything is written."""
-    form = saved_form(files.model)
+    try:
+        form = saved_form(files.model)
+    except InputError:  # a TorchModel whose state holds more than tensors
+        if not allow_pickle:
+            raise
+        form = None
     if form is None and not allow_pickle:
         raise InputError(
             f"{files.model!r} is not one of the built-in models or a TorchModel, so it saves "
