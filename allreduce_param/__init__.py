@@ -12,7 +12,7 @@ other one is in ``allreduce_param.errors``). The engine a loop of one's own driv
 (``AllReduceParameter`` and its handle) is ``allreduce_param.engine``.
 """
 
-from allreduce_param import _old_paths, models, optim
+from allreduce_param import models, optim
 from allreduce_param.engine.wire.settings import NetworkSettings  # noqa: F401
 from allreduce_param.errors import (
     AllReduceError,
@@ -29,7 +29,6 @@ from allreduce_param.spark import surroundings as _spark_surroundings
 from allreduce_param.train import DistriOptimizer, FitSettings, History, TrainedModel
 
 _spark_surroundings.install()
-_old_paths.install()
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """The public API: the top level's names (the trainer's, at most 20), the engine's API page,
-a handle's calls (at most 12), Params, job keys, old paths.
+a handle's calls (at most 12), Params, job keys.
 
 The lists of settings and Params were read off the package before the redesign (commit
 57978c3) and may grow, never shrink; the names are those of issue 39's smaller surface.
@@ -9,21 +9,17 @@ Spark-free: the Estimators' Params are read from their classes.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
-import pickle
 import subprocess
 import sys
 
 import pytest
 
 import allreduce_param
-from allreduce_param._old_paths import MOVED
 from allreduce_param.engine import (
     AllReduceParameter,
     ConnectedParameter,
     LocalRendezvous,
-    Strategy,
 )
 
 #: the top level: the trainer's names and the errors a fit's caller catches (at most 20)
@@ -159,47 +155,10 @@ def test_engine_calls_and_signatures_are_kept():
     assert list(stream)[1:] == FIT_STREAM_ARGUMENTS
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_is_the_new_module(old):
-    module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED[old])
-
-
 def test_a_trained_model_keeps_where_training_stopped():
     trained = allreduce_param.TrainedModel(allreduce_param.models.LinearRegression(2), None)
     for name in TRAINED_MODEL_FIELDS:
         assert hasattr(trained, name), name
-
-
-def test_old_paths_of_public_names_import():
-    import allreduce_param.engine as engine
-    from allreduce_param.codec import CODECS
-    from allreduce_param.network import NetworkSettings
-    from allreduce_param.parameter import AllReduceParameter, ConnectedParameter
-    from allreduce_param.rendezvous import LocalRendezvous, StaticRendezvous
-    from allreduce_param.strategy import Strategy
-    from allreduce_param.train.distri import DistriOptimizer
-    from allreduce_param.train.result import TrainedModel
-
-    assert CODECS is engine.CODECS
-    assert NetworkSettings is engine.NetworkSettings
-    assert AllReduceParameter is engine.AllReduceParameter
-    assert ConnectedParameter is engine.ConnectedParameter
-    assert (LocalRendezvous, StaticRendezvous) == (engine.LocalRendezvous, engine.StaticRendezvous)
-    assert Strategy is engine.Strategy
-    assert DistriOptimizer is allreduce_param.DistriOptimizer
-    assert TrainedModel is allreduce_param.TrainedModel
-
-
-def test_a_pickle_that_names_an_old_module_loads():
-    # what pickle wrote for a Strategy before the move: the class by its old module's name
-    # (protocol 0 names it in a line of text, so the name can be swapped)
-    old = pickle.dumps(Strategy("ssp", staleness=2), protocol=0).replace(
-        Strategy.__module__.encode(), b"allreduce_param.strategy"
-    )
-    assert b"allreduce_param.strategy" in old
-    strategy = pickle.loads(old)
-    assert isinstance(strategy, Strategy) and strategy.staleness == 2
 
 
 def test_torch_models_keywords_are_kept():

@@ -127,7 +127,7 @@ def test_models_take_csr_batches_as_they_take_dense_ones(model):
 
 @pytest.mark.parametrize("width", [300, 2**16], ids=["scipy's product", "summed in place"])
 def test_a_sparse_first_layers_gradient_is_scipys_product_either_way(width):
-    from allreduce_param.models.dense import IN_PLACE_ABOVE, _add_transposed_product
+    from allreduce_param.models.dense_stack import IN_PLACE_ABOVE, _add_transposed_product
 
     rng = np.random.default_rng(2)
     columns = np.sort(rng.integers(0, width, (40, 5)), axis=1)  # repeats in a row add up

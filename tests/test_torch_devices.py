@@ -123,7 +123,7 @@ def test_the_device_is_chosen_again_where_the_model_is_unpickled():
     model.loss_and_grad(model.init(np.random.default_rng(0)), X, y)
     assert model.torch_device == torch.device("cpu") and not model.uses_gpu
     copy = pickle.loads(pickle.dumps(model))
-    assert copy._torch_device is None and copy.device == "cpu"
+    assert copy._threads.chosen is None and copy.device == "cpu"
     assert "device='cpu'" in repr(copy) and "device" not in repr(models.TorchModel(net))
 
 

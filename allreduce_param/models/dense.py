@@ -2,25 +2,19 @@
 
 Linear, logistic and softmax regression are one dense layer with a squared-error, sigmoid
 or softmax head; an MLP is several layers with an activation between them. They share this
-code for validation, initialisation, the forward pass and the backward pass.
-
-Performance, because ``loss_and_grad`` runs on every step inside Spark tasks, possibly on
-several threads at once: everything is vectorised float32 numpy (BLAS matmuls and ufuncs,
-which release the GIL); the weight tensors are views into the flat vector, and the gradient
-tensors views into one flat float32 vector allocated per call, written in place with
-``out=``. The only other allocations are one activation array per layer and one delta array
-per hidden layer. A model holds no mutable state, so threads can share it.
+code: the checks of what a caller passes, the loss head on the layers' output, and the
+model's identity (``repr``, equality, pickling, ``to_config``). The layers' arithmetic is
+``models.dense_stack``'s, vectorised float32 numpy that holds no mutable state, so threads
+can share a model.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from allreduce_param.engine.layout import TensorLayout
 from allreduce_param.engine.vectors import SparseGradient, writable_output
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import (
@@ -30,41 +24,8 @@ from allreduce_param.models.base import (
     takes_part,
     weight_keywords,
 )
-
-
-class Activation(NamedTuple):
-    """A hidden-layer activation: in-place forward, in-place backward, and its init."""
-
-    forward: Callable[[np.ndarray], None]
-    """``z -> act(z)``, in place."""
-    backward: Callable[[np.ndarray, np.ndarray], None]
-    """``(delta, a)``: multiply ``delta`` in place by ``act'`` expressed through ``a = act(z)``."""
-    init: str
-    """The weight initialisation that suits it: ``"he"`` or ``"glorot"``."""
-
-
-def _relu(z: np.ndarray) -> None:
-    np.maximum(z, 0, out=z)
-
-
-def _relu_backward(delta: np.ndarray, a: np.ndarray) -> None:
-    np.multiply(delta, a > 0, out=delta)
-
-
-def _tanh(z: np.ndarray) -> None:
-    np.tanh(z, out=z)
-
-
-def _tanh_backward(delta: np.ndarray, a: np.ndarray) -> None:
-    slope = np.square(a)
-    np.subtract(1, slope, out=slope)
-    delta *= slope
-
-
-ACTIVATIONS: dict[str, Activation] = {
-    "relu": Activation(_relu, _relu_backward, "he"),
-    "tanh": Activation(_tanh, _tanh_backward, "glorot"),
-}
+from allreduce_param.models.dense_stack import DenseStack, touched_product
+from allreduce_param.models.inputs import checked_features, checked_sample_weight, checked_weights
 
 
 def positive_int(value, what: str, minimum: int = 1) -> int:
@@ -90,7 +51,7 @@ class DenseNetwork:
     head. Parameters lie in the flat vector as ``w1, b1, w2, b2, ...`` (see ``layout``).
 
     Subclasses set the architecture in their constructor and name their constructor
-    arguments in ``_arguments`` (used by ``repr``, equality and pickling).
+    arguments in ``_arguments`` (used by ``repr``, equality, pickling and ``to_config``).
     """
 
     def __init__(self, layers: Sequence[int], activation: str | None, head) -> None:
@@ -98,11 +59,8 @@ class DenseNetwork:
         self._layers = tuple(layers)
         self._activation = activation
         self._head = head
-        self._names = tuple((f"w{i}", f"b{i}") for i in range(1, len(layers)))
-        tensors = []
-        for (weight, bias), fan_in, fan_out in zip(self._names, layers[:-1], layers[1:]):
-            tensors += [(weight, (fan_in, fan_out)), (bias, (fan_out,))]
-        self.layout = TensorLayout(tensors)
+        self._stack = DenseStack(layers, activation)
+        self.layout = self._stack.layout
 
     # -- what the trainer sees ------------------------------------------------------------
 
@@ -133,26 +91,9 @@ class DenseNetwork:
         return self._layers[0]
 
     def init(self, rng: np.random.Generator) -> np.ndarray:
-        """Random weights, zero biases, as one flat float32 vector; deterministic per rng.
-
-        Weights feeding a ReLU get He-normal init (std ``sqrt(2 / fan_in)``); the others
-        (tanh layers and the output layer) Glorot-uniform (``+-sqrt(6 / (fan_in + fan_out))``).
-        """
-        flat = np.zeros(self.size, dtype=np.float32)
-        tensors = self.layout.views(flat)
-        last = len(self._names) - 1
-        for index, (weight, _) in enumerate(self._names):
-            w = tensors[weight]
-            fan_in, fan_out = w.shape
-            if index < last and ACTIVATIONS[self._activation].init == "he":
-                rng.standard_normal(dtype=np.float32, out=w)
-                w *= np.float32(np.sqrt(2.0 / fan_in))
-            else:
-                limit = np.float32(np.sqrt(6.0 / (fan_in + fan_out)))
-                rng.random(dtype=np.float32, out=w)
-                w *= 2 * limit
-                w -= limit
-        return flat
+        """Random weights, zero biases, as one flat float32 vector; deterministic per rng:
+        He-normal for weights feeding a ReLU, else Glorot-uniform (``DenseStack.init``)."""
+        return self._stack.init(rng)
 
     def loss_and_grad(
         self,
@@ -182,11 +123,11 @@ class DenseNetwork:
         is called as each layer's gradient (its weights and bias, which lie side by side)
         is final, last layer first, so that it can be sent while the layers below are
         computed. ``sample_weight`` as in ``loss_and_grad``. See ``Model``."""
-        weights = self._check_weights(weights)
-        X = self._check_features(X)
+        weights = checked_weights(self, weights)
+        X = checked_features(self, X)
         writable_output(out, self.size, f"{self!r}: loss_and_grad_into(out=)")
         rows = X.shape[0]
-        sample_weight = self._check_sample_weight(sample_weight, rows)
+        sample_weight = checked_sample_weight(self, sample_weight, rows)
         if rows == 0:  # an empty partition: any empty label array will do
             if np.size(y) != 0:
                 raise InputError(f"{self!r}: X has 0 rows but there are {np.size(y)} labels")
@@ -194,7 +135,7 @@ class DenseNetwork:
             return 0.0, 0
         params, outputs, targets = self._forward_with_targets(weights, X, y)
         loss = self._head.loss_and_delta(outputs[-1], targets, sample_weight)
-        self._backward(params, outputs, out, ready)
+        self._stack.backward(params, outputs, self.layout.views(out), ready)
         return loss, batch_count(rows, sample_weight)
 
     def loss_and_touched_grad(
@@ -210,13 +151,13 @@ class DenseNetwork:
         bit for bit (``X^T delta`` summed in the same order), without writing the
         ``n_features`` x ``layers[1]`` rows a wide first layer has; what a put of only the
         touched elements takes (``ConnectedParameter.put_gradients``)."""
-        weights = self._check_weights(weights)
-        X = self._check_features(X)
+        weights = checked_weights(self, weights)
+        X = checked_features(self, X)
         if not is_sparse_matrix(X):
             raise InputError(f"{self!r}: loss_and_touched_grad takes CSR rows, got a dense X")
         rows = X.shape[0]
-        sample_weight = self._check_sample_weight(sample_weight, rows)
-        first = self.layout.offset(self._names[0][1])  # the tensors after w1 start here
+        sample_weight = checked_sample_weight(self, sample_weight, rows)
+        first = self.layout.offset(self._stack.names[0][1])  # the tensors after w1 start here
         tail = np.zeros(self.size - first, np.float32)
         rest = np.arange(first, self.size, dtype=np.int64)
         if rows == 0:
@@ -229,16 +170,16 @@ class DenseNetwork:
             name: tail[self.layout.offset(name) - first :][
                 : int(np.prod(self.layout.shape(name)))
             ].reshape(self.layout.shape(name))
-            for names in self._names
+            for names in self._stack.names
             for name in names
-            if name != self._names[0][0]
+            if name != self._stack.names[0][0]
         }
         touched: list = []
-        self._backward_views(
+        self._stack.backward(
             params,
             outputs,
             grads,
-            first=lambda X, delta: touched.extend(_touched_product(X, delta)),
+            first=lambda X, delta: touched.extend(touched_product(X, delta)),
         )
         columns, product = touched
         width = self._layers[1]
@@ -257,9 +198,9 @@ class DenseNetwork:
     ) -> tuple[float, np.ndarray, float]:
         """``(loss_sum, predictions, count)``: the loss ``loss_and_grad`` gives and what
         ``predict`` gives, from one forward pass and no backward one (for evaluation)."""
-        weights = self._check_weights(weights)
-        X = self._check_features(X)
-        sample_weight = self._check_sample_weight(sample_weight, X.shape[0])
+        weights = checked_weights(self, weights)
+        X = checked_features(self, X)
+        sample_weight = checked_sample_weight(self, sample_weight, X.shape[0])
         if X.shape[0] == 0:
             return 0.0, self.predict(weights, X), 0
         _, outputs, targets = self._forward_with_targets(weights, X, y)
@@ -275,41 +216,35 @@ class DenseNetwork:
         self, weights: np.ndarray, X, y: np.ndarray
     ) -> tuple[dict[str, np.ndarray], list[np.ndarray], np.ndarray]:
         """What every call with labels starts with, on checked ``weights`` and ``X`` of at
-        least one row: ``(the parameters' views, _forward's outputs, the head's targets for
+        least one row: ``(the parameters' views, the stack's outputs, the head's targets for
         y)``. The head's loss then turns the last outputs into its delta, in place."""
         targets = self._head.targets(y, X.shape[0], self._layers[-1])
         params = self.layout.views(weights)
-        return params, self._forward(params, X), targets
+        return params, self._stack.forward(params, X), targets
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class ids (int64) for classification, float32 values for regression."""
-        weights = self._check_weights(weights)
-        X = self._check_features(X)
-        return self._head.predict(self._forward(self.layout.views(weights), X)[-1])
+        weights = checked_weights(self, weights)
+        X = checked_features(self, X)
+        return self._head.predict(self._stack.forward(self.layout.views(weights), X)[-1])
 
     def predict_raw(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """The last layer's outputs, before the head: float32 (rows, outputs). The class
         scores (logits) of a softmax head, the logit of the logistic one, the predicted
         values of a regression."""
-        weights = self._check_weights(weights)
-        X = self._check_features(X)
-        return self._forward(self.layout.views(weights), X)[-1]
+        weights = checked_weights(self, weights)
+        X = checked_features(self, X)
+        return self._stack.forward(self.layout.views(weights), X)[-1]
 
     def tensors(self, weights: np.ndarray) -> dict[str, np.ndarray]:
         """``name -> view`` of a flat parameter vector (``w1``, ``b1``, ...), for inspection."""
-        return self.layout.views(self._check_weights(weights))
+        return self.layout.views(checked_weights(self, weights))
 
     def penalized(self, part: slice | None = None) -> np.ndarray:
         """Which coordinates the regularisation applies to: the weights ``w1``, ``w2``, ...
         (True), not the biases ``b1``, ``b2``, ... (False); see ``Model``. ``part``: only
         that slice of the flat vector (None: all of it)."""
-        start, stop = part_bounds(part, self.size, f"{self!r}.penalized")
-        mask = np.zeros(stop - start, dtype=bool)
-        for weight, _ in self._names:
-            first = self.layout.offset(weight)
-            last = first + int(np.prod(self.layout.shape(weight)))
-            mask[max(first, start) - start : max(min(last, stop), start) - start] = True
-        return mask
+        return self._stack.penalized(*part_bounds(part, self.size, f"{self!r}.penalized"))
 
     def penalty_factors(self, feature_std: np.ndarray, part: slice | None = None) -> np.ndarray:
         """Each coordinate's factor of a standardized penalty: ``feature_std[j]`` for row ``j``
@@ -338,114 +273,28 @@ class DenseNetwork:
             factors[first - start : last - start] *= rows[skip : skip + last - first]
         return factors
 
-    # -- the math -------------------------------------------------------------------------
-
-    def _forward(self, params: dict[str, np.ndarray], X: np.ndarray) -> list[np.ndarray]:
-        """The input and every layer's output; the last is the pre-head output ``z``."""
-        outputs = [X]
-        last = len(self._names) - 1
-        for index, (weight, bias) in enumerate(self._names):
-            z = outputs[-1] @ params[weight]
-            z += params[bias]
-            if index < last:
-                ACTIVATIONS[self._activation].forward(z)
-            outputs.append(z)
-        return outputs
-
-    def _backward(
-        self,
-        params: dict[str, np.ndarray],
-        outputs: list[np.ndarray],
-        grad: np.ndarray,
-        ready: Callable[[int, int], None] | None = None,
-    ) -> None:
-        """The flat gradient into ``grad``, given ``outputs[-1]`` already holding ``d loss / d z``;
-        ``ready(start, stop)`` after each layer's part of it.
-
-        Every tensor view of the result is written in full by a ``out=`` matmul or sum, so
-        ``grad`` may start uninitialised.
-        """
-        self._backward_views(params, outputs, self.layout.views(grad), ready)
-
-    def _backward_views(
-        self,
-        params: dict[str, np.ndarray],
-        outputs: list[np.ndarray],
-        grads: dict[str, np.ndarray],
-        ready: Callable[[int, int], None] | None = None,
-        first: Callable[[np.ndarray, np.ndarray], None] | None = None,
-    ) -> None:
-        """``_backward`` into the tensors ``grads``; ``first(X, delta)``, when given, takes
-        the first layer's weight gradient instead (``grads`` then needs no ``w1``)."""
-        delta = outputs[-1]
-        for index in range(len(self._names) - 1, -1, -1):
-            weight, bias = self._names[index]
-            below = outputs[index]
-            if index == 0 and first is not None:
-                first(below, delta)
-            elif index == 0 and is_sparse_matrix(below):  # X^T delta, summed in place: O(non-zeros)
-                _add_transposed_product(below, delta, grads[weight])
-            else:
-                np.matmul(below.T, delta, out=grads[weight])
-            np.sum(delta, axis=0, out=grads[bias])
-            if ready is not None:
-                ready(self.layout.offset(weight), self.layout.offset(bias) + grads[bias].size)
-            if index > 0:
-                delta = delta @ params[weight].T
-                ACTIVATIONS[self._activation].backward(delta, below)
-
-    # -- checks ---------------------------------------------------------------------------
-
-    def _check_weights(self, weights) -> np.ndarray:
-        weights = np.ascontiguousarray(weights, dtype=np.float32)
-        if weights.shape != (self.size,):
-            raise InputError(
-                f"{self!r}: weights must be a flat vector of {self.size} parameters, "
-                f"got shape {weights.shape}"
-            )
-        return weights
-
-    def _check_sample_weight(self, sample_weight, rows: int) -> np.ndarray | None:
-        """``sample_weight`` as float64, one finite weight >= 0 per row; None stays None."""
-        if sample_weight is None:
-            return None
-        weight = np.asarray(sample_weight, dtype=np.float64)
-        if weight.shape != (rows,):
-            raise InputError(
-                f"{self!r}: sample_weight has shape {weight.shape}; it needs one weight per row of "
-                f"X, shape ({rows},)"
-            )
-        if not (np.isfinite(weight).all() and (weight >= 0).all()):
-            raise InputError(
-                f"{self!r}: sample_weight holds a negative, NaN or infinite weight; each must be a "
-                "finite number >= 0"
-            )
-        return weight
-
-    def _check_features(self, X) -> np.ndarray:
-        if is_sparse_matrix(X):
-            X = X.tocsr()
-            if X.dtype != np.float32:
-                X = X.astype(np.float32)
-            if X.shape[1] != self.n_features:
-                raise InputError(
-                    f"{self!r}: X has {X.shape[1]} features, expected {self.n_features}"
-                )
-            return X
-        X = np.asarray(X, dtype=np.float32)
-        if X.ndim == 1 and X.size == 0:
-            return X.reshape(0, self.n_features)
-        if X.ndim != 2:
-            raise InputError(f"{self!r}: X must be 2-D (rows, features), got shape {X.shape}")
-        if X.shape[1] != self.n_features:
-            raise InputError(f"{self!r}: X has {X.shape[1]} features, expected {self.n_features}")
-        return X
-
     # -- identity -------------------------------------------------------------------------
 
     def _arguments(self) -> dict:
         """The constructor arguments that rebuild this model."""
         raise NotImplementedError
+
+    def to_config(self) -> dict:
+        """The constructor arguments that rebuild this model, as JSON holds them: what
+        ``TrainedModel.save`` writes of it, and ``from_config`` reads back."""
+        return dict(self._arguments())
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> DenseNetwork:
+        """The model ``to_config`` described, made by its constructor and so checked as a
+        new one; an ``InputError`` where ``config`` names arguments it does not take."""
+        try:
+            return cls(**config)
+        except TypeError as error:
+            raise InputError(
+                f"{cls.__name__} cannot be made from the saved config {dict(config)!r} "
+                f"({error}); it was not written by {cls.__name__}.to_config"
+            ) from None
 
     def __repr__(self) -> str:
         arguments = ", ".join(f"{name}={value!r}" for name, value in self._arguments().items())
@@ -466,41 +315,6 @@ class DenseNetwork:
         if not type(self).__init__.__module__.startswith(__name__.rsplit(".", 1)[0]):
             return object.__reduce_ex__(self, protocol)
         return (_rebuild, (type(self), self._arguments()))
-
-
-#: Where ``X^T delta`` has more than this many entries per stored product, it is summed in
-#: place rather than made by scipy as a temporary (measured on 2 cores: scipy's product is
-#: faster up to about 40, the in-place sum beyond, 1.4x at 2^24 features).
-IN_PLACE_ABOVE = 48
-
-
-def _add_transposed_product(X, delta: np.ndarray, out: np.ndarray) -> None:
-    """``out = X^T delta`` for a CSR ``X``, written into ``out`` (features, outputs). For a
-    wide ``out`` each stored value adds its row's ``delta`` to its column's row of ``out``
-    (O(non-zeros), after one fill); scipy's product would first make a (features, outputs)
-    temporary, at 2^24 features a fresh 128 MB a step. Both give the same sums, each
-    column's added in row order."""
-    if out.size <= IN_PLACE_ABOVE * max(1, X.nnz * out.shape[1]):
-        out[...] = X.T @ delta
-        return
-    out.fill(0)
-    rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
-    np.add.at(out, X.indices, X.data[:, None] * delta[rows])
-
-
-def _touched_product(X, delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``X^T delta`` on the columns ``X`` holds alone: (those columns, increasing; their rows
-    of the product). ``X`` with its columns renumbered to those alone, through scipy's
-    product: each column's terms added in row order, as in ``_add_transposed_product``
-    either way, so the same bits, with no array as wide as ``X``."""
-    from scipy.sparse import csr_matrix
-
-    columns, where = np.unique(X.indices, return_inverse=True)
-    narrow = csr_matrix(
-        (X.data, where.astype(X.indices.dtype, copy=False), X.indptr),
-        shape=(X.shape[0], columns.size),
-    )
-    return columns, np.asarray(narrow.T @ delta, dtype=np.float32)
 
 
 def _rebuild(cls: type, arguments: dict) -> DenseNetwork:

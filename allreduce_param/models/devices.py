@@ -75,6 +75,23 @@ def check_device_request(device: object) -> str:
     )
 
 
+#: ``TorchModel``'s ``precision`` choices: float32, or the forward pass under bfloat16 autocast.
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision_and_encoding(precision: object, encode_on_device: object) -> None:
+    """A ConfigurationError where ``TorchModel``'s ``precision`` is not one of ``PRECISIONS``
+    or its ``encode_on_device`` not ``"auto"``, True or False."""
+    if precision not in PRECISIONS:
+        raise ConfigurationError(
+            f"TorchModel(precision={precision!r}): precision must be one of {PRECISIONS}"
+        )
+    if not isinstance(encode_on_device, bool) and encode_on_device != "auto":
+        raise ConfigurationError(
+            f"TorchModel(encode_on_device={encode_on_device!r}): it must be 'auto', True or False"
+        )
+
+
 def choose_device(
     request: str, assigned: Sequence[str] | None, cuda: CudaInfo, driver: bool = False
 ) -> str:

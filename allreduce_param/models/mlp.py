@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from allreduce_param.errors import ConfigurationError
 from allreduce_param.models.base import CLASSIFICATION, REGRESSION, TASKS
-from allreduce_param.models.dense import ACTIVATIONS, DenseNetwork, positive_int
+from allreduce_param.models.dense import DenseNetwork, positive_int
+from allreduce_param.models.dense_stack import ACTIVATIONS
 from allreduce_param.models.losses import SoftmaxCrossEntropy, SquaredError
 
 

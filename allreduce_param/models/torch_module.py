@@ -33,9 +33,6 @@ by owner as backward finishes each owner's range (``transfers.EncodedCopies``).
 
 from __future__ import annotations
 
-import copy
-import functools
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,42 +42,22 @@ import numpy as np
 from allreduce_param.engine.vectors import writable_output
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import merge_buffers, part_bounds
-from allreduce_param.models.device_codecs import DeviceEncoder, device_refusal
-from allreduce_param.models.devices import CudaInfo, check_device_request, choose_device, task_gpus
-from allreduce_param.models.transfers import EncodedCopies, GradientCopies, Staging, run_here
+from allreduce_param.models.device_codecs import DeviceEncoder
+from allreduce_param.models.devices import check_device_request, check_precision_and_encoding
+from allreduce_param.models.torch_copies import ThreadCopies
+from allreduce_param.models.torch_gradients import (
+    backward_encoded,
+    backward_into,
+    backward_streamed,
+    device_encoder_for,
+)
+from allreduce_param.models.torch_heads import TorchHead
+from allreduce_param.models.torch_state import ModuleState, fresh_parameters, require_torch
 
-LOSSES = ("cross_entropy", "mse")
-PRECISIONS = ("fp32", "bf16")
-_INIT_LOCK = threading.Lock()  # torch's random state is global to the process
-
-
-def _where() -> tuple:
-    """``(the Spark task's resources or None, whether this is a Spark driver)``; from the
-    Spark layer, imported only when a device is chosen."""
-    from allreduce_param.spark.gpus import on_spark_driver, task_resources
-
-    resources = task_resources()
-    return resources, resources is None and on_spark_driver()
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError as error:
-        raise ConfigurationError(
-            "TorchModel needs PyTorch: pip install 'allreduce-param[torch]'"
-        ) from error
-    return torch
-
-
-class _Copy:
-    """One thread's copy of the module (on the model's device), how many rows it has trained
-    on (whose buffer updates it holds), and on a GPU its pinned host buffers."""
-
-    __slots__ = ("module", "rows", "staging")
-
-    def __init__(self, module, staging: Staging | None) -> None:
-        self.module, self.rows, self.staging = module, 0, staging
+#: The settings ``to_config`` gives (besides the module's import path), as the constructor takes them.
+SETTINGS = ("loss", "device", "precision", "encode_on_device")
+#: The settings' defaults, which ``repr`` leaves out.
+DEFAULTS = {"device": "auto", "precision": "fp32", "encode_on_device": "auto"}
 
 
 class TorchModel:
@@ -115,17 +92,8 @@ class TorchModel:
         precision: str = "fp32",
         encode_on_device: str | bool = "auto",
     ) -> None:
-        torch = _torch()
-        if loss not in LOSSES:
-            raise ConfigurationError(f"TorchModel(loss={loss!r}): loss must be one of {LOSSES}")
-        if precision not in PRECISIONS:
-            raise ConfigurationError(
-                f"TorchModel(precision={precision!r}): precision must be one of {PRECISIONS}"
-            )
-        if not isinstance(encode_on_device, bool) and encode_on_device != "auto":
-            raise ConfigurationError(
-                f"TorchModel(encode_on_device={encode_on_device!r}): it must be 'auto', True or False"
-            )
+        torch = require_torch()
+        check_precision_and_encoding(precision, encode_on_device)
         self.device, self.precision = check_device_request(device), precision
         self.encode_on_device = encode_on_device
         self.module = (
@@ -136,53 +104,48 @@ class TorchModel:
                 f"TorchModel needs a torch.nn.Module, got {type(self.module).__name__}"
             )
         self.loss = loss
-        self.task = "classification" if loss == "cross_entropy" else "regression"
-        self._names = [name for name, _ in self.module.named_parameters()]
-        self._shapes = [tuple(p.shape) for p in self.module.parameters()]
-        self.size = int(sum(int(np.prod(shape)) for shape in self._shapes))
-        # the state_dict's entries: a parameter's key -> its name above (tied ones share it),
-        # and the persistent buffers' keys (the names buffers() gives)
-        by_id = {id(p): name for name, p in self.module.named_parameters()}
-        buffer_ids = {id(b) for _, b in self.module.named_buffers(remove_duplicate=False)}
-        entries = self.module.state_dict(keep_vars=True)
-        self._parameter_keys = {
-            key: by_id[id(value)] for key, value in entries.items() if id(value) in by_id
-        }
-        self._buffer_keys = [key for key, value in entries.items() if id(value) in buffer_ids]
-        self._reset_copies()
+        self._build()
 
-    def _reset_copies(self) -> None:
-        self._per_thread = threading.local()
-        self._copies: list[_Copy] = []  # every thread's, to merge their buffers
-        self._lock = threading.Lock()
-        self._torch_device = None  # chosen at the first call, in the process that runs it
+    def _build(self) -> None:
+        """What follows from the module and the settings: the task, the state's layout, and
+        the threads' copies (none yet; the device chosen at the first call)."""
+        self._head = TorchHead(self.loss)
+        self.task = self._head.task
+        self._state = ModuleState(self.module)
+        self.size = self._state.size
+        self._threads = ThreadCopies(self.module, self.device, self.size)
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        # copies and the device stay where they were made: an executor chooses its own
-        for name in ("_per_thread", "_copies", "_lock", "_torch_device"):
-            del state[name]
-        return state
+        # the module and the settings: an executor builds the rest, and chooses its device
+        return {"module": self.module, **{name: getattr(self, name) for name in SETTINGS}}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.__dict__.setdefault("encode_on_device", "auto")  # pickled before it was a setting
-        self._reset_copies()
+        # a setting pickled before it was one takes its default
+        given = {name: state[name] for name in ("module", *SETTINGS) if name in state}
+        self.__dict__.update({**DEFAULTS, **given})
+        self._build()
+
+    def to_config(self) -> dict:
+        """The settings that rebuild this model around its module, as JSON holds them, and the
+        module's class as ``"package.module:Class"`` (``module``): what ``TrainedModel.save``
+        writes of it besides the module's state (``models.torch_saving``)."""
+        kind = type(self.module)
+        return {
+            "module": f"{kind.__module__}:{kind.__qualname__}",
+            **{name: getattr(self, name) for name in SETTINGS},
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping, module: Any) -> TorchModel:
+        """The model ``to_config`` described, around ``module`` (which holds the saved state:
+        ``models.torch_saving`` loads it)."""
+        return cls(module, **{name: config[name] for name in SETTINGS if name in config})
 
     @property
     def torch_device(self):
         """The ``torch.device`` this process runs the module on, chosen at the first call (see
         ``models.devices.choose_device``; a ConfigurationError says why a GPU is unusable)."""
-        if self._torch_device is None:
-            torch = _torch()
-            with self._lock:
-                if self._torch_device is None:
-                    resources, driver = _where()
-                    chosen = choose_device(
-                        self.device, task_gpus(resources), CudaInfo.of_torch(torch), driver
-                    )
-                    self._torch_device = torch.device(chosen)
-        return self._torch_device
+        return self._threads.device
 
     @property
     def uses_gpu(self) -> bool:
@@ -190,27 +153,11 @@ class TorchModel:
         the fit's ``overlap="auto"`` then streams the gradient on one host too."""
         return self.torch_device.type == "cuda"
 
-    def _own(self) -> _Copy:
-        """This thread's copy of the module, on the device."""
-        own = getattr(self._per_thread, "copy", None)
-        if own is None:
-            device = self.torch_device
-            module = copy.deepcopy(self.module).to(device)
-            staging = Staging(_torch(), device, self.size) if device.type == "cuda" else None
-            own = self._per_thread.copy = _Copy(module, staging)
-            with self._lock:
-                self._copies.append(own)
-        return own
-
     def __repr__(self) -> str:
         extra = "".join(
-            f", {name}={value!r}"
-            for name, value, default in (
-                ("device", self.device, "auto"),
-                ("precision", self.precision, "fp32"),
-                ("encode_on_device", self.encode_on_device, "auto"),
-            )
-            if value != default
+            f", {name}={getattr(self, name)!r}"
+            for name, default in DEFAULTS.items()
+            if getattr(self, name) != default
         )
         return (
             f"TorchModel({self.module.__class__.__name__}, loss={self.loss!r}{extra}, "
@@ -220,44 +167,29 @@ class TorchModel:
     def init(self, rng: np.random.Generator) -> np.ndarray:
         """Fresh parameters, reproducible from ``rng``; touches neither the module nor torch's
         global random state (it runs on a copy, under a lock, with that state forked)."""
-        torch = _torch()
-        seed = int(rng.integers(2**62))
-        with _INIT_LOCK, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            module = copy.deepcopy(self.module)
-            for layer in module.modules():
-                if layer is not module and hasattr(layer, "reset_parameters"):
-                    layer.reset_parameters()
-            with torch.no_grad():
-                return (
-                    torch.nn.utils.parameters_to_vector(module.parameters())
-                    .numpy()
-                    .astype(np.float32)
-                )
+        return fresh_parameters(self.module, int(rng.integers(2**62)))
 
     def _parameters(self, weights: np.ndarray, requires_grad: bool) -> dict:
         """The parameters by name: views of one float32 copy of ``weights`` on the device."""
-        torch = _torch()
+        torch = require_torch()
         if weights.size != self.size:
             raise InputError(f"{self!r}: got {weights.size} weights, expected {self.size}")
-        staging = self._own().staging
+        staging = self._threads.own().staging
         if staging is None:
             flat = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
         else:
             flat = staging.upload(np.asarray(weights).reshape(-1))
-        parameters, start = {}, 0
-        for name, shape in zip(self._names, self._shapes):
-            count = int(np.prod(shape))
-            parameters[name] = flat[start : start + count].view(shape).requires_grad_(requires_grad)
-            start += count
-        return parameters
+        return {
+            name: flat[start:stop].view(shape).requires_grad_(requires_grad)
+            for name, shape, start, stop in self._state.ranges()
+        }
 
     def _forward(self, parameters: dict, X: np.ndarray, train: bool):
         """The module's output on ``X`` in train mode (this thread's copy's buffers, which
         BatchNorm updates; the rows are counted to its copy) or eval mode (``buffers()``,
         read only)."""
-        torch = _torch()
-        own, device = self._own(), self.torch_device
+        torch = require_torch()
+        own, device = self._threads.own(), self.torch_device
         inputs = (torch.from_numpy(np.asarray(X, np.float32)).to(device),)
         with torch.autocast(device.type, torch.bfloat16, enabled=self.precision == "bf16"):
             if train:
@@ -289,29 +221,13 @@ class TorchModel:
         """``(loss_sum, count)``, the gradient sum written into ``out``: each parameter's part
         as autograd finishes it (a hook on the parameter), then ``ready(start, stop)`` for
         it, so that it can be sent while backward goes on (last layers first)."""
-        torch = _torch()
         writable_output(out, self.size, f"{self!r}: loss_and_grad_into(out=)")
         if len(X) == 0:
             out[:] = 0
             return 0.0, 0
         parameters = self._parameters(weights, requires_grad=True)
-        staging = self._own().staging
-        copies = None
-        if staging is None:  # on the CPU: each part written in place
-            done = functools.partial(self._gradient_done, torch.from_numpy(out), ready=ready)
-        else:  # on a GPU: each part copied down to pinned memory, then into out
-            copies = GradientCopies(out, staging.down.numpy(), staging.download, ready)
-            done = copies.part_done
-        start = 0
-        for tensor in parameters.values():
-            stop = start + tensor.numel()
-            tensor.register_hook(functools.partial(done, start, stop))
-            start = stop
-        loss = self._loss(self._forward(parameters, X, train=True), y)
-        torch.autograd.grad(loss, list(parameters.values()))  # the hooks keep what it gives
-        if copies is not None:
-            copies.finish()
-        return float(loss.item()), len(X)
+        staging = self._threads.own().staging
+        return backward_into(parameters, self._loss_of(X, y), out, staging, ready), len(X)
 
     def device_encoder(self, plan) -> DeviceEncoder | None:
         """An encoder of gradient puts cut as ``plan`` (``ConnectedParameter.info.gradient_put_plan``)
@@ -319,19 +235,9 @@ class TorchModel:
         encoded there (``device_codecs.device_refusal``); None where the gradient goes down
         as float32. ``encode_on_device=True`` with a codec or parameter that cannot take it
         is a ``ConfigurationError`` naming why."""
-        if self.encode_on_device is False:
-            return None
-        refusal = device_refusal(plan.codec, plan.refusal)
-        if refusal is not None:
-            if self.encode_on_device is True:
-                raise ConfigurationError(
-                    f"{self!r}: encode_on_device=True, but {refusal}; pass a lossy "
-                    "gradient_codec or encode_on_device='auto'"
-                )
-            return None
-        if self.encode_on_device == "auto" and not self.uses_gpu:
-            return None
-        return DeviceEncoder(_torch(), self.torch_device, plan)
+        return device_encoder_for(
+            self.encode_on_device, plan, lambda: self.torch_device, repr(self)
+        )
 
     def loss_and_encoded_grad(
         self,
@@ -351,162 +257,84 @@ class TorchModel:
         landed on the host (``transfers.EncodedCopies``): the last layers' owners first,
         while backward goes on. The same bits as without; the payload is then all of them.
         An error in backward waits for the copies under way and hands nothing more over."""
-        torch = _torch()
         if ready is not None:
-            return self._loss_and_streamed_encoding(weights, X, y, encoder, ready)
-        if len(X) == 0:
-            flat = torch.zeros(self.size, dtype=torch.float32, device=self.torch_device)
-            return 0.0, encoder.encode(flat), 0
-        parameters = self._parameters(weights, requires_grad=True)
-        loss = self._loss(self._forward(parameters, X, train=True), y)
-        gradients = torch.autograd.grad(loss, list(parameters.values()))
-        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
-        payload = encoder.encode(flat)
-        return float(loss.item()), payload, len(X)
-
-    def _loss_and_streamed_encoding(
-        self, weights, X, y, encoder: DeviceEncoder, ready: Callable[[int, np.ndarray], None]
-    ) -> tuple[float, np.ndarray, int]:
-        """``loss_and_encoded_grad`` with ``ready``: each parameter's gradient given to
-        ``EncodedCopies`` by a hook as autograd finishes it."""
-        torch = _torch()
-        staging = self._own().staging
-        copies = EncodedCopies(encoder, run_here if staging is None else staging.aside, ready)
-        try:
-            if len(X) == 0:  # the residual alone goes out, as an unstreamed put sends it
-                zeros = torch.zeros(self.size, dtype=torch.float32, device=self.torch_device)
-                copies.part_done(0, self.size, zeros)
-                loss_sum = 0.0
-            else:
-                parameters = self._parameters(weights, requires_grad=True)
-                start = 0
-                for tensor in parameters.values():
-                    stop = start + tensor.numel()
-                    tensor.register_hook(functools.partial(copies.part_done, start, stop))
-                    start = stop
-                loss = self._loss(self._forward(parameters, X, train=True), y)
-                torch.autograd.grad(loss, list(parameters.values()))  # the hooks keep it
-                loss_sum = float(loss.item())
-            copies.finish()
-        except BaseException:
-            copies.abandon()
-            raise
-        return loss_sum, encoder.payload, len(X)
-
-    @staticmethod
-    def _gradient_done(flat_out, start: int, stop: int, gradient, ready) -> None:
-        """Autograd's hook on the CPU: one parameter's gradient is final; write it to its
-        place, say so."""
-        flat_out[start:stop].copy_(gradient.reshape(-1))
-        if ready is not None:
-            ready(start, stop)
-
-    def _loss(self, output, y):
-        """The summed loss of ``output`` against the labels ``y``."""
-        torch = _torch()
-        if self.loss == "cross_entropy":
-            return torch.nn.functional.cross_entropy(
-                output, torch.from_numpy(np.asarray(y, np.int64)).to(output.device), reduction="sum"
+            parameters = self._parameters(weights, requires_grad=True) if len(X) else None
+            loss_sum, payload = backward_streamed(
+                parameters,
+                self._loss_of(X, y),
+                encoder,
+                self._threads.own().staging,
+                self._zeros,
+                ready,
             )
-        target = torch.from_numpy(np.asarray(y, np.float32)).to(output.device).reshape(output.shape)
-        return 0.5 * torch.sum((output - target) ** 2)
+            return loss_sum, payload, len(X)
+        if len(X) == 0:
+            return 0.0, encoder.encode(self._zeros()), 0
+        parameters = self._parameters(weights, requires_grad=True)
+        loss_sum, payload = backward_encoded(parameters, self._loss_of(X, y), encoder)
+        return loss_sum, payload, len(X)
+
+    def _zeros(self):
+        """A zero gradient on the device."""
+        torch = require_torch()
+        return torch.zeros(self.size, dtype=torch.float32, device=self.torch_device)
+
+    def _loss_of(self, X: np.ndarray, y: np.ndarray):
+        """The training pass's forward on ``X`` against ``y``: the parameters -> the summed
+        loss (``torch_gradients.LossOf``)."""
+        return lambda parameters: self._head.loss_sum(self._forward(parameters, X, train=True), y)
 
     def loss_and_predictions(
         self, weights: np.ndarray, X: np.ndarray, y: np.ndarray
     ) -> tuple[float, np.ndarray, int]:
         """``(loss_sum, predictions, count)`` from one forward pass without gradients, in eval
         mode (evaluation)."""
-        torch = _torch()
+        torch = require_torch()
         if len(X) == 0:
             return 0.0, self.predict(weights, X), 0
         with torch.no_grad():
             output = self._forward(self._parameters(weights, requires_grad=False), X, train=False)
-            return float(self._loss(output, y).item()), self._predictions(output, len(X)), len(X)
+            return (
+                float(self._head.loss_sum(output, y).item()),
+                self._head.predictions(output, len(X)),
+                len(X),
+            )
 
     def predict(self, weights: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Class ids (int64) or values (float32), from the module in eval mode."""
-        torch = _torch()
+        torch = require_torch()
         with torch.no_grad():
             output = self._forward(self._parameters(weights, requires_grad=False), X, train=False)
-        return self._predictions(output, len(X))
-
-    def _predictions(self, output, rows: int) -> np.ndarray:
-        """Class ids (int64) or values (float32) from the module's output."""
-        output = output.cpu()
-        if self.task == "classification":
-            return output.argmax(dim=1).numpy().astype(np.int64)
-        return (
-            output.reshape(rows, -1).squeeze(1).numpy().astype(np.float32)
-            if output.shape[-1] == 1
-            else output.numpy().astype(np.float32)
-        )
+        return self._head.predictions(output, len(X))
 
     # ---- buffers and named tensors (see allreduce_param.models.base.Model) ----------------
-
-    def _buffers_of(self, module) -> dict[str, np.ndarray]:
-        named = dict(module.named_buffers(remove_duplicate=False))
-        return {key: named[key].detach().cpu().numpy().copy() for key in self._buffer_keys}
 
     def buffers(self) -> dict[str, np.ndarray]:
         """The persistent buffers by state_dict name (copies): those of the threads' copies
         that trained, merged by ``merge_buffers`` weighted by the rows each trained on (one
         thread: its own), else the module's (as wrapped, or as ``set_buffers`` set them)."""
-        with self._lock:
-            trained = [(own.module, own.rows) for own in self._copies if own.rows]
+        trained = self._threads.trained()
         if not trained:
-            return self._buffers_of(self.module)
+            return self._state.buffers_of(self.module)
         if len(trained) == 1:
-            return self._buffers_of(trained[0][0])
-        return merge_buffers([(self._buffers_of(module), rows) for module, rows in trained])
-
-    def _checked_buffers(self, buffers: Mapping[str, Any], what: str) -> dict[str, np.ndarray]:
-        """``buffers`` as arrays of the module's buffers' dtypes; an error names a missing,
-        unexpected or misshapen one."""
-        expected = self._buffers_of(self.module)
-        missing, unexpected = (
-            sorted(set(expected) - set(buffers)),
-            sorted(set(buffers) - set(expected)),
-        )
-        if missing or unexpected:
-            raise InputError(
-                f"{self!r}.{what}: the buffers must be {sorted(expected)}; "
-                f"missing {missing}, unexpected {unexpected}"
-            )
-        checked = {}
-        for key, value in expected.items():
-            given = np.asarray(buffers[key])
-            if given.shape != value.shape:
-                raise InputError(
-                    f"{self!r}.{what}: buffer {key!r} has shape {given.shape}, the module's "
-                    f"{value.shape}"
-                )
-            checked[key] = np.array(given, dtype=value.dtype)  # a 0-d one stays 0-d
-        return checked
+            return self._state.buffers_of(trained[0][0])
+        return merge_buffers([(self._state.buffers_of(module), rows) for module, rows in trained])
 
     def set_buffers(self, buffers: Mapping[str, np.ndarray]) -> None:
         """Replace the module's persistent buffers (by state_dict name, as ``buffers()``
         gives them); the threads' copies start again from them."""
-        torch = _torch()
-        checked = self._checked_buffers(buffers, "set_buffers")
+        torch = require_torch()
+        checked = self._state.checked_buffers(self.module, buffers, f"{self!r}.set_buffers")
         named = dict(self.module.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for key, value in checked.items():
                 named[key].copy_(torch.from_numpy(value))
-        with self._lock:
-            self._per_thread, self._copies = threading.local(), []
+        self._threads.clear()
 
     def tensors(self, weights: np.ndarray) -> dict[str, np.ndarray]:
         """``state_dict name -> view`` of the flat vector's parameters (a tied parameter under
         each of its names)."""
-        if weights.size != self.size:
-            raise InputError(f"{self!r}: got {weights.size} weights, expected {self.size}")
-        views, start = {}, 0
-        flat = np.asarray(weights).reshape(-1)
-        for name, shape in zip(self._names, self._shapes):
-            count = int(np.prod(shape))
-            views[name] = flat[start : start + count].reshape(shape)
-            start += count
-        return {key: views[name] for key, name in self._parameter_keys.items()}
+        return self._state.tensors(weights, repr(self))
 
     def penalized(self, part: slice | None = None) -> np.ndarray:
         """Which coordinates the regularisation applies to: every parameter but those whose
@@ -514,15 +342,7 @@ class TorchModel:
         ``fit_intercept=False``); a module's other unpenalised parameters (a norm layer's
         ``weight``) are penalised all the same. ``part``: only that slice of the flat vector
         (None: all of it). See ``Model``."""
-        start, stop = part_bounds(part, self.size, f"{self!r}.penalized")
-        mask = np.ones(stop - start, dtype=bool)
-        first = 0
-        for name, shape in zip(self._names, self._shapes):
-            last = first + int(np.prod(shape))
-            if name.endswith("bias"):
-                mask[max(first, start) - start : max(min(last, stop), start) - start] = False
-            first = last
-        return mask
+        return self._state.penalized(*part_bounds(part, self.size, f"{self!r}.penalized"))
 
     def state_dict(
         self, weights: np.ndarray, buffers: Mapping[str, np.ndarray] | None = None
@@ -530,17 +350,6 @@ class TorchModel:
         """What ``module.load_state_dict`` takes: the parameters from ``weights``, the buffers
         from ``buffers`` (default: ``buffers()``), other entries (extra state) the module's
         own; in the module's own order, torch tensors that share no memory with the inputs."""
-        torch = _torch()
-        tensors = self.tensors(weights)
-        checked = self._checked_buffers(
-            self.buffers() if buffers is None else buffers, "state_dict"
-        )
-        result = OrderedDict()
-        for key, value in self.module.state_dict().items():
-            if key in tensors:
-                result[key] = torch.from_numpy(np.array(tensors[key], dtype=np.float32))
-            elif key in checked:
-                result[key] = torch.from_numpy(checked[key].copy())
-            else:
-                result[key] = value
-        return result
+        given = self.buffers() if buffers is None else buffers
+        checked = self._state.checked_buffers(self.module, given, f"{self!r}.state_dict")
+        return self._state.state_dict(self.module, self.tensors(weights), checked)

@@ -1,4 +1,5 @@
-"""Reading numpy's ``.npy`` and ``.npz`` files one thread at a time.
+"""Reading numpy's ``.npy`` and ``.npz`` files one thread at a time, and writing ``.npz``
+archives of plain arrays.
 
 numpy parses each array's header with ``ast.literal_eval``, and CPython 3.11 builds the
 syntax tree with a recursion counter shared by every thread: two threads reading headers at
@@ -11,7 +12,9 @@ several threads) read checkpoints and models at the same moment, so every read g
 
 from __future__ import annotations
 
+import os
 import threading
+import zipfile
 from typing import IO
 
 import numpy as np
@@ -30,3 +33,13 @@ def read_array(file: IO[bytes]) -> np.ndarray:
     """The array of the ``.npy`` in ``file`` (no pickles), read under the lock."""
     with NUMPY_READS:
         return np.load(file, allow_pickle=False)
+
+
+def write_npz(path: str | os.PathLike | IO[bytes], arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` as a numpy ``.npz`` at exactly ``path``, or into a binary file open for
+    writing, without pickles (``np.savez`` would add ``.npz`` and takes names as keywords, so
+    a tensor called ``file`` would clash)."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, value in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)

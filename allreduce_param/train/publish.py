@@ -83,9 +83,10 @@ class PublishedModels:
                 "was changed since"
             ) from None
 
-    def load(self, latest: Latest) -> TrainedModel:
-        """The model ``latest`` points to."""
-        return TrainedModel.load(self.root.child(latest.folder).url)
+    def load(self, latest: Latest, module: Any = None) -> TrainedModel:
+        """The model ``latest`` points to; ``module``: a ``TorchModel``'s module to load its
+        state into (``TrainedModel.load``'s)."""
+        return TrainedModel.load(self.root.child(latest.folder).url, module=module)
 
     def publish(
         self,

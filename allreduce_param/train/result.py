@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,7 +15,8 @@ from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import dense_for, has_buffers, is_sparse_matrix
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.train.features import matrix_from_pandas
-from allreduce_param.train.numpy_files import read_array, read_arrays
+from allreduce_param.train.model_files import ModelFiles, read_model, write_model
+from allreduce_param.train.numpy_files import write_npz
 from allreduce_param.train.records import STEP_FIELDS, UPDATE_FIELDS
 from allreduce_param.train.rows import features_column, is_vector_type
 from allreduce_param.train.storage import Location, locate
@@ -23,10 +24,6 @@ from allreduce_param.train.storage import Location, locate
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-# /2: buffers.npz when the model has buffers; /3: where training stopped, and
-# optimizer_state.npz when the fit kept it
-FORMAT = "allreduce-param-model/3"
-READS = ("allreduce-param-model/1", "allreduce-param-model/2", FORMAT)
 #: In a folder of a streaming fit's published models (``train.publish``): the file that
 #: names the newest complete one, which ``TrainedModel.load`` of the folder reads.
 LATEST = "LATEST.json"
@@ -360,57 +357,50 @@ class TrainedModel:
         predict.__annotations__ = {"features": kind, "return": pd.Series}
         return df.withColumn(prediction_col, F.pandas_udf(predict, "double")(column))
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, allow_pickle: bool = False) -> None:
         """Write the model, its weights, buffers and history to the folder ``path`` (made if
         missing): a local path (relative to the working directory, not to Spark's default
         file system), or a URL on cluster storage, e.g. ``hdfs://``, ``s3://`` (with s3fs),
         ``file://``; and on the driver of a classic SparkSession any URL its Hadoop reaches
-        (``s3a://``, ``abfss://``, ``gs://``, ``dbfs:/``, ...): see ``train/storage.py``."""
-        from pyspark import cloudpickle
+        (``s3a://``, ``abfss://``, ``gs://``, ``dbfs:/``, ...): see ``train/storage.py``.
 
-        folder = locate(path, "save the model to")
-        folder.make_folder()
-        with folder.child("weights.npy").open_write() as file:
-            np.save(file, self.weights)
-        buffers = folder.child("buffers.npz")
-        if self.buffers:
-            with buffers.open_write() as file:
-                write_npz(file, self.buffers)
-        elif buffers.exists():  # an earlier save's in the same folder
-            buffers.remove()
-        state = folder.child("optimizer_state.npz")
-        if self.optimizer_state is not None:
-            with state.open_write() as file:
-                write_npz(file, self.optimizer_state)
-        elif state.exists():
-            state.remove()
-        folder.child("model.pkl").write_bytes(cloudpickle.dumps(self.model))
+        The model is saved as data (``train/model_files.py``): a built-in model as its kind
+        and constructor arguments, a ``TorchModel`` as its settings, its module's class and
+        its module's state as arrays. Any other model saves only as a pickle, which runs code
+        when it is loaded: ``allow_pickle=True`` says to (else an ``InputError``)."""
+        history = self.history
         meta = {
-            "format": FORMAT,
-            "model": repr(self.model),
             "n_features": self.n_features,
             "steps_done": self.steps_done,
             "epochs_done": self.epochs_done,
             "optimizer": self.optimizer_kind,
             "history": {
-                "steps": self.history.steps,
-                "epochs": self.history.epochs,
-                "dropped": {str(k): v for k, v in self.history.dropped.items()},
-                "resumed": self.history.resumed,
-                "checkpoints": self.history.checkpoints,
-                "seconds": self.history.seconds,
-                "phases": self.history.phases,
+                "steps": history.steps,
+                "epochs": history.epochs,
+                "dropped": {str(k): v for k, v in history.dropped.items()},
+                "resumed": history.resumed,
+                "checkpoints": history.checkpoints,
+                "seconds": history.seconds,
+                "phases": history.phases,
             },
         }
-        folder.child("meta.json").write_bytes(json.dumps(meta, indent=1).encode())
+        files = ModelFiles(self.model, self.weights, self.buffers, self.optimizer_state, meta)
+        write_model(locate(path, "save the model to"), files, allow_pickle)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> TrainedModel:
+    def load(
+        cls, path: str | os.PathLike, module: Any = None, allow_pickle: bool = False
+    ) -> TrainedModel:
         """Read a model written by ``save``, from any path or URL ``save`` takes; or from
         the folder a streaming fit publishes to (``DistriOptimizer.fit_stream``'s
-        ``model_path``), its newest complete model."""
-        import pickle
+        ``model_path``), its newest complete model.
 
+        ``module``: for a saved ``TorchModel``, the ``torch.nn.Module`` (or a function making
+        one) to load its module's state into; without it, one is made from the saved class
+        where it can be imported here and takes no arguments, else an ``InputError`` says
+        to pass ``module=``. Nothing in the folder runs as it is read: a model saved as a
+        pickle (by ``save(allow_pickle=True)``, or by a version before format /4) is an
+        ``InputError`` unless ``allow_pickle=True``, for folders you trust."""
         folder = locate(path, "load the model from")
         meta_file = folder.child("meta.json")
         if not meta_file.is_file() and folder.child(LATEST).is_file():
@@ -424,14 +414,8 @@ class TrainedModel:
                 else "does not exist: no saved model there"
             )
             raise InputError(f"{folder} {held}")
-        meta = json.loads(meta_file.read_bytes())
-        if meta.get("format") not in READS:
-            raise InputError(
-                f"{folder} was saved in format {meta.get('format')!r}; this version reads "
-                f"{' and '.join(READS)}"
-            )
-        model = pickle.loads(folder.child("model.pkl").read_bytes())
-        saved = meta["history"]
+        files = read_model(folder, module, allow_pickle)
+        meta, saved = files.meta, files.meta["history"]
         history = History(
             saved["steps"],
             saved["epochs"],
@@ -441,17 +425,13 @@ class TrainedModel:
             saved.get("checkpoints"),
             saved.get("phases", {}),
         )
-        buffers = _read_npz(folder, "buffers.npz")
-        state = _read_npz(folder, "optimizer_state.npz")
-        with folder.child("weights.npy").open_read() as file:
-            weights = read_array(file)
         return cls(
-            model,
-            weights,
+            files.model,
+            files.weights,
             history,
             meta.get("n_features"),
-            buffers=buffers,
-            optimizer_state=state,
+            buffers=files.buffers,
+            optimizer_state=files.optimizer_state,
             optimizer_kind=meta.get("optimizer"),
             steps_done=meta.get("steps_done"),
             epochs_done=meta.get("epochs_done"),
@@ -500,27 +480,6 @@ class TrainedModel:
                 "state_dict(weights, buffers): use export_npz(path) for its named tensors"
             )
         return make(self.weights, self.buffers or None)
-
-
-def _read_npz(folder: Location, name: str) -> dict[str, np.ndarray] | None:
-    """The arrays of ``folder``'s ``name`` (an ``.npz`` a model's ``save`` wrote), or None if
-    it has none (a model without buffers, or one saved without its optimizer state)."""
-    if not folder.child(name).is_file():
-        return None
-    with folder.child(name).open_read() as file:
-        return read_arrays(file)
-
-
-def write_npz(path: str | os.PathLike | IO[bytes], arrays: dict[str, np.ndarray]) -> None:
-    """Write ``arrays`` as a numpy ``.npz`` at exactly ``path``, or into a binary file open for
-    writing (``np.savez`` would add ``.npz`` and takes names as keywords, so a tensor called
-    ``file`` would clash)."""
-    import zipfile
-
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        for name, value in arrays.items():
-            with archive.open(f"{name}.npy", "w", force_zip64=True) as entry:
-                np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)
 
 
 def _returned(location: Location) -> Path | str:

@@ -19,6 +19,7 @@ would mean nothing, and are refused.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import warnings
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from allreduce_param.errors import InputError
+from allreduce_param.models.torch_module import TorchModel
 from allreduce_param.train.driver.checks import check_initial
 from allreduce_param.train.publish import PublishedModels, columns_of, query_id_of
 from allreduce_param.train.storage import scheme_of
@@ -72,6 +74,9 @@ def start_query(
         initial,
         on_model,
         empty_batches,
+        module=copy.deepcopy(trainer.model.module)
+        if isinstance(trainer.model, TorchModel)
+        else None,
     )
     writer = stream.writeStream.foreachBatch(batch_fit).option("checkpointLocation", checkpoint)
     if trigger is not None:
@@ -106,7 +111,9 @@ def query_checkpoint_name(location: Any) -> str:
 
 class StreamFit:
     """The ``foreachBatch`` function of a streaming fit, and what it keeps between
-    micro-batches: the newest model and the id of the micro-batch it trained last."""
+    micro-batches: the newest model and the id of the micro-batch it trained last.
+    ``module``: for a ``TorchModel``'s fit, a copy of its module, which the published model
+    found at the start is loaded into (a saved model holds no code)."""
 
     def __init__(
         self,
@@ -118,6 +125,7 @@ class StreamFit:
         initial: Any = None,
         on_model: Callable[[int, Any], None] | None = None,
         empty_batches: str = "skip",
+        module: Any = None,
     ) -> None:
         self._fit, self.published = fit, published
         self.query_checkpoint, self._names = query_checkpoint, columns
@@ -142,7 +150,7 @@ class StreamFit:
                 f"{query_checkpoint!r}: its micro-batch ids are that query's. Restart that "
                 "query, or publish to a new model_path (initial= can start it from this model)"
             )
-        self.model = published.load(latest)
+        self.model = published.load(latest, module=module)
         self.last_batch, self.columns = latest.batch_id, latest.columns
         self._published_query_id = latest.query_id
 
