@@ -37,10 +37,10 @@ had before. Skipped, with the reason, when not root or when ``unshare``, ``nsent
 ``ip`` (and, given a rate, ``tc``) is missing or refused (a container may forbid
 namespaces, bridges, veth or the tbf queueing discipline).
 
-It lives in jobs/, beside the benchmark that makes its hosts with it, so that no benchmark
-reaches into tests/; the tests import it from here (``tests/conftest.py`` puts jobs/ on
-their path). Its skips and failures are pytest's: a test reports them as such, and
-``bench_hosts.py`` catches them to say why it cannot run.
+It lives in jobs/harness/, the package the tests and ``bench_hosts.py`` share, so that no
+benchmark reaches into tests/ (a script under jobs/ has jobs/ on its path; pytest gets it
+from ``pythonpath`` in pyproject.toml). Its skips and failures are pytest's: a test reports
+them as such, and ``bench_hosts.py`` catches them to say why it cannot run.
 """
 
 from __future__ import annotations

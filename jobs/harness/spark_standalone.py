@@ -14,8 +14,8 @@ a host of its own instead (its address and prefix: simulated hosts, ``sim_hosts.
 The master and the workers map the class archive a local session saved, when there is one
 (``class_archive_options``), which shortens each daemon's start.
 
-It lives in jobs/ beside ``sim_hosts.py``, for the same reason: the benchmark and the tests
-share it, and no benchmark reaches into tests/.
+It lives in jobs/harness/ beside ``sim_hosts.py``, for the same reason: the benchmark and
+the tests share it, and no benchmark reaches into tests/.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import pyspark
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 #: ``spark-submit`` as the README's recipe runs it: the one next to this Python (the venv's
 #: ``.venv/bin/spark-submit``), or else the installed pyspark's own
