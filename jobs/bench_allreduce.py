@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         const="arena,blocks",
         help="with --processes, instead of timings: each process's memory after --steps "
         "steps through the host arena and blocks (or the ways named: arena, blocks), in "
-        "vectors (jobs/bench_process_memory.py)",
+        "vectors (jobs/benchkit/process_memory.py)",
     )
     parser.add_argument(
         "--codecs",

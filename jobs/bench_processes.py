@@ -31,7 +31,7 @@ copy's rate of memory traffic (two bytes moved per byte copied) that is
 
 ``--own-gradient`` compares, instead of gloo, the loop putting ``p.gradient_buffer()`` with
 it putting a vector of its own, beside one copy of that vector (``own_gradient_size``);
-``--memory`` measures each process's memory instead of time (``bench_process_memory.py``).
+``--memory`` measures each process's memory instead of time (``benchkit/process_memory.py``).
 
 Memory: through the host arena (the default here: one host, BSP, raw) the host holds the
 weight vector once and one gradient vector per partition, and each partition its summed

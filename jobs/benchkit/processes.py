@@ -28,7 +28,7 @@ OWN_HELP = (
 MEMORY_HELP = (
     "instead of timings: each process's memory (smaps_rollup) after --steps steps, through "
     "the host arena and through blocks (or the ways named: arena, blocks), in vectors "
-    "(jobs/bench_process_memory.py)"
+    "(jobs/benchkit/process_memory.py)"
 )
 
 

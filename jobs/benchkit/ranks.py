@@ -1,5 +1,5 @@
 """Plain processes as ranks, without Spark: started, their reports collected, each one joined
-or killed (``bench_processes.py``, ``bench_process_memory.py``, ``bench_gpu.py``)."""
+or killed (``bench_processes.py``, ``bench_gpu.py``; ``process_memory``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One fit of each contender of ``bench_sparse.py``, timed and watched.
 
 ``run_ours`` fits ``AllReduceClassifier(hiddenLayers=[])``, ``run_mllib`` MLlib's
-``LogisticRegression``, each within a budget (``bench_train.BudgetGuard``) and under a
+``LogisticRegression``, each within a budget (``benchkit.training.BudgetGuard``) and under a
 ``Watcher``, which samples the peak memory of the driver and of the Python workers from
 /proc and stamps ours' epochs as its ``logPath`` grows. Each gives a ``Run``: the figures,
 or why the fit did not finish (``failure_text``), for ``sparse_tables.py``'s rows.
