@@ -60,8 +60,8 @@ from benchkit.rounds import DENSE_CODECS, LOOPS, TRANSPORTS
 from allreduce_param import CODECS
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line, checked: unknown loops, codecs or transports stop here, named."""
+def command_line() -> argparse.ArgumentParser:
+    """The command line's options (``--help`` prints them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
     parser.add_argument(
@@ -97,6 +97,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "gradient codec of its own",
     )
     parser.add_argument("--loops", default="readme", help=f"the user's step, of {', '.join(LOOPS)}")
+    add_round_options(parser)
+    return parser
+
+
+def add_round_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the rounds, the data, the transports and the simulated links."""
     parser.add_argument(
         "--rounds",
         type=int,
@@ -146,6 +152,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--inside-link", default=None, help=argparse.SUPPRESS)
     # where that run leaves its rows (json)
     parser.add_argument("--results", default=None, help=argparse.SUPPRESS)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: unknown loops, codecs or transports stop here, named."""
+    parser = command_line()
     args = parser.parse_args(argv)
     named = [part for codec in args.codecs.split(",") for part in codec.split("+", 1)]
     for name, chosen, known in (

@@ -77,7 +77,8 @@ import sys
 from benchkit import sparse
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def command_line() -> argparse.ArgumentParser:
+    """The command line's options (``--help`` prints them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[2]", help="Spark master (default: local[2])")
     parser.add_argument("--driver-memory", default="4g", help="spark.driver.memory (default 4g)")
@@ -106,6 +107,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-levels", type=int, default=1_000_000, help="the widest field's levels"
     )
+    add_training_options(parser)
+    return parser
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the fits, the rounds, their budget and the tables."""
     parser.add_argument("--lr", type=float, default=0.02, help="ours: the learning rate")
     parser.add_argument(
         "--optimizer", default="adam", help="ours: the optimizer Param (adam, sgd, ...)"
@@ -136,6 +143,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="ours alone, sparseSync dense against touched alternating (no MLlib)",
     )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = command_line()
     args = parser.parse_args(argv)
     args.problem_names = [name.strip() for name in args.problems.split(",") if name.strip()]
     if not args.problem_names or set(args.problem_names) - {"text", "clicks"}:

@@ -97,7 +97,8 @@ from benchkit import training
 from benchkit.training import CONTENDERS
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def command_line() -> argparse.ArgumentParser:
+    """The command line's options (``--help`` prints them)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
     parser.add_argument(
@@ -117,6 +118,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="standard deviation of the cluster centres (the noise has 1): smaller overlaps more",
     )
     parser.add_argument("--test-fraction", type=float, default=0.1)
+    add_training_options(parser)
+    return parser
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the contenders' training, the race's target and budget, and Spark's."""
     parser.add_argument(
         "--hidden", default="64", help="hidden layer widths, comma-separated (e.g. 64 or 128,64)"
     )
@@ -178,6 +185,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="spark.driver.memory: in local mode the executors live in the driver's JVM and "
         "hold the cached rows and MLlib's copy of them",
     )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = command_line()
     args = parser.parse_args(argv)
     args.contender_names = [name.strip() for name in args.contenders.split(",") if name.strip()]
     unknown = [name for name in args.contender_names if name not in CONTENDERS]

@@ -145,7 +145,6 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
 
         import torch
         import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
 
         device = device_of(rank, args)
         if device == "cpu":
@@ -176,24 +175,7 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
         X, y = batch_of(rank, args)
         X_device = torch.from_numpy(X).to(device)
         y_device = torch.from_numpy(y).to(device)
-        ddps = {}
-        # each rank's BatchNorm statistics its own after the start, as ours (torch 2.13 renamed
-        # broadcast_buffers=False; both start from the same buffers)
-        takes = inspect.signature(DistributedDataParallel).parameters
-        own_buffers = {
-            "forward_sync_buffers"
-            if "forward_sync_buffers" in takes
-            else "broadcast_buffers": False
-        }
-        for way in ways:
-            if way.startswith("DDP"):
-                replica = resnet(args.width, args.blocks).to(device)
-                replica.load_state_dict(module.state_dict())
-                ids = None if device == "cpu" else [torch.device(device).index]
-                ddp = DistributedDataParallel(
-                    replica, device_ids=ids, process_group=groups[way], **own_buffers
-                )
-                ddps[way] = (ddp, torch.optim.SGD(ddp.parameters(), lr=LR))
+        ddps = ddp_replicas(module, groups, device, args)
         addresses = [("127.0.0.1", port) for port in ports[: args.processes]]
         autocast = torch.autocast(
             torch.device(device).type, torch.bfloat16, enabled=args.precision == "bf16"
@@ -223,6 +205,31 @@ def rank_main(rank: int, args, param: AllReduceParameter, ports: list[int], resu
         results.put((rank, report))
     except BaseException as error:  # the parent names it and fails
         results.put((rank, f"{type(error).__name__}: {error}"))
+
+
+def ddp_replicas(module, groups: dict, device: str, args) -> dict:
+    """DDP's way for each of ``groups`` (way: its process group): a replica of ``module`` in
+    ``DistributedDataParallel`` with its SGD, ``{way: (ddp, optimizer)}``."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    # each rank's BatchNorm statistics its own after the start, as ours (torch 2.13 renamed
+    # broadcast_buffers=False; both start from the same buffers)
+    takes = inspect.signature(DistributedDataParallel).parameters
+    own_buffers = {
+        "forward_sync_buffers" if "forward_sync_buffers" in takes else "broadcast_buffers": False
+    }
+    ddps = {}
+    for way, group in groups.items():
+        if way in args.ways:
+            replica = resnet(args.width, args.blocks).to(device)
+            replica.load_state_dict(module.state_dict())
+            ids = None if device == "cpu" else [torch.device(device).index]
+            ddp = DistributedDataParallel(
+                replica, device_ids=ids, process_group=group, **own_buffers
+            )
+            ddps[way] = (ddp, torch.optim.SGD(ddp.parameters(), lr=LR))
+    return ddps
 
 
 def measure(args, size: int) -> tuple[dict, bool]:

@@ -261,15 +261,28 @@ def ratio_text(ours: list[float], theirs: list[float]) -> str:
 def print_tables(result: dict, args: argparse.Namespace) -> None:
     """The topology table and the encryption table, then what the figures mean."""
     configs = {(c["size"], c["topology"], c["encrypt"]): c for c in result["configs"]}
+    print_topology_table(configs, result["codec"], args)
+    print_encryption_table(configs, result["codec"], args)
+    print_bounds(result, args)
+
+
+def median_ms(configs: dict, size: int, topology: str, encrypt: bool) -> str:
+    """A configuration's median step, as the tables show it."""
+    return ms_text(statistics.median(configs[size, topology, encrypt]["ms"]))
+
+
+def link_mb(configs: dict, size: int, topology: str, encrypt: bool) -> str:
+    """A configuration's median MB a step over the links, as the tables show it."""
+    megabytes = statistics.median(configs[size, topology, encrypt]["link_bytes"]) / 1e6
+    return f"{megabytes:,.1f}" if megabytes >= 10 else f"{megabytes:.3g}"
+
+
+def print_topology_table(configs: dict, codec: str, args: argparse.Namespace) -> None:
+    """Hierarchical against flat, plain and encrypted, at each size."""
 
     def ms(size, topology, encrypt):
-        return ms_text(statistics.median(configs[size, topology, encrypt]["ms"]))
+        return median_ms(configs, size, topology, encrypt)
 
-    def link_mb(size, topology, encrypt):
-        megabytes = statistics.median(configs[size, topology, encrypt]["link_bytes"]) / 1e6
-        return f"{megabytes:,.1f}" if megabytes >= 10 else f"{megabytes:.3g}"
-
-    codec = result["codec"]
     lines = [
         (
             label(size),
@@ -280,8 +293,8 @@ def print_tables(result: dict, args: argparse.Namespace) -> None:
             ratio_text(
                 configs[size, "hierarchical", encrypt]["ms"], configs[size, "flat", encrypt]["ms"]
             ),
-            link_mb(size, "flat", encrypt),
-            link_mb(size, "hierarchical", encrypt),
+            link_mb(configs, size, "flat", encrypt),
+            link_mb(configs, size, "hierarchical", encrypt),
         )
         for size in args.sizes
         for encrypt in ENCRYPTIONS
@@ -305,6 +318,14 @@ def print_tables(result: dict, args: argparse.Namespace) -> None:
             left=3,
         )
     )
+
+
+def print_encryption_table(configs: dict, codec: str, args: argparse.Namespace) -> None:
+    """Encrypted against plain, for each topology, at each size."""
+
+    def ms(size, topology, encrypt):
+        return median_ms(configs, size, topology, encrypt)
+
     lines = [
         (
             label(size),
@@ -327,6 +348,11 @@ def print_tables(result: dict, args: argparse.Namespace) -> None:
             left=3,
         )
     )
+
+
+def print_bounds(result: dict, args: argparse.Namespace) -> None:
+    """The links' bound at each size, and what was checked."""
+    codec = result["codec"]
     rate = rate_bits(args.rate) / 8
     bounds = ", ".join(
         f"{label(size)} {ms_text(2 * (args.hosts - 1) / args.hosts * 4 * size / rate * 1e3)} ms"
@@ -403,7 +429,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str], script: str) -> int
     try:
         import pytest
         from harness.sim_hosts import simulated_hosts
-        from harness.spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
+        from harness.spark_standalone import SPARK_SUBMIT
     except ImportError as error:
         print(
             f"error: bench_hosts.py makes its hosts and cluster with jobs/harness/sim_hosts.py and "
@@ -422,66 +448,22 @@ def run_benchmark(args: argparse.Namespace, argv: list[str], script: str) -> int
         f"each the median of {args.steps} steps after {args.warmup} warm-up; the README's loop, {args.codec}",
         flush=True,
     )
-    command = [
-        str(SPARK_SUBMIT),
-        "--properties-file",
-        "conf/cluster/standalone.conf",
-        "--conf",
-        f"spark.cores.max={partitions}",
-        "--conf",
-        f"spark.executor.cores={args.slots}",
-        "--conf",
-        "spark.executor.memory=1g",
-        "--conf",
-        "spark.ui.enabled=false",
-        # a failure is the benchmark's result: no second attempt of the stage
-        "--conf",
-        "spark.stage.maxConsecutiveAttempts=1",
-        str(Path(script).resolve()),
-        *argv,
-        "--inside-cluster",
-    ]
+    command = submit_command(SPARK_SUBMIT, args, argv, script)
     started = time.monotonic()
     try:
         with (
             tempfile.TemporaryDirectory(prefix="bench-hosts-") as scratch,
             simulated_hosts(args.hosts, rate=args.rate) as made,
         ):
-            first = made.hosts[0]
-            with standalone_cluster(
-                Path(scratch) / "cluster",
-                host=first.address,
-                prefix=first.prefix,
-                cores=args.slots,
-                environment=python_environment(),
-                worker_places=[(host.address, host.prefix) for host in made.hosts],
-            ) as cluster:
-                print(
-                    f"cluster up in {time.monotonic() - started:.0f} s: master {cluster.url}",
-                    flush=True,
-                )
-                log, stop = Path(scratch) / "submit.log", threading.Event()
-                echo = threading.Thread(target=_echo_rounds, args=(log, stop), daemon=True)
-                echo.start()
-                try:
-                    status, output = cluster.run(
-                        [command[0], "--master", cluster.url, *command[1:]],
-                        log,
-                        timeout=args.timeout,
-                    )
-                finally:
-                    stop.set()
-                    echo.join()
-                found = [line for line in output.splitlines() if line.startswith(MARKER)]
-                if status != 0 or len(found) != 1:
-                    print(output[-6000:], file=sys.stderr)
-                    print(
-                        f"error: the driver (spark-submit on h1) exited with status {status}"
-                        + ("" if found else ", printing no result"),
-                        file=sys.stderr,
-                    )
-                    return 1
-                print_tables(json.loads(found[0][len(MARKER) :]), args)
+            status = run_on_cluster(
+                made.hosts,
+                Path(scratch),
+                command,
+                args,
+                started,
+            )
+            if status:
+                return status
     except pytest.skip.Exception as why:  # what simulated_hosts says when namespaces cannot be made
         print(f"error: cannot make the simulated hosts here: {why.msg}", file=sys.stderr)
         return 2
@@ -507,3 +489,78 @@ def run(args: argparse.Namespace, argv: list[str], script: str) -> int:
     if args.inside_cluster:
         return run_driver(args)
     return run_benchmark(args, argv, script)
+
+
+def submit_command(
+    spark_submit, args: argparse.Namespace, argv: list[str], script: str
+) -> list[str]:
+    """``spark-submit`` of ``script`` with ``argv`` as the driver on the cluster (no master yet)."""
+    partitions = args.hosts * args.slots
+    return [
+        str(spark_submit),
+        "--properties-file",
+        "conf/cluster/standalone.conf",
+        "--conf",
+        f"spark.cores.max={partitions}",
+        "--conf",
+        f"spark.executor.cores={args.slots}",
+        "--conf",
+        "spark.executor.memory=1g",
+        "--conf",
+        "spark.ui.enabled=false",
+        # a failure is the benchmark's result: no second attempt of the stage
+        "--conf",
+        "spark.stage.maxConsecutiveAttempts=1",
+        str(Path(script).resolve()),
+        *argv,
+        "--inside-cluster",
+    ]
+
+
+def run_on_cluster(
+    hosts: list,
+    scratch: Path,
+    command: list[str],
+    args: argparse.Namespace,
+    started: float,
+) -> int:
+    """Start the standalone cluster on ``hosts`` (its master on the first), submit ``command``
+    there and print the driver's tables: 0, or 1 when the driver failed (its output printed)."""
+    from harness.spark_standalone import python_environment, standalone_cluster
+
+    first = hosts[0]
+    with standalone_cluster(
+        scratch / "cluster",
+        host=first.address,
+        prefix=first.prefix,
+        cores=args.slots,
+        environment=python_environment(),
+        worker_places=[(host.address, host.prefix) for host in hosts],
+    ) as cluster:
+        print(
+            f"cluster up in {time.monotonic() - started:.0f} s: master {cluster.url}",
+            flush=True,
+        )
+        log, stop = scratch / "submit.log", threading.Event()
+        echo = threading.Thread(target=_echo_rounds, args=(log, stop), daemon=True)
+        echo.start()
+        try:
+            status, output = cluster.run(
+                [command[0], "--master", cluster.url, *command[1:]],
+                log,
+                timeout=args.timeout,
+            )
+        finally:
+            stop.set()
+            echo.join()
+        found = [line for line in output.splitlines() if line.startswith(MARKER)]
+        if status != 0 or len(found) != 1:
+            print(output[-6000:], file=sys.stderr)
+            print(
+                f"error: the driver (spark-submit on h1) exited with status {status}"
+                + ("" if found else ", printing no result"),
+                file=sys.stderr,
+            )
+            return 1
+        print_tables(json.loads(found[0][len(MARKER) :]), args)
+    return 0

@@ -213,9 +213,6 @@ def run(args: argparse.Namespace) -> int:
     """Measure as the command line (``bench_memory.py``'s, checked there) says; the exit status."""
     if args.reads_only:
         return reads(args)
-    limit = args.limit_mb << 20
-    factors = [float(f) for f in args.factors.split(",")]
-    row_bytes = 4 * args.features
     bandwidth = copy_bandwidth()
     print(f"machine: {machine()}")
     print(
@@ -225,6 +222,21 @@ def run(args: argparse.Namespace) -> int:
         f"{args.epochs} epoch(s)",
         flush=True,
     )
+    spark = limited_spark(args)
+    sampler = RssSampler()
+    try:
+        if not args.compare_only:
+            peaks_table(spark, sampler, args)
+        if args.rounds:
+            compare_table(spark, args)
+    finally:
+        sampler.stop()
+        spark.stop()
+    return 0
+
+
+def limited_spark(args: argparse.Namespace):
+    """A session whose Python workers are limited to ``--limit-mb`` and allocate sparingly."""
     # Arrow's default allocator (mimalloc) reserves 1 GiB of address space in each Python
     # worker that reads a batch, more than the limit: the system's, in every worker (the fit's
     # tasks choose it themselves, but the generating tasks run first in the same workers)
@@ -236,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
     }
     os.environ.update(allocation)
-    spark = local_spark(
+    return local_spark(
         args.master,
         conf_dir=CONF_DIR,
         **{
@@ -248,94 +260,98 @@ def run(args: argparse.Namespace) -> int:
             "spark.ui.enabled": "false",
         },
     )
-    sampler = RssSampler()
+
+
+def frame_of(spark, args: argparse.Namespace, factor: float):
+    """``factor`` x the limit's bytes of generated rows: (rows, the frame), in partitions of at
+    most 64 MB (and at least one per worker)."""
+    row_bytes = 4 * args.features
+    rows = int(factor * (args.limit_mb << 20) / row_bytes)
+    parts = max(args.workers, -(-rows * row_bytes // (64 << 20)))
+    return rows, generated(spark, rows, args.features, parts)
+
+
+def peaks_table(spark, sampler: RssSampler, args: argparse.Namespace) -> None:
+    """One fit from memory and one from disk at ``--small`` x the limit, then from disk at each
+    of ``--factors``: each fit's peak memory, speed and accuracy."""
+    factors = [float(f) for f in args.factors.split(",")]
     lines = []
-    try:
-
-        def frame_of(factor: float):
-            rows = int(factor * limit / row_bytes)
-            parts = max(args.workers, -(-rows * row_bytes // (64 << 20)))
-            return rows, generated(spark, rows, args.features, parts)
-
-        runs = [("memory", args.small), ("disk", args.small)] + [("disk", f) for f in factors]
-        if args.compare_only:
-            runs = []
-        for data_in, factor in runs:
-            rows, frame = frame_of(factor)
-            sampler.window()
-            outcome = fit(frame, args.features, data_in, args)
-            peaks = sampler.window()
-            workers = sorted(rss for kind, rss in peaks.values() if kind == "worker")
-            driver = max(rss[0] for kind, rss in peaks.values() if kind == "driver")
-            lines.append(
-                (
-                    data_in,
-                    f"{factor:g}x",
-                    f"{rows * row_bytes / 2**30:.2f}",
-                    f"{factor / args.workers:g}x",
-                    f"{rows:,}",
-                    " ".join(megabytes(w[0]) for w in workers[::-1]),
-                    " ".join(megabytes(w[1]) for w in workers[::-1]),
-                    megabytes(driver),
-                    f"{outcome['samples/s']:,.0f}",
-                    f"{outcome['accuracy']:.4f}",
-                    f"{outcome['seconds']:.1f}",
-                )
+    for data_in, factor in [("memory", args.small), ("disk", args.small)] + [
+        ("disk", f) for f in factors
+    ]:
+        rows, frame = frame_of(spark, args, factor)
+        sampler.window()
+        outcome = fit(frame, args.features, data_in, args)
+        peaks = sampler.window()
+        workers = sorted(rss for kind, rss in peaks.values() if kind == "worker")
+        driver = max(rss[0] for kind, rss in peaks.values() if kind == "driver")
+        lines.append(
+            (
+                data_in,
+                f"{factor:g}x",
+                f"{rows * 4 * args.features / 2**30:.2f}",
+                f"{factor / args.workers:g}x",
+                f"{rows:,}",
+                " ".join(megabytes(w[0]) for w in workers[::-1]),
+                " ".join(megabytes(w[1]) for w in workers[::-1]),
+                megabytes(driver),
+                f"{outcome['samples/s']:,.0f}",
+                f"{outcome['accuracy']:.4f}",
+                f"{outcome['seconds']:.1f}",
             )
-            print(" | ".join(lines[-1]), flush=True)
-        header = (
-            "data in",
-            "data",
-            "GiB",
-            "partition",
-            "rows",
-            "task processes' peak RSS, MB",
-            "their peak address space, MB",
-            "driver MB",
-            "samples/s",
-            "accuracy",
-            "fit s",
         )
-        if lines:
-            print("\npeak resident memory (sampled every 20 ms) per fit:")
-            print(render(header, lines, left=2))
+        print(" | ".join(lines[-1]), flush=True)
+    header = (
+        "data in",
+        "data",
+        "GiB",
+        "partition",
+        "rows",
+        "task processes' peak RSS, MB",
+        "their peak address space, MB",
+        "driver MB",
+        "samples/s",
+        "accuracy",
+        "fit s",
+    )
+    print("\npeak resident memory (sampled every 20 ms) per fit:")
+    print(render(header, lines, left=2))
 
-        if args.rounds:
-            rows, frame = frame_of(args.small)
-            speeds = {"memory": [], "disk": []}
-            accuracy = {}
-            for _ in range(args.rounds):
-                for data_in in ("memory", "disk"):
-                    outcome = fit(frame, args.features, data_in, args, args.compare_epochs)
-                    speeds[data_in].append(outcome["samples/s"])
-                    accuracy[data_in] = outcome["accuracy"]
-            ratios = [d / m for d, m in zip(speeds["disk"], speeds["memory"])]
-            print(
-                f"\nsamples/s over the training phase, {args.rounds} alternating rounds of "
-                f"{args.compare_epochs} epochs on {rows:,} rows ({args.small:g}x the limit, in "
-                "the page cache):"
-            )
-            print(
-                render(
-                    ("data in", "samples/s (median)", "accuracy", "x memory (range)"),
-                    [
-                        (
-                            "memory",
-                            f"{statistics.median(speeds['memory']):,.0f}",
-                            f"{accuracy['memory']:.4f}",
-                            "1.00",
-                        ),
-                        (
-                            "disk",
-                            f"{statistics.median(speeds['disk']):,.0f}",
-                            f"{accuracy['disk']:.4f}",
-                            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
-                        ),
-                    ],
-                    left=1,
-                )
-            )
-    finally:
-        sampler.stop()
-        spark.stop()
-    return 0
+
+def compare_table(spark, args: argparse.Namespace) -> None:
+    """``--rounds`` alternating rounds of fits from memory and from disk on the same rows (in
+    the page cache): their speeds and the rounds' ratios."""
+    rows, frame = frame_of(spark, args, args.small)
+    speeds = {"memory": [], "disk": []}
+    accuracy = {}
+    for _ in range(args.rounds):
+        for data_in in ("memory", "disk"):
+            outcome = fit(frame, args.features, data_in, args, args.compare_epochs)
+            speeds[data_in].append(outcome["samples/s"])
+            accuracy[data_in] = outcome["accuracy"]
+    ratios = [d / m for d, m in zip(speeds["disk"], speeds["memory"])]
+    print(
+        f"\nsamples/s over the training phase, {args.rounds} alternating rounds of "
+        f"{args.compare_epochs} epochs on {rows:,} rows ({args.small:g}x the limit, in "
+        "the page cache):"
+    )
+    print(
+        render(
+            ("data in", "samples/s (median)", "accuracy", "x memory (range)"),
+            [
+                (
+                    "memory",
+                    f"{statistics.median(speeds['memory']):,.0f}",
+                    f"{accuracy['memory']:.4f}",
+                    "1.00",
+                ),
+                (
+                    "disk",
+                    f"{statistics.median(speeds['disk']):,.0f}",
+                    f"{accuracy['disk']:.4f}",
+                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+                ),
+            ],
+            left=1,
+        )
+    )

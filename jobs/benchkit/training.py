@@ -544,7 +544,6 @@ def run(args: argparse.Namespace) -> int:
         args.seed,
     )
     torch_installed = importlib.util.find_spec("torch") is not None
-    names = args.contender_names
     spark = local_spark(
         args.master,
         "allreduce-param train benchmark",
@@ -552,81 +551,114 @@ def run(args: argparse.Namespace) -> int:
         **{"spark.driver.memory": args.driver_memory},
     )
     folder: Path | None = None
-    runs: dict[str, list[Run]] = {name: [] for name in names}
-    failures: list[str] = []
     try:
-        partitions = spark.sparkContext.defaultParallelism
-        train, test = generated_frames(spark, data)
-        train, test = train.cache(), test.cache()
-        # generated and cached, before any clock
-        train_rows, test_rows = (
-            train.count(),
-            test.count(),
-        )
-        if train_rows < args.batch_size:
-            raise SystemExit(
-                f"error: {train_rows} training rows, fewer than --batch-size {args.batch_size}"
-            )
-        if not args.no_warmup:
-            warm_up(train)
-        settings = Settings(
-            [data.features, *args.hidden_layers, data.classes],
-            args.lr,
-            args.batch_size,
-            args.epochs,
-            args.seed,
-            args.target,
-            args.budget,
-            args.codec,
-            args.mllib_iters_per_round,
-            args.mllib_block_size,
-            partitions,
-        )
-        if torch_installed and "torchdistributor" in names:  # written once, not counted
+        train, test, counts, settings = prepare(spark, args, data)
+        if torch_installed and "torchdistributor" in args.contender_names:
+            # written once, not counted
             folder = Path(tempfile.mkdtemp(prefix="bench-train-", dir=args.scratch))
             write_npy(train, folder, "train")
             write_npy(test, folder, "test")
-        contenders: dict[str, Callable[[], Run]] = {
-            "mlp": lambda: run_ours(
-                spark, "mlp", models.MLP(settings.layers), train, test, settings
-            ),
-            "torchmodel": lambda: run_ours(
-                spark,
-                "torchmodel",
-                models.TorchModel(torch_mlp(settings.layers)),
-                train,
-                test,
-                settings,
-            ),
-            "mllib": lambda: run_mllib(spark, train, test, settings),
-            "torchdistributor": lambda: run_torch_distributor(
-                spark, folder, settings, one_machine=args.master.startswith("local")
-            ),
-        }
-        for round_number in range(args.rounds):
-            order = names[round_number % len(names) :] + names[: round_number % len(names)]
-            for name in order:
-                if name in NEEDS_TORCH and not torch_installed:
-                    runs[name].append(Run(name, "", time.time(), problem="torch not installed"))
-                    continue
-                try:
-                    run = contenders[name]()
-                except (
-                    Exception
-                ) as error:  # the others still run; the row and the exit status say so
-                    failures.append(f"{name}, round {round_number + 1}: {traceback.format_exc()}")
-                    run = Run(name, "", time.time(), problem=f"failed: {type(error).__name__}")
-                runs[name].append(run)
-                print(
-                    f"round {round_number + 1}, {progress_line(run, args.target, args.budget)}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        contenders = contenders_of(spark, args, settings, train, test, folder)
+        runs, failures = race(args, contenders, torch_installed)
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         spark.stop()
+    print_results(args, data, settings, counts, runs)
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
+
+def prepare(
+    spark, args: argparse.Namespace, data: Dataset
+) -> tuple[object, object, tuple[int, int], Settings]:
+    """The train and test frames, generated and cached before any clock (and Spark's first-time
+    costs paid, unless ``--no-warmup``), their row counts, and the contenders' settings."""
+    partitions = spark.sparkContext.defaultParallelism
+    train, test = generated_frames(spark, data)
+    train, test = train.cache(), test.cache()
+    counts = (train.count(), test.count())
+    if counts[0] < args.batch_size:
+        raise SystemExit(
+            f"error: {counts[0]} training rows, fewer than --batch-size {args.batch_size}"
+        )
+    if not args.no_warmup:
+        warm_up(train)
+    settings = Settings(
+        [data.features, *args.hidden_layers, data.classes],
+        args.lr,
+        args.batch_size,
+        args.epochs,
+        args.seed,
+        args.target,
+        args.budget,
+        args.codec,
+        args.mllib_iters_per_round,
+        args.mllib_block_size,
+        partitions,
+    )
+    return train, test, counts, settings
+
+
+def contenders_of(
+    spark, args: argparse.Namespace, settings: Settings, train, test, folder: Path | None
+) -> dict[str, Callable[[], Run]]:
+    """Each contender by name: a call that runs it once."""
+    return {
+        "mlp": lambda: run_ours(spark, "mlp", models.MLP(settings.layers), train, test, settings),
+        "torchmodel": lambda: run_ours(
+            spark,
+            "torchmodel",
+            models.TorchModel(torch_mlp(settings.layers)),
+            train,
+            test,
+            settings,
+        ),
+        "mllib": lambda: run_mllib(spark, train, test, settings),
+        "torchdistributor": lambda: run_torch_distributor(
+            spark, folder, settings, one_machine=args.master.startswith("local")
+        ),
+    }
+
+
+def race(
+    args: argparse.Namespace, contenders: dict[str, Callable[[], Run]], torch_installed: bool
+) -> tuple[dict[str, list[Run]], list[str]]:
+    """``--rounds`` rounds of the contenders, each round starting one contender later: each
+    one's runs by name, and the failures (a failed contender leaves the others running)."""
+    names = args.contender_names
+    runs: dict[str, list[Run]] = {name: [] for name in names}
+    failures: list[str] = []
+    for round_number in range(args.rounds):
+        order = names[round_number % len(names) :] + names[: round_number % len(names)]
+        for name in order:
+            if name in NEEDS_TORCH and not torch_installed:
+                runs[name].append(Run(name, "", time.time(), problem="torch not installed"))
+                continue
+            try:
+                run = contenders[name]()
+            except Exception as error:  # the others still run; the row and the exit status say so
+                failures.append(f"{name}, round {round_number + 1}: {traceback.format_exc()}")
+                run = Run(name, "", time.time(), problem=f"failed: {type(error).__name__}")
+            runs[name].append(run)
+            print(
+                f"round {round_number + 1}, {progress_line(run, args.target, args.budget)}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return runs, failures
+
+
+def print_results(
+    args: argparse.Namespace,
+    data: Dataset,
+    settings: Settings,
+    counts: tuple[int, int],
+    runs: dict[str, list[Run]],
+) -> None:
+    """The machine, the data, the model and the table: a row per contender."""
+    train_rows, test_rows = counts
     print(f"machine: {machine()}")
     print(
         f"data: {data.describe()}; {train_rows:,} train / {test_rows:,} test rows, cached before timing; "
@@ -637,7 +669,7 @@ def run(args: argparse.Namespace) -> int:
         f"model: MLP {layers} (ReLU); Adam lr {args.lr:g}, global batch {args.batch_size}, {args.epochs} epochs "
         f"at most, seed {args.seed}; MLlib L-BFGS in rounds of {args.mllib_iters_per_round} iterations, blockSize "
         f"{args.mllib_block_size}; "
-        f"{partitions} partitions / processes on {args.master}; codec {args.codec}"
+        f"{settings.partitions} partitions / processes on {args.master}; codec {args.codec}"
     )
     print(
         f"time to test accuracy {args.target:g} from each contender's start (start-up included), budget "
@@ -651,11 +683,11 @@ def run(args: argparse.Namespace) -> int:
     print(
         render(
             header(args.target),
-            [summary_row(name, runs[name], args.target, args.budget) for name in names],
+            [
+                summary_row(name, runs[name], args.target, args.budget)
+                for name in args.contender_names
+            ],
             left=1,
         )
     )
     sys.stdout.flush()
-    for failure in failures:
-        print(f"error: {failure}", file=sys.stderr)
-    return 1 if failures else 0
