@@ -172,6 +172,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     args = parse_args(argv)
     return allreduce.run(args, sys.argv[1:] if argv is None else argv, script=__file__)
 

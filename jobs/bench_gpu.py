@@ -53,6 +53,7 @@ from benchkit import gpu
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: a bad option stops here, naming it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=2, help="N ranks on this machine")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -86,6 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     return gpu.run(parse_args(argv))
 
 

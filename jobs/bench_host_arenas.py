@@ -25,6 +25,7 @@ from benchkit import host_arenas
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: a bad option stops here, naming it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=2, help="simulated hosts (default 2)")
     parser.add_argument("--slots", type=int, default=2, help="partitions a host (default 2)")
@@ -32,11 +33,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--steps", type=int, default=10, help="timed steps a round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    args = parser.parse_args(argv)
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     return host_arenas.run(parse_args(argv))
 
 

@@ -53,6 +53,7 @@ from benchkit.rounds import DENSE_CODECS
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked: a bad option stops here, naming it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=4, help="simulated hosts (default 4)")
     parser.add_argument(
@@ -96,6 +97,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     return hosts.run(parse_args(argv), argv, script=__file__)
 

@@ -42,6 +42,7 @@ from benchkit import memory
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: a bad option stops here, naming it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--limit-mb", type=int, default=512, help="spark.executor.pyspark.memory")
@@ -62,11 +63,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--reads-only", action="store_true", help="no Spark: an epoch's batches, memory/disk"
     )
     parser.add_argument("--rows", type=int, default=32768, help="--reads-only: the partition")
-    args = parser.parse_args(argv)
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     return memory.run(parse_args(argv))
 
 

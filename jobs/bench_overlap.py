@@ -29,6 +29,7 @@ from benchkit.links import LINK_BURST
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: a bad option stops here, naming it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[*]", help="Spark master (default: local[*])")
     parser.add_argument(
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     return overlap.run(parse_args(argv), argv, script=__file__)
 

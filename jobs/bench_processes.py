@@ -49,6 +49,7 @@ from benchkit import processes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: a bad option stops here, naming it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--processes", default=processes.DEFAULT_PROCESSES, help="N, comma-separated"
@@ -66,6 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     return processes.run(parse_args(argv))
 
 

@@ -24,6 +24,7 @@ from benchkit import strategies
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: a bad option stops here, naming it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--workers", type=int, default=2)
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     return strategies.run(parse_args(argv))
 
 

@@ -188,6 +188,7 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, checked: a bad option stops here, naming it."""
     parser = command_line()
     args = parser.parse_args(argv)
     args.contender_names = [name.strip() for name in args.contenders.split(",") if name.strip()]
@@ -231,6 +232,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark as the command line (``argv``, else ``sys.argv``) says; the exit status."""
     return training.run(parse_args(argv))
 
 
