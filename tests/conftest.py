@@ -13,7 +13,6 @@ time, and most modules need nothing of a session but its master and settings.
 from __future__ import annotations
 
 import shutil
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,10 +21,6 @@ import pytest
 
 from allreduce_param.engine import AllReduceParameter, LocalRendezvous
 from allreduce_param.spark.session import java_problem, prepare_local_environment
-
-# the simulated hosts and the standalone cluster (sim_hosts.py, spark_standalone.py) are
-# jobs/', shared with bench_hosts.py: appended, so nothing there shadows an installed module
-sys.path.append(str(Path(__file__).resolve().parents[1] / "jobs"))
 
 #: the job files (digits.toml, synthetic.toml)
 JOB_FILES = Path(__file__).resolve().parents[1] / "conf"

@@ -3,22 +3,14 @@ timing assert: speed belongs in the benchmark's own runs); its data is fixed by 
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from benchkit import sparse_data, sparse_runs, sparse_steps, sparse_tables
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def import_jobs(*names: str):
-    sys.path.insert(0, str(REPO / "jobs"))  # as the jobs import their neighbours
-    try:
-        return [importlib.import_module(name) for name in names]
-    finally:
-        sys.path.remove(str(REPO / "jobs"))
 
 
 def tables(out: str) -> list[list[list[str]]]:
@@ -93,7 +85,7 @@ def test_the_job_prints_both_contenders_sizes_and_steps_for_each_problem():
 
 
 def test_the_step_breakdown_names_its_parts_without_spark():
-    (steps,) = import_jobs("sparse_steps")
+    steps = sparse_steps
     lines = steps.breakdown([2**10, 2**14], rows=64, repeats=1, seed=0)
     assert [line[0] for line in lines] == ["2^10", "2^14"]
     for line in lines:
@@ -102,7 +94,7 @@ def test_the_step_breakdown_names_its_parts_without_spark():
 
 
 def test_the_touched_rows_product_is_the_dense_one_on_those_rows():
-    (steps,) = import_jobs("sparse_steps")
+    steps = sparse_steps
     values = np.random.default_rng(0).integers(0, 500, (40, 6))
     X = steps.hashed_batch(values, 2**12)
     delta = np.random.default_rng(1).standard_normal((40, 2)).astype(np.float32)
@@ -113,7 +105,7 @@ def test_the_touched_rows_product_is_the_dense_one_on_those_rows():
 
 
 def test_the_data_is_fixed_by_the_seed_and_learnable():
-    (data,) = import_jobs("sparse_data")
+    data = sparse_data
     text = data.TextData(3000, vocabulary=2000, tilted=200, seed=4)
     documents, labels, is_test = text.block(0, text.word_probabilities())
     again = text.block(0, text.word_probabilities())
@@ -128,7 +120,7 @@ def test_the_data_is_fixed_by_the_seed_and_learnable():
 
 
 def test_a_failed_fit_is_named_in_a_few_words():
-    (runs,) = import_jobs("sparse_runs")
+    runs = sparse_runs
     assert (
         runs.failure_text(RuntimeError("java.lang.OutOfMemoryError: Java heap space"), False)
         == "OutOfMemoryError (driver JVM)"
@@ -144,7 +136,6 @@ def test_the_sync_comparison_has_a_row_per_sync_and_the_rounds_ratio():
     """``--compare-syncs``' table from made-up runs (no Spark): medians, and the dense /
     touched ratio of each round's median step on the touched row; a failed run's reason
     where its figures would be."""
-    sparse_runs, sparse_tables = import_jobs("sparse_runs", "sparse_tables")
 
     def run(step_s: float, seconds: float) -> object:
         steps = [dict.fromkeys(sparse_tables.STEP_PHASES, step_s / 6) for _ in range(3)]
@@ -164,7 +155,7 @@ def test_the_sync_comparison_has_a_row_per_sync_and_the_rounds_ratio():
 
 
 def test_the_sync_step_comparison_runs_both_syncs_without_spark():
-    (steps,) = import_jobs("sparse_steps")
+    steps = sparse_steps
     lines = steps.sync_comparison([2**10, 2**12], rows=128, partitions=2, repeats=1, seed=0)
     assert [line[0] for line in lines] == ["2^10", "2^12"]
     for line in lines:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from benchkit import training
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.5
@@ -88,17 +89,8 @@ def test_every_contender_reaches_a_low_target_and_the_table_says_when():
         ), (label, ended, total)
 
 
-def import_job():
-    sys.path.insert(0, str(REPO / "jobs"))  # as bench_train.py imports its neighbours
-    try:
-        return importlib.import_module("bench_train")
-    finally:
-        sys.path.remove(str(REPO / "jobs"))
-
-
 def test_a_row_counts_only_what_came_within_the_budget():
-    bench_train = import_job()
-    late = bench_train.Run(
+    late = training.Run(
         "mlp",
         "epochs",
         started=100.0,
@@ -106,7 +98,7 @@ def test_a_row_counts_only_what_came_within_the_budget():
         ended=113.0,
         stopped="epochs",
     )
-    label, seconds, to_target, best, total, ended = bench_train.summary_row(
+    label, seconds, to_target, best, total, ended = training.summary_row(
         "mlp", [late], 0.8, budget=10
     )
     assert (seconds, to_target, best, total, ended) == (
@@ -116,7 +108,7 @@ def test_a_row_counts_only_what_came_within_the_budget():
         "13.0",
         "epochs",
     )
-    on_time = bench_train.Run(
+    on_time = training.Run(
         "mlp",
         "epochs",
         started=0.0,
@@ -124,12 +116,10 @@ def test_a_row_counts_only_what_came_within_the_budget():
         ended=7.0,
         stopped="epochs",
     )
-    row = bench_train.summary_row("mlp", [on_time, late], 0.8, budget=10)
+    row = training.summary_row("mlp", [on_time, late], 0.8, budget=10)
     assert row[1:] == ("6.0 (1 of 2 rounds)", "2 epochs", "0.7250", "10.0", "epochs")  # medians
-    missing = bench_train.Run("torchdistributor", "", 0.0, problem="torch not installed")
-    assert (
-        bench_train.summary_row("torchdistributor", [missing], 0.8, 10)[1] == "torch not installed"
-    )
+    missing = training.Run("torchdistributor", "", 0.0, problem="torch not installed")
+    assert training.summary_row("torchdistributor", [missing], 0.8, 10)[1] == "torch not installed"
 
 
 def test_unknown_contender_is_refused_before_spark_starts():
@@ -138,21 +128,16 @@ def test_unknown_contender_is_refused_before_spark_starts():
 
 
 def test_the_data_is_fixed_by_the_seed_and_overlaps():
-    bench_train = import_job()
-    data = bench_train.Dataset(rows=25_000, seed=3)
+    data = training.Dataset(rows=25_000, seed=3)
     X, y, is_test = data.block(2, data.centres())
-    X_again, y_again, is_test_again = bench_train.Dataset(rows=25_000, seed=3).block(
-        2, data.centres()
-    )
+    X_again, y_again, is_test_again = training.Dataset(rows=25_000, seed=3).block(2, data.centres())
     assert X.shape == (5_000, 50) and X.dtype == np.float32  # the last block is the remainder
     assert (
         np.array_equal(X, X_again)
         and np.array_equal(y, y_again)
         and np.array_equal(is_test, is_test_again)
     )
-    assert not np.array_equal(
-        X, bench_train.Dataset(rows=25_000, seed=4).block(2, data.centres())[0]
-    )
+    assert not np.array_equal(X, training.Dataset(rows=25_000, seed=4).block(2, data.centres())[0])
     assert 0.05 < is_test.mean() < 0.15 and set(np.unique(y)) == set(range(10))
     assert abs(float(X[:, 30:].std()) - 1) < 0.05  # the noise features: N(0, 1)
     assert 0.7 < data.bayes_accuracy(20_000) < 0.9  # overlapping classes: well below 1

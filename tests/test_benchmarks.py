@@ -3,7 +3,6 @@ checked here: speed belongs in the benchmarks' own runs, never in a test)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from benchkit import hosts as hosts_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -281,13 +281,8 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
     """The job's check (no Spark here): numpy's float32 sums in the engine's order pass; one
     value one ulp off, or the same sums taken in partition order instead of host by host,
     stop the job naming the partition; a lossy codec's weights far from numpy's too."""
-    sys.path.insert(0, str(REPO / "jobs"))  # as bench_hosts.py imports its neighbours
-    try:
-        bench_hosts = importlib.import_module("bench_hosts")
-    finally:
-        sys.path.remove(str(REPO / "jobs"))
     hosts, size, steps = [[0, 2], [1, 3]], 1000, 3
-    weights, _ = bench_hosts.expected_weights(size, steps, hosts)
+    weights, _ = hosts_run.expected_weights(size, steps, hosts)
 
     def reports(seen, vector=None):
         return [
@@ -299,7 +294,7 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
                         "size": size,
                         "topology": "flat",
                         "encrypt": False,
-                        "digest": bench_hosts.digest(w),
+                        "digest": hosts_run.digest(w),
                         "weights": vector if i == 0 else None,
                     }
                 ],
@@ -307,21 +302,21 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
             for i, w in enumerate(seen)
         ]
 
-    bench_hosts.check(reports([weights] * 4), "raw", steps, True, {})
+    hosts_run.check(reports([weights] * 4), "raw", steps, True, {})
     off = weights.copy()
     off[7] = np.nextafter(off[7], np.float32(1))
     with pytest.raises(SystemExit, match=r"partitions \[2\] differ from numpy"):
-        bench_hosts.check(reports([weights, weights, off, weights]), "raw", steps, True, {})
-    in_partition_order, _ = bench_hosts.expected_weights(size, steps, [[0, 1, 2, 3]])
-    assert bench_hosts.digest(in_partition_order) != bench_hosts.digest(weights)
+        hosts_run.check(reports([weights, weights, off, weights]), "raw", steps, True, {})
+    in_partition_order, _ = hosts_run.expected_weights(size, steps, [[0, 1, 2, 3]])
+    assert hosts_run.digest(in_partition_order) != hosts_run.digest(weights)
     with pytest.raises(SystemExit, match=r"partitions \[0, 1, 2, 3\] differ"):
-        bench_hosts.check(reports([in_partition_order] * 4), "raw", steps, True, {})
+        hosts_run.check(reports([in_partition_order] * 4), "raw", steps, True, {})
     # a lossy codec's: the same on every partition, near numpy's
     rounded = weights + np.float32(1e-3)
-    bench_hosts.check(reports([rounded] * 4, rounded), "int8", steps, True, {})
+    hosts_run.check(reports([rounded] * 4, rounded), "int8", steps, True, {})
     far = weights + np.float32(1.0)
     with pytest.raises(SystemExit, match=r"partition 0's weights are 1 off numpy's"):
-        bench_hosts.check(reports([far] * 4, far), "int8", steps, True, {})
+        hosts_run.check(reports([far] * 4, far), "int8", steps, True, {})
 
 
 def test_bench_memory_reads_only_times_an_epoch_from_memory_and_from_a_row_file():

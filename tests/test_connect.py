@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyspark
 import pytest
-from spark_standalone import class_archive_options
+from harness.spark_standalone import class_archive_options
 
 from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
 

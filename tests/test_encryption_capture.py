@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from sim_hosts import simulated_hosts
+from harness.sim_hosts import simulated_hosts
 
 from allreduce_param.engine import AllReduceParameter, NetworkSettings
 

@@ -24,13 +24,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from namespace_driver import MARKER, describe
-from spark_standalone import (
+from harness.spark_standalone import (
     SPARK_SUBMIT,
     class_archive_submit_options,
     python_environment,
     standalone_cluster,
 )
+from namespace_driver import MARKER, describe
 
 ADDRESS = "192.0.2.1"
 #: the engine's ports: below the namespace's ephemeral ports (32768-60999, where Spark's own

@@ -228,7 +228,7 @@ def test_processes_in_other_network_namespaces_are_other_hosts_over_tcp(tmp_path
     their own network: their abstract Unix sockets cannot be reached, so they are hosts of
     their own and meet over TCP; within a namespace, over a Unix socket. The same bits,
     through the first host's arena (hierarchical) or its blocks."""
-    from sim_hosts import simulated_hosts
+    from harness.sim_hosts import simulated_hosts
 
     partitions, size = 3, 300_001
     param = AllReduceParameter(partitions, size, codec="raw", timeout=60, host_arena=host_arena)

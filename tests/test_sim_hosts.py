@@ -37,14 +37,14 @@ import time
 from pathlib import Path
 
 import pytest
-from sim_hosts import simulated_hosts
-from sim_hosts_driver import MARKER, digest, expected_weights
-from spark_standalone import (
+from harness.sim_hosts import simulated_hosts
+from harness.spark_standalone import (
     SPARK_SUBMIT,
     class_archive_submit_options,
     python_environment,
     standalone_cluster,
 )
+from sim_hosts_driver import MARKER, digest, expected_weights
 
 from allreduce_param.engine.blocks.codec import HEADER_SIZE
 from allreduce_param.engine.layout import SliceLayout

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import test_spark
+from harness.spark_standalone import class_archive_options
 from pyspark import cloudpickle
-from spark_standalone import class_archive_options
 from test_spark import digest, expected_after, run_stage, start_weights, step_task
 
 from allreduce_param.engine import AllReduceParameter

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
+from harness.spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
 
 EPOCHS = 4
 

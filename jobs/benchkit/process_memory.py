@@ -2,7 +2,7 @@
 
 ``bench_allreduce.py --processes 2,4 --memory --sizes 200M`` runs this (``python
 jobs/bench_processes.py --memory`` too): for each N and size, N spawned processes (as
-``bench_processes.py`` starts them: ``StaticRendezvous`` on 127.0.0.1, so one host: Unix
+``benchkit.ranks`` starts them: ``StaticRendezvous`` on 127.0.0.1, so one host: Unix
 sockets and shared memory) take ``--steps`` steps of the README's loop, once through the host
 arena (``host_arena=True``, the default) and once through blocks (``host_arena=False``);
 ``--memory arena`` takes the first alone (blocks hold about four vectors a partition).
@@ -27,17 +27,13 @@ target: the weight vector once per host and one gradient vector per partition, 1
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_allreduce as bench  # noqa: E402
-import bench_processes  # noqa: E402
-
-from allreduce_param.engine import AllReduceParameter, StaticRendezvous  # noqa: E402
+from allreduce_param.engine import AllReduceParameter, StaticRendezvous
+from benchkit.machine import copy_bandwidth, machine
+from benchkit.ranks import TIMEOUT, free_ports, load_text, run_ranks
+from benchkit.tables import label, render
 
 #: The smaps_rollup fields kept, in kB there.
 FIELDS = (
@@ -97,7 +93,7 @@ def memory_rank(rank, ranks, param, addresses, steps, results) -> None:
     ``(rank, error text)`` on ``results``."""
     try:
         start = rollup()
-        with param.connect(StaticRendezvous(rank, addresses, timeout=bench_processes.TIMEOUT)) as p:
+        with param.connect(StaticRendezvous(rank, addresses, timeout=TIMEOUT)) as p:
             rng = np.random.default_rng(rank)
             p.init(rng.standard_normal(p.info.slice_length, dtype=np.float32) * np.float32(1e-3))
             gradient = p.gradient_buffer()
@@ -121,11 +117,9 @@ def measure(ranks: int, size: int, steps: int, arena: bool) -> dict:
     """One row: ``ranks`` processes at ``size`` through the arena or blocks."""
     import multiprocessing
 
-    ports = bench_processes.free_ports(ranks)
+    ports = free_ports(ranks)
     addresses = [("127.0.0.1", port) for port in ports]
-    param = AllReduceParameter(
-        ranks, size, codec="raw", timeout=bench_processes.TIMEOUT, host_arena=arena
-    )
+    param = AllReduceParameter(ranks, size, codec="raw", timeout=TIMEOUT, host_arena=arena)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     processes = [
@@ -136,7 +130,7 @@ def measure(ranks: int, size: int, steps: int, arena: bool) -> dict:
         )
         for rank in range(ranks)
     ]
-    got = bench_processes.run_ranks(processes, results, bench_processes.TIMEOUT * 2)
+    got = run_ranks(processes, results, TIMEOUT * 2)
     return dict(partitions=ranks, size=size, reports=[got[rank] for rank in range(ranks)])
 
 
@@ -153,7 +147,7 @@ def table(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         size, ranks = row["size"], row["partitions"]
-        label, way = bench.label(size), row["way"]
+        shown, way = label(size), row["way"]
         totals = dict.fromkeys(("start", "Pss", "Pss_Shmem", "Pss_Anon", "Rss", "shared",
                                 "private", "VmHWM"), 0)  # fmt: skip
         files: dict[int, int] = {}
@@ -169,32 +163,30 @@ def table(rows: list[dict]) -> str:
                                ("Rss", end["Rss"]), ("shared", shared), ("private", private),
                                ("VmHWM", end["VmHWM"])):  # fmt: skip
                 totals[key] += value
-            lines.append((ranks, label, way, f"rank {rank}",
+            lines.append((ranks, shown, way, f"rank {rank}",
                           f"{report['start']['Pss'] / 2**20:.0f}",
                           *(vectors(x, size) for x in (end["Pss"], end["Pss_Shmem"],
                                                          end["Pss_Anon"], end["Rss"], shared,
                                                          private, end["VmHWM"], grown, mine)),
                           ""))  # fmt: skip
-        lines.append((ranks, label, way, "host (sum; memfds once)",
+        lines.append((ranks, shown, way, "host (sum; memfds once)",
                       f"{totals['start'] / 2**20:.0f}",
                       *(vectors(totals[key], size)
                         for key in ("Pss", "Pss_Shmem", "Pss_Anon", "Rss", "shared",
                                     "private", "VmHWM")),
                       vectors(totals["Pss"] - totals["start"], size),
                       vectors(sum(files.values()), size), str(1 + ranks)))  # fmt: skip
-    return bench.render(header, lines, left=4)
+    return render(header, lines, left=4)
 
 
-def run(processes: list[int], sizes: list[int], steps: int, ways=tuple(WAYS)) -> list[dict]:
+def run_sizes(processes: list[int], sizes: list[int], steps: int, ways=tuple(WAYS)) -> list[dict]:
     """Measure every N and size each of ``ways`` and print the table; the rows."""
-    from bench_growth import copy_bandwidth
-
     bandwidth = copy_bandwidth()
-    print(f"machine: {bench.machine()}")
+    print(f"machine: {machine()}")
     print(
         f"single-core copy bandwidth: {bandwidth / 1e9:.1f} GB/s (np.copyto of 40 MB, median of 5)"
     )
-    print(f"load average at the start: {bench_processes.load_text()}")
+    print(f"load average at the start: {load_text()}")
     print(
         "plain processes (no Spark) on 127.0.0.1, StaticRendezvous, raw codec, the README's loop "
         f"with the gradient computed into p.gradient_buffer(), {steps} steps; each process's "
@@ -212,5 +204,5 @@ def run(processes: list[int], sizes: list[int], steps: int, ways=tuple(WAYS)) ->
                     way += " (no arena here: blocks)"
                 rows.append(dict(row, way=way))
     print(table(rows))
-    print(f"load average at the end: {bench_processes.load_text()}", flush=True)
+    print(f"load average at the end: {load_text()}", flush=True)
     return rows

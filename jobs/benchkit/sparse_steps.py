@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from sparse_data import BLOCK_ROWS, ClickData, mix
+
+from benchkit.sparse_data import BLOCK_ROWS, ClickData, mix
 
 HEADER = (
     "features",

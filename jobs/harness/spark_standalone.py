@@ -14,8 +14,8 @@ a host of its own instead (its address and prefix: simulated hosts, ``sim_hosts.
 The master and the workers map the class archive a local session saved, when there is one
 (``class_archive_options``), which shortens each daemon's start.
 
-It lives in jobs/ beside ``sim_hosts.py``, for the same reason: the benchmark and the tests
-share it, and no benchmark reaches into tests/.
+It lives in jobs/harness/ beside ``sim_hosts.py``, for the same reason: the benchmark and
+the tests share it, and no benchmark reaches into tests/.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import pyspark
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 #: ``spark-submit`` as the README's recipe runs it: the one next to this Python (the venv's
 #: ``.venv/bin/spark-submit``), or else the installed pyspark's own
@@ -170,24 +170,12 @@ def standalone_cluster(
     # the master's REST submission server would take port 6066 (or the next free one): off
     daemons = folder / "daemons.conf"
     daemons.write_text("spark.master.rest.enabled false\n")
-    spark_class = str(SPARK_HOME / "bin" / "spark-class")
     deadline = time.monotonic() + timeout
     try:
         cluster.processes["master"] = _start(
             cluster,
             "master",
-            [
-                spark_class,
-                "org.apache.spark.deploy.master.Master",
-                "--host",
-                host,
-                "--port",
-                "0",
-                "--webui-port",
-                "0",
-                "--properties-file",
-                str(daemons),
-            ],
+            [*_daemon("master", host, daemons)],
             java_options=daemon_options,
         )
         cluster.url = _wait_for(
@@ -201,23 +189,9 @@ def standalone_cluster(
                 cluster,
                 f"worker-{i}",
                 [
-                    spark_class,
-                    "org.apache.spark.deploy.worker.Worker",
-                    "--host",
-                    address,
-                    "--port",
-                    "0",
-                    "--webui-port",
-                    "0",
-                    "--cores",
-                    str(cores),
-                    "--memory",
-                    memory,
-                    "--work-dir",
-                    str(folder / f"worker-{i}-work"),
-                    "--properties-file",
-                    str(daemons),
-                    cluster.url,
+                    *_daemon("worker", address, daemons),
+                    *("--cores", str(cores), "--memory", memory),
+                    *("--work-dir", str(folder / f"worker-{i}-work"), cluster.url),
                 ],
                 prefix=where,
                 local_ip=address,
@@ -228,6 +202,18 @@ def standalone_cluster(
     finally:
         for process in reversed(cluster.processes.values()):  # workers (and their executors) first
             _stop(process)
+
+
+def _daemon(kind: str, address: str, properties: Path) -> list[str]:
+    """``spark-class`` starting a standalone ``master`` or ``worker`` bound to ``address`` on
+    free ports (its own and its web UI's), with the daemons' ``properties`` file."""
+    main = {"master": "master.Master", "worker": "worker.Worker"}[kind]
+    return [
+        str(SPARK_HOME / "bin" / "spark-class"),
+        f"org.apache.spark.deploy.{main}",
+        *("--host", address, "--port", "0", "--webui-port", "0"),
+        *("--properties-file", str(properties)),
+    ]
 
 
 def _start(

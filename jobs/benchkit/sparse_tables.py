@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-from sparse_runs import Run  # jobs/, beside this file
+from benchkit.sparse_runs import Run
 
 #: phases of a step as History.steps names them, and as the step table heads them
 STEP_PHASES = ("get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s")

@@ -37,10 +37,10 @@ had before. Skipped, with the reason, when not root or when ``unshare``, ``nsent
 ``ip`` (and, given a rate, ``tc``) is missing or refused (a container may forbid
 namespaces, bridges, veth or the tbf queueing discipline).
 
-It lives in jobs/, beside the benchmark that makes its hosts with it, so that no benchmark
-reaches into tests/; the tests import it from here (``tests/conftest.py`` puts jobs/ on
-their path). Its skips and failures are pytest's: a test reports them as such, and
-``bench_hosts.py`` catches them to say why it cannot run.
+It lives in jobs/harness/, the package the tests and ``bench_hosts.py`` share, so that no
+benchmark reaches into tests/ (a script under jobs/ has jobs/ on its path; pytest gets it
+from ``pythonpath`` in pyproject.toml). Its skips and failures are pytest's: a test reports
+them as such, and ``bench_hosts.py`` catches them to say why it cannot run.
 """
 
 from __future__ import annotations
@@ -210,33 +210,9 @@ def simulated_hosts(count: int, rate: str | None = None) -> Iterator[SimulatedHo
             deadline,
         )
         switch_prefix = ("nsenter", f"--net=/proc/{holders[0].pid}/ns/net")
-        hosts = []
-        for i in range(1, count + 1):
-            namespace = _holder("ip link set lo up", f"host h{i}", holders, deadline)
-            host = Host(
-                f"h{i}",
-                f"{SUBNET}.{i}",
-                namespace,
-                ("nsenter", f"--net=/proc/{holders[-1].pid}/ns/net"),
-            )
-            made = _in_namespace(
-                switch_prefix,
-                switch,
-                f"ip link add v{i} type veth peer name eth0 netns "
-                f"{holders[-1].pid} && ip link set v{i} master br0 && ip link set v{i} up",
-            )
-            if made.returncode != 0:
-                pytest.skip(f"could not link host h{i} to the bridge (veth): {made.stderr.strip()}")
-            addressed = _in_namespace(
-                host.prefix,
-                namespace,
-                f"ip addr add {host.address}/24 dev eth0 && ip link set eth0 up",
-            )
-            assert addressed.returncode == 0, f"h{i}: {addressed.stderr}"
-            if rate:
-                _shape(host.prefix, namespace, "eth0", rate, f"h{i}")
-                _shape(switch_prefix, switch, f"v{i}", rate, f"the switch's end of h{i}'s link")
-            hosts.append(host)
+        hosts = [
+            _host(i, (switch, switch_prefix), rate, holders, deadline) for i in range(1, count + 1)
+        ]
         assert len({host.namespace for host in hosts} | {switch}) == count + 1, (
             "namespaces not distinct"
         )
@@ -267,6 +243,44 @@ def simulated_hosts(count: int, rate: str | None = None) -> Iterator[SimulatedHo
     assert links_after == links_before, (
         f"this namespace's links changed: {links_before} -> {links_after}"
     )
+
+
+def _host(
+    i: int,
+    switch: tuple[str, tuple[str, ...]],
+    rate: str | None,
+    holders: list[subprocess.Popen],
+    deadline: float,
+) -> Host:
+    """Host hi: a namespace of its own (its holder added to ``holders``), linked to the
+    ``switch`` (its namespace and prefix) by a veth pair, at ``SUBNET.i``, both ends shaped
+    to ``rate`` if given."""
+    switch_namespace, switch_prefix = switch
+    namespace = _holder("ip link set lo up", f"host h{i}", holders, deadline)
+    host = Host(
+        f"h{i}",
+        f"{SUBNET}.{i}",
+        namespace,
+        ("nsenter", f"--net=/proc/{holders[-1].pid}/ns/net"),
+    )
+    made = _in_namespace(
+        switch_prefix,
+        switch_namespace,
+        f"ip link add v{i} type veth peer name eth0 netns "
+        f"{holders[-1].pid} && ip link set v{i} master br0 && ip link set v{i} up",
+    )
+    if made.returncode != 0:
+        pytest.skip(f"could not link host h{i} to the bridge (veth): {made.stderr.strip()}")
+    addressed = _in_namespace(
+        host.prefix,
+        namespace,
+        f"ip addr add {host.address}/24 dev eth0 && ip link set eth0 up",
+    )
+    assert addressed.returncode == 0, f"h{i}: {addressed.stderr}"
+    if rate:
+        _shape(host.prefix, namespace, "eth0", rate, f"h{i}")
+        _shape(switch_prefix, switch_namespace, f"v{i}", rate, f"the switch's end of h{i}'s link")
+    return host
 
 
 def _shape(prefix: tuple[str, ...], namespace: str, device: str, rate: str, where: str) -> None:

@@ -1,7 +1,7 @@
 """One fit of each contender of ``bench_sparse.py``, timed and watched.
 
 ``run_ours`` fits ``AllReduceClassifier(hiddenLayers=[])``, ``run_mllib`` MLlib's
-``LogisticRegression``, each within a budget (``bench_train.BudgetGuard``) and under a
+``LogisticRegression``, each within a budget (``benchkit.training.BudgetGuard``) and under a
 ``Watcher``, which samples the peak memory of the driver and of the Python workers from
 /proc and stamps ours' epochs as its ``logPath`` grows. Each gives a ``Run``: the figures,
 or why the fit did not finish (``failure_text``), for ``sparse_tables.py``'s rows.
@@ -161,9 +161,8 @@ def run_ours(
 ) -> Run:
     """``AllReduceClassifier(hiddenLayers=[])`` on ``frame``, the test rows its validation;
     ``sparse_sync``: its ``sparseSync`` (how the gradients travel)."""
-    from bench_train import BudgetGuard
-
     from allreduce_param.ml import AllReduceClassifier
+    from benchkit.training import BudgetGuard
 
     folder = Path(tempfile.mkdtemp(prefix="bench-sparse-"))
     log = folder / "fit.jsonl"
@@ -208,9 +207,10 @@ def run_ours(
 
 def run_mllib(spark, train, test, settings: argparse.Namespace, jvm_pid: int) -> Run:
     """MLlib's ``LogisticRegression`` on ``train``; its test accuracy after the clock."""
-    from bench_train import BudgetGuard
     from pyspark.ml.classification import LogisticRegression
     from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+
+    from benchkit.training import BudgetGuard
 
     classifier = LogisticRegression(
         maxIter=settings.mllib_iters, regParam=settings.reg_param, elasticNetParam=0.0
