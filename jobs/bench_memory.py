@@ -25,7 +25,7 @@ range, and the accuracy of both on their training rows.
 
 ``--reads-only`` times, without Spark, what the two paths differ in: the CPU time of taking
 one epoch's batches (``--rows`` rows of ``--features``, a partition's share of
-``--batch-size``) from rows in memory (``state.Rows.take`` into a reused room) and from a
+``--batch-size``) from rows in memory (``memory_rows.Rows.take`` into a reused room) and from a
 row file in a temporary folder, which the page cache holds (``DiskRows.take``: each block
 ``pread``, checked against its checksum, gathered), in alternating rounds.
 

@@ -159,7 +159,7 @@ def reads(args) -> int:
 
     from allreduce_param.train.row_file import RowFileWriter, block_rows_for
     from allreduce_param.train.task.disk_rows import DiskRows
-    from allreduce_param.train.task.state import Rows
+    from allreduce_param.train.task.memory_rows import Rows
 
     rows, width = args.rows, args.features
     batch = max(1, args.batch_size // args.workers)
