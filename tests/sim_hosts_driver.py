@@ -125,11 +125,11 @@ def census(p, before: dict) -> dict:
     server = peers._server
     own_address = tuple(server.address)
     peer_servers = {
-        (a.host, a.port): j for j, a in enumerate(peers._addresses) if j != p.info.partition_id
+        (a.host, a.port): j for j, a in enumerate(peers.directory.addresses) if j != p.info.partition_id
     }
     peer_names = {
         ("\0" + a.local_name).encode(): j
-        for j, a in enumerate(peers._addresses)
+        for j, a in enumerate(peers.directory.addresses)
         if j != p.info.partition_id and a.local_name
     }
     own_name = ("\0" + server.local_name).encode() if server.local_name else None
