@@ -238,8 +238,9 @@ class _AllReduceEstimator(_AllReduceParams):
         job: a conflict such as ``topology='hierarchical'`` with ``strategy='ssp'`` fails
         first); its errors name the Params."""
         try:
-            return FitSettings.of(
-                {spec.setting: self.getOrDefault(spec.name) for spec in estimator_params()}
+            return FitSettings.of_flat(
+                {spec.setting: self.getOrDefault(spec.name) for spec in estimator_params()},
+                where=type(self).__name__,
             )
         except ConfigurationError as error:
             raise self._naming_params(error) from error

@@ -36,11 +36,14 @@ class PartitionFit(Steps, Epochs, Checkpoints):
         job, p = self.job, self.p
         self._plan()
         self.regularisation = OwnedRegularisation(
-            self.settings,
+            self.settings.regularization,
+            self.settings.fit_intercept,
             job.model,
             p.layout.size,
             slice(0, p.layout.size) if job.local_sgd else p.layout.bounds(p.partition_id),
-            feature_std(p, moments=self.train.moments()) if self.settings.standardizes else None,
+            feature_std(p, moments=self.train.moments())
+            if self.settings.regularization.standardizes
+            else None,
             clips_whole=self._clips_own,
         )
         self.start = self._begin()

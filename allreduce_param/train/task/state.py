@@ -130,7 +130,8 @@ class FitState:
         self._order_epoch, self._order = -1, np.empty(0, np.int64)
         # dense rows in memory: where each step's rows are gathered (``Steps._batch``)
         self._batch_room: Rows | None = None
-        self._early = settings.early_stopping()  # this partition's; every one decides alike
+        early = settings.early_stopping  # this partition's; every one decides alike
+        self._early = None if early is None else early.tracker()
         self.stopped = False  # whether early stopping ended the fit before its last epoch
         self.first_epoch = job.start.epochs_before
         self.last_epoch = self.first_epoch + settings.epochs - 1
