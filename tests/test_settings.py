@@ -221,6 +221,24 @@ def test_every_setting_the_estimators_have_is_a_param_with_its_default_getter_an
     }
 
 
+def test_the_params_are_declared_in_class_bodies_as_the_generator_writes_them():
+    """``ml_params.py`` is what ``python -m allreduce_param._params_source`` writes from the
+    settings as they are (run it after changing a setting), and every setting with a Param
+    is declared there, in a class body: none is made at import."""
+    from allreduce_param import _params_source, ml_params
+
+    assert _params_source.TARGET.read_text() == _params_source.source(), (
+        "allreduce_param/ml_params.py is not current: run python -m allreduce_param._params_source"
+    )
+    for spec in estimator_params():
+        title = spec.name[0].upper() + spec.name[1:]
+        holder = getattr(ml_params, f"Has{title}")
+        assert spec.name in vars(holder) and f"get{title}" in vars(holder), spec.name
+        assert vars(holder)[spec.name].doc == spec.doc
+        assert f"set{title}" in vars(ml_params.FitSettingSetters), spec.name
+        assert issubclass(AllReduceClassifier, holder)
+
+
 def test_the_estimators_params_reach_the_distri_optimizer():
     classifier = AllReduceClassifier(
         maxEpochs=3,
