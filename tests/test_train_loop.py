@@ -203,7 +203,15 @@ def test_regularised_bsp_steps_equal_single_process_training(fit_intercept, stan
         factors = model.penalty_factors(X.astype(np.float64).std(axis=0, ddof=1))
         held = (factors == 0) & ~biases
     expected = reference_fit(
-        model, optimizer, parts, 32, 3, 5, settings.penalty(), factors.astype(np.float32), held
+        model,
+        optimizer,
+        parts,
+        32,
+        3,
+        5,
+        settings.regularization.penalty(),
+        factors.astype(np.float32),
+        held,
     )
     np.testing.assert_allclose(weights, expected, rtol=2e-5, atol=2e-6)
     assert (weights[~biases] == 0).sum() > 10  # the L1 part made exact zeros
