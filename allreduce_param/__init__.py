@@ -5,7 +5,8 @@ parameter vector; gradients are reduce-scattered to the owners and weights all-g
 back through compressed blocks that the partitions serve to each other, without the driver.
 
 The names here are the trainer's: ``DistriOptimizer`` fits a model (``models``) with an
-optimizer (``optim``) under ``FitSettings`` into a ``TrainedModel`` and its ``History``;
+optimizer (``optim``) under ``FitSettings`` (its grouped settings ``Checkpoints``,
+``EarlyStopping``, ``Regularization``, ``NetworkSettings``) into a ``TrainedModel`` and its ``History``;
 ``ml`` holds the pyspark.ml Estimators (loaded when first named, so ``import
 allreduce_param`` loads no pyspark); the errors are those a fit's caller catches (every
 other one is in ``allreduce_param.errors``). The engine a loop of one's own drives
@@ -13,7 +14,6 @@ other one is in ``allreduce_param.errors``). The engine a loop of one's own driv
 """
 
 from allreduce_param import models, optim
-from allreduce_param.engine.wire.settings import NetworkSettings  # noqa: F401
 from allreduce_param.errors import (
     AllReduceError,
     ConfigurationError,
@@ -26,7 +26,16 @@ from allreduce_param.errors import (
     UsageError,
 )
 from allreduce_param.spark import surroundings as _spark_surroundings
-from allreduce_param.train import DistriOptimizer, FitSettings, History, TrainedModel
+from allreduce_param.train import (
+    Checkpoints,
+    DistriOptimizer,
+    EarlyStopping,
+    FitSettings,
+    History,
+    NetworkSettings,
+    Regularization,
+    TrainedModel,
+)
 
 _spark_surroundings.install()
 
@@ -35,6 +44,10 @@ __version__ = "0.1.0"
 __all__ = [
     "DistriOptimizer",
     "FitSettings",
+    "Checkpoints",
+    "EarlyStopping",
+    "Regularization",
+    "NetworkSettings",
     "TrainedModel",
     "History",
     "models",

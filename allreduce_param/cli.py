@@ -228,7 +228,7 @@ def start_stream(spark, job: dict):
     from allreduce_param.train import DistriOptimizer, FitSettings
 
     section = stream_section(job)
-    settings = FitSettings.of(job.get("train", {}), where="[train]")
+    settings = FitSettings.of_flat(job.get("train", {}), where="[train]")
     model = build(models, job.get("model", {"kind": "MLP", "layers": [64, 128, 10]}), "model")
     optimizer = build(optim, job.get("optimizer", {"kind": "Adam", "lr": 1e-3}), "optimizer")
     reader = spark.readStream.schema(section["schema"]).format(section["source"])
@@ -262,7 +262,7 @@ def stream(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
     from allreduce_param.train import FitSettings
 
     stream_section(job)  # bad settings fail before Spark starts
-    FitSettings.of(job.get("train", {}), where="[train]")
+    FitSettings.of_flat(job.get("train", {}), where="[train]")
     spark = _session(job, conf_dir, master, "allreduce-param stream")
     try:
         query = start_stream(spark, job)
@@ -308,7 +308,7 @@ def train(job: dict, conf_dir: Path | None, master: str | None = None) -> int:
 
     settings = job.get("train", {})
     # a bad setting fails before Spark starts
-    fit_settings = FitSettings.of(settings, where="[train]")
+    fit_settings = FitSettings.of_flat(settings, where="[train]")
     spark = _session(job, conf_dir, master, "allreduce-param train")
     warming = start_python_workers(spark)  # while the data loads on the driver
     try:

@@ -36,6 +36,7 @@ from pyspark.ml.util import (
 
 from allreduce_param import models, optim
 from allreduce_param.errors import AllReduceError, ConfigurationError, InputError
+from allreduce_param.ml_params import FitSettingParams, FitSettingSetters
 from allreduce_param.models.base import dense_for, takes_sparse
 from allreduce_param.spark.arrow import float_lists
 from allreduce_param.spark.info import is_connect
@@ -71,9 +72,10 @@ _START_PARAMS = (
 )
 
 
-class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize):
+class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize, FitSettingParams):
     """The Params both Estimators and their Models share: the network's and the optimizer's
-    here, and one per fit setting (``FitSettings``), added below from its fields."""
+    here, and one per fit setting (``FitSettings``, flat as the job files name them:
+    ``checkpointDir``, ``regParam``), declared in ``ml_params``."""
 
     hiddenLayers = Param(
         Params._dummy(),
@@ -106,7 +108,7 @@ class _AllReduceParams(HasWeightCol, HasValidationIndicatorCol, HasStepSize):
         return self.getOrDefault(self.optimizer)
 
 
-class _AllReduceEstimator(_AllReduceParams):
+class _AllReduceEstimator(_AllReduceParams, FitSettingSetters):
     """What both Estimators do: describe the data, build the network, fit, wrap the result.
 
     ``initialModel``: a Model of this Estimator's (a fit's, or ``load``'s) to continue
@@ -238,8 +240,9 @@ class _AllReduceEstimator(_AllReduceParams):
         job: a conflict such as ``topology='hierarchical'`` with ``strategy='ssp'`` fails
         first); its errors name the Params."""
         try:
-            return FitSettings.of(
-                {spec.setting: self.getOrDefault(spec.name) for spec in estimator_params()}
+            return FitSettings.of_flat(
+                {spec.setting: self.getOrDefault(spec.name) for spec in estimator_params()},
+                where=type(self).__name__,
             )
         except ConfigurationError as error:
             raise self._naming_params(error) from error
@@ -285,40 +288,6 @@ def _param_names(message: str, settings: bool) -> str:
         for param, setting in _SETTING_PARAMS:
             message = re.sub(rf"\b{setting}(?==| must)", param, message)
     return message
-
-
-def _add_setting_params() -> None:
-    """One Param per fit setting the Estimators have (``settings.estimator_params``), with
-    its getter on the Params both share and its setter on the Estimators, as MLlib names them."""
-    for spec in estimator_params():
-        converter = (
-            getattr(TypeConverters, f"to{spec.kind}")
-            if spec.kind != "identity"
-            else TypeConverters.identity
-        )
-        setattr(
-            _AllReduceParams,
-            spec.name,
-            Param(Params._dummy(), spec.name, spec.doc, typeConverter=converter),
-        )
-        title = spec.name[0].upper() + spec.name[1:]
-
-        def getter(self, _name=spec.name):
-            return self.getOrDefault(_name)
-
-        def setter(self, value, _name=spec.name):
-            return self._set(**{_name: value})
-
-        getter.__doc__, setter.__doc__ = (
-            f"The value of {spec.name}: {spec.doc}.",
-            f"Set {spec.name}: {spec.doc}.",
-        )
-        getter.__name__, setter.__name__ = f"get{title}", f"set{title}"
-        setattr(_AllReduceParams, f"get{title}", getter)
-        setattr(_AllReduceEstimator, f"set{title}", setter)
-
-
-_add_setting_params()
 
 
 class AllReduceClassifier(

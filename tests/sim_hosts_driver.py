@@ -125,7 +125,9 @@ def census(p, before: dict) -> dict:
     server = peers._server
     own_address = tuple(server.address)
     peer_servers = {
-        (a.host, a.port): j for j, a in enumerate(peers.directory.addresses) if j != p.info.partition_id
+        (a.host, a.port): j
+        for j, a in enumerate(peers.directory.addresses)
+        if j != p.info.partition_id
     }
     peer_names = {
         ("\0" + a.local_name).encode(): j

@@ -214,6 +214,7 @@ def test_settings_and_bad_checkpoints_are_refused_clearly(tmp_path):
 
 def test_a_checkpoint_dir_the_tasks_could_not_write_fails_on_the_driver(tmp_path, monkeypatch):
     from allreduce_param import DistriOptimizer
+    from allreduce_param.train import Checkpoints
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
@@ -221,10 +222,12 @@ def test_a_checkpoint_dir_the_tasks_could_not_write_fails_on_the_driver(tmp_path
         match=r"'dbfs:/ckpt': fsspec reads a scheme only before '://', so "
         r"this would be a local folder named 'dbfs:'",
     ):
-        DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), checkpoint_dir="dbfs:/ckpt")
+        DistriOptimizer(
+            models.LinearRegression(3), optim.SGD(lr=0.1), checkpoints=Checkpoints("dbfs:/ckpt")
+        )
     with pytest.raises(ConfigurationError, match=r"cannot open checkpoint storage 'nosuch://ckpt'"):
         DistriOptimizer(
-            models.LinearRegression(3), optim.SGD(lr=0.1), checkpoint_dir="nosuch://ckpt"
+            models.LinearRegression(3), optim.SGD(lr=0.1), checkpoints=Checkpoints("nosuch://ckpt")
         )
     assert list(tmp_path.iterdir()) == []  # no folder named 'dbfs:' here
 

@@ -20,6 +20,7 @@ from allreduce_param import (
     models,
     optim,
 )
+from allreduce_param.train import Checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -84,7 +85,7 @@ def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, first, tmp_pat
 def test_a_continued_fits_checkpoint_resumes_as_that_fit(data, first, tmp_path):
     """resume_from and initial are one mechanism: a checkpoint of a continued fit keeps its
     start's steps and epochs, so resuming from it ends where the continued fit ends."""
-    continued = trainer(2, checkpoint_dir=str(tmp_path), checkpoint_keep=5).fit(data, initial=first)
+    continued = trainer(2, checkpoints=Checkpoints(str(tmp_path), keep=5)).fit(data, initial=first)
     middle = f"{continued.history.checkpoints}/step-{6:010d}"  # after its first epoch
     resumed = trainer(2).fit(data, resume_from=middle)
     assert np.array_equal(resumed.weights, continued.weights)

@@ -27,6 +27,7 @@ from pyspark import cloudpickle
 
 from allreduce_param import ConfigurationError, DistriOptimizer, InputError, models, optim
 from allreduce_param.spark.session import local_spark
+from allreduce_param.train import Checkpoints
 from allreduce_param.train.driver.data import prepare, prepare_once
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -520,7 +521,9 @@ def test_a_checkpoint_dir_that_cannot_be_a_folder_fails_on_the_driver(
     blocking.write_text("not a folder")
     X, y = blobs()
     data = frame(spark, X, y)
-    fit = trainer(Marked([FEATURES, 8, CLASSES], tmp_path), checkpoint_dir=str(blocking / "ckpt"))
+    fit = trainer(
+        Marked([FEATURES, 8, CLASSES], tmp_path), checkpoints=Checkpoints(str(blocking / "ckpt"))
+    )
     with pytest.raises(ConfigurationError) as failure:
         fit.fit(data)
     message = str(failure.value)

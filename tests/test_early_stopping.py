@@ -13,6 +13,7 @@ from conftest import raise_first, train_on_threads
 
 from allreduce_param import ConfigurationError, FitSettings, models, optim
 from allreduce_param.engine import AllReduceParameter
+from allreduce_param.train import EarlyStopping
 from allreduce_param.train.checkpoint import CheckpointSettings, newest
 from allreduce_param.train.result import STEP_FIELDS, History
 from allreduce_param.train.start import StartPoint
@@ -40,12 +41,14 @@ def job_for(
     model = models.LinearRegression(2)
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
     checkpoints = None if directory is None else CheckpointSettings(str(directory), "epoch", 100)
-    early = {"early_stopping_patience": patience, "early_stopping_min_delta": min_delta}
+    early = None if patience is None else EarlyStopping(patience, min_delta)
     return TrainingJob(
         model,
         optim.SGD(lr=0.05),
         param,
-        FitSettings(batch_size=16, epochs=epochs, seed=1, threads=None, **early, **settings),
+        FitSettings(
+            batch_size=16, epochs=epochs, seed=1, threads=None, early_stopping=early, **settings
+        ),
         n_features=2,
         has_validation=True,
         checkpoints=checkpoints,
@@ -146,18 +149,19 @@ def test_settings_are_checked_where_they_are_made():
         with pytest.raises(
             ConfigurationError, match="early_stopping_patience must be a whole number"
         ):
-            FitSettings(early_stopping_patience=patience)
+            FitSettings(early_stopping=EarlyStopping(patience))
     for delta in (-0.1, float("nan"), float("inf"), "0"):
         with pytest.raises(
             ConfigurationError, match="early_stopping_min_delta must be a finite number >= 0"
         ):
-            FitSettings(early_stopping_patience=2, early_stopping_min_delta=delta)
+            FitSettings(early_stopping=EarlyStopping(2, delta))
     with pytest.raises(
         ConfigurationError,
         match=r"goes with strategy='bsp' and no backup workers .* "
         r"strategy='ssp'",
     ):
-        FitSettings(early_stopping_patience=2, strategy="ssp", staleness=1)
+        FitSettings(early_stopping=EarlyStopping(2), strategy="ssp", staleness=1)
     with pytest.raises(ConfigurationError, match=r"strategy='bsp', backup_workers=1"):
-        FitSettings(early_stopping_patience=2, backup_workers=1)
-    assert FitSettings(early_stopping_patience=2, sync_every="epoch").early_stopping_patience == 2
+        FitSettings(early_stopping=EarlyStopping(2), backup_workers=1)
+    local_sgd = FitSettings(early_stopping=EarlyStopping(2), sync_every="epoch")
+    assert local_sgd.early_stopping.patience == 2

@@ -556,9 +556,10 @@ def test_the_setting_follows_the_argument_then_spark_allreduce_then_sparks_own_e
         NetworkSettings.of({}, {"spark.allreduce.encrypt": "yes"}.get)
     with pytest.raises(ConfigurationError, match="encrypt must be True, False or None"):
         NetworkSettings(encrypt="on")
-    with pytest.raises(ConfigurationError, match="encrypt=1 must be true or false"):
-        FitSettings(encrypt=1)
-    assert FitSettings(encrypt=True).network_values()["encrypt"] is True
+    with pytest.raises(ConfigurationError, match="encrypt must be True, False or None"):
+        FitSettings.of_flat({"encrypt": 1})
+    assert FitSettings(network=NetworkSettings(encrypt=True)).network.encrypt is True
+    assert FitSettings().network.encrypt is None  # unset: the fit follows Spark's settings
     assert AllReduceParameter(2, 10, network=NetworkSettings(encrypt=True)).network.encrypt is True
 
 
@@ -583,13 +584,13 @@ def test_the_estimators_and_job_files_have_the_setting():
     assert (
         classifier._trainer(
             __import__("allreduce_param").models.SoftmaxRegression(4, 3)
-        ).settings.encrypt
+        ).settings.network.encrypt
         is True
     )
     from allreduce_param.cli import apply_overrides
 
     job = apply_overrides({"train": {}}, ["train.encrypt=true"])
-    assert FitSettings.of(job["train"]).encrypt is True
+    assert FitSettings.of_flat(job["train"]).network.encrypt is True
 
 
 # ---- Spark's own encryption turns the engine's on ----------------------------------------------
@@ -621,10 +622,7 @@ def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
     assert spark.sparkContext.getConf().get("spark.network.crypto.enabled") == "true"
     param = AllReduceParameter(2, 3 * RECORD_SIZE // 4, codec="raw", unix_sockets=False)
     assert param.network.encrypt is True
-    assert (
-        NetworkSettings.of(FitSettings().network_values(), SparkInfo(spark).session_setting).encrypt
-        is True
-    )
+    assert FitSettings().network.resolved(SparkInfo(spark).session_setting).encrypt is True
     spark.conf.set("spark.allreduce.encrypt", "false")  # the engine's own setting wins over Spark's
     try:
         assert AllReduceParameter(2, 10).network.encrypt is False

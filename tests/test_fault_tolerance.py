@@ -13,6 +13,7 @@ import pytest
 from pyspark import cloudpickle
 
 from allreduce_param import DistriOptimizer, InputError, models, optim
+from allreduce_param.train import Checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -81,8 +82,7 @@ def fit(data, model, folder, resume_from=None, **settings):
         seed=1,
         progress=False,
         num_workers=2,
-        checkpoint_dir=str(folder),
-        checkpoint_every=4,
+        checkpoints=Checkpoints(str(folder), every=4),
         **settings,
     ).fit(data, resume_from=resume_from)
 

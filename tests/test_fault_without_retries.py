@@ -12,6 +12,7 @@ from pyspark import cloudpickle
 from test_fault_tolerance import FailsOnce
 
 from allreduce_param import DistriOptimizer, TrainingError, optim
+from allreduce_param.train import Checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(sys.modules["test_fault_tolerance"])
@@ -38,8 +39,7 @@ def test_the_error_says_a_retry_would_resume_and_which_setting_allows_it(data, t
         epochs=3,
         progress=False,
         num_workers=2,
-        checkpoint_dir=str(tmp_path / "ck"),
-        checkpoint_every=2,
+        checkpoints=Checkpoints(str(tmp_path / "ck"), every=2),
     )
     with pytest.raises(TrainingError) as failure:
         trainer.fit(data)

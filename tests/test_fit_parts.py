@@ -209,7 +209,9 @@ def test_each_host_path_puts_the_gradient_the_model_computes_with_the_same_bits(
 def test_the_updater_steps_as_the_optimizer_counting_on_from_earlier_fits():
     model = models.LinearRegression(4)
     settings = FitSettings(batch_size=8, fit_intercept=False)
-    regularisation = OwnedRegularisation(settings, model, model.size, slice(0, model.size))
+    regularisation = OwnedRegularisation(
+        settings.regularization, settings.fit_intercept, model, model.size, slice(0, model.size)
+    )
     optimizer = optim.Adam(lr=0.1)
     updater = Updater(optimizer, regularisation, steps_before=5)
     updater.start(None, model.size)
@@ -227,7 +229,10 @@ def test_the_updater_steps_as_the_optimizer_counting_on_from_earlier_fits():
 
 def test_the_updater_clips_by_the_own_norm_only_with_clip_norm():
     model = models.LinearRegression(4)
-    regularisation = OwnedRegularisation(FitSettings(), model, model.size, slice(0, model.size))
+    settings = FitSettings()
+    regularisation = OwnedRegularisation(
+        settings.regularization, settings.fit_intercept, model, model.size, slice(0, model.size)
+    )
     clipped = Updater(optim.SGD(lr=0.1, clip_norm=1.0), regularisation, 0)
     gradient = np.full(model.size, 10.0, np.float32)  # summed over 2 rows: norm 5 * sqrt(5)
     clipped.clip_own(gradient, 2)
@@ -284,7 +289,7 @@ def test_the_evaluator_evaluates_each_epoch_once_and_stops_early_with_the_best_w
     param = AllReduceParameter(1, model.size, codec="raw", timeout=30)
     good, bad = np.zeros(model.size, np.float32), np.full(model.size, 5.0, np.float32)
     with one_partition(param) as p:
-        evaluator = Evaluator(model, p, plan, rows, rows, EarlyStopping(1), recorder)
+        evaluator = Evaluator(model, p, plan, rows, rows, EarlyStopping(1).tracker(), recorder)
         weights = good.copy()
         assert not evaluator.epochs_before(2, weights)  # step 2 is epoch 1's first: epoch 0
         assert [share["epoch"] for share in evaluator.epochs] == [0]
@@ -328,7 +333,9 @@ def test_the_checkpoint_keeper_writes_a_checkpoint_the_fit_can_find(tmp_path):
     checkpoints = CheckpointSettings(str(tmp_path), every=3, keep=2)
     param = AllReduceParameter(1, model.size, codec="raw", timeout=30)
     job = TrainingJob(model, optim.Adam(lr=0.1), param, settings, 4, False, checkpoints=checkpoints)
-    regularisation = OwnedRegularisation(settings, model, model.size, slice(0, model.size))
+    regularisation = OwnedRegularisation(
+        settings.regularization, settings.fit_intercept, model, model.size, slice(0, model.size)
+    )
     updater = Updater(job.optimizer, regularisation, 0)
     updater.start(None, model.size)
     updater.state["exp_avg"][:] = 0.25

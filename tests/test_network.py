@@ -80,7 +80,7 @@ def test_arguments_win_over_spark_settings_and_a_bad_spark_setting_is_named_by_i
         "spark.allreduce.bindAddress": "10.1.2.3",
     }
     settings = NetworkSettings.of({"bind_address": "127.0.0.1", "port_range": None}, spark.get)
-    assert settings == NetworkSettings("127.0.0.1", None, (40000, 40009), 4.0)
+    assert settings == NetworkSettings("127.0.0.1", None, (40000, 40009), 4.0, False)
     with pytest.raises(ConfigurationError, match=r"spark.allreduce.portRange='9-1'"):
         NetworkSettings.of({}, {"spark.allreduce.portRange": "9-1"}.get)
     with pytest.raises(
@@ -99,9 +99,14 @@ def test_a_parameter_given_network_settings_uses_them_as_they_are(monkeypatch):
             raise AssertionError(f"{name} was read though network= was given")
 
     monkeypatch.setattr(surroundings, "_current", NoSettings())
-    settings = NetworkSettings("127.0.0.1", port_range=(40000, 40009), connect_timeout=4.0)
+    settings = NetworkSettings(
+        "127.0.0.1", port_range=(40000, 40009), connect_timeout=4.0, encrypt=False
+    )
     param = AllReduceParameter(2, 8, network=settings)
     assert param.network is settings and param.spec.network is settings
+    # unset ones take their defaults, still with no Spark setting read
+    partly = AllReduceParameter(2, 8, network=NetworkSettings(port_range=(40000, 40009)))
+    assert partly.network == NetworkSettings(None, None, (40000, 40009), 10.0, False)
     with pytest.raises(ConfigurationError, match="network must be a NetworkSettings"):
         AllReduceParameter(2, 8, network={"bind_address": "127.0.0.1"})
 

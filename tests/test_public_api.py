@@ -23,7 +23,8 @@ from allreduce_param.engine import (
 )
 
 #: the top level: the trainer's names and the errors a fit's caller catches (at most 20)
-PUBLIC = """DistriOptimizer FitSettings TrainedModel History models optim ml AllReduceError
+PUBLIC = """DistriOptimizer FitSettings Checkpoints EarlyStopping Regularization NetworkSettings
+TrainedModel History models optim ml AllReduceError
 TrainingError InputError ConfigurationError UsageError DamagedCheckpointError PeerLostError
 FetchTimeoutError NetworkError""".split()
 
@@ -36,6 +37,12 @@ NonFiniteGradientError PeerLostError ProtocolError StaleVersionError StoreClosed
 UsageError""".split()
 
 FIT_SETTINGS = """batch_size epochs codec gradient_codec num_workers threads seed timeout progress
+log_path listener strategy staleness backup_workers sync_every model_averaging partition_scheme
+checkpoints verbose overlap data_in network topology fetch_threads early_stopping
+regularization fit_intercept gpus_per_task sparse_sync keep_optimizer_state""".split()
+
+#: the job files' keys: FitSettings.of_flat's names (a group's settings flat)
+JOB_FILE_KEYS = """batch_size epochs codec gradient_codec num_workers threads seed timeout progress
 log_path listener strategy staleness backup_workers sync_every model_averaging partition_scheme
 checkpoint_dir checkpoint_every checkpoint_keep verbose overlap data_in bind_address advertise_address
 port_range connect_timeout encrypt topology fetch_threads early_stopping_patience
@@ -120,9 +127,12 @@ def test_the_optimizers_names_are_kept():
 
 def test_job_file_keys_and_estimator_params_are_kept():
     from allreduce_param.ml import AllReduceClassifier, AllReduceRegressor
+    from allreduce_param.train.settings import flat_names
 
     fields = [item.name for item in dataclasses.fields(allreduce_param.FitSettings)]
     assert not set(FIT_SETTINGS) - set(fields), sorted(set(FIT_SETTINGS) - set(fields))
+    keys = set(flat_names())
+    assert not set(JOB_FILE_KEYS) - keys, sorted(set(JOB_FILE_KEYS) - keys)
     for estimator, expected in (
         (AllReduceRegressor, REGRESSOR_PARAMS),
         (AllReduceClassifier, CLASSIFIER_PARAMS),

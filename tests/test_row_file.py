@@ -13,6 +13,7 @@ from conftest import blobs
 
 from allreduce_param import FitSettings, InputError, TrainingError, models, optim
 from allreduce_param.engine import AllReduceParameter, LocalRendezvous
+from allreduce_param.train import Regularization
 from allreduce_param.train.row_file import RowFileWriter, read_header
 from allreduce_param.train.task.batching import epoch_order
 from allreduce_param.train.task.disk_rows import DiskRows, block_epoch_order
@@ -314,7 +315,9 @@ def test_a_fit_from_row_files_of_one_block_gives_the_bits_of_one_from_memory(tmp
         X = sp.csr_matrix(np.where(np.abs(X) > 1.5, X, 0).astype(np.float32))
     split = (np.arange(90) % 5 == 0).astype(np.int32)
     model = models.SoftmaxRegression(6, 3)
-    settings = FitSettings(batch_size=16, epochs=3, seed=9, standardization=True, reg_param=0.01)
+    settings = FitSettings(
+        batch_size=16, epochs=3, seed=9, regularization=Regularization(0.01, standardization=True)
+    )
     param = AllReduceParameter(2, model.size, codec="raw", timeout=60)
     job = TrainingJob(model, optim.Adam(lr=0.05), param, settings, 6, has_validation=True)
     from allreduce_param.train.task.spill import split_rows

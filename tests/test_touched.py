@@ -14,6 +14,7 @@ from allreduce_param import ConfigurationError, FitSettings, InputError, models,
 from allreduce_param.engine import AllReduceParameter, SparseGradient, Strategy
 from allreduce_param.engine.movement.touched import pack, unpack
 from allreduce_param.errors import CorruptBlockError, NonFiniteGradientError
+from allreduce_param.train import Regularization
 from allreduce_param.train.task.job import TrainingJob
 from allreduce_param.train.task.touched import check_touched, why_not_touched
 
@@ -196,7 +197,7 @@ def test_a_fit_with_the_touched_sync_equals_the_dense_one_and_one_process(model,
     from test_train_loop import reference_fit
 
     parts = csr_parts(model.n_features)
-    regularised = {"reg_param": reg, "standardization": False} if reg else {}
+    regularised = {"regularization": Regularization(reg, standardization=False)} if reg else {}
     fits = {
         sync: sparse_fit(sync, parts, model, optimizer, **regularised)
         for sync in ("dense", "touched")

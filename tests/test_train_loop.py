@@ -12,6 +12,7 @@ from conftest import blobs, train_on_threads
 
 from allreduce_param import FitSettings, TrainingError, models, optim
 from allreduce_param.engine import AllReduceParameter
+from allreduce_param.train import Regularization
 from allreduce_param.train.records import STEP_FIELDS
 from allreduce_param.train.task.batching import (
     epoch_order,
@@ -189,10 +190,8 @@ def test_regularised_bsp_steps_equal_single_process_training(fit_intercept, stan
         batch_size=32,
         epochs=3,
         seed=5,
-        reg_param=0.5,
-        elastic_net_param=0.8,
+        regularization=Regularization(0.5, 0.8, standardization=standardization),
         fit_intercept=fit_intercept,
-        standardization=standardization,
     )
     param = AllReduceParameter(len(parts), model.size, codec="raw", timeout=60)
     job = TrainingJob(model, optimizer, param, settings, n_features=6, has_validation=False)
@@ -205,7 +204,15 @@ def test_regularised_bsp_steps_equal_single_process_training(fit_intercept, stan
         factors = model.penalty_factors(X.astype(np.float64).std(axis=0, ddof=1))
         held = (factors == 0) & ~biases
     expected = reference_fit(
-        model, optimizer, parts, 32, 3, 5, settings.penalty(), factors.astype(np.float32), held
+        model,
+        optimizer,
+        parts,
+        32,
+        3,
+        5,
+        settings.regularization.penalty(),
+        factors.astype(np.float32),
+        held,
     )
     np.testing.assert_allclose(weights, expected, rtol=2e-5, atol=2e-6)
     assert (weights[~biases] == 0).sum() > 10  # the L1 part made exact zeros
@@ -227,10 +234,8 @@ def test_the_background_owner_and_local_sgd_regularise_too(changes):
         batch_size=30,
         epochs=3,
         seed=1,
-        reg_param=0.5,
-        elastic_net_param=1.0,
+        regularization=Regularization(0.5, 1.0, standardization=False),
         fit_intercept=False,
-        standardization=False,
         **changes,
     )
     param = AllReduceParameter(
@@ -263,9 +268,8 @@ def test_a_background_owners_clip_leaves_out_the_held_coordinates_as_bsps_does(
             batch_size=40,
             epochs=1,
             seed=1,
-            reg_param=0.01,
+            regularization=Regularization(0.01, standardization=standardization),
             fit_intercept=False,
-            standardization=standardization,
             **strategy,
         )
         param = AllReduceParameter(
@@ -313,7 +317,7 @@ def test_each_task_builds_its_own_slice_of_the_penalty_alone_with_the_same_bits(
     whole vector is cut instead, to the same bits."""
     X, y = blobs(60, 5, 3, seed=6)
     parts = [(X[:20], y[:20]), (X[20:45], y[20:45]), (X[45:], y[45:])]
-    settings = FitSettings(batch_size=15, epochs=2, seed=2, reg_param=0.3, elastic_net_param=0.5)
+    settings = FitSettings(batch_size=15, epochs=2, seed=2, regularization=Regularization(0.3, 0.5))
 
     def fit(model):
         param = AllReduceParameter(3, model.size, codec="raw", timeout=60)

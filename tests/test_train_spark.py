@@ -16,6 +16,7 @@ from allreduce_param import (
     ConfigurationError,
     DistriOptimizer,
     InputError,
+    NetworkSettings,
     TrainedModel,
     TrainingError,
     models,
@@ -569,7 +570,7 @@ def test_the_fits_servers_take_ports_of_the_sessions_range_and_the_listener_hear
             batch_size=16,
             epochs=1,
             progress=False,
-            connect_timeout=5,
+            network=NetworkSettings(connect_timeout=5),
             listener=lambda kind, fields: events.append((kind, fields)),
         ).fit(frame(spark, X, y))
     finally:
@@ -582,7 +583,11 @@ def test_the_fits_servers_take_ports_of_the_sessions_range_and_the_listener_hear
         range(first, last + 1)
     )
     with pytest.raises(ConfigurationError, match=r"port_range='80-1'"):
-        DistriOptimizer(models.LinearRegression(5), optim.SGD(lr=0.05), port_range="80-1")
+        DistriOptimizer(
+            models.LinearRegression(5),
+            optim.SGD(lr=0.05),
+            network=NetworkSettings(port_range="80-1"),
+        )
 
 
 def test_plotting_without_matplotlib_says_how_to_get_it(monkeypatch):

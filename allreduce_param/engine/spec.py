@@ -76,6 +76,9 @@ class ParameterSpec:
             raise ConfigurationError(
                 f"network must be a NetworkSettings, got {type(self.network).__name__}"
             )
+        if self.network.connect_timeout is None or self.network.encrypt is None:
+            # unset ones take their defaults here, with no Spark setting read
+            object.__setattr__(self, "network", self.network.resolved())
         object.__setattr__(self, "param_id", int(self.param_id))
 
     @property

@@ -40,6 +40,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import posixpath
 import re
 import secrets
@@ -65,8 +66,52 @@ _PURPOSE = "checkpoint storage"
 
 
 @dataclass(frozen=True)
+class Checkpoints:
+    """A fit's checkpoints, as the user asks for them: ``FitSettings(checkpoints=...)``.
+
+    ``dir``: where the fit writes them, a folder of its own per fit (a local path, or a
+    URL such as ``hdfs://`` or ``s3://`` that fsspec opens; on a cluster, storage every
+    executor sees). ``every``: after every that many global steps, or ``"epoch"`` (None:
+    each epoch); a fit also writes one after its last step. ``keep``: how many of the
+    newest complete checkpoints stay. Checked when made, with the job files' names
+    (``checkpoint_every``, ``checkpoint_keep``) in the messages.
+    """
+
+    dir: str
+    every: int | str = "epoch"
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir):
+            raise ConfigurationError(
+                f"checkpoint_dir must be a folder's path or URL, got {self.dir!r}"
+            )
+        object.__setattr__(self, "dir", os.fspath(self.dir))
+        every = "epoch" if self.every is None else self.every
+        if every != "epoch" and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ConfigurationError(
+                f"checkpoint_every must be a positive whole number of steps or 'epoch', "
+                f"got {every!r}"
+            )
+        object.__setattr__(self, "every", every)
+        keep = self.keep
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigurationError(f"checkpoint_keep must be a whole number >= 1, got {keep!r}")
+        # a URL the tasks could not write fails here, on the driver
+        fsspec_filesystem(self.dir, _PURPOSE)
+
+    def for_new_fit(self) -> CheckpointSettings:
+        """A new fit's settings: its own folder under ``dir``, named by time and a random tag."""
+        name = f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        return CheckpointSettings(posixpath.join(self.dir.rstrip("/"), name), self.every, self.keep)
+
+
+@dataclass(frozen=True)
 class CheckpointSettings:
-    """Where a fit writes its checkpoints and how often; made on the driver.
+    """Where one fit writes its checkpoints and how often; made on the driver
+    (``Checkpoints.for_new_fit``).
 
     ``every``: after every that many global steps, or ``"epoch"``; a fit also writes one
     after its last step. ``keep``: how many complete checkpoints stay; older ones go.
@@ -79,21 +124,7 @@ class CheckpointSettings:
     @classmethod
     def for_new_fit(cls, root: str, every: int | str | None, keep: int) -> CheckpointSettings:
         """Settings for a new fit: its own folder under ``root``, named by time and a random tag."""
-        if every is None:
-            every = "epoch"
-        if every != "epoch" and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise ConfigurationError(
-                f"checkpoint_every must be a positive whole number of steps or 'epoch', "
-                f"got {every!r}"
-            )
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ConfigurationError(f"checkpoint_keep must be a whole number >= 1, got {keep!r}")
-        # a URL the tasks could not write fails here, on the driver
-        fsspec_filesystem(str(root), _PURPOSE)
-        name = f"fit-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        return cls(posixpath.join(str(root).rstrip("/"), name), every, keep)
+        return Checkpoints(root, every, keep).for_new_fit()
 
     def probe(self) -> None:
         """Check, on the driver and before any stage, that the folder above this fit's one
@@ -137,7 +168,7 @@ class Manifest:
     state_names: tuple[str, ...]
     local_state: bool
     settings: dict
-    # EarlyStopping.state() at the checkpoint, if the fit stops early
+    # EarlyStopper.state() at the checkpoint, if the fit stops early
     early_stopping: dict | None = None
     # each part's size and checksum, in order; None in a checkpoint written before they were
     checks: tuple[PartCheck, ...] | None = None
@@ -380,7 +411,7 @@ class CheckpointWriter:
     ) -> None:
         """Partition 0, once every part of ``step`` is written: make the checkpoint complete,
         then remove complete ones beyond ``keep`` and incomplete ones older than it.
-        ``early_stopping``: the fit's ``EarlyStopping.state()``, the same on every partition;
+        ``early_stopping``: the fit's ``EarlyStopper.state()``, the same on every partition;
         ``before``: the global steps and epochs of earlier fits this one continues."""
         folder = self._folder(step)
         names = [_part_name(index, partitions) for index in range(partitions)]

@@ -1,10 +1,11 @@
 """Early stopping: end a fit once the validation loss stops improving, and keep the best weights.
 
-Every partition holds one of these and feeds it the same number after each epoch: the
-validation loss over every partition's rows, summed exactly (``allreduce_exact``), so all
-of them decide alike, at the same epoch, without asking the driver. It runs where each
-epoch ends on one version of the weights that every partition holds whole: plain BSP and
-local SGD (``check_strategy``).
+``EarlyStopping`` is what the user asks for (``FitSettings(early_stopping=...)``);
+``EarlyStopper`` its state inside one partition. Every partition holds one of these and
+feeds it the same number after each epoch: the validation loss over every partition's
+rows, summed exactly (``allreduce_exact``), so all of them decide alike, at the same
+epoch, without asking the driver. It runs where each epoch ends on one version of the
+weights that every partition holds whole: plain BSP and local SGD (``check_strategy``).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def check_patience(patience: Any, min_delta: Any) -> None:
         )
 
 
-def check_strategy(patience: int | None, strategy: Strategy) -> None:
+def check_strategy(early_stopping: EarlyStopping | None, strategy: Strategy) -> None:
     """Early stopping needs every partition to evaluate the same weights at each epoch's
     end: not under SSP, ASP or backup workers, where each reads a version of its own."""
-    if patience is not None and not strategy.inline_owner:
+    if early_stopping is not None and not strategy.inline_owner:
         raise ConfigurationError(
             f"early_stopping_patience goes with strategy='bsp' and no backup workers (sync_every=k or "
             f"'epoch' too), not with {strategy.as_settings}: there the partitions end an epoch on weights "
@@ -52,8 +53,33 @@ def check_strategy(patience: int | None, strategy: Strategy) -> None:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class EarlyStopping:
+    """Stop once the validation loss (on ``fit(validation=...)``) has not improved for
+    ``patience`` epochs, and keep the best epoch's weights; an epoch improves when its loss
+    is below the best so far by more than ``min_delta``. Checked when made, with the job
+    files' names (``early_stopping_patience``, ``early_stopping_min_delta``) in the
+    messages."""
+
+    patience: int
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.patience is None:
+            raise ConfigurationError(
+                "early_stopping_patience must be a whole number of epochs >= 1; to train every "
+                "epoch leave early stopping out (early_stopping=None)"
+            )
+        check_patience(self.patience, self.min_delta)
+        object.__setattr__(self, "min_delta", float(self.min_delta))
+
+    def tracker(self) -> EarlyStopper:
+        """This partition's state of early stopping, none yet."""
+        return EarlyStopper(self.patience, self.min_delta)
+
+
+@dataclass
+class EarlyStopper:
     """The state of early stopping inside one partition.
 
     ``patience``: how many epochs in a row without improvement end the fit; an epoch

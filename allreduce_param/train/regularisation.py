@@ -1,4 +1,5 @@
-"""The fit's regularisation on the part of the vector one owner updates.
+"""The fit's regularisation: ``Regularization`` as the user sets it, and its work on the part
+of the vector one owner updates.
 
 MLlib's meaning (``reg_param``, ``elastic_net_param``, ``fit_intercept``,
 ``standardization``: the Estimators' ``regParam``, ``elasticNetParam``, ``fitIntercept``,
@@ -21,6 +22,9 @@ per feature (``feature_std``); a feature of std 0 (a constant column) keeps its 
 
 from __future__ import annotations
 
+import math
+import numbers
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,11 +32,62 @@ import numpy as np
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.base import is_sparse_matrix, takes_part
 from allreduce_param.optim import ElasticNet
-from allreduce_param.train.settings import FitSettings
 
 ROWS_AT_ONCE = 4096  # dense rows per float64 pass of ``local_moments``
 #: A feature whose std is at most this times its mean's magnitude counts as constant (std 0).
 CONSTANT = 1e-6
+
+
+@dataclass(frozen=True)
+class Regularization:
+    """The fit's penalty, as MLlib's (``FitSettings(regularization=...)``).
+
+    ``reg_param``: its strength, >= 0 (0: none); the objective is the mean loss +
+    ``reg_param * ((1 - elastic_net_param) / 2 * sum(w^2) + elastic_net_param * sum(abs(w)))``
+    over the weights, never the intercepts. ``elastic_net_param``: the L1 share, in [0, 1]
+    (0 is L2, ridge, through the optimizer; 1 is L1, lasso, a proximal step after each
+    update). ``standardization``: penalise each first-layer weight in proportion to its
+    feature's standard deviation over the training rows (the L1 part by std, the L2 part by
+    std^2), MLlib's penalty on the coefficients of standardized features; it only matters
+    with a penalty. ``fit_intercept`` is no part of it (a setting of its own, as MLlib's
+    ``fitIntercept``: it holds the intercepts at 0 with or without a penalty). Checked when
+    made, naming the setting as the job files do.
+    """
+
+    reg_param: float = 0.0
+    elastic_net_param: float = 0.0
+    standardization: bool = True
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("reg_param", ">= 0"), ("elastic_net_param", "in [0, 1]")):
+            value = getattr(self, name)
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and value >= 0 and (name == "reg_param" or value <= 1)
+            if not ok:
+                raise ConfigurationError(f"{name} must be a finite number {allowed}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not isinstance(self.standardization, bool):
+            raise ConfigurationError(
+                f"standardization must be True or False, got {self.standardization!r}"
+            )
+
+    def penalty(self) -> ElasticNet | None:
+        """The penalty of ``reg_param`` and ``elastic_net_param`` (None: none)."""
+        if self.reg_param == 0.0:
+            return None
+        return ElasticNet(self.reg_param, self.elastic_net_param)
+
+    @property
+    def standardizes(self) -> bool:
+        """Whether the penalty is scaled by each feature's standard deviation
+        (``standardization``, which only matters with a penalty)."""
+        return self.standardization and self.reg_param > 0
+
+
+def check_fit_intercept(value: Any) -> None:
+    """A ConfigurationError naming ``fit_intercept`` unless it is True or False."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"fit_intercept must be True or False, got {value!r}")
 
 
 def penalized_mask(model: Any, size: int, part: slice | None = None) -> np.ndarray | None:
@@ -69,20 +124,21 @@ def penalty_factors(model: Any, std: np.ndarray, size: int, part: slice) -> np.n
     return factors[part].copy() if whole else factors  # not a view of the whole one
 
 
-def check_model(model: Any, settings: FitSettings, size: int) -> None:
-    """On the driver, before any task: the model can take the settings' regularisation."""
-    if not settings.reg_param and settings.fit_intercept:
+def check_model(model: Any, rule: Regularization, fit_intercept: bool, size: int) -> None:
+    """On the driver, before any task: the model can take the fit's regularisation ``rule``
+    and its ``fit_intercept``."""
+    if not rule.reg_param and fit_intercept:
         return
     mask = penalized_mask(model, size)
-    if mask is None and not settings.fit_intercept:
+    if mask is None and not fit_intercept:
         raise ConfigurationError(
             f"fit_intercept=False: the model {model!r} does not say which of its parameters "
             "are intercepts (it has no penalized()); give it one (see "
             "allreduce_param.models.base.Model), or keep fit_intercept=True"
         )
-    if settings.standardizes and not callable(getattr(model, "penalty_factors", None)):
+    if rule.standardizes and not callable(getattr(model, "penalty_factors", None)):
         raise ConfigurationError(
-            f"standardization=True with reg_param={settings.reg_param!r}: the model {model!r} "
+            f"standardization=True with reg_param={rule.reg_param!r}: the model {model!r} "
             "does not say which weights multiply which feature (it has no penalty_factors(), "
             "see allreduce_param.models.base.Model), so its penalty cannot be standardized as "
             "MLlib's; set standardization=False to penalise the weights as they are"
@@ -157,7 +213,8 @@ def feature_std(
 
 
 class OwnedRegularisation:
-    """The regularisation of one owner's part ``part`` (a slice of the flat vector).
+    """The regularisation ``rule`` (with ``fit_intercept``) of one owner's part ``part`` (a
+    slice of the flat vector).
 
     ``step_arguments`` go to ``Optimizer.step``; ``hold`` zeroes the gradient of the
     coordinates held at 0 (the intercepts under ``fit_intercept=False``; under
@@ -171,22 +228,23 @@ class OwnedRegularisation:
 
     def __init__(
         self,
-        settings: FitSettings,
+        rule: Regularization,
+        fit_intercept: bool,
         model: Any,
         size: int,
         part: slice,
         std: np.ndarray | None = None,
         clips_whole: bool = False,
     ) -> None:
-        self.penalty: ElasticNet | None = settings.penalty()
+        self.penalty: ElasticNet | None = rule.penalty()
         # the arrays are built for this part alone (where the model can), or for the whole
         # vector where a partition also holds the whole gradient (clips_whole)
         built = slice(0, size) if clips_whole else part
         mask = None
-        if self.penalty is not None or not settings.fit_intercept:
+        if self.penalty is not None or not fit_intercept:
             mask = penalized_mask(model, size, built)
         factors = None
-        if self.penalty is not None and settings.standardizes:
+        if self.penalty is not None and rule.standardizes:
             factors = penalty_factors(model, std, size, built)
         own = slice(part.start - built.start, part.stop - built.start)  # the part in them
         self.penalized: np.ndarray | None = None
@@ -195,9 +253,11 @@ class OwnedRegularisation:
         elif self.penalty is not None and mask is not None:
             self.penalized = mask[own].astype(np.float32)
         self._held = _held(
-            settings, None if mask is None else mask[own], None if factors is None else factors[own]
+            fit_intercept,
+            None if mask is None else mask[own],
+            None if factors is None else factors[own],
         )
-        self._held_whole = _held(settings, mask, factors) if clips_whole else None
+        self._held_whole = _held(fit_intercept, mask, factors) if clips_whole else None
         self._part, self._size = part, size
 
     @property
@@ -245,13 +305,13 @@ class OwnedRegularisation:
 
 
 def _held(
-    settings: FitSettings, penalized: np.ndarray | None, factors: np.ndarray | None
+    fit_intercept: bool, penalized: np.ndarray | None, factors: np.ndarray | None
 ) -> np.ndarray | None:
     """Which coordinates of a part (or the whole vector) are held at 0, given the model's
     ``penalized`` mask and standardized penalty ``factors`` of the same coordinates: the
     intercepts under ``fit_intercept=False``, the weights of a feature of std 0 (factor 0);
     None where none is."""
-    held = None if settings.fit_intercept or penalized is None else ~penalized
+    held = None if fit_intercept or penalized is None else ~penalized
     if factors is not None:
         constant = (factors == 0) if penalized is None else (factors == 0) & penalized
         held = constant if held is None else held | constant

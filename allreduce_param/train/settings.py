@@ -1,10 +1,17 @@
 """FitSettings: every setting of a fit, its default, its check and what it means, in one place.
 
-``DistriOptimizer`` takes them as keyword arguments (or a ``FitSettings``), a job file as
-its ``[train]`` section, and the pyspark.ml Estimators as Params of the same meaning
-(camelCase names: ``batch_size`` is ``batchSize``, ``epochs`` is ``maxEpochs``). A new
-setting is a new field here: the Estimators grow the Param, its getter and setter, and
-the job files the key, from this class.
+``DistriOptimizer`` takes them as keyword arguments (or a ``FitSettings``). Settings that
+belong together are one object each: ``network`` (``NetworkSettings``), ``checkpoints``
+(``Checkpoints``), ``early_stopping`` (``EarlyStopping``) and ``regularization``
+(``Regularization``), e.g. ``DistriOptimizer(model, optimizer,
+checkpoints=Checkpoints(dir="ckpt", every=100))``.
+
+A job file's ``[train]`` section and the pyspark.ml Estimators' Params keep every setting
+flat, as their conventions want (``checkpoint_dir``, ``checkpointDir``; camelCase for the
+Params: ``batch_size`` is ``batchSize``, ``epochs`` is ``maxEpochs``): ``FLAT`` maps those
+names into the groups, the one place that does, and ``FitSettings.of_flat`` reads them. A
+new setting is a new field here (or in a group, with its line in ``FLAT``); the Estimators'
+Params are then written out by ``python -m allreduce_param._params_source``.
 """
 
 from __future__ import annotations
@@ -18,18 +25,15 @@ from typing import Any
 
 from allreduce_param.engine.blocks.codec import codec_names
 from allreduce_param.engine.strategy import Strategy
-from allreduce_param.engine.wire.settings import SPARK_SETTINGS, NetworkSettings
+from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError
-from allreduce_param.optim import ElasticNet
-from allreduce_param.train.checkpoint import CheckpointSettings
+from allreduce_param.train.checkpoint import Checkpoints
 from allreduce_param.train.early_stopping import EarlyStopping, check_patience, check_strategy
+from allreduce_param.train.regularisation import Regularization, check_fit_intercept
 
-#: The settings ``NetworkSettings`` has too (and reads from Spark settings when unset).
-NETWORK_FIELDS = tuple(SPARK_SETTINGS)
-
-#: The ways to place rows on the workers (``partition_scheme``; see ``driver.partitioning``).
 #: ``FitSettings.sparse_sync``'s values
 SPARSE_SYNCS = ("auto", "touched", "dense")
+#: The ways to place rows on the workers (``partition_scheme``; see ``driver.partitioning``).
 SCHEMES = ("as_is", "contiguous", "round_robin", "random", "overlap_reshuffle")
 
 
@@ -41,24 +45,6 @@ def check_scheme(scheme: str) -> str:
             f"{', '.join(SCHEMES)}"
         )
     return scheme
-
-
-def check_regularisation(
-    reg_param: Any, elastic_net_param: Any, fit_intercept: Any, standardization: Any
-) -> None:
-    """MLlib's ranges: ``reg_param >= 0``, ``elastic_net_param`` in [0, 1]; the two flags
-    booleans."""
-    for name, value, allowed in (
-        ("reg_param", reg_param, ">= 0"),
-        ("elastic_net_param", elastic_net_param, "in [0, 1]"),
-    ):
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        ok = ok and math.isfinite(value) and value >= 0 and (name == "reg_param" or value <= 1)
-        if not ok:
-            raise ConfigurationError(f"{name} must be a finite number {allowed}, got {value!r}")
-    for name, value in (("fit_intercept", fit_intercept), ("standardization", standardization)):
-        if not isinstance(value, bool):
-            raise ConfigurationError(f"{name} must be True or False, got {value!r}")
 
 
 def check_gpus_per_task(value: Any) -> None:
@@ -106,6 +92,20 @@ def _setting(
     return field(
         default=default, metadata={"doc": doc, "param": param, "kind": kind, "estimator": estimator}
     )
+
+
+def _group(default: Any, doc: str) -> Any:
+    """A field of FitSettings that holds a group of settings (flat in ``FLAT``)."""
+    return field(default=default, metadata={"doc": doc, "group": True, "estimator": False})
+
+
+#: The groups' classes by their field of FitSettings, and whether the group may be None (left out).
+GROUPS: dict[str, tuple[type, bool]] = {
+    "network": (NetworkSettings, False),
+    "checkpoints": (Checkpoints, True),
+    "early_stopping": (EarlyStopping, True),
+    "regularization": (Regularization, False),
+}
 
 
 @dataclass(frozen=True)
@@ -175,13 +175,9 @@ class FitSettings:
         "random, overlap_reshuffle",
         kind="String",
     )
-    checkpoint_dir: str | None = _setting(
-        None, "where the fit writes checkpoints (storage every executor sees)", kind="String"
+    checkpoints: Checkpoints | None = _group(
+        None, "where and how often the fit writes checkpoints (None: it writes none)"
     )
-    checkpoint_every: int | str | None = _setting(
-        None, "checkpoint every k steps or 'epoch' (None: each epoch)"
-    )
-    checkpoint_keep: int = _setting(2, "how many of the newest checkpoints to keep", kind="Int")
     keep_optimizer_state: bool = _setting(
         False,
         "keep the optimizer's state (Adam's moments, ...) with the trained model, saved with it, "
@@ -204,38 +200,10 @@ class FitSettings:
         param="dataIn",
         kind="String",
     )
-    bind_address: str | None = _setting(
-        None,
-        "where the workers' block servers and the driver's message server listen (None: the Spark setting "
-        "spark.allreduce.bindAddress, else the address Spark gives each process; one address, never every "
-        "interface)",
-        kind="String",
-    )
-    advertise_address: str | None = _setting(
-        None,
-        "the address the others are told to connect to (None: spark.allreduce.advertiseAddress, else the "
-        "bind address when set, else Spark's)",
-        kind="String",
-    )
-    port_range: str | None = _setting(
-        None,
-        "the ports those servers may take, 'FIRST-LAST' (None: spark.allreduce.portRange, else any free "
-        "port); allow one per task on each executor, and one for the driver",
-        kind="String",
-    )
-    connect_timeout: float | None = _setting(
-        None,
-        "seconds a connection and its handshake may take (None: spark.allreduce.connectTimeout, else 10); "
-        "the meeting at the driver waits 3 times this for the last task",
-        kind="Float",
-    )
-    encrypt: bool | None = _setting(
-        None,
-        "encrypt the traffic that goes over TCP: blocks between workers on different hosts, and the "
-        "workers' messages to the driver (None: spark.allreduce.encrypt, else on where "
-        "spark.network.crypto.enabled or spark.ssl.enabled is true; same-host Unix sockets and shared "
-        "memory never are)",
-        kind="Boolean",
+    network: NetworkSettings = _group(
+        NetworkSettings(),
+        "where the servers listen, how long connecting may take, encryption (unset: Spark's "
+        "settings, spark.allreduce.*)",
     )
     topology: str = _setting(
         "auto",
@@ -260,42 +228,15 @@ class FitSettings:
         "gives); a TorchModel runs on its task's GPU",
         kind="Float",
     )
-    early_stopping_patience: int | None = _setting(
-        None,
-        "stop once the validation loss has not improved for this many epochs, and keep the best "
-        "epoch's weights (needs validation data; None: train every epoch)",
-        kind="Int",
+    early_stopping: EarlyStopping | None = _group(
+        None, "stop when the validation loss stops improving (None: train every epoch)"
     )
-    early_stopping_min_delta: float = _setting(
-        0.0,
-        "how much lower than the best so far a validation loss must be to count as an improvement",
-        kind="Float",
-    )
-    reg_param: float = _setting(
-        0.0,
-        "the regularisation's strength, as MLlib's regParam: the objective is the mean loss + "
-        "regParam * ((1 - elasticNetParam) / 2 * sum(w^2) + elasticNetParam * sum(abs(w))), over "
-        "the weights, never the intercepts (0: none)",
-        kind="Float",
-    )
-    elastic_net_param: float = _setting(
-        0.0,
-        "the L1 share of the regularisation, in [0, 1], as MLlib's elasticNetParam: 0 is L2 (ridge, "
-        "through the optimizer), 1 is L1 (lasso, a proximal step after each update: coefficients "
-        "it outweighs become exactly 0)",
-        kind="Float",
+    regularization: Regularization = _group(
+        Regularization(), "MLlib's penalty: regParam, elasticNetParam, standardization"
     )
     fit_intercept: bool = _setting(
         True,
         "train the intercepts (the biases); False holds every one at 0, as MLlib's fitIntercept",
-        kind="Boolean",
-    )
-    standardization: bool = _setting(
-        True,
-        "as MLlib's standardization: penalise each first-layer weight in proportion to its "
-        "feature's standard deviation over the training rows (the L1 part by std, the L2 part by "
-        "std^2), which is MLlib's penalty on the coefficients of standardized features; a feature "
-        "of std 0 keeps its weights at 0. False: the weights as they are",
         kind="Boolean",
     )
     sparse_sync: str = _setting(
@@ -315,6 +256,13 @@ class FitSettings:
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ConfigurationError(f"{name} must be a positive whole number, got {value!r}")
+        for name, (kind, optional) in GROUPS.items():  # each group checked its own values
+            value = getattr(self, name)
+            if not (isinstance(value, kind) or (optional and value is None)):
+                raise ConfigurationError(
+                    f"{name} must be a {kind.__name__}{' or None' if optional else ''}, got "
+                    f"{value!r}: e.g. {name}={kind.__name__}(...)"
+                )
         # an unknown or misplaced codec fails, naming the codecs there are
         codec_names(self.codec, self.gradient_codec)
         workload_shares(self.threads)
@@ -338,21 +286,8 @@ class FitSettings:
             )
         strategy.check_topology(self.topology)  # a conflict fails before the fit's first Spark job
         check_scheme(self.partition_scheme)
-        check_patience(self.early_stopping_patience, self.early_stopping_min_delta)
-        check_strategy(self.early_stopping_patience, strategy)
-        if self.checkpoint_dir is None and self.checkpoint_every is not None:
-            raise ConfigurationError(
-                f"checkpoint_every={self.checkpoint_every!r} goes with checkpoint_dir, the "
-                "storage to write the checkpoints to"
-            )
-        if self.checkpoint_dir is not None:
-            CheckpointSettings.for_new_fit(
-                str(self.checkpoint_dir), self.checkpoint_every, self.checkpoint_keep
-            )
-        NetworkSettings.of(self.network_values())
-        check_regularisation(
-            self.reg_param, self.elastic_net_param, self.fit_intercept, self.standardization
-        )
+        check_strategy(self.early_stopping, strategy)
+        check_fit_intercept(self.fit_intercept)
         check_gpus_per_task(self.gpus_per_task)
         if self.sparse_sync not in SPARSE_SYNCS:
             raise ConfigurationError(
@@ -372,9 +307,32 @@ class FitSettings:
 
     @classmethod
     def of(cls, settings: Mapping[str, Any], where: str = "DistriOptimizer") -> FitSettings:
-        """FitSettings from a mapping of field names (a job file's section, keyword arguments);
-        a name that is no setting fails, naming ``where`` and the settings there are."""
+        """FitSettings from a mapping of field names (keyword arguments); a name that is no
+        setting fails, naming ``where``, the settings there are, and for a flat name (a job
+        file's, such as ``checkpoint_dir``) the group that holds it."""
         names = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            grouped = [
+                f"{name} is {FLAT[name].group}={GROUPS[FLAT[name].group][0].__name__}"
+                f"({FLAT[name].field}=...)"
+                for name in unknown
+                if name in FLAT
+            ]
+            raise ConfigurationError(
+                f"{where}: {', '.join(map(repr, unknown))} "
+                f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; "
+                f"{'; '.join(grouped) + '; ' if grouped else ''}"
+                f"the settings are {', '.join(sorted(names))}"
+            )
+        return cls(**settings)
+
+    @classmethod
+    def of_flat(cls, settings: Mapping[str, Any], where: str = "[train]") -> FitSettings:
+        """FitSettings from a mapping of flat names (a job file's ``[train]``, the Estimators'
+        Params as settings): the grouped ones (``FLAT``) into their groups. A name that is no
+        setting fails, naming ``where`` and the flat names there are."""
+        names = set(flat_names())
         unknown = sorted(set(settings) - names)
         if unknown:
             raise ConfigurationError(
@@ -382,18 +340,22 @@ class FitSettings:
                 f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; "
                 f"the settings are {', '.join(sorted(names))}"
             )
-        return cls(**settings)
+        values = {name: value for name, value in settings.items() if name not in FLAT}
+        for group in GROUPS:
+            members = {
+                flat.field: settings[name]
+                for name, flat in FLAT.items()
+                if flat.group == group and name in settings
+            }
+            values[group] = _group_of_flat(group, members)
+        return cls(**values)
 
     def replace(self, **changes: Any) -> FitSettings:
         """A copy with ``changes``, checked as a new one is (itself when there are none)."""
         return FitSettings.of({**self.as_dict(), **changes}) if changes else self
 
-    def network_values(self) -> dict[str, Any]:
-        """The networking settings by ``NetworkSettings``' names (None where unset)."""
-        return {name: getattr(self, name) for name in NETWORK_FIELDS}
-
     def as_dict(self) -> dict[str, Any]:
-        """Every setting by its field name."""
+        """Every setting by its field name (a group as its object)."""
         return {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
 
     # ---- what follows from the settings, derived here and nowhere else -------------------
@@ -418,36 +380,159 @@ class FitSettings:
         """Whether anyone on the driver hears each step: a bar, a log or a listener."""
         return bool(self.progress or self.log_path or self.listener)
 
-    def penalty(self) -> ElasticNet | None:
-        """The regularisation of ``reg_param`` and ``elastic_net_param`` (None: none)."""
-        if self.reg_param == 0.0:
-            return None
-        return ElasticNet(self.reg_param, self.elastic_net_param)
 
-    @property
-    def standardizes(self) -> bool:
-        """Whether the penalty is scaled by each feature's standard deviation (MLlib's
-        ``standardization``, which only matters with a penalty)."""
-        return self.standardization and self.reg_param > 0
+@dataclass(frozen=True)
+class Flat:
+    """A grouped setting as the job files and the Estimators name it: its ``group`` (a field
+    of FitSettings), its ``field`` there, its flat default (None: unset), the Param's type
+    and meaning (see ``_setting``)."""
 
-    def early_stopping(self) -> EarlyStopping | None:
-        """Early stopping's settings with no state yet (None: the fit trains every epoch)."""
-        if self.early_stopping_patience is None:
-            return None
-        return EarlyStopping(self.early_stopping_patience, float(self.early_stopping_min_delta))
+    group: str
+    field: str
+    default: Any
+    kind: str
+    doc: str
 
-    def checkpoints(self) -> CheckpointSettings | None:
-        """A new fit's checkpoints: a folder of its own under ``checkpoint_dir`` (None: none)."""
-        if self.checkpoint_dir is None:
-            return None
-        return CheckpointSettings.for_new_fit(
-            str(self.checkpoint_dir), self.checkpoint_every, self.checkpoint_keep
-        )
+
+#: The grouped settings by their flat names, each group's in its order: the one place that
+#: maps the job files' keys and the Estimators' Params into the groups.
+FLAT: dict[str, Flat] = {
+    "checkpoint_dir": Flat(
+        "checkpoints",
+        "dir",
+        None,
+        "String",
+        "where the fit writes checkpoints (storage every executor sees)",
+    ),
+    "checkpoint_every": Flat(
+        "checkpoints",
+        "every",
+        None,
+        "identity",
+        "checkpoint every k steps or 'epoch' (None: each epoch)",
+    ),
+    "checkpoint_keep": Flat(
+        "checkpoints", "keep", 2, "Int", "how many of the newest checkpoints to keep"
+    ),
+    "bind_address": Flat(
+        "network",
+        "bind_address",
+        None,
+        "String",
+        "where the workers' block servers and the driver's message server listen (None: the Spark setting "
+        "spark.allreduce.bindAddress, else the address Spark gives each process; one address, never every "
+        "interface)",
+    ),
+    "advertise_address": Flat(
+        "network",
+        "advertise_address",
+        None,
+        "String",
+        "the address the others are told to connect to (None: spark.allreduce.advertiseAddress, else the "
+        "bind address when set, else Spark's)",
+    ),
+    "port_range": Flat(
+        "network",
+        "port_range",
+        None,
+        "String",
+        "the ports those servers may take, 'FIRST-LAST' (None: spark.allreduce.portRange, else any free "
+        "port); allow one per task on each executor, and one for the driver",
+    ),
+    "connect_timeout": Flat(
+        "network",
+        "connect_timeout",
+        None,
+        "Float",
+        "seconds a connection and its handshake may take (None: spark.allreduce.connectTimeout, else 10); "
+        "the meeting at the driver waits 3 times this for the last task",
+    ),
+    "encrypt": Flat(
+        "network",
+        "encrypt",
+        None,
+        "Boolean",
+        "encrypt the traffic that goes over TCP: blocks between workers on different hosts, and the "
+        "workers' messages to the driver (None: spark.allreduce.encrypt, else on where "
+        "spark.network.crypto.enabled or spark.ssl.enabled is true; same-host Unix sockets and shared "
+        "memory never are)",
+    ),
+    "early_stopping_patience": Flat(
+        "early_stopping",
+        "patience",
+        None,
+        "Int",
+        "stop once the validation loss has not improved for this many epochs, and keep the best "
+        "epoch's weights (needs validation data; None: train every epoch)",
+    ),
+    "early_stopping_min_delta": Flat(
+        "early_stopping",
+        "min_delta",
+        0.0,
+        "Float",
+        "how much lower than the best so far a validation loss must be to count as an improvement",
+    ),
+    "reg_param": Flat(
+        "regularization",
+        "reg_param",
+        0.0,
+        "Float",
+        "the regularisation's strength, as MLlib's regParam: the objective is the mean loss + "
+        "regParam * ((1 - elasticNetParam) / 2 * sum(w^2) + elasticNetParam * sum(abs(w))), over "
+        "the weights, never the intercepts (0: none)",
+    ),
+    "elastic_net_param": Flat(
+        "regularization",
+        "elastic_net_param",
+        0.0,
+        "Float",
+        "the L1 share of the regularisation, in [0, 1], as MLlib's elasticNetParam: 0 is L2 (ridge, "
+        "through the optimizer), 1 is L1 (lasso, a proximal step after each update: coefficients "
+        "it outweighs become exactly 0)",
+    ),
+    "standardization": Flat(
+        "regularization",
+        "standardization",
+        True,
+        "Boolean",
+        "as MLlib's standardization: penalise each first-layer weight in proportion to its "
+        "feature's standard deviation over the training rows (the L1 part by std, the L2 part by "
+        "std^2), which is MLlib's penalty on the coefficients of standardized features; a feature "
+        "of std 0 keeps its weights at 0. False: the weights as they are",
+    ),
+}
+
+
+def _group_of_flat(group: str, members: dict[str, Any]) -> Any:
+    """A group's object from its flat settings by field name (those not given: defaults).
+    An optional group is left out where its first setting is unset: no checkpoints without
+    ``checkpoint_dir`` (``checkpoint_every`` alone is refused), no early stopping without
+    ``early_stopping_patience`` (a bad ``early_stopping_min_delta`` still is)."""
+    if group == "checkpoints" and members.get("dir") is None:
+        if members.get("every") is not None:
+            raise ConfigurationError(
+                f"checkpoint_every={members['every']!r} goes with checkpoint_dir, the "
+                "storage to write the checkpoints to"
+            )
+        return None
+    if group == "early_stopping" and members.get("patience") is None:
+        check_patience(None, members.get("min_delta", 0.0))
+        return None
+    return GROUPS[group][0](**members)
+
+
+def flat_names() -> Iterator[str]:
+    """Every setting's flat name (a job file's key), in FitSettings' order."""
+    for item in dataclasses.fields(FitSettings):
+        if item.metadata.get("group"):
+            yield from (name for name, flat in FLAT.items() if flat.group == item.name)
+        else:
+            yield item.name
 
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """A setting as the Estimators' Param: its name, meaning, type, default and field."""
+    """A setting as the Estimators' Param: its name, meaning, type, default and flat name."""
 
     name: str
     doc: str
@@ -457,10 +542,22 @@ class ParamSpec:
 
 
 def estimator_params() -> Iterator[ParamSpec]:
-    """The settings the Estimators have as Params, in FitSettings' order."""
-    for item in dataclasses.fields(FitSettings):
-        meta = item.metadata
+    """The settings the Estimators have as Params, in FitSettings' order (a group's by its
+    flat names, ``FLAT``)."""
+    fields = {item.name: item for item in dataclasses.fields(FitSettings)}
+    for name in flat_names():
+        if name in FLAT:
+            flat = FLAT[name]
+            yield ParamSpec(_camel(name), flat.doc, flat.kind, flat.default, name)
+            continue
+        meta = fields[name].metadata
         if meta["estimator"]:
-            head, *rest = item.name.split("_")
-            name = meta["param"] or head + "".join(word.capitalize() for word in rest)
-            yield ParamSpec(name, meta["doc"], meta["kind"], item.default, item.name)
+            yield ParamSpec(
+                meta["param"] or _camel(name), meta["doc"], meta["kind"], fields[name].default, name
+            )
+
+
+def _camel(name: str) -> str:
+    """``batch_size`` as ``batchSize``."""
+    head, *rest = name.split("_")
+    return head + "".join(word.capitalize() for word in rest)

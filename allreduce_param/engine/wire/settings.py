@@ -115,13 +115,19 @@ class NetworkSettings:
     sockets) are encrypted (``sealing.py``); Unix sockets and shared memory, which never
     leave the host, are not. ``of`` turns it on where it is unset and the driver's Spark
     encrypts its own traffic (``SPARK_ENCRYPTION``).
+
+    A field left None is unset: ``resolved`` (and ``of``) fill it from its Spark setting,
+    else the default (``connect_timeout`` 10 s; ``encrypt`` as Spark's own encryption), so
+    a fit's ``network=NetworkSettings(port_range="40000-40099")`` still follows
+    ``spark.allreduce.*`` for the rest. The engine holds resolved ones only
+    (``ParameterSpec`` resolves what it is given, with no Spark setting read).
     """
 
     bind_address: str | None = None
     advertise_address: str | None = None
     port_range: tuple[int, int] | None = None
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
-    encrypt: bool = False
+    connect_timeout: float | None = None
+    encrypt: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -132,16 +138,20 @@ class NetworkSettings:
         )
         object.__setattr__(self, "port_range", parse_port_range(self.port_range))
         timeout = self.connect_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ConfigurationError(
-                f"connect_timeout must be a positive number of seconds, got {timeout!r}"
-            )
-        object.__setattr__(self, "connect_timeout", float(timeout))
+        if timeout is not None:
+            if (
+                isinstance(timeout, bool)
+                or not isinstance(timeout, (int, float))
+                or not timeout > 0
+            ):
+                raise ConfigurationError(
+                    f"connect_timeout must be a positive number of seconds, got {timeout!r}"
+                )
+            object.__setattr__(self, "connect_timeout", float(timeout))
         if self.encrypt is not None and not isinstance(self.encrypt, bool):
             raise ConfigurationError(
                 f"encrypt must be True, False or None (follow Spark), got {self.encrypt!r}"
             )
-        object.__setattr__(self, "encrypt", bool(self.encrypt))
         if self.encrypt:
             cipher_class()  # missing: say what to install, here on the driver rather than in every task
 
@@ -180,7 +190,17 @@ class NetworkSettings:
                         str(error).replace(f"{name}=", f"{where}=", 1)
                     ) from None
                 chosen[name] = value
+        chosen.setdefault("connect_timeout", DEFAULT_CONNECT_TIMEOUT)
         return cls(**chosen)
+
+    def resolved(
+        self, spark_setting: Callable[[str], str | None] = lambda name: None
+    ) -> NetworkSettings:
+        """These settings with every unset one filled (``of``): from its Spark setting
+        through ``spark_setting(name)``, else its default; each set one checked as ``of``
+        checks it."""
+        values = {name: getattr(self, name) for name in SPARK_SETTINGS}
+        return type(self).of(values, spark_setting)
 
     def addresses(self, default_bind: str, default_advertise: str | None = None) -> tuple[str, str]:
         """``(bind, advertise)`` for a server whose process Spark gives ``default_bind`` (and
@@ -217,13 +237,18 @@ class NetworkSettings:
         """How long the tasks meeting at the driver wait for the last one before they meet
         through ``allGather`` instead: longer than a task takes to find the driver out of
         reach (a connect timeout), so none is left alone at either."""
-        return 3 * self.connect_timeout
+        return 3 * self._connect_seconds
 
     @property
     def failure_linger(self) -> float:
         """How long a failed partition keeps telling its peers why, at most (they ask within
         a connect timeout, or have hung up)."""
-        return self.connect_timeout
+        return self._connect_seconds
+
+    @property
+    def _connect_seconds(self) -> float:
+        """``connect_timeout``, or its default where it is unset."""
+        return DEFAULT_CONNECT_TIMEOUT if self.connect_timeout is None else self.connect_timeout
 
 
 def _encryption(value, spark_setting: Callable[[str], str | None]) -> bool:

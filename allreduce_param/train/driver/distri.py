@@ -11,17 +11,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError, InputError, TrainingError
-from allreduce_param.models.base import merge_buffers, model_task
+from allreduce_param.models.base import merge_buffers
 from allreduce_param.spark.gpus import stage_profile
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train import regularisation
 from allreduce_param.train.driver.checks import (
-    check_initial,
     check_model,
     check_start,
     check_takes_weights,
@@ -29,22 +25,15 @@ from allreduce_param.train.driver.checks import (
     warn_about_data,
     worker_count,
 )
-from allreduce_param.train.driver.data import DataSummary, prepare_once
 from allreduce_param.train.driver.failures import stage_attempts, with_checkpoint_advice
 from allreduce_param.train.driver.meeting import driver_end
-from allreduce_param.train.driver.partitioning import (
-    place_pairs,
-    place_rows_once,
-    refused_in_place,
-    rows_in_place,
-)
-from allreduce_param.train.driver.resume import resume_point
+from allreduce_param.train.driver.resume import start_point
+from allreduce_param.train.driver.source import placement, training_source
 from allreduce_param.train.driver.stage import engine_parameter, run_stage
 from allreduce_param.train.driver.streaming import start_query
 from allreduce_param.train.records import StageOutput
 from allreduce_param.train.result import History, TrainedModel, fit_phases
 from allreduce_param.train.settings import FitSettings
-from allreduce_param.train.start import StartPoint
 from allreduce_param.train.task.device_encoding import (
     check_device_encoding,
     device_encoding_refusal,
@@ -66,7 +55,6 @@ _DERIVED = {
     "gradient_codec": lambda s: s.codecs[1],
     "strategy": lambda s: s.synchronisation,
     "model_averaging": lambda s: s.averages_models,
-    "checkpoint_dir": lambda s: None if s.checkpoint_dir is None else str(s.checkpoint_dir),
 }
 _SETTINGS = frozenset(FitSettings.__dataclass_fields__)
 
@@ -122,10 +110,11 @@ class DistriOptimizer:
     ``fetch_threads`` bounds how many peers a worker fetches from at once (None: the
     engine's default; see ``AllReduceParameter``).
 
-    ``checkpoint_dir`` (a local path, or a URL such as ``hdfs://`` or ``s3://`` that fsspec
-    opens; on a cluster, storage every executor sees) makes the fit write checkpoints into
-    a folder of its own there, ``checkpoint_every`` steps (or each ``"epoch"``, the default)
-    and after the last step, keeping the newest ``checkpoint_keep``. When a task fails, the
+    ``checkpoints=Checkpoints(dir, every, keep)`` (``dir`` a local path, or a URL such as
+    ``hdfs://`` or ``s3://`` that fsspec opens; on a cluster, storage every executor sees)
+    makes the fit write checkpoints into a folder of its own there, every ``every`` steps
+    (or each ``"epoch"``, the default) and after the last step, keeping the newest ``keep``
+    (see ``train.checkpoint.Checkpoints``). When a task fails, the
     fit runs its stage again, up to ``spark.stage.maxConsecutiveAttempts`` times in all (4
     by default; each run again is announced with a ``RuntimeWarning`` saying why), and the
     new attempt resumes from the newest one instead of starting over (a task's
@@ -135,10 +124,13 @@ class DistriOptimizer:
     ``fit(initial=trained_model)`` goes on from an earlier fit's result (with
     ``keep_optimizer_state=True``, exactly as one longer fit).
 
-    ``early_stopping_patience=k`` ends the fit once the loss on ``fit(validation=...)`` has
-    not improved for k epochs (by more than ``early_stopping_min_delta``) and returns the
-    best epoch's weights (``History.best_epoch``, ``History.stopped_early``); see
-    ``train.early_stopping``.
+    ``early_stopping=EarlyStopping(patience=k, min_delta=d)`` ends the fit once the loss
+    on ``fit(validation=...)`` has not improved for k epochs (by more than d) and returns
+    the best epoch's weights (``History.best_epoch``, ``History.stopped_early``); see
+    ``train.early_stopping``. ``regularization=Regularization(reg_param, elastic_net_param,
+    standardization)`` is MLlib's penalty (``train.regularisation``); ``network=
+    NetworkSettings(...)`` where the servers listen, how long connecting may take, and
+    encryption (unset ones follow the Spark settings ``spark.allreduce.*``).
 
     While it runs, every step comes to the driver: ``progress`` shows a bar (terminal or
     notebook), ``log_path`` appends each step and epoch as a JSON line, and ``listener``,
@@ -214,20 +206,20 @@ class DistriOptimizer:
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
         check_no_dynamic_allocation(spark)
         profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
-        start = self._start(resume_from, initial)
-        if s.early_stopping_patience is not None and validation is None:
+        start = start_point(resume_from, initial, self.model, self.optimizer, s)
+        if s.early_stopping is not None and validation is None:
             raise InputError(
-                f"early_stopping_patience={s.early_stopping_patience} stops on the "
+                f"early_stopping_patience={s.early_stopping.patience} stops on the "
                 "validation loss: pass validation data, fit(df, validation=validation_df) (with an "
                 "Estimator: set validationIndicatorCol)"
             )
         if weight_col is not None:
             check_takes_weights(self.model, data, weight_col)
-        source, sample, n_features, partitions, summary = self._source(
-            data, features_col, label_col, validation, weight_col
+        source, sample, n_features, partitions, summary = training_source(
+            self.model, data, features_col, label_col, validation, weight_col
         )
         size = model_size(self.model, sample, n_features, s.seed)
-        regularisation.check_model(self.model, s, size)
+        regularisation.check_model(self.model, s.regularization, s.fit_intercept, size)
         workers = worker_count(spark, s.num_workers, partitions, profile)
         if s.batch_size < workers:
             raise InputError(
@@ -236,7 +228,7 @@ class DistriOptimizer:
             )
         s.synchronisation.check_partitions(workers)
         check_start(start, size, self.optimizer)
-        network = NetworkSettings.of(s.network_values(), spark.session_setting)  # read once
+        network = s.network.resolved(spark.session_setting)  # the session's settings, read once
         param = engine_parameter(s, network, workers, size)
         check_device_encoding(
             self.model,
@@ -247,7 +239,7 @@ class DistriOptimizer:
                 getattr(self.optimizer, "clip_norm", None),
             ),
         )
-        checkpoints = s.checkpoints()
+        checkpoints = None if s.checkpoints is None else s.checkpoints.for_new_fit()
         if checkpoints is not None:
             checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
         with driver_end(s, spark, workers, network) as end:
@@ -264,7 +256,7 @@ class DistriOptimizer:
                 sparse=summary is not None and summary.sparse,
             )
             check_touched(job)
-            kept, placed = self._placement(source, workers, summary)
+            kept, placed = placement(source, workers, summary, s.partition_scheme, s.seed)
             if summary is not None:
                 num_classes = getattr(self.model, "num_classes", None)
                 warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
@@ -324,65 +316,6 @@ class DistriOptimizer:
             query_name,
             empty_batches,
         )
-
-    def _start(self, resume_from: str | None, initial: Any) -> StartPoint:
-        """Where the fit starts, from ``fit()``'s arguments, checked before any Spark job:
-        ``resume_from``'s checkpoint (verified), ``initial``'s model, or the start."""
-        if resume_from is not None and initial is not None:
-            raise InputError(
-                f"fit() got both resume_from={resume_from!r} and initial=: pass one, resume_from "
-                "to continue a fit from its checkpoint, or initial to continue from a trained model"
-            )
-        if initial is not None:
-            trained = check_initial(initial, self.model, self.optimizer, self.settings)
-            return StartPoint.of_model(trained, self.settings.keep_optimizer_state)
-        if resume_from is not None:
-            return StartPoint.of_checkpoint(resume_point(resume_from))
-        return StartPoint()
-
-    def _source(self, data, features_col, label_col, validation, weight_col) -> tuple:
-        """``(rows to place, one row to try the model on, features, partitions, summary)``
-        of a DataFrame, checked and prepared once (``data.prepare_once``; ``summary``: what
-        the checks learnt), or of an RDD of pairs (no summary)."""
-        if hasattr(data, "sparkSession"):
-            prepared, summary = prepare_once(
-                data,
-                features_col,
-                label_col,
-                validation,
-                task=model_task(self.model),
-                num_classes=getattr(self.model, "num_classes", None),
-                weight_col=weight_col,
-            )
-            return prepared, summary.sample, summary.n_features, summary.partition_num, summary
-        if hasattr(data, "mapPartitions"):
-            if validation is not None:
-                raise InputError(
-                    "validation goes with DataFrame input; for an RDD, evaluate afterwards"
-                )
-            first = data.take(1)
-            if not first:
-                raise InputError("the training RDD has no rows")
-            sample = (np.asarray([first[0][0]], np.float32), np.asarray([first[0][1]], np.float64))
-            return data, sample, sample[0].shape[1], data.getNumPartitions(), None
-        raise InputError(
-            f"fit() takes a DataFrame or an RDD of (features, label) pairs, got {type(data).__name__}"
-        )
-
-    def _placement(self, source, workers: int, summary: DataSummary | None) -> tuple:
-        """``(kept, placed)``: the rows as they lie where they can train so (else None), and
-        how to shuffle them into place (``run_stage`` takes both)."""
-        scheme, seed = self.settings.partition_scheme, self.settings.seed
-        if not hasattr(source, "mapInArrow"):
-            return None, lambda: place_pairs(source, workers, scheme, seed)
-        kept = rows_in_place(source, workers, scheme, summary)
-
-        def placed():  # with nothing kept, or once Spark refused to read the kept rows
-            if kept is not None:
-                refused_in_place(summary)
-            return place_rows_once(source, workers, scheme, seed, summary)
-
-        return kept, placed
 
     def _result(self, output: StageOutput, n_features, started, started_at, checkpoints):
         """The fit's ``TrainedModel``, from the stage's records."""

@@ -1,6 +1,7 @@
-"""Which checkpoint a fit starts from, decided on the driver, each verified before a task
-reads it: ``resume_from``'s (``resume_point``), and after a failed attempt the newest
-intact one of the fit's own (``restart_point``).
+"""Where a fit starts, decided on the driver (``start_point``): the start, a trained model,
+or a checkpoint, each verified before a task reads it: ``resume_from``'s
+(``resume_point``), and after a failed attempt the newest intact one of the fit's own
+(``restart_point``).
 
 A damaged checkpoint (a part missing, cut short or overwritten, a manifest unreadable:
 ``train.integrity``) is never used. Where the user named a fit's folder, or the stage runs
@@ -15,12 +16,34 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 import warnings
+from typing import Any
 
 from allreduce_param.errors import DamagedCheckpointError, InputError
 from allreduce_param.train.checkpoint import Found, Manifest, find
+from allreduce_param.train.driver.checks import check_initial
 from allreduce_param.train.integrity import Damage
+from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.start import StartPoint
 from allreduce_param.train.task.job import TrainingJob
+
+
+def start_point(
+    resume_from: str | None, initial: Any, model: Any, optimizer: Any, settings: FitSettings
+) -> StartPoint:
+    """Where a fit of ``model`` with ``optimizer`` starts, from ``fit()``'s arguments,
+    checked before any Spark job: ``resume_from``'s checkpoint (verified), ``initial``'s
+    model, or the start."""
+    if resume_from is not None and initial is not None:
+        raise InputError(
+            f"fit() got both resume_from={resume_from!r} and initial=: pass one, resume_from "
+            "to continue a fit from its checkpoint, or initial to continue from a trained model"
+        )
+    if initial is not None:
+        trained = check_initial(initial, model, optimizer, settings)
+        return StartPoint.of_model(trained, settings.keep_optimizer_state)
+    if resume_from is not None:
+        return StartPoint.of_checkpoint(resume_point(resume_from))
+    return StartPoint()
 
 
 def resume_point(location: str) -> Manifest:

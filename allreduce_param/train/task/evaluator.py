@@ -10,7 +10,7 @@ import numpy as np
 
 from allreduce_param.engine.parameter import ConnectedParameter
 from allreduce_param.models.base import model_task
-from allreduce_param.train.early_stopping import EarlyStopping
+from allreduce_param.train.early_stopping import EarlyStopper
 from allreduce_param.train.records import EpochDone
 from allreduce_param.train.task.batching import StepPlan
 from allreduce_param.train.task.compute import evaluate_rows
@@ -34,7 +34,7 @@ class Evaluator:
         plan: StepPlan,
         train: Rows | DiskRows,
         validation: Rows | DiskRows | None,
-        early: EarlyStopping | None,
+        early: EarlyStopper | None,
         recorder: StepRecorder,
     ) -> None:
         self.model, self.p, self.plan = model, p, plan

@@ -94,19 +94,29 @@ class PartitionFit:
             first + settings.epochs - 1,
         )
         regularisation = OwnedRegularisation(
-            settings,
+            settings.regularization,
+            settings.fit_intercept,
             job.model,
             p.info.layout.size,
             slice(0, p.info.layout.size)
             if job.local_sgd
             else p.info.layout.bounds(p.info.partition_id),
-            feature_std(p, moments=self.train.moments()) if settings.standardizes else None,
+            feature_std(p, moments=self.train.moments())
+            if settings.regularization.standardizes
+            else None,
             clips_whole=clips_own(job, p),
         )
         updater = Updater(job.optimizer, regularisation, job.start.steps_before)
         validation = self.validation if job.has_validation else None
+        early = settings.early_stopping  # each partition tracks alike, and decides alike
         evaluator = Evaluator(
-            job.model, p, plan, self.train, validation, settings.early_stopping(), self.recorder
+            job.model,
+            p,
+            plan,
+            self.train,
+            validation,
+            None if early is None else early.tracker(),
+            self.recorder,
         )
         keeper = CheckpointKeeper(
             job, p, plan, updater, evaluator, self.recorder, self.train.row_count

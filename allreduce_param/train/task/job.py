@@ -66,7 +66,7 @@ class TrainingJob:
             "seed": s.seed,
             "partition_scheme": s.partition_scheme,
             "codec": param.codec,
-            "early_stopping_patience": s.early_stopping_patience,
+            "early_stopping_patience": s.early_stopping and s.early_stopping.patience,
             "gradient_codec": param.gradient_codec,
             "model": repr(self.model),
             "optimizer": repr(self.optimizer),
