@@ -150,6 +150,11 @@ def test_bad_streams_and_batches_are_refused_naming_the_argument(spark, tmp_path
         trainer().fit_stream(stream, str(tmp_path / "m"), None)
     with pytest.raises(InputError, match="empty_batches must be 'skip' .* or 'error'"):
         trainer().fit_stream(stream, str(tmp_path / "m"), str(tmp_path / "q"), empty_batches="x")
+    own = trainer()
+    own.model = OwnModel(4)
+    with pytest.raises(InputError, match=r"OwnModel.* saves only as a pickle.*allow_pickle=True"):
+        own.fit_stream(stream, str(tmp_path / "m"), str(tmp_path / "q"))
+    assert not (tmp_path / "m").exists()
     # a micro-batch whose columns differ from the model's: refused, nothing published
     published = PublishedModels(tmp_path / "models")
     batch_fit = StreamFit(
@@ -166,6 +171,25 @@ def test_bad_streams_and_batches_are_refused_naming_the_argument(spark, tmp_path
     with pytest.raises(InputError, match="pass initial= only with a new model_path"):
         StreamFit(trainer().fit, published, "q", ["features"], {}, initial=batch_fit.model)
     shutil.rmtree(tmp_path / "models")
+
+
+class OwnModel(models.LinearRegression):
+    """A model of the caller's own: not one of the built-in classes, so it has no saved form
+    without pickle."""
+
+
+def test_a_model_of_ones_own_is_published_and_read_back_only_with_allow_pickle(tmp_path):
+    trained = TrainedModel(OwnModel(3), np.arange(4, dtype=np.float32))
+    with pytest.raises(InputError, match="saves only as a pickle"):
+        PublishedModels(tmp_path / "refused").publish(trained, 0, "q", {})
+    assert not any((tmp_path / "refused").iterdir())  # nothing half-published
+    published = PublishedModels(tmp_path / "models", allow_pickle=True)
+    published.publish(trained, 0, "q", {})
+    loaded = published.load(published.latest())
+    assert type(loaded.model) is OwnModel
+    np.testing.assert_array_equal(loaded.weights, trained.weights)
+    with pytest.raises(InputError, match="allow_pickle=True"):
+        PublishedModels(tmp_path / "models").load(published.latest())
 
 
 def test_a_stream_job_file_trains_its_files_into_its_model_path(spark, tmp_path, capsys):

@@ -38,11 +38,16 @@ class SavedForm:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def saves_as_data(model: Any) -> bool:
+    """Whether ``model`` has a saved form without pickle: its class is one of ``KINDS``."""
+    return KINDS.get(type(model).__name__) is type(model)
+
+
 def saved_form(model: Any) -> SavedForm | None:
     """``model`` as data, or None where its class is not one of ``KINDS``."""
-    kind = type(model).__name__
-    if KINDS.get(kind) is not type(model):
+    if not saves_as_data(model):
         return None
+    kind = type(model).__name__
     if isinstance(model, TorchModel):
         arrays, dtypes = state_arrays(model.module)
         return SavedForm(kind, {**model.to_config(), "state_dtypes": dtypes}, arrays)

@@ -52,8 +52,11 @@ class PublishedModels:
     """The published models under ``path`` (a local path or a URL, as ``TrainedModel.save``
     takes them), on the driver."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, allow_pickle: bool = False) -> None:
         self.root: Location = locate(path, "publish the streaming fit's models to")
+        #: whether a model of the caller's own may be saved and read back as a pickle
+        #: (``TrainedModel.save``'s and ``load``'s flag); the built-in ones never need it
+        self.allow_pickle = allow_pickle
 
     def latest(self) -> Latest | None:
         """The pointer to the newest model; None when nothing was published yet."""
@@ -86,7 +89,9 @@ class PublishedModels:
     def load(self, latest: Latest, module: Any = None) -> TrainedModel:
         """The model ``latest`` points to; ``module``: a ``TorchModel``'s module to load its
         state into (``TrainedModel.load``'s)."""
-        return TrainedModel.load(self.root.child(latest.folder).url, module=module)
+        return TrainedModel.load(
+            self.root.child(latest.folder).url, module=module, allow_pickle=self.allow_pickle
+        )
 
     def publish(
         self,
@@ -102,7 +107,7 @@ class PublishedModels:
         self.root.make_folder()
         name = f"batch-{batch_id:010d}"
         temporary = self.root.child(f".tmp-{name}-{secrets.token_hex(4)}")
-        trained.save(temporary.url)
+        trained.save(temporary.url, allow_pickle=self.allow_pickle)
         final = self.root.child(name)
         final.remove_tree()  # a publish of this batch that never reached the pointer
         temporary.rename(final)

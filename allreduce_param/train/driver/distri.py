@@ -283,6 +283,7 @@ class DistriOptimizer:
         trigger: dict[str, Any] | None = None,
         query_name: str | None = None,
         empty_batches: str = "skip",
+        allow_pickle: bool = False,
     ) -> StreamingQuery:
         """Train on a streaming DataFrame as it arrives: each micro-batch one fit of these
         settings that continues from the last one's model (``fit(initial=...)``: the epochs
@@ -303,6 +304,9 @@ class DistriOptimizer:
         model's stops the query with an ``InputError`` naming it, and nothing is published
         for it; one with no rows (a rate source's first) is passed over with a
         ``UserWarning`` (``empty_batches="skip"``) or stops the query (``"error"``).
+        ``allow_pickle``: publish a model of your own (neither built in nor a ``TorchModel``)
+        as a pickle, and read it back so at a restart (``TrainedModel.save``'s flag: only
+        for a ``model_path`` no one else can write to).
         """
         return start_query(
             self,
@@ -315,6 +319,7 @@ class DistriOptimizer:
             trigger,
             query_name,
             empty_batches,
+            allow_pickle,
         )
 
     def _result(self, output: StageOutput, n_features, started, started_at, checkpoints):

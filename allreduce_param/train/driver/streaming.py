@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from allreduce_param.errors import InputError
+from allreduce_param.models.saving import saves_as_data
 from allreduce_param.models.torch_module import TorchModel
 from allreduce_param.train.driver.checks import check_initial
 from allreduce_param.train.publish import PublishedModels, columns_of, query_id_of
@@ -46,6 +47,7 @@ def start_query(
     trigger: dict[str, Any] | None,
     query_name: str | None,
     empty_batches: str = "skip",
+    allow_pickle: bool = False,
 ) -> Any:
     """``DistriOptimizer.fit_stream``: its arguments checked before the query starts, then
     the query, with a ``StreamFit`` of ``trainer`` (the ``DistriOptimizer``) as its
@@ -62,12 +64,19 @@ def start_query(
         )
     checkpoint = query_checkpoint_name(checkpoint_location)
     check_empty_batches(empty_batches)
+    if not allow_pickle and not saves_as_data(trainer.model):
+        raise InputError(
+            f"fit_stream publishes each micro-batch's model to model_path without pickle, and "
+            f"{trainer.model!r} is not one of the built-in models or a TorchModel, so it saves "
+            "only as a pickle (which runs code when it is loaded): pass allow_pickle=True to "
+            "fit_stream to publish it so, for a model_path no one else can write to"
+        )
     if initial is not None:
         initial = check_initial(initial, trainer.model, trainer.optimizer, trainer.settings)
     names = [fit_arguments[key] for key in ("features_col", "label_col", "weight_col")]
     batch_fit = StreamFit(
         trainer.fit,
-        PublishedModels(model_path),
+        PublishedModels(model_path, allow_pickle),
         checkpoint,
         [name for name in names if name is not None],
         fit_arguments,
