@@ -77,7 +77,7 @@ def test_the_conversions_leave_pandas_unimported():
 import sys
 import numpy as np
 import pyarrow as pa
-from allreduce_param.train import arrow
+from allreduce_param.spark import arrow
 values = pa.Array.from_buffers(pa.float32(), 3, [None, pa.py_buffer(np.arange(3, dtype=np.float32))])
 offsets = pa.Array.from_buffers(pa.int32(), 3, [None, pa.py_buffer(np.array([0, 1, 3], np.int32))])
 lists = pa.ListArray.from_arrays(offsets, values)
