@@ -109,14 +109,16 @@ def codec_of(param: AllReduceParameter) -> str:
 def transport_of(param: AllReduceParameter) -> str:
     """The transport (with ``--fetch-threads``, and its fetch threads) ``param`` was made with."""
 
-    def setting(key):
-        return param.network.encrypt if key == "encrypt" else getattr(param, key)
+    def matches(key, value):
+        if key == "network":  # a transport names whether it encrypts; the rest is resolved
+            return bool(param.network.encrypt) == bool(value.encrypt)
+        return getattr(param, key) == value
 
     return max(
         (
             name
             for name, settings in TRANSPORTS.items()
-            if all(setting(key) == value for key, value in settings.items())
+            if all(matches(key, value) for key, value in settings.items())
         ),
         key=lambda name: len(TRANSPORTS[name]),
     )
