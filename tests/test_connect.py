@@ -174,15 +174,15 @@ def test_predict_on_a_connect_dataframe_matches_predict_numpy(remote):
 
 def test_cached_connect_data_is_checked_once_and_trained_on_as_it_lies(remote, monkeypatch):
     import allreduce_param.train.driver.data as data
-    import allreduce_param.train.driver.distri as distri
+    import allreduce_param.train.driver.source as source
 
     checks, placements = [], []
-    prepare, place = data.prepare, distri.place_rows_once
+    prepare, place = data.prepare, source.place_rows_once
     monkeypatch.setattr(
         data, "prepare", lambda *args, **kwargs: checks.append(1) or prepare(*args, **kwargs)
     )
     monkeypatch.setattr(
-        distri, "place_rows_once", lambda *args: placements.append(1) or place(*args)
+        source, "place_rows_once", lambda *args: placements.append(1) or place(*args)
     )
     df, _ = blobs(remote, rows=240)
     cached = df.repartition(2).cache()
