@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from benchkit import sparse_data, sparse_runs, sparse_steps, sparse_tables
+
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 REPO = Path(__file__).resolve().parents[1]
 

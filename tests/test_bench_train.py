@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from benchkit import training
+
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.5

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from benchkit import hosts as hosts_run
 
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -220,6 +222,8 @@ def test_bench_overlap_prints_a_row_per_model_and_codec():
         )
 
 
+@pytest.mark.netns
+@pytest.mark.cluster
 def test_bench_hosts_times_every_configuration_across_simulated_hosts():
     """2 simulated hosts x 2 slots on 1gbit links, one round: a row per configuration with
     positive figures, the ratios as the figures give them, more bytes across the links flat

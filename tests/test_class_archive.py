@@ -139,6 +139,8 @@ SESSION = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.spark
 def test_a_session_saves_the_archive_and_the_next_one_maps_it(tmp_path):
     (tmp_path / "conf").mkdir()
     for name in ("spark-defaults.conf", "log4j2.properties"):

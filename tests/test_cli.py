@@ -16,6 +16,8 @@ from allreduce_param.cli import apply_overrides, build, load_job, main, spark_co
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
+@pytest.mark.spark
 def test_the_main_job_trains_prints_its_table_and_writes_the_model(tmp_path):
     done = subprocess.run(
         [

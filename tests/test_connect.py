@@ -25,6 +25,8 @@ from harness.spark_standalone import class_archive_options
 
 from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
 
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
+
 CONF = Path(__file__).resolve().parents[1] / "conf" / "local" / "spark-defaults.conf"
 #: what a Connect session leaves in the environment, which a server or a later classic session must not see
 CONNECT_VARIABLES = (

@@ -57,6 +57,7 @@ def first(data):
     return trainer(2).fit(data)
 
 
+@pytest.mark.slow
 def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, first, tmp_path):
     whole = trainer(4).fit(data)
     assert (first.steps_done, first.epochs_done) == (12, 2)
@@ -82,6 +83,7 @@ def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, first, tmp_pat
     assert fresh.epochs_done == 4
 
 
+@pytest.mark.slow
 def test_a_continued_fits_checkpoint_resumes_as_that_fit(data, first, tmp_path):
     """resume_from and initial are one mechanism: a checkpoint of a continued fit keeps its
     start's steps and epochs, so resuming from it ends where the continued fit ends."""
@@ -114,6 +116,7 @@ def test_bad_starts_are_refused_on_the_driver_naming_the_argument(data, first, t
         FitSettings(keep_optimizer_state="yes")
 
 
+@pytest.mark.slow
 def test_an_estimator_continues_from_its_initial_model_saved_or_not(spark, tmp_path):
     from pyspark.ml.linalg import Vectors
 

@@ -115,6 +115,7 @@ def refused(tmp_path, fit, match):
 # ---- features --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nan_and_inf_in_a_vector_column_fail_on_the_driver(spark, tmp_path):
     X, y = blobs()
     X[7, 2], X[19, 0], X[40, 3] = np.nan, np.inf, -np.inf
@@ -391,6 +392,7 @@ def test_a_weight_column_that_is_not_numeric_is_refused(spark, kind):
         prepare(weighted_frame(spark, X, y, weights, kind), "features", "label", weight_col="w")
 
 
+@pytest.mark.slow
 def test_weights_that_sum_to_zero_are_refused_in_training_and_in_validation(spark):
     X, y = blobs()
     zeros, ones = [0.0] * len(y), [1.0] * len(y)
@@ -420,6 +422,7 @@ def test_weights_that_sum_to_zero_are_refused_in_training_and_in_validation(spar
         prepare(weighted_frame(spark, X, y, [1e308] * len(y)), "features", "label", weight_col="w")
 
 
+@pytest.mark.slow
 def test_good_weights_become_the_weight_column(spark):
     X, y = blobs()
     X_val, y_val = blobs(rows=12, seed=1)
@@ -546,6 +549,7 @@ def session_with(spark, master="local[4]", **settings):
         session.stop()
 
 
+@pytest.mark.slow
 def test_slots_count_spark_task_cpus_and_good_data_trains_with_dynamic_allocation_on_locally(
     spark, tmp_path
 ):

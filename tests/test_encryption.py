@@ -614,6 +614,7 @@ def encrypted_stage_task(param: AllReduceParameter):
     return task
 
 
+@pytest.mark.slow
 def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
     from allreduce_param import DistriOptimizer, models, optim
     from allreduce_param.spark.info import SparkInfo

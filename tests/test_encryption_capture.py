@@ -29,9 +29,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from harness.sim_hosts import simulated_hosts
 
 from allreduce_param.engine import AllReduceParameter, NetworkSettings
+
+pytestmark = pytest.mark.netns
 
 SIZE = 65536  # 256 KiB a vector: a slice per partition of 128 KiB
 PORT = 45123  # the namespaces are new: every port is free
@@ -188,6 +191,7 @@ def run_on_two_hosts(
                     stream.close()
 
 
+@pytest.mark.slow
 def test_encrypted_blocks_cross_a_link_with_no_plaintext_and_the_same_sums(tmp_path):
     start, gradients = patterns()
     mean = (gradients[0] + gradients[1]) / np.float32(2.0)

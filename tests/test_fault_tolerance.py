@@ -92,6 +92,7 @@ def uninterrupted(data, tmp_path_factory):
     return fit(data, models.MLP([6, 8, 3]), tmp_path_factory.mktemp("whole"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", [False, True], ids=["a step raises", "the worker process dies"])
 def test_a_lost_task_is_retried_and_resumes_from_the_newest_checkpoint(
     data, uninterrupted, tmp_path, kill
@@ -127,6 +128,7 @@ def test_a_finished_fit_continues_from_its_last_checkpoint(data, uninterrupted, 
     assert np.array_equal(continued.weights, straight.weights)
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_passed_over_for_the_older_intact_one(
     data, uninterrupted, tmp_path
 ):

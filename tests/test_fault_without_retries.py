@@ -27,6 +27,7 @@ def data(spark):
     return random_rows(spark, seed=5)
 
 
+@pytest.mark.slow
 def test_the_error_says_a_retry_would_resume_and_which_setting_allows_it(data, tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()

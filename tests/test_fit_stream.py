@@ -81,6 +81,7 @@ def chained(spark, source, count: int) -> list[np.ndarray]:
     return weights
 
 
+@pytest.mark.slow
 def test_each_micro_batch_publishes_the_continued_fit_and_a_restart_trains_none_twice(
     spark, tmp_path
 ):
@@ -138,6 +139,7 @@ def test_each_micro_batch_publishes_the_continued_fit_and_a_restart_trains_none_
     assert seen == [] and PublishedModels(published).latest() == latest
 
 
+@pytest.mark.slow
 def test_bad_streams_and_batches_are_refused_naming_the_argument(spark, tmp_path):
     source = tmp_path / "in"
     source.mkdir()
@@ -192,6 +194,7 @@ def test_a_model_of_ones_own_is_published_and_read_back_only_with_allow_pickle(t
         PublishedModels(tmp_path / "models").load(published.latest())
 
 
+@pytest.mark.slow
 def test_a_stream_job_file_trains_its_files_into_its_model_path(spark, tmp_path, capsys):
     from allreduce_param.cli import load_job, query_error, start_stream
 

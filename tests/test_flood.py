@@ -12,6 +12,7 @@ import sys
 import threading
 
 import numpy as np
+import pytest
 from conftest import raise_first, run_partitions
 
 from allreduce_param.engine import AllReduceParameter
@@ -57,6 +58,7 @@ class AcceptFailures(logging.Handler):
             self.seen.set()
 
 
+@pytest.mark.slow
 def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact():
     size, connections = 50_000, 1100
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

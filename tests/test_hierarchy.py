@@ -82,6 +82,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["raw", "lz4"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_hierarchical_is_the_documented_sum_bit_for_bit_and_so_is_flat(layout, codec):

@@ -84,6 +84,7 @@ def assert_same_bits(first: list, second: list) -> None:
         (3, 2 * PART_LENGTH * 3 + 5, False, "raw"),  # the own chunk summed where it lies
     ],
 )
+@pytest.mark.slow
 def test_the_arena_gives_the_blocks_bits(n, size, lent, codec):
     """Every partition reads the same weights, bit for bit, as through blocks: the owners
     sum the same chunks in the same order."""
@@ -124,6 +125,7 @@ def run_spawned(param, target, partitions: int) -> list:
                 process.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_plain_processes_share_the_arena_with_the_blocks_bits(n):
     """Spawned processes map the arena partition 0 made (its descriptor passed over the
@@ -308,6 +310,7 @@ def test_an_arena_of_another_parameter_is_refused():
         arena.close()
 
 
+@pytest.mark.slow
 def test_a_peer_process_that_dies_mid_wait_is_named_at_once():
     """Partition 0 waits in the arena for partition 1's gradient; partition 1's process
     ends: its pidfd wakes the wait, long before the 60 s timeout."""
@@ -379,6 +382,7 @@ def map_under_a_limit(results) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+@pytest.mark.slow
 def test_no_memory_to_map_the_arena_is_a_memory_error_naming_the_limit():
     context = multiprocessing.get_context("spawn")  # the limit stays in a process of its own
     results = context.Queue()

@@ -99,6 +99,7 @@ def fit_within(seconds: float, data, model) -> BaseException | None:
     return outcome[0]
 
 
+@pytest.mark.slow
 def test_a_worker_killed_in_every_run_ends_the_fit_with_one_clear_error(data):
     with pytest.warns(RuntimeWarning, match="the fit's stage failed, run 1 of at most 4") as said:
         # 240 s, all 4 runs, is less than the 300 s a peer waits (timeout): none waits it out
@@ -129,6 +130,7 @@ def test_a_worker_killed_in_every_run_ends_the_fit_with_one_clear_error(data):
         )
 
 
+@pytest.mark.slow
 def test_a_worker_out_of_memory_under_its_limit_says_which_setting_to_raise(data):
     with pytest.warns(RuntimeWarning, match="run 1 of at most 4"):
         error = fit_within(240, data, DiesAtStep(at=2, how="allocate"))
@@ -282,6 +284,7 @@ def limited_fetch(results) -> None:
     results.put(outcome)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and RLIMIT_AS: Linux")
 def test_no_memory_to_map_a_peers_block_is_this_partitions_memory_error_not_the_peers_loss():
     import multiprocessing

@@ -61,6 +61,7 @@ def accuracy(predictions):
     return MulticlassClassificationEvaluator(metricName="accuracy").evaluate(predictions)
 
 
+@pytest.mark.slow
 def test_a_pipeline_fits_and_its_model_adds_prediction_raw_prediction_and_probability(spark):
     df = blobs(spark).cache()
     classifier = AllReduceClassifier(
@@ -91,6 +92,7 @@ def test_a_pipeline_fits_and_its_model_adds_prediction_raw_prediction_and_probab
     df.unpersist()
 
 
+@pytest.mark.slow
 def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(spark, tmp_path):
     df = blobs(spark, rows=300)
     classifier = AllReduceClassifier(
@@ -115,6 +117,7 @@ def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(spark, tmp_p
     assert isinstance(stage, AllReduceClassifier) and stage.getMaxEpochs() == 3
 
 
+@pytest.mark.slow
 def test_a_model_whose_weights_do_not_fit_its_metadata_is_refused(spark, tmp_path):
     fitted = AllReduceRegressor(maxEpochs=1, batchSize=50, showProgress=False).fit(
         linear(spark, rows=100)
@@ -129,6 +132,7 @@ def test_a_model_whose_weights_do_not_fit_its_metadata_is_refused(spark, tmp_pat
         AllReduceRegressionModel.load(str(tmp_path / "m"))
 
 
+@pytest.mark.slow
 def test_string_classes_indexed_by_string_indexer_set_the_class_count(spark):
     df = blobs(spark, rows=300, string_labels=True)
     stages = [
@@ -140,6 +144,7 @@ def test_string_classes_indexed_by_string_indexer_set_the_class_count(spark):
     assert fitted.numClasses == 3
 
 
+@pytest.mark.slow
 def test_cross_validator_picks_among_step_sizes(spark):
     df = (
         VectorAssembler(inputCols=COLUMNS, outputCol="features")
@@ -162,6 +167,7 @@ def test_cross_validator_picks_among_step_sizes(spark):
     df.unpersist()
 
 
+@pytest.mark.slow
 def test_the_regressor_fits_a_line_and_train_validation_split_runs_over_it(spark, tmp_path):
     df = linear(spark).cache()
     regressor = AllReduceRegressor(stepSize=0.05, batchSize=50, maxEpochs=20, showProgress=False)
@@ -185,6 +191,7 @@ def test_the_regressor_fits_a_line_and_train_validation_split_runs_over_it(spark
     df.unpersist()
 
 
+@pytest.mark.slow
 def test_validation_rows_are_marked_by_the_indicator_column(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=300))
     fitted = AllReduceClassifier(
@@ -201,6 +208,7 @@ def test_validation_rows_are_marked_by_the_indicator_column(spark):
         AllReduceClassifier(validationIndicatorCol="nope", showProgress=False).fit(df)
 
 
+@pytest.mark.slow
 def test_early_stopping_keeps_the_epoch_of_the_lowest_validation_loss(spark):
     """Validation targets on another line than the training ones: the validation loss falls,
     then rises as the model fits the training line, and the fit stops there."""
@@ -238,6 +246,7 @@ def test_early_stopping_keeps_the_epoch_of_the_lowest_validation_loss(spark):
         AllReduceRegressor(earlyStoppingPatience=2, showProgress=False).fit(df)
 
 
+@pytest.mark.slow
 def test_weight_col_trains_as_repeating_each_row_its_weight_times(spark):
     """Whole weights 0-3, full-batch gradient descent: the same weights as the rows repeated."""
     rng = np.random.default_rng(5)
@@ -274,6 +283,7 @@ def test_weight_col_trains_as_repeating_each_row_its_weight_times(spark):
         AllReduceRegressor(weightCol="w", **settings).fit(bad)
 
 
+@pytest.mark.slow
 def test_thresholds_choose_the_class_as_mllib_does(spark):
     df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=200))
     fitted = AllReduceClassifier(maxEpochs=1, batchSize=64, showProgress=False).fit(df)
@@ -435,6 +445,7 @@ def sparse_line(rows=300, seed=3):
     return X, y
 
 
+@pytest.mark.slow
 def test_the_regressor_regularises_as_mllib_sharded_as_one_process(spark):
     """(a) two partitions give the one-process reference (full-batch proximal gradient
     descent, numpy); (b) an L1 penalty makes coefficients exactly 0; (c) the intercept is
@@ -475,6 +486,7 @@ def test_the_regressor_regularises_as_mllib_sharded_as_one_process(spark):
     assert without[6] == 0 and (without[2:6] == 0).all()  # (d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("standardization", [False, True])
 def test_the_classifier_finds_mllibs_regularised_logistic_regression(spark, standardization):
     """The same objective as MLlib's LogisticRegression (multinomial, L2, with or without
@@ -511,6 +523,7 @@ def test_the_classifier_finds_mllibs_regularised_logistic_regression(spark, stan
     df.unpersist()
 
 
+@pytest.mark.slow
 def test_the_estimators_warnings_name_their_params(spark):
     """A class the label metadata has but no training row holds, and a batch beyond the data:
     the fit trains, and its warnings name batchSize (the Param), not batch_size."""

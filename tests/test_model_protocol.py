@@ -102,6 +102,7 @@ def in_two_halves(spark, X, y):
     ).cache()
 
 
+@pytest.mark.slow
 def test_a_model_without_task_trains_on_the_loss_alone(spark, capsys):
     X, y = data()
     train = spark.createDataFrame(

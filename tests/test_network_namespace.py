@@ -32,6 +32,8 @@ from harness.spark_standalone import (
 )
 from namespace_driver import MARKER, describe
 
+pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.netns]
+
 ADDRESS = "192.0.2.1"
 #: the engine's ports: below the namespace's ephemeral ports (32768-60999, where Spark's own
 #: port-0 listeners land), so all are free in a fresh namespace; one for the driver and one

@@ -6,7 +6,10 @@ import re
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "jobs" / "pipeline.ipynb"
 

@@ -192,6 +192,7 @@ def torch_optimizer(opt: Optimizer, params):
     raise AssertionError(opt)  # pragma: no cover
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_torch(name):
     torch = pytest.importorskip("torch")

@@ -340,6 +340,7 @@ def test_partition_count_mismatch_says_what_to_change():
 # ---- faults ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unix_sockets", [True, False])
 def test_a_silent_peer_times_out_naming_peer_block_and_version(unix_sockets):
     released = threading.Event()
@@ -871,6 +872,7 @@ def engine_threads(partition_id: int) -> dict[str, int]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("put", ["put_gradients", "stream_gradients"])
 def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threads(put):
     """24 partitions with 2 fetch threads each: a partition's fetches of versions not yet
@@ -917,6 +919,7 @@ def test_many_more_partitions_than_fetch_threads_sync_exactly_with_bounded_threa
     assert ours() == []
 
 
+@pytest.mark.slow
 def test_a_background_owner_with_more_partitions_than_fetch_threads_applies_every_gradient():
     """ssp over 12 partitions with one fetch thread each: the workers' reads queue, the
     owners (waiting idle, on one thread too) take every gradient once, and all end with the same weights."""

@@ -212,6 +212,7 @@ def test_an_unknown_scheme_names_the_setting_and_the_choices():
         check_scheme("bogus")
 
 
+@pytest.mark.slow
 def test_bad_workers_and_seeds_are_refused(data):
     prepared, summary = data
     with pytest.raises(
@@ -224,6 +225,7 @@ def test_bad_workers_and_seeds_are_refused(data):
         place_rows(prepared, 2, "random", 0, ())
 
 
+@pytest.mark.slow
 def test_the_hashes_are_sparks_and_each_key_lands_on_its_partition(spark):
     from pyspark.sql import functions as F
 
@@ -278,6 +280,7 @@ def test_prepare_counts_the_rows_of_each_split_and_partition(data):
 # ---- the DataFrame path ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", INDEXED)
 def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_reads_them(
     data, scheme
@@ -292,6 +295,7 @@ def test_each_scheme_gives_each_worker_exactly_its_rows_and_a_barrier_stage_read
     assert read_in_barrier(again) == parts
 
 
+@pytest.mark.slow
 def test_as_is_deals_each_partitions_rows_in_turn_where_it_cannot_keep_them(data):
     prepared, summary = data
     # not cached, and validation rows
@@ -315,6 +319,7 @@ def test_as_is_deals_each_partitions_rows_in_turn_where_it_cannot_keep_them(data
     assert read_in_barrier(again) == parts
 
 
+@pytest.mark.slow
 def test_as_is_keeps_cached_partitions_one_per_worker_as_they_lie(spark):
     train = frame(spark, [3, 0, 5, 2]).cache()
     try:
@@ -350,6 +355,7 @@ def weighted_data(spark):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_each_scheme_carries_each_rows_weight_along(data, weighted_data, scheme):
     """The same rows, in the same places, as unweighted; each with its own weight, copies too
@@ -368,6 +374,7 @@ def test_each_scheme_carries_each_rows_weight_along(data, weighted_data, scheme)
     assert glom(place_rows_once(prepared, WORKERS, scheme, 5, summary)) == want
 
 
+@pytest.mark.slow
 def test_cached_weighted_partitions_kept_as_they_lie_keep_their_weights(spark):
     train = frame(spark, [3, 0, 5, 2], weighted=True).cache()
     try:
@@ -384,6 +391,7 @@ def test_cached_weighted_partitions_kept_as_they_lie_keep_their_weights(spark):
         train.unpersist()
 
 
+@pytest.mark.slow
 def test_the_placement_of_cached_data_is_planned_once_per_setting(spark, data):
     train, validation = (
         frame(spark, [3, 0, 5, 2]).cache(),
@@ -470,6 +478,7 @@ def test_no_batches_or_pairs_are_unweighted_and_empty():
     assert join_rows(pair_chunks(iter([]), 2), 2)[3] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["random", "overlap_reshuffle"])
 def test_another_seed_gives_another_placement(data, scheme):
     prepared, summary = data
@@ -478,6 +487,7 @@ def test_another_seed_gives_another_placement(data, scheme):
     assert parts != expected(scheme, WORKERS, 5, sum(TRAIN_SIZES), sum(VALIDATION_SIZES))
 
 
+@pytest.mark.slow
 def test_more_workers_than_rows_leave_partitions_empty(spark):
     prepared, summary = prepare(
         frame(spark, [0, 2, 0, 1]), "features", "label", frame(spark, [1], VALIDATION_BASE)
@@ -491,6 +501,7 @@ def test_more_workers_than_rows_leave_partitions_empty(spark):
             assert sum(not part for part in parts) >= 3, scheme
 
 
+@pytest.mark.slow
 def test_a_barrier_stage_reads_empty_partitions(spark):
     prepared, summary = prepare(frame(spark, [2, 1]), "features", "label")
     placed = place_rows(prepared, WORKERS, "contiguous", 0, summary.partition_counts)
@@ -501,6 +512,7 @@ def test_a_barrier_stage_reads_empty_partitions(spark):
     )
 
 
+@pytest.mark.slow
 def test_partitions_holding_both_splits_keep_each_splits_order(spark):
     # Spark's union keeps its inputs' partitioning when they share it: then one partition
     # holds training rows, then validation rows. The input's order is what Spark reads.
@@ -523,6 +535,7 @@ def test_partitions_holding_both_splits_keep_each_splits_order(spark):
         assert parts == want, scheme
 
 
+@pytest.mark.slow
 def test_a_local_relation_is_indexed_in_its_own_order(spark):
     values = spark.sql(
         "SELECT array(CAST(id AS FLOAT)) AS features, CAST(id AS DOUBLE) AS label "
@@ -534,6 +547,7 @@ def test_a_local_relation_is_indexed_in_its_own_order(spark):
     )
 
 
+@pytest.mark.slow
 def test_rows_that_do_not_match_the_counts_fail_the_shuffle(spark, data):
     prepared, _ = data
     _, other = prepare(frame(spark, [3]), "features", "label")
@@ -544,6 +558,7 @@ def test_rows_that_do_not_match_the_counts_fail_the_shuffle(spark, data):
 # ---- the RDD path ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", INDEXED)
 def test_each_scheme_places_pairs_exactly_and_a_barrier_stage_reads_them(spark, scheme):
     parts = glom_pairs(place_pairs(pairs(spark, TRAIN_SIZES), WORKERS, scheme, 5))
@@ -555,6 +570,7 @@ def test_each_scheme_places_pairs_exactly_and_a_barrier_stage_reads_them(spark, 
     )
 
 
+@pytest.mark.slow
 def test_pairs_as_is_are_rdd_repartition_in_index_order(spark):
     parts = glom_pairs(place_pairs(pairs(spark, TRAIN_SIZES), 3, "as_is", 5))
     spark_placed = glom_pairs(pairs(spark, TRAIN_SIZES).repartition(3))
@@ -573,6 +589,7 @@ def test_pairs_follow_the_seed(spark, scheme):
     ]
 
 
+@pytest.mark.slow
 def test_more_workers_than_pairs_leave_partitions_empty(spark):
     for scheme in SCHEMES:
         parts = glom_pairs(place_pairs(pairs(spark, [0, 2, 1]), 7, scheme, 1))

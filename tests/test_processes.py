@@ -47,6 +47,7 @@ def partition(param: AllReduceParameter, addresses: list, partition_id: int, res
         results.put((partition_id, repr(error), None, None, None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unix_sockets", [True, False])
 def test_static_addresses_sync_plain_processes(unix_sockets):
     """Plain processes on one host find each other's scope (each asks the others for their
@@ -132,6 +133,7 @@ def lost_peer_outcome(param: AllReduceParameter) -> tuple[int, str]:
                 process.kill()
 
 
+@pytest.mark.slow
 def test_a_peer_lost_without_a_word_points_at_the_python_workers_memory():
     # the blocks' path (the host arena's wait: test_host_arena)
     param = AllReduceParameter(2, 1000, codec="raw", timeout=60, host_arena=False)
@@ -199,6 +201,7 @@ def _need_root_and(*tools: str) -> None:
         pytest.skip(f"no {', '.join(missing)} on this machine (util-linux)")
 
 
+@pytest.mark.netns
 @pytest.mark.parametrize("host_arena", [True, False])
 def test_a_process_with_a_private_dev_shm_still_shares_memory_with_its_host(tmp_path, host_arena):
     """As two containers of one pod: the same kernel and network namespace, but partition 1
@@ -222,6 +225,8 @@ def test_a_process_with_a_private_dev_shm_still_shares_memory_with_its_host(tmp_
         assert report["digest"] == expected_digest(size, partitions)
 
 
+@pytest.mark.slow
+@pytest.mark.netns
 @pytest.mark.parametrize("host_arena", [True, False])
 def test_processes_in_other_network_namespaces_are_other_hosts_over_tcp(tmp_path, host_arena):
     """The same kernel (boot id) but network namespaces of their own, as containers with
@@ -251,6 +256,7 @@ def test_processes_in_other_network_namespaces_are_other_hosts_over_tcp(tmp_path
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_processes_of_different_parameters_are_refused_when_they_meet():
     """Asking a peer for its full address proves the secret: partitions that each made an
     AllReduceParameter of their own fail at connect(), each saying what to do (one refused

@@ -78,7 +78,7 @@ unix_sockets shared_memory host_arena param_id strategy gradient_codec topology 
 FIT_ARGUMENTS = "data features_col label_col validation resume_from weight_col initial".split()
 
 FIT_STREAM_ARGUMENTS = """stream model_path checkpoint_location features_col label_col weight_col
-initial on_model trigger query_name empty_batches""".split()
+initial on_model trigger query_name empty_batches allow_pickle""".split()
 
 #: what a TrainedModel holds for a later fit to continue from
 TRAINED_MODEL_FIELDS = "steps_done epochs_done optimizer_state optimizer_kind".split()
@@ -106,6 +106,7 @@ def test_the_engines_names_are_its_api_page():
     assert "BSP" in engine.__doc__ and "p.collectives" in engine.__doc__  # it reads as a reference
 
 
+@pytest.mark.slow
 def test_importing_the_package_loads_no_pyspark_until_ml_is_named():
     code = (
         "import sys, allreduce_param\n"

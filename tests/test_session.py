@@ -56,6 +56,7 @@ def test_an_old_java_is_named(monkeypatch, tmp_path, line, major):
         local_spark()  # refuses before any JVM starts
 
 
+@pytest.mark.slow
 def test_the_main_job_says_so_and_exits_without_a_traceback(tmp_path):
     environment = {
         **os.environ,
@@ -73,6 +74,7 @@ def test_the_main_job_says_so_and_exits_without_a_traceback(tmp_path):
     assert "has no bin/java" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_the_train_command_says_so_and_exits_without_a_traceback(tmp_path):
     environment = {
         **os.environ,
@@ -171,6 +173,8 @@ TWO_SESSIONS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.spark
 def test_the_next_session_of_a_process_has_the_conf_folder_but_not_the_first_ones_settings():
     """The first session starts the JVM, whose system properties every later session's conf
     loads: its own settings must not stay there (a ``local-cluster`` session after one with

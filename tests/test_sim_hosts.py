@@ -53,6 +53,8 @@ from allreduce_param.engine.wire.blocks import SERVE_THREADS
 from allreduce_param.engine.wire.blocks.protocol import RESPONSE
 from allreduce_param.engine.wire.handshake import MAC_SIZE, MAGIC, NONCE_SIZE
 
+pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.cluster, pytest.mark.netns]
+
 HOSTS = 4
 PER_HOST = 4  # cores per worker: task slots per host
 PARTITIONS = HOSTS * PER_HOST

@@ -10,10 +10,13 @@ import os
 import threading
 
 import numpy as np
+import pytest
 from conftest import raise_first, run_partitions
 
 from allreduce_param.engine import AllReduceParameter
 from allreduce_param.engine.wire.blocks import SERVE_THREADS
+
+pytestmark = pytest.mark.slow
 
 SYNCS, WARM = 20_000, 2_000
 

@@ -105,6 +105,7 @@ SEEN = {
     "partitions, transport",
     [(3, "host arena"), (2, "shared memory"), (3, "tcp"), (4, "unix sockets")],
 )
+@pytest.mark.slow
 def test_raw_sync_is_exact_on_every_partition(spark, partitions, transport):
     sizes = sorted({1, max(1, partitions - 1), 7919, 3_000_017})
     params = [
@@ -123,6 +124,7 @@ def test_raw_sync_is_exact_on_every_partition(spark, partitions, transport):
         assert {tuple(row[6]) for row in rows} == {SEEN[transport]}
 
 
+@pytest.mark.slow
 def test_every_codec_in_spark_is_bit_identical_across_partitions_and_within_bound(spark):
     size, partitions, seed = 20_011, 2, 7
     params = [
@@ -143,6 +145,7 @@ def test_every_codec_in_spark_is_bit_identical_across_partitions_and_within_boun
         assert np.allclose(rows[0][5], exact, rtol=relative, atol=relative * 4), codec
 
 
+@pytest.mark.slow
 def test_uneven_partitions_and_an_empty_one_give_the_exact_mean(spark):
     size = 513
     rng = np.random.default_rng(5)
@@ -174,6 +177,7 @@ def test_uneven_partitions_and_an_empty_one_give_the_exact_mean(spark):
     assert np.allclose(mean, kept.mean(axis=0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_peer_that_crashes_fails_the_job_with_its_error(spark):
     param = AllReduceParameter(2, 1000, codec="raw", timeout=600)
 
@@ -194,6 +198,7 @@ def test_a_peer_that_crashes_fails_the_job_with_its_error(spark):
     assert re.search(r"RuntimeError: partition 1 crashed on purpose", str(failure.value))
 
 
+@pytest.mark.slow
 def test_a_hung_peer_fails_the_job_within_the_timeout_naming_it(spark):
     param = AllReduceParameter(2, 1000, codec="raw", timeout=3)
 
@@ -229,6 +234,7 @@ def update(gradient, weights, step):
     [Strategy(), Strategy("bsp", backup_workers=1), Strategy("asp")],
     ids=["bsp", "backup workers", "asp"],
 )
+@pytest.mark.slow
 def test_a_second_stage_in_the_same_session_starts_clean(spark, strategy):
     def stage(param):
         def task(_rows):
@@ -298,6 +304,7 @@ def meeting_task(links):
     return task
 
 
+@pytest.mark.slow
 def test_tasks_meet_at_the_driver_and_fall_back_to_allgather_where_it_is_out_of_reach(spark):
     from allreduce_param.engine.movement.rendezvous import MeetingPoint
     from allreduce_param.engine.wire.messages import MessageClient, MessageServer

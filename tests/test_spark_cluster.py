@@ -7,12 +7,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import test_spark
 from harness.spark_standalone import class_archive_options
 from pyspark import cloudpickle
 from test_spark import digest, expected_after, run_stage, start_weights, step_task
 
 from allreduce_param.engine import AllReduceParameter
+
+pytestmark = pytest.mark.slow
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(test_spark)

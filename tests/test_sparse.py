@@ -218,6 +218,7 @@ def documents(spark, rows: int, seed: int):
     )
 
 
+@pytest.mark.slow
 def test_a_hashing_tf_pipeline_trains_on_sparse_rows_and_predicts_them(spark):
     from pyspark.ml import Pipeline
     from pyspark.ml.feature import HashingTF, Tokenizer
@@ -279,6 +280,7 @@ def sparse_rows(spark, rows: list, labels=None):
     return spark.createDataFrame(list(zip(rows, labels)), schema)
 
 
+@pytest.mark.slow
 def test_dense_and_sparse_rows_in_one_column_train_and_predict_alike(spark):
     from pyspark.ml.linalg import Vectors
 
@@ -370,6 +372,7 @@ def test_the_driver_names_bad_sparse_rows(spark, case):
         prepare(df, "features", "label")
 
 
+@pytest.mark.slow
 def test_an_estimator_reads_the_width_of_sparse_vectors_without_metadata(spark):
     """A vector column made without ML metadata (no VectorAssembler, no HashingTF): the
     Estimator takes the width from one vector's size, never from a dense copy."""

@@ -14,6 +14,8 @@ import re
 import pytest
 from harness.spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
 
+pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.cluster]
+
 EPOCHS = 4
 
 

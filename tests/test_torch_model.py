@@ -299,6 +299,7 @@ def normed_fit(spark):
     return model, result, X, df
 
 
+@pytest.mark.slow
 def test_a_fits_buffers_are_the_partitions_merged_by_rows(normed_fit):
     model, result, X, _ = normed_fit
     buffers = result.buffers

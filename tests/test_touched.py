@@ -59,6 +59,7 @@ def sync(param: AllReduceParameter, grads: list[np.ndarray], touched: bool, host
     [(None, False), (None, True), ([[0, 1], [2]], True)],
     ids=["one host, blocks", "one host, arena", "two hosts"],
 )
+@pytest.mark.slow
 def test_the_touched_sync_gives_the_dense_sums_bits(hosts, arena):
     """Three partitions, slices of two parts and touched blocks of two parts (0.6 of each
     slice touched: over 2^18 pairs an owner); on two simulated hosts the sums take the

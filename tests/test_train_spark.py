@@ -49,6 +49,7 @@ def regression_data(rows=120, features=5, seed=0):
     return X, y.astype(np.float64)
 
 
+@pytest.mark.slow
 def test_full_batch_bsp_equals_gradient_descent_on_all_rows(spark):
     X, y = regression_data()
     model, lr, epochs = models.LinearRegression(5), 0.1, 6
@@ -66,6 +67,7 @@ def test_full_batch_bsp_equals_gradient_descent_on_all_rows(spark):
     assert result.history.steps[-1]["loss"] < result.history.steps[0]["loss"]
 
 
+@pytest.mark.slow
 def test_overlap_is_a_setting_of_the_fit_that_changes_no_weight(spark):
     X, y = regression_data(rows=90)
     data = frame(spark, X, y, vectors=True)
@@ -149,6 +151,7 @@ def test_topology_and_fetch_threads_reach_the_parameter_the_tasks_sync_with(
     assert reports == [{"topology": "flat", "fetch_threads": 1, "hierarchical": False}] * 3
 
 
+@pytest.mark.slow
 def test_cached_data_is_checked_once_and_other_data_anew(spark, monkeypatch):
     """Fits on the same cached DataFrame (tuning, say) run the data checks' job once; data
     that is not cached, or other data, or data no longer cached, is checked every time."""
@@ -213,6 +216,7 @@ def stages_of(spark, call):
     ), result
 
 
+@pytest.mark.slow
 def test_cached_data_with_a_partition_per_worker_trains_where_it_lies(spark):
     """``as_is`` on cached data of 4 partitions with 4 workers: no placement shuffle, and
     worker k trains on partition k, which here holds rows 30k to 30k+29, as ``contiguous``
@@ -243,6 +247,7 @@ def test_cached_data_with_a_partition_per_worker_trains_where_it_lies(spark):
         data.unpersist()
 
 
+@pytest.mark.slow
 def test_data_spark_will_not_read_in_a_barrier_stage_is_shuffled_instead(spark):
     """A cached coalesce has a partition per worker but a lineage Spark refuses a barrier
     stage over (SPARK-24820): ``as_is`` then places the rows as ``round_robin`` does, and
@@ -277,6 +282,7 @@ def test_data_spark_will_not_read_in_a_barrier_stage_is_shuffled_instead(spark):
         data.unpersist()
 
 
+@pytest.mark.slow
 def test_the_main_jobs_settings_reach_097_on_digits(spark):
     job = load_job(JOB_FILES / "digits.toml")
     train, test = load_data(spark, job["data"])
@@ -291,6 +297,7 @@ def test_the_main_jobs_settings_reach_097_on_digits(spark):
     assert {"get_s", "compute_s", "put_s", "aggregate_s", "update_s", "send_s"} <= set(step)
 
 
+@pytest.mark.slow
 def test_save_load_and_predict_round_trip(spark, tmp_path):
     X, y = regression_data(rows=60)
     data = frame(spark, X, y, vectors=True)
@@ -310,6 +317,7 @@ def test_save_load_and_predict_round_trip(spark, tmp_path):
     assert loaded.history.phases == result.history.phases
 
 
+@pytest.mark.slow
 def test_predict_broadcasts_the_weights_once_per_model_and_again_when_they_change(spark):
     X, y = regression_data(rows=30)
     data = frame(spark, X, y, vectors=True)
@@ -352,6 +360,7 @@ class Ridge:
         return X @ weights[:-1] + weights[-1]
 
 
+@pytest.mark.slow
 def test_a_user_model_trains_from_an_rdd_of_numpy_pairs(spark):
     X, y = regression_data(rows=200)
     rdd = spark.sparkContext.parallelize(list(zip(X, y)), 4)
@@ -374,6 +383,7 @@ def test_three_rows_on_four_workers_leave_one_partition_empty(spark):
     assert [s["samples"] for s in result.history.steps] == [3, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["as_is", "random"])
 def test_with_sample_weights_each_full_batch_step_is_the_weighted_mean(spark, scheme):
     """Three workers whose rows weigh very differently ("random" also gives them uneven
@@ -486,6 +496,7 @@ def test_a_string_label_says_to_index_it(spark):
         fit(data, model=models.LinearRegression(1))
 
 
+@pytest.mark.slow
 def test_an_error_inside_a_task_comes_back_as_one_line(spark):
     class Exploding(models.LinearRegression):
         def loss_and_grad(self, weights, X, y):
@@ -519,6 +530,7 @@ class Unbuildable(models.LinearRegression):
         return (refuse, ())
 
 
+@pytest.mark.slow
 def test_an_error_before_the_training_loop_names_the_python_error(spark):
     X, y = regression_data(rows=20)
     with pytest.raises(
@@ -531,6 +543,7 @@ def test_an_error_before_the_training_loop_names_the_python_error(spark):
         ).fit(frame(spark, X, y))
 
 
+@pytest.mark.slow
 def test_a_listener_and_the_log_see_every_step_as_it_happens(spark, tmp_path):
     X, y = regression_data(rows=64)
     events = []
@@ -623,6 +636,7 @@ def test_the_history_says_where_the_fits_time_went(spark, capsys):
     assert capsys.readouterr().out.strip().endswith(result.history.phases_line())
 
 
+@pytest.mark.slow
 def test_a_fit_from_rows_on_disk_gives_the_bits_of_one_from_memory_and_leaves_no_file(spark):
     """Shuffled placement (order keys), weights and validation rows: written to row files in
     Spark's local directory as they arrive, the fit is the in-memory one's, bit for bit, and
@@ -683,6 +697,7 @@ def row_files_left(spark) -> list[str]:
     return spark.sparkContext.parallelize([0], 1).mapPartitions(lambda _: _row_files()).collect()
 
 
+@pytest.mark.slow
 def test_an_rdd_fit_from_rows_on_disk_gives_the_bits_of_one_from_memory(spark):
     """Each partition's pairs (one block) written to row files in arrival order: the epochs'
     order is the in-memory one, and so are the weights; no file is left."""
@@ -711,6 +726,7 @@ class RowFilesSeen(Ridge):
         return super().loss_and_grad(weights, X, y)
 
 
+@pytest.mark.slow
 def test_a_failing_rdd_fit_from_disk_leaves_no_file_and_a_bad_pair_is_named(spark):
     X, y = regression_data(rows=40)
     rdd = spark.sparkContext.parallelize(list(zip(X, y)), 2)

@@ -47,6 +47,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_each_strategy_frequency_and_scheme_trains_digits_to_095(digits, name):
     train, test = digits
@@ -123,6 +124,7 @@ def test_more_backup_workers_than_the_fit_has_fails_before_any_task(digits):
         trainer(backup_workers=2).fit(train)
 
 
+@pytest.mark.slow
 def test_lossy_codecs_with_error_feedback_train_digits_as_well_as_raw(digits):
     """The issue's bar: int8 (and bf16) within half a point of raw on the held-out digits."""
     train, test = digits
@@ -135,6 +137,7 @@ def test_lossy_codecs_with_error_feedback_train_digits_as_well_as_raw(digits):
     assert accuracy["int8"] >= accuracy["raw"] - 0.005, accuracy
 
 
+@pytest.mark.slow
 def test_top_k_gradients_with_error_feedback_train_digits_given_more_epochs(digits):
     """1 % of each gradient part per step, the rest carried over: slower per epoch, yet it
     learns (measured: about twice the epochs of int8 to 0.95 and to 0.97)."""

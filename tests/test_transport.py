@@ -581,6 +581,7 @@ def test_closing_the_server_with_gets_waiting_ends_every_thread_and_every_connec
         server.close()
 
 
+@pytest.mark.slow
 def test_a_reader_that_stops_reading_holds_one_thread_for_a_while_and_nobody_else():
     """A peer asks for a large block and never reads it: its answer stalls one pool thread
     until the send gives up (a slice not taken within the handshake timeout) and the
