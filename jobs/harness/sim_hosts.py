@@ -7,7 +7,7 @@ documentation range: nothing leaves the machine), all joined by a bridge. Traffi
 hosts crosses real links (veth pairs and the bridge), so 127.0.0.1 is no shortcut, and
 each host has its own abstract Unix sockets (the engine's same-host path stays on a host).
 A command runs on a host after its ``prefix`` (``nsenter --net=/proc/PID/ns/net``), which
-execs it, so its process group is the command's. As ``../shared/tools/sim-hosts``, but
+execs it, so its process group is the command's. As a network-namespace host tool would, but
 without ``ip netns add`` (no ``/run/netns`` mount to make or undo) and without a private
 mount namespace around the test.
 
@@ -61,7 +61,7 @@ import pytest
 SUBNET = "192.0.2"
 #: how long making the namespaces and links may take, in all
 READY_TIMEOUT = 60.0
-#: tbf's settings besides the rate (as ``../shared/tools/sim-hosts``): the burst must exceed
+#: tbf's settings besides the rate: the burst must exceed
 #: one packet (up to 64 KiB with segmentation offload), the latency bounds the queue
 LINK_BURST, LINK_LATENCY = "256kb", "50ms"
 
