@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from allreduce_param.engine import LocalRendezvous, StaticRendezvous  # noqa: E402
-from allreduce_param.errors import InputError, UsageError  # noqa: E402
+from allreduce_param.errors import ConfigurationError, InputError, UsageError  # noqa: E402
 from allreduce_param.torch_backend import (  # noqa: E402
     BACKEND,
     AllReduceProcessGroup,
@@ -220,11 +220,11 @@ def test_what_is_not_supported_is_named():
 def test_init_process_group_outside_bind_and_with_the_wrong_rank_is_refused():
     register()
     store = dist.HashStore()
-    with pytest.raises(Exception, match=r"inside allreduce_param\.torch_backend\.bind\(handle\)"):
+    with pytest.raises(UsageError, match=r"inside allreduce_param\.torch_backend\.bind\(handle\)"):
         dist.init_process_group(backend=BACKEND, rank=0, world_size=1, store=store)
     param = process_group_parameter(1, timeout=10)
     with param.connect(LocalRendezvous(1).member(0)) as handle, bind(handle):
-        with pytest.raises(Exception, match="pass rank=0 and world_size=1"):
+        with pytest.raises(ConfigurationError, match="pass rank=0 and world_size=1"):
             dist.init_process_group(backend=BACKEND, rank=0, world_size=2, store=dist.HashStore())
         with pytest.raises(UsageError, match="already bound"):
             with bind(handle):
