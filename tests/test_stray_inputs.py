@@ -3,11 +3,13 @@ made: a stray label far above the others, ..."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import functions as F
 
-from allreduce_param import InputError
+from allreduce_param import DistriOptimizer, InputError, models, optim
 from allreduce_param.ml import AllReduceClassifier
 
 
@@ -49,3 +51,29 @@ def test_a_class_count_the_metadata_states_is_taken_beyond_the_inferred_limit(sp
     with pytest.warns(UserWarning, match="the model has 1500"):
         model = classifier.fit(stated)
     assert model.numClasses == 1500
+
+
+class LockedListener:
+    """A listener as a user writes one: its events kept under a lock (which cannot pickle)."""
+
+    def __init__(self) -> None:
+        self.lock, self.kinds = threading.Lock(), []
+
+    def __call__(self, kind: str, fields: dict) -> None:
+        with self.lock:
+            self.kinds.append(kind)
+
+
+def test_a_listener_holding_a_lock_stays_on_the_driver_and_hears_the_fit(spark):
+    listener = LockedListener()
+    trainer = DistriOptimizer(
+        models.LinearRegression(2),
+        optim.SGD(lr=0.1),
+        batch_size=4,
+        num_workers=2,
+        progress=False,
+        listener=listener,
+    )
+    trained = trainer.fit(labelled(spark, [0, 1, 2, 3, 4, 5, 6, 7]))
+    assert trained.steps_done == 2
+    assert listener.kinds[0] == "start" and listener.kinds.count("step") == 2
