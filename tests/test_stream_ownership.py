@@ -120,7 +120,7 @@ def test_a_second_query_on_a_model_path_stops_before_publishing_and_the_model_ne
 ):
     source, folder = tmp_path / "in", tmp_path / "models"
     source.mkdir()
-    for index in range(3):
+    for index in range(2):
         write_batch(source, index)
     trainer = DistriOptimizer(
         models.SoftmaxRegression(2, 2),
@@ -133,7 +133,7 @@ def test_a_second_query_on_a_model_path_stops_before_publishing_and_the_model_ne
     steps, errors, stop = [], [], threading.Event()
 
     def read_loop() -> None:  # a serving job's reader, while the first query publishes
-        while not stop.is_set():
+        while not stop.wait(0.02):  # paced: the fit's driver thread needs the GIL too
             if (folder / "LATEST.json").exists():
                 try:
                     steps.append(TrainedModel.load(folder).steps_done)
@@ -154,12 +154,12 @@ def test_a_second_query_on_a_model_path_stops_before_publishing_and_the_model_ne
             trainer.fit_stream(
                 stream, str(source / "batch-0.parquet" / "m"), str(tmp_path / "query-c")
             )
-        first.awaitTermination(120)
+        assert first.awaitTermination(600)  # bounded: a query still running fails here
     finally:
         first.stop()
         stop.set()
         reader.join(30)
     assert [query.id for query in spark.streams.active] == []
-    assert PublishedModels(folder).latest().batch_id == 2
+    assert PublishedModels(folder).latest().batch_id == 1
     assert not errors, errors[:3]
-    assert steps == sorted(steps)
+    assert steps and steps == sorted(steps)  # the reader saw models, never going back

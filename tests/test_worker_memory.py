@@ -22,6 +22,7 @@ def resident_bytes() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [28, 30])
 def test_a_wide_sparse_logistic_regression_is_refused_naming_the_memory_and_its_size(spark, bits):
     width = 1 << bits
