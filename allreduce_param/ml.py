@@ -619,8 +619,31 @@ def _describe(train, features_col: str, label_col: str, task: str) -> tuple[int,
                     f"the labels in {label_col!r} must be class ids 0, 1, 2, ... (the largest is "
                     f"{largest!r}); index string classes with StringIndexer"
                 )
-            num_classes = max(int(largest) + 1, 2)
+            num_classes = max(_inferred_class_count(largest, label_col), 2)
     return int(n_features), (None if num_classes is None else int(num_classes))
+
+
+#: The most classes a classifier infers from the largest label without the label column's
+#: metadata saying how many there are (MLlib refuses more than this too): a stray label such
+#: as 1e9 would otherwise make a model with a billion outputs, on the driver first.
+MAX_INFERRED_CLASSES = 1000
+
+
+def _inferred_class_count(largest: float, label_col: str) -> int:
+    """The class count the largest label gives (largest + 1), refused over
+    ``MAX_INFERRED_CLASSES`` before any model is made, naming what to do."""
+    count = int(largest) + 1
+    if count > MAX_INFERRED_CLASSES:
+        raise InputError(
+            f"the largest label in {label_col!r} (labelCol) is {largest:g}, which would make "
+            f"a model of {count:,} classes; without the label column's metadata at most "
+            f"{MAX_INFERRED_CLASSES:,} classes are inferred from the labels (as MLlib does). "
+            "A stray label? Filter it out. Truly that many classes: index the labels with "
+            "StringIndexer, or state the count in the column's metadata, e.g. "
+            f"df.withColumn({label_col!r}, F.col({label_col!r}).alias({label_col!r}, "
+            "metadata={'ml_attr': {'type': 'nominal', 'num_vals': N}}))"
+        )
+    return count
 
 
 def _row(value, model=None):

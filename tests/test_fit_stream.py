@@ -99,7 +99,9 @@ def test_each_micro_batch_publishes_the_continued_fit_and_a_restart_trains_none_
     assert np.array_equal(TrainedModel.load(published).weights, expected[2])
     assert PublishedModels(published).latest().batch_id == 2
     assert sorted(p.name for p in published.iterdir()) == [
+        ".publish.lock",
         "LATEST.json",
+        "OWNER.json",
         "batch-0000000001",
         "batch-0000000002",
     ]
@@ -166,6 +168,10 @@ def test_bad_streams_and_batches_are_refused_naming_the_argument(spark, tmp_path
     doubles = static.selectExpr("cast(features as array<double>) as features", "label")
     with pytest.raises(InputError, match="micro-batch 1's training columns are .*array<double>"):
         batch_fit(doubles, 1)
+    # a micro-batch the data checks refuse: the error says which micro-batch
+    unlabelled = static.selectExpr("features", "cast('NaN' as double) as label")
+    with pytest.raises(InputError, match=r"^micro-batch 1: the training data has 40 rows whose"):
+        batch_fit(unlabelled, 1)
     assert published.latest().batch_id == 0
     # another query's published models, or a model to start from where some are published
     with pytest.raises(InputError, match="holds the models of the streaming query with"):

@@ -341,7 +341,8 @@ def _vector_with_indices(size: int, indices: list, values: list):
 BAD_COLUMNS = {
     "sizes that differ": (
         lambda V: [V.sparse(10, [1], [1.0]), V.sparse(12, [3], [1.0])],
-        r"holds vectors of 10 to 12 elements; every row needs the same length",
+        r"holds vectors of 10 to 12 elements \(e\.g\. row 0: 10, row 1: 12\); every row needs "
+        r"the same length",
     ),
     "an index out of range": (
         lambda V: [V.sparse(10, [1], [1.0]), _vector_with_indices(10, [2, 10], [1.0, 2.0])],

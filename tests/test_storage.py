@@ -260,6 +260,10 @@ def test_published_models_are_renamed_into_place_and_the_pointer_names_the_newes
     root = f"{viewfs}/live" if where == "hadoop" else "memory://allreduce-test/live"
     published = PublishedModels(root)
     assert published.latest() is None
+    published.claim("/query")  # the owner record, placed only where none is
+    published.claim("/query")
+    with pytest.raises(InputError, match="belongs to another streaming query, the one with "):
+        PublishedModels(root).claim("/other")
     for batch_id in (0, 1, 2):
         model = trained(with_buffers=False)
         model.weights = model.weights + batch_id
@@ -271,7 +275,12 @@ def test_published_models_are_renamed_into_place_and_the_pointer_names_the_newes
         "batch-0000000002",
         "/query",
     )
-    assert sorted(published.root.names()) == ["LATEST.json", "batch-0000000001", "batch-0000000002"]
+    assert sorted(published.root.names()) == [
+        "LATEST.json",
+        "OWNER.json",
+        "batch-0000000001",
+        "batch-0000000002",
+    ]
     loaded = TrainedModel.load(root)  # the folder's newest model
     np.testing.assert_array_equal(loaded.weights, [3, 4, 5, 6])
     np.testing.assert_array_equal(loaded.optimizer_state["momentum"], [6, 8, 10, 12])

@@ -470,12 +470,14 @@ def test_nan_labels_are_counted(spark):
         fit(frame(spark, X, y))
 
 
-def test_ragged_vectors(spark):
-    ragged = spark.createDataFrame(
-        [([1.0, 2.0], 1.0), ([1.0], 0.0)], "features array<double>, label double"
-    )
-    with pytest.raises(InputError, match="holds vectors of 1 to 2 elements"):
-        fit(ragged, model=models.LinearRegression(2))
+def test_ragged_vectors_name_a_row_of_each_length(spark):
+    rows = [([1.0, 2.0], 1.0)] * 3 + [([1.0], 0.0)] + [([1.0, 2.0], 1.0)] * 2
+    for kind in ("double", "float"):
+        ragged = spark.createDataFrame(rows, f"features array<{kind}>, label double")
+        with pytest.raises(
+            InputError, match=r"holds vectors of 1 to 2 elements \(e\.g\. row 3: 1, row 0: 2\)"
+        ):
+            fit(ragged, model=models.LinearRegression(2))
 
 
 def test_a_batch_smaller_than_the_workers(small):

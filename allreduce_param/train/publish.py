@@ -15,21 +15,33 @@ then ``LATEST.json`` is written to a temporary file and renamed over the old one
 disk and HDFS a rename is whole or absent, so the pointer always names a complete model; on
 an object store (``s3://``), which copies instead, a reader may see the old pointer a little
 longer, never a half-written model. A publish that fails leaves the pointer as it was.
+
+One folder belongs to one streaming query, named by its checkpoint: ``OWNER.json``, made
+whole or not at all by the first query's start (a hard link on a local disk, a rename that
+never replaces on HDFS). A query whose checkpoint it does not name is refused before it
+starts, and every publish checks it again, with the pointer's batch id, just before the
+pointer moves (on a local disk under a lock the claim takes too): two queries never
+overwrite each other's models, and the pointer never goes back to an older micro-batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from allreduce_param.errors import InputError
+from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.train.result import LATEST, TrainedModel
 from allreduce_param.train.storage import Location, locate
 
 FORMAT = "allreduce-param-published/1"
+#: the record of the streaming query a folder of published models belongs to
+OWNER = "OWNER.json"
+OWNER_FORMAT = "allreduce-param-owner/1"
 #: how many of the newest published models stay
 KEEP = 2
 
@@ -86,6 +98,83 @@ class PublishedModels:
                 "was changed since"
             ) from None
 
+    def claim(self, query_checkpoint: str) -> None:
+        """Make the folder the models of the query with ``query_checkpoint``, before it
+        starts: its owner record written where there is none (which also proves the folder
+        writable, as the checkpoint folder is probed), else checked to name this query. A
+        folder that cannot be written is a ConfigurationError, another query's an InputError,
+        each naming ``model_path``."""
+        with self._publishing():
+            owner = self._owner()
+            if owner is None:
+                record = json.dumps({"format": OWNER_FORMAT, "query_checkpoint": query_checkpoint})
+                temporary = self.root.child(f".tmp-{OWNER}-{secrets.token_hex(4)}")
+                try:
+                    temporary.write_bytes(record.encode())
+                    if temporary.rename_if_absent(self.root.child(OWNER)):
+                        return
+                except OSError as error:
+                    raise ConfigurationError(
+                        f"model_path={self.root.url!r} cannot hold the streaming fit's models: "
+                        f"writing {temporary.url!r} failed ({type(error).__name__}: {error}). "
+                        "Give a folder this driver can create and write"
+                    ) from None
+                owner = self._owner()  # another query claimed it between the look and the write
+            self._check_owner(owner, query_checkpoint)
+
+    def _owner(self) -> str | None:
+        """The query checkpoint the owner record names; None where there is no record."""
+        record = self.root.child(OWNER)
+        try:
+            meta = json.loads(record.read_bytes())
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise ConfigurationError(
+                f"model_path={self.root.url!r}: its owner record {record.url} cannot be read "
+                f"({type(error).__name__}: {error})"
+            ) from None
+        except ValueError as error:
+            raise InputError(f"{record.url} cannot be read ({error}): it was changed") from None
+        if not isinstance(meta, dict) or meta.get("format") != OWNER_FORMAT:
+            raise InputError(f"{record.url} was not written by fit_stream, or was changed since")
+        return str(meta["query_checkpoint"])
+
+    def _check_owner(self, owner: str | None, query_checkpoint: str) -> None:
+        if owner is not None and owner != query_checkpoint:
+            raise InputError(
+                f"model_path={self.root.url!r} belongs to another streaming query, the one "
+                f"with checkpoint_location={owner!r} ({OWNER} there says so), not this one's "
+                f"{query_checkpoint!r}: two queries publishing to one folder would overwrite "
+                "each other's models. Give this query a model_path of its own (initial=... "
+                "can start it from that query's model)"
+            )
+
+    @contextlib.contextmanager
+    def _publishing(self) -> Iterator[None]:
+        """Held while the owner is checked and the pointer moves: on a local disk an
+        exclusive lock on a file in the folder (every claim and publish takes it); elsewhere
+        nothing (the storage offers none), so there the check comes just before the move."""
+        try:
+            self.root.make_folder()
+        except OSError as error:
+            raise ConfigurationError(
+                f"model_path={self.root.url!r} cannot hold the streaming fit's models: "
+                f"making the folder failed ({type(error).__name__}: {error}). Give a folder "
+                "this driver can create and write"
+            ) from None
+        if not self.root.local:
+            yield
+            return
+        import fcntl
+
+        descriptor = os.open(self.root.child(".publish.lock").url, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(descriptor)  # releases the lock
+
     def load(self, latest: Latest, module: Any = None) -> TrainedModel:
         """The model ``latest`` points to; ``module``: a ``TorchModel``'s module to load its
         state into (``TrainedModel.load``'s)."""
@@ -108,15 +197,34 @@ class PublishedModels:
         name = f"batch-{batch_id:010d}"
         temporary = self.root.child(f".tmp-{name}-{secrets.token_hex(4)}")
         trained.save(temporary.url, allow_pickle=self.allow_pickle)
-        final = self.root.child(name)
-        final.remove_tree()  # a publish of this batch that never reached the pointer
-        temporary.rename(final)
         latest = Latest(name, batch_id, query_checkpoint, columns, query_id)
         pointer = self.root.child(f".tmp-{LATEST}-{secrets.token_hex(4)}")
         pointer.write_bytes(json.dumps({"format": FORMAT, **latest.__dict__}, indent=1).encode())
-        pointer.rename(self.root.child(LATEST))
+        try:
+            with self._publishing():
+                self._check_owner(self._owner(), query_checkpoint)
+                self._check_newer(batch_id)
+                final = self.root.child(name)
+                final.remove_tree()  # a publish of this batch that never reached the pointer
+                temporary.rename(final)
+                pointer.rename(self.root.child(LATEST))
+        except BaseException:
+            temporary.remove_tree()
+            if pointer.exists():
+                pointer.remove()
+            raise
         self._prune(name)
         return latest
+
+    def _check_newer(self, batch_id: int) -> None:
+        """Refuse a publish that would move the pointer back to an older micro-batch."""
+        current = self.latest()
+        if current is not None and current.batch_id >= batch_id:
+            raise InputError(
+                f"model_path={self.root.url!r} already points at the model after micro-batch "
+                f"{current.batch_id}; publishing micro-batch {batch_id} would move it back. "
+                "Does another fit publish to this folder? Give each its own model_path"
+            )
 
     def _prune(self, newest: str) -> None:
         """Remove the models beyond the newest ``KEEP``, and temporary folders of failed

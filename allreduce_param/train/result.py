@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 #: In a folder of a streaming fit's published models (``train.publish``): the file that
 #: names the newest complete one, which ``TrainedModel.load`` of the folder reads.
 LATEST = "LATEST.json"
+#: How many times ``TrainedModel.load`` of such a folder reads the newest model, each time
+#: a newer publish removed the one it was reading
+_PUBLISHED_READS = 8
 
 
 def merge_step(rows: np.ndarray) -> dict:
@@ -402,11 +405,29 @@ class TrainedModel:
         pickle (by ``save(allow_pickle=True)``, or by a version before format /4) is an
         ``InputError`` unless ``allow_pickle=True``, for folders you trust."""
         folder = locate(path, "load the model from")
+        if not folder.child("meta.json").is_file() and folder.child(LATEST).is_file():
+            return cls._load_newest(folder, module, allow_pickle)
+        return cls._load_folder(folder, module, allow_pickle)
+
+    @classmethod
+    def _load_newest(cls, published: Location, module: Any, allow_pickle: bool) -> TrainedModel:
+        """The newest model a streaming fit has published in ``published``: read again from
+        the pointer's new target where publishing removed the one being read (it keeps
+        only the newest few), a bounded number of times."""
+        for _ in range(_PUBLISHED_READS - 1):
+            newest = json.loads(published.child(LATEST).read_bytes())["folder"]
+            try:
+                return cls._load_folder(published.child(newest), module, allow_pickle)
+            except (FileNotFoundError, InputError):
+                if json.loads(published.child(LATEST).read_bytes())["folder"] == newest:
+                    raise  # not removed by a newer publish: missing, damaged or refused
+        newest = json.loads(published.child(LATEST).read_bytes())["folder"]
+        return cls._load_folder(published.child(newest), module, allow_pickle)
+
+    @classmethod
+    def _load_folder(cls, folder: Location, module: Any, allow_pickle: bool) -> TrainedModel:
+        """The model ``save`` wrote in ``folder``."""
         meta_file = folder.child("meta.json")
-        if not meta_file.is_file() and folder.child(LATEST).is_file():
-            newest = json.loads(folder.child(LATEST).read_bytes())["folder"]
-            folder = folder.child(newest)
-            meta_file = folder.child("meta.json")
         if not meta_file.is_file():
             held = (
                 "holds no saved model (no meta.json)"

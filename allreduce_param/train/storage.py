@@ -135,6 +135,17 @@ class Location(ABC):
         there: one rename, whole or absent, where the storage has one (a local disk, HDFS;
         an object store copies)."""
 
+    def rename_if_absent(self, target: Location) -> bool:
+        """Move this file to ``target`` only where nothing is there yet: True when moved;
+        False (and this file removed) when ``target`` exists. One step where the storage has
+        one (a local disk: a hard link; HDFS: a rename, which never replaces); elsewhere
+        (an object store) a look then a move, which two writers at once can both pass."""
+        if target.exists():
+            self.remove()
+            return False
+        self.rename(target)
+        return True
+
     @abstractmethod
     def names(self) -> list[str]:
         """The names of the entries in this folder (none there: empty)."""
@@ -199,6 +210,19 @@ class FsspecLocation(Location):
             os.replace(self.path, target.path)
         else:
             self.fs.mv(self.path, target.path, recursive=True)
+
+    def rename_if_absent(self, target: Location) -> bool:
+        if not (self.local and getattr(target, "local", False)):
+            return super().rename_if_absent(target)
+        try:  # link() fails where the name exists: one step, and the file is whole when seen
+            os.link(self.path, target.path)
+        except FileExistsError:
+            os.unlink(self.path)
+            return False
+        except OSError:  # a file system without hard links
+            return super().rename_if_absent(target)
+        os.unlink(self.path)
+        return True
 
     def names(self) -> list[str]:
         if not self.fs.isdir(self.path):
@@ -279,6 +303,14 @@ class HadoopLocation(Location):
         options = self._context._gateway.new_array(jvm.org.apache.hadoop.fs.Options.Rename, 1)
         options[0] = jvm.org.apache.hadoop.fs.Options.Rename.OVERWRITE
         self._call(files.rename, self._path, target._path, options)
+
+    def rename_if_absent(self, target: Location) -> bool:
+        if self._call(self._fs.rename, self._path, target._path):  # never replaces
+            return True
+        if not target.exists():
+            raise OSError(f"{self.url}: Hadoop's rename to {target.url} failed")
+        self.remove()
+        return False
 
     def names(self) -> list[str]:
         if not self.is_dir():

@@ -158,7 +158,9 @@ def prepare(
         if stats["shortest"] != stats["longest"]:
             raise InputError(
                 f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
-                f"{stats['longest']} elements; every row needs the same length"
+                f"{stats['longest']} elements (e.g. row {first_bad_row(stats, 'shortest')}: "
+                f"{stats['shortest']}, row {first_bad_row(stats, 'longest')}: "
+                f"{stats['longest']}); every row needs the same length"
             )
         for check in checks:
             if stats[check.name]:

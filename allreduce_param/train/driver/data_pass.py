@@ -91,9 +91,14 @@ def _merge_statistics(total: dict | None, part: dict, names: Sequence[str]) -> d
     if "weight_sum" in part:
         total["weight_sum"] += part["weight_sum"]
     total["labels"] = _merge_labels(total.get("labels"), part.get("labels"))
-    for key, pick in (("shortest", min), ("longest", max), ("too_large_labels_largest", max)):
-        if part[key] is not None:
-            total[key] = part[key] if total[key] is None else pick(total[key], part[key])
+    for key, pick in (("shortest", min), ("longest", max)):  # the first such row kept
+        if part[key] is not None and (
+            total[key] is None or pick(total[key], part[key]) != total[key]
+        ):
+            total[key], total[key + "_first"] = part[key], part[key + "_first"]
+    key = "too_large_labels_largest"
+    if part[key] is not None:
+        total[key] = part[key] if total[key] is None else max(total[key], part[key])
     for name in ("missing_features", "bad_indices", *names):
         if total[name + "_first"] is None:
             total[name + "_first"] = part[name + "_first"]
@@ -137,13 +142,21 @@ def _partition_statistics(
         for split in np.unique(splits):
             rows = np.flatnonzero(splits == split)
             first = int(rows[0])
-            present = parts.size[rows][~parts.null[rows]]
+            present_rows = rows[~parts.null[rows]]
+            present = parts.size[present_rows]
             stats = {
                 "partition": int(ids[first]) >> POSITION_BITS,
                 "first": int(ids[first]),
                 "rows": len(rows),
                 "shortest": int(present.min()) if len(present) else None,
                 "longest": int(present.max()) if len(present) else None,
+                # the first row of each length, for the error of rows of different lengths
+                "shortest_first": _first_of(ids, present_rows[[np.argmin(present)]])
+                if len(present)
+                else None,
+                "longest_first": _first_of(ids, present_rows[[np.argmax(present)]])
+                if len(present)
+                else None,
                 "nonzeros": int(nonzeros[rows].sum()),
                 "bad_labels": int(np.count_nonzero(np.isnan(labels[rows]))),
                 "missing_features": int(np.count_nonzero(parts.null[rows])),

@@ -27,6 +27,7 @@ from allreduce_param.train.driver.checks import (
 )
 from allreduce_param.train.driver.failures import stage_attempts, with_checkpoint_advice
 from allreduce_param.train.driver.meeting import driver_end
+from allreduce_param.train.driver.memory import check_worker_memory
 from allreduce_param.train.driver.resume import start_point
 from allreduce_param.train.driver.source import placement, training_source
 from allreduce_param.train.driver.stage import engine_parameter, run_stage
@@ -218,9 +219,11 @@ class DistriOptimizer:
         source, sample, n_features, partitions, summary = training_source(
             self.model, data, features_col, label_col, validation, weight_col
         )
+        workers = worker_count(spark, s.num_workers, partitions, profile)
+        # before the model is made here: one that cannot fit a worker is refused unmade
+        check_worker_memory(spark.session_setting, self.model, self.optimizer, workers)
         size = model_size(self.model, sample, n_features, s.seed)
         regularisation.check_model(self.model, s.regularization, s.fit_intercept, size)
-        workers = worker_count(spark, s.num_workers, partitions, profile)
         if s.batch_size < workers:
             raise InputError(
                 f"batch_size={s.batch_size} is smaller than the {workers} workers: every worker "

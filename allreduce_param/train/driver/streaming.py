@@ -87,6 +87,7 @@ def start_query(
         if isinstance(trainer.model, TorchModel)
         else None,
     )
+    batch_fit.published.claim(checkpoint)  # before the query starts: this query's folder
     writer = stream.writeStream.foreachBatch(batch_fit).option("checkpointLocation", checkpoint)
     if trigger is not None:
         writer = writer.trigger(**trigger)
@@ -215,7 +216,10 @@ class StreamFit:
                 )
             warnings.warn(f"{message}; passed over (empty_batches='skip')", UserWarning, 2)
             return
-        trained = self._fit(batch, initial=self.model, **self._arguments)
+        try:
+            trained = self._fit(batch, initial=self.model, **self._arguments)
+        except InputError as error:  # the data's fault: say which micro-batch's
+            raise type(error)(f"micro-batch {batch_id}: {error} ({self._stays})") from error
         self.published.publish(trained, batch_id, self.query_checkpoint, columns, self._query_id)
         self.model, self.last_batch, self.columns = trained, batch_id, columns
         if self._on_model is not None:

@@ -43,6 +43,15 @@ class TrainingJob:
     start: StartPoint = StartPoint()
     sparse: bool = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What travels to the tasks: everything but the settings' ``listener``, which is
+        the driver's alone (it may hold a lock, a file, a notebook's widget, none of which
+        pickles) and hears the steps there; the tasks report them as they would to it."""
+        state = dict(self.__dict__)
+        if self.settings.listener is not None:
+            state["settings"] = self.settings.replace(listener=_heard_on_the_driver)
+        return state
+
     @property
     def local_sgd(self) -> bool:
         """Whether each partition trains a copy of its own between syncs (``sync_every``)."""
@@ -71,3 +80,7 @@ class TrainingJob:
             "model": repr(self.model),
             "optimizer": repr(self.optimizer),
         }
+
+
+def _heard_on_the_driver(kind: str, fields: dict) -> None:
+    """A task's stand-in for the driver's listener: the driver hears every event."""
