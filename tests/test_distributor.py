@@ -179,13 +179,50 @@ def test_a_function_that_calls_init_process_group_gets_the_group(spark):
 def test_what_the_run_cannot_do_is_refused_before_the_stage(spark):
     with pytest.raises(ConfigurationError, match="task slots"):
         Distributor(num_processes=64).run(_inits_the_group_itself, [])
-    with pytest.raises(ConfigurationError, match="script file"):
-        Distributor(num_processes=2).run("train.py")
+    with pytest.raises(ConfigurationError, match="no such file"):
+        Distributor(num_processes=2).run("no-such-train.py")
+    with pytest.raises(ConfigurationError, match="command line only"):
+        Distributor(num_processes=2).run(__file__, lr=0.1)
     with pytest.raises(ConfigurationError, match="num_processes"):
         Distributor(num_processes=0)
     if not torch.cuda.is_available():
         with pytest.raises(ConfigurationError, match="use_gpu=False"):
             Distributor(num_processes=2, use_gpu=True).run(_inits_the_group_itself, [])
+
+
+SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # as torchrun's scripts do: the Distributor's group answers
+total = torch.tensor([float(os.environ["RANK"]) + 1.0])
+dist.all_reduce(total)
+print(f"sum {float(total)} rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} "
+      f"argv {sys.argv[1:]} backend {dist.get_backend()}")
+if sys.argv[1] == "fail" and dist.get_rank() == 1:
+    print("rank 1 gives up", file=sys.stderr)
+    sys.exit(3)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_script_runs_on_every_rank_as_torchrun_would(spark, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert Distributor(num_processes=2).run(str(script), "ok", 7) is None
+    lines = sorted(line for line in printed.getvalue().splitlines() if " sum " in line)
+    assert lines == [
+        f"[rank {rank}] sum 3.0 rank {rank} of 2 argv ['ok', '7'] backend allreduce_param"
+        for rank in (0, 1)
+    ]
+    with pytest.raises(TrainingError) as caught:
+        Distributor(num_processes=2).run(str(script), "fail")
+    assert "rank 1" in str(caught.value) and "status 3" in str(caught.value)
+    assert "rank 1 gives up" in str(caught.value)  # its stderr's last lines
 
 
 def test_init_process_group_inside_the_function_refuses_another_rank():

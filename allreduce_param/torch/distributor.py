@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from typing import Any
 
 from allreduce_param.engine.wire.settings import NetworkSettings
@@ -25,7 +26,8 @@ from allreduce_param.spark.gpus import stage_profile
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.slots import check_no_dynamic_allocation, task_slots
 from allreduce_param.torch.driver_end import DriverEnd
-from allreduce_param.torch.rank import FunctionRun, RankJob, run_rank
+from allreduce_param.torch.rank import FunctionRun, RankJob
+from allreduce_param.torch.script import ScriptRun
 
 log = logging.getLogger(__name__)
 
@@ -90,21 +92,36 @@ class Distributor:
 
     def run(self, train_object: Any, *args: Any, **kwargs: Any) -> Any:
         """Run ``train_object(*args, **kwargs)`` on every rank; rank 0's return value.
+        ``train_object`` may be the path of a script file instead: each rank runs it in a
+        ``python`` process of its own, with ``args`` as its command line (as torchrun
+        would; the group is made before the script starts), and the run returns None.
 
         A function travels to the tasks pickled (cloudpickle), as a Spark task's code does,
         and so do its arguments and rank 0's return value. A rank that raises ends the run:
         its peers' collectives fail at once, and the error is one ``TrainingError`` naming
         the rank, with its traceback."""
         if isinstance(train_object, str):
-            raise ConfigurationError(
-                f"Distributor.run({train_object!r}): running a script file is not supported "
-                "yet; wrap its main function and pass the function (run(main, *args))"
-            )
+            return self._run(self._script(train_object, args, kwargs))
         if not callable(train_object):
             raise ConfigurationError(
                 f"Distributor.run({train_object!r}): give a function to run on every rank"
             )
         return self._run(FunctionRun(train_object, args, kwargs))
+
+    def _script(self, path: str, args: tuple, kwargs: dict) -> ScriptRun:
+        """A script file to run on every rank, as torchrun would, with ``args`` as its
+        command line."""
+        if kwargs:
+            raise ConfigurationError(
+                f"Distributor.run({path!r}, ...) got keyword arguments {sorted(kwargs)}: a "
+                "script takes its command line only; pass them as '--name=value' strings"
+            )
+        if self.local_mode and not os.path.isfile(path):
+            raise ConfigurationError(
+                f"Distributor.run({path!r}): there is no such file on this host, where "
+                "local_mode=True runs every rank"
+            )
+        return ScriptRun(os.path.abspath(path) if self.local_mode else path, tuple(map(str, args)))
 
     def _run(self, work: Any) -> Any:
         from pyspark.sql import SparkSession
@@ -185,7 +202,7 @@ def _stage(session: Any, job: RankJob, ranks: int, profile: Any) -> list[bytes]:
     def task(batches):
         for _ in batches:  # the task's one row: its place only
             pass
-        value = run_rank(job)
+        value = job.work.rank(job)
         if value is not None:
             yield record_batch(value=[value])
 

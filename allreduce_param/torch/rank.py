@@ -37,14 +37,14 @@ class RankJob:
     (None: the tasks cannot reach the driver, under Spark Connect; they meet through
     Spark), how long the meeting waits, how ranks get GPUs (``gpus``: ``"none"``,
     ``"spark"`` for the ones Spark assigned the task, ``"local"`` for the driver host's,
-    by local rank), and what to run: ``work(variables, handle)`` with the rank's
-    environment and its connected handle (``FunctionRun``, ``ScriptRun``)."""
+    by local rank), and what to run (``FunctionRun``, ``script.ScriptRun``): its
+    ``rank(job)`` runs this task's rank."""
 
     param: AllReduceParameter
     link: MessageClient | None
     patience: float
     gpus: str
-    work: Callable[[Mapping[str, str], Any], Any]
+    work: Any
 
 
 class KeptAddresses(Rendezvous):
@@ -208,6 +208,10 @@ class FunctionRun:
     args: tuple
     kwargs: dict
 
+    def rank(self, job: RankJob) -> bytes | None:
+        """This task's rank of the run: ``run_rank``."""
+        return run_rank(job)
+
     def __call__(self, variables: Mapping[str, str], handle) -> Any:
         rank, world = int(variables["RANK"]), int(variables["WORLD_SIZE"])
         with default_group(handle, rank, world):
@@ -224,17 +228,8 @@ def run_rank(job: RankJob) -> bytes | None:
     the rank, which fails the stage."""
     from pyspark import cloudpickle
 
-    from allreduce_param.spark.rendezvous import BarrierRendezvous, DriverRendezvous
-
-    if job.link is not None:
-        try:
-            job.link.connect()
-        except (OSError, AllReduceError) as error:
-            log.info("this rank cannot reach the driver yet (%s)", error)
-    try:
-        inner = (
-            BarrierRendezvous() if job.link is None else DriverRendezvous(job.link, job.patience)
-        )
+    with driver_link(job.link):
+        inner = meeting(job)
         rank, met = inner.partition_id, KeptAddresses(inner)
         try:
             with job.param.connect(met) as handle:
@@ -244,30 +239,57 @@ def run_rank(job: RankJob) -> bytes | None:
                     try:
                         value = job.work(variables, handle)
                     except BaseException as error:
-                        _tell_driver(job.link, rank, error)
+                        tell_driver(job.link, rank, error)
                         raise TrainingError(
                             f"rank {rank}: {type(error).__name__}: {error}"
                         ) from error
         except TrainingError:
             raise
         except Exception as error:  # meeting the peers, or making the group, failed
-            _tell_driver(job.link, rank, error, where=" while it met its peers")
+            tell_driver(job.link, rank, error, where=" while it met its peers")
             raise TrainingError(
                 f"rank {rank} (while it met its peers): {type(error).__name__}: {error}"
             ) from error
         return cloudpickle.dumps(value) if rank == 0 else None
+
+
+@contextlib.contextmanager
+def driver_link(link: MessageClient | None) -> Iterator[None]:
+    """A rank's connection to the driver, opened as the task starts (a driver out of reach
+    now is tried again at the meeting, and met without) and closed as it ends."""
+    if link is not None:
+        try:
+            link.connect()
+        except (OSError, AllReduceError) as error:
+            log.info("this rank cannot reach the driver yet (%s)", error)
+    try:
+        yield
     finally:
-        if job.link is not None:
-            job.link.close()
+        if link is not None:
+            link.close()
 
 
-def _tell_driver(
-    link: MessageClient | None, rank: int, error: BaseException, where: str = ""
+def meeting(job: RankJob) -> Rendezvous:
+    """How this task meets its peers: at the driver, else through Spark's ``allGather``."""
+    from allreduce_param.spark.rendezvous import BarrierRendezvous, DriverRendezvous
+
+    return BarrierRendezvous() if job.link is None else DriverRendezvous(job.link, job.patience)
+
+
+def tell_driver(
+    link: MessageClient | None,
+    rank: int,
+    error: BaseException,
+    where: str = "",
+    traceback_text: str | None = None,
 ) -> None:
-    """Send the driver a rank's failure, with its traceback, before the peers hear of it."""
+    """Send the driver a rank's failure, with its traceback (``traceback_text``, else
+    ``error``'s), before the peers hear of it."""
     if link is None:
         return
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    text = traceback_text
+    if text is None:
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     try:
         link.send(
             {
