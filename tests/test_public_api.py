@@ -111,6 +111,7 @@ def test_importing_the_package_loads_no_pyspark_until_ml_is_named():
     code = (
         "import sys, allreduce_param\n"
         "assert 'pyspark' not in sys.modules, 'import allreduce_param loaded pyspark'\n"
+        "assert 'torch' not in sys.modules, 'import allreduce_param loaded torch'\n"
         "from allreduce_param import ml\n"
         "assert 'pyspark' in sys.modules and ml.AllReduceRegressor\n"
     )

@@ -1,0 +1,329 @@
+"""The torch.distributed backend over the engine, without Spark: AllReduceProcessGroup on
+threads (one group per LocalRendezvous handle), with the expectations PyTorch's own c10d
+tests hold a backend to; and DistributedDataParallel in two spawned processes through
+init_process_group, against the same training on gloo."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from allreduce_param.engine import LocalRendezvous, StaticRendezvous  # noqa: E402
+from allreduce_param.errors import InputError, UsageError  # noqa: E402
+from allreduce_param.torch_backend import (  # noqa: E402
+    BACKEND,
+    AllReduceProcessGroup,
+    bind,
+    process_group_parameter,
+    register,
+)
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+]
+
+
+def run_groups(world: int, body, timeout: float = 60.0) -> list:
+    """``body(group, rank)`` on ``world`` threads, each with an AllReduceProcessGroup over its
+    own handle; their results (re-raising the first failure)."""
+    param = process_group_parameter(world, timeout=timeout)
+    rendezvous = LocalRendezvous(world)
+    results: list = [None] * world
+
+    def rank(r: int) -> None:
+        try:
+            with param.connect(rendezvous.member(r)) as handle:
+                group = AllReduceProcessGroup(handle)
+                try:
+                    results[r] = body(group, r)
+                finally:
+                    group.close()
+        except BaseException as error:  # re-raised below
+            results[r] = error
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout * 2)
+        assert not thread.is_alive(), "a rank is still running"
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def reduce_opts(op):
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+def rooted(options, root: int):
+    opts = options()
+    opts.rootRank = root
+    return opts
+
+
+def test_allreduce_of_rank_plus_one_with_every_op():
+    world = 3
+    ops = {
+        dist.ReduceOp.SUM: world * (world + 1) / 2,
+        dist.ReduceOp.PRODUCT: math.factorial(world),
+        dist.ReduceOp.MIN: 1,
+        dist.ReduceOp.MAX: world,
+        dist.ReduceOp.AVG: (world + 1) / 2,
+    }
+
+    def body(group, rank):
+        out = []
+        for op in ops:
+            tensor = torch.tensor([rank + 1.0])
+            work = group.allreduce([tensor], reduce_opts(op))
+            work.wait()
+            out.append((tensor.item(), work.get_future().value()[0] is tensor))
+        return out
+
+    for result in run_groups(world, body):
+        assert result == [(float(value), True) for value in ops.values()]
+
+
+def test_each_dtype_sums_as_numpy_does_in_rank_order():
+    world = 2
+
+    def tensor_of(dtype, rank):
+        rng = np.random.default_rng(rank)
+        values = rng.integers(-100, 100, 37) if dtype != torch.uint8 else rng.integers(0, 255, 37)
+        return torch.tensor(values).to(dtype)
+
+    def body(group, rank):
+        out = {}
+        for dtype in DTYPES:
+            tensor = tensor_of(dtype, rank)
+            group.allreduce([tensor], reduce_opts(dist.ReduceOp.SUM)).wait()
+            out[dtype] = tensor
+        return out
+
+    results = run_groups(world, body)
+    for dtype in DTYPES:
+        expected = tensor_of(dtype, 0) + tensor_of(dtype, 1)  # torch's own sum, in the dtype
+        for result in results:
+            assert result[dtype].dtype == dtype
+            assert torch.equal(result[dtype], expected), dtype
+
+
+@pytest.mark.slow
+def test_a_thousand_async_collectives_in_order_with_distinct_values():
+    world, calls = 2, 1000
+
+    def body(group, rank):
+        tensors = [torch.full((3,), float(i * 10 + rank)) for i in range(calls)]
+        works = [group.allreduce([t], reduce_opts(dist.ReduceOp.SUM)) for t in tensors]
+        for work in works:
+            work.wait()
+        return tensors
+
+    for tensors in run_groups(world, body):
+        for i, tensor in enumerate(tensors):
+            assert tensor.tolist() == [float(i * 20 + 1)] * 3
+
+
+def test_broadcast_from_every_root_allgather_and_reduce_scatter():
+    world = 3
+
+    def body(group, rank):
+        broadcasts = []
+        for root in range(world):
+            tensor = torch.arange(5, dtype=torch.float64) * (rank + 1)
+            group.broadcast([tensor], rooted(dist.BroadcastOptions, root)).wait()
+            broadcasts.append(tensor.tolist())
+        gathered = [torch.zeros(2, 2, dtype=torch.int32) for _ in range(world)]
+        group.allgather([gathered], [torch.full((2, 2), rank, dtype=torch.int32)]).wait()
+        into = torch.zeros(world * 2, dtype=torch.bfloat16)
+        group.all_gather_single(into, torch.tensor([rank, -rank], dtype=torch.bfloat16)).wait()
+        rs_out = torch.zeros(2)
+        inputs = [torch.full((2,), float(rank * 10 + j)) for j in range(world)]
+        group.reduce_scatter([rs_out], [inputs], reduce_opts(dist.ReduceOp.SUM)).wait()
+        single = torch.zeros(1, dtype=torch.int64)
+        group.reduce_scatter_single(
+            single, torch.arange(world, dtype=torch.int64) + rank, reduce_opts(dist.ReduceOp.MAX)
+        ).wait()
+        group.barrier(dist.BarrierOptions()).wait()
+        return broadcasts, gathered, into.tolist(), rs_out.tolist(), single.item()
+
+    for rank, (broadcasts, gathered, into, rs_out, single) in enumerate(run_groups(world, body)):
+        assert broadcasts == [[float(i * (root + 1)) for i in range(5)] for root in range(world)]
+        assert [g.tolist() for g in gathered] == [[[r, r], [r, r]] for r in range(world)]
+        assert into == [0.0, 0.0, 1.0, -1.0, 2.0, -2.0]
+        assert rs_out == [float(sum(r * 10 + rank for r in range(world)))] * 2
+        assert single == rank + world - 1
+
+
+def test_several_tensors_in_one_call_and_non_contiguous_ones():
+    def body(group, rank):
+        a = torch.ones(3, 4) * (rank + 1)
+        b = torch.ones(4, 3).t() * (rank + 1)  # not contiguous
+        group.allreduce([a, b], reduce_opts(dist.ReduceOp.SUM)).wait()
+        c = torch.ones(4, 3).t() * 10 * (rank + 1)
+        group.allreduce([c], reduce_opts(dist.ReduceOp.SUM)).wait()
+        return a, b, c
+
+    for a, b, c in run_groups(2, body):
+        assert torch.equal(a, torch.full((3, 4), 3.0))
+        assert torch.equal(b, torch.full((3, 4), 3.0))
+        assert torch.equal(c, torch.full((3, 4), 30.0))
+
+
+def test_what_is_not_supported_is_named():
+    def body(group, rank):
+        errors = []
+        for call in [
+            lambda: group.allreduce(
+                [torch.zeros(2, dtype=torch.complex64)], reduce_opts(dist.ReduceOp.SUM)
+            ),
+            lambda: group.allreduce([torch.zeros(2).to_sparse()], reduce_opts(dist.ReduceOp.SUM)),
+            lambda: group.allreduce([torch.zeros(2)], reduce_opts(dist.ReduceOp.BAND)),
+        ]:
+            with pytest.raises(InputError) as caught:
+                call()
+            errors.append(str(caught.value))
+        with pytest.raises(UsageError, match="send is not supported"):
+            group.send([torch.zeros(1)], 0, 0)
+        with pytest.raises(InputError, match="AVG of int32"):
+            group.allreduce(
+                [torch.zeros(2, dtype=torch.int32)], reduce_opts(dist.ReduceOp.AVG)
+            ).wait()
+        return errors
+
+    (errors,) = run_groups(1, body)
+    assert "allreduce: tensors of dtype torch.complex64 are not supported" in errors[0]
+    assert "pass tensor.to_dense()" in errors[1]
+    assert "ReduceOp BAND is not supported" in errors[2]
+
+
+def test_init_process_group_outside_bind_and_with_the_wrong_rank_is_refused():
+    register()
+    store = dist.HashStore()
+    with pytest.raises(Exception, match=r"inside allreduce_param\.torch_backend\.bind\(handle\)"):
+        dist.init_process_group(backend=BACKEND, rank=0, world_size=1, store=store)
+    param = process_group_parameter(1, timeout=10)
+    with param.connect(LocalRendezvous(1).member(0)) as handle, bind(handle):
+        with pytest.raises(Exception, match="pass rank=0 and world_size=1"):
+            dist.init_process_group(backend=BACKEND, rank=0, world_size=2, store=dist.HashStore())
+        with pytest.raises(UsageError, match="already bound"):
+            with bind(handle):
+                pass
+    assert not dist.is_initialized()
+
+
+# -- DistributedDataParallel in spawned processes, ours against gloo -------------------
+
+
+def ddp_training(backend: str, rank: int, port: int) -> tuple[list, list]:
+    """A tiny model trained with DDP for a few steps on ``backend``: its final weights and
+    each step's loss (rank-specific data, the same on every backend)."""
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(5):
+            x = torch.randn(16, 8, generator=generator)
+            loss = ((ddp(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        # numpy, not tensors: a tensor through a queue is shared memory its process frees
+        return [p.detach().numpy().copy() for p in model.parameters()], losses
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_rank(param, addresses, rank: int, ports: tuple[int, int], results) -> None:
+    try:
+        torch.set_num_threads(1)
+        gloo = ddp_training("gloo", rank, ports[0])
+        with param.connect(StaticRendezvous(rank, addresses)) as handle, bind(handle):
+            ours = ddp_training(BACKEND, rank, ports[1])
+        results.put((rank, gloo, ours))
+    except BaseException as error:  # reported to the test
+        results.put((rank, repr(error), None))
+
+
+@pytest.mark.slow
+def test_ddp_on_our_backend_trains_as_on_gloo():
+    from test_processes import free_loopback_ports
+
+    param = process_group_parameter(2, timeout=60)
+    ports = free_loopback_ports(4)
+    addresses = [("127.0.0.1", port) for port in ports[:2]]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=ddp_rank, args=(param, addresses, r, tuple(ports[2:]), results))
+        for r in range(2)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        got = sorted((results.get(timeout=120) for _ in processes), key=lambda entry: entry[0])
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    for rank, gloo, ours in got:
+        assert ours is not None, gloo
+        (gloo_weights, gloo_losses), (our_weights, our_losses) = gloo, ours
+        for theirs, mine in zip(gloo_weights, our_weights):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+        assert np.allclose(our_losses, gloo_losses, rtol=1e-5), (rank, our_losses, gloo_losses)
+        assert our_losses[-1] < our_losses[0]  # it trained
+    # every rank ends with the same bits: each slice is summed once, by its owner
+    assert all(np.array_equal(a, b) for a, b in zip(got[0][2][0], got[1][2][0]))
+
+
+def test_reduce_gather_and_scatter_reach_the_root_only_or_each_rank():
+    world, root = 3, 1
+
+    def body(group, rank):
+        reduced = torch.tensor([rank + 1, 10 * rank], dtype=torch.int16)
+        opts = rooted(dist.ReduceOptions, root)
+        opts.reduceOp = dist.ReduceOp.MAX
+        group.reduce([reduced], opts).wait()
+        gathered = [torch.zeros(1) for _ in range(world)] if rank == root else []
+        group.gather(
+            [gathered], [torch.tensor([rank * 2.0])], rooted(dist.GatherOptions, root)
+        ).wait()
+        piece = torch.zeros(2, dtype=torch.float16)
+        pieces = [torch.full((2,), r + 0.5, dtype=torch.float16) for r in range(world)]
+        group.scatter(
+            [piece], [pieces if rank == root else []], rooted(dist.ScatterOptions, root)
+        ).wait()
+        return reduced.tolist(), [g.item() for g in gathered], piece.tolist()
+
+    for rank, (reduced, gathered, piece) in enumerate(run_groups(world, body)):
+        assert reduced == ([3, 20] if rank == root else [rank + 1, 10 * rank])
+        assert gathered == ([0.0, 2.0, 4.0] if rank == root else [])
+        assert piece == [rank + 0.5] * 2
