@@ -165,15 +165,20 @@ def _inits_the_group_itself(values: list) -> tuple:
     dist.init_process_group("gloo")  # as a script written for torchrun does
     total = torch.tensor(values[dist.get_rank()], dtype=torch.float32)
     dist.all_reduce(total)
-    return dist.get_backend(), total.tolist()
+    dist.destroy_process_group()  # and made again, on the same ranks
+    dist.init_process_group(backend="nccl")  # whatever it names, the group is ours
+    again = torch.tensor(values[dist.get_rank()], dtype=torch.float32)
+    dist.all_reduce(again, op=dist.ReduceOp.MAX)
+    return dist.get_backend(), total.tolist(), again.tolist()
 
 
 def test_a_function_that_calls_init_process_group_gets_the_group(spark):
-    backend, total = Distributor(num_processes=2).run(
+    backend, total, again = Distributor(num_processes=2).run(
         _inits_the_group_itself, [[1.0, 2.0], [3.0, 5.0]]
     )
     assert backend != "gloo"
     assert total == [4.0, 7.0]
+    assert again == [3.0, 5.0]
 
 
 def test_what_the_run_cannot_do_is_refused_before_the_stage(spark):
