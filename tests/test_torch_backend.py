@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import threading
 
 import numpy as np
@@ -263,6 +264,7 @@ def ddp_training(backend: str, rank: int, port: int) -> tuple[list, list]:
 def ddp_rank(param, addresses, rank: int, ports: tuple[int, int], results) -> None:
     try:
         torch.set_num_threads(1)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # else gloo resolves the host name
         gloo = ddp_training("gloo", rank, ports[0])
         with param.connect(StaticRendezvous(rank, addresses)) as handle, bind(handle):
             ours = ddp_training(BACKEND, rank, ports[1])

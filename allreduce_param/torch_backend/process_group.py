@@ -37,6 +37,7 @@ from allreduce_param.torch_backend.tensors import (
     as_tensor_values,
     common_dtype,
 )
+from allreduce_param.torch_backend.work import EngineWork
 
 #: The backend's name, for ``init_process_group(backend=...)`` and ``getBackendName()``.
 BACKEND = "allreduce_param"
@@ -48,39 +49,6 @@ _OPS = {
     dist.ReduceOp.RedOpType.MAX: "max",
     dist.ReduceOp.RedOpType.AVG: "sum",  # then divided by the world size
 }
-
-
-class EngineWork(dist.Work):
-    """The Work of one queued call: ``wait()`` blocks until the group's thread has run it and
-    raises its error, if it failed; ``get_future()`` is the future DDP's comm hooks chain on.
-    (torch's ``_create_work_from_future`` would not do: its ``wait()`` swallows the error.)"""
-
-    def __init__(self, future: torch.futures.Future) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout=None) -> bool:
-        """Wait for the call (the engine's own timeout bounds it); raise its error."""
-        self._future.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        """The call's future: its result (the tensors), or its error."""
-        return self._future
-
-    def is_completed(self) -> bool:
-        """Whether the call has run (done or failed)."""
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        """Whether the call has run and did not fail."""
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
 
 
 class AllReduceProcessGroup(dist.ProcessGroup):
@@ -153,8 +121,8 @@ class AllReduceProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         """Every rank's ``inputs[i]`` into ``outputs[i][rank]``, on every rank."""
         call = "allgather"
-        self._one(inputs, call)
-        self._ranks(outputs[0], call, "output_tensor_list")
+        _expect_one(inputs, call)
+        self._expect_per_rank(outputs[0], call, "output_tensor_list")
         flat = self._flat(inputs, call)
 
         def run() -> None:
@@ -166,7 +134,7 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         """Every rank's ``input`` into its place in ``output`` (world size x as long)."""
         call = "all_gather_into_tensor"
         flat = self._flat([input], call)
-        self._length(output, flat.size * self._world, call)
+        _expect_length(output, flat.size * self._world, call)
 
         def run() -> None:
             self._split(self._all_gather(flat.values), [output])
@@ -180,11 +148,11 @@ class AllReduceProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         """``allgather``, written only into the root's ``outputs`` (``opts.rootRank``)."""
         call = "gather"
-        self._one(inputs, call)
+        _expect_one(inputs, call)
         flat = self._flat(inputs, call)
         root = opts.rootRank
         if self._rank == root:
-            self._ranks(outputs[0], call, "gather_list")
+            self._expect_per_rank(outputs[0], call, "gather_list")
 
         def run() -> None:
             gathered = self._all_gather(flat.values)
@@ -199,10 +167,10 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         """The root's ``inputs[0][rank]`` into each rank's ``outputs[0]`` (a broadcast of
         the root's list: for small tensors, as torch's ``scatter_object_list``)."""
         call = "scatter"
-        self._one(outputs, call)
+        _expect_one(outputs, call)
         root = opts.rootRank
         if self._rank == root:
-            self._ranks(inputs[0], call, "scatter_list")
+            self._expect_per_rank(inputs[0], call, "scatter_list")
             flat = self._flat(inputs[0], call)
         else:  # the same length and dtype as the root's list
             room = torch.empty(outputs[0].numel() * self._world, dtype=outputs[0].dtype)
@@ -220,11 +188,11 @@ class AllReduceProcessGroup(dist.ProcessGroup):
     ) -> dist.Work:
         """Rank r's ``outputs[0]``: the combination over the ranks of their ``inputs[0][r]``."""
         call = "reduce_scatter"
-        self._one(outputs, call)
-        self._ranks(inputs[0], call, "input_list")
+        _expect_one(outputs, call)
+        self._expect_per_rank(inputs[0], call, "input_list")
         op, average = self._op(opts, call)
         flat = self._flat(inputs[0], call)
-        self._length(outputs[0], flat.size // self._world, call)
+        _expect_length(outputs[0], flat.size // self._world, call)
 
         def run() -> None:
             self._reduce_scatter_into(flat.values, op, average, outputs[0], call)
@@ -239,7 +207,7 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         call = "reduce_scatter_tensor"
         op, average = self._op(opts, call)
         flat = self._flat([input], call)
-        self._length(output, flat.size // self._world, call)
+        _expect_length(output, flat.size // self._world, call)
         if flat.size != output.numel() * self._world:
             raise InputError(
                 f"{call}: the input holds {flat.size} elements, not world size "
@@ -353,6 +321,14 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         """``tensors``' values as one numpy vector (checked: one supported dtype)."""
         return FlatValues(tensors, common_dtype(tensors, call), self._buffers)
 
+    def _expect_per_rank(self, tensors: list, call: str, name: str) -> None:
+        """Raise unless ``tensors`` holds one tensor per rank."""
+        if len(tensors) != self._world:
+            raise InputError(
+                f"{call}: {name} holds {len(tensors)} tensors; it must hold one per rank "
+                f"({self._world})"
+            )
+
     def _op(self, opts, call: str) -> tuple[str, bool]:
         """The engine's op for ``opts.reduceOp``, and whether to divide by the world size."""
         op = getattr(opts.reduceOp, "op", opts.reduceOp)
@@ -363,22 +339,19 @@ class AllReduceProcessGroup(dist.ProcessGroup):
             )
         return _OPS[op], op == dist.ReduceOp.RedOpType.AVG
 
-    def _one(self, tensors: list, call: str) -> None:
-        if len(tensors) != 1:
-            raise InputError(f"{call}: expected one tensor per call, got {len(tensors)}")
 
-    def _ranks(self, tensors: list, call: str, name: str) -> None:
-        if len(tensors) != self._world:
-            raise InputError(
-                f"{call}: {name} holds {len(tensors)} tensors; it must hold one per rank "
-                f"({self._world})"
-            )
+def _expect_one(tensors: list, call: str) -> None:
+    """Raise unless ``tensors`` holds one tensor (torch's lists of one per device)."""
+    if len(tensors) != 1:
+        raise InputError(f"{call}: expected one tensor per call, got {len(tensors)}")
 
-    def _length(self, tensor: torch.Tensor, length: int, call: str) -> None:
-        if tensor.numel() != length:
-            raise InputError(
-                f"{call}: the output holds {tensor.numel()} elements, it must hold {length}"
-            )
+
+def _expect_length(tensor: torch.Tensor, length: int, call: str) -> None:
+    """Raise unless the output ``tensor`` holds ``length`` elements."""
+    if tensor.numel() != length:
+        raise InputError(
+            f"{call}: the output holds {tensor.numel()} elements, it must hold {length}"
+        )
 
 
 def _divide(values: np.ndarray, world: int, call: str) -> np.ndarray:
