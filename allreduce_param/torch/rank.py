@@ -16,7 +16,7 @@ import os
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from allreduce_param.engine.movement.rendezvous import Address, Rendezvous
 from allreduce_param.engine.parameter import AllReduceParameter
@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 
 #: The kind of the message a rank sends the driver when its function raised.
 FAILED = "failed"
+
+
+class RankWork(Protocol):
+    """What the ranks run (``FunctionRun``, ``script.ScriptRun``): ``rank(job)`` runs this
+    task's rank and returns rank 0's result, pickled (None on the other ranks)."""
+
+    def rank(self, job: RankJob) -> bytes | None: ...
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class RankJob:
     link: MessageClient | None
     patience: float
     gpus: str
-    work: Any
+    work: RankWork
 
 
 class KeptAddresses(Rendezvous):
