@@ -1,7 +1,7 @@
 """The torch.distributed backend over the engine, without Spark: AllReduceProcessGroup on
 threads (one group per LocalRendezvous handle), with the expectations PyTorch's own c10d
-tests hold a backend to; and DistributedDataParallel in two spawned processes through
-init_process_group, against the same training on gloo."""
+tests hold a backend to; and DistributedDataParallel and FSDP2 (fully_shard, CPU) in two
+spawned processes through init_process_group, against DDP on gloo."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from allreduce_param.engine import LocalRendezvous, StaticRendezvous  # noqa: E402
-from allreduce_param.errors import InputError, UsageError  # noqa: E402
+from allreduce_param.errors import ConfigurationError, InputError, UsageError  # noqa: E402
 from allreduce_param.torch_backend import (  # noqa: E402
     BACKEND,
     AllReduceProcessGroup,
@@ -220,11 +220,11 @@ def test_what_is_not_supported_is_named():
 def test_init_process_group_outside_bind_and_with_the_wrong_rank_is_refused():
     register()
     store = dist.HashStore()
-    with pytest.raises(Exception, match=r"inside allreduce_param\.torch_backend\.bind\(handle\)"):
+    with pytest.raises(UsageError, match=r"inside allreduce_param\.torch_backend\.bind\(handle\)"):
         dist.init_process_group(backend=BACKEND, rank=0, world_size=1, store=store)
     param = process_group_parameter(1, timeout=10)
     with param.connect(LocalRendezvous(1).member(0)) as handle, bind(handle):
-        with pytest.raises(Exception, match="pass rank=0 and world_size=1"):
+        with pytest.raises(ConfigurationError, match="pass rank=0 and world_size=1"):
             dist.init_process_group(backend=BACKEND, rank=0, world_size=2, store=dist.HashStore())
         with pytest.raises(UsageError, match="already bound"):
             with bind(handle):
@@ -235,50 +235,69 @@ def test_init_process_group_outside_bind_and_with_the_wrong_rank_is_refused():
 # -- DistributedDataParallel in spawned processes, ours against gloo -------------------
 
 
-def ddp_training(backend: str, rank: int, port: int) -> tuple[list, list]:
-    """A tiny model trained with DDP for a few steps on ``backend``: its final weights and
-    each step's loss (rank-specific data, the same on every backend)."""
+def ddp_training(backend: str, rank: int, port: int, fsdp: bool = False) -> tuple[list, list]:
+    """A tiny model trained for a few steps with DDP (``fsdp``: FSDP2's ``fully_shard``) on
+    ``backend``: its final weights and each step's loss (rank-specific data, the same on
+    every backend)."""
     dist.init_process_group(
         backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
     )
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model[0])
+            fully_shard(model[2])
+            trained = fully_shard(model)
+        else:
+            trained = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
         generator = torch.Generator().manual_seed(rank)
         losses = []
         for _ in range(5):
             x = torch.randn(16, 8, generator=generator)
-            loss = ((ddp(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            loss = ((trained(x) - x.sum(1, keepdim=True)) ** 2).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+        weights = [_whole(p) if fsdp else p for p in model.parameters()]
         # numpy, not tensors: a tensor through a queue is shared memory its process frees
-        return [p.detach().numpy().copy() for p in model.parameters()], losses
+        return [w.detach().numpy().copy() for w in weights], losses
     finally:
         dist.destroy_process_group()
 
 
-def ddp_rank(param, addresses, rank: int, ports: tuple[int, int], results) -> None:
+def _whole(parameter) -> torch.Tensor:
+    """An FSDP parameter's shards (rows), gathered through the group's allgather (DTensor's
+    own full_tensor() goes through torch's functional collectives, which a process group
+    written in Python does not serve)."""
+    shards = [None, None]
+    dist.all_gather_object(shards, parameter.to_local().detach())
+    return torch.cat(shards)
+
+
+def ddp_rank(param, addresses, rank: int, ports: tuple, results) -> None:
     try:
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # else gloo resolves the host name
         gloo = ddp_training("gloo", rank, ports[0])
         with param.connect(StaticRendezvous(rank, addresses)) as handle, bind(handle):
             ours = ddp_training(BACKEND, rank, ports[1])
-        results.put((rank, gloo, ours))
+            fsdp = ddp_training(BACKEND, rank, ports[2], fsdp=True)
+        results.put((rank, gloo, (ours, fsdp)))
     except BaseException as error:  # reported to the test
         results.put((rank, repr(error), None))
 
 
 @pytest.mark.slow
-def test_ddp_on_our_backend_trains_as_on_gloo():
+def test_ddp_and_fsdp_on_our_backend_train_as_ddp_on_gloo():
     from test_processes import free_loopback_ports
 
     param = process_group_parameter(2, timeout=60)
-    ports = free_loopback_ports(4)
+    ports = free_loopback_ports(5)
     addresses = [("127.0.0.1", port) for port in ports[:2]]
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -289,7 +308,7 @@ def test_ddp_on_our_backend_trains_as_on_gloo():
     for process in processes:
         process.start()
     try:
-        got = sorted((results.get(timeout=120) for _ in processes), key=lambda entry: entry[0])
+        got = sorted((results.get(timeout=180) for _ in processes), key=lambda entry: entry[0])
     finally:
         for process in processes:
             process.join(30)
@@ -297,13 +316,14 @@ def test_ddp_on_our_backend_trains_as_on_gloo():
                 process.kill()
     for rank, gloo, ours in got:
         assert ours is not None, gloo
-        (gloo_weights, gloo_losses), (our_weights, our_losses) = gloo, ours
-        for theirs, mine in zip(gloo_weights, our_weights):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
-        assert np.allclose(our_losses, gloo_losses, rtol=1e-5), (rank, our_losses, gloo_losses)
-        assert our_losses[-1] < our_losses[0]  # it trained
-    # every rank ends with the same bits: each slice is summed once, by its owner
-    assert all(np.array_equal(a, b) for a, b in zip(got[0][2][0], got[1][2][0]))
+        gloo_weights, gloo_losses = gloo
+        for our_weights, our_losses in ours:  # DDP, then FSDP
+            for theirs, mine in zip(gloo_weights, our_weights):
+                np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+            assert np.allclose(our_losses, gloo_losses, rtol=1e-5), (rank, our_losses, gloo_losses)
+            assert our_losses[-1] < our_losses[0]  # it trained
+    # DDP: every rank ends with the same bits, each slice being summed once, by its owner
+    assert all(np.array_equal(a, b) for a, b in zip(got[0][2][0][0], got[1][2][0][0]))
 
 
 def test_reduce_gather_and_scatter_reach_the_root_only_or_each_rank():

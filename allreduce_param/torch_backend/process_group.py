@@ -64,6 +64,19 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         self._buffers = HostBuffers()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{BACKEND}-rank{self._rank}")
         self._closed = False
+        self._name = ""
+
+    def _set_group_name(self, name: str) -> None:
+        """Keep the name torch gives the group: torch's own getter asks the C++ backends
+        registered with a group, and a group written in Python has none (``DeviceMesh``,
+        and so FSDP, reads it)."""
+        self._name = name
+        super()._set_group_name(name)
+
+    @property
+    def group_name(self) -> str:
+        """The name torch gave the group (``_set_group_name``)."""
+        return self._name
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         """The backend's name, as ``dist.get_backend()`` reports it."""
