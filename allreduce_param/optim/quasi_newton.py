@@ -138,7 +138,7 @@ class QuasiNewton:
         self._objective = objective
         self._sums = sums
         self._settings = settings
-        self._l1 = None if l1 is None or not np.any(l1) else np.asarray(l1, np.float64)
+        self._l1 = None if l1 is None else np.asarray(l1, np.float64)
         if self._l1 is not None and np.any(self._l1 < 0):
             raise ValueError("the L1 weights must be >= 0")
 
@@ -236,6 +236,10 @@ class QuasiNewton:
     def minimize(self, x0: np.ndarray) -> QuasiNewtonResult:
         """Minimize from the own slice ``x0``; every partition calls it at once."""
         settings = self._settings
+        # OWL-QN where any partition's slice has an L1 weight (all must take the same path)
+        local_l1 = 0.0 if self._l1 is None else float(np.count_nonzero(self._l1))
+        if self._sums.sum_scalars(np.array([local_l1]))[0] == 0:
+            self._l1 = None
         point, _ = self._evaluate(np.asarray(x0, np.float64).copy())
         history = _History()
         dots = self._gradient_dots(point, history, new_pair=False)
