@@ -256,7 +256,9 @@ def mllib_objective(problem: GlmProblem, X, y, w):
 
 
 @pytest.mark.parametrize("standardization", [True, False])
-@pytest.mark.parametrize("family", ["gaussian", "binomial", "multinomial"])
+@pytest.mark.parametrize(
+    "family", ["gaussian", "binomial", pytest.param("multinomial", marks=pytest.mark.slow)]
+)
 def test_the_solver_reaches_the_minimum_of_mllibs_objective(family, standardization):
     X, y, w = blob_rows(family)
     problem = GlmProblem(

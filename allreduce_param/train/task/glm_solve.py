@@ -39,27 +39,36 @@ __all__ = ["HandleSums", "glm_parameter_size", "solve_glm"]
 
 
 class HandleSums:
-    """The solver's ``ShardSums`` over a connected handle's collectives: exact float64 sums
-    in partition order, so every partition gets the same bits.
+    """The solver's ``ShardSums`` over a connected handle's collectives: float64 sums in
+    partition order, so every partition gets the same bits.
 
-    The vector sums go through ``allreduce_exact`` (each partition's whole vector reaches
-    every partition): exact, and N copies of the vector on the wire."""
+    The vectors go through the typed ``reduce_scatter`` and ``all_gather`` (each partition
+    sends and receives about one vector's worth), the scalars through ``allreduce_exact``.
+    A hierarchical handle, which the typed collectives refuse, sums the vectors with
+    ``allreduce_exact`` instead (exact too, with N copies of each vector on the wire)."""
 
     def __init__(self, handle) -> None:
         self._collectives = handle.collectives
         self.layout = handle.info.layout
         self.own = self.layout.bounds(handle.info.partition_id)
+        self._typed = not handle.info.hierarchical
 
     def sum_scalars(self, values: np.ndarray) -> np.ndarray:
         return self._collectives.allreduce_exact(np.asarray(values, np.float64))
 
     def gather(self, own: np.ndarray) -> np.ndarray:
+        own = np.ascontiguousarray(own, np.float64)
+        if self._typed:
+            return self._collectives.all_gather(own, self.layout)
         whole = np.zeros(self.layout.size)
         whole[self.own] = own
         return self._collectives.allreduce_exact(whole)
 
     def reduce_scatter(self, whole: np.ndarray) -> np.ndarray:
-        return self._collectives.allreduce_exact(np.asarray(whole, np.float64))[self.own]
+        whole = np.ascontiguousarray(whole, np.float64)
+        if self._typed:
+            return self._collectives.reduce_scatter(whole, "sum", self.layout)
+        return self._collectives.allreduce_exact(whole)[self.own]
 
 
 def _as_float64(features):
