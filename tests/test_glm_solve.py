@@ -302,6 +302,7 @@ def test_a_label_with_one_class_gives_mllibs_infinite_intercept():
     X, _, w = blob_rows("binomial", rows=10)
     (binomial,) = fit(GlmProblem("binomial", 4, num_classes=2), X, np.ones(10), w)
     assert binomial.intercepts.tolist() == [np.inf] and not binomial.coefficients.any()
+    assert binomial.objective_history == [0.0] and binomial.iterations == 0  # as MLlib's summary
     (multinomial,) = fit(GlmProblem("multinomial", 4, num_classes=3), X, np.full(10, 2.0), w)
     assert multinomial.intercepts.tolist() == [0.0, 0.0, np.inf] and multinomial.note
 

@@ -196,7 +196,7 @@ def _special_case(problem: GlmProblem, stats) -> GlmSolution | None:
     return GlmSolution(
         np.zeros((rows, d)),
         intercepts,
-        [],
+        [0.0],
         0,
         f"all labels are {label}: the coefficients are zero and the intercept infinite",
     )
