@@ -356,3 +356,38 @@ def test_bad_rows_fail_every_partition_at_once_naming_what_is_wrong():
 def test_a_problem_with_bad_settings_is_refused_naming_mllibs_param(settings, named):
     with pytest.raises(InputError, match=named):
         GlmProblem("binomial", 2, **{"num_classes": 2, **settings})
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def test_a_run_resumed_from_an_iterations_state_ends_as_the_whole_run():
+    X, y, w = blob_rows("binomial", rows=40)
+    problem = GlmProblem("binomial", 4, num_classes=2, reg_param=0.01, elastic_net_param=0.3)
+    whole = fit(problem, X, y, w, parts=2)
+    kept: dict = {}
+    cuts = np.array_split(np.arange(40), 2)
+    param = AllReduceParameter(partition_num=2, size=glm_parameter_size(problem))
+
+    def first_run(p):
+        i = p.info.partition_id
+
+        def keep(arrays):  # the third iteration's state, as a checkpoint would hold it
+            if arrays["flags"][0] == 3:
+                kept[i] = {name: array.copy() for name, array in arrays.items()}
+
+        return solve_glm(p, X[cuts[i]], y[cuts[i]], w[cuts[i]], problem, on_iteration=keep)
+
+    run_partitions(param, first_run)
+    assert sorted(kept) == [0, 1] and kept[0]["steps"].shape[0] == 3  # each its own slices
+
+    def resumed(p):
+        i = p.info.partition_id
+        return solve_glm(p, X[cuts[i]], y[cuts[i]], w[cuts[i]], problem, resume=kept[i])
+
+    again = run_partitions(AllReduceParameter(partition_num=2, size=param.size), resumed)
+    for solution in again:
+        assert np.array_equal(solution.coefficients, whole[0].coefficients)
+        assert np.array_equal(solution.intercepts, whole[0].intercepts)
+        assert solution.objective_history == whole[0].objective_history
+        assert solution.iterations == whole[0].iterations > 3

@@ -19,6 +19,8 @@ pairs. What is summed, all in float64 and the same bits everywhere:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from allreduce_param.errors import InputError
@@ -34,6 +36,7 @@ from allreduce_param.models.glm import (
 from allreduce_param.models.glm_loss import GlmObjective
 from allreduce_param.models.glm_normal import gram_moments, solve_normal
 from allreduce_param.optim.quasi_newton import LocalSums, QuasiNewtonSettings, minimize
+from allreduce_param.optim.quasi_newton_state import SolverState
 
 __all__ = ["HandleSums", "glm_parameter_size", "solve_glm"]
 
@@ -100,13 +103,25 @@ def _checked_sum(sums: HandleSums, handle, verdict: str | None, values: np.ndarr
 
 
 def solve_glm(
-    handle, features, labels: np.ndarray, weights: np.ndarray | None, problem: GlmProblem
+    handle,
+    features,
+    labels: np.ndarray,
+    weights: np.ndarray | None,
+    problem: GlmProblem,
+    *,
+    resume: dict[str, np.ndarray] | None = None,
+    on_iteration: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> GlmSolution:
     """MLlib's fit of ``problem`` over every partition's rows (see the module's docstring).
 
     ``features``: a 2-D float array or a scipy.sparse CSR matrix of ``num_features`` columns,
     possibly with zero rows; ``weights`` None for 1 each. The handle's vector must have
-    ``glm_parameter_size(problem)`` elements."""
+    ``glm_parameter_size(problem)`` elements.
+
+    ``on_iteration(arrays)``: called after each L-BFGS iteration with this partition's state
+    as plain float64 arrays (its slices of the iterate and of the history, and the scalars
+    every partition shares), to keep as a checkpoint; ``resume``: such arrays, every
+    partition's of the same iteration, to go on from there with the same steps and result."""
     sums = HandleSums(handle)
     if sums.layout.size != glm_parameter_size(problem):
         raise InputError(
@@ -155,7 +170,15 @@ def solve_glm(
         return share, own_grad
 
     settings = QuasiNewtonSettings(problem.max_iter, problem.tol, problem.history)
-    result = minimize(evaluate, objective.initial()[own], sums, settings, l1[own])
+    result = minimize(
+        evaluate,
+        objective.initial()[own],
+        sums,
+        settings,
+        l1[own],
+        resume=None if resume is None else SolverState.from_arrays(resume),
+        on_iteration=None if on_iteration is None else (lambda s: on_iteration(s.to_arrays())),
+    )
     coefficients, intercepts = objective.original(sums.gather(result.x))
     note = None if result.reason != "line search failed" else "the line search failed"
     return GlmSolution(coefficients, intercepts, result.objective_history, result.iterations, note)
