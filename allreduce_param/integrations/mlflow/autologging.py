@@ -263,13 +263,17 @@ def _wrap_tuning() -> None:
 
     for cls in (CrossValidator, TrainValidationSplit):
         if cls not in _originals:
-            _originals[cls] = cls.fit
+            _originals[cls] = cls.__dict__.get("fit")  # None: inherited (Estimator.fit)
             cls.fit = _tuning_fit(cls.fit)
 
 
 def _unwrap_tuning() -> None:
+    """The two classes' ``fit`` as they were."""
     for cls, original in list(_originals.items()):
-        cls.fit = original
+        if original is None:
+            del cls.fit
+        else:
+            cls.fit = original
         del _originals[cls]
 
 

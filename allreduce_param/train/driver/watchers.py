@@ -138,7 +138,9 @@ class Watchers:
         try:
             getattr(watcher, method)(*args)
         except Exception:  # a watcher's trouble must not fail the fit
-            log.exception("%r failed in %s; the fit goes on without it", watcher, method)
+            log.warning(
+                "%r failed in %s; the fit goes on without it", watcher, method, exc_info=True
+            )
             if method != "close" and watcher in self._watchers:
                 self._watchers.remove(watcher)
                 self._call(watcher, "close")
