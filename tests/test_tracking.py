@@ -4,6 +4,8 @@ fits, the allreduce_param model flavor and its pyfunc, the Estimators under Cros
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -145,3 +147,67 @@ def test_the_tracking_setting_overrides_autolog_and_models_become_versions(spark
     continued = runs(order_by=["attributes.start_time ASC"])[1]
     steps = MlflowClient().get_metric_history(continued.info.run_id, "step_loss")
     assert steps[0].step == first.steps_done  # numbered on from the initial model's
+
+
+@pytest.mark.slow
+def test_each_micro_batch_of_a_streaming_fit_becomes_a_model_version(spark, store, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for index in range(2):
+        X, _ = regression(spark, rows=24, seed=index)
+        y = X @ np.array([1.0, -2.0, 0.5], np.float32)
+        table = pa.table(
+            {
+                "features": pa.array([row.tolist() for row in X], pa.list_(pa.float32())),
+                "label": pa.array(y.astype(np.float64)),
+            }
+        )
+        path = source / f"batch-{index}.parquet"
+        pq.write_table(table, path)
+        os.utime(path, (1_700_000_000 + index, 1_700_000_000 + index))
+    tracking.autolog(registered_model_name="streamed")
+    stream = (
+        spark.readStream.schema("features array<float>, label double")
+        .option("maxFilesPerTrigger", 1)
+        .parquet(str(source))
+    )
+    published = []
+    query = trainer().fit_stream(
+        stream,
+        str(tmp_path / "published"),
+        str(tmp_path / "checkpoint"),
+        on_model=lambda batch_id, trained: published.append(trained.weights.copy()),
+        trigger={"availableNow": True},
+    )
+    query.awaitTermination(300)
+    assert query.exception() is None and len(published) == 2
+    client = MlflowClient()
+    versions = sorted(
+        client.search_model_versions("name = 'streamed'"), key=lambda v: int(v.version)
+    )
+    assert [int(version.version) for version in versions] == [1, 2]
+    for version, weights in zip(versions, published):
+        loaded = tracking.load_model(f"models:/streamed/{version.version}")
+        assert np.array_equal(loaded.weights, weights)
+
+
+@pytest.mark.slow
+def test_an_estimators_pipeline_model_logs_with_mlflow_spark_as_any_spark_model(spark, store):
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import StandardScaler
+
+    _, data = regression(spark, rows=32)
+    regressor = AllReduceRegressor(
+        featuresCol="scaled", batchSize=8, maxEpochs=1, showProgress=False, codec="raw"
+    )
+    stages = [StandardScaler(inputCol="features", outputCol="scaled"), regressor]
+    fitted = Pipeline(stages=stages).fit(data)
+    with mlflow.start_run():
+        info = mlflow.spark.log_model(fitted, "pipeline")
+    loaded = mlflow.spark.load_model(info.model_uri)
+    expected = [row.prediction for row in fitted.transform(data).select("prediction").collect()]
+    got = [row.prediction for row in loaded.transform(data).select("prediction").collect()]
+    np.testing.assert_allclose(got, expected)
