@@ -98,3 +98,37 @@ def test_the_watching_settings_are_checked():
         FitSettings(tensorboard_dir="")
     settings = FitSettings(tensorboard_dir="tb", tracking=False)
     assert FitSettings.of_flat(settings.as_flat()) == settings
+
+
+MISSING = """
+import sys
+sys.modules["mlflow"] = sys.modules["tensorboardX"] = None  # as where neither is installed
+from allreduce_param import ConfigurationError, FitSettings, models, optim
+from allreduce_param.train.driver.watchers import WatchedFit, watchers_of
+
+for changes in ({"tracking": True}, {"tensorboard_dir": sys.argv[1]}):
+    fit = WatchedFit(models.LinearRegression(3), optim.SGD(lr=0.1), FitSettings(**changes), None,
+                     "features", "label")
+    try:
+        watchers_of(fit)
+    except ConfigurationError as error:
+        print(error)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter's import of the package
+def test_a_watching_setting_without_its_package_names_the_extra_to_install(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", MISSING, str(tmp_path / "tb")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "tracking=True logs the fit to mlflow, which is not installed here" in out
+    assert "pip install 'allreduce-param[mlflow]', or set tracking=False" in out
+    assert "writes TensorBoard event files with tensorboardX, which is not installed here" in out
+    assert "pip install 'allreduce-param[tensorboard]'" in out
