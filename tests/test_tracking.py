@@ -31,6 +31,8 @@ def store(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
+    # the runs' artifacts in the test's folder too (the default is ./mlruns, in the checkout)
+    mlflow.create_experiment("tests", artifact_location=(tmp_path / "artifacts").as_uri())
     mlflow.set_experiment("tests")
     try:
         yield uri
