@@ -55,9 +55,9 @@ def driver_end(
 ) -> Iterator[DriverEnd]:
     """The driver's end for the length of the fit: where the partitions meet, and where
     their progress goes (the bar, the log, the listener and the fit's ``watchers``, which
-    also hear where everyone listens: a ``"meeting"`` event). Listens where ``network`` says, by default on
-    ``spark.driver.bindAddress`` (or the driver's host); yields what the tasks use to
-    reach it (``_client_of``) and what to call when a run of the stage fails."""
+    also hear where everyone listens: a ``"meeting"`` event). Listens where ``network``
+    says, by default on ``spark.driver.bindAddress`` (or the driver's host); yields what the
+    tasks use to reach it (``_client_of``) and what to call when a run of the stage fails."""
     log_file = open(settings.log_path, "a") if settings.log_path else None
     bar = ProgressBar(show=settings.progress, log_file=log_file)
     listeners = [bar] + [each for each in (settings.listener, watchers) if each is not None]
