@@ -157,6 +157,50 @@ class HasLogPath(Params):
         return self.getOrDefault(self.logPath)
 
 
+class HasTensorboardDir(Params):
+    """The fit setting tensorboard_dir as the Param tensorboardDir."""
+
+    tensorboardDir = Param(
+        Params._dummy(),
+        "tensorboardDir",
+        "a folder to write the fit's scalars to as TensorBoard event files while it "
+        "runs (each step's loss and samples/s, the learning rate, each epoch's "
+        "metrics), one run folder per fit; needs tensorboardX: pip install "
+        "'allreduce-param[tensorboard]' (None: none)",
+        typeConverter=TypeConverters.toString,
+    )
+
+    def getTensorboardDir(self) -> str | None:
+        """The value of tensorboardDir: a folder to write the fit's scalars to as TensorBoard
+        event files while it runs (each step's loss and samples/s, the learning rate, each
+        epoch's metrics), one run folder per fit; needs tensorboardX: pip install
+        'allreduce-param[tensorboard]' (None: none).
+        """
+        return self.getOrDefault(self.tensorboardDir)
+
+
+class HasTracking(Params):
+    """The fit setting tracking as the Param tracking."""
+
+    tracking = Param(
+        Params._dummy(),
+        "tracking",
+        "log the fit to MLflow (its settings, metrics, history and model): True logs "
+        "it into the active run or a new one, False never, None as "
+        "allreduce_param.integrations.mlflow.autolog() says; needs pip install "
+        "'allreduce-param[mlflow]'",
+        typeConverter=TypeConverters.toBoolean,
+    )
+
+    def getTracking(self) -> bool | None:
+        """The value of tracking: log the fit to MLflow (its settings, metrics, history and
+        model): True logs it into the active run or a new one, False never, None as
+        allreduce_param.integrations.mlflow.autolog() says; needs pip install
+        'allreduce-param[mlflow]'.
+        """
+        return self.getOrDefault(self.tracking)
+
+
 class HasStrategy(Params):
     """The fit setting strategy as the Param strategy."""
 
@@ -709,6 +753,8 @@ class FitSettingParams(
     HasTimeout,
     HasShowProgress,
     HasLogPath,
+    HasTensorboardDir,
+    HasTracking,
     HasStrategy,
     HasStaleness,
     HasBackupWorkers,
@@ -785,6 +831,22 @@ class FitSettingSetters(Params):
     def setLogPath(self, value: str | None) -> Any:
         """Set logPath: a file to append each step and epoch to, as JSON lines."""
         return self._set(logPath=value)
+
+    def setTensorboardDir(self, value: str | None) -> Any:
+        """Set tensorboardDir: a folder to write the fit's scalars to as TensorBoard event
+        files while it runs (each step's loss and samples/s, the learning rate, each epoch's
+        metrics), one run folder per fit; needs tensorboardX: pip install
+        'allreduce-param[tensorboard]' (None: none).
+        """
+        return self._set(tensorboardDir=value)
+
+    def setTracking(self, value: bool | None) -> Any:
+        """Set tracking: log the fit to MLflow (its settings, metrics, history and model): True
+        logs it into the active run or a new one, False never, None as
+        allreduce_param.integrations.mlflow.autolog() says; needs pip install
+        'allreduce-param[mlflow]'.
+        """
+        return self._set(tracking=value)
 
     def setStrategy(self, value: str) -> Any:
         """Set strategy: how the workers synchronise: bsp, ssp or asp."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,6 +156,20 @@ class FitSettings:
         None,
         "a callable(kind, fields) given the start, every step and every epoch",
         estimator=False,
+    )
+    tensorboard_dir: str | None = _setting(
+        None,
+        "a folder to write the fit's scalars to as TensorBoard event files while it runs (each "
+        "step's loss and samples/s, the learning rate, each epoch's metrics), one run folder per "
+        "fit; needs tensorboardX: pip install 'allreduce-param[tensorboard]' (None: none)",
+        kind="String",
+    )
+    tracking: bool | None = _setting(
+        None,
+        "log the fit to MLflow (its settings, metrics, history and model): True logs it into the "
+        "active run or a new one, False never, None as allreduce_param.integrations.mlflow."
+        "autolog() says; needs pip install 'allreduce-param[mlflow]'",
+        kind="Boolean",
     )
     strategy: str = _setting("bsp", "how the workers synchronise: bsp, ssp or asp", kind="String")
     staleness: int | None = _setting(
@@ -302,6 +317,17 @@ class FitSettings:
             raise ConfigurationError(
                 f"data_in must be 'memory', 'disk' or 'auto', got {self.data_in!r}"
             )
+        if self.tracking not in (None, True, False):
+            raise ConfigurationError(
+                f"tracking must be True, False or None (as autolog() says), got {self.tracking!r}"
+            )
+        if self.tensorboard_dir is not None and (
+            not isinstance(self.tensorboard_dir, str | os.PathLike) or not str(self.tensorboard_dir)
+        ):
+            raise ConfigurationError(
+                "tensorboard_dir must be a folder's path (or None: no TensorBoard events), got "
+                f"{self.tensorboard_dir!r}"
+            )
         if self.overlap not in (True, False, "auto"):
             raise ConfigurationError(f"overlap must be True, False or 'auto', got {self.overlap!r}")
 
@@ -354,6 +380,19 @@ class FitSettings:
         """A copy with ``changes``, checked as a new one is (itself when there are none)."""
         return FitSettings.of({**self.as_dict(), **changes}) if changes else self
 
+    def as_flat(self) -> dict[str, Any]:
+        """Every setting by its flat name (``of_flat``'s inverse: a group's members as
+        ``FLAT`` names them, an optional group left out as its flat defaults)."""
+        values = {}
+        for name in flat_names():
+            if name not in FLAT:
+                values[name] = getattr(self, name)
+                continue
+            flat = FLAT[name]
+            group = getattr(self, flat.group)
+            values[name] = flat.default if group is None else getattr(group, flat.field)
+        return values
+
     def as_dict(self) -> dict[str, Any]:
         """Every setting by its field name (a group as its object)."""
         return {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
@@ -378,7 +417,7 @@ class FitSettings:
     @property
     def reports_progress(self) -> bool:
         """Whether anyone on the driver hears each step: a bar, a log or a listener."""
-        return bool(self.progress or self.log_path or self.listener)
+        return bool(self.progress or self.log_path or self.listener or self.tensorboard_dir)
 
 
 @dataclass(frozen=True)

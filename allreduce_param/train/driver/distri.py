@@ -32,6 +32,7 @@ from allreduce_param.train.driver.resume import start_point
 from allreduce_param.train.driver.source import placement, training_source
 from allreduce_param.train.driver.stage import engine_parameter, run_stage
 from allreduce_param.train.driver.streaming import start_query
+from allreduce_param.train.driver.watchers import WatchedFit, watched_fit
 from allreduce_param.train.records import StageOutput
 from allreduce_param.train.result import History, TrainedModel, fit_phases
 from allreduce_param.train.settings import FitSettings
@@ -245,7 +246,21 @@ class DistriOptimizer:
         checkpoints = None if s.checkpoints is None else s.checkpoints.for_new_fit()
         if checkpoints is not None:
             checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
-        with driver_end(s, spark, workers, network) as end:
+        watched = WatchedFit(
+            self.model,
+            self.optimizer,
+            s,
+            data,
+            features_col,
+            label_col,
+            validation,
+            weight_col,
+            initial,
+        )
+        with (
+            watched_fit(watched) as watchers,
+            driver_end(s, spark, workers, network, watchers.listen) as end,
+        ):
             job = TrainingJob(
                 self.model,
                 self.optimizer,
@@ -271,7 +286,9 @@ class DistriOptimizer:
                 if checkpoints is None:
                     raise
                 raise with_checkpoint_advice(error, checkpoints, spark) from error.__cause__
-        return self._result(output, n_features, started, started_at, checkpoints)
+        return watchers.finish(
+            lambda: self._result(output, n_features, started, started_at, checkpoints)
+        )
 
     def fit_stream(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from allreduce_param.engine.movement.rendezvous import MeetingPoint, by_partition
@@ -47,16 +47,20 @@ class DriverEnd:
 
 @contextlib.contextmanager
 def driver_end(
-    settings: FitSettings, spark: SparkInfo, workers: int, network: NetworkSettings
+    settings: FitSettings,
+    spark: SparkInfo,
+    workers: int,
+    network: NetworkSettings,
+    watchers: Callable[[str, dict], None] | None = None,
 ) -> Iterator[DriverEnd]:
     """The driver's end for the length of the fit: where the partitions meet, and where
-    their progress goes (the bar, the log, the listener, which also hears where everyone
-    listens: a ``"meeting"`` event). Listens where ``network`` says, by default on
-    ``spark.driver.bindAddress`` (or the driver's host); yields what the tasks use to
-    reach it (``_client_of``) and what to call when a run of the stage fails."""
+    their progress goes (the bar, the log, the listener and the fit's ``watchers``, which
+    also hear where everyone listens: a ``"meeting"`` event). Listens where ``network``
+    says, by default on ``spark.driver.bindAddress`` (or the driver's host); yields what the
+    tasks use to reach it (``_client_of``) and what to call when a run of the stage fails."""
     log_file = open(settings.log_path, "a") if settings.log_path else None
     bar = ProgressBar(show=settings.progress, log_file=log_file)
-    listeners = [bar] + ([settings.listener] if settings.listener else [])
+    listeners = [bar] + [each for each in (settings.listener, watchers) if each is not None]
     progress = ProgressMerger(
         workers,
         merge_step,
