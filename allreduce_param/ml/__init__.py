@@ -8,6 +8,8 @@ allreduce_param`` in a task loads none of it.
 """
 
 from allreduce_param.ml.estimators import AllReduceClassifier, AllReduceRegressor
+from allreduce_param.ml.linear_regression import LinearRegression, LinearRegressionModel
+from allreduce_param.ml.logistic import LogisticRegression, LogisticRegressionModel
 from allreduce_param.ml.models import AllReduceClassificationModel, AllReduceRegressionModel
 
 __all__ = [
@@ -15,6 +17,10 @@ __all__ = [
     "AllReduceClassifier",
     "AllReduceRegressionModel",
     "AllReduceRegressor",
+    "LinearRegression",
+    "LinearRegressionModel",
+    "LogisticRegression",
+    "LogisticRegressionModel",
 ]
 
 # Spark's saved metadata names a stage's class by its module: keep the public one, so Models
@@ -24,5 +30,9 @@ for _public in (
     AllReduceClassifier,
     AllReduceRegressionModel,
     AllReduceRegressor,
+    LinearRegression,
+    LinearRegressionModel,
+    LogisticRegression,
+    LogisticRegressionModel,
 ):
     _public.__module__ = __name__

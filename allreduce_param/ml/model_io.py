@@ -21,6 +21,24 @@ from allreduce_param.train.result import History, TrainedModel
 _STATE_PREFIX = "optimizerState_"
 
 
+def skip_overwrite_under_connect(session) -> bool:
+    """Whether a writer's ``overwrite()`` is left to Spark's overwrite mode: under Spark
+    Connect, where pyspark's own deletes the path through the JVM, which a client lacks."""
+    return is_connect(session)
+
+
+def save_metadata(writer: MLWriter, instance, path: str, extra: dict) -> str:
+    """Spark's metadata file of ``instance``'s Params (and ``extra``) under ``path`` as
+    ``DefaultParamsWriter.saveMetadata`` writes it, but through the session (so under Spark
+    Connect too); the write mode the rest of the save uses ("overwrite" or "error")."""
+    mode = "overwrite" if writer.shouldOverwrite else "error"
+    metadata = DefaultParamsWriter._get_metadata_to_save(instance, writer.sparkSession, extra)
+    writer.sparkSession.createDataFrame([(metadata,)], ["value"]).coalesce(1).write.mode(mode).text(
+        os.path.join(path, "metadata")
+    )
+    return mode
+
+
 class _ModelWriter(MLWriter):
     """Saves a Model: Spark's metadata file of its Params (plus the network's shape), and
     its weights as one row of ``weights array<float>`` in Parquet under ``data``. Both
@@ -33,7 +51,7 @@ class _ModelWriter(MLWriter):
         self.instance = instance
 
     def _handleOverwrite(self, path: str) -> None:
-        if not is_connect(self.sparkSession):
+        if not skip_overwrite_under_connect(self.sparkSession):
             super()._handleOverwrite(path)
 
     def saveImpl(self, path: str) -> None:
@@ -48,13 +66,7 @@ class _ModelWriter(MLWriter):
             "epochsDone": trained.epochs_done,
             "optimizerKind": trained.optimizer_kind,
         }
-        mode = "overwrite" if self.shouldOverwrite else "error"
-        metadata = DefaultParamsWriter._get_metadata_to_save(
-            self.instance, self.sparkSession, extra
-        )
-        self.sparkSession.createDataFrame([(metadata,)], ["value"]).coalesce(1).write.mode(
-            mode
-        ).text(os.path.join(path, "metadata"))  # as DefaultParamsWriter.saveMetadata writes it
+        mode = save_metadata(self, self.instance, path, extra)
         # one row: the whole vector, and the optimizer's state where the fit kept it
         columns = {"weights": float_lists(np.reshape(trained.weights, (1, -1)))}
         for name, value in (trained.optimizer_state or {}).items():
