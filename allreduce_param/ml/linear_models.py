@@ -179,8 +179,8 @@ class LinearModelWriter(MLWriter):
         mode = save_metadata(self, self.instance, path, extra)
         table = pa.table(
             {
-                "coefficients": float_lists(np.reshape(fit.coefficients, (1, -1))),
-                "intercepts": float_lists(np.reshape(fit.intercepts, (1, -1))),
+                "coefficients": float_lists(np.reshape(fit.coefficients, (1, -1)), np.float64),
+                "intercepts": float_lists(np.reshape(fit.intercepts, (1, -1)), np.float64),
             }
         )
         from_arrow(self.sparkSession, table).write.mode(mode).parquet(os.path.join(path, "data"))

@@ -59,11 +59,12 @@ class LinearRegression(
         return self._set(epsilon=value)
 
     def _fit(self, dataset) -> LinearRegressionModel:
-        from allreduce_param.models.glm import GlmProblem
-        from allreduce_param.train.driver.glm_stage import fit_glm
-
         refuse_unsupported(self)
         solver = self.getSolver()
+        linear_solver(solver, 1)  # a solver MLlib has not fails here, before any job
+
+        from allreduce_param.models.glm import GlmProblem
+        from allreduce_param.train.driver.glm_stage import fit_glm
 
         def problem_for(summary) -> GlmProblem:
             return GlmProblem(

@@ -90,10 +90,8 @@ class LogisticRegression(
         return self._set(upperBoundsOnIntercepts=value)
 
     def _fit(self, dataset) -> LogisticRegressionModel:
-        from allreduce_param.models.glm import GlmProblem
-        from allreduce_param.train.driver.glm_stage import fit_glm
-
         refuse_unsupported(self)
+        logistic_family(self.getFamily(), 2)  # a family MLlib has not fails here, before any job
         try:
             self._checkThresholdConsistency()
         except (TypeError, ValueError) as error:
@@ -105,6 +103,9 @@ class LogisticRegression(
             else {}
         )
         family = self.getFamily()
+
+        from allreduce_param.models.glm import GlmProblem
+        from allreduce_param.train.driver.glm_stage import fit_glm
 
         def problem_for(summary) -> GlmProblem:
             largest = None
