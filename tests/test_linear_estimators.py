@@ -53,8 +53,7 @@ def _pair(spark, ours_class, theirs_class, frame, **params):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
-    [
-        {"regParam": 0.05},
+    [  # (plain L2 under standardization: the constant-feature test below)
         {"regParam": 0.05, "standardization": False, "weightCol": "weight"},
         {"regParam": 0.02, "elasticNetParam": 0.5, "weightCol": "weight"},
     ],
@@ -140,6 +139,35 @@ def test_linear_as_mllib(spark, params):
         assert ours.summary.objectiveHistory[-1] == pytest.approx(
             theirs.summary.objectiveHistory[-1], rel=1e-6
         )
+
+
+@pytest.mark.slow
+def test_one_class_and_constant_features_as_mllib(spark):
+    """MLlib's special cases: a label with one value (binomial: zero coefficients and an
+    infinite intercept) and a constant feature (its coefficient 0 under standardization)."""
+    X, y, _ = _classes_data(2, rows=40)
+    X[:, 1] = 2.0
+    one_class = _frame(spark, X, np.ones(len(y)))
+    ours, theirs = _pair(
+        spark, LogisticRegression, mllib_classification.LogisticRegression, one_class
+    )
+    np.testing.assert_array_equal(ours.coefficients.toArray(), theirs.coefficients.toArray())
+    assert ours.intercept == theirs.intercept == np.inf
+    y = (X[:, 0] + np.random.default_rng(1).normal(size=len(X)) > 0).astype(float)
+    assert 0 < y.sum() < len(y)
+    constant = _frame(spark, X, y)
+    ours, theirs = _pair(
+        spark,
+        LogisticRegression,
+        mllib_classification.LogisticRegression,
+        constant,
+        regParam=0.01,
+        tol=1e-10,
+    )
+    assert ours.coefficients[1] == theirs.coefficients[1] == 0.0
+    coefficients = np.append(ours.coefficients.toArray(), ours.intercept)
+    expected = np.append(theirs.coefficients.toArray(), theirs.intercept)
+    assert _relative(coefficients, expected) < 1e-3
 
 
 #: Spark's WeightedLeastSquaresSuite: its 4 weighted rows and R's coefficients (intercept first).
