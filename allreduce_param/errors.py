@@ -84,6 +84,11 @@ class InputError(AllReduceError, ValueError):
     """A vector handed to the engine has the wrong length, shape or dtype."""
 
 
+class CollectiveMismatchError(AllReduceError, ValueError):
+    """Partitions made one collective call with different arguments (another length, dtype
+    or op): every partition must make the same calls in the same order."""
+
+
 class DamagedCheckpointError(InputError):
     """A checkpoint's file is missing, cut short, or not what its manifest says (size,
     checksum, contents); ``file`` names it and ``problem`` says what is wrong with it."""

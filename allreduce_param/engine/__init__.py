@@ -22,7 +22,8 @@ What each name is for:
   ``send_weight_partition``, ``weight_partition``, ``gradient_buffer``,
   ``stream_gradients``, ``close``), and it hands out three small objects: ``p.info`` (which
   partition, its slice, the strategy, hosts, connections, the gradient put plan),
-  ``p.collectives`` (``allreduce``, ``allreduce_exact``, ``signal``, ``wait_for_signals``)
+  ``p.collectives`` (``allreduce``, ``allreduce_exact``, ``reduce_scatter``, ``all_gather``,
+  ``broadcast``, ``signal``, ``wait_for_signals``)
   and ``p.background`` (``serve_updates``, ``finish_updates``, ``updates``: the background
   owner of the strategies other than BSP).
 - ``GradientStream``: ``p.stream_gradients(g, n)``, each owner's chunk published as soon
@@ -44,7 +45,8 @@ What each name is for:
   (a setting), ``InputError`` (a vector), ``UsageError`` (a call out of order),
   ``FetchTimeoutError``, ``PeerLostError``, ``StoreClosedError``, ``NetworkError``,
   ``AuthenticationError``, ``ProtocolError``, ``CorruptBlockError``, ``StaleVersionError``,
-  ``CodecOverflowError``, ``NonFiniteGradientError``.
+  ``CodecOverflowError``, ``NonFiniteGradientError``, ``CollectiveMismatchError`` (partitions
+  called one collective with different lengths, dtypes or ops).
 
 The modules, from the top of the engine's layers down, are listed in ``docs/DESIGN.md``.
 """
@@ -62,6 +64,7 @@ from allreduce_param.errors import (
     AllReduceError,
     AuthenticationError,
     CodecOverflowError,
+    CollectiveMismatchError,
     ConfigurationError,
     CorruptBlockError,
     FetchTimeoutError,
@@ -94,6 +97,7 @@ __all__ = [
     "AllReduceError",
     "AuthenticationError",
     "CodecOverflowError",
+    "CollectiveMismatchError",
     "ConfigurationError",
     "CorruptBlockError",
     "FetchTimeoutError",

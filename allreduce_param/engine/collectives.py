@@ -1,5 +1,7 @@
 """Collectives on any vector, beside the steps: allreduce (through the codec, or raw), exact
-allreduce (row counts, norms, metrics), and signals (a checkpoint written, a fit's stop).
+allreduce (row counts, norms, metrics), signals (a checkpoint written, a fit's stop), and
+the typed collectives of any numeric dtype (reduce_scatter, all_gather, broadcast), which
+``typed_collectives.py`` carries out.
 
 Each is made of the four movements (``movement/movements.py``) and has block kinds of its
 own, so it never meets a step's weights or gradients: a partition may call them between
@@ -22,6 +24,7 @@ from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.step import StepState, handle_call
 from allreduce_param.engine.strategy import WeightRead
+from allreduce_param.engine.typed_collectives import TypedCollectives
 from allreduce_param.engine.vectors import float32_vector
 from allreduce_param.errors import InputError
 
@@ -39,6 +42,7 @@ class Collectives:
         self._allreduces = -1  # versions taken so far
         self._raw_allreduces = -1
         self._exact_allreduces = -1
+        self._typed = TypedCollectives(moves)
 
     @handle_call
     def allreduce(
@@ -108,6 +112,42 @@ class Collectives:
         for row in rows[1:]:
             total += row
         return total
+
+    @handle_call
+    def reduce_scatter(
+        self,
+        values: np.ndarray,
+        op: Literal["sum", "product", "min", "max"] = "sum",
+        layout: SliceLayout | None = None,
+    ) -> np.ndarray:
+        """This partition's slice of the elementwise ``op`` of every partition's ``values``.
+
+        ``values``: a 1-D numpy array of any numeric dtype (float16, ml_dtypes' bfloat16,
+        float32, float64, signed and unsigned integers, bool), the same length and dtype on
+        every partition; ``layout`` (default ``SliceLayout(values.size, N)``) says which
+        slice is whose. The owner combines the chunks in partition order in the dtype itself
+        (float64 stays float64; integers wrap as numpy's do; bool sums are "or"), so every
+        run gives the same bits. The bytes travel raw, whatever the parameter's codec.
+        Flat topology only (a hierarchical handle refuses it with a ``UsageError``); a
+        partition whose length, dtype or op differs from its peers' gets a
+        ``CollectiveMismatchError``."""
+        return self._typed.reduce_scatter(values, op, layout)
+
+    @handle_call
+    def all_gather(self, own: np.ndarray, layout: SliceLayout) -> np.ndarray:
+        """The whole vector of ``layout``, from each partition's slice of it (``own``: this
+        partition's, ``values[layout.bounds(p.info.partition_id)]``, any numeric dtype, the
+        same on every partition); every partition gets the same. Raw and flat as
+        ``reduce_scatter``."""
+        return self._typed.all_gather(own, layout)
+
+    @handle_call
+    def broadcast(self, values: np.ndarray, root: int) -> np.ndarray:
+        """Partition ``root``'s ``values`` on every partition; each passes an array of the
+        same length and dtype (any numeric one), whose contents count only on the root.
+        The root sends each partition one piece, which they then all-gather. Raw and flat
+        as ``reduce_scatter``."""
+        return self._typed.broadcast(values, root)
 
     @handle_call
     def signal(self, version: int) -> None:

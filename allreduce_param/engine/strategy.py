@@ -208,6 +208,11 @@ class Strategy:
             BlockKind.RAW_REDUCE_INPUT_HOST_SUM: 1,
             # all-gathered with no reduce between: a peer may still read v while we publish v+1
             BlockKind.METADATA: 2,
+            # the typed collectives: a partition may publish v+1 while a peer still reads v
+            # (a reduce_scatter's owner need not have fetched every chunk yet), never v+2,
+            # for every call needs a block from every partition published after its last call
+            BlockKind.TYPED_CHUNK: 2,
+            BlockKind.TYPED_SLICE: 2,
         }
 
     def read_before_next(self) -> frozenset[int]:

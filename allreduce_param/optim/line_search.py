@@ -65,6 +65,8 @@ def strong_wolfe(
     def zoom(lo: tuple, hi: tuple) -> float:
         for _ in range(max_zoom):
             trial = _cubic_minimum(hi, lo) if lo[0] > hi[0] else _cubic_minimum(lo, hi)
+            if math.isnan(trial):
+                raise SearchFailure("line search zoom failed")
             value, slope = phi(trial)
             point = (trial, value, slope)
             if value > value0 + SUFFICIENT_DECREASE * trial * slope0 or value >= lo[1]:

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from allreduce_param.optim.line_search import SearchFailure, backtracking, strong_wolfe
+from allreduce_param.optim.quasi_newton_state import History, Point, SolverState
 
 #: the values Breeze's convergence check keeps to judge the improvement of the objective
 IMPROVEMENT_WINDOW = 20
@@ -97,34 +98,6 @@ class QuasiNewtonResult:
     reason: str
 
 
-@dataclass
-class _Point:
-    """One evaluated point: the own slices of x, of the gradient and of the pseudo-gradient
-    (the gradient itself without L1), the summed value and the value with the L1 part."""
-
-    x: np.ndarray
-    value: float
-    grad: np.ndarray
-    adjusted_value: float
-    adjusted_grad: np.ndarray
-
-
-@dataclass
-class _History:
-    """The own slices of the kept pairs, newest first, and their dot products summed over
-    all partitions: ``ss[i, j] = s_i . s_j``, ``sy[i, j] = s_i . y_j``, ``yy[i, j] = y_i . y_j``."""
-
-    steps: list[np.ndarray] = field(default_factory=list)
-    grad_deltas: list[np.ndarray] = field(default_factory=list)
-    ss: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-    sy: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-    yy: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-
-    @property
-    def length(self) -> int:
-        return len(self.steps)
-
-
 class QuasiNewton:
     """One partition's side of a sharded L-BFGS (``l1`` None or all zero) or OWL-QN run."""
 
@@ -138,7 +111,7 @@ class QuasiNewton:
         self._objective = objective
         self._sums = sums
         self._settings = settings
-        self._l1 = None if l1 is None or not np.any(l1) else np.asarray(l1, np.float64)
+        self._l1 = None if l1 is None else np.asarray(l1, np.float64)
         if self._l1 is not None and np.any(self._l1 < 0):
             raise ValueError("the L1 weights must be >= 0")
 
@@ -154,7 +127,7 @@ class QuasiNewton:
         pseudo = np.where(l1 == 0.0, grad, pseudo)
         return float(np.sum(np.abs(l1 * x))), pseudo
 
-    def _evaluate(self, x: np.ndarray, direction: np.ndarray | None = None) -> tuple[_Point, float]:
+    def _evaluate(self, x: np.ndarray, direction: np.ndarray | None = None) -> tuple[Point, float]:
         """The point at ``x`` and the slope of the objective along ``direction`` there
         (0 without one), from one sum of three scalars."""
         share, grad = self._objective(x)
@@ -163,11 +136,11 @@ class QuasiNewton:
         value, l1_value, total_slope = self._sums.sum_scalars(
             np.array([share, l1_share, slope], np.float64)
         )
-        return _Point(x, float(value), grad, float(value + l1_value), pseudo), float(total_slope)
+        return Point(x, float(value), grad, float(value + l1_value), pseudo), float(total_slope)
 
     # -- the direction -----------------------------------------------------------------
 
-    def _gradient_dots(self, point: _Point, history: _History, new_pair: bool) -> np.ndarray:
+    def _gradient_dots(self, point: Point, history: History, new_pair: bool) -> np.ndarray:
         """One sum: the newest pair's products with the kept pairs (when ``new_pair``) and
         the products of the search gradient q with every kept vector, q . q and g . g."""
         q = point.adjusted_grad
@@ -193,7 +166,7 @@ class QuasiNewton:
         return total  # q.s (k), q.y (k), q.q, g.g
 
     def _direction(
-        self, point: _Point, history: _History, dots: np.ndarray
+        self, point: Point, history: History, dots: np.ndarray
     ) -> tuple[np.ndarray, float, float]:
         """The own slice of the two-loop recursion's direction d, from the summed products;
         with d . q and |d|, which follow from them too."""
@@ -233,72 +206,80 @@ class QuasiNewton:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def minimize(self, x0: np.ndarray) -> QuasiNewtonResult:
-        """Minimize from the own slice ``x0``; every partition calls it at once."""
-        settings = self._settings
-        point, _ = self._evaluate(np.asarray(x0, np.float64).copy())
-        history = _History()
-        dots = self._gradient_dots(point, history, new_pair=False)
-        values = [point.adjusted_value]
-        window = [math.inf]  # Breeze's convergence info: the last values, +inf at first
-        initial = point.adjusted_value
-        iteration, failed_once, search_failed = 0, False, False
-        while True:
-            reason = self._stop_reason(point, dots, window, initial, iteration, search_failed)
-            if reason is not None:
-                return QuasiNewtonResult(point.x, values, len(values) - 1, reason)
-            try:
-                new_point = self._step(point, history, dots, iteration)
-            except SearchFailure:
-                if failed_once:
-                    search_failed = True
-                else:
-                    failed_once = True
-                    history = _History()
-                    dots = np.concatenate([[], dots[-2:]])
-                values.append(point.adjusted_value)
-                continue
-            failed_once = False
-            s, y = new_point.x - point.x, new_point.grad - point.grad
-            history.steps.insert(0, s)
-            history.grad_deltas.insert(0, y)
-            if history.length > settings.history:
-                history.steps.pop()
-                history.grad_deltas.pop()
-                history.ss = history.ss[:-1, :-1]
-                history.sy = history.sy[:-1, :-1]
-                history.yy = history.yy[:-1, :-1]
-            point = new_point
-            dots = self._gradient_dots(point, history, new_pair=True)
-            iteration += 1
-            values.append(point.adjusted_value)
-            window = (window + [point.adjusted_value])[-IMPROVEMENT_WINDOW:]
-
-    def _stop_reason(
+    def minimize(
         self,
-        point: _Point,
-        dots: np.ndarray,
-        window: list[float],
-        initial: float,
-        iteration: int,
-        search_failed: bool,
-    ) -> str | None:
+        x0: np.ndarray,
+        resume: SolverState | None = None,
+        on_iteration: Callable[[SolverState], None] | None = None,
+    ) -> QuasiNewtonResult:
+        """Minimize from the own slice ``x0``, or go on from ``resume`` (a state that
+        ``on_iteration`` was given, on every partition the same iteration's): every partition
+        calls it at once. ``on_iteration`` sees the state after each iteration (to keep a
+        checkpoint of it); a run resumed from it takes the same steps as the run that made it."""
+        # OWL-QN where any partition's slice has an L1 weight (all must take the same path)
+        local_l1 = 0.0 if self._l1 is None else float(np.count_nonzero(self._l1))
+        if self._sums.sum_scalars(np.array([local_l1]))[0] == 0:
+            self._l1 = None
+        if resume is not None:
+            state = resume.copy()
+        else:
+            point, _ = self._evaluate(np.asarray(x0, np.float64).copy())
+            history = History()
+            dots = self._gradient_dots(point, history, new_pair=False)
+            state = SolverState(point, history, dots, [point.adjusted_value], [math.inf])
+        while True:
+            reason = self._stop_reason(state)
+            if reason is not None:
+                point = state.point
+                return QuasiNewtonResult(point.x, state.values, len(state.values) - 1, reason)
+            self._iterate(state)
+            if on_iteration is not None:
+                on_iteration(state)
+
+    def _iterate(self, state: SolverState) -> None:
+        """One of Breeze's iterations on ``state``: a step, or a reset of the history after a
+        failed one (a second failure in a row marks the search failed)."""
+        point, history = state.point, state.history
+        try:
+            new_point = self._step(point, history, state.dots, state.iteration)
+        except SearchFailure:
+            if state.failed_once:
+                state.search_failed = True
+            else:
+                state.failed_once = True
+                state.history = History()
+                state.dots = state.dots[-2:].copy()
+            state.values.append(point.adjusted_value)
+            return
+        state.failed_once = False
+        history.steps.insert(0, new_point.x - point.x)
+        history.grad_deltas.insert(0, new_point.grad - point.grad)
+        if history.length > self._settings.history:
+            history.drop_oldest()
+        state.point = new_point
+        state.dots = self._gradient_dots(new_point, history, new_pair=True)
+        state.iteration += 1
+        state.values.append(new_point.adjusted_value)
+        state.window = (state.window + [new_point.adjusted_value])[-IMPROVEMENT_WINDOW:]
+
+    def _stop_reason(self, state: SolverState) -> str | None:
         """Breeze's default convergence check, in its order."""
-        tol = self._settings.tol
-        if iteration >= self._settings.max_iter:
+        tol, value = self._settings.tol, state.point.adjusted_value
+        if state.iteration >= self._settings.max_iter:
             return "max iterations reached"
-        if len(window) >= 2 and abs(point.adjusted_value - max(window)) <= tol * abs(initial):
+        window = state.window
+        if len(window) >= 2 and abs(value - max(window)) <= tol * abs(state.values[0]):
             return "function values converged"
-        if math.sqrt(dots[-2]) <= max(tol * abs(point.adjusted_value), 1e-8):
+        if math.sqrt(state.dots[-2]) <= max(tol * abs(value), 1e-8):
             return "gradient converged"
-        if search_failed:
+        if state.search_failed:
             return "line search failed"
         return None
 
-    def _step(self, point: _Point, history: _History, dots: np.ndarray, iteration: int) -> _Point:
+    def _step(self, point: Point, history: History, dots: np.ndarray, iteration: int) -> Point:
         """One iteration's direction and line search; the new point."""
         direction, slope0, norm = self._direction(point, history, dots)
-        tried: dict[float, _Point] = {}
+        tried: dict[float, Point] = {}
         if self._l1 is None:
 
             def take(t: float) -> np.ndarray:
@@ -361,7 +342,10 @@ def minimize(
     sums: ShardSums,
     settings: QuasiNewtonSettings,
     l1: np.ndarray | None = None,
+    resume: SolverState | None = None,
+    on_iteration: Callable[[SolverState], None] | None = None,
 ) -> QuasiNewtonResult:
     """Minimize ``objective`` (plus ``sum_j l1_j |x_j|`` over the own slice's weights ``l1``,
-    by OWL-QN, when any is non-zero) from the own slice ``x0``; see the module's docstring."""
-    return QuasiNewton(objective, sums, settings, l1).minimize(x0)
+    by OWL-QN, when any is non-zero) from the own slice ``x0``; see the module's docstring
+    and ``QuasiNewton.minimize`` for ``resume`` and ``on_iteration``."""
+    return QuasiNewton(objective, sums, settings, l1).minimize(x0, resume, on_iteration)

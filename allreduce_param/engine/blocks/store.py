@@ -70,6 +70,10 @@ class BlockKind:
     RAW_REDUCE_INPUT = 10
     RAW_REDUCE_OUTPUT = 11
     RAW_REDUCE_INPUT_HOST_SUM = 12
+    # the typed collectives (any dtype, as bytes, always raw): a chunk for its owner
+    # (reduce_scatter's inputs, a broadcast root's pieces), a slice for every partition
+    TYPED_CHUNK = 13
+    TYPED_SLICE = 14
 
     NAMES = {
         WEIGHT: "weight",
@@ -84,6 +88,8 @@ class BlockKind:
         RAW_REDUCE_INPUT: "raw allreduce input",
         RAW_REDUCE_OUTPUT: "raw allreduce output",
         RAW_REDUCE_INPUT_HOST_SUM: "host sum of raw allreduce inputs",
+        TYPED_CHUNK: "typed collective chunk",
+        TYPED_SLICE: "typed collective slice",
     }
     #: the kind a leader sums a host's blocks of each summed kind into
     HOST_SUM = {

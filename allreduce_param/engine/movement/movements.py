@@ -46,7 +46,8 @@ from allreduce_param.engine.strategy import WeightRead
 __all__ = ["EXACT_KINDS", "Movements", "NonFiniteSum", "block_codecs", "part_plan"]
 
 #: The block kinds that always travel raw, whatever the parameter's codecs: the small ones,
-#: wanted exact, and ``allreduce(raw=True)``'s, whose sums no codec may round.
+#: wanted exact, ``allreduce(raw=True)``'s, whose sums no codec may round, and the typed
+#: collectives', whose bytes are not float32 at all.
 EXACT_KINDS = (
     BlockKind.CHOICE,
     BlockKind.SIGNAL,
@@ -54,6 +55,8 @@ EXACT_KINDS = (
     BlockKind.RAW_REDUCE_INPUT,
     BlockKind.RAW_REDUCE_OUTPUT,
     BlockKind.RAW_REDUCE_INPUT_HOST_SUM,
+    BlockKind.TYPED_CHUNK,
+    BlockKind.TYPED_SLICE,
 )
 
 
