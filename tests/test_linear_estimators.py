@@ -226,6 +226,7 @@ def test_params_are_mllib_s(spark):
     assert "ignored" in LogisticRegression().explainParam("aggregationDepth")
 
 
+@pytest.mark.slow
 def test_unsupported_params_are_refused_by_name(spark):
     frame = _frame(spark, np.eye(3), [0.0, 1.0, 1.0])
     bounds = LogisticRegression(lowerBoundsOnCoefficients=Matrices.dense(1, 3, [0.0] * 3))
@@ -250,6 +251,7 @@ def test_unsupported_params_are_refused_by_name(spark):
         LogisticRegression().fit(_frame(spark, np.eye(3), [0.0, 1.5, 1.0]))
 
 
+@pytest.mark.slow
 def test_model_outputs_and_pipeline_persistence_as_mllib(spark, tmp_path):
     """A Model holding MLlib's own coefficients transforms as MLlib's Model does (binomial,
     with a threshold; multinomial, with thresholds), and saves and loads in a Pipeline."""
