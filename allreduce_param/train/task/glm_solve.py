@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from allreduce_param.engine import ConnectedParameter, SliceLayout
 from allreduce_param.errors import InputError
 from allreduce_param.models.glm import (
     GlmProblem,
@@ -50,7 +51,7 @@ class HandleSums:
     A hierarchical handle, which the typed collectives refuse, sums the vectors with
     ``allreduce_exact`` instead (exact too, with N copies of each vector on the wire)."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle: ConnectedParameter) -> None:
         self._collectives = handle.collectives
         self.layout = handle.info.layout
         self.own = self.layout.bounds(handle.info.partition_id)
@@ -58,6 +59,17 @@ class HandleSums:
 
     def sum_scalars(self, values: np.ndarray) -> np.ndarray:
         return self._collectives.allreduce_exact(np.asarray(values, np.float64))
+
+    def sum_vector(self, values: np.ndarray) -> np.ndarray:
+        """The whole float64 sum of a vector every partition needs whole (the features'
+        moments, the Gram matrix): reduce-scattered then gathered, about two vectors' worth
+        of traffic per partition instead of N; the same bits everywhere."""
+        values = np.ascontiguousarray(values, np.float64)
+        if not self._typed:
+            return self._collectives.allreduce_exact(values)
+        layout = SliceLayout(values.size, self.layout.partition_num)
+        own = self._collectives.reduce_scatter(values, "sum", layout)
+        return self._collectives.all_gather(own, layout)
 
     def gather(self, own: np.ndarray) -> np.ndarray:
         own = np.ascontiguousarray(own, np.float64)
@@ -89,7 +101,7 @@ def _checked_sum(sums: HandleSums, handle, verdict: str | None, values: np.ndarr
     every partition has signalled: none stops serving its part of the sum before the bad
     ones have fetched it, so theirs is the error the caller reads (the good ones say that
     another partition's rows failed, or that it stopped, naming its error)."""
-    total = sums.sum_scalars(np.concatenate([[1.0 if verdict else 0.0], values]))
+    total = sums.sum_vector(np.concatenate([[1.0 if verdict else 0.0], values]))
     if total[0] > 0:
         handle.collectives.signal(0)
         if verdict is not None:
@@ -103,7 +115,7 @@ def _checked_sum(sums: HandleSums, handle, verdict: str | None, values: np.ndarr
 
 
 def solve_glm(
-    handle,
+    handle: ConnectedParameter,
     features,
     labels: np.ndarray,
     weights: np.ndarray | None,
