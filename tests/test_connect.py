@@ -319,6 +319,23 @@ def test_the_estimators_model_saves_and_loads_under_connect(remote, tmp_path):
     )
 
 
+def test_mllib_s_logistic_regression_fits_saves_and_loads_under_connect(remote, tmp_path):
+    from allreduce_param.ml import LogisticRegression, LogisticRegressionModel
+
+    df, _ = blobs(remote, rows=120)
+    fitted = LogisticRegression(regParam=0.1, maxIter=20).fit(df)
+    assert fitted.numClasses == 3 and fitted.summary.totalIterations > 0
+    fitted.write().save(str(tmp_path / "linear"))
+    loaded = LogisticRegressionModel.load(str(tmp_path / "linear"))
+    np.testing.assert_array_equal(
+        loaded.coefficientMatrix.toArray(), fitted.coefficientMatrix.toArray()
+    )
+    assert (
+        loaded.transform(df).select("probability", "prediction").toArrow()
+        == fitted.transform(df).select("probability", "prediction").toArrow()
+    )
+
+
 def test_a_trained_model_saves_where_fsspec_reaches_and_says_why_hadoop_is_out_of_reach(
     remote, tmp_path
 ):

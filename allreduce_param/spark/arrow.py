@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -95,15 +96,15 @@ def record_batch(**columns: Sequence[str] | Sequence[bytes]):
     return pa.RecordBatch.from_arrays(arrays, list(columns))
 
 
-def float_lists(matrix: np.ndarray):
-    """A pyarrow ``list<float>`` array (Spark's ``array<float>``) with one list per row of a
-    2-D matrix, built from its buffer."""
+def float_lists(matrix: np.ndarray, dtype: Any = np.float32):
+    """A pyarrow ``list<float>`` array (Spark's ``array<float>``; with ``dtype`` float64,
+    ``list<double>``) with one list per row of a 2-D matrix, built from its buffer."""
     import pyarrow as pa
 
-    matrix = np.ascontiguousarray(matrix, dtype=np.float32)
+    matrix = np.ascontiguousarray(matrix, dtype=dtype)
     rows, width = matrix.shape
     values = pa.Array.from_buffers(
-        pa.float32(), matrix.size, [None, pa.py_buffer(matrix.reshape(-1))]
+        pa.from_numpy_dtype(matrix.dtype), matrix.size, [None, pa.py_buffer(matrix.reshape(-1))]
     )
     offsets = pa.Array.from_buffers(
         pa.int32(), rows + 1, [None, pa.py_buffer(np.arange(rows + 1, dtype=np.int32) * width)]

@@ -17,7 +17,7 @@ more, a few dozen non-zeros a row) is never densified.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -188,9 +188,10 @@ class VectorParts(NamedTuple):
 
     # -- matrices -----------------------------------------------------------------------
 
-    def to_csr(self, n_features: int):
+    def to_csr(self, n_features: int, dtype: Any = np.float32):
         """The rows as a float32 ``scipy.sparse.csr_matrix`` (rows, n_features); a dense
-        row's zeros are not stored. Null rows are empty rows (the driver refuses them)."""
+        row's zeros are not stored. Null rows are empty rows (the driver refuses them).
+        ``dtype``: float64 keeps the values as Spark holds them (MLlib's linear models)."""
         from scipy.sparse import csr_matrix
 
         rows = self.value_rows()
@@ -202,13 +203,13 @@ class VectorParts(NamedTuple):
         np.cumsum(np.bincount(rows, minlength=self.rows), out=indptr[1:])
         index_type = np.int32 if max(len(values), n_features) < 2**31 else np.int64
         return csr_matrix(
-            (values.astype(np.float32), columns.astype(index_type), indptr.astype(index_type)),
+            (values.astype(dtype), columns.astype(index_type), indptr.astype(index_type)),
             shape=(self.rows, n_features),
         )
 
-    def to_dense(self, n_features: int) -> np.ndarray:
-        """The rows as a dense float32 matrix (rows, n_features)."""
-        X = np.zeros((self.rows, n_features), np.float32)
+    def to_dense(self, n_features: int, dtype: Any = np.float32) -> np.ndarray:
+        """The rows as a dense float32 (or ``dtype``) matrix (rows, n_features)."""
+        X = np.zeros((self.rows, n_features), dtype)
         if self.dense.all() and (self.size == n_features).all():  # one copy, no scatter
             X.reshape(-1)[:] = self.values
             return X
@@ -243,11 +244,12 @@ def _offsets(lengths) -> np.ndarray:
     return offsets
 
 
-def matrix_from_pandas(data, column: str, width: int = 0):
+def matrix_from_pandas(data, column: str, width: int = 0, dtype: Any = np.float32):
     """The feature rows a pandas UDF receives as one float32 matrix: from a vector column (a
     frame of its parts) a CSR matrix where the batch is sparse (``is_sparse``), else dense;
     from an array column (a series of arrays) a dense one. A null row, or rows of different
-    lengths, is an InputError naming ``column``. ``width``: the columns of an empty batch."""
+    lengths, is an InputError naming ``column``. ``width``: the columns of an empty batch;
+    ``dtype``: the values' type (float64 for MLlib's linear models)."""
     from allreduce_param.errors import InputError
 
     if not hasattr(data, "columns"):  # an array column's series
@@ -257,9 +259,9 @@ def matrix_from_pandas(data, column: str, width: int = 0):
                 f"predict; drop them first, e.g. df.dropna(subset=[{column!r}])"
             )
         if not len(data):
-            return np.zeros((0, width), np.float32)
+            return np.zeros((0, width), dtype)
         try:
-            return np.stack(data.to_numpy()).astype(np.float32)
+            return np.stack(data.to_numpy()).astype(dtype)
         except ValueError:
             raise InputError(
                 f"the column {column!r} holds arrays of different lengths; every row needs the "
@@ -279,5 +281,5 @@ def matrix_from_pandas(data, column: str, width: int = 0):
         )
     width = int(sizes[0]) if len(sizes) else width
     if is_sparse(int(parts.nonzeros().sum()), parts.rows, width):
-        return parts.to_csr(width)
-    return parts.to_dense(width)
+        return parts.to_csr(width, dtype)
+    return parts.to_dense(width, dtype)

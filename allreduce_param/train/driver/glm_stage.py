@@ -1,0 +1,104 @@
+"""A linear model's fit on the driver (``LogisticRegression``, ``LinearRegression``): the data
+checked, then ONE barrier stage whose tasks solve MLlib's objective together
+(``task.glm_partition``), and the solution partition 0 returned.
+
+The driver holds no model-sized vector while the tasks solve: the coefficients, the
+gradient and the L-BFGS history live sliced on the partitions (the engine's vector of
+``glm_parameter_size(problem)`` values); only the solution comes back, at the end. A failed
+stage is one clear error (``failures.stage_error``); a setting or an input a task refuses
+comes back as that task's ``ConfigurationError`` or ``InputError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from allreduce_param.engine.parameter import AllReduceParameter
+from allreduce_param.errors import TrainingError
+from allreduce_param.models.glm import GlmProblem, GlmSolution
+from allreduce_param.spark.info import SparkInfo
+from allreduce_param.spark.slots import check_no_dynamic_allocation
+from allreduce_param.train.driver.checks import worker_count
+from allreduce_param.train.driver.data import DataSummary, prepare_once
+from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error
+from allreduce_param.train.records import STAGE_SCHEMA
+from allreduce_param.train.settings import FitSettings
+from allreduce_param.train.task.glm_partition import (
+    ARRAYS,
+    FIGURES,
+    decode_solution,
+    solve_partition,
+)
+from allreduce_param.train.task.glm_solve import glm_parameter_size
+
+#: The engine's codec for the solver's vector: lossless, so every partition holds the same
+#: iterate bit for bit (the solver's sums are exact allreduces of their own).
+CODEC = "raw"
+
+
+def fit_glm(
+    data,
+    features_col: str,
+    label_col: str,
+    weight_col: str | None,
+    classification: bool,
+    problem_for: Callable[[DataSummary], GlmProblem],
+    num_classes: int | None = None,
+) -> GlmSolution:
+    """Solve the linear model ``problem_for(summary)`` describes over ``data``.
+
+    The data checks first (``data.prepare``: nulls, NaN and Inf, vectors' widths, weights
+    finite and >= 0; with ``classification`` the labels class ids 0, 1, 2, ... and below
+    ``num_classes`` where the label's metadata says it); then ``problem_for`` makes the
+    problem from what they found (the features' width, the distinct labels); then the one
+    barrier stage, a task per partition of the data (within Spark's task slots: more
+    partitions are shuffled into as many as there are slots)."""
+    spark = SparkInfo.of(data)
+    check_no_dynamic_allocation(spark)
+    prepared, summary = prepare_once(
+        data,
+        features_col,
+        label_col,
+        task="classification" if classification else None,
+        num_classes=num_classes,
+        weight_col=weight_col,
+    )
+    problem = problem_for(summary)
+    partitions = summary.partition_num or 1
+    workers = worker_count(spark, None, partitions)
+    network = FitSettings().network.resolved(spark.session_setting)  # read once, here
+    param = AllReduceParameter(
+        workers,
+        glm_parameter_size(problem),
+        CODEC,
+        timeout=FitSettings().timeout,
+        network=network,
+    )
+    rows = prepared if partitions == workers else prepared.repartition(workers)
+    sparse, weighted = summary.sparse, summary.weighted
+
+    def task(batches):
+        yield from solve_partition(batches, param, problem, sparse, weighted)
+
+    try:
+        records = _run(rows, task)
+    except Exception as error:
+        if rows is not prepared or UNSUPPORTED_CHAIN not in str(error):
+            raise stage_error(error) from error
+        # Spark refuses a barrier stage over a union or a coalesce (SPARK-24820): shuffle
+        try:
+            records = _run(prepared.repartition(workers), task)
+        except Exception as again:
+            raise stage_error(again) from again
+    if ARRAYS not in records or FIGURES not in records:
+        raise TrainingError(
+            "the linear model's stage ended without partition 0's solution; its tasks "
+            f"returned {sorted(records)}"
+        )
+    return decode_solution(records[ARRAYS], records[FIGURES])
+
+
+def _run(rows, task) -> dict[str, bytes]:
+    """The barrier stage over ``rows``: the records its tasks returned, by kind."""
+    frame = rows.mapInArrow(task, STAGE_SCHEMA, barrier=True)
+    return {row["kind"]: bytes(row["payload"]) for row in frame.collect()}
