@@ -104,6 +104,8 @@ def test_each_strategy_keeps_exactly_what_a_reader_can_ask_for():
         BlockKind.RAW_REDUCE_OUTPUT: 1,
         BlockKind.RAW_REDUCE_INPUT_HOST_SUM: 1,
         BlockKind.METADATA: 2,
+        BlockKind.TYPED_CHUNK: 2,
+        BlockKind.TYPED_SLICE: 2,
     }
     assert Strategy("bsp", backup_workers=1).keep()[BlockKind.GRADIENT] == 1
     for name, staleness in (("ssp", 3), ("asp", None)):
