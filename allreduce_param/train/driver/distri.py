@@ -15,6 +15,7 @@ from allreduce_param.errors import ConfigurationError, InputError, TrainingError
 from allreduce_param.models.base import merge_buffers
 from allreduce_param.spark.gpus import stage_profile
 from allreduce_param.spark.info import SparkInfo
+from allreduce_param.spark.jobs import FitJobs, fit_jobs
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train import regularisation
 from allreduce_param.train.driver.checks import (
@@ -202,8 +203,22 @@ class DistriOptimizer:
         type, with that partition and where, after the stage's first run.
         """
         started, started_at = time.perf_counter(), time.time()
-        s = self.settings
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
+        title = f"allreduce-param fit of {type(self.model).__name__}, {self.settings.epochs} epochs"
+        # its jobs in one group, named in the Spark UI; cancelled, their tasks gone, if interrupted
+        with fit_jobs(spark, title) as jobs:
+            return self._fit(
+                jobs, spark, data, features_col, label_col, validation, resume_from, weight_col,
+                initial, (started, started_at),
+            )  # fmt: skip
+
+    def _fit(
+        self, jobs: FitJobs, spark: SparkInfo | None, data, features_col, label_col, validation,
+        resume_from, weight_col, initial, started_at: tuple[float, float],
+    ) -> TrainedModel:  # fmt: skip
+        """``fit``'s work, its Spark jobs in ``jobs``."""
+        started, started_at = started_at
+        s = self.settings
         check_no_dynamic_allocation(spark)
         profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
         start = start_point(resume_from, initial, self.model, self.optimizer, s)
@@ -215,6 +230,7 @@ class DistriOptimizer:
             )
         if weight_col is not None:
             check_takes_weights(self.model, data, weight_col)
+        jobs.phase("checking the data")
         source, sample, n_features, partitions, summary = training_source(
             self.model, data, features_col, label_col, validation, weight_col
         )
@@ -261,8 +277,12 @@ class DistriOptimizer:
                 num_classes = getattr(self.model, "num_classes", None)
                 warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
             try:
+                jobs.title = (
+                    f"allreduce-param fit of {type(self.model).__name__} on {workers} "
+                    f"partitions, {s.epochs} epochs"
+                )
                 output = run_stage(
-                    job, kept, placed, stage_attempts(spark), profile, end.stage_failed
+                    job, kept, placed, stage_attempts(spark), profile, end.stage_failed, jobs.phase
                 )
             except TrainingError as error:
                 if checkpoints is None:

@@ -59,6 +59,7 @@ def run_stage(
     attempts: int,
     profile: Any = None,
     failed: Callable[[], None] | None = None,
+    phase: Callable[[str], None] = lambda what: None,
 ) -> StageOutput:
     """The fit's one barrier stage, over ``kept`` (the rows as they lie, or None) or, where
     Spark refuses a barrier stage over those (a union or a coalesce in their lineage,
@@ -76,16 +77,23 @@ def run_stage(
     stage more on every fit.) ``profile``: the stage-level resource profile its tasks run
     with (``spark.gpus.stage_profile``; None: the session's default). ``failed``: called
     after a run failed, before the next or the error (``DriverEnd.stage_failed``: it waits
-    for that run's tasks to end)."""
+    for that run's tasks to end). ``phase``: names the jobs that follow in the Spark UI
+    (``spark.jobs.FitJobs.phase``)."""
+
+    def place():
+        phase("placing rows")
+        return placed()
+
     submitted = time.time()
-    rows, failures, first = (kept if kept is not None else placed()), 0, job
+    rows, failures, first = (kept if kept is not None else place()), 0, job
     while True:
         try:
+            phase("training")
             pairs = _stage(job, rows, profile)
             break
         except Exception as error:
             if rows is kept and UNSUPPORTED_CHAIN in str(error):
-                rows = placed()  # refused before any task ran
+                rows = place()  # refused before any task ran
                 continue
             if failed is not None:
                 failed()
