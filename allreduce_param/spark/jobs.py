@@ -30,7 +30,7 @@ import logging
 import secrets
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from allreduce_param.spark.info import SparkInfo
@@ -54,6 +54,7 @@ class FitJobs:
         self._saved: Any = None  # the caller's local properties (a java.util.Properties)
         self._before: set[int] = set()  # jobs of the group that ran before the fit
         self._phase = ""
+        self._clean_ups: list[Callable[[], object]] = []
 
     @property
     def context(self) -> Any:
@@ -90,6 +91,11 @@ class FitJobs:
         self._phase = what
         if self.context is not None:
             self.context.setJobDescription(self.description)
+
+    def on_failure(self, clean_up: Callable[[], object]) -> None:
+        """Call ``clean_up`` when the fit fails or is interrupted, once its tasks are gone
+        (what they left half written: an incomplete checkpoint)."""
+        self._clean_ups.append(clean_up)
 
     def cancel(self, interrupted: bool) -> None:
         """Cancel the fit's jobs and wait, up to ``TASKS_GONE_WITHIN``, until their tasks
@@ -171,6 +177,11 @@ def fit_jobs(spark: SparkInfo | None, title: str) -> Iterator[FitJobs]:
             jobs.cancel(interrupted=not isinstance(error, Exception))
         except Exception as failure:  # the fit's own error matters more than the clean-up's
             log.warning("cancelling the fit's Spark jobs failed: %s", failure)
+        for clean_up in jobs._clean_ups:
+            try:
+                clean_up()
+            except Exception as failure:
+                log.warning("cleaning up after the fit failed: %s", failure)
         raise
     finally:
         with contextlib.suppress(Exception):

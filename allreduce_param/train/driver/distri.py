@@ -18,6 +18,7 @@ from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.jobs import FitJobs, fit_jobs
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train import regularisation
+from allreduce_param.train.checkpoint import remove_incomplete
 from allreduce_param.train.driver.checks import (
     check_model,
     check_start,
@@ -258,6 +259,8 @@ class DistriOptimizer:
         checkpoints = None if s.checkpoints is None else s.checkpoints.for_new_fit()
         if checkpoints is not None:
             checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
+            # a failed or interrupted fit leaves no step folder without its manifest
+            jobs.on_failure(lambda: remove_incomplete(checkpoints.directory))
         with driver_end(s, spark, workers, network) as end:
             job = TrainingJob(
                 self.model,

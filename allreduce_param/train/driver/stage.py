@@ -15,6 +15,7 @@ from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import AllReduceError
 from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
+from allreduce_param.train.checkpoint_space import SETTING_NAMES
 from allreduce_param.train.columns import ORDER_COLUMNS
 from allreduce_param.train.driver.failures import (
     UNSUPPORTED_CHAIN,
@@ -115,7 +116,8 @@ def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int
     start = (
         f"from the newest checkpoint of this fit (from {origin} if none was written yet)"
         if job.checkpoints is not None
-        else f"from {origin} (a fit with checkpoint_dir would resume from its newest checkpoint)"
+        else f"from {origin} (a fit with checkpoints, {SETTING_NAMES}, would resume from its "
+        "newest checkpoint)"
     )
     warnings.warn(
         f"the fit's stage failed, run {failures} of at most {attempts} "
