@@ -27,6 +27,7 @@ from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.row_claims import claimed
 from allreduce_param.train.task.spill import Place, memory_budget, pair_rows, partition_rows
 from allreduce_param.train.task.worker import train_rows
 
@@ -169,26 +170,23 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
             rows.release()
             validation.release()
 
-    def held():  # where this task's rows go: its place, and the budget "auto" keeps to
+    def held(place: Place):  # where this task's rows go, and the budget "auto" keeps to
         fit_the_address_space_limit()  # before the first row is read
-        place = Place.of_task(job.param.secret) if data_in != "memory" else None
-        return place, memory_budget(job.param.partition_num)
+        return (place if data_in != "memory" else None), memory_budget(job.param.partition_num)
 
     def arrow_task(batches):
-        started = time.time()
-        with driver_link(job):
-            place, budget = held()
+        started, place = time.time(), Place.of_task(job.param.secret)
+        with driver_link(job), claimed(place):  # over fits' row files removed first
             loaded = partition_rows(
-                batches, job.n_features, job.sparse, data_in, place, budget, presorted
+                batches, job.n_features, job.sparse, data_in, *held(place), presorted
             )
             for kind, payload in trained(started, *loaded):
                 yield record_batch(kind=[kind], payload=[payload])
 
     def pairs_task(pairs):
-        started = time.time()
-        with driver_link(job):
-            place, budget = held()
-            loaded = pair_rows(pairs, job.n_features, data_in, place, budget)
+        started, place = time.time(), Place.of_task(job.param.secret)
+        with driver_link(job), claimed(place):
+            loaded = pair_rows(pairs, job.n_features, data_in, *held(place))
             yield from trained(started, *loaded)
 
     if hasattr(rows, "mapInArrow"):
