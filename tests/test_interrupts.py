@@ -25,8 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from allreduce_param import ConfigurationError
+from allreduce_param.train.checkpoint import CheckpointSettings, CheckpointWriter, remove_incomplete
 from allreduce_param.train.task.row_claims import claimed, sweep
 from allreduce_param.train.task.spill import Place
 
@@ -181,3 +184,15 @@ def test_the_rows_of_a_fit_no_task_holds_go_with_the_next_task(tmp_path):
         "allreduce-rows-a-p0-s1t1-train.rows"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_part_that_meets_a_full_disk_is_a_configuration_error(tmp_path):
+    settings = CheckpointSettings(str(tmp_path / "ckpt" / "fit-1"), 1, 1)
+    step = tmp_path / "ckpt" / "fit-1" / "step-0000000001"
+    step.mkdir(parents=True)
+    (step / "part-00000-of-00001.npz").symlink_to("/dev/full")  # every write: ENOSPC
+    with pytest.raises(ConfigurationError, match=r"checkpoint_dir='.*/ckpt' is full") as raised:
+        CheckpointWriter(settings).write_part(1, 0, 1, {"weights": np.zeros(4, np.float32)}, {})
+    assert "Checkpoints(dir=...)" in str(raised.value) and "not run again" in str(raised.value)
+    assert remove_incomplete(settings.directory) == [str(step)]
+    assert not step.exists()

@@ -121,7 +121,8 @@ class DistriOptimizer:
     by default; each run again is announced with a ``RuntimeWarning`` saying why), and the
     new attempt resumes from the newest one instead of starting over (a task's
     ``ConfigurationError``, ``InputError`` or ``UsageError``, which every run would meet
-    again, ends the fit after the first);
+    again, ends the fit after the first: a full ``checkpoint_dir`` or ``spark.local.dir``
+    is one);
     ``fit(resume_from=...)`` continues a stopped or finished fit from one, and
     ``fit(initial=trained_model)`` goes on from an earlier fit's result (with
     ``keep_optimizer_state=True``, exactly as one longer fit).
