@@ -176,7 +176,10 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
 
     def arrow_task(batches):
         started, place = time.time(), Place.of_task(job.param.secret)
-        with driver_link(job), claimed(place):  # over fits' row files removed first
+        with (
+            driver_link(job),
+            claimed(place, data_in != "memory"),
+        ):  # over fits' row files removed first
             loaded = partition_rows(
                 batches, job.n_features, job.sparse, data_in, *held(place), presorted
             )
@@ -185,7 +188,7 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
 
     def pairs_task(pairs):
         started, place = time.time(), Place.of_task(job.param.secret)
-        with driver_link(job), claimed(place):
+        with driver_link(job), claimed(place, data_in != "memory"):
             loaded = pair_rows(pairs, job.n_features, data_in, *held(place))
             yield from trained(started, *loaded)
 

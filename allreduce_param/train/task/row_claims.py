@@ -27,17 +27,19 @@ def lock_path(place: Place) -> str:
 
 
 @contextlib.contextmanager
-def claimed(place: Place) -> Iterator[None]:
+def claimed(place: Place, writes: bool = True) -> Iterator[None]:
     """This task's claim on its fit's files at ``place`` for the ``with`` block: a shared
     lock on the fit's lock file, which the kernel drops when the process dies. First the
     files of fits whose lock no task holds any more (a fit cancelled or failed while its
     Python workers were killed, before their own clean-up ran) are removed (``sweep``), so
-    an interrupted ``data_in="disk"`` fit's rows go with the next task in that directory."""
+    an interrupted ``data_in="disk"`` fit's rows go with the next task in that directory.
+    ``writes``: whether this task may write row files (not under ``data_in="memory"``,
+    whose tasks only sweep)."""
     sweep(place.directory, but=place.fit)
-    try:
-        held = _lock(lock_path(place), fcntl.LOCK_SH)
-    except OSError:  # a directory the rows cannot go to either: their writer names it
-        held = None
+    held = None
+    if writes:
+        with contextlib.suppress(OSError):  # a directory the rows cannot go to: their writer says
+            held = _lock(lock_path(place), fcntl.LOCK_SH)
     try:
         yield
     finally:
