@@ -208,18 +208,32 @@ class DistriOptimizer:
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
         title = f"allreduce-param fit of {type(self.model).__name__}, {self.settings.epochs} epochs"
         # its jobs in one group, named in the Spark UI; cancelled, their tasks gone, if interrupted
+        arguments = {
+            "features_col": features_col,
+            "label_col": label_col,
+            "validation": validation,
+            "resume_from": resume_from,
+            "weight_col": weight_col,
+            "initial": initial,
+        }
         with fit_jobs(spark, title) as jobs:
-            return self._fit(
-                jobs, spark, data, features_col, label_col, validation, resume_from, weight_col,
-                initial, (started, started_at),
-            )  # fmt: skip
+            return self._fit(jobs, spark, data, started, started_at, **arguments)
 
     def _fit(
-        self, jobs: FitJobs, spark: SparkInfo | None, data, features_col, label_col, validation,
-        resume_from, weight_col, initial, started_at: tuple[float, float],
-    ) -> TrainedModel:  # fmt: skip
-        """``fit``'s work, its Spark jobs in ``jobs``."""
-        started, started_at = started_at
+        self,
+        jobs: FitJobs,
+        spark: SparkInfo | None,
+        data: DataFrame | RDD,
+        started: float,
+        started_at: float,
+        features_col: str,
+        label_col: str,
+        validation: DataFrame | None,
+        resume_from: str | None,
+        weight_col: str | None,
+        initial: TrainedModel | None,
+    ) -> TrainedModel:
+        """``fit``'s work (its arguments, and when it began), its Spark jobs in ``jobs``."""
         s = self.settings
         check_no_dynamic_allocation(spark)
         profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
@@ -280,11 +294,11 @@ class DistriOptimizer:
             if summary is not None:
                 num_classes = getattr(self.model, "num_classes", None)
                 warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
+            jobs.title = (
+                f"allreduce-param fit of {type(self.model).__name__} on {workers} partitions, "
+                f"{s.epochs} epochs"
+            )
             try:
-                jobs.title = (
-                    f"allreduce-param fit of {type(self.model).__name__} on {workers} "
-                    f"partitions, {s.epochs} epochs"
-                )
                 output = run_stage(
                     job, kept, placed, stage_attempts(spark), profile, end.stage_failed, jobs.phase
                 )
