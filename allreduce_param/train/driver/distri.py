@@ -15,7 +15,7 @@ from allreduce_param.errors import ConfigurationError, InputError, TrainingError
 from allreduce_param.models.base import merge_buffers
 from allreduce_param.spark.gpus import stage_profile
 from allreduce_param.spark.info import SparkInfo
-from allreduce_param.spark.jobs import FitJobs, fit_jobs
+from allreduce_param.spark.jobs import fit_jobs
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train import regularisation
 from allreduce_param.train.checkpoint import remove_incomplete
@@ -208,105 +208,86 @@ class DistriOptimizer:
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
         title = f"allreduce-param fit of {type(self.model).__name__}, {self.settings.epochs} epochs"
         # its jobs in one group, named in the Spark UI; cancelled, their tasks gone, if interrupted
-        arguments = {
-            "features_col": features_col,
-            "label_col": label_col,
-            "validation": validation,
-            "resume_from": resume_from,
-            "weight_col": weight_col,
-            "initial": initial,
-        }
         with fit_jobs(spark, title) as jobs:
-            return self._fit(jobs, spark, data, started, started_at, **arguments)
-
-    def _fit(
-        self,
-        jobs: FitJobs,
-        spark: SparkInfo | None,
-        data: DataFrame | RDD,
-        started: float,
-        started_at: float,
-        features_col: str,
-        label_col: str,
-        validation: DataFrame | None,
-        resume_from: str | None,
-        weight_col: str | None,
-        initial: TrainedModel | None,
-    ) -> TrainedModel:
-        """``fit``'s work (its arguments, and when it began), its Spark jobs in ``jobs``."""
-        s = self.settings
-        check_no_dynamic_allocation(spark)
-        profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
-        start = start_point(resume_from, initial, self.model, self.optimizer, s)
-        if s.early_stopping is not None and validation is None:
-            raise InputError(
-                f"early_stopping_patience={s.early_stopping.patience} stops on the "
-                "validation loss: pass validation data, fit(df, validation=validation_df) (with an "
-                "Estimator: set validationIndicatorCol)"
-            )
-        if weight_col is not None:
-            check_takes_weights(self.model, data, weight_col)
-        jobs.phase("checking the data")
-        source, sample, n_features, partitions, summary = training_source(
-            self.model, data, features_col, label_col, validation, weight_col
-        )
-        size = model_size(self.model, sample, n_features, s.seed)
-        regularisation.check_model(self.model, s.regularization, s.fit_intercept, size)
-        workers = worker_count(spark, s.num_workers, partitions, profile)
-        if s.batch_size < workers:
-            raise InputError(
-                f"batch_size={s.batch_size} is smaller than the {workers} workers: every worker "
-                f"needs rows in each step; raise batch_size or pass num_workers<={s.batch_size}"
-            )
-        s.synchronisation.check_partitions(workers)
-        check_start(start, size, self.optimizer)
-        network = s.network.resolved(spark.session_setting)  # the session's settings, read once
-        param = engine_parameter(s, network, workers, size)
-        check_device_encoding(
-            self.model,
-            device_encoding_refusal(
-                s,
-                param.gradient_codec,
-                param.strategy.inline_owner,
-                getattr(self.optimizer, "clip_norm", None),
-            ),
-        )
-        checkpoints = None if s.checkpoints is None else s.checkpoints.for_new_fit()
-        if checkpoints is not None:
-            checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
-            # a failed or interrupted fit leaves no step folder without its manifest
-            jobs.on_failure(lambda: remove_incomplete(checkpoints.directory))
-        with driver_end(s, spark, workers, network) as end:
-            job = TrainingJob(
-                self.model,
-                self.optimizer,
-                param,
-                s,
-                n_features,
-                validation is not None,
-                end.client,
-                checkpoints,
-                start,
-                sparse=summary is not None and summary.sparse,
-            )
-            check_touched(job)
-            kept, placed = placement(source, workers, summary, s.partition_scheme, s.seed)
-            if summary is not None:
-                num_classes = getattr(self.model, "num_classes", None)
-                warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
-            jobs.title = (
-                f"allreduce-param fit of {type(self.model).__name__} on {workers} partitions, "
-                f"{s.epochs} epochs"
-            )
-            try:
-                output = run_stage(
-                    job, kept, placed, stage_attempts(spark), profile, end.stage_failed, jobs.phase
+            s = self.settings
+            check_no_dynamic_allocation(spark)
+            profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
+            start = start_point(resume_from, initial, self.model, self.optimizer, s)
+            if s.early_stopping is not None and validation is None:
+                raise InputError(
+                    f"early_stopping_patience={s.early_stopping.patience} stops on the "
+                    "validation loss: pass validation data, fit(df, validation=validation_df) (with an "
+                    "Estimator: set validationIndicatorCol)"
                 )
-            except TrainingError as error:
-                if checkpoints is None:
-                    raise
-                raise with_checkpoint_advice(error, checkpoints, spark) from error.__cause__
-        return self._result(output, n_features, started, started_at, checkpoints)
+            if weight_col is not None:
+                check_takes_weights(self.model, data, weight_col)
+            jobs.phase("checking the data")
+            source, sample, n_features, partitions, summary = training_source(
+                self.model, data, features_col, label_col, validation, weight_col
+            )
+            size = model_size(self.model, sample, n_features, s.seed)
+            regularisation.check_model(self.model, s.regularization, s.fit_intercept, size)
+            workers = worker_count(spark, s.num_workers, partitions, profile)
+            if s.batch_size < workers:
+                raise InputError(
+                    f"batch_size={s.batch_size} is smaller than the {workers} workers: every worker "
+                    f"needs rows in each step; raise batch_size or pass num_workers<={s.batch_size}"
+                )
+            s.synchronisation.check_partitions(workers)
+            check_start(start, size, self.optimizer)
+            network = s.network.resolved(spark.session_setting)  # the session's settings, read once
+            param = engine_parameter(s, network, workers, size)
+            check_device_encoding(
+                self.model,
+                device_encoding_refusal(
+                    s,
+                    param.gradient_codec,
+                    param.strategy.inline_owner,
+                    getattr(self.optimizer, "clip_norm", None),
+                ),
+            )
+            checkpoints = None if s.checkpoints is None else s.checkpoints.for_new_fit()
+            if checkpoints is not None:
+                checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
+                # a failed or interrupted fit leaves no step folder without its manifest
+                jobs.on_failure(lambda: remove_incomplete(checkpoints.directory))
+            with driver_end(s, spark, workers, network) as end:
+                job = TrainingJob(
+                    self.model,
+                    self.optimizer,
+                    param,
+                    s,
+                    n_features,
+                    validation is not None,
+                    end.client,
+                    checkpoints,
+                    start,
+                    sparse=summary is not None and summary.sparse,
+                )
+                check_touched(job)
+                kept, placed = placement(source, workers, summary, s.partition_scheme, s.seed)
+                if summary is not None:
+                    num_classes = getattr(self.model, "num_classes", None)
+                    warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
+                jobs.title = (
+                    f"allreduce-param fit of {type(self.model).__name__} on {workers} partitions, "
+                    f"{s.epochs} epochs"
+                )
+                try:
+                    output = run_stage(
+                        job,
+                        kept,
+                        placed,
+                        stage_attempts(spark),
+                        profile,
+                        end.stage_failed,
+                        jobs.phase,
+                    )
+                except TrainingError as error:
+                    if checkpoints is None:
+                        raise
+                    raise with_checkpoint_advice(error, checkpoints, spark) from error.__cause__
+            return self._result(output, n_features, started, started_at, checkpoints)
 
     def fit_stream(
         self,
