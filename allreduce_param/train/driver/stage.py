@@ -117,8 +117,8 @@ def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int
     start = (
         f"from the newest checkpoint of this fit (from {origin} if none was written yet)"
         if job.checkpoints is not None
-        else f"from {origin} (a fit with checkpoints, {SETTING_NAMES}, would resume from its "
-        "newest checkpoint)"
+        else f"from {origin}; a fit with checkpoints ({SETTING_NAMES}) would resume from its "
+        "newest checkpoint"
     )
     warnings.warn(
         f"the fit's stage failed, run {failures} of at most {attempts} "
