@@ -125,8 +125,9 @@ def test_a_worker_killed_in_every_run_ends_the_fit_with_one_clear_error(data):
             "partition 1's Python worker died in the middle of the fit ("
         ), text
         assert text.endswith(
-            "It runs again, from the start (a fit with checkpoint_dir would "
-            "resume from its newest checkpoint)"
+            "It runs again, from the start; a fit with checkpoints (checkpoints=Checkpoints("
+            "dir=...) in Python, checkpoint_dir in a job file, checkpointDir on an Estimator) "
+            "would resume from its newest checkpoint"
         )
 
 

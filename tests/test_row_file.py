@@ -11,7 +11,14 @@ import pytest
 import scipy.sparse as sp
 from conftest import blobs
 
-from allreduce_param import FitSettings, InputError, TrainingError, models, optim
+from allreduce_param import (
+    ConfigurationError,
+    FitSettings,
+    InputError,
+    TrainingError,
+    models,
+    optim,
+)
 from allreduce_param.engine import AllReduceParameter, LocalRendezvous
 from allreduce_param.train import Regularization
 from allreduce_param.train.row_file import RowFileWriter, read_header
@@ -127,7 +134,7 @@ def test_a_local_directory_not_writable_names_it_and_spark_local_dir(tmp_path):
 def test_a_full_local_directory_names_it_and_spark_local_dir(tmp_path):
     full = tmp_path / "full.rows"
     full.symlink_to("/dev/full")  # every write: ENOSPC
-    with pytest.raises(TrainingError, match=f"{tmp_path} is full.*spark.local.dir"):
+    with pytest.raises(ConfigurationError, match=f"{tmp_path} is full.*spark.local.dir"):
         writer = RowFileWriter(str(full), 4, 10, False, False)
         writer.append(_matrix(30, 4, False), np.zeros(30))
         writer.close()

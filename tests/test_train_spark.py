@@ -684,7 +684,11 @@ def row_files_left(spark) -> list[str]:
     that reached its driver, but Spark may start one of a failed barrier stage late and
     kill it after the fit raised; what it wrote is gone when it has ended."""
     tracker = spark.sparkContext.statusTracker()
-    latest = sorted(tracker.getJobIdsForGroup(None))[-3:]
+    ungrouped = sorted(tracker.getJobIdsForGroup(None))
+    latest, job = ungrouped[-3:], (ungrouped[-1] + 1 if ungrouped else 0)
+    while tracker.getJobInfo(job) is not None:  # the jobs since: the fits', in their own groups
+        latest.append(job)
+        job += 1
     infos = [tracker.getJobInfo(job) for job in latest]
     stages = [stage for info in infos if info is not None for stage in info.stageIds]
 

@@ -53,6 +53,7 @@ import numpy as np
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.errors import ConfigurationError, DamagedCheckpointError, InputError
 from allreduce_param.models.base import merge_buffers
+from allreduce_param.train.checkpoint_space import write_error
 from allreduce_param.train.integrity import Damage, PartCheck, damaged, open_part, read_bytes
 from allreduce_param.train.storage import fsspec_filesystem
 
@@ -311,6 +312,19 @@ def verify(manifest: Manifest) -> Damage | None:
     return None
 
 
+def remove_incomplete(location: str) -> list[str]:
+    """Remove the step folders of the fit folder ``location`` that hold no manifest (a
+    checkpoint cut short: a full disk, a fit interrupted or failed while writing it); the
+    folders removed. Only once no task of that fit runs: the driver's, after its stage."""
+    fs, path = fsspec_filesystem(location.rstrip("/"), _PURPOSE)
+    removed = []
+    for _step, folder in _step_folders(fs, path):
+        if not fs.exists(posixpath.join(folder, MANIFEST)):
+            fs.rm(folder, recursive=True)
+            removed.append(folder)
+    return removed
+
+
 def _step_folders(fs, path: str) -> list[tuple[int, str]]:
     try:
         entries = fs.ls(path, detail=False)
@@ -387,16 +401,21 @@ class CheckpointWriter:
         """Write this partition's part of the checkpoint of ``step``: ``arrays`` (its weight
         slice and optimizer state) and ``records`` (its step records, epoch shares, ...)."""
         folder = self._folder(step)
-        self._fs.makedirs(folder, exist_ok=True)
         payload = dict(arrays)
         payload["records.json"] = np.frombuffer(json.dumps(records).encode(), dtype=np.uint8)
         data, name = _npz_bytes(payload), _part_name(partition, partitions)
-        with self._fs.open(posixpath.join(folder, name), "wb") as file:
-            file.write(data)
-        # its size and checksum, for partition 0 to put in the manifest (after the part: a
-        # check file says its part is whole)
-        with self._fs.open(posixpath.join(folder, _check_name(name)), "w") as file:
-            json.dump(PartCheck.of(data).to_json(name), file)
+        path = posixpath.join(folder, name)
+        try:
+            self._fs.makedirs(folder, exist_ok=True)
+            with self._fs.open(path, "wb") as file:
+                file.write(data)
+            # its size and checksum, for partition 0 to put in the manifest (after the part:
+            # a check file says its part is whole)
+            path = posixpath.join(folder, _check_name(name))
+            with self._fs.open(path, "w") as file:
+                json.dump(PartCheck.of(data).to_json(name), file)
+        except OSError as error:  # a full disk: one clear error, not another run of the stage
+            raise write_error(self.settings.directory, path, error) from error
 
     def write_manifest(
         self,
@@ -432,9 +451,12 @@ class CheckpointWriter:
         if early_stopping is not None:
             meta["early_stopping"] = early_stopping
         temporary = posixpath.join(folder, f".{MANIFEST}.{secrets.token_hex(4)}")
-        with self._fs.open(temporary, "w") as file:
-            json.dump(meta, file, indent=1)
-        self._fs.mv(temporary, posixpath.join(folder, MANIFEST))  # a rename: whole or absent
+        try:
+            with self._fs.open(temporary, "w") as file:
+                json.dump(meta, file, indent=1)
+            self._fs.mv(temporary, posixpath.join(folder, MANIFEST))  # a rename: whole or absent
+        except OSError as error:
+            raise write_error(self.settings.directory, temporary, error) from error
         self._fs.rm(checks)  # the manifest holds them now
         complete, kept = [], 0
         for found_step, found in sorted(_step_folders(self._fs, self._root), reverse=True):

@@ -24,6 +24,7 @@ the local directory, a failing disk) is a ``TrainingError`` naming the file and 
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from collections import OrderedDict
@@ -32,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from allreduce_param.errors import TrainingError
+from allreduce_param.errors import AllReduceError, ConfigurationError, TrainingError
 
 MAGIC = b"ARPROWS1"
 BLOCK_MAGIC = b"ARPB"
@@ -60,12 +61,15 @@ class Block(NamedTuple):
     weight: np.ndarray | None
 
 
-def _local_dir_error(path: str, error: OSError, doing: str) -> TrainingError:
-    """A local directory that is full or not writable, as an error naming it and the setting."""
+def _local_dir_error(path: str, error: OSError, doing: str) -> AllReduceError:
+    """A local directory that is full or not writable, as an error naming it and the setting:
+    a ``ConfigurationError`` where every run of the stage would fail the same way (full, a
+    quota, read-only, no permission), so that the fit does not run it again."""
     folder = os.path.dirname(path) or "."
-    full = error.errno in (28, 122)  # ENOSPC, EDQUOT
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
     why = "is full" if full else f"is not writable ({error.strerror or error})"
-    return TrainingError(
+    lasting = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+    return (ConfigurationError if lasting else TrainingError)(
         f"the local directory {folder} {why}, {doing} {os.path.basename(path)}: a partition "
         "larger than memory is kept there while it trains. Point spark.local.dir (or "
         "SPARK_LOCAL_DIRS; YARN and Kubernetes set their own) at a writable disk with room "

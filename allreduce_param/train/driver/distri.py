@@ -15,8 +15,10 @@ from allreduce_param.errors import ConfigurationError, InputError, TrainingError
 from allreduce_param.models.base import merge_buffers
 from allreduce_param.spark.gpus import stage_profile
 from allreduce_param.spark.info import SparkInfo
+from allreduce_param.spark.jobs import fit_jobs
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train import regularisation
+from allreduce_param.train.checkpoint import remove_incomplete
 from allreduce_param.train.driver.checks import (
     check_model,
     check_start,
@@ -121,7 +123,8 @@ class DistriOptimizer:
     by default; each run again is announced with a ``RuntimeWarning`` saying why), and the
     new attempt resumes from the newest one instead of starting over (a task's
     ``ConfigurationError``, ``InputError`` or ``UsageError``, which every run would meet
-    again, ends the fit after the first);
+    again, ends the fit after the first: a full ``checkpoint_dir`` or ``spark.local.dir``
+    is one);
     ``fit(resume_from=...)`` continues a stopped or finished fit from one, and
     ``fit(initial=trained_model)`` goes on from an earlier fit's result (with
     ``keep_optimizer_state=True``, exactly as one longer fit).
@@ -204,91 +207,107 @@ class DistriOptimizer:
         type, with that partition and where, after the stage's first run.
         """
         started, started_at = time.perf_counter(), time.time()
-        s = self.settings
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
-        check_no_dynamic_allocation(spark)
-        profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
-        start = start_point(resume_from, initial, self.model, self.optimizer, s)
-        if s.early_stopping is not None and validation is None:
-            raise InputError(
-                f"early_stopping_patience={s.early_stopping.patience} stops on the "
-                "validation loss: pass validation data, fit(df, validation=validation_df) (with an "
-                "Estimator: set validationIndicatorCol)"
+        title = f"allreduce-param fit of {type(self.model).__name__}, {self.settings.epochs} epochs"
+        # its jobs in one group, named in the Spark UI; cancelled, their tasks gone, if interrupted
+        with fit_jobs(spark, title) as jobs:
+            s = self.settings
+            check_no_dynamic_allocation(spark)
+            profile = stage_profile(spark, s.gpus_per_task)  # None: the session gives them
+            start = start_point(resume_from, initial, self.model, self.optimizer, s)
+            if s.early_stopping is not None and validation is None:
+                raise InputError(
+                    f"early_stopping_patience={s.early_stopping.patience} stops on the "
+                    "validation loss: pass validation data, fit(df, validation=validation_df) (with an "
+                    "Estimator: set validationIndicatorCol)"
+                )
+            if weight_col is not None:
+                check_takes_weights(self.model, data, weight_col)
+            jobs.phase("checking the data")
+            source, sample, n_features, partitions, summary = training_source(
+                self.model, data, features_col, label_col, validation, weight_col
             )
-        if weight_col is not None:
-            check_takes_weights(self.model, data, weight_col)
-        source, sample, n_features, partitions, summary = training_source(
-            self.model, data, features_col, label_col, validation, weight_col
-        )
-        workers = worker_count(spark, s.num_workers, partitions, profile)
-        # before the model is made here: one that cannot fit a worker is refused unmade
-        check_worker_memory(spark.session_setting, self.model, self.optimizer, workers)
-        size = model_size(self.model, sample, n_features, s.seed)
-        regularisation.check_model(self.model, s.regularization, s.fit_intercept, size)
-        if s.batch_size < workers:
-            raise InputError(
-                f"batch_size={s.batch_size} is smaller than the {workers} workers: every worker "
-                f"needs rows in each step; raise batch_size or pass num_workers<={s.batch_size}"
+            workers = worker_count(spark, s.num_workers, partitions, profile)
+            # before the model is made here: one that cannot fit a worker is refused unmade
+            check_worker_memory(spark.session_setting, self.model, self.optimizer, workers)
+            size = model_size(self.model, sample, n_features, s.seed)
+            regularisation.check_model(self.model, s.regularization, s.fit_intercept, size)
+            if s.batch_size < workers:
+                raise InputError(
+                    f"batch_size={s.batch_size} is smaller than the {workers} workers: every worker "
+                    f"needs rows in each step; raise batch_size or pass num_workers<={s.batch_size}"
+                )
+            s.synchronisation.check_partitions(workers)
+            check_start(start, size, self.optimizer)
+            network = s.network.resolved(spark.session_setting)  # the session's settings, read once
+            param = engine_parameter(s, network, workers, size)
+            check_device_encoding(
+                self.model,
+                device_encoding_refusal(
+                    s,
+                    param.gradient_codec,
+                    param.strategy.inline_owner,
+                    getattr(self.optimizer, "clip_norm", None),
+                ),
             )
-        s.synchronisation.check_partitions(workers)
-        check_start(start, size, self.optimizer)
-        network = s.network.resolved(spark.session_setting)  # the session's settings, read once
-        param = engine_parameter(s, network, workers, size)
-        check_device_encoding(
-            self.model,
-            device_encoding_refusal(
-                s,
-                param.gradient_codec,
-                param.strategy.inline_owner,
-                getattr(self.optimizer, "clip_norm", None),
-            ),
-        )
-        checkpoints = None if s.checkpoints is None else s.checkpoints.for_new_fit()
-        if checkpoints is not None:
-            checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
-        watched = WatchedFit(
-            self.model,
-            self.optimizer,
-            s,
-            data,
-            features_col,
-            label_col,
-            validation,
-            weight_col,
-            initial,
-        )
-        with (
-            watched_fit(watched) as watchers,
-            driver_end(s, spark, workers, network, watchers.listen) as end,
-        ):
-            job = TrainingJob(
+            checkpoints = None if s.checkpoints is None else s.checkpoints.for_new_fit()
+            if checkpoints is not None:
+                checkpoints.probe()  # before any stage: a folder the tasks cannot write fails here
+                # a failed or interrupted fit leaves no step folder without its manifest
+                jobs.on_failure(lambda: remove_incomplete(checkpoints.directory))
+            watched = WatchedFit(
                 self.model,
                 self.optimizer,
-                param,
                 s,
-                n_features,
-                validation is not None,
-                end.client,
-                checkpoints,
-                start,
-                sparse=summary is not None and summary.sparse,
+                data,
+                features_col,
+                label_col,
+                validation,
+                weight_col,
+                initial,
             )
-            check_touched(job)
-            kept, placed = placement(source, workers, summary, s.partition_scheme, s.seed)
-            if summary is not None:
-                num_classes = getattr(self.model, "num_classes", None)
-                warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
-            try:
-                output = run_stage(
-                    job, kept, placed, stage_attempts(spark), profile, end.stage_failed
+            with (
+                watched_fit(watched) as watchers,
+                driver_end(s, spark, workers, network, watchers.listen) as end,
+            ):
+                job = TrainingJob(
+                    self.model,
+                    self.optimizer,
+                    param,
+                    s,
+                    n_features,
+                    validation is not None,
+                    end.client,
+                    checkpoints,
+                    start,
+                    sparse=summary is not None and summary.sparse,
                 )
-            except TrainingError as error:
-                if checkpoints is None:
-                    raise
-                raise with_checkpoint_advice(error, checkpoints, spark) from error.__cause__
-        return watchers.finish(
-            lambda: self._result(output, n_features, started, started_at, checkpoints)
-        )
+                check_touched(job)
+                kept, placed = placement(source, workers, summary, s.partition_scheme, s.seed)
+                if summary is not None:
+                    num_classes = getattr(self.model, "num_classes", None)
+                    warn_about_data(summary, workers, s.batch_size, kept is not None, num_classes)
+                jobs.title = (
+                    f"allreduce-param fit of {type(self.model).__name__} on {workers} partitions, "
+                    f"{s.epochs} epochs"
+                )
+                try:
+                    output = run_stage(
+                        job,
+                        kept,
+                        placed,
+                        stage_attempts(spark),
+                        profile,
+                        end.stage_failed,
+                        jobs.phase,
+                    )
+                except TrainingError as error:
+                    if checkpoints is None:
+                        raise
+                    raise with_checkpoint_advice(error, checkpoints, spark) from error.__cause__
+            return watchers.finish(
+                lambda: self._result(output, n_features, started, started_at, checkpoints)
+            )
 
     def fit_stream(
         self,

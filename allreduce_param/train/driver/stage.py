@@ -15,6 +15,7 @@ from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import AllReduceError
 from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
+from allreduce_param.train.checkpoint_space import SETTING_NAMES
 from allreduce_param.train.columns import ORDER_COLUMNS
 from allreduce_param.train.driver.failures import (
     UNSUPPORTED_CHAIN,
@@ -26,6 +27,7 @@ from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
+from allreduce_param.train.task.row_claims import claimed
 from allreduce_param.train.task.spill import Place, memory_budget, pair_rows, partition_rows
 from allreduce_param.train.task.worker import train_rows
 
@@ -59,6 +61,7 @@ def run_stage(
     attempts: int,
     profile: Any = None,
     failed: Callable[[], None] | None = None,
+    phase: Callable[[str], None] = lambda what: None,
 ) -> StageOutput:
     """The fit's one barrier stage, over ``kept`` (the rows as they lie, or None) or, where
     Spark refuses a barrier stage over those (a union or a coalesce in their lineage,
@@ -76,16 +79,23 @@ def run_stage(
     stage more on every fit.) ``profile``: the stage-level resource profile its tasks run
     with (``spark.gpus.stage_profile``; None: the session's default). ``failed``: called
     after a run failed, before the next or the error (``DriverEnd.stage_failed``: it waits
-    for that run's tasks to end)."""
+    for that run's tasks to end). ``phase``: names the jobs that follow in the Spark UI
+    (``spark.jobs.FitJobs.phase``)."""
+
+    def place():
+        phase("placing rows")
+        return placed()
+
     submitted = time.time()
-    rows, failures, first = (kept if kept is not None else placed()), 0, job
+    rows, failures, first = (kept if kept is not None else place()), 0, job
     while True:
         try:
+            phase("training")
             pairs = _stage(job, rows, profile)
             break
         except Exception as error:
             if rows is kept and UNSUPPORTED_CHAIN in str(error):
-                rows = placed()  # refused before any task ran
+                rows = place()  # refused before any task ran
                 continue
             if failed is not None:
                 failed()
@@ -107,7 +117,8 @@ def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int
     start = (
         f"from the newest checkpoint of this fit (from {origin} if none was written yet)"
         if job.checkpoints is not None
-        else f"from {origin} (a fit with checkpoint_dir would resume from its newest checkpoint)"
+        else f"from {origin}; a fit with checkpoints ({SETTING_NAMES}) would resume from its "
+        "newest checkpoint"
     )
     warnings.warn(
         f"the fit's stage failed, run {failures} of at most {attempts} "
@@ -159,26 +170,26 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
             rows.release()
             validation.release()
 
-    def held():  # where this task's rows go: its place, and the budget "auto" keeps to
+    def held(place: Place):  # where this task's rows go, and the budget "auto" keeps to
         fit_the_address_space_limit()  # before the first row is read
-        place = Place.of_task(job.param.secret) if data_in != "memory" else None
-        return place, memory_budget(job.param.partition_num)
+        return (place if data_in != "memory" else None), memory_budget(job.param.partition_num)
 
     def arrow_task(batches):
-        started = time.time()
-        with driver_link(job):
-            place, budget = held()
+        started, place = time.time(), Place.of_task(job.param.secret)
+        with (
+            driver_link(job),
+            claimed(place, data_in != "memory"),
+        ):  # over fits' row files removed first
             loaded = partition_rows(
-                batches, job.n_features, job.sparse, data_in, place, budget, presorted
+                batches, job.n_features, job.sparse, data_in, *held(place), presorted
             )
             for kind, payload in trained(started, *loaded):
                 yield record_batch(kind=[kind], payload=[payload])
 
     def pairs_task(pairs):
-        started = time.time()
-        with driver_link(job):
-            place, budget = held()
-            loaded = pair_rows(pairs, job.n_features, data_in, place, budget)
+        started, place = time.time(), Place.of_task(job.param.secret)
+        with driver_link(job), claimed(place, data_in != "memory"):
+            loaded = pair_rows(pairs, job.n_features, data_in, *held(place))
             yield from trained(started, *loaded)
 
     if hasattr(rows, "mapInArrow"):

@@ -11,8 +11,10 @@ are named by the fit (a digest of its secret), the partition, the stage and the 
 ``allreduce-rows-<fit>-p<partition>-s<stage>t<task attempt>-<split>.rows``. A task removes its
 files on every way out; one killed outright (its Python worker gone) leaves them, and the
 next attempt of the same partition removes every file of its fit and partition before
-writing its own. What Spark's local directories hold goes with the executor's directory
-when the application ends.
+writing its own, and the next task of any fit there removes the files of every fit no
+running task holds (``row_claims``: a cancelled fit's, whose Python workers were killed).
+What Spark's local directories hold goes with the executor's directory when the
+application ends.
 
 Writing reads each Arrow batch as it arrives, so a partition is never whole in memory; an
 RDD of ``(features, label)`` pairs is read alike, in chunks of about a block
