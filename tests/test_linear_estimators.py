@@ -249,6 +249,9 @@ def test_unsupported_params_are_refused_by_name(spark):
         LogisticRegression(family="binomial").fit(_frame(spark, np.eye(3), [0.0, 1.0, 2.0]))
     with pytest.raises(InputError, match="label"):
         LogisticRegression().fit(_frame(spark, np.eye(3), [0.0, 1.5, 1.0]))
+    # a stray label is refused before a model of a billion classes is made, as MLlib does
+    with pytest.raises(InputError, match=r"1,000,000,001 classes.*at most 1,000"):
+        LogisticRegression().fit(_frame(spark, np.eye(3), [0.0, 1e9, 1.0]))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.errors import TrainingError
 from allreduce_param.models.glm import GlmProblem, GlmSolution
 from allreduce_param.spark.info import SparkInfo
+from allreduce_param.spark.jobs import fit_jobs
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train.driver.checks import worker_count
 from allreduce_param.train.driver.data import DataSummary, prepare_once
@@ -54,48 +55,57 @@ def fit_glm(
     barrier stage, a task per partition of the data (within Spark's task slots: more
     partitions are shuffled into as many as there are slots)."""
     spark = SparkInfo.of(data)
-    check_no_dynamic_allocation(spark)
-    prepared, summary = prepare_once(
-        data,
-        features_col,
-        label_col,
-        task="classification" if classification else None,
-        num_classes=num_classes,
-        weight_col=weight_col,
-    )
-    problem = problem_for(summary)
-    partitions = summary.partition_num or 1
-    workers = worker_count(spark, None, partitions)
-    network = FitSettings().network.resolved(spark.session_setting)  # read once, here
-    param = AllReduceParameter(
-        workers,
-        glm_parameter_size(problem),
-        CODEC,
-        timeout=FitSettings().timeout,
-        network=network,
-    )
-    rows = prepared if partitions == workers else prepared.repartition(workers)
-    sparse, weighted = summary.sparse, summary.weighted
-
-    def task(batches):
-        yield from solve_partition(batches, param, problem, sparse, weighted)
-
-    try:
-        records = _run(rows, task)
-    except Exception as error:
-        if rows is not prepared or UNSUPPORTED_CHAIN not in str(error):
-            raise stage_error(error) from error
-        # Spark refuses a barrier stage over a union or a coalesce (SPARK-24820): shuffle
-        try:
-            records = _run(prepared.repartition(workers), task)
-        except Exception as again:
-            raise stage_error(again) from again
-    if ARRAYS not in records or FIGURES not in records:
-        raise TrainingError(
-            "the linear model's stage ended without partition 0's solution; its tasks "
-            f"returned {sorted(records)}"
+    kind = "logistic" if classification else "linear"
+    # its jobs in one group, named in the Spark UI; cancelled, their tasks gone, if interrupted
+    with fit_jobs(spark, f"allreduce-param {kind} regression (MLlib's objective)") as jobs:
+        jobs.phase("checking the data")
+        check_no_dynamic_allocation(spark)
+        prepared, summary = prepare_once(
+            data,
+            features_col,
+            label_col,
+            task="classification" if classification else None,
+            num_classes=num_classes,
+            weight_col=weight_col,
         )
-    return decode_solution(records[ARRAYS], records[FIGURES])
+        problem = problem_for(summary)
+        partitions = summary.partition_num or 1
+        workers = worker_count(spark, None, partitions)
+        network = FitSettings().network.resolved(spark.session_setting)  # read once, here
+        param = AllReduceParameter(
+            workers,
+            glm_parameter_size(problem),
+            CODEC,
+            timeout=FitSettings().timeout,
+            network=network,
+        )
+        rows = prepared if partitions == workers else prepared.repartition(workers)
+        jobs.phase(
+            "training",
+            f"allreduce-param {kind} regression on {workers} partitions, "
+            f"at most {problem.max_iter} iterations",
+        )
+        sparse, weighted = summary.sparse, summary.weighted
+
+        def task(batches):
+            yield from solve_partition(batches, param, problem, sparse, weighted)
+
+        try:
+            records = _run(rows, task)
+        except Exception as error:
+            if rows is not prepared or UNSUPPORTED_CHAIN not in str(error):
+                raise stage_error(error) from error
+            # Spark refuses a barrier stage over a union or a coalesce (SPARK-24820): shuffle
+            try:
+                records = _run(prepared.repartition(workers), task)
+            except Exception as again:
+                raise stage_error(again) from again
+        if ARRAYS not in records or FIGURES not in records:
+            raise TrainingError(
+                "the linear model's stage ended without partition 0's solution; its tasks "
+                f"returned {sorted(records)}"
+            )
+        return decode_solution(records[ARRAYS], records[FIGURES])
 
 
 def _run(rows, task) -> dict[str, bytes]:
