@@ -5,6 +5,7 @@ against numpy's in partition order, uneven slices, every root, mismatched calls.
 from __future__ import annotations
 
 import functools
+import re
 
 import ml_dtypes
 import numpy as np
@@ -138,8 +139,9 @@ def test_broadcast_from_every_root():
 @pytest.mark.parametrize(
     "mine, fragment",
     [
-        (np.zeros(6, np.int32), "called it with 6 elements of int32, op 'sum'"),
-        (np.zeros(6, np.float64), "every partition must pass the same length and dtype"),
+        # whichever partition finds the mismatch first names both calls
+        (np.zeros(6, np.int32), "6 elements of int32, op 'sum'"),
+        (np.zeros(6, np.float64), "same length and dtype|6 elements of float64"),
     ],
 )
 def test_mismatched_calls_are_a_clear_error(mine, fragment):
@@ -150,7 +152,7 @@ def test_mismatched_calls_are_a_clear_error(mine, fragment):
     results = run_partitions(AllReduceParameter(2, 8, timeout=20), body)
     errors = [r for r in results if isinstance(r, CollectiveMismatchError)]
     assert errors, results
-    assert any(fragment in str(error) for error in errors), errors
+    assert any(re.search(fragment, str(error)) for error in errors), errors
 
 
 def test_bad_arguments_are_refused_before_anything_moves():
