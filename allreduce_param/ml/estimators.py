@@ -26,6 +26,7 @@ from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable, MLWrit
 from allreduce_param.errors import AllReduceError, ConfigurationError, InputError
 from allreduce_param.ml.allreduce_params import OPTIMIZERS, _AllReduceParams, _network
 from allreduce_param.ml.labels import inferred_class_count
+from allreduce_param.ml.linear_params import set_by_name
 from allreduce_param.ml.models import AllReduceClassificationModel, AllReduceRegressionModel
 from allreduce_param.ml_params import FitSettingSetters
 from allreduce_param.train.driver.data import check_label_column
@@ -75,13 +76,7 @@ class _AllReduceEstimator(_AllReduceParams, FitSettingSetters):
 
     def setParams(self, **params: Any):
         """Set Params by name (any of ``explainParams()``'s), e.g. ``setParams(maxEpochs=5)``."""
-        unknown = sorted(name for name in params if not self.hasParam(name))
-        if unknown:
-            raise ConfigurationError(
-                f"{type(self).__name__} has no Param {', '.join(map(repr, unknown))}; "
-                f"its Params are {', '.join(sorted(param.name for param in self.params))}"
-            )
-        return self._set(**params)
+        return set_by_name(self, params)
 
     def setHiddenLayers(self, value: list[int]):
         """Set the widths of the hidden layers."""

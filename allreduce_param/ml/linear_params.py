@@ -175,13 +175,7 @@ class LinearSetters(Params):
 
     def setParams(self, **params: Any):
         """Set Params by name (any of ``explainParams()``'s), e.g. ``setParams(regParam=0.1)``."""
-        unknown = sorted(name for name in params if not self.hasParam(name))
-        if unknown:
-            raise ConfigurationError(
-                f"{type(self).__name__} has no Param {', '.join(map(repr, unknown))}; "
-                f"its Params are {', '.join(sorted(param.name for param in self.params))}"
-            )
-        return self._set(**params)
+        return set_by_name(self, params)
 
     def setMaxIter(self, value: int):
         """Set ``maxIter``: the most iterations of the solver."""
@@ -227,3 +221,15 @@ class LinearSetters(Params):
             if self.isDefined(weight) and self.getOrDefault(weight)
             else None
         )
+
+
+def set_by_name(stage: Params, params: dict[str, Any]):
+    """Set ``params`` on ``stage`` by name, refusing (before setting any) a name it has no
+    Param of, naming its Params: what every Estimator's ``setParams`` does."""
+    unknown = sorted(name for name in params if not stage.hasParam(name))
+    if unknown:
+        raise ConfigurationError(
+            f"{type(stage).__name__} has no Param {', '.join(map(repr, unknown))}; "
+            f"its Params are {', '.join(sorted(param.name for param in stage.params))}"
+        )
+    return stage._set(**params)
