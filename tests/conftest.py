@@ -12,6 +12,7 @@ time, and most modules need nothing of a session but its master and settings.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections.abc import Callable
@@ -27,6 +28,17 @@ JOB_FILES = Path(__file__).resolve().parents[1] / "conf"
 #: the Spark settings for this machine (loopback addresses) that the tests start Spark with
 CONF_DIR = JOB_FILES / "local"
 prepare_local_environment()
+
+#: The driver JVMs the tests start compile Java with C1 alone: this process's sessions, and
+#: the jobs, Connect servers, notebooks and sessions the tests run in processes of their own
+#: (they inherit the environment; spark-submit passes ``SPARK_SUBMIT_OPTS`` to the driver
+#: JVM). A test's JVM lives seconds to minutes, and on a 2-core machine C2's compiler threads
+#: take a third of its CPU time for code that ends before it pays back; what runs is the same.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+if TEST_JVM_OPTIONS not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
+    os.environ["SPARK_SUBMIT_OPTS"] = (
+        f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} {TEST_JVM_OPTIONS}".strip()
+    )
 
 
 def _spark_kind(module) -> tuple:

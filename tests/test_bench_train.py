@@ -18,7 +18,10 @@ from benchkit import training
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 REPO = Path(__file__).resolve().parents[1]
-TARGET = 0.5
+#: Low enough that one round of MLlib's L-BFGS (``--mllib-iters-per-round`` below: 0.28 after
+#: 4 iterations) and an epoch or two of the others reach it: the test checks the table, not
+#: how far each contender gets, and every round or epoch more is seconds of the suite.
+TARGET = 0.25
 #: Seconds each contender may take: several times what any needs on a quiet machine (the
 #: job stops each at the target). On a starved one TorchDistributor's processes can hang
 #: after reaching the target (gloo, not this project); its row then says "budget".
@@ -53,13 +56,13 @@ def test_every_contender_reaches_a_low_target_and_the_table_says_when():
         "--batch-size",
         "128",
         "--epochs",
-        "10",
+        "5",
         "--target",
         str(TARGET),
         "--budget",
         str(BUDGET),
         "--mllib-iters-per-round",
-        "10",
+        "4",
         "--contenders",
         ",".join(contenders),
     )

@@ -9,6 +9,7 @@ broadcasts on the fit's path fails here as it would for a user.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import socket
@@ -160,11 +161,19 @@ def test_a_fit_on_a_connect_dataframe_trains_reports_progress_and_repeats_exactl
     np.testing.assert_array_equal(fit().weights, first.weights)
 
 
-def test_predict_on_a_connect_dataframe_matches_predict_numpy(remote):
-    df, X = blobs(remote, rows=200)
+@pytest.fixture(scope="module")
+def softmax(remote):
+    """A SoftmaxRegression fit on a Connect DataFrame: the data and the result, for the tests
+    of what a trained model does under Connect (one fit serves them all)."""
+    df, _ = blobs(remote, rows=200)
     trained = DistriOptimizer(
         models.SoftmaxRegression(8, 3), optim.Adam(lr=0.05), batch_size=40, epochs=2, progress=False
     ).fit(df)
+    return df, trained
+
+
+def test_predict_on_a_connect_dataframe_matches_predict_numpy(softmax):
+    df, trained = softmax
     predicted = trained.predict(df).select("features", "prediction").toArrow()
     rows = np.asarray(predicted.column("features").combine_chunks().flatten(), np.float32).reshape(
         -1, 8
@@ -219,14 +228,21 @@ def test_more_workers_than_the_servers_slots_are_refused_before_the_stage(remote
         ).fit(df)
 
 
-def test_the_estimator_fits_and_transforms_connect_dataframes(remote):
-    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+def sample_weight(labels: np.ndarray) -> np.ndarray:
+    return labels.astype(np.int64) + 1
 
+
+def held_out(labels: np.ndarray) -> np.ndarray:
+    return np.arange(len(labels)) % 5 == 0
+
+
+@pytest.fixture(scope="module")
+def classifier(remote):
+    """An AllReduceClassifier fit on a Connect DataFrame with sample weights, validation rows
+    and early stopping: the data and the fitted model (one fit for the Estimator's tests)."""
     from allreduce_param.ml import AllReduceClassifier
 
-    weight = lambda labels: labels.astype(np.int64) + 1  # noqa: E731
-    held_out = lambda labels: np.arange(len(labels)) % 5 == 0  # noqa: E731
-    df, _ = blobs(remote, rows=300, w=weight, is_val=held_out)
+    df, _ = blobs(remote, rows=300, w=sample_weight, is_val=held_out)
     fitted = AllReduceClassifier(
         stepSize=0.05,
         batchSize=30,
@@ -236,12 +252,19 @@ def test_the_estimator_fits_and_transforms_connect_dataframes(remote):
         earlyStoppingPatience=2,
         showProgress=False,
     ).fit(df)
+    return df, fitted
+
+
+def test_the_estimator_fits_and_transforms_connect_dataframes(classifier):
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+
+    df, fitted = classifier
     out = fitted.transform(df)
     assert {"prediction", "probability", "rawPrediction"} <= set(out.columns)
     assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out) > 0.9
     # the weights and early stopping came along: an epoch's samples are the training rows' weights
     labels = np.asarray(df.select("label").toPandas()["label"])
-    trained_weight = weight(labels)[~held_out(labels)].sum()
+    trained_weight = sample_weight(labels)[~held_out(labels)].sum()
     assert (
         sum(step["samples"] for step in fitted.history.steps if step["epoch"] == 0)
         == trained_weight
@@ -249,13 +272,13 @@ def test_the_estimator_fits_and_transforms_connect_dataframes(remote):
     assert fitted.history.best_epoch is not None and "val_accuracy" in fitted.history.epochs[-1]
 
 
-def test_weights_too_large_for_a_closure_are_refused_with_what_to_do(remote, monkeypatch):
+def test_weights_too_large_for_a_closure_are_refused_with_what_to_do(softmax, monkeypatch):
     import allreduce_param.spark.info as spark_info
 
-    df, _ = blobs(remote, rows=60)
-    trained = DistriOptimizer(
-        models.SoftmaxRegression(8, 3), optim.SGD(lr=0.1), batch_size=12, epochs=1, progress=False
-    ).fit(df)
+    df, shared = softmax
+    # a copy: a model keeps its weights' broadcast for its later calls (the shared one may
+    # have predicted already), and a copy starts without one, as a fresh fit's result does
+    trained = copy.copy(shared)
     # the model's 108 bytes of weights, over it
     monkeypatch.setattr(spark_info, "CLOSURE_LIMIT", 64)
     with pytest.raises(
@@ -302,11 +325,10 @@ def test_a_client_the_executors_cannot_reach_trains_without_live_progress_and_sa
     assert len(trained.history.epochs) == 2 and len(trained.history.steps) == 2 * 5
 
 
-def test_the_estimators_model_saves_and_loads_under_connect(remote, tmp_path):
-    from allreduce_param.ml import AllReduceClassificationModel, AllReduceClassifier
+def test_the_estimators_model_saves_and_loads_under_connect(classifier, tmp_path):
+    from allreduce_param.ml import AllReduceClassificationModel
 
-    df, _ = blobs(remote, rows=120)
-    fitted = AllReduceClassifier(maxEpochs=1, batchSize=30, showProgress=False).fit(df)
+    df, fitted = classifier
     fitted.write().save(str(tmp_path / "model"))
     with pytest.raises(Exception, match="already exists"):  # Spark's own refusal: nothing is lost
         fitted.write().save(str(tmp_path / "model"))
@@ -337,14 +359,11 @@ def test_mllib_s_logistic_regression_fits_saves_and_loads_under_connect(remote, 
 
 
 def test_a_trained_model_saves_where_fsspec_reaches_and_says_why_hadoop_is_out_of_reach(
-    remote, tmp_path
+    softmax, tmp_path
 ):
     from allreduce_param import TrainedModel
 
-    df, _ = blobs(remote, rows=120)
-    result = DistriOptimizer(
-        models.SoftmaxRegression(8, 3), optim.Adam(lr=0.05), batch_size=30, epochs=1, progress=False
-    ).fit(df)
+    _, result = softmax
     result.save(tmp_path.as_uri() + "/model")  # file://, through fsspec: no JVM needed
     np.testing.assert_array_equal(TrainedModel.load(tmp_path / "model").weights, result.weights)
     with pytest.raises(

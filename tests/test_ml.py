@@ -61,13 +61,23 @@ def accuracy(predictions):
     return MulticlassClassificationEvaluator(metricName="accuracy").evaluate(predictions)
 
 
-@pytest.mark.slow
-def test_a_pipeline_fits_and_its_model_adds_prediction_raw_prediction_and_probability(spark):
+@pytest.fixture(scope="module")
+def fitted_pipeline(spark):
+    """The data, the classifier and the PipelineModel of one fit, which the tests of what a
+    fitted pipeline does (transform, save and load) share: a fit is seconds of the suite."""
     df = blobs(spark).cache()
     classifier = AllReduceClassifier(
         hiddenLayers=[16], stepSize=0.01, batchSize=64, maxEpochs=5, showProgress=False
     )
-    model = pipeline(classifier).fit(df)
+    yield df, classifier, pipeline(classifier).fit(df)
+    df.unpersist()
+
+
+@pytest.mark.slow
+def test_a_pipeline_fits_and_its_model_adds_prediction_raw_prediction_and_probability(
+    fitted_pipeline,
+):
+    df, _, model = fitted_pipeline
     fitted = model.stages[-1]
     assert isinstance(fitted, AllReduceClassificationModel)
     assert fitted.numClasses == 3 and fitted.numFeatures == 4
@@ -83,22 +93,22 @@ def test_a_pipeline_fits_and_its_model_adds_prediction_raw_prediction_and_probab
             fitted.predictRaw(row.features).toArray(), row.rawPrediction.toArray(), rtol=1e-6
         )
         assert fitted.predict(row.features) == row.prediction
-    # an empty column Param leaves that column out
+    # an empty column Param leaves that column out (set back after: the model is shared)
     fitted.setProbabilityCol("")
-    assert (
-        "probability"
-        not in fitted.transform(model.stages[1].transform(model.stages[0].transform(df))).columns
-    )
-    df.unpersist()
+    try:
+        assert (
+            "probability"
+            not in fitted.transform(
+                model.stages[1].transform(model.stages[0].transform(df))
+            ).columns
+        )
+    finally:
+        fitted.setProbabilityCol("probability")
 
 
 @pytest.mark.slow
-def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(spark, tmp_path):
-    df = blobs(spark, rows=300)
-    classifier = AllReduceClassifier(
-        hiddenLayers=[8], stepSize=0.02, batchSize=32, maxEpochs=3, showProgress=False
-    )
-    model = pipeline(classifier).fit(df)
+def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(fitted_pipeline, tmp_path):
+    df, classifier, model = fitted_pipeline
     path = str(tmp_path / "model")
     model.write().overwrite().save(path)
     assert not list(tmp_path.rglob("*.pkl")) and list(tmp_path.rglob("*.parquet"))
@@ -106,7 +116,7 @@ def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(spark, tmp_p
     fitted, again = model.stages[-1], loaded.stages[-1]
     assert isinstance(again, AllReduceClassificationModel) and again.uid == fitted.uid
     np.testing.assert_array_equal(again.weights, fitted.weights)
-    assert again.getHiddenLayers() == [8] and again.getStepSize() == 0.02
+    assert again.getHiddenLayers() == [16] and again.getStepSize() == 0.01
     assert again.history.epochs == fitted.history.epochs
     before = [row.probability for row in model.transform(df).select("probability").collect()]
     after = [row.probability for row in loaded.transform(df).select("probability").collect()]
@@ -114,7 +124,7 @@ def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(spark, tmp_p
     # the unfitted pipeline, Estimator included, saves and loads too
     pipeline(classifier).write().save(str(tmp_path / "pipeline"))
     stage = Pipeline.load(str(tmp_path / "pipeline")).getStages()[-1]
-    assert isinstance(stage, AllReduceClassifier) and stage.getMaxEpochs() == 3
+    assert isinstance(stage, AllReduceClassifier) and stage.getMaxEpochs() == 5
 
 
 @pytest.mark.slow
