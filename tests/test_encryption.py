@@ -664,3 +664,33 @@ def test_the_engine_encrypts_where_the_drivers_spark_does(spark, monkeypatch):
     ).fit(spark.sparkContext.parallelize(rows, 2))
     assert made == [True]
     assert events.count("step") == len(result.history.steps) == 4 and "epoch" in events
+
+
+@pytest.mark.slow
+def test_the_distributor_runs_where_spark_encrypts(spark):
+    """The Distributor on a session whose Spark encrypts its traffic, where PySpark's
+    TorchDistributor refuses: the ranks' connections and the driver's message channel
+    follow it, as a fit's do."""
+    pytest.importorskip("torch")
+    import contextlib
+    import io
+
+    from allreduce_param.spark.info import SparkInfo
+    from allreduce_param.torch import Distributor
+
+    def sums_rank_plus_one() -> float:
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(total)
+        print(f"summed {float(total)}")
+        return float(total)
+
+    # what the Distributor resolves its network with, as a fit does: encrypted
+    assert NetworkSettings().resolved(SparkInfo(spark).session_setting).encrypt is True
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert Distributor(num_processes=2).run(sums_rank_plus_one) == 3.0
+    lines = sorted(line for line in printed.getvalue().splitlines() if "summed" in line)
+    assert lines == ["[rank 0] summed 3.0", "[rank 1] summed 3.0"]
