@@ -106,6 +106,29 @@ class GlmSolution:
     note: str | None = None
 
 
+def constant_label_answer(problem: GlmProblem, label_mean: float) -> GlmSolution | None:
+    """MLlib's LinearRegression over a constant label (the label's std is 0), whichever
+    solver: with an intercept (or a label of zeros) the coefficients are zero and the
+    intercept is the label, untrained; without one and with ``regParam`` > 0 a refusal (the
+    label cannot be standardized); else None: the caller solves, scaling by the label
+    itself."""
+    if problem.fit_intercept or label_mean == 0.0:
+        return GlmSolution(
+            np.zeros((1, problem.num_features)),
+            np.array([label_mean if problem.fit_intercept else 0.0]),
+            [0.0],
+            0,
+            "the label is constant: the coefficients are zero"
+            + (", the intercept its value" if problem.fit_intercept else ""),
+        )
+    if problem.reg_param > 0:
+        raise InputError(
+            "the label is constant and fitIntercept is false: the model cannot be "
+            "regularized when the label is standardized; set regParam=0"
+        )
+    return None
+
+
 def glm_parameter_size(problem: GlmProblem) -> int:
     """The length of the vector the solver optimizes (and the engine shards): the
     coefficients, row-major, then one intercept per row where the intercept is optimized

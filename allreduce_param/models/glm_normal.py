@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from allreduce_param.errors import InputError
-from allreduce_param.models.glm import GlmProblem, GlmSolution
+from allreduce_param.models.glm import GlmProblem, GlmSolution, constant_label_answer
 
 #: minimizes (objective, start, l1 weights) -> (x, objective history, iterations); the
 #: quasi-Newton solver on one partition (optim/ is beside models/, so the caller passes it)
@@ -66,20 +66,9 @@ def solve_normal(problem: GlmProblem, moments: np.ndarray, minimizer: Minimizer)
     b_bar, bb_bar = wy / weight_sum, wyy / weight_sum
     b_std = float(np.sqrt(max(bb_bar - b_bar * b_bar, 0.0)))
     if b_std == 0.0:
-        if problem.fit_intercept or b_bar == 0.0:
-            return GlmSolution(
-                np.zeros((1, d)),
-                np.array([b_bar if problem.fit_intercept else 0.0]),
-                [0.0],
-                0,
-                "the label is constant: the coefficients are zero"
-                + (", the intercept its value" if problem.fit_intercept else ""),
-            )
-        if problem.reg_param > 0:
-            raise InputError(
-                "the label is constant and fitIntercept is false: the model cannot be "
-                "regularized when the label is standardized; set regParam=0"
-            )
+        answer = constant_label_answer(problem, b_bar)
+        if answer is not None:
+            return answer
         b_std = abs(b_bar)
     a_std = np.sqrt(np.maximum(np.diag(aa_bar) - a_bar**2, 0.0))
     inverse = np.zeros(d)

@@ -28,6 +28,7 @@ from allreduce_param.errors import InputError
 from allreduce_param.models.glm import (
     GlmProblem,
     GlmSolution,
+    constant_label_answer,
     first_moments,
     glm_parameter_size,
     row_stats,
@@ -201,22 +202,7 @@ def _special_case(problem: GlmProblem, stats) -> GlmSolution | None:
     intercept or a zero label; LogisticRegression with an intercept and one class)."""
     rows, d = problem.rows, problem.num_features
     if problem.family == "gaussian" and stats.label_std == 0.0:
-        if problem.fit_intercept or stats.label_mean == 0.0:
-            intercept = stats.label_mean if problem.fit_intercept else 0.0
-            return GlmSolution(
-                np.zeros((1, d)),
-                np.array([intercept]),
-                [0.0],
-                0,
-                "the label is constant: the coefficients are zero"
-                + (", the intercept its value" if problem.fit_intercept else ""),
-            )
-        if problem.reg_param > 0:
-            raise InputError(
-                "solve_glm: the label is constant and fitIntercept is false: the model "
-                "cannot be regularized; set regParam=0"
-            )
-        return None
+        return constant_label_answer(problem, stats.label_mean)
     if problem.family == "gaussian" or not problem.fit_intercept:
         return None
     present = np.flatnonzero(stats.class_weights)
