@@ -18,6 +18,13 @@ from pyspark.ml.regression import _LinearRegressionParams
 
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.ml.labels import inferred_class_count
+from allreduce_param.ml_params import (
+    HasCheckpointDir,
+    HasCheckpointEvery,
+    HasCheckpointKeep,
+    HasDataIn,
+)
+from allreduce_param.train.settings import FLAT
 
 #: MLlib's bound on the features its normal equations take (WeightedLeastSquares.MAX_NUM_FEATURES).
 NORMAL_MAX_FEATURES = 4096
@@ -42,7 +49,23 @@ _REFUSED = {
 }
 
 
-class LogisticRegressionParams(_LogisticRegressionParams):
+class LinearFitSettingParams(HasCheckpointDir, HasCheckpointEvery, HasCheckpointKeep, HasDataIn):
+    """The project's own Params the linear models share with its other Estimators, with the
+    same meanings and defaults: ``checkpointDir`` (None: no checkpoints), ``checkpointEvery``
+    (iterations here; None or "epoch": each iteration, as each passes over every row),
+    ``checkpointKeep`` and ``dataIn`` ("memory", "disk", "auto")."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._setDefault(
+            checkpointDir=FLAT["checkpoint_dir"].default,
+            checkpointEvery=FLAT["checkpoint_every"].default,
+            checkpointKeep=FLAT["checkpoint_keep"].default,
+            dataIn="auto",
+        )
+
+
+class LogisticRegressionParams(_LogisticRegressionParams, LinearFitSettingParams):
     """``LogisticRegression``'s and its Model's Params: MLlib's, with ``aggregationDepth``'s
     and ``maxBlockSizeInMB``'s documentation saying what they mean here."""
 
@@ -54,7 +77,7 @@ class LogisticRegressionParams(_LogisticRegressionParams):
     )
 
 
-class LinearRegressionParams(_LinearRegressionParams):
+class LinearRegressionParams(_LinearRegressionParams, LinearFitSettingParams):
     """``LinearRegression``'s and its Model's Params: MLlib's, with ``aggregationDepth``'s
     and ``maxBlockSizeInMB``'s documentation saying what they mean here."""
 
@@ -212,6 +235,52 @@ class LinearSetters(Params):
     def setMaxBlockSizeInMB(self, value: float):
         """Set ``maxBlockSizeInMB`` (only 0.0 is accepted at fit)."""
         return self._set(maxBlockSizeInMB=value)
+
+    def setCheckpointDir(self, value: str | None):
+        """Set ``checkpointDir``: where the fit writes checkpoints (storage every executor sees;
+        each fit in a new folder under it), which a stage run again after a lost task resumes
+        from; None: no checkpoints."""
+        return self._set(checkpointDir=value)
+
+    def setCheckpointEvery(self, value: Any):
+        """Set ``checkpointEvery``: a checkpoint every that many iterations (None or "epoch":
+        each iteration)."""
+        return self._set(checkpointEvery=value)
+
+    def setCheckpointKeep(self, value: int):
+        """Set ``checkpointKeep``: how many of the newest checkpoints stay."""
+        return self._set(checkpointKeep=value)
+
+    def setDataIn(self, value: str):
+        """Set ``dataIn``: where a task keeps its partition's rows while it solves: "memory",
+        "disk" (row files in spark.local.dir, read in blocks each iteration) or "auto"."""
+        return self._set(dataIn=value)
+
+    def fit_options(self) -> dict[str, Any]:
+        """``fit_glm``'s ``checkpoints`` (a ``Checkpoints``, None without ``checkpointDir``),
+        from these Params, checked; their errors name the Params."""
+        directory = self.getOrDefault(self.getParam("checkpointDir"))
+        if not directory:
+            return {"checkpoints": None}
+        from allreduce_param.train.checkpoint import Checkpoints
+
+        try:
+            return {
+                "checkpoints": Checkpoints(
+                    directory,
+                    self.getOrDefault(self.getParam("checkpointEvery")),
+                    self.getOrDefault(self.getParam("checkpointKeep")),
+                )
+            }
+        except ConfigurationError as error:
+            named = str(error)
+            for flat, param in (
+                ("checkpoint_dir", "checkpointDir"),
+                ("checkpoint_every", "checkpointEvery"),
+                ("checkpoint_keep", "checkpointKeep"),
+            ):
+                named = named.replace(flat, param)
+            raise ConfigurationError(f"{type(self).__name__}: {named}") from error
 
     def weight_column(self) -> str | None:
         """The ``weightCol`` to fit with, or None where it is unset or empty (as MLlib)."""

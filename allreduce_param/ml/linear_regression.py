@@ -82,6 +82,7 @@ class LinearRegression(
             self.weight_column(),
             False,
             problem_for,
+            **self.fit_options(),
         )
         return self._copyValues(LinearRegressionModel(LinearFit.of_solution(solution)))
 

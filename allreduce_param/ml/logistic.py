@@ -130,6 +130,7 @@ class LogisticRegression(
             True,
             problem_for,
             num_classes=told_classes(metadata),
+            **self.fit_options(),
         )
         return self._copyValues(LogisticRegressionModel(LinearFit.of_solution(solution)))
 

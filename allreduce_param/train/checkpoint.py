@@ -480,6 +480,14 @@ class CheckpointWriter:
             ) from None
 
 
+def read_part(manifest: Manifest, index: int) -> dict[str, np.ndarray]:
+    """Part ``index`` of a verified checkpoint as it was written (its arrays in their own
+    dtype and shape, ``records.json`` among them), checked as ``verify`` checks it: for a
+    fit whose state is not a set of float32 slices (the linear models' solver state)."""
+    fs, _ = fsspec_filesystem(manifest.folder, _PURPOSE)
+    return _part(manifest, index, fs)
+
+
 def load_part(
     manifest: Manifest, partition: int, layout: SliceLayout
 ) -> tuple[dict[str, np.ndarray], dict]:

@@ -1,12 +1,14 @@
 """A linear model's fit on the driver (``LogisticRegression``, ``LinearRegression``): the data
 checked, then ONE barrier stage whose tasks solve MLlib's objective together
-(``task.glm_partition``), and the solution partition 0 returned.
+(``task.glm_partition``), and the solution partition 0 returned; a stage whose task was
+lost runs again, from the fit's newest checkpoint where it writes them (``glm_attempts``).
 
 The driver holds no model-sized vector while the tasks solve: the coefficients, the
 gradient and the L-BFGS history live sliced on the partitions (the engine's vector of
 ``glm_parameter_size(problem)`` values); only the solution comes back, at the end. A failed
-stage is one clear error (``failures.stage_error``); a setting or an input a task refuses
-comes back as that task's ``ConfigurationError`` or ``InputError``.
+stage (after its last run) is one clear error (``failures.stage_error``); a setting or an
+input a task refuses comes back as that task's ``ConfigurationError`` or ``InputError``,
+after the first run.
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ from allreduce_param.models.glm import GlmProblem, GlmSolution
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.spark.jobs import fit_jobs
 from allreduce_param.spark.slots import check_no_dynamic_allocation
+from allreduce_param.train.checkpoint import Checkpoints, Manifest, remove_incomplete
 from allreduce_param.train.driver.checks import worker_count
 from allreduce_param.train.driver.data import DataSummary, prepare_once
-from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_error
+from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_attempts
+from allreduce_param.train.driver.glm_attempts import run_attempts
 from allreduce_param.train.records import STAGE_SCHEMA
 from allreduce_param.train.settings import FitSettings
+from allreduce_param.train.task.glm_checkpoint import describe
 from allreduce_param.train.task.glm_partition import (
     ARRAYS,
     FIGURES,
+    GlmRun,
     decode_solution,
     solve_partition,
 )
@@ -45,6 +51,8 @@ def fit_glm(
     classification: bool,
     problem_for: Callable[[DataSummary], GlmProblem],
     num_classes: int | None = None,
+    checkpoints: Checkpoints | None = None,
+    after_iteration: Callable[[int, int], None] | None = None,
 ) -> GlmSolution:
     """Solve the linear model ``problem_for(summary)`` describes over ``data``.
 
@@ -53,7 +61,13 @@ def fit_glm(
     ``num_classes`` where the label's metadata says it); then ``problem_for`` makes the
     problem from what they found (the features' width, the distinct labels); then the one
     barrier stage, a task per partition of the data (within Spark's task slots: more
-    partitions are shuffled into as many as there are slots)."""
+    partitions are shuffled into as many as there are slots).
+
+    ``checkpoints``: where and every how many iterations the slice owners write the
+    solver's state (``Checkpoints``; each fit in a new folder under its ``dir``), which a
+    run of the stage after a lost task resumes from. ``after_iteration(partition,
+    iteration)``: called in every task after each iteration (a progress hook; the tests
+    fail a task with it)."""
     spark = SparkInfo.of(data)
     kind = "logistic" if classification else "linear"
     # its jobs in one group, named in the Spark UI; cancelled, their tasks gone, if interrupted
@@ -86,20 +100,30 @@ def fit_glm(
             f"at most {problem.max_iter} iterations",
         )
         sparse, weighted = summary.sparse, summary.weighted
+        settings = None if checkpoints is None else checkpoints.for_new_fit()
+        if settings is not None:
+            settings.probe()  # before any stage: a folder the tasks cannot write fails here
+            # a failed or interrupted fit leaves no step folder without its manifest
+            jobs.on_failure(lambda: remove_incomplete(settings.directory))
+        description = describe(problem, workers)
+        placed = [rows]
 
-        def task(batches):
-            yield from solve_partition(batches, param, problem, sparse, weighted)
+        def attempt(resume: Manifest | None) -> dict[str, bytes]:
+            run = GlmRun(settings, description, resume, after_iteration)
 
-        try:
-            records = _run(rows, task)
-        except Exception as error:
-            if rows is not prepared or UNSUPPORTED_CHAIN not in str(error):
-                raise stage_error(error) from error
-            # Spark refuses a barrier stage over a union or a coalesce (SPARK-24820): shuffle
+            def task(batches):
+                yield from solve_partition(batches, param, problem, sparse, weighted, run)
+
             try:
-                records = _run(prepared.repartition(workers), task)
-            except Exception as again:
-                raise stage_error(again) from again
+                return _run(placed[0], task)
+            except Exception as error:
+                if placed[0] is not prepared or UNSUPPORTED_CHAIN not in str(error):
+                    raise
+            # Spark refuses a barrier stage over a union or a coalesce (SPARK-24820): shuffle
+            placed[0] = prepared.repartition(workers)
+            return _run(placed[0], task)
+
+        records = run_attempts(attempt, stage_attempts(spark), settings, description)
         if ARRAYS not in records or FIGURES not in records:
             raise TrainingError(
                 "the linear model's stage ended without partition 0's solution; its tasks "

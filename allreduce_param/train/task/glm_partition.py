@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,13 +21,33 @@ from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.errors import TrainingError
 from allreduce_param.models.glm import GlmProblem, GlmSolution
 from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch, values
+from allreduce_param.train.checkpoint import CheckpointSettings, Manifest
 from allreduce_param.train.columns import WEIGHT_COLUMN
 from allreduce_param.train.features import VectorParts
 from allreduce_param.train.records import task_failure
+from allreduce_param.train.task.glm_checkpoint import (
+    GlmCheckpointKeeper,
+    iteration_hooks,
+    resume_arrays,
+)
 from allreduce_param.train.task.glm_solve import solve_glm
 
 #: The record kinds a partition returns: the solution's arrays, and its figures.
 ARRAYS, FIGURES = "glm-arrays", "glm-figures"
+
+
+@dataclass(frozen=True)
+class GlmRun:
+    """How one run of the stage goes, beyond the problem: where its checkpoints go
+    (``checkpoints``, None: none) with the problem's ``description`` for their manifests,
+    the checkpoint it resumes from (``resume``, verified on the driver; None: the start),
+    and ``after_iteration(partition, iteration)``, called in every task after each
+    iteration (after its checkpoint, where one is due)."""
+
+    checkpoints: CheckpointSettings | None = None
+    description: dict | None = None
+    resume: Manifest | None = None
+    after_iteration: Callable[[int, int], None] | None = None
 
 
 def partition_arrays(batches, n_features: int, sparse: bool) -> tuple[Any, np.ndarray, Any]:
@@ -57,11 +78,19 @@ def partition_arrays(batches, n_features: int, sparse: bool) -> tuple[Any, np.nd
 
 
 def solve_partition(
-    batches, param: AllReduceParameter, problem: GlmProblem, sparse: bool, weighted: bool
+    batches,
+    param: AllReduceParameter,
+    problem: GlmProblem,
+    sparse: bool,
+    weighted: bool,
+    run: GlmRun | None = None,
 ) -> Iterator[Any]:
     """A barrier task's whole work (``mapInArrow``'s function): read the rows, join the
-    engine's vector, solve; partition 0 yields the solution's two records. Any failure
-    comes back as ``records.task_failure``'s error, naming the partition and where."""
+    engine's vector, solve (from ``run.resume``'s checkpoint where given, writing
+    checkpoints where ``run.checkpoints`` asks); partition 0 yields the solution's two
+    records. Any failure comes back as ``records.task_failure``'s error, naming the
+    partition and where."""
+    run = run if run is not None else GlmRun()
     fit_the_address_space_limit()  # before the first row is read
     X, y, w = partition_arrays(batches, problem.num_features, sparse)
     if weighted and w is None:
@@ -70,7 +99,15 @@ def solve_partition(
         with param.connect() as p:
             partition = p.info.partition_id
             try:
-                solution = solve_glm(p, X, y, w, problem)
+                solution = solve_glm(
+                    p,
+                    X,
+                    y,
+                    w,
+                    problem,
+                    resume=None if run.resume is None else resume_arrays(run.resume, partition),
+                    on_iteration=_iteration_hook(p, run),
+                )
             except Exception as error:
                 raise task_failure(partition, ", solving the linear model", error) from error
     except TrainingError:
@@ -81,6 +118,21 @@ def solve_partition(
         arrays, figures = encode_solution(solution)
         yield record_batch(kind=[ARRAYS], payload=[arrays])
         yield record_batch(kind=[FIGURES], payload=[figures])
+
+
+def _iteration_hook(p, run: GlmRun) -> Callable[[dict[str, np.ndarray]], None] | None:
+    """``solve_glm``'s ``on_iteration`` for ``run``: its checkpoints, then its callback."""
+    keeper = (
+        None
+        if run.checkpoints is None
+        else GlmCheckpointKeeper(run.checkpoints, p, run.description or {})
+    )
+    after = run.after_iteration
+    partition = p.info.partition_id
+    return iteration_hooks(
+        keeper,
+        None if after is None else (lambda arrays: after(partition, int(arrays["flags"][0]))),
+    )
 
 
 def encode_solution(solution: GlmSolution) -> tuple[bytes, bytes]:

@@ -1,0 +1,90 @@
+"""The linear models' Spark stage (``train/driver/glm_stage.py``) survives a lost task: the
+stage runs again and resumes from the slice owners' newest checkpoint, ending with the
+uninterrupted fit's coefficients and objective history, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from pyspark import cloudpickle
+from pyspark.ml.linalg import Vectors
+
+from allreduce_param.models.glm import GlmProblem
+from allreduce_param.train.checkpoint import Checkpoints, find
+from allreduce_param.train.driver.glm_stage import fit_glm
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def frame(spark):
+    rng = np.random.default_rng(7)
+    X = rng.standard_normal((60, 4)) * np.array([1.0, 5.0, 0.2, 2.0])
+    y = (X @ rng.standard_normal(4) + rng.standard_normal(60) > 0).astype(float)
+    rows = [(Vectors.dense(x.tolist()), float(label)) for x, label in zip(X, y)]
+    data = spark.createDataFrame(rows, ["features", "label"]).repartition(2).cache()
+    data.count()
+    yield data
+    data.unpersist()
+
+
+def _problem(summary) -> GlmProblem:
+    return GlmProblem(
+        "binomial", summary.n_features, num_classes=2, reg_param=0.02, max_iter=12, tol=1e-12
+    )
+
+
+def _fit(frame, **options):
+    return fit_glm(frame, "features", "label", None, True, _problem, **options)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(frame):
+    return _fit(frame)
+
+
+class FailsOnce:
+    """Partition 1 fails once, after iteration ``at``: a file marks the failure as done, so
+    the stage's next run (maybe in another Python worker) goes through."""
+
+    def __init__(self, folder: str, at: int) -> None:
+        self.folder, self.at = folder, at
+
+    def __call__(self, partition: int, iteration: int) -> None:
+        done = os.path.join(self.folder, "failed")
+        if partition == 1 and iteration == self.at and not os.path.exists(done):
+            open(done, "w").close()
+            raise ValueError(f"a fault injected after iteration {iteration}")
+
+
+@pytest.mark.slow
+def test_a_lost_task_resumes_from_the_newest_checkpoint_with_the_same_result(
+    frame, uninterrupted, tmp_path
+):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    folder = tmp_path / "checkpoints"
+    with pytest.warns(RuntimeWarning, match="from its checkpoint after iteration 4") as warned:
+        resumed = _fit(
+            frame,
+            checkpoints=Checkpoints(str(folder), every=2),
+            after_iteration=FailsOnce(str(marks), at=5),
+        )
+    assert (marks / "failed").exists()  # the fault did happen
+    assert "a fault injected after iteration 5" in str(warned[0].message)
+    assert resumed.iterations == uninterrupted.iterations > 5
+    assert np.array_equal(resumed.coefficients, uninterrupted.coefficients)
+    assert np.array_equal(resumed.intercepts, uninterrupted.intercepts)
+    assert resumed.objective_history == uninterrupted.objective_history
+    (fit_folder,) = folder.iterdir()
+    last = resumed.iterations // 2 * 2  # it went on writing after the resume; 2 kept
+    assert find(str(fit_folder)).manifest.step == last
+    assert sorted(p.name for p in fit_folder.iterdir()) == [
+        f"step-{last - 2:010d}",
+        f"step-{last:010d}",
+    ]
