@@ -4,7 +4,7 @@ newest found and resumed with the uninterrupted run's result, bit for bit; a che
 another problem refused naming what differs; a full disk one clear error.
 
 Partitions run as threads of this process with real handles and real files, no Spark
-(``tests/test_linear_faults.py`` has the Spark stage run again after a lost task)."""
+(``tests/test_linear_stage.py`` has the Spark stage run again after a lost task)."""
 
 from __future__ import annotations
 

@@ -257,20 +257,26 @@ class LinearSetters(Params):
         return self._set(dataIn=value)
 
     def fit_options(self) -> dict[str, Any]:
-        """``fit_glm``'s ``checkpoints`` (a ``Checkpoints``, None without ``checkpointDir``),
-        from these Params, checked; their errors name the Params."""
+        """``fit_glm``'s ``checkpoints`` (a ``Checkpoints``, None without ``checkpointDir``)
+        and ``data_in``, from these Params, checked; their errors name the Params."""
+        data_in = self.getOrDefault(self.getParam("dataIn"))
+        if data_in not in ("memory", "disk", "auto"):
+            raise ConfigurationError(
+                f"{type(self).__name__}: dataIn must be 'memory', 'disk' or 'auto', got {data_in!r}"
+            )
         directory = self.getOrDefault(self.getParam("checkpointDir"))
         if not directory:
-            return {"checkpoints": None}
+            return {"checkpoints": None, "data_in": data_in}
         from allreduce_param.train.checkpoint import Checkpoints
 
         try:
             return {
+                "data_in": data_in,
                 "checkpoints": Checkpoints(
                     directory,
                     self.getOrDefault(self.getParam("checkpointEvery")),
                     self.getOrDefault(self.getParam("checkpointKeep")),
-                )
+                ),
             }
         except ConfigurationError as error:
             named = str(error)

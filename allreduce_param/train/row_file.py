@@ -5,7 +5,8 @@ The file (one per split of a partition; ``spill`` names and places them) is a 64
 and blocks of ``block_rows`` rows each (the last may hold fewer). All integers are
 little-endian.
 
-- **Header**: the magic ``ARPROWS1``; u32 flags (1: sparse, 2: weighted); u32 spare; u64
+- **Header**: the magic ``ARPROWS1``; u32 flags (1: sparse, 2: weighted, 4: float64
+  features); u32 spare; u64
   n_features; u64 block_rows; u64 rows and u64 blocks (written last, when the file is
   complete; 0 before); u64 xxh3_64 of the header's first 48 bytes; padding to 64.
 - **Block**: a 48-byte block header: the magic ``ARPB``, u32 its index, u64 rows, u64
@@ -13,7 +14,8 @@ little-endian.
   then the payload, its columns one after another: the labels (float64, one a row), the
   sample weights (float64, where weighted), then the features: dense rows as one float32
   matrix, row by row; sparse rows as CSR parts (indptr int64, rows + 1, from 0; indices
-  int32; values float32). The payload is padded to a multiple of 8 bytes.
+  int32; values float32). With flag 4 the features' values are float64 instead (the linear
+  models' fits, which solve in float64). The payload is padded to a multiple of 8 bytes.
 
 A reader never maps the file: it ``pread``s one block, checks its header and checksum, and
 hands numpy arrays over those bytes (``spark.executor.pyspark.memory`` limits the Python
@@ -42,7 +44,7 @@ HEADER = struct.Struct(
 )  # magic, flags, spare, n_features, block_rows, rows, blocks, xxh3
 HEADER_BYTES = 64
 BLOCK_HEADER = struct.Struct("<4sIQQQQQ")  # magic, index, rows, nonzeros, payload, xxh3, spare
-SPARSE, WEIGHTED = 1, 2
+SPARSE, WEIGHTED, FLOAT64 = 1, 2, 4
 #: About how many bytes a block holds: large enough for sequential reads, small enough that
 #: the few copies of a block a write or a read makes are a small share of a worker's memory.
 BLOCK_BYTES = 1 << 20
@@ -79,13 +81,21 @@ def _local_dir_error(path: str, error: OSError, doing: str) -> AllReduceError:
 
 class RowFileWriter:
     """Writes rows to a new row file as they come (``append``), a block at a time; ``close``
-    completes the header. Holds at most a block and the latest appended rows."""
+    completes the header. Holds at most a block and the latest appended rows. ``float64``:
+    the features' values are kept as float64 (else float32)."""
 
     def __init__(
-        self, path: str, n_features: int, block_rows: int, sparse: bool, weighted: bool
+        self,
+        path: str,
+        n_features: int,
+        block_rows: int,
+        sparse: bool,
+        weighted: bool,
+        float64: bool = False,
     ) -> None:
         self.path, self.n_features, self.block_rows = path, n_features, int(block_rows)
-        self.sparse, self.weighted = sparse, weighted
+        self.sparse, self.weighted, self.float64 = sparse, weighted, float64
+        self._values = "<f8" if float64 else "<f4"
         self.rows = 0
         self.blocks: list[tuple[int, int]] = []  # each block's (offset, rows)
         self._pending: list[Block] = []
@@ -98,7 +108,11 @@ class RowFileWriter:
         self._write(self._header(0, 0))
 
     def _header(self, rows: int, blocks: int) -> bytes:
-        flags = (SPARSE if self.sparse else 0) | (WEIGHTED if self.weighted else 0)
+        flags = (
+            (SPARSE if self.sparse else 0)
+            | (WEIGHTED if self.weighted else 0)
+            | (FLOAT64 if self.float64 else 0)
+        )
         fields = (MAGIC, flags, 0, self.n_features, self.block_rows, rows, blocks)
         head = HEADER.pack(*fields, 0)[:48]
         return HEADER.pack(*fields, xxhash.xxh3_64_intdigest(head)).ljust(HEADER_BYTES, b"\0")
@@ -147,10 +161,10 @@ class RowFileWriter:
             parts += [
                 indptr,
                 X.indices[start : start + nonzeros].astype("<i4"),
-                X.data[start : start + nonzeros].astype("<f4"),
+                X.data[start : start + nonzeros].astype(self._values),
             ]
         else:
-            parts.append(np.ascontiguousarray(block.X, "<f4").reshape(-1))
+            parts.append(np.ascontiguousarray(block.X, self._values).reshape(-1))
         views = [memoryview(np.ascontiguousarray(p)).cast("B") for p in parts]
         length = sum(len(v) for v in views)
         views.append(memoryview(b"\0" * (-length % 8)))
@@ -187,6 +201,7 @@ class RowFileWriter:
             self.weighted,
             [offset for offset, _ in self.blocks],
             self.rows,
+            self.float64,
         )
 
     def abandon(self) -> None:
@@ -227,9 +242,11 @@ class RowFile:
         weighted: bool,
         offsets: list[int],
         rows: int,
+        float64: bool = False,
     ) -> None:
         self.path, self.n_features, self.block_rows = path, n_features, block_rows
         self.sparse, self.weighted = sparse, weighted
+        self.dtype = np.dtype(np.float64 if float64 else np.float32)  # the features' values
         self.offsets, self.rows = offsets, rows
         self._fd = -1
         self._kept: OrderedDict[int, tuple[Block, bytearray]] = OrderedDict()
@@ -300,9 +317,11 @@ class RowFile:
             from scipy.sparse import csr_matrix
 
             indptr, indices = take("<i8", rows + 1), take("<i4", nonzeros)
-            X = csr_matrix((take("<f4", nonzeros), indices, indptr), shape=(rows, self.n_features))
+            values = take(self.dtype.newbyteorder("<").str, nonzeros)
+            X = csr_matrix((values, indices, indptr), shape=(rows, self.n_features))
         else:
-            X = take("<f4", rows * self.n_features).reshape(rows, self.n_features)
+            values = take(self.dtype.newbyteorder("<").str, rows * self.n_features)
+            X = values.reshape(rows, self.n_features)
         return Block(X, y, weight)
 
     def take(self, index: np.ndarray, out: Block | None = None) -> Block:
@@ -350,7 +369,7 @@ class RowFile:
     def buffers(self, rows: int) -> Block:
         """Fresh arrays for ``rows`` dense rows of this file (``take``'s ``out``)."""
         return Block(
-            np.empty((rows, self.n_features), np.float32),
+            np.empty((rows, self.n_features), self.dtype),
             np.empty(rows, np.float64),
             np.empty(rows, np.float64) if self.weighted else None,
         )
@@ -399,6 +418,7 @@ def read_header(path: str) -> dict:
     return {
         "sparse": bool(flags & SPARSE),
         "weighted": bool(flags & WEIGHTED),
+        "float64": bool(flags & FLOAT64),
         "n_features": n_features,
         "block_rows": block_rows,
         "rows": rows,

@@ -52,6 +52,7 @@ def fit_glm(
     problem_for: Callable[[DataSummary], GlmProblem],
     num_classes: int | None = None,
     checkpoints: Checkpoints | None = None,
+    data_in: str = "memory",
     after_iteration: Callable[[int, int], None] | None = None,
 ) -> GlmSolution:
     """Solve the linear model ``problem_for(summary)`` describes over ``data``.
@@ -65,7 +66,10 @@ def fit_glm(
 
     ``checkpoints``: where and every how many iterations the slice owners write the
     solver's state (``Checkpoints``; each fit in a new folder under its ``dir``), which a
-    run of the stage after a lost task resumes from. ``after_iteration(partition,
+    run of the stage after a lost task resumes from. ``data_in``: where each task keeps its
+    rows while it solves ("memory"; "disk": a row file read a block at a time at every
+    pass, for partitions larger than memory; "auto": as DistriOptimizer's fits choose,
+    ``task.glm_rows``). ``after_iteration(partition,
     iteration)``: called in every task after each iteration (a progress hook; the tests
     fail a task with it)."""
     spark = SparkInfo.of(data)
@@ -109,7 +113,7 @@ def fit_glm(
         placed = [rows]
 
         def attempt(resume: Manifest | None) -> dict[str, bytes]:
-            run = GlmRun(settings, description, resume, after_iteration)
+            run = GlmRun(settings, description, resume, after_iteration, data_in)
 
             def task(batches):
                 yield from solve_partition(batches, param, problem, sparse, weighted, run)

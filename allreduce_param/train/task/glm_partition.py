@@ -1,6 +1,8 @@
 """One barrier task of a linear model's fit (``LogisticRegression``, ``LinearRegression``):
-its partition's rows read as float64 numpy (or CSR), the engine's vector of the model's
-coefficients joined, ``solve_glm`` run over them; partition 0 returns the solution.
+its partition's rows read as float64 numpy (or CSR), held in memory or in a row file
+(``glm_rows``), the engine's vector of the model's coefficients joined, ``solve_glm`` run
+over them (from a checkpoint, writing checkpoints: ``glm_checkpoint``); partition 0 returns
+the solution.
 
 Every partition calls ``solve_glm`` with its own rows, none with zero rows left out: the
 solver's allreduces need every partition. The solution travels back as two records of the
@@ -20,16 +22,15 @@ import numpy as np
 from allreduce_param.engine.parameter import AllReduceParameter
 from allreduce_param.errors import TrainingError
 from allreduce_param.models.glm import GlmProblem, GlmSolution
-from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch, values
+from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
 from allreduce_param.train.checkpoint import CheckpointSettings, Manifest
-from allreduce_param.train.columns import WEIGHT_COLUMN
-from allreduce_param.train.features import VectorParts
 from allreduce_param.train.records import task_failure
 from allreduce_param.train.task.glm_checkpoint import (
     GlmCheckpointKeeper,
     iteration_hooks,
     resume_arrays,
 )
+from allreduce_param.train.task.glm_rows import batch_rows, held_rows, joined
 from allreduce_param.train.task.glm_solve import solve_glm
 
 #: The record kinds a partition returns: the solution's arrays, and its figures.
@@ -41,40 +42,22 @@ class GlmRun:
     """How one run of the stage goes, beyond the problem: where its checkpoints go
     (``checkpoints``, None: none) with the problem's ``description`` for their manifests,
     the checkpoint it resumes from (``resume``, verified on the driver; None: the start),
-    and ``after_iteration(partition, iteration)``, called in every task after each
-    iteration (after its checkpoint, where one is due)."""
+    ``after_iteration(partition, iteration)``, called in every task after each
+    iteration (after its checkpoint, where one is due), and where the task keeps its rows
+    (``data_in``: "memory", "disk" or "auto", ``glm_rows.held_rows``)."""
 
     checkpoints: CheckpointSettings | None = None
     description: dict | None = None
     resume: Manifest | None = None
     after_iteration: Callable[[int, int], None] | None = None
+    data_in: str = "memory"
 
 
 def partition_arrays(batches, n_features: int, sparse: bool) -> tuple[Any, np.ndarray, Any]:
     """A partition's prepared Arrow batches (``features``, ``label`` and maybe ``weight``) as
     ``(features, labels, weights or None)``: float64, CSR where ``sparse`` (the driver found
     the data sparse), else dense; zero rows where the partition has none."""
-    features, labels, weights = [], [], []
-    for batch in batches:
-        names = batch.schema.names
-        parts = VectorParts.from_arrow(batch.column(names.index("features")))
-        features.append(
-            parts.to_csr(n_features, np.float64)
-            if sparse
-            else parts.to_dense(n_features, np.float64)
-        )
-        labels.append(np.asarray(values(batch.column(names.index("label"))), np.float64))
-        if WEIGHT_COLUMN in names:
-            weights.append(np.asarray(values(batch.column(names.index(WEIGHT_COLUMN))), np.float64))
-    if sparse:
-        from scipy.sparse import csr_matrix, vstack
-
-        X = vstack(features, format="csr") if features else csr_matrix((0, n_features))
-    else:
-        X = np.concatenate(features) if features else np.zeros((0, n_features))
-    y = np.concatenate(labels) if labels else np.zeros(0)
-    w = np.concatenate(weights) if weights else None
-    return X, y, w
+    return joined((batch_rows(batch, n_features, sparse) for batch in batches), n_features, sparse)
 
 
 def solve_partition(
@@ -92,18 +75,26 @@ def solve_partition(
     partition and where."""
     run = run if run is not None else GlmRun()
     fit_the_address_space_limit()  # before the first row is read
-    X, y, w = partition_arrays(batches, problem.num_features, sparse)
-    if weighted and w is None:
-        w = np.zeros(0)  # a partition without rows of a weighted fit
     try:
-        with param.connect() as p:
+        with (
+            held_rows(
+                batches,
+                problem.num_features,
+                sparse,
+                weighted,
+                run.data_in,
+                param.secret,
+                param.partition_num,
+            ) as rows,
+            param.connect() as p,
+        ):
             partition = p.info.partition_id
             try:
                 solution = solve_glm(
                     p,
-                    X,
-                    y,
-                    w,
+                    rows,
+                    None,
+                    None,
                     problem,
                     resume=None if run.resume is None else resume_arrays(run.resume, partition),
                     on_iteration=_iteration_hook(p, run),
@@ -112,8 +103,10 @@ def solve_partition(
                 raise task_failure(partition, ", solving the linear model", error) from error
     except TrainingError:
         raise
-    except Exception as error:  # joining the peers failed
-        raise task_failure(_partition(), ", meeting its peers", error) from error
+    except Exception as error:  # holding the rows or joining the peers failed
+        raise task_failure(
+            _partition(), ", holding its rows or meeting its peers", error
+        ) from error
     if partition == 0:
         arrays, figures = encode_solution(solution)
         yield record_batch(kind=[ARRAYS], payload=[arrays])

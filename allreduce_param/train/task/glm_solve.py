@@ -15,6 +15,9 @@ pairs. What is summed, all in float64 and the same bits everywhere:
   (O(m) scalars), from which every partition runs the same two-loop recursion.
 
 ``HandleSums`` gives the solver those sums over a ``ConnectedParameter``'s exact allreduce.
+
+A partition's rows may also come as ``glm_rows.RowChunks`` (in a row file on disk, read a
+block at a time at every pass): each local sum is then the sum of the chunks' in order.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from allreduce_param.models.glm_loss import GlmObjective
 from allreduce_param.models.glm_normal import gram_moments, solve_normal
 from allreduce_param.optim.quasi_newton import LocalSums, QuasiNewtonSettings, minimize
 from allreduce_param.optim.quasi_newton_state import SolverState
+from allreduce_param.train.task.glm_rows import RowChunks
 
 __all__ = ["HandleSums", "glm_parameter_size", "solve_glm"]
 
@@ -128,7 +132,9 @@ def solve_glm(
     """MLlib's fit of ``problem`` over every partition's rows (see the module's docstring).
 
     ``features``: a 2-D float array or a scipy.sparse CSR matrix of ``num_features`` columns,
-    possibly with zero rows; ``weights`` None for 1 each. The handle's vector must have
+    possibly with zero rows; ``weights`` None for 1 each. Or ``features`` a ``RowChunks``
+    (rows, labels and weights in chunks, e.g. from a row file), ``labels`` and ``weights``
+    then None. The handle's vector must have
     ``glm_parameter_size(problem)`` elements.
 
     ``on_iteration(arrays)``: called after each L-BFGS iteration with this partition's state
@@ -142,14 +148,19 @@ def solve_glm(
             f"has {glm_parameter_size(problem)}: make the AllReduceParameter with "
             "size=glm_parameter_size(problem)"
         )
-    verdict = rows_problem(features, labels, weights, problem)
-    if verdict is None:
-        features = _as_float64(features)
-        labels = np.asarray(labels, np.float64)
+    if isinstance(features, RowChunks):
+        rows = features
+        verdict = rows.first(lambda X, y, w: rows_problem(X, y, w, problem))
+    else:
+        verdict = rows_problem(features, labels, weights, problem)
+        if verdict is None:
+            features = _as_float64(features)
+            labels = np.asarray(labels, np.float64)
+        rows = RowChunks.in_memory(features, labels, weights)
     if problem.solver == "normal":
         d = problem.num_features
         length = 3 + 2 * d + d * (d + 1) // 2
-        local = np.zeros(length) if verdict else gram_moments(features, labels, weights)
+        local = np.zeros(length) if verdict else rows.total(gram_moments)
         settings = QuasiNewtonSettings(problem.max_iter, problem.tol, problem.history)
 
         def one_partition(objective, start, l1):
@@ -159,14 +170,19 @@ def solve_glm(
         return solve_normal(problem, _checked_sum(sums, handle, verdict, local), one_partition)
     classes = 0 if problem.family == "gaussian" else max(problem.num_classes, 2)
     length = 4 + problem.num_features + classes
-    local = np.zeros(length) if verdict else first_moments(features, labels, weights, classes)
+    local = (
+        np.zeros(length) if verdict else rows.total(lambda X, y, w: first_moments(X, y, w, classes))
+    )
     first = _checked_sum(sums, handle, verdict, local)
     if first[0] <= 0:
         raise InputError(
             "solve_glm: no rows, or their weights (weightCol) sum to 0: nothing to fit"
         )
     means = first[4 : 4 + problem.num_features] / first[0]
-    second = sums.sum_scalars(second_moments(features, labels, weights, means, first[3] / first[0]))
+    label_mean = first[3] / first[0]
+    second = sums.sum_scalars(
+        rows.total(lambda X, y, w: second_moments(X, y, w, means, label_mean))
+    )
     stats = row_stats(first, second, problem.num_features)
     special = _special_case(problem, stats)
     if special is not None:
@@ -177,7 +193,8 @@ def solve_glm(
     own_l2 = l2[own]
 
     def evaluate(x_own: np.ndarray) -> tuple[float, np.ndarray]:
-        loss, grad = objective.data_loss(features, labels, weights, sums.gather(x_own))
+        x = sums.gather(x_own)
+        loss, grad = rows.total(lambda X, y, w: objective.data_loss(X, y, w, x))
         own_grad = sums.reduce_scatter(grad) / stats.weight_sum + own_l2 * x_own
         share = loss / stats.weight_sum + 0.5 * float(own_l2 @ (x_own * x_own))
         return share, own_grad

@@ -19,7 +19,7 @@ application ends.
 Writing reads each Arrow batch as it arrives, so a partition is never whole in memory; an
 RDD of ``(features, label)`` pairs is read alike, in chunks of about a block
 (``rows.pair_chunks``), and written in arrival order (an RDD has no order keys). Both go
-through the same choice, writing and clean-up (``_choose``, ``_hold``, ``write_partition``).
+through the same choice, writing and clean-up (``choose_place``, ``_hold``, ``write_partition``).
 With ``data_in="disk"`` after a shuffle, the stage has Spark sort each partition by its
 order keys (``presorted``), and each batch goes straight to its split's file. Otherwise,
 where the batches carry order keys (a placement that shuffled them, ``columns.ORDER_COLUMNS``)
@@ -167,7 +167,7 @@ def partition_rows(
     def arrays(batch) -> BatchRows:
         return batch_arrays(batch, n_features, sparse)
 
-    chosen, held, rest = _choose(iter(batches), data_in, budget, lambda batch: batch.nbytes)
+    chosen, held, rest = choose_place(iter(batches), data_in, budget, lambda batch: batch.nbytes)
     return _hold(map(arrays, chain(held, rest)), n_features, sparse, chosen, place, presorted)
 
 
@@ -184,11 +184,13 @@ def pair_rows(
     files at ``place`` in arrival order ("auto": in memory while the chunks' arrays take at
     most ``budget`` bytes). All rows train; the validation rows are empty. The caller
     ``release``s both on every way out."""
-    chosen, held, rest = _choose(pair_chunks(pairs, n_features), data_in, budget, _chunk_bytes)
+    chosen, held, rest = choose_place(pair_chunks(pairs, n_features), data_in, budget, _chunk_bytes)
     return _hold(chain(held, rest), n_features, False, chosen, place)
 
 
-def _choose(items: Iterator, data_in: str, budget: int | None, size) -> tuple[str, list, Iterator]:
+def choose_place(
+    items: Iterator, data_in: str, budget: int | None, size
+) -> tuple[str, list, Iterator]:
     """Where a partition's rows go ("memory" or "disk"), the items read to decide, and the
     rest: under "auto", items are read until their ``size`` passes ``budget`` (disk) or
     none are left (memory)."""

@@ -1,9 +1,12 @@
-"""The linear models' Spark stage (``train/driver/glm_stage.py``) survives a lost task: the
+"""The linear models' Spark stage (``train/driver/glm_stage.py``): it survives a lost task (the
 stage runs again and resumes from the slice owners' newest checkpoint, ending with the
-uninterrupted fit's coefficients and objective history, bit for bit."""
+uninterrupted fit's coefficients and objective history, bit for bit), and solves from rows on
+disk (``data_in="disk"``: row files read a block at a time) to the in-memory answer, leaving
+no row file behind."""
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -88,3 +91,40 @@ def test_a_lost_task_resumes_from_the_newest_checkpoint_with_the_same_result(
         f"step-{last - 2:010d}",
         f"step-{last:010d}",
     ]
+
+
+class RowFilesSeen:
+    """After the first iteration, each task notes the fit's row files in its local
+    directories (``SPARK_LOCAL_DIRS``) in a file of ``folder``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, partition: int, iteration: int) -> None:
+        if iteration == 1:
+            folders = [f for f in os.environ.get("SPARK_LOCAL_DIRS", "").split(",") if f]
+            seen = [p for f in folders for p in glob.glob(os.path.join(f, "allreduce-rows-*"))]
+            with open(os.path.join(self.folder, f"partition-{partition}"), "w") as file:
+                file.write("\n".join(seen))
+
+
+@pytest.mark.slow
+def test_rows_on_disk_give_the_in_memory_coefficients_and_leave_no_file(
+    frame, uninterrupted, tmp_path
+):
+    solution = _fit(frame, data_in="disk", after_iteration=RowFilesSeen(str(tmp_path)))
+    seen = [(tmp_path / f"partition-{i}").read_text().split("\n") for i in range(2)]
+    files = sorted({path for paths in seen for path in paths if path.endswith(".rows")})
+    assert [os.path.basename(path).split("-")[3] for path in files] == ["p0", "p1"], seen
+    assert not any(os.path.exists(path) for path in files)
+    fit_prefix = os.path.basename(files[0]).split("-p")[0]
+    folder = os.path.dirname(files[0])
+    assert glob.glob(os.path.join(glob.escape(folder), fit_prefix + "*")) == []
+    assert solution.iterations == uninterrupted.iterations
+    np.testing.assert_allclose(
+        solution.coefficients, uninterrupted.coefficients, rtol=1e-12, atol=1e-14
+    )
+    np.testing.assert_allclose(solution.intercepts, uninterrupted.intercepts, rtol=1e-12)
+    np.testing.assert_allclose(
+        solution.objective_history, uninterrupted.objective_history, rtol=1e-13
+    )
