@@ -226,6 +226,21 @@ def test_params_are_mllib_s(spark):
     assert "ignored" in LogisticRegression().explainParam("aggregationDepth")
 
 
+def test_the_projects_fit_params_are_the_other_estimators(spark, tmp_path):
+    """checkpointDir, checkpointEvery, checkpointKeep and dataIn, with the other Estimators'
+    defaults and meanings, checked before any job with errors naming the Param."""
+    for stage in (LogisticRegression(), LinearRegression()):
+        assert stage.getCheckpointDir() is None and stage.getCheckpointKeep() == 2
+        assert stage.getDataIn() == "auto"
+        assert stage.fit_options() == {"checkpoints": None, "data_in": "auto"}
+    options = LinearRegression(checkpointDir=str(tmp_path), checkpointEvery=5).fit_options()
+    assert (options["checkpoints"].dir, options["checkpoints"].every) == (str(tmp_path), 5)
+    with pytest.raises(ConfigurationError, match="LinearRegression: checkpointEvery must be"):
+        LinearRegression(checkpointDir=str(tmp_path), checkpointEvery=0).fit_options()
+    with pytest.raises(ConfigurationError, match="dataIn must be 'memory', 'disk' or 'auto'"):
+        LogisticRegression().setDataIn("tape").fit_options()
+
+
 @pytest.mark.slow
 def test_unsupported_params_are_refused_by_name(spark):
     frame = _frame(spark, np.eye(3), [0.0, 1.0, 1.0])

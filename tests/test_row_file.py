@@ -53,6 +53,7 @@ def test_rows_read_back_by_index_and_range_as_written(tmp_path, sparse):
     assert read_header(file.path) == {
         "sparse": sparse,
         "weighted": True,
+        "float64": False,
         "n_features": 7,
         "block_rows": 10,
         "rows": 53,
