@@ -69,15 +69,19 @@ def fit_glm(
     run of the stage after a lost task resumes from. ``data_in``: where each task keeps its
     rows while it solves ("memory"; "disk": a row file read a block at a time at every
     pass, for partitions larger than memory; "auto": as DistriOptimizer's fits choose,
-    ``task.glm_rows``). ``after_iteration(partition,
-    iteration)``: called in every task after each iteration (a progress hook; the tests
-    fail a task with it)."""
+    ``task.glm_rows``). ``after_iteration(partition, iteration)``: called in every task
+    after each iteration (a progress hook; the tests fail a task with it)."""
     spark = SparkInfo.of(data)
     kind = "logistic" if classification else "linear"
     # its jobs in one group, named in the Spark UI; cancelled, their tasks gone, if interrupted
     with fit_jobs(spark, f"allreduce-param {kind} regression (MLlib's objective)") as jobs:
         jobs.phase("checking the data")
         check_no_dynamic_allocation(spark)
+        settings = None if checkpoints is None else checkpoints.for_new_fit()
+        if settings is not None:
+            settings.probe()  # before any job: a folder the tasks cannot write fails here
+            # a failed or interrupted fit leaves no step folder without its manifest
+            jobs.on_failure(lambda: remove_incomplete(settings.directory))
         prepared, summary = prepare_once(
             data,
             features_col,
@@ -104,11 +108,6 @@ def fit_glm(
             f"at most {problem.max_iter} iterations",
         )
         sparse, weighted = summary.sparse, summary.weighted
-        settings = None if checkpoints is None else checkpoints.for_new_fit()
-        if settings is not None:
-            settings.probe()  # before any stage: a folder the tasks cannot write fails here
-            # a failed or interrupted fit leaves no step folder without its manifest
-            jobs.on_failure(lambda: remove_incomplete(settings.directory))
         description = describe(problem, workers)
         placed = [rows]
 

@@ -64,9 +64,13 @@ def describe(problem: GlmProblem, partitions: int) -> dict:
 
 def differences(expected: dict, found: dict) -> list[str]:
     """What differs between two ``describe`` answers, each as "name: A there, B here"."""
-    names = sorted(set(expected) | set(found), key=list(_PARAM_NAMES).index)
+    order = list(_PARAM_NAMES)  # the Params' order; a field named nowhere there comes last
+    names = sorted(
+        set(expected) | set(found),
+        key=lambda name: (order.index(name) if name in order else len(order), name),
+    )
     return [
-        f"{_PARAM_NAMES[name]}: {found.get(name)!r} there, {expected.get(name)!r} here"
+        f"{_PARAM_NAMES.get(name, name)}: {found.get(name)!r} there, {expected.get(name)!r} here"
         for name in names
         if found.get(name) != expected.get(name)
     ]
