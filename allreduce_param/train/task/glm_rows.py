@@ -72,9 +72,8 @@ def joined(chunks: Iterable[Chunk], n_features: int, sparse: bool) -> Chunk:
 
 class RowChunks:
     """A partition's rows as chunks the solver sums over: ``chunks()`` yields them in order
-    (a chunk's arrays may be reused by the next: use each before asking for another).
-    ``weighted``: whether the rows carry weights (a weighted fit's partition without rows
-    gives an empty weight array, so its peers' sums line up)."""
+    (a chunk's arrays may be reused by the next: use each before asking for another);
+    ``count`` chunks, held in ``where`` ("memory" or "disk")."""
 
     def __init__(self, chunks: Callable[[], Iterator[Chunk]], count: int, where: str) -> None:
         self._chunks, self.count, self.where = chunks, count, where
