@@ -194,7 +194,14 @@ def solve_glm(
     )
     coefficients, intercepts = objective.original(sums.gather(result.x))
     note = None if result.reason != "line search failed" else "the line search failed"
-    return GlmSolution(coefficients, intercepts, result.objective_history, result.iterations, note)
+    return GlmSolution(
+        coefficients,
+        intercepts,
+        result.objective_history,
+        result.iterations,
+        note,
+        result.times,
+    )
 
 
 def _special_case(problem: GlmProblem, stats) -> GlmSolution | None:
