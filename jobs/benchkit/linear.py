@@ -196,6 +196,7 @@ def run(args: argparse.Namespace) -> str:
             f"{args.reg_param}, maxIter={args.max_iter}, tol={args.tol} for both",
             "",
             table(results),
-            *(f"\nplot: {path}" for path in plotted),
+            "",
+            *(f"plot: {path}" for path in plotted),
         ]
     )
