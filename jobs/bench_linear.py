@@ -37,6 +37,11 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("--max-iter", type=int, default=100, help="maxIter for both")
     parser.add_argument("--tol", type=float, default=1e-6, help="tol for both")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per problem")
+    parser.add_argument(
+        "--mllib-curve", type=int, default=3, help="MLlib maxIter=k fits for its curve (0: none)"
+    )
+    parser.add_argument("--out", default="out", help="where the plots go (default out/)")
+    parser.add_argument("--no-plot", dest="plot", action="store_false", help="no plots")
     return parser
 
 

@@ -4,6 +4,8 @@ Spark's ``WeightedLeastSquaresSuite``; their Params, refusals, outputs and persi
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from pyspark.ml import Pipeline, PipelineModel
@@ -83,6 +85,7 @@ def test_binomial_as_mllib(spark, params):
 def test_multinomial_as_mllib(spark):
     X, y, w = _classes_data(3)
     frame = _frame(spark, X, y, w).cache()
+    started = time.time()
     ours, theirs = _pair(
         spark,
         LogisticRegression,
@@ -101,6 +104,10 @@ def test_multinomial_as_mllib(spark):
     assert ours.summary.objectiveHistory[-1] == pytest.approx(
         theirs.summary.objectiveHistory[-1], rel=1e-6
     )
+    # when each value was reached, on partition 0's clock (the driver's, in local mode)
+    times = ours.summary.objectiveTimes
+    assert len(times) == len(ours.summary.objectiveHistory)
+    assert started <= times[0] and times == sorted(times) and times[-1] <= time.time()
     with pytest.raises(RuntimeError, match="coefficientMatrix"):
         ours.coefficients  # noqa: B018 (MLlib refuses it for a multinomial model)
     # the outputs as MLlib's transform gives them

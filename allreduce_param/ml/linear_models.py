@@ -34,11 +34,15 @@ FORMAT = "allreduce-param-linear/1"
 class TrainingSummary:
     """A fit's figures, as MLlib's training summary names them: ``objectiveHistory`` (the
     objective at the start, then after each iteration) and ``totalIterations``. ``note``:
-    what MLlib would have logged as a warning (a label with one value, say), or None."""
+    what MLlib would have logged as a warning (a label with one value, say), or None.
+    ``objectiveTimes`` (ours only): when each ``objectiveHistory`` value was reached, as
+    ``time.time()`` on partition 0's executor (compare with the driver's clock only where
+    both share one: local mode); empty for the normal equations."""
 
     objectiveHistory: list[float] = field(default_factory=list)
     totalIterations: int = 0
     note: str | None = None
+    objectiveTimes: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class LinearFit:
                 list(map(float, solution.objective_history)),
                 int(solution.iterations),
                 getattr(solution, "note", None),
+                list(map(float, getattr(solution, "objective_times", []))),
             ),
         )
 

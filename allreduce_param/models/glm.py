@@ -17,7 +17,7 @@ deviations from them, so the variance does not lose digits to cancellation).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -97,13 +97,16 @@ class GlmSolution:
     """MLlib's answer: coefficients (rows x num_features, the original feature space),
     intercepts (rows; zeros without an intercept), ``objectiveHistory`` (its first entry
     the objective at the start) and ``totalIterations``; ``note`` says what MLlib would have
-    logged as a warning (a constant label, say), else None."""
+    logged as a warning (a constant label, say), else None; ``objective_times`` the wall
+    clock (``time.time()`` in partition 0's task) at which each history value was reached,
+    empty where the solver did not iterate on the engine."""
 
     coefficients: np.ndarray
     intercepts: np.ndarray
     objective_history: list[float]
     iterations: int
     note: str | None = None
+    objective_times: list[float] = field(default_factory=list)
 
 
 def constant_label_answer(problem: GlmProblem, label_mean: float) -> GlmSolution | None:

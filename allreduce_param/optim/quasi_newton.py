@@ -33,8 +33,9 @@ slice of x); ``LocalSums`` is the one-partition case, used for the normal equati
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -90,12 +91,15 @@ class QuasiNewtonSettings:
 @dataclass
 class QuasiNewtonResult:
     """Where the solver stopped: the own slice of x, MLlib's objective history and
-    iteration count, and Breeze's reason for stopping."""
+    iteration count, and Breeze's reason for stopping. ``times``: the wall clock
+    (``time.time()``) at which each value of the history was reached on this partition
+    (NaN for those a resumed run did not compute itself): what a benchmark plots."""
 
     x: np.ndarray
     objective_history: list[float]
     iterations: int
     reason: str
+    times: list[float] = field(default_factory=list)
 
 
 class QuasiNewton:
@@ -144,17 +148,21 @@ class QuasiNewton:
         """One sum: the newest pair's products with the kept pairs (when ``new_pair``) and
         the products of the search gradient q with every kept vector, q . q and g . g."""
         q = point.adjusted_grad
-        parts = []
-        if new_pair:
-            s, y = history.steps[0], history.grad_deltas[0]
-            parts += [[np.dot(s, v) for v in history.steps]]
-            parts += [[np.dot(s, v) for v in history.grad_deltas]]
-            parts += [[np.dot(y, v) for v in history.steps]]
-            parts += [[np.dot(y, v) for v in history.grad_deltas]]
-        parts += [[np.dot(q, v) for v in history.steps]]
-        parts += [[np.dot(q, v) for v in history.grad_deltas]]
-        parts += [[np.dot(q, q), np.dot(point.grad, point.grad)]]
-        local = np.array([float(v) for part in parts for v in part], np.float64)
+        if history.length == 0:
+            local = np.array([np.dot(q, q), np.dot(point.grad, point.grad)])
+        else:
+            # one matrix product over the store for every kept vector's products
+            if new_pair:
+                newest = history.store[[history.step_slots[0], history.delta_slots[0]]]
+                products = history.products(np.vstack([newest, q]))
+            else:
+                products = history.products(q[None, :])
+            parts = []
+            for column in range(products.shape[1]):
+                parts += [products[history.step_slots, column]]
+                parts += [products[history.delta_slots, column]]
+            parts += [[np.dot(q, q), np.dot(point.grad, point.grad)]]
+            local = np.concatenate(parts).astype(np.float64)
         total = self._sums.sum_scalars(local)
         k = history.length
         if new_pair:
@@ -197,10 +205,8 @@ class QuasiNewton:
             beta = gram[k + i] @ delta / rho[i]
             delta[i] += alphas[i] - beta
         delta *= -1.0
-        vectors = [*history.steps, *history.grad_deltas, point.adjusted_grad]
-        out = np.zeros_like(point.adjusted_grad)
-        for coefficient, vector in zip(delta, vectors):
-            out += coefficient * vector
+        out = history.combination(delta[:k], delta[k : 2 * k])
+        out += delta[2 * k] * point.adjusted_grad
         slope = float(delta @ gram[:, 2 * k])
         return out, slope, math.sqrt(max(float(delta @ gram @ delta), 0.0))
 
@@ -222,17 +228,21 @@ class QuasiNewton:
             self._l1 = None
         if resume is not None:
             state = resume.copy()
+            times = [math.nan] * len(state.values)
         else:
             point, _ = self._evaluate(np.asarray(x0, np.float64).copy())
             history = History()
             dots = self._gradient_dots(point, history, new_pair=False)
             state = SolverState(point, history, dots, [point.adjusted_value], [math.inf])
+            times = [time.time()]
         while True:
             reason = self._stop_reason(state)
             if reason is not None:
                 point = state.point
-                return QuasiNewtonResult(point.x, state.values, len(state.values) - 1, reason)
+                iterations = len(state.values) - 1
+                return QuasiNewtonResult(point.x, state.values, iterations, reason, times)
             self._iterate(state)
+            times.append(time.time())
             if on_iteration is not None:
                 on_iteration(state)
 
@@ -252,10 +262,7 @@ class QuasiNewton:
             state.values.append(point.adjusted_value)
             return
         state.failed_once = False
-        history.steps.insert(0, new_point.x - point.x)
-        history.grad_deltas.insert(0, new_point.grad - point.grad)
-        if history.length > self._settings.history:
-            history.drop_oldest()
+        history.add(new_point.x - point.x, new_point.grad - point.grad, self._settings.history)
         state.point = new_point
         state.dots = self._gradient_dots(new_point, history, new_pair=True)
         state.iteration += 1

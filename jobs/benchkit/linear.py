@@ -1,15 +1,28 @@
 """bench_linear's run: MLlib's ``LogisticRegression`` / ``LinearRegression`` against
-``allreduce_param.ml``'s drop-ins on the same cached rows and Params, alternating rounds.
+``allreduce_param.ml``'s drop-ins on the same cached rows, partitions and Params,
+alternating rounds (ours, MLlib, ours, MLlib, ...).
 
 Problems: ``text`` (hashed documents, ``sparse_data.TextData``, 2^18 features), ``clicks``
-(a hashed click log, ``sparse_data.ClickData``, at each of ``--click-features``), ``dense``
-(Gaussian features, a linear label plus noise: ``LinearRegression``). Per fit: seconds,
-iterations, the final objective, the driver's and the Python workers' peak RSS
-(``sparse_runs.Watcher``); per pair of fits: the largest relative difference of the
-coefficients (max |ours - MLlib| / max |MLlib|) and the objective's relative difference.
-"s to MLlib's objective" is ours' fit time times the share of its iterations done when its
-objective history first reached MLlib's final value: an estimate (the tasks do not stamp
-their iterations), marked "~". A fit that fails has its reason in the table instead.
+(a hashed click log, ``sparse_data.ClickData``: 26 categorical fields with Zipf-distributed
+values and a hidden logistic label, at each of ``--click-features``), ``dense`` (Gaussian
+features ``randn(seed + j)``, a linear label plus noise: ``LinearRegression``). Every
+generator is seeded by ``--seed``.
+
+How each figure is taken:
+
+- fit time: ``time.time()`` around ``fit`` on the driver (the data checks, the stage, the
+  model's return: all of it);
+- time to MLlib's objective: for ours, the first ``summary.objectiveTimes`` entry (stamped
+  by partition 0's task when the value was reached: in local mode the driver's clock) whose
+  ``objectiveHistory`` value is within 1e-6 relative of MLlib's final one, less the fit's
+  start; for MLlib, its fit time (its last iteration reaches it);
+- MLlib's objective against time (the plot): MLlib's summary has no times, so the first
+  round also fits MLlib with ``maxIter = k`` for ``--mllib-curve`` values of k (the same
+  path: L-BFGS is deterministic on the same rows) and plots (fit time, final objective);
+- memory (``memory.MemoryWatcher``): peaks sampled every 0.1 s from /proc (VmRSS) of the
+  driver JVM, which in local mode is also the executor, and of the Python workers under
+  it (summed), plus the JVM heap in use (``Runtime``, after a ``System.gc()`` before each
+  fit), all as the peak during that fit.
 """
 
 from __future__ import annotations
@@ -18,27 +31,34 @@ import argparse
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from benchkit.machine import CONF_DIR, machine
+from benchkit.linear_report import plot, table
+from benchkit.linear_watch import MemoryWatcher
+from benchkit.machine import CONF_DIR, copy_bandwidth, machine
 from benchkit.sparse_data import ClickData, TextData, hashed_frame
-from benchkit.sparse_runs import Watcher, failure_text
-from benchkit.tables import render
+from benchkit.sparse_runs import failure_text
 
 
 @dataclass
 class LinearRun:
-    """One fit's figures, or why there are none (``problem``)."""
+    """One fit's figures, or why there are none (``problem``). ``times``: seconds from the
+    fit's start at which each ``history`` value was reached (ours; MLlib's: the curve
+    points ``(seconds, objective)`` in ``curve``)."""
 
     contender: str
     seconds: float | None = None
     iterations: int | None = None
     objective: float | None = None
-    history: list | None = None
+    history: list = field(default_factory=list)
+    times: list = field(default_factory=list)
+    curve: list = field(default_factory=list)
     coefficients: np.ndarray | None = None
-    driver_peak: int = 0
+    jvm_peak: int = 0
+    heap_peak: int = 0
     workers_peak: int = 0
     problem: str = ""
 
@@ -53,14 +73,15 @@ def problems(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             for bits in map(int, args.click_features.split(",")):
                 found.append((f"clicks 2^{bits}", "clicks", 2**bits))
         elif name == "dense":
-            found.append((f"dense {args.dense_rows} x {args.dense_features}", "dense", 0))
+            found.append((f"dense {args.dense_rows:,} x {args.dense_features}", "dense", 0))
         else:
             raise SystemExit(f"--problems: {name!r} is not one of text, clicks, dense")
     return found
 
 
 def frame_of(spark, kind: str, features: int, args: argparse.Namespace):
-    """The problem's rows, ``features vector, label double``, cached and counted."""
+    """The problem's rows, ``features vector, label double``, cached and counted, in as
+    many partitions as the master's task slots (both fits read the same partitions)."""
     if kind == "text":
         frame = hashed_frame(spark, TextData(args.text_rows, seed=args.seed), features)
     elif kind == "clicks":
@@ -83,106 +104,99 @@ def frame_of(spark, kind: str, features: int, args: argparse.Namespace):
     return frame
 
 
-def fit_once(spark, contender: str, kind: str, frame, args, jvm_pid: int) -> LinearRun:
-    """One fit of ``contender`` ("ours" or "mllib"), timed and watched."""
+def estimator(contender: str, kind: str, args: argparse.Namespace, max_iter: int):
+    """The contender's Estimator with the benchmark's Params (the same for both)."""
     if contender == "ours":
         from allreduce_param import ml as module
     elif kind == "dense":
         from pyspark.ml import regression as module
     else:
         from pyspark.ml import classification as module
-    estimator_class = module.LinearRegression if kind == "dense" else module.LogisticRegression
-    params = {"regParam": args.reg_param, "maxIter": args.max_iter, "tol": args.tol}
+    params = {"regParam": args.reg_param, "maxIter": max_iter, "tol": args.tol}
     if kind == "dense":
-        params["solver"] = "l-bfgs"
+        return module.LinearRegression(solver="l-bfgs", **params)
+    return module.LogisticRegression(**params)
+
+
+def fit_once(spark, contender: str, kind: str, frame, args, jvm_pid: int) -> LinearRun:
+    """One fit of ``contender`` ("ours" or "mllib"), timed and watched."""
     run = LinearRun(contender)
-    watcher = Watcher(jvm_pid)
+    spark.sparkContext._jvm.java.lang.System.gc()  # each fit's heap peak from a clean heap
+    watcher = MemoryWatcher(spark, jvm_pid)
     started = time.time()
     try:
         with watcher:
-            model = estimator_class(**params).fit(frame)
+            model = estimator(contender, kind, args, args.max_iter).fit(frame)
             run.seconds = time.time() - started
         summary = model.summary
         run.history = list(summary.objectiveHistory)
+        run.times = [t - started for t in getattr(summary, "objectiveTimes", [])]
         run.iterations, run.objective = summary.totalIterations, run.history[-1]
-        matrix = model.coefficientMatrix if kind != "dense" else model.coefficients
+        matrix = model.coefficients if kind == "dense" else model.coefficientMatrix
         run.coefficients = np.asarray(matrix.toArray(), np.float64).ravel()
     except Exception as error:
         run.problem = failure_text(error, False)
         traceback.print_exc(file=sys.stderr)
-    run.driver_peak, run.workers_peak = watcher.driver_peak, watcher.workers_peak
+    run.jvm_peak, run.heap_peak = watcher.jvm_peak, watcher.heap_peak
+    run.workers_peak = watcher.workers_peak
     return run
 
 
-def to_objective(ours: LinearRun, theirs: LinearRun) -> str:
-    """Ours' estimated seconds to reach MLlib's final objective (see the module's text)."""
-    if ours.history is None or theirs.objective is None or not ours.iterations:
-        return "-"
-    for index, value in enumerate(ours.history):
-        if value <= theirs.objective * (1 + 1e-9):
-            return f"~{ours.seconds * index / max(len(ours.history) - 1, 1):.1f}"
-    return "not reached"
-
-
-def rows_of(name: str, ours: LinearRun, theirs: LinearRun) -> list[tuple]:
-    """The table's two rows of one round."""
-    difference = objective = "-"
-    if ours.coefficients is not None and theirs.coefficients is not None:
-        scale = max(float(np.abs(theirs.coefficients).max()), 1e-12)
-        difference = f"{float(np.abs(ours.coefficients - theirs.coefficients).max()) / scale:.1e}"
-        objective = f"{(ours.objective - theirs.objective) / abs(theirs.objective):+.1e}"
-    lines = []
-    for run, reach in ((ours, to_objective(ours, theirs)), (theirs, "")):
-        if run.problem:
-            lines.append((name, run.contender, run.problem, "", "", "", "", "", ""))
-            continue
-        lines.append(
-            (
-                name,
-                run.contender,
-                f"{run.seconds:.1f}",
-                str(run.iterations),
-                f"{run.objective:.9g}",
-                reach,
-                difference if run is ours else "",
-                objective if run is ours else "",
-                f"{run.driver_peak / 2**20:.0f} / {run.workers_peak / 2**20:.0f}",
-            )
-        )
-    return lines
+def mllib_curve(kind: str, frame, args, iterations: int) -> list[tuple[float, float]]:
+    """MLlib's (fit seconds, final objective) at ``args.mllib_curve`` iteration counts
+    below ``iterations`` (see the module's docstring)."""
+    points = []
+    counts = np.linspace(0, iterations, args.mllib_curve + 2)[1:-1]
+    for k in sorted({max(int(round(c)), 1) for c in counts}):
+        started = time.time()
+        model = estimator("mllib", kind, args, k).fit(frame)
+        points.append((time.time() - started, model.summary.objectiveHistory[-1]))
+        print(f"  MLlib maxIter={k}: {points[-1][0]:.1f} s", file=sys.stderr, flush=True)
+    return points
 
 
 def run(args: argparse.Namespace) -> str:
-    """Every problem's alternating rounds; the table, with the machine's line."""
+    """Every problem's alternating rounds; the table with the machine's line, the plots."""
     from allreduce_param.spark.session import local_spark
 
+    bandwidth = copy_bandwidth()
     spark = local_spark(
         args.master,
         "allreduce-param linear benchmark",
         CONF_DIR,
         **{"spark.driver.memory": args.driver_memory},
     )
+    results: list[tuple[str, str, list[tuple[LinearRun, LinearRun]]]] = []
     try:
         jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
-        lines = []
         for name, kind, features in problems(args):
             frame = frame_of(spark, kind, features, args)
-            for _ in range(args.rounds):
+            print(f"{name}: {frame.count():,} rows cached", file=sys.stderr, flush=True)
+            rounds = []
+            for number in range(args.rounds):
                 ours = fit_once(spark, "ours", kind, frame, args, jvm_pid)
                 theirs = fit_once(spark, "mllib", kind, frame, args, jvm_pid)
-                lines.extend(rows_of(name, ours, theirs))
+                if number == 0 and not theirs.problem and args.mllib_curve:
+                    theirs.curve = mllib_curve(kind, frame, args, theirs.iterations)
+                rounds.append((ours, theirs))
+                print(f"{name}: round {number + 1} done", file=sys.stderr, flush=True)
+                if theirs.problem and ours.problem:
+                    break
+            results.append((name, f"{frame.count():,} rows", rounds))
             frame.unpersist()
     finally:
         spark.stop()
-    header = (
-        "problem",
-        "fit",
-        "s",
-        "iterations",
-        "final objective",
-        "s to MLlib's objective",
-        "max rel. coef. diff",
-        "objective diff",
-        "peak MiB driver / workers",
+    out = Path(args.out)
+    plotted = plot(results, out) if args.plot else []
+    return "\n".join(
+        [
+            f"machine: {machine()}",
+            f"memory copy: {bandwidth / 1e9:.2f} GB/s (np.copyto of 40 MB, median of 5)",
+            f"master {args.master}, spark.driver.memory={args.driver_memory}; regParam="
+            f"{args.reg_param}, maxIter={args.max_iter}, tol={args.tol} for both",
+            "",
+            table(results),
+            "",
+            *(f"plot: {path}" for path in plotted),
+        ]
     )
-    return f"machine: {machine()}\n\n{render(header, lines)}"

@@ -136,6 +136,7 @@ def encode_solution(solution: GlmSolution) -> tuple[bytes, bytes]:
         "objective_history": [float(value) for value in solution.objective_history],
         "iterations": int(solution.iterations),
         "note": getattr(solution, "note", None),
+        "objective_times": [float(t) for t in solution.objective_times],
     }
     return buffer.getvalue(), json.dumps(figures).encode()
 
@@ -151,6 +152,7 @@ def decode_solution(arrays: bytes, figures: bytes) -> GlmSolution:
         objective_history=told["objective_history"],
         iterations=told["iterations"],
         note=told["note"],
+        objective_times=told.get("objective_times", []),
     )
 
 

@@ -190,7 +190,10 @@ def solve_glm(
     objective = GlmObjective(problem, stats)
     l2, l1 = objective.penalty_weights()
     own = sums.own
-    own_l2 = l2[own]
+    own_l2, own_l1 = l2[own], l1[own]
+    # model-sized vectors the iterations do not need: not kept for the fit's length (at
+    # 2^24 features each is 128 MiB per partition)
+    del local, first, means, second, l2, l1
 
     def evaluate(x_own: np.ndarray) -> tuple[float, np.ndarray]:
         x = sums.gather(x_own)
@@ -205,13 +208,20 @@ def solve_glm(
         objective.initial()[own],
         sums,
         settings,
-        l1[own],
+        own_l1,
         resume=None if resume is None else SolverState.from_arrays(resume),
         on_iteration=None if on_iteration is None else (lambda s: on_iteration(s.to_arrays())),
     )
     coefficients, intercepts = objective.original(sums.gather(result.x))
     note = None if result.reason != "line search failed" else "the line search failed"
-    return GlmSolution(coefficients, intercepts, result.objective_history, result.iterations, note)
+    return GlmSolution(
+        coefficients,
+        intercepts,
+        result.objective_history,
+        result.iterations,
+        note,
+        result.times,
+    )
 
 
 def _special_case(problem: GlmProblem, stats) -> GlmSolution | None:
