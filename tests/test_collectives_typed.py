@@ -94,9 +94,16 @@ def test_float64_sums_keep_float64_and_ints_wrap():
     ints = np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min, 5], np.int64)
 
     def body(p):
-        return p.collectives.all_gather(
-            p.collectives.reduce_scatter(big), SliceLayout(4, 2)
-        ), p.collectives.all_gather(p.collectives.reduce_scatter(ints), SliceLayout(3, 2))
+        # gathered into arrays of the caller's: unpadded (4 float64 over 2), padded (3 int64)
+        summed, wrapped = np.full(4, np.nan), np.zeros(3, np.int64)
+        returned = (
+            p.collectives.all_gather(p.collectives.reduce_scatter(big), SliceLayout(4, 2), summed),
+            p.collectives.all_gather(
+                p.collectives.reduce_scatter(ints), SliceLayout(3, 2), out=wrapped
+            ),
+        )
+        assert returned[0] is summed and returned[1] is wrapped
+        return summed, wrapped
 
     for summed, wrapped in raise_first(run_partitions(AllReduceParameter(2, 8), body)):
         assert summed.tolist() == [2.0**54, 2.0, 2e-300, -(2.0**61)]
@@ -163,6 +170,7 @@ def test_bad_arguments_are_refused_before_anything_moves():
             lambda: p.collectives.reduce_scatter(np.zeros((2, 2))),
             lambda: p.collectives.all_gather(np.zeros(3), SliceLayout(4, 1)),
             lambda: p.collectives.broadcast(np.zeros(3), root=1),
+            lambda: p.collectives.all_gather(np.zeros(3), SliceLayout(3, 1), np.zeros(3, np.int8)),
         ]
         messages = []
         for call in calls:
@@ -179,7 +187,8 @@ def test_bad_arguments_are_refused_before_anything_moves():
     assert "expected a non-empty 1-D array, got shape (2, 2)" in messages[2]
     assert "pass values[layout.bounds(0)]" in messages[3]
     assert "root must be a partition, 0..0" in messages[4]
-    assert messages[5] == [0, 1, 2]
+    assert "out must be a writeable contiguous 1-D array of float64 with 3 elements" in messages[5]
+    assert messages[6] == [0, 1, 2]
 
 
 def test_hierarchical_handles_refuse_them():

@@ -430,3 +430,21 @@ def test_a_pipeline_under_cross_validation_runs_on_connect(remote, tmp_path):
         again.transform(columns).select("prediction").toArrow()
         == fitted.bestModel.transform(columns).select("prediction").toArrow()
     )
+
+
+def test_the_distributor_runs_a_function_on_connect_ranks(remote, capsys):
+    pytest.importorskip("torch")
+    from allreduce_param.torch import Distributor
+
+    def sums_ranks() -> tuple:
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(total)
+        print(f"rank {dist.get_rank()} of {os.environ['WORLD_SIZE']} summed {float(total)}")
+        return dist.get_backend(), float(total)
+
+    assert Distributor(num_processes=2).run(sums_ranks) == ("allreduce_param", 3.0)
+    printed = sorted(line for line in capsys.readouterr().out.splitlines() if "summed" in line)
+    assert printed == [f"[rank {rank}] rank {rank} of 2 summed 3.0" for rank in (0, 1)]

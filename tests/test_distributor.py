@@ -8,8 +8,12 @@ from __future__ import annotations
 import contextlib
 import io
 import multiprocessing
+import signal
+import socket
 import sys
 import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -193,6 +197,51 @@ def test_what_the_run_cannot_do_is_refused_before_the_stage(spark):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigurationError, match="use_gpu=False"):
             Distributor(num_processes=2, use_gpu=True).run(_inits_the_group_itself, [])
+
+
+def _waits_for_ctrl_c(port: int) -> None:
+    """Rank 0 tells the test it runs, with its job's description, then waits until its task
+    is killed; rank 1 waits for it."""
+    import torch.distributed as dist
+    from pyspark import BarrierTaskContext
+
+    if dist.get_rank() == 0:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as link:
+            described = BarrierTaskContext.get().getLocalProperty("spark.job.description")
+            link.sendall(f"{described}\n".encode())
+            link.settimeout(300)  # a run the test never interrupts fails, it does not hang
+            link.recv(1)  # never answered
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_the_runʼs_stage_and_the_next_run_trains(spark):
+    main = threading.main_thread().ident
+    heard: dict = {}
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(300)
+
+        def interrupt_once_rank_0_runs() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                heard["description"] = connection.makefile().readline().strip()
+                heard["at"] = time.monotonic()
+                signal.pthread_kill(main, signal.SIGINT)  # as Ctrl-C in the driver's terminal
+
+        interrupter = threading.Thread(target=interrupt_once_rank_0_runs, daemon=True)
+        interrupter.start()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            with pytest.raises(KeyboardInterrupt):
+                Distributor(num_processes=2).run(_waits_for_ctrl_c, listener.getsockname()[1])
+        raised = time.monotonic()
+        interrupter.join(5)
+    assert heard["description"] == "Distributor: _waits_for_ctrl_c"
+    assert raised - heard["at"] < 30  # cancelled, its tasks gone, then re-raised
+    assert not [w for w in warned if "still running" in str(w.message)]
+    assert spark.sparkContext.statusTracker().getActiveStageIds() == []
+    result = Distributor(num_processes=2).run(ddp_training, 2)
+    assert result["losses"][1] < result["losses"][0]
 
 
 SCRIPT = """

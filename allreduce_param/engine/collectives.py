@@ -134,12 +134,15 @@ class Collectives:
         return self._typed.reduce_scatter(values, op, layout)
 
     @handle_call
-    def all_gather(self, own: np.ndarray, layout: SliceLayout) -> np.ndarray:
+    def all_gather(
+        self, own: np.ndarray, layout: SliceLayout, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """The whole vector of ``layout``, from each partition's slice of it (``own``: this
         partition's, ``values[layout.bounds(p.info.partition_id)]``, any numeric dtype, the
         same on every partition); every partition gets the same. Raw and flat as
-        ``reduce_scatter``."""
-        return self._typed.all_gather(own, layout)
+        ``reduce_scatter``. ``out``: an array (``own``'s dtype, ``layout.size`` long) to
+        gather into and return, sparing a copy of the result."""
+        return self._typed.all_gather(own, layout, out)
 
     @handle_call
     def broadcast(self, values: np.ndarray, root: int) -> np.ndarray:

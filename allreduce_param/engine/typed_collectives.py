@@ -96,9 +96,13 @@ class TypedCollectives:
         self._refuse_hierarchical("reduce_scatter")
         return self._reduce_scatter(vector, op, layout)
 
-    def all_gather(self, own: np.ndarray, layout: SliceLayout) -> np.ndarray:
+    def all_gather(
+        self, own: np.ndarray, layout: SliceLayout, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """The whole vector of ``layout``, every partition's slice in its place; ``own`` is
-        this partition's slice. Every partition gets the same."""
+        this partition's slice. Every partition gets the same. ``out``: where to put it (a
+        contiguous 1-D array of ``own``'s dtype, ``layout.size`` long), which is returned;
+        the peers' slices are then fetched straight into it where no padding is needed."""
         what = f"all_gather(own) on partition {self.partition_id}"
         vector = self._vector(own, what, empty=True)
         layout = self._layout(layout, None, "all_gather")
@@ -108,8 +112,20 @@ class TypedCollectives:
                 f"layout holds {layout.length(self.partition_id)}: pass "
                 f"values[layout.bounds({self.partition_id})]"
             )
+        if out is not None and not (
+            isinstance(out, np.ndarray)
+            and out.dtype == vector.dtype
+            and out.shape == (layout.size,)
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        ):
+            raise InputError(
+                f"all_gather(out=...) on partition {self.partition_id}: out must be a writeable "
+                f"contiguous 1-D array of {vector.dtype} with {layout.size} elements, got "
+                f"{getattr(out, 'dtype', type(out).__name__)} of shape {getattr(out, 'shape', '?')}"
+            )
         self._refuse_hierarchical("all_gather")
-        return self._all_gather(vector, layout, "all_gather")
+        return self._all_gather(vector, layout, "all_gather", out=out)
 
     def broadcast(self, values: np.ndarray, root: int) -> np.ndarray:
         """Partition ``root``'s ``values``, on every partition (each passes an array of the
@@ -172,9 +188,15 @@ class TypedCollectives:
         return result
 
     def _all_gather(
-        self, own: np.ndarray, layout: SliceLayout, call: str, signature: int | None = None
+        self,
+        own: np.ndarray,
+        layout: SliceLayout,
+        call: str,
+        signature: int | None = None,
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Publish ``own`` (this partition's slice of ``layout``) and fetch everyone's."""
+        """Publish ``own`` (this partition's slice of ``layout``) and fetch everyone's (into
+        ``out`` where given)."""
         dtype = own.dtype
         signature = _signature(dtype, None, layout.size) if signature is None else signature
         words = _words(layout, dtype)
@@ -185,7 +207,11 @@ class TypedCollectives:
             mine.view(np.uint8)[: own.nbytes] = own.view(np.uint8)
         version = self._next_slice()
         self._moves.publish(BlockKind.TYPED_SLICE, version, mine, count=float(signature))
-        gathered = np.empty(words.size, np.float32)
+        unpadded = _unpadded(layout, dtype)
+        if out is not None and unpadded and layout.size:  # the words are out's bytes
+            gathered = out.view(np.float32)
+        else:
+            gathered = np.empty(words.size, np.float32)
         pending = self._moves.fetcher.fetch_slices(
             BlockKind.TYPED_SLICE,
             WeightRead(version, exact=True),
@@ -194,13 +220,13 @@ class TypedCollectives:
             via=self._peers.server_of,
             at_once=True,
         )
-        if _unpadded(layout, dtype):  # the words are the values: gather straight into them
-            result = gathered.view(dtype)
+        if unpadded:  # the words are the values: gather straight into them
+            result = gathered.view(dtype) if out is None else out
             for owner in range(self.partition_num):
                 parts = self._fetched(pending[owner], words, owner, signature, owner, call)
                 _combine(parts, result[layout.bounds(owner)], None)
             return result
-        result = np.empty(layout.size, dtype)
+        result = np.empty(layout.size, dtype) if out is None else out
         for owner in range(self.partition_num):
             room = gathered[words.bounds(owner)]
             for start, values, recheck in self._fetched(
@@ -350,9 +376,16 @@ def _combine(parts, into: np.ndarray, op) -> None:
         stop = min(into.size, first + values.nbytes // itemsize)
         chunk = values.view(np.uint8)[: (stop - first) * itemsize].view(into.dtype)
         if op is None:
-            np.copyto(into[first:stop], chunk)
+            target = into[first:stop]
+            if _address(chunk) != _address(target):  # else fetched into its place already
+                np.copyto(target, chunk)
         else:
             with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN, as numpy's
                 op(into[first:stop], chunk, out=into[first:stop])
         if recheck is not None:
             recheck()
+
+
+def _address(array: np.ndarray) -> int:
+    """Where ``array``'s first element lies in memory."""
+    return array.__array_interface__["data"][0]

@@ -19,8 +19,10 @@ the interrupted call, on the same py4j connection, and fails there ("reentrant c
 pinned threads (``PYSPARK_PIN_THREAD``, the default) that connection is this thread's and
 still waits for the interrupted call's answer, so it is closed, and the next call makes a
 new one, with the caller's local properties (group, description, tags, pool) restored on
-it. Under Spark Connect the fit's operations carry a tag (``SparkSession.addTag``) that
-``interruptTag`` stops; Connect has no job descriptions to set.
+it, and the session its active one again (``SparkSession.getActiveSession()`` asks the
+JVM, which keeps it per connection's thread). Under Spark Connect the fit's operations
+carry a tag (``SparkSession.addTag``) that ``interruptTag`` stops; Connect has no job
+descriptions to set.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class FitJobs:
         self._before: set[int] = set()  # jobs of the group that ran before the fit
         self._phase = ""
         self._clean_ups: list[Callable[[], object]] = []
+        self._dropped = False  # whether this thread's py4j connection was closed (``cancel``)
 
     @property
     def context(self) -> Any:
@@ -107,7 +110,7 @@ class FitJobs:
         if sc is None:
             return
         if interrupted:
-            _drop_thread_connection()
+            self._dropped = _drop_thread_connection()
         sc.cancelJobsWithTag(self.name)
         if not self._tasks_gone(TASKS_GONE_WITHIN):
             warnings.warn(
@@ -149,18 +152,23 @@ class FitJobs:
             return
         if self._saved is not None:
             self.context._jsc.sc().setLocalProperties(self._saved)
+        if self._dropped:  # the JVM keeps the active session per connection's thread too
+            session = self.spark.session
+            session._jvm.SparkSession.setActiveSession(session._jsparkSession)
 
 
-def _drop_thread_connection() -> None:
+def _drop_thread_connection() -> bool:
     """Close this thread's py4j connection where it has one of its own (pinned threads):
     an interrupt may have cut its call short, and it would read that call's answer as the
-    next one's. The next call opens a new connection."""
+    next one's. The next call opens a new connection. Whether one was closed."""
     from pyspark import SparkContext
 
     client = getattr(SparkContext._gateway, "_gateway_client", None)
     connection = getattr(client, "get_thread_connection", lambda: None)()
-    if connection is not None:
-        connection.close(reset=True)
+    if connection is None:
+        return False
+    connection.close(reset=True)
+    return True
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from allreduce_param.engine.wire.settings import NetworkSettings
 from allreduce_param.errors import ConfigurationError, TrainingError
 from allreduce_param.spark.gpus import stage_profile
 from allreduce_param.spark.info import SparkInfo
+from allreduce_param.spark.jobs import fit_jobs
 from allreduce_param.spark.slots import check_no_dynamic_allocation, task_slots
 from allreduce_param.torch.driver_end import DriverEnd
 from allreduce_param.torch.rank import FunctionRun, RankJob
@@ -141,11 +142,14 @@ class Distributor:
         end = DriverEnd(spark, self.num_processes, network)
         try:
             job = RankJob(param, end.client, network.meeting_patience, gpus, work)
-            try:
-                payloads = _stage(session, job, self.num_processes, profile)
-            except Exception as error:
-                end.stage_failed()
-                raise _run_error(end, error) from error
+            # its jobs in one group named for the run in the Spark UI; on Ctrl-C (or any
+            # error) they are cancelled and their tasks waited for before it re-raises
+            with fit_jobs(spark, f"Distributor: {work.name}"):
+                try:
+                    payloads = _stage(session, job, self.num_processes, profile)
+                except Exception as error:
+                    end.stage_failed()
+                    raise _run_error(end, error) from error
         finally:
             end.close()
         from pyspark import cloudpickle

@@ -215,6 +215,11 @@ class FunctionRun:
     args: tuple
     kwargs: dict
 
+    @property
+    def name(self) -> str:
+        """The function's name, for the Spark UI."""
+        return getattr(self.train_fn, "__qualname__", None) or repr(self.train_fn)
+
     def rank(self, job: RankJob) -> bytes | None:
         """This task's rank of the run: ``run_rank``."""
         return run_rank(job)

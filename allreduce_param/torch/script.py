@@ -55,6 +55,11 @@ class ScriptRun:
     path: str
     args: tuple[str, ...]
 
+    @property
+    def name(self) -> str:
+        """The script's file name, for the Spark UI."""
+        return os.path.basename(self.path)
+
     def rank(self, job: RankJob) -> bytes | None:
         """Run this task's rank as a child process; rank 0's result (None, pickled: a
         script returns nothing)."""

@@ -95,8 +95,8 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         op, average = self._op(opts, call)
         flat = self._flat(tensors, call)
 
-        def run() -> None:
-            flat.write(self._allreduce(flat.values, op, average, call))
+        def run() -> None:  # gathered straight into the tensors' values where it can be
+            flat.write(self._allreduce(flat.values, op, average, call, into=flat.values))
 
         return self._queue(call, run, tensors, flat)
 
@@ -269,15 +269,20 @@ class AllReduceProcessGroup(dist.ProcessGroup):
 
     # -- how -----------------------------------------------------------------------
 
-    def _allreduce(self, values: np.ndarray, op: str, average: bool, call: str) -> np.ndarray:
-        """The engine's allreduce of any dtype: a reduce_scatter, then an all_gather."""
+    def _allreduce(
+        self, values: np.ndarray, op: str, average: bool, call: str, into: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The engine's allreduce of any dtype: a reduce_scatter, then an all_gather (into
+        ``into``, ``values`` themselves for an allreduce in place: no copy of the result).
+        Writing into ``values`` is safe: a peer's slice arrives only once that peer has read
+        its chunk of them."""
         if values.size == 0:
             return values
         layout = SliceLayout(values.size, self._world)
         mine = self._collectives.reduce_scatter(values, op, layout)
         if average:
             mine = _divide(mine, self._world, call)
-        return self._collectives.all_gather(mine, layout)
+        return self._collectives.all_gather(mine, layout, out=into)
 
     def _all_gather(self, values: np.ndarray) -> np.ndarray:
         """Every rank's ``values`` (as long on every rank), in rank order, concatenated."""

@@ -14,7 +14,7 @@ import numpy as np
 from allreduce_param.engine import AllReduceParameter, StaticRendezvous
 from benchkit import baselines, process_memory
 from benchkit.machine import copy_bandwidth, machine
-from benchkit.ranks import TIMEOUT, free_ports, load_text, run_ranks
+from benchkit.ranks import TIMEOUT, free_ports, load_text, spawn_ranks
 from benchkit.rounds import PHASES
 from benchkit.tables import label, ms_text, parse_sizes, ratio_text, render
 
@@ -74,8 +74,8 @@ def rank_main(
     rounds: int,
     steps: int,
     warmup: int,
+    own: bool,
     results,
-    own: bool = False,
 ) -> None:
     """One rank: for each parameter (a size), the engine's partition and, with
     ``store_port``, gloo's rank, alternating ``rounds`` rounds; puts ``(rank, [per size:
@@ -194,36 +194,15 @@ def measure(
     slowest rank's step and its phases', and gloo's; with ``own`` (no gloo), per round the
     median of the slowest rank's step putting ``gradient_buffer()``, its put's, the same
     putting a vector of its own, and of the slowest rank's copy of that vector."""
-    import multiprocessing
-
     ports = free_ports(ranks * len(sizes) + 1)
     addresses = [
         [("127.0.0.1", port) for port in ports[i * ranks : (i + 1) * ranks]]
         for i in range(len(sizes))
     ]
     params = [AllReduceParameter(ranks, size, codec="raw", timeout=TIMEOUT) for size in sizes]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(
-            target=rank_main,
-            args=(
-                rank,
-                ranks,
-                params,
-                addresses,
-                ports[-1] if gloo else None,
-                rounds,
-                steps,
-                warmup,
-                results,
-                own,
-            ),
-            name=f"bench-rank-{rank}",
-        )  # fmt: skip
-        for rank in range(ranks)
-    ]
-    got = run_ranks(processes, results, TIMEOUT * (1 + len(sizes)))
+    store_port = ports[-1] if gloo else None
+    args = (ranks, params, addresses, store_port, rounds, steps, warmup, own)
+    got = spawn_ranks(rank_main, [args] * ranks, TIMEOUT * (1 + len(sizes)))
     if own:
         return [own_row(ranks, size, [got[rank][index] for rank in range(ranks)])
                 for index, size in enumerate(sizes)]  # fmt: skip

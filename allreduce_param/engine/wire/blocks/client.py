@@ -157,8 +157,11 @@ class PeerClient:
             sock = self._sock or self._connect(what)
             self._sock = sock
             # The server gives up waiting at the timeout and says so; the socket waits longer
-            # so that the server's answer, not a bare socket timeout, reaches the user.
-            sock.settimeout(self._timeout + self._handshake_timeout)
+            # so that the server's answer, not a bare socket timeout, reaches the user. Set
+            # only when it differs: each settimeout is two fcntl calls that let go of the GIL.
+            patience = self._timeout + self._handshake_timeout
+            if sock.gettimeout() != patience:
+                sock.settimeout(patience)
             shared = shared and sock.family == socket.AF_UNIX
             op = (OP_GET_SHARED if shared else OP_GET) | (FLAG_NEWEST if newest else 0)
             sock.sendall(
