@@ -50,7 +50,7 @@ def test_the_job_prints_both_contenders_sizes_and_steps_for_each_problem():
                 "200",
             ),
             *("--click-rows", "2000", "--click-features", "12", "--max-levels", "1000"),
-            *("--rounds", "1", "--epochs", "2", "--batch-size", "256", "--mllib-iters", "5"),
+            *("--rounds", "1", "--epochs", "2", "--batch-size", "256", "--mllib-iters", "2"),
             "--no-breakdown",
         ],
         cwd=REPO,

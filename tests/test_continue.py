@@ -57,17 +57,26 @@ def first(data):
     return trainer(2).fit(data)
 
 
+@pytest.fixture(scope="module")
+def continued(data, first, tmp_path_factory):
+    """``first`` saved and loaded, and a fit of 2 epochs more from the loaded model, keeping
+    checkpoints: the continued fit that the tests compare with one longer fit and resume."""
+    folder = tmp_path_factory.mktemp("continued")
+    first.save(folder / "first")
+    loaded = TrainedModel.load(folder / "first")
+    keeping = trainer(2, checkpoints=Checkpoints(str(folder / "checkpoints"), keep=5))
+    return loaded, keeping.fit(data, initial=loaded)
+
+
 @pytest.mark.slow
-def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, first, tmp_path):
+def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, first, continued):
     whole = trainer(4).fit(data)
     assert (first.steps_done, first.epochs_done) == (12, 2)
     assert sorted(first.optimizer_state) == ["exp_avg", "exp_avg_sq"]
-    first.save(tmp_path / "first")
-    loaded = TrainedModel.load(tmp_path / "first")
+    loaded, second = continued
     assert (loaded.steps_done, loaded.epochs_done, loaded.optimizer_kind) == (12, 2, "Adam")
     for name, value in first.optimizer_state.items():
         assert np.array_equal(loaded.optimizer_state[name], value)
-    second = trainer(2).fit(data, initial=loaded)
     assert np.array_equal(second.weights, whole.weights)
     for name, value in whole.optimizer_state.items():
         assert np.array_equal(second.optimizer_state[name], value)
@@ -84,13 +93,13 @@ def test_two_fits_of_k_epochs_are_one_fit_of_2k_bit_for_bit(data, first, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_continued_fits_checkpoint_resumes_as_that_fit(data, first, tmp_path):
+def test_a_continued_fits_checkpoint_resumes_as_that_fit(continued, data):
     """resume_from and initial are one mechanism: a checkpoint of a continued fit keeps its
     start's steps and epochs, so resuming from it ends where the continued fit ends."""
-    continued = trainer(2, checkpoints=Checkpoints(str(tmp_path), keep=5)).fit(data, initial=first)
-    middle = f"{continued.history.checkpoints}/step-{6:010d}"  # after its first epoch
+    _, second = continued
+    middle = f"{second.history.checkpoints}/step-{6:010d}"  # after its first epoch
     resumed = trainer(2).fit(data, resume_from=middle)
-    assert np.array_equal(resumed.weights, continued.weights)
+    assert np.array_equal(resumed.weights, second.weights)
     assert (resumed.steps_done, resumed.epochs_done) == (24, 4)
     assert resumed.history.resumed == [6]
 
