@@ -34,11 +34,25 @@ prepare_local_environment()
 #: (they inherit the environment; spark-submit passes ``SPARK_SUBMIT_OPTS`` to the driver
 #: JVM). A test's JVM lives seconds to minutes, and on a 2-core machine C2's compiler threads
 #: take a third of its CPU time for code that ends before it pays back; what runs is the same.
+#: The executors of a ``local-cluster`` session get it too (``_session_settings``), and every
+#: JVM of the tests' standalone clusters (``standalone_cluster(java_options=...)``).
 TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
 if TEST_JVM_OPTIONS not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
     os.environ["SPARK_SUBMIT_OPTS"] = (
         f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} {TEST_JVM_OPTIONS}".strip()
     )
+
+
+def _session_settings(kind: tuple) -> dict:
+    """The settings a session of ``kind`` starts with: the module's, and on a
+    ``local-cluster`` the executors' JVMs (each a process of its own, launched by the
+    workers in the driver's JVM, which ``SPARK_SUBMIT_OPTS`` does not reach) with
+    ``TEST_JVM_OPTIONS`` too, after the module's own executor options."""
+    master, settings = kind[0], dict(kind[1])
+    if master.startswith("local-cluster"):
+        key = "spark.executor.extraJavaOptions"
+        settings[key] = f"{settings.get(key, '')} {TEST_JVM_OPTIONS}".strip()
+    return settings
 
 
 def _spark_kind(module) -> tuple:
@@ -97,7 +111,10 @@ def spark(request):
     if session is None or _shared_spark.get("kind") != kind or not _running(session):
         _stop_shared_spark()
         session = local_spark(
-            kind[0], f"allreduce-param {request.module.__name__}", CONF_DIR, **dict(kind[1])
+            kind[0],
+            f"allreduce-param {request.module.__name__}",
+            CONF_DIR,
+            **_session_settings(kind),
         )
         _shared_spark.update(kind=kind, session=session)
     yield session

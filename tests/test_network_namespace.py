@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import TEST_JVM_OPTIONS
 from harness.spark_standalone import (
     SPARK_SUBMIT,
     class_archive_submit_options,
@@ -136,6 +137,7 @@ def cluster(namespace, tmp_path_factory):
         host=ADDRESS,
         prefix=namespace["prefix"],
         environment=python_environment(),
+        java_options=TEST_JVM_OPTIONS,
     ) as running:
         yield running
 

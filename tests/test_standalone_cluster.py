@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import TEST_JVM_OPTIONS
 from harness.spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.cluster]
@@ -23,7 +24,9 @@ EPOCHS = 4
 def cluster(tmp_path_factory):
     """Two workers of one core each on 127.0.0.1, stopped when the module's tests are done."""
     with standalone_cluster(
-        tmp_path_factory.mktemp("standalone"), environment=python_environment()
+        tmp_path_factory.mktemp("standalone"),
+        environment=python_environment(),
+        java_options=TEST_JVM_OPTIONS,
     ) as running:
         yield running
 
