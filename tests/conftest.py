@@ -7,11 +7,13 @@ and settings share one session: they run one after another (``pytest_collection_
 moves each such module up to the first of its kind; modules that stop the session on their
 own, ``SPARK_STOPS_SESSION = True``, last among them), and the session stops when the last of
 them is done. Starting a session and its Python workers takes seconds of a 2-core machine's
-time, and most modules need nothing of a session but its master and settings.
+time, and most modules need nothing of a session but its master and settings. Modules that
+take the ``two_workers`` standalone cluster share it the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -34,11 +36,25 @@ prepare_local_environment()
 #: (they inherit the environment; spark-submit passes ``SPARK_SUBMIT_OPTS`` to the driver
 #: JVM). A test's JVM lives seconds to minutes, and on a 2-core machine C2's compiler threads
 #: take a third of its CPU time for code that ends before it pays back; what runs is the same.
+#: The executors of a ``local-cluster`` session get it too (``_session_settings``), and every
+#: JVM of the tests' standalone clusters (``standalone_cluster(java_options=...)``).
 TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
 if TEST_JVM_OPTIONS not in os.environ.get("SPARK_SUBMIT_OPTS", ""):
     os.environ["SPARK_SUBMIT_OPTS"] = (
         f"{os.environ.get('SPARK_SUBMIT_OPTS', '')} {TEST_JVM_OPTIONS}".strip()
     )
+
+
+def _session_settings(kind: tuple) -> dict:
+    """The settings a session of ``kind`` starts with: the module's, and on a
+    ``local-cluster`` the executors' JVMs (each a process of its own, launched by the
+    workers in the driver's JVM, which ``SPARK_SUBMIT_OPTS`` does not reach) with
+    ``TEST_JVM_OPTIONS`` too, after the module's own executor options."""
+    master, settings = kind[0], dict(kind[1])
+    if master.startswith("local-cluster"):
+        key = "spark.executor.extraJavaOptions"
+        settings[key] = f"{settings.get(key, '')} {TEST_JVM_OPTIONS}".strip()
+    return settings
 
 
 def _spark_kind(module) -> tuple:
@@ -97,12 +113,82 @@ def spark(request):
     if session is None or _shared_spark.get("kind") != kind or not _running(session):
         _stop_shared_spark()
         session = local_spark(
-            kind[0], f"allreduce-param {request.module.__name__}", CONF_DIR, **dict(kind[1])
+            kind[0],
+            f"allreduce-param {request.module.__name__}",
+            CONF_DIR,
+            **_session_settings(kind),
         )
         _shared_spark.update(kind=kind, session=session)
     yield session
     if not _next_module_shares(request.session.items, request.module, kind):
         _stop_shared_spark()
+
+
+#: module-spanning fixtures while the modules that take them run: name -> (value, ExitStack)
+_shared_fixtures: dict = {}
+#: the fixtures shared so between the modules that take them (run one after another)
+SHARED_FIXTURES = ("two_workers",)
+
+
+def _shared_fixture(request, name: str, start: Callable):
+    """``start(stack)``'s value, made for the first module that takes fixture ``name`` and
+    kept for the modules that take it right after (``pytest_collection_modifyitems`` runs
+    them one after another); ``stack`` (an ExitStack) closed after the last of them."""
+    if name not in _shared_fixtures:
+        stack = contextlib.ExitStack()
+        try:
+            _shared_fixtures[name] = (start(stack), stack)
+        except BaseException:
+            stack.close()
+            raise
+    yield _shared_fixtures[name][0]
+    if not _next_module_takes(request.session.items, request.module, name):
+        _shared_fixtures.pop(name)[1].close()
+
+
+def _next_module_takes(items, module, name: str) -> bool:
+    """Whether the module that runs after ``module`` takes fixture ``name``."""
+    after = [i for i, item in enumerate(items) if getattr(item, "module", None) is module]
+    if not after or after[-1] + 1 >= len(items):
+        return False
+    following = getattr(items[after[-1] + 1], "module", None)
+    return following is not None and any(
+        name in getattr(item, "fixturenames", ())
+        for item in items[after[-1] + 1 :]
+        if getattr(item, "module", None) is following
+    )
+
+
+@pytest.fixture(scope="module")
+def two_workers(request, tmp_path_factory):
+    """A standalone cluster (``harness.spark_standalone``) of a master and two one-core
+    workers, and its simulated host: on 192.0.2.1 inside a simulated host
+    (``harness.sim_hosts``: a network namespace of its own, whose only addresses are that
+    and 127.0.0.1) where one can be made, else on 127.0.0.1 with ``host`` None and
+    ``refusal`` saying why. ``(cluster, host, refusal)``. Shared by the modules that take it
+    (test_network_namespace, test_standalone_cluster: a cluster's three JVMs start once)."""
+
+    def start(stack: contextlib.ExitStack):
+        from harness.sim_hosts import simulated_hosts
+        from harness.spark_standalone import python_environment, standalone_cluster
+
+        host, refusal, where = None, None, {}
+        try:
+            host = stack.enter_context(simulated_hosts(1)).hosts[0]
+            where = {"host": host.address, "prefix": host.prefix}
+        except pytest.skip.Exception as skipped:
+            refusal = str(skipped)
+        cluster = stack.enter_context(
+            standalone_cluster(
+                tmp_path_factory.mktemp("two-workers"),
+                environment=python_environment(),
+                java_options=TEST_JVM_OPTIONS,
+                **where,
+            )
+        )
+        return cluster, host, refusal
+
+    yield from _shared_fixture(request, "two_workers", start)
 
 
 def _uses_spark(items) -> bool:
@@ -130,6 +216,13 @@ def pytest_collection_modifyitems(session, config, items):
     groups: dict = {}  # kind (or the module itself, for one without Spark): its modules
     for module, members in modules.items():
         key = _spark_kind(module) if module is not None and _uses_spark(members) else module
+        shared = [
+            name
+            for name in SHARED_FIXTURES
+            if any(name in getattr(item, "fixturenames", ()) for item in members)
+        ]
+        if module is not None and shared:
+            key = ("shared fixture", shared[0])
         groups.setdefault(key, []).append(module)
     items[:] = [
         item
@@ -155,6 +248,8 @@ def _mark_tiers(items) -> None:
 
 def pytest_sessionfinish(session, exitstatus):
     _stop_shared_spark()  # after -x or an interruption, a shared session may still run
+    while _shared_fixtures:  # and a shared cluster
+        _shared_fixtures.popitem()[1][1].close()
 
 
 def pytest_sessionstart(session):

@@ -19,7 +19,12 @@ cloudpickle.register_pickle_by_value(sys.modules["test_fault_tolerance"])
 
 
 SPARK_MASTER = "local[2]"
-SPARK_SETTINGS = {"spark.stage.maxConsecutiveAttempts": "1"}
+#: test_worker_memory's session too (one JVM for both: a session of settings of its own
+#: takes seconds to start); its memory setting changes nothing of these small fits
+SPARK_SETTINGS = {
+    "spark.stage.maxConsecutiveAttempts": "1",
+    "spark.executor.pyspark.memory": "2g",
+}
 
 
 @pytest.fixture(scope="module")

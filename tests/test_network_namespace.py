@@ -1,36 +1,29 @@
 """A fit on an address other than loopback: a standalone cluster and its driver inside a
 private network namespace whose only addresses are 127.0.0.1 and 192.0.2.1 (a documentation
-address, on its loopback device: these machines have no dummy interface module), every
-process of the fit on 192.0.2.1 (``SPARK_LOCAL_IP``).
+address: a simulated host of ``harness.sim_hosts``, its one link to nothing else), every
+process of the fit on 192.0.2.1 (``SPARK_LOCAL_IP``). The cluster is the ``two_workers`` one
+of the conftest, which test_standalone_cluster's README recipe shares.
 
 The engine's own listeners (the driver's message server, each task's block server) must be
 on 192.0.2.1 and in the ``spark.allreduce.portRange`` given on the spark-submit command line,
 and none of them on 127.0.0.1 (PySpark's own gateway may listen there). The driver
 (``namespace_driver.py``) snapshots the namespace's listening sockets when the tasks meet.
 
-Root only (a network namespace and an address on its loopback), skipped otherwise, and when
-``unshare``, ``nsenter`` or ``ip`` is missing or refused (a container may forbid them).
+Root only (a network namespace and a link), skipped otherwise, and when ``unshare``,
+``nsenter`` or ``ip`` is missing or refused (a container may forbid them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import select
-import shutil
-import signal
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from harness.spark_standalone import (
-    SPARK_SUBMIT,
-    class_archive_submit_options,
-    python_environment,
-    standalone_cluster,
-)
-from namespace_driver import MARKER, describe
+from harness.spark_standalone import SPARK_SUBMIT, class_archive_submit_options
+from namespace_driver import MARKER
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.netns]
 
@@ -43,101 +36,28 @@ EPOCHS = 3
 DRIVER = Path(__file__).resolve().parent / "namespace_driver.py"
 
 
-def _processes_in(namespace: str, but: int) -> list[int]:
-    """The pids of the processes in the network namespace ``namespace`` (``net:[inode]``),
-    except ``but``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != but:
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{name}/ns/net") == namespace:
-                    found.append(int(name))
-    return found
-
-
 @pytest.fixture(scope="module")
-def namespace():
-    """``nsenter``'s arguments into a new network namespace with lo up and 192.0.2.1/32 on it.
-
-    The namespace is held by ``unshare -n sh -c '...; exec sleep'``, which configures it from
-    inside (so nothing here can touch this host's own network, whatever the timing) and then
-    says so on its stdout. Torn down by killing the holder; any process the tests left in it
-    is killed too, and named as the teardown's error."""
-    if os.geteuid() != 0:
-        pytest.skip(
-            "a network namespace with an address of its own needs root (unshare -n, ip addr add)"
-        )
-    missing = [tool for tool in ("unshare", "nsenter", "ip") if shutil.which(tool) is None]
-    if missing:
-        pytest.skip(f"no {', '.join(missing)} on this machine (util-linux, iproute2)")
-    script = (
-        f"ip link set lo up && ip addr add {ADDRESS}/32 dev lo && echo ready && exec sleep infinity"
-    )
-    holder = subprocess.Popen(
-        ["unshare", "--net", "sh", "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
+def namespace(two_workers):
+    """The simulated host's network namespace (``net:[inode]``) and what enters it."""
+    cluster, host, refusal = two_workers
+    if host is None:
+        pytest.skip(refusal)
+    assert host.address == cluster.host == ADDRESS, (host, cluster.host)
+    shown = subprocess.run(
+        [*host.prefix, "ip", "-4", "-o", "addr", "show"],
+        capture_output=True,
         text=True,
+        timeout=30,
     )
-    try:
-        # "ready" once configured; "" if it exits
-        ready, _, _ = select.select([holder.stdout], [], [], 30)
-        line = holder.stdout.readline() if ready else ""
-        if line.strip() != "ready":
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(holder.pid, signal.SIGKILL)  # still starting after 30 s
-            holder.wait(30)
-            pytest.skip(
-                f"could not make a network namespace with {ADDRESS} (unshare --net, ip addr add: exit "
-                f"{holder.returncode}): {holder.stderr.read().strip()}"
-            )
-        ours, theirs = os.readlink("/proc/self/ns/net"), os.readlink(f"/proc/{holder.pid}/ns/net")
-        assert theirs != ours, (
-            "unshare --net said it was ready in this process's own network namespace"
-        )
-        prefix = ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
-        seen = subprocess.run(
-            [*prefix, "ip", "-4", "-o", "addr", "show", "dev", "lo"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if seen.returncode != 0:
-            pytest.skip(f"nsenter into the new network namespace failed: {seen.stderr.strip()}")
-        assert f"inet {ADDRESS}/32" in seen.stdout and "inet 127.0.0.1/8" in seen.stdout, (
-            seen.stdout
-        )
-        yield {"prefix": prefix, "namespace": theirs}
-    finally:
-        left = (
-            _processes_in(os.readlink(f"/proc/{holder.pid}/ns/net"), holder.pid)
-            if holder.poll() is None
-            else []
-        )
-        stray = [describe(pid) for pid in left]
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(holder.pid, signal.SIGKILL)
-        holder.wait(30)
-        holder.stdout.close()
-        holder.stderr.close()
-    assert not left, f"processes left running in the test's network namespace (killed now): {stray}"
+    assert shown.returncode == 0, shown.stderr
+    addresses = sorted(re.findall(r"inet (\S+)", shown.stdout))
+    assert addresses == ["127.0.0.1/8", f"{ADDRESS}/24"], shown.stdout
+    return {"prefix": host.prefix, "namespace": host.namespace}
 
 
 @pytest.fixture(scope="module")
-def cluster(namespace, tmp_path_factory):
-    """A master and two one-core workers on 192.0.2.1 in the namespace; stopped before it."""
-    with standalone_cluster(
-        tmp_path_factory.mktemp("namespace-cluster"),
-        host=ADDRESS,
-        prefix=namespace["prefix"],
-        environment=python_environment(),
-    ) as running:
-        yield running
+def cluster(two_workers, namespace):
+    return two_workers[0]
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +102,8 @@ def test_the_fit_trains_on_both_workers_inside_the_namespace(fit, cluster, names
     # an executor of the application in each worker's work dir, and the barrier stage on both
     # (a worker may hold two: the standalone master relaunches an executor that exited, which
     # a run of fresh-ci once saw while the fit itself trained on both)
-    executors = [sorted(work.glob("app-*/*/stderr")) for work in cluster.worker_dirs()]
+    (application,) = set(re.findall(r"app ID (app-[\d-]+)", output))
+    executors = [sorted(work.glob(f"{application}/*/stderr")) for work in cluster.worker_dirs()]
     assert len(executors) == 2 and all(executors), executors
     assert "scheduled all the 2 tasks for barrier stage" in output, output[-3000:]
 

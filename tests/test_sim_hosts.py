@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TEST_JVM_OPTIONS
 from harness.sim_hosts import simulated_hosts
 from harness.spark_standalone import (
     SPARK_SUBMIT,
@@ -259,6 +260,7 @@ def cluster(hosts, tmp_path_factory):
         cores=PER_HOST,
         memory="1g",
         environment=python_environment(),
+        java_options=TEST_JVM_OPTIONS,
         worker_places=[(host.address, host.prefix) for host in hosts.hosts],
     ) as running:
         running.started_in = time.monotonic() - started

@@ -1,10 +1,11 @@
 """The README's cluster recipe, as written, on a real standalone cluster: a master and two
-one-core workers on 127.0.0.1 (``spark_standalone``), and the main job through
-``spark-submit --properties-file conf/cluster/standalone.conf``.
+one-core workers (the conftest's ``two_workers``, which test_network_namespace shares: on
+192.0.2.1 in a simulated host where root can make one, else on 127.0.0.1), and the main job
+through ``spark-submit --properties-file conf/cluster/standalone.conf``.
 
 The job runs from the checkout with only what this machine needs besides the recipe:
-SPARK_LOCAL_IP (the cluster is on loopback), the Python (PYSPARK_PYTHON), and PYTHONPATH
-when the package is not installed in that Python.
+SPARK_LOCAL_IP (the cluster's address), the Python (PYSPARK_PYTHON), PYTHONPATH when the
+package is not installed in that Python, and the tests' JIT setting for every JVM.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from harness.spark_standalone import SPARK_SUBMIT, python_environment, standalone_cluster
+from harness.spark_standalone import SPARK_SUBMIT
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.cluster]
 
@@ -20,12 +21,8 @@ EPOCHS = 4
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Two workers of one core each on 127.0.0.1, stopped when the module's tests are done."""
-    with standalone_cluster(
-        tmp_path_factory.mktemp("standalone"), environment=python_environment()
-    ) as running:
-        yield running
+def cluster(two_workers):
+    return two_workers[0]
 
 
 def test_the_readme_recipe_trains_the_main_job_on_a_standalone_cluster(cluster, tmp_path):
@@ -54,7 +51,8 @@ def test_the_readme_recipe_trains_the_main_job_on_a_standalone_cluster(cluster, 
     assert (tmp_path / "model" / "weights.npy").is_file()
     # on the cluster: an executor of the application in each worker's work dir, the fit's
     # barrier stage on both (Spark's INFO line), and the tasks' live progress reached the driver
-    executors = [sorted(work.glob("app-*/*/stderr")) for work in cluster.worker_dirs()]
+    (application,) = set(re.findall(r"app ID (app-[\d-]+)", output))
+    executors = [sorted(work.glob(f"{application}/*/stderr")) for work in cluster.worker_dirs()]
     assert [len(found) for found in executors] == [1, 1], executors
     assert "scheduled all the 2 tasks for barrier stage" in output, output[-3000:]
     assert (

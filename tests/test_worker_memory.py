@@ -10,7 +10,12 @@ from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
 from allreduce_param.train.driver.memory import spark_bytes, worker_allowance, worker_bytes
 
 SPARK_MASTER = "local[2]"
-SPARK_SETTINGS = {"spark.executor.pyspark.memory": "2g"}
+#: test_fault_without_retries' session too (one JVM for both); the refusals here come
+#: before any stage, so its stage retries off change nothing of them
+SPARK_SETTINGS = {
+    "spark.stage.maxConsecutiveAttempts": "1",
+    "spark.executor.pyspark.memory": "2g",
+}
 
 
 def resident_bytes() -> int:

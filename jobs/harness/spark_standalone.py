@@ -140,6 +140,7 @@ def standalone_cluster(
     environment: dict[str, str] | None = None,
     timeout: float = 120.0,
     worker_places: Sequence[tuple[str, Sequence[str]]] | None = None,
+    java_options: str = "",
 ):
     """A master and ``workers`` workers of ``cores`` cores and ``memory`` each, on ``host``;
     the ``StandaloneCluster`` once every worker has registered. Stopped (process groups
@@ -156,6 +157,12 @@ def standalone_cluster(
     ``worker_places``: one worker at each ``(address, prefix)`` given, with that
     ``SPARK_LOCAL_IP``, in place of ``workers`` workers on ``host`` (the master and
     ``cluster.run`` stay on ``host`` with ``prefix``).
+    ``java_options``: options for every JVM of the cluster, e.g. the tests' C1-only JIT
+    (``-XX:TieredStopAtLevel=1``): the daemons, the executors the workers launch and the
+    drivers ``cluster.run`` starts, through ``JAVA_TOOL_OPTIONS`` (the one variable every
+    JVM reads, whatever launched it: a worker's executors inherit its environment, and a
+    recipe's command line stays as written). Each JVM then says "Picked up
+    JAVA_TOOL_OPTIONS" on its stderr.
     """
     folder.mkdir(parents=True, exist_ok=True)
     base = {
@@ -163,6 +170,8 @@ def standalone_cluster(
         for key, value in os.environ.items()
         if not key.startswith(("SPARK_", "PYSPARK_")) and key != "PYTHONPATH"
     }  # no setting of this process's
+    if java_options:
+        base["JAVA_TOOL_OPTIONS"] = f"{base.get('JAVA_TOOL_OPTIONS', '')} {java_options}".strip()
     cluster = StandaloneCluster(
         "", host, folder, {**base, "SPARK_LOCAL_IP": host, **(environment or {})}, tuple(prefix)
     )
