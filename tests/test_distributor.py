@@ -302,6 +302,9 @@ def test_torchrunʼs_variables_from_the_hosts():
         "GROUP_RANK": "1",
         "MASTER_ADDR": "10.0.0.5",
         "MASTER_PORT": "40001",
+        "TORCHELASTIC_RUN_ID": "allreduce-param-10.0.0.5-40001",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
     }
 
 

@@ -117,15 +117,20 @@ def test_each_dtype_sums_as_numpy_does_in_rank_order():
         for dtype in DTYPES:
             tensor = tensor_of(dtype, rank)
             group.allreduce([tensor], reduce_opts(dist.ReduceOp.SUM)).wait()
-            out[dtype] = tensor
+            average = tensor_of(dtype, rank)
+            group.allreduce([average], reduce_opts(dist.ReduceOp.AVG)).wait()
+            out[dtype] = tensor, average
         return out
 
     results = run_groups(world, body)
     for dtype in DTYPES:
         expected = tensor_of(dtype, 0) + tensor_of(dtype, 1)  # torch's own sum, in the dtype
+        # AVG: that sum over 2 in the dtype; integers truncated toward zero, as NCCL's are
+        mean = expected / 2 if dtype.is_floating_point else expected.div(2, rounding_mode="trunc")
         for result in results:
-            assert result[dtype].dtype == dtype
-            assert torch.equal(result[dtype], expected), dtype
+            assert result[dtype][0].dtype == result[dtype][1].dtype == dtype
+            assert torch.equal(result[dtype][0], expected), dtype
+            assert torch.equal(result[dtype][1], mean), dtype
 
 
 @pytest.mark.slow
@@ -205,9 +210,9 @@ def test_what_is_not_supported_is_named():
             errors.append(str(caught.value))
         with pytest.raises(UsageError, match="send is not supported"):
             group.send([torch.zeros(1)], 0, 0)
-        with pytest.raises(InputError, match="AVG of int32"):
+        with pytest.raises(InputError, match="AVG of bool"):
             group.allreduce(
-                [torch.zeros(2, dtype=torch.int32)], reduce_opts(dist.ReduceOp.AVG)
+                [torch.zeros(2, dtype=torch.bool)], reduce_opts(dist.ReduceOp.AVG)
             ).wait()
         return errors
 

@@ -79,7 +79,12 @@ def rank_environment(
     """The variables torchrun sets for ``rank``, given the ranks on each host (``hosts``,
     the engine's ``HandleInfo.hosts``) and rank 0's block server address (``master``):
     a true address and a port rank 0 holds while the group lives, which nothing else
-    can take (the group needs no store of torch's: its collectives run on the engine)."""
+    can take (the group needs no store of torch's: its collectives run on the engine).
+
+    ``TORCHELASTIC_RUN_ID`` (with the restart counts, 0: a run is never restarted) says
+    the processes were started for the user, as torchrun's are: Lightning reads it to take
+    its ranks from this environment (its ``TorchElasticEnvironment``) instead of starting
+    processes of its own."""
     world = sum(len(ranks) for ranks in hosts)
     node = next(index for index, ranks in enumerate(hosts) if rank in ranks)
     return {
@@ -90,6 +95,9 @@ def rank_environment(
         "GROUP_RANK": str(node),
         "MASTER_ADDR": str(master[0]),
         "MASTER_PORT": str(master[1]),
+        "TORCHELASTIC_RUN_ID": f"allreduce-param-{master[0]}-{master[1]}",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
     }
 
 

@@ -373,10 +373,18 @@ def _expect_length(tensor: torch.Tensor, length: int, call: str) -> None:
 
 
 def _divide(values: np.ndarray, world: int, call: str) -> np.ndarray:
-    """``values`` / ``world`` in their dtype (ReduceOp.AVG): floating dtypes only."""
-    if values.dtype.kind not in "fV" and values.dtype.name != "bfloat16":
+    """``values`` / ``world`` in their dtype (ReduceOp.AVG). Integers are divided as NCCL
+    divides them, truncating toward zero (Lightning averages its integer batch counts with
+    AVG on every backend but gloo); bool, which has no mean, is refused."""
+    if values.dtype.kind == "b":
         raise InputError(
-            f"{call}: ReduceOp.AVG of {values.dtype} tensors is not supported by the {BACKEND} "
-            "backend (the mean of integers is not one); use SUM and divide"
+            f"{call}: ReduceOp.AVG of bool tensors is not supported by the {BACKEND} backend "
+            "(a mean of booleans is not one); use SUM or MAX"
         )
+    if values.dtype.kind in "iu":
+        divisor = values.dtype.type(world)
+        quotient = values // divisor  # floor: one up where a negative value had a remainder
+        if values.dtype.kind == "i":
+            quotient += ((values < 0) & (values % divisor != 0)).astype(values.dtype)
+        return quotient
     return (values / values.dtype.type(world)).astype(values.dtype, copy=False)
