@@ -33,7 +33,7 @@ def _rows(sparse: bool, rows: int = 50):
 def test_rows_read_block_by_block_from_disk_give_the_in_memory_solution(tmp_path, sparse):
     X, y, w = _rows(sparse)
     problem = GlmProblem(
-        "multinomial", 6, num_classes=3, reg_param=0.01, elastic_net_param=0.2, max_iter=20
+        "multinomial", 6, num_classes=3, reg_param=0.01, elastic_net_param=0.2, max_iter=10
     )
     cuts = np.array_split(np.arange(len(y)), 2)
 
