@@ -91,6 +91,7 @@ def encode_solution(solution: GlmSolution) -> tuple[bytes, bytes]:
         "objective_history": [float(value) for value in solution.objective_history],
         "iterations": int(solution.iterations),
         "note": getattr(solution, "note", None),
+        "objective_scale": float(solution.objective_scale),
     }
     return buffer.getvalue(), json.dumps(figures).encode()
 
@@ -106,6 +107,7 @@ def decode_solution(arrays: bytes, figures: bytes) -> GlmSolution:
         objective_history=told["objective_history"],
         iterations=told["iterations"],
         note=told["note"],
+        objective_scale=told.get("objective_scale", 1.0),
     )
 
 

@@ -194,7 +194,14 @@ def solve_glm(
     )
     coefficients, intercepts = objective.original(sums.gather(result.x))
     note = None if result.reason != "line search failed" else "the line search failed"
-    return GlmSolution(coefficients, intercepts, result.objective_history, result.iterations, note)
+    return GlmSolution(
+        coefficients,
+        intercepts,
+        result.objective_history,
+        result.iterations,
+        note,
+        objective.label_scale**2 if problem.family == "gaussian" else 1.0,
+    )
 
 
 def _special_case(problem: GlmProblem, stats) -> GlmSolution | None:
