@@ -11,6 +11,7 @@ import scipy.optimize
 import scipy.special
 from conftest import run_partitions
 from pyspark.ml.linalg import Vectors
+from test_watchers import events
 
 from allreduce_param import DistriOptimizer, TrainedModel, models, optim
 from allreduce_param.engine import AllReduceParameter
@@ -97,7 +98,8 @@ def test_squared_error_objective_is_minimised_as_scipy_finds_it():
 def test_lbfgs_fits_a_builtin_logistic_model_to_scipys_minimiser(spark, tmp_path):
     """One Spark fit: weighted rows, an elastic net (OWL-QN) with standardization; the
     weights are scipy's minimiser, the history one objective per iteration ending at
-    scipy's minimum, and the result predicts, saves and loads as any TrainedModel."""
+    scipy's minimum (TensorBoard's too), and the result predicts, saves and loads as any
+    TrainedModel."""
     X, w = _data(40, seed=3)
     margin = X @ np.array([1.0, -0.7, 1.5]) + 0.5
     y = (np.random.default_rng(4).uniform(size=40) < 1 / (1 + np.exp(-margin))).astype(float)
@@ -108,7 +110,13 @@ def test_lbfgs_fits_a_builtin_logistic_model_to_scipys_minimiser(spark, tmp_path
     rule = Regularization(0.02, 0.5, standardization=True)
     model = models.LogisticRegression(3)
     trained = DistriOptimizer(
-        model, None, solver="lbfgs", regularization=rule, max_iter=300, tol=1e-14
+        model,
+        None,
+        solver="lbfgs",
+        regularization=rule,
+        max_iter=300,
+        tol=1e-14,
+        tensorboard_dir=str(tmp_path / "tb"),
     ).fit(frame, weight_col="weight")
     expected, minimum = _minimum(X, y, w, rule, "logistic")
     tensors = model.tensors(trained.weights)
@@ -118,6 +126,9 @@ def test_lbfgs_fits_a_builtin_logistic_model_to_scipys_minimiser(spark, tmp_path
     assert history[-1]["loss"] == pytest.approx(minimum, rel=1e-9)
     assert [e["epoch"] for e in history] == list(range(len(history)))
     assert history[0]["loss"] > history[-1]["loss"] and trained.epochs_done == len(history) - 1
+    scalars = events(tmp_path / "tb")["epoch/loss"]  # watched as every fit
+    assert [step for step, _ in scalars] == list(range(len(history)))
+    np.testing.assert_allclose([v for _, v in scalars], [e["loss"] for e in history], rtol=1e-6)
     predicted = trained.predict_numpy(X.astype(np.float32))
     np.testing.assert_array_equal(predicted, (X @ expected[:3] + expected[3] > 0).astype(int))
     trained.save(tmp_path / "model")

@@ -16,6 +16,7 @@ from mlflow import MlflowClient  # noqa: E402
 from pyspark.ml.evaluation import RegressionEvaluator  # noqa: E402
 from pyspark.ml.linalg import Vectors  # noqa: E402
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder  # noqa: E402
+from test_watchers import events  # noqa: E402
 
 from allreduce_param import DistriOptimizer, models, optim  # noqa: E402
 from allreduce_param.integrations import mlflow as tracking  # noqa: E402
@@ -112,15 +113,15 @@ def test_an_autologged_fit_logs_settings_epoch_metrics_history_and_a_model_that_
 
 @pytest.mark.slow
 def test_a_linear_estimators_fit_logs_its_params_each_iterations_objective_and_a_model(
-    spark, store
+    spark, store, tmp_path
 ):
     """ml.LinearRegression (MLlib's drop-in, solved by L-BFGS) is watched as every fit: its
-    MLlib Params, objectiveHistory as ``loss`` by iteration, a model that predicts as it."""
+    MLlib Params, objectiveHistory as ``loss`` by iteration, a model that predicts as it;
+    with ``tensorboardDir``, the same objective as TensorBoard's ``epoch/loss``."""
     X, data = regression(spark, rows=24)
     tracking.autolog()
-    fitted = LinearRegression(regParam=0.1, elasticNetParam=0.5, maxIter=30, solver="l-bfgs").fit(
-        data
-    )
+    estimator = LinearRegression(regParam=0.1, elasticNetParam=0.5, maxIter=30, solver="l-bfgs")
+    fitted = estimator.setTensorboardDir(str(tmp_path / "tb")).fit(data)
     (run,) = runs()
     assert run.info.status == "FINISHED"
     params = run.data.params
@@ -130,6 +131,9 @@ def test_a_linear_estimators_fit_logs_its_params_each_iterations_objective_and_a
     objective = fitted.summary.objectiveHistory
     assert [point.step for point in history] == list(range(len(objective)))
     assert [point.value for point in history] == pytest.approx(objective, rel=1e-12)
+    scalars = events(tmp_path / "tb")["epoch/loss"]
+    assert [step for step, _ in scalars] == list(range(len(objective)))
+    np.testing.assert_allclose([value for _, value in scalars], objective, rtol=1e-6)
     (logged,) = mlflow.search_logged_models(output_format="list")
     expected = X.astype(np.float64) @ fitted.coefficients.toArray() + fitted.intercept
     predicted = tracking.load_model(logged.model_uri).predict_numpy(X)

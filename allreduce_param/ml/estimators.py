@@ -135,7 +135,7 @@ class _AllReduceEstimator(_AllReduceParams, FitSettingSetters):
                     weight_col=weight_col,
                     initial=self.getInitialModel(),
                 )
-        except InputError as error:  # the data checks name DistriOptimizer's arguments
+        except (InputError, ConfigurationError) as error:  # named as DistriOptimizer's
             renamed = self._naming_params(error)
             if renamed is error:
                 raise

@@ -82,7 +82,7 @@ class LinearRegression(
             *columns,
             False,
             problem_for,
-            estimator_watch(self, dataset, *columns),
+            estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
         )
         return self._copyValues(LinearRegressionModel(LinearFit.of_solution(solution)))
 

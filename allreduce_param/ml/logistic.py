@@ -129,7 +129,7 @@ class LogisticRegression(
             *columns,
             True,
             problem_for,
-            estimator_watch(self, dataset, *columns),
+            estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
             num_classes=told_classes(metadata),
         )
         return self._copyValues(LogisticRegressionModel(LinearFit.of_solution(solution)))

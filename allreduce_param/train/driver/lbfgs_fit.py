@@ -83,7 +83,7 @@ def check_lbfgs(
     if changed:
         raise ConfigurationError(
             f"solver='lbfgs' is one full-batch solve and does not use {', '.join(changed)}: "
-            "leave them at their defaults (max_iter and tol stop it), or use "
+            "leave each at its default (max_iter and tol stop it), or use "
             "solver='minibatch'"
         )
     for name, value in (
