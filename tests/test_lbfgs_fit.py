@@ -150,5 +150,7 @@ def test_what_lbfgs_cannot_do_is_refused_by_name(model, settings, named):
     assert "solver='lbfgs'" in str(refused.value)
     with pytest.raises(ConfigurationError, match="validation"):
         DistriOptimizer(models.LinearRegression(3), None, solver="lbfgs").fit(None, validation=1)
+    with pytest.raises(ConfigurationError, match="pass None"):
+        DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), solver="lbfgs").fit(None)
     with pytest.raises(ConfigurationError, match="solver must be one of"):
         DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), solver="newton")

@@ -191,8 +191,11 @@ class _AllReduceEstimator(_AllReduceParams, FitSettingSetters):
                 f"optimizer={self.getOptimizer()!r} is not one of {', '.join(OPTIMIZERS)}"
             )
         settings = settings or self._settings()
+        # solver="lbfgs" is its own optimizer (stepSize and optimizer mean nothing to it)
+        lbfgs = settings.solver == "lbfgs"
+        optimizer = None if lbfgs else OPTIMIZERS[name](lr=self.getStepSize())
         try:
-            return DistriOptimizer(network, OPTIMIZERS[name](lr=self.getStepSize()), settings)
+            return DistriOptimizer(network, optimizer, settings)
         except ConfigurationError as error:
             raise self._naming_params(error) from error
 

@@ -212,7 +212,9 @@ class DistriOptimizer:
         if self.settings.solver == "lbfgs":  # the linear Estimators' full-batch solve
             from allreduce_param.train.driver.lbfgs_fit import check_lbfgs, fit_lbfgs
 
-            check_lbfgs(self.model, self.settings, data, validation, resume_from, initial)
+            check_lbfgs(
+                self.model, self.optimizer, self.settings, data, validation, resume_from, initial
+            )
             return fit_lbfgs(self.model, self.settings, data, features_col, label_col, weight_col)
         started, started_at = time.perf_counter(), time.time()
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers

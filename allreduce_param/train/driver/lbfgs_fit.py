@@ -61,6 +61,7 @@ FAMILIES = {
 
 def check_lbfgs(
     model: Any,
+    optimizer: Any,
     settings: FitSettings,
     data: Any,
     validation: Any = None,
@@ -73,6 +74,11 @@ def check_lbfgs(
             f"solver='lbfgs' fits the built-in LinearRegression, LogisticRegression and "
             f"SoftmaxRegression (allreduce_param.models), not {type(model).__name__}: train it "
             "with solver='minibatch' (the default) and an optimizer"
+        )
+    if optimizer is not None:
+        raise ConfigurationError(
+            f"solver='lbfgs' is the optimizer itself and would not use {optimizer!r}: pass "
+            "None, DistriOptimizer(model, None, solver='lbfgs'), or solver='minibatch'"
         )
     defaults = FitSettings()
     changed = sorted(
