@@ -139,7 +139,11 @@ def test_lbfgs_fits_a_builtin_logistic_model_to_scipys_minimiser(spark, tmp_path
     ("model", "settings", "named"),
     [
         (models.MLP([3, 4, 2]), {}, "MLP"),
-        (models.LogisticRegression(3), {"batch_size": 64, "codec": "raw"}, "batch_size, codec"),
+        (
+            models.LogisticRegression(3),
+            {"batch_size": 64, "codec": "raw"},
+            "batch_size=64, codec='raw'",
+        ),
         (models.LogisticRegression(3), {"strategy": "ssp", "staleness": 2}, "staleness"),
     ],
 )

@@ -81,11 +81,11 @@ def check_lbfgs(
             "None, DistriOptimizer(model, None, solver='lbfgs'), or solver='minibatch'"
         )
     defaults = FitSettings()
-    changed = sorted(
-        name
-        for name in FitSettings.__dataclass_fields__
+    changed = [
+        f"{name}={getattr(settings, name)!r}"
+        for name in sorted(FitSettings.__dataclass_fields__)
         if name not in LBFGS_SETTINGS and getattr(settings, name) != getattr(defaults, name)
-    )
+    ]
     if changed:
         raise ConfigurationError(
             f"solver='lbfgs' is one full-batch solve and does not use {', '.join(changed)}: "
