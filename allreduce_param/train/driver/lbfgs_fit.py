@@ -179,11 +179,14 @@ def watched_fit_glm(
     problem_for: Callable[[DataSummary], GlmProblem],
     watched_for: Callable[[GlmProblem], WatchedFit],
     num_classes: int | None = None,
-) -> tuple[GlmSolution, TrainedModel]:
+    trained: bool = False,
+) -> tuple[GlmSolution, TrainedModel | None]:
     """``fit_glm`` with the fit's watchers (``watched_for(problem)`` says what they watch,
     its ``model`` the built-in one the solution becomes): opened once the data checks have
     passed, so a refused fit leaves no run; told each iteration's objective as an
-    ``"epoch"`` event and the result, or the error that ended the fit."""
+    ``"epoch"`` event and the result, or the error that ended the fit. The solution, and
+    its ``TrainedModel`` where anyone watches or ``trained`` asks for it (else None: a wide
+    model's float32 copy is not made for nobody)."""
     started = time.perf_counter()
     opened: list[tuple[GlmProblem, WatchedFit, Watchers]] = []
 
@@ -208,11 +211,13 @@ def watched_fit_glm(
             opened[0][2].fail(error)
         raise
     problem, fit, watchers = opened[0]
+    if not (watchers or trained):
+        return solution, None
     seconds = time.perf_counter() - started
-    trained = trained_model(fit.model, solution, seconds, not problem.label_scaled_l2)
-    for epoch in trained.history.epochs:
+    result = trained_model(fit.model, solution, seconds, not problem.label_scaled_l2)
+    for epoch in result.history.epochs:
         watchers.listen("epoch", epoch)
-    return solution, watchers.finish(lambda: trained)
+    return solution, watchers.finish(lambda: result)
 
 
 def fit_lbfgs(
@@ -241,7 +246,9 @@ def fit_lbfgs(
         lambda summary: glm_problem(model, settings, summary.n_features),
         watched_for,
         num_classes=None if family == "gaussian" else problem_classes(model),
+        trained=True,
     )
+    assert trained is not None  # (asked for)
     return trained
 
 
