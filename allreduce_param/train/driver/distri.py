@@ -210,12 +210,10 @@ class DistriOptimizer:
         type, with that partition and where, after the stage's first run.
         """
         if self.settings.solver == "lbfgs":  # the linear Estimators' full-batch solve
-            from allreduce_param.train.driver.lbfgs_fit import check_lbfgs, fit_lbfgs
+            from allreduce_param.train.driver.lbfgs_fit import fit_lbfgs
 
-            check_lbfgs(
-                self.model, self.optimizer, self.settings, data, validation, resume_from, initial
-            )
-            return fit_lbfgs(self.model, self.settings, data, features_col, label_col, weight_col)
+            columns = (features_col, label_col, weight_col)
+            return fit_lbfgs(self, data, *columns, validation, resume_from, initial)
         started, started_at = time.perf_counter(), time.time()
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
         title = f"allreduce-param fit of {type(self.model).__name__}, {self.settings.epochs} epochs"

@@ -221,15 +221,20 @@ def watched_fit_glm(
 
 
 def fit_lbfgs(
-    model: Any,
-    settings: FitSettings,
+    trainer: Any,
     data: Any,
     features_col: str,
     label_col: str,
     weight_col: str | None,
+    validation: Any = None,
+    resume_from: str | None = None,
+    initial: Any = None,
 ) -> TrainedModel:
-    """``DistriOptimizer.fit`` with ``solver="lbfgs"`` (``check_lbfgs`` passed): the model's
-    objective minimised in one barrier stage, watched as every fit."""
+    """``DistriOptimizer.fit`` (``trainer``'s) with ``solver="lbfgs"``: checked
+    (``check_lbfgs``), then the model's objective minimised in one barrier stage, watched as
+    every fit."""
+    model, settings = trainer.model, trainer.settings
+    check_lbfgs(model, trainer.optimizer, settings, data, validation, resume_from, initial)
     family = FAMILIES[type(model)]
 
     def watched_for(problem: GlmProblem) -> WatchedFit:
