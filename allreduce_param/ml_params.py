@@ -743,6 +743,62 @@ class HasSparseSync(Params):
         return self.getOrDefault(self.sparseSync)
 
 
+class HasSolver(Params):
+    """The fit setting solver as the Param solver."""
+
+    solver = Param(
+        Params._dummy(),
+        "solver",
+        "how the fit minimises: 'minibatch' (the optimizer's steps over batches, "
+        "every setting here) or 'lbfgs' (full-batch L-BFGS, OWL-QN with an L1 part, "
+        "on a built-in LinearRegression, LogisticRegression or SoftmaxRegression: the"
+        " minimiser of its mean loss plus regularization, as MLlib's, to max_iter and"
+        " tol; see docs/linear.md)",
+        typeConverter=TypeConverters.toString,
+    )
+
+    def getSolver(self) -> str:
+        """The value of solver: how the fit minimises: 'minibatch' (the optimizer's steps over
+        batches, every setting here) or 'lbfgs' (full-batch L-BFGS, OWL-QN with an L1 part,
+        on a built-in LinearRegression, LogisticRegression or SoftmaxRegression: the
+        minimiser of its mean loss plus regularization, as MLlib's, to max_iter and tol; see
+        docs/linear.md).
+        """
+        return self.getOrDefault(self.solver)
+
+
+class HasMaxIter(Params):
+    """The fit setting max_iter as the Param maxIter."""
+
+    maxIter = Param(
+        Params._dummy(),
+        "maxIter",
+        "solver='lbfgs': the most L-BFGS iterations (MLlib's maxIter)",
+        typeConverter=TypeConverters.toInt,
+    )
+
+    def getMaxIter(self) -> int:
+        """The value of maxIter: solver='lbfgs': the most L-BFGS iterations (MLlib's maxIter)."""
+        return self.getOrDefault(self.maxIter)
+
+
+class HasTol(Params):
+    """The fit setting tol as the Param tol."""
+
+    tol = Param(
+        Params._dummy(),
+        "tol",
+        "solver='lbfgs': stop once the objective's relative change is below tol (MLlib's rule)",
+        typeConverter=TypeConverters.toFloat,
+    )
+
+    def getTol(self) -> float:
+        """The value of tol: solver='lbfgs': stop once the objective's relative change is below
+        tol (MLlib's rule).
+        """
+        return self.getOrDefault(self.tol)
+
+
 class FitSettingParams(
     HasBatchSize,
     HasMaxEpochs,
@@ -783,6 +839,9 @@ class FitSettingParams(
     HasStandardization,
     HasFitIntercept,
     HasSparseSync,
+    HasSolver,
+    HasMaxIter,
+    HasTol,
 ):
     """Every fit setting's Param and its getter: the Estimators and their Models have them."""
 
@@ -1025,3 +1084,22 @@ class FitSettingSetters(Params):
         see docs/performance.md); the same weights, bit for bit, either way.
         """
         return self._set(sparseSync=value)
+
+    def setSolver(self, value: str) -> Any:
+        """Set solver: how the fit minimises: 'minibatch' (the optimizer's steps over batches,
+        every setting here) or 'lbfgs' (full-batch L-BFGS, OWL-QN with an L1 part, on a
+        built-in LinearRegression, LogisticRegression or SoftmaxRegression: the minimiser of
+        its mean loss plus regularization, as MLlib's, to max_iter and tol; see
+        docs/linear.md).
+        """
+        return self._set(solver=value)
+
+    def setMaxIter(self, value: int) -> Any:
+        """Set maxIter: solver='lbfgs': the most L-BFGS iterations (MLlib's maxIter)."""
+        return self._set(maxIter=value)
+
+    def setTol(self, value: float) -> Any:
+        """Set tol: solver='lbfgs': stop once the objective's relative change is below tol
+        (MLlib's rule).
+        """
+        return self._set(tol=value)

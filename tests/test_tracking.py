@@ -16,10 +16,11 @@ from mlflow import MlflowClient  # noqa: E402
 from pyspark.ml.evaluation import RegressionEvaluator  # noqa: E402
 from pyspark.ml.linalg import Vectors  # noqa: E402
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder  # noqa: E402
+from test_watchers import events  # noqa: E402
 
 from allreduce_param import DistriOptimizer, models, optim  # noqa: E402
 from allreduce_param.integrations import mlflow as tracking  # noqa: E402
-from allreduce_param.ml import AllReduceRegressor  # noqa: E402
+from allreduce_param.ml import AllReduceRegressor, LinearRegression  # noqa: E402
 
 SPARK_MASTER = "local[2]"
 
@@ -108,6 +109,35 @@ def test_an_autologged_fit_logs_settings_epoch_metrics_history_and_a_model_that_
     arrays = data.select(vector_to_array("features").alias("features"))
     out = [row[0] for row in arrays.select(predict("features")).collect()]
     np.testing.assert_allclose(out, expected, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_linear_estimators_fit_logs_its_params_each_iterations_objective_and_a_model(
+    spark, store, tmp_path
+):
+    """ml.LinearRegression (MLlib's drop-in, solved by L-BFGS) is watched as every fit: its
+    MLlib Params, objectiveHistory as ``loss`` by iteration, a model that predicts as it;
+    with ``tensorboardDir``, the same objective as TensorBoard's ``epoch/loss``."""
+    X, data = regression(spark, rows=24)
+    tracking.autolog()
+    estimator = LinearRegression(regParam=0.1, elasticNetParam=0.5, maxIter=30, solver="l-bfgs")
+    fitted = estimator.setTensorboardDir(str(tmp_path / "tb")).fit(data)
+    (run,) = runs()
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["regParam"] == "0.1" and params["maxIter"] == "30"
+    assert params["model"] == "LinearRegression" and params["optimizer"] == "L-BFGS"
+    history = MlflowClient().get_metric_history(run.info.run_id, "loss")
+    objective = fitted.summary.objectiveHistory
+    assert [point.step for point in history] == list(range(len(objective)))
+    assert [point.value for point in history] == pytest.approx(objective, rel=1e-12)
+    scalars = events(tmp_path / "tb")["epoch/loss"]
+    assert [step for step, _ in scalars] == list(range(len(objective)))
+    np.testing.assert_allclose([value for _, value in scalars], objective, rtol=1e-6)
+    (logged,) = mlflow.search_logged_models(output_format="list")
+    expected = X.astype(np.float64) @ fitted.coefficients.toArray() + fitted.intercept
+    predicted = tracking.load_model(logged.model_uri).predict_numpy(X)
+    np.testing.assert_allclose(predicted, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -135,7 +135,7 @@ class _AllReduceEstimator(_AllReduceParams, FitSettingSetters):
                     weight_col=weight_col,
                     initial=self.getInitialModel(),
                 )
-        except InputError as error:  # the data checks name DistriOptimizer's arguments
+        except (InputError, ConfigurationError) as error:  # named as DistriOptimizer's
             renamed = self._naming_params(error)
             if renamed is error:
                 raise
@@ -191,8 +191,11 @@ class _AllReduceEstimator(_AllReduceParams, FitSettingSetters):
                 f"optimizer={self.getOptimizer()!r} is not one of {', '.join(OPTIMIZERS)}"
             )
         settings = settings or self._settings()
+        # solver="lbfgs" is its own optimizer (stepSize and optimizer mean nothing to it)
+        lbfgs = settings.solver == "lbfgs"
+        optimizer = None if lbfgs else OPTIMIZERS[name](lr=self.getStepSize())
         try:
-            return DistriOptimizer(network, OPTIMIZERS[name](lr=self.getStepSize()), settings)
+            return DistriOptimizer(network, optimizer, settings)
         except ConfigurationError as error:
             raise self._naming_params(error) from error
 

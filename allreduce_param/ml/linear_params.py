@@ -39,6 +39,12 @@ _BLOCK_SIZE_DOC = (
     "is accepted here: each partition computes over all its rows at once"
 )
 
+_TENSORBOARD_DOC = (
+    "a folder to write the fit's objective by iteration to as TensorBoard event files, one "
+    "run folder per fit; needs tensorboardX: pip install 'allreduce-param[tensorboard]' "
+    "(unset: none). Not one of MLlib's Params"
+)
+
 #: The Params refused when set, with what to do instead; ``maxBlockSizeInMB`` only at a value
 #: other than its default, ``loss`` only as "huber" (see ``refuse_unsupported``).
 _REFUSED = {
@@ -67,25 +73,33 @@ class LinearFitSettingParams(HasCheckpointDir, HasCheckpointEvery, HasCheckpoint
 
 class LogisticRegressionParams(_LogisticRegressionParams, LinearFitSettingParams):
     """``LogisticRegression``'s and its Model's Params: MLlib's, with ``aggregationDepth``'s
-    and ``maxBlockSizeInMB``'s documentation saying what they mean here."""
+    and ``maxBlockSizeInMB``'s documentation saying what they mean here, and this project's
+    ``tensorboardDir``."""
 
     aggregationDepth = Param(
         Params._dummy(), "aggregationDepth", _AGGREGATION_DEPTH_DOC, TypeConverters.toInt
     )
     maxBlockSizeInMB = Param(
         Params._dummy(), "maxBlockSizeInMB", _BLOCK_SIZE_DOC, TypeConverters.toFloat
+    )
+    tensorboardDir = Param(
+        Params._dummy(), "tensorboardDir", _TENSORBOARD_DOC, TypeConverters.toString
     )
 
 
 class LinearRegressionParams(_LinearRegressionParams, LinearFitSettingParams):
     """``LinearRegression``'s and its Model's Params: MLlib's, with ``aggregationDepth``'s
-    and ``maxBlockSizeInMB``'s documentation saying what they mean here."""
+    and ``maxBlockSizeInMB``'s documentation saying what they mean here, and this project's
+    ``tensorboardDir``."""
 
     aggregationDepth = Param(
         Params._dummy(), "aggregationDepth", _AGGREGATION_DEPTH_DOC, TypeConverters.toInt
     )
     maxBlockSizeInMB = Param(
         Params._dummy(), "maxBlockSizeInMB", _BLOCK_SIZE_DOC, TypeConverters.toFloat
+    )
+    tensorboardDir = Param(
+        Params._dummy(), "tensorboardDir", _TENSORBOARD_DOC, TypeConverters.toString
     )
 
 
@@ -287,6 +301,19 @@ class LinearSetters(Params):
             ):
                 named = named.replace(flat, param)
             raise ConfigurationError(f"{type(self).__name__}: {named}") from error
+
+    def setTensorboardDir(self, value: str):
+        """Set ``tensorboardDir``: where the fit writes its objective as TensorBoard events."""
+        return self._set(tensorboardDir=value)
+
+    def tensorboard_directory(self) -> str | None:
+        """The ``tensorboardDir`` to write to, or None where it is unset or empty."""
+        folder = self.getParam("tensorboardDir")
+        return (
+            self.getOrDefault(folder)
+            if self.isDefined(folder) and self.getOrDefault(folder)
+            else None
+        )
 
     def weight_column(self) -> str | None:
         """The ``weightCol`` to fit with, or None where it is unset or empty (as MLlib)."""

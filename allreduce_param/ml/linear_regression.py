@@ -64,7 +64,7 @@ class LinearRegression(
         linear_solver(solver, 1)  # a solver MLlib has not fails here, before any job
 
         from allreduce_param.models.glm import GlmProblem
-        from allreduce_param.train.driver.glm_stage import fit_glm
+        from allreduce_param.train.driver.lbfgs_fit import estimator_watch, watched_fit_glm
 
         def problem_for(summary) -> GlmProblem:
             return GlmProblem(
@@ -75,13 +75,14 @@ class LinearRegression(
                 **common_problem(self),
             )
 
-        solution = fit_glm(
+        columns = (self.getFeaturesCol(), self.getLabelCol(), self.weight_column())
+        # watched as every fit: MLflow's autolog, one child run per fit under CrossValidator
+        solution, _ = watched_fit_glm(
             dataset,
-            self.getFeaturesCol(),
-            self.getLabelCol(),
-            self.weight_column(),
+            *columns,
             False,
             problem_for,
+            estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
             **self.fit_options(),
         )
         return self._copyValues(LinearRegressionModel(LinearFit.of_solution(solution)))

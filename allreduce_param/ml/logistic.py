@@ -105,7 +105,7 @@ class LogisticRegression(
         family = self.getFamily()
 
         from allreduce_param.models.glm import GlmProblem
-        from allreduce_param.train.driver.glm_stage import fit_glm
+        from allreduce_param.train.driver.lbfgs_fit import estimator_watch, watched_fit_glm
 
         def problem_for(summary) -> GlmProblem:
             largest = None
@@ -122,13 +122,14 @@ class LogisticRegression(
                 **common_problem(self),
             )
 
-        solution = fit_glm(
+        columns = (self.getFeaturesCol(), label_col, self.weight_column())
+        # watched as every fit: MLflow's autolog, one child run per fit under CrossValidator
+        solution, _ = watched_fit_glm(
             dataset,
-            self.getFeaturesCol(),
-            label_col,
-            self.weight_column(),
+            *columns,
             True,
             problem_for,
+            estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
             num_classes=told_classes(metadata),
             **self.fit_options(),
         )

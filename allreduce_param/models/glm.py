@@ -43,6 +43,9 @@ class GlmProblem:
     tol: float = 1e-6
     history: int = 10  # L-BFGS's memory m (MLlib: 10)
     solver: Literal["l-bfgs", "normal"] = "l-bfgs"
+    # gaussian: the L2 strength divided by the label's std, as MLlib and glmnet (True); False
+    # is DistriOptimizer's objective, mean 0.5 (x.w + b - y)^2 + regParam's penalty on w as it is
+    label_scaled_l2: bool = True
 
     def __post_init__(self) -> None:
         def bad(param: str, value, rule: str) -> InputError:
@@ -75,6 +78,8 @@ class GlmProblem:
             raise bad("solver", self.solver, "must be 'l-bfgs' or 'normal' (resolve 'auto' first)")
         if self.solver == "normal" and self.family != "gaussian":
             raise bad("solver", self.solver, "the normal equations solve the gaussian family only")
+        if not self.label_scaled_l2 and self.solver == "normal":
+            raise bad("solver", self.solver, "label_scaled_l2=False is solved by 'l-bfgs' only")
 
     @property
     def rows(self) -> int:
@@ -99,7 +104,9 @@ class GlmSolution:
     the objective at the start) and ``totalIterations``; ``note`` says what MLlib would have
     logged as a warning (a constant label, say), else None; ``objective_times`` the wall
     clock (``time.time()`` in partition 0's task) at which each history value was reached,
-    empty where the solver did not iterate on the engine."""
+    empty where the solver did not iterate on the engine. ``objective_scale``: what the
+    history multiplies by to be in the label's own units (gaussian: the label's variance,
+    as MLlib's history is of the label divided by its std; else 1)."""
 
     coefficients: np.ndarray
     intercepts: np.ndarray
@@ -107,6 +114,7 @@ class GlmSolution:
     iterations: int
     note: str | None = None
     objective_times: list[float] = field(default_factory=list)
+    objective_scale: float = 1.0
 
 
 def constant_label_answer(problem: GlmProblem, label_mean: float) -> GlmSolution | None:

@@ -9,7 +9,8 @@ the L2 part on the coefficients (never the intercepts):
 
 - gaussian (``LinearRegression``): 0.5 w (x.beta + offset - y/std_y)^2, the label divided by
   its std (glmnet's and MLlib's convention) and, with an intercept, centred; the intercept is
-  not optimized but follows from the means; L1 and L2 strengths divided by std_y.
+  not optimized but follows from the means; L1 and L2 strengths divided by std_y (the L2
+  one not with ``label_scaled_l2=False``: DistriOptimizer's objective, times std_y^2).
 - binomial (``LogisticRegression``): w (log(1 + exp(m)) - y m), m = x.beta + b.
 - multinomial: w (logsumexp(m) - m_y) over K margins, no pivot class.
 
@@ -62,7 +63,8 @@ class GlmObjective:
             per_feature_l1 = self._inverse_std
         l2, l1 = np.zeros(size), np.zeros(size)
         coefficients = p.rows * p.num_features
-        l2[:coefficients] = np.tile(per_feature_l2, p.rows) * (p.l2 * scale)
+        l2_scale = scale if p.label_scaled_l2 else 1.0  # DistriOptimizer's: not by std_y
+        l2[:coefficients] = np.tile(per_feature_l2, p.rows) * (p.l2 * l2_scale)
         l1[:coefficients] = np.tile(per_feature_l1, p.rows) * (p.l1 * scale)
         return l2, l1
 

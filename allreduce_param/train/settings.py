@@ -34,6 +34,8 @@ from allreduce_param.train.regularisation import Regularization, check_fit_inter
 
 #: ``FitSettings.sparse_sync``'s values
 SPARSE_SYNCS = ("auto", "touched", "dense")
+#: ``FitSettings.solver``'s values
+SOLVERS = ("minibatch", "lbfgs")
 #: The ways to place rows on the workers (``partition_scheme``; see ``driver.partitioning``).
 SCHEMES = ("as_is", "contiguous", "round_robin", "random", "overlap_reshuffle")
 
@@ -264,6 +266,23 @@ class FitSettings:
         kind="String",
     )
 
+    solver: str = _setting(
+        "minibatch",
+        "how the fit minimises: 'minibatch' (the optimizer's steps over batches, every setting "
+        "here) or 'lbfgs' (full-batch L-BFGS, OWL-QN with an L1 part, on a built-in "
+        "LinearRegression, LogisticRegression or SoftmaxRegression: the minimiser of its mean "
+        "loss plus regularization, as MLlib's, to max_iter and tol; see docs/linear.md)",
+        kind="String",
+    )
+    max_iter: int = _setting(
+        100, "solver='lbfgs': the most L-BFGS iterations (MLlib's maxIter)", kind="Int"
+    )
+    tol: float = _setting(
+        1e-6,
+        "solver='lbfgs': stop once the objective's relative change is below tol (MLlib's rule)",
+        kind="Float",
+    )
+
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "num_workers", "fetch_threads"):
             value = getattr(self, name)
@@ -313,6 +332,21 @@ class FitSettings:
             raise ConfigurationError(
                 f"keep_optimizer_state must be True or False, got {self.keep_optimizer_state!r}"
             )
+        if self.solver not in SOLVERS:
+            raise ConfigurationError(
+                f"solver must be one of {', '.join(map(repr, SOLVERS))}, got {self.solver!r}"
+            )
+        if (
+            isinstance(self.max_iter, bool)
+            or not isinstance(self.max_iter, int)
+            or self.max_iter < 0
+        ):
+            raise ConfigurationError(f"max_iter must be a whole number >= 0, got {self.max_iter!r}")
+        tol = self.tol
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
+            raise ConfigurationError(f"tol must be a number >= 0, got {tol!r}")
+        if not math.isfinite(tol):
+            raise ConfigurationError(f"tol must be a finite number >= 0, got {tol!r}")
         if self.data_in not in ("memory", "disk", "auto"):
             raise ConfigurationError(
                 f"data_in must be 'memory', 'disk' or 'auto', got {self.data_in!r}"

@@ -11,7 +11,8 @@ where ``tracking=True``. It is logged into:
 - else a new run, ended with the fit (``FAILED`` where the fit raised).
 
 What goes in (``MlflowWatcher.finished``): every fit setting by its flat name as a param
-(``batch_size``, ``checkpoint_dir``, ...; the Estimators' Params are these settings), the
+(``batch_size``, ``checkpoint_dir``, ...; the Estimators' Params are these settings; the
+linear Estimators' fits log their MLlib Params, ``regParam``, ``maxIter``, ...), the
 model's and the optimizer's kind and learning rate; each epoch's metrics with the epoch as
 the step (``loss``, ``val_loss``, ``val_accuracy``/``val_rmse``, the last epoch's
 ``train_*``, ``samples_per_s``), ``step_loss`` by global step thinned to at most
@@ -202,14 +203,18 @@ def fit_params(fit: WatchedFit) -> list[Any]:
     and learning rate and the columns, as MLflow params (values as text)."""
     from mlflow.entities import Param
 
-    values: dict[str, Any] = dict(fit.settings.as_flat())
+    if fit.params is not None:  # an Estimator's own Params (the linear ones': MLlib's)
+        values: dict[str, Any] = dict(fit.params)
+    else:
+        values = dict(fit.settings.as_flat())
     listener = values.get("listener")
     if listener is not None:
         values["listener"] = getattr(listener, "__qualname__", type(listener).__name__)
+    lbfgs = fit.settings.solver == "lbfgs"
     values.update(
         model=type(fit.model).__name__,
-        optimizer=type(fit.optimizer).__name__,
-        learning_rate=getattr(fit.optimizer, "lr", None),
+        optimizer="L-BFGS" if lbfgs else type(fit.optimizer).__name__,
+        learning_rate=None if lbfgs else getattr(fit.optimizer, "lr", None),
         features_col=fit.features_col,
         label_col=fit.label_col,
         weight_col=fit.weight_col,

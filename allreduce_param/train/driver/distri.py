@@ -73,6 +73,9 @@ class DistriOptimizer:
     ``model``: a built-in one, a ``TorchModel``, or any object that follows the protocol in
     ``allreduce_param.models.base.Model`` (``task`` is optional there: without it the fit
     reports the losses alone).
+    ``solver="lbfgs"`` (``optimizer`` None) fits a built-in ``LinearRegression``,
+    ``LogisticRegression`` or ``SoftmaxRegression`` by full-batch L-BFGS / OWL-QN to its
+    minimiser (``max_iter``, ``tol``), as the linear Estimators do (``driver.lbfgs_fit``).
     ``batch_size`` is the global batch of a step, split over the partitions by their share
     of the rows. ``num_workers`` defaults to the data's partition count, capped by Spark's
     free task slots. ``threads`` splits each partition's batch into sub-batches computed on
@@ -206,6 +209,11 @@ class DistriOptimizer:
         ``InputError`` or ``UsageError``, which every run would meet again) is raised as that
         type, with that partition and where, after the stage's first run.
         """
+        if self.settings.solver == "lbfgs":  # the linear Estimators' full-batch solve
+            from allreduce_param.train.driver.lbfgs_fit import fit_lbfgs
+
+            columns = (features_col, label_col, weight_col)
+            return fit_lbfgs(self, data, *columns, validation, resume_from, initial)
         started, started_at = time.perf_counter(), time.time()
         spark = SparkInfo.of(data)  # a classic or Spark Connect session's answers
         title = f"allreduce-param fit of {type(self.model).__name__}, {self.settings.epochs} epochs"
@@ -347,6 +355,11 @@ class DistriOptimizer:
         as a pickle, and read it back so at a restart (``TrainedModel.save``'s flag: only
         for a ``model_path`` no one else can write to).
         """
+        if self.settings.solver == "lbfgs":
+            raise ConfigurationError(
+                "solver='lbfgs' solves a whole DataFrame at once, not a stream: fit_stream "
+                "trains with solver='minibatch'"
+            )
         return start_query(
             self,
             stream,

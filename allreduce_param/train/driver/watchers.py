@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 class WatchedFit:
     """What a watcher may want to know of the fit it watches: the trainer's ``model``,
     ``optimizer`` and ``settings``, and ``fit``'s arguments (``data`` a DataFrame or an RDD;
-    ``validation`` a DataFrame or None; ``initial`` the ``TrainedModel`` it continues)."""
+    ``validation`` a DataFrame or None; ``initial`` the ``TrainedModel`` it continues).
+    ``params``: the Params to log instead of the settings (an Estimator's own by name, as
+    MLlib's ``LogisticRegression`` has them), or None."""
 
     model: Any
     optimizer: Any
@@ -44,6 +46,7 @@ class WatchedFit:
     validation: Any = None
     weight_col: str | None = None
     initial: Any = None
+    params: dict[str, Any] | None = None
 
 
 class FitWatcher(Protocol):

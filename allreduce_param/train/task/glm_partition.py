@@ -137,6 +137,7 @@ def encode_solution(solution: GlmSolution) -> tuple[bytes, bytes]:
         "iterations": int(solution.iterations),
         "note": getattr(solution, "note", None),
         "objective_times": [float(t) for t in solution.objective_times],
+        "objective_scale": float(solution.objective_scale),
     }
     return buffer.getvalue(), json.dumps(figures).encode()
 
@@ -153,6 +154,7 @@ def decode_solution(arrays: bytes, figures: bytes) -> GlmSolution:
         iterations=told["iterations"],
         note=told["note"],
         objective_times=told.get("objective_times", []),
+        objective_scale=told.get("objective_scale", 1.0),
     )
 
 

@@ -221,6 +221,7 @@ def solve_glm(
         result.iterations,
         note,
         result.times,
+        objective.label_scale**2 if problem.family == "gaussian" else 1.0,
     )
 
 
