@@ -23,6 +23,7 @@ block at a time at every pass): each local sum is then the sum of the chunks' in
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -180,8 +181,9 @@ def solve_glm(
         )
     means = first[4 : 4 + problem.num_features] / first[0]
     label_mean = first[3] / first[0]
+    # partial, not a closure: ``means`` is deleted below, once the iterations start
     second = sums.sum_scalars(
-        rows.total(lambda X, y, w: second_moments(X, y, w, means, label_mean))
+        rows.total(partial(second_moments, means=means, label_mean=label_mean))
     )
     stats = row_stats(first, second, problem.num_features)
     special = _special_case(problem, stats)
