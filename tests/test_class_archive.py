@@ -1,11 +1,14 @@
-"""The driver JVM's class archive: saved once, whole or not at all, used by the next session."""
+"""The driver JVM's class archive: saved once, whole or not at all, used by the next session.
+
+That a real session saves it and the next process's session maps it is test_session's
+(``test_a_session_saves_the_archive_and_the_next_process_maps_it``): its processes of
+sessions serve that and its check of what a session leaves the next one."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -124,60 +127,3 @@ def test_only_a_whole_archive_is_put_in_place(home, tmp_path):
     )
     user = ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, folder)
     assert not user.saving and user.java_options()[0] == f"-XX:SharedArchiveFile={archive.path}"
-
-
-#: A session in a process of its own: argv[1] its folder, argv[2] "query" to run a query
-#: (else it only reads its settings), argv[3] driver Java options if any.
-SESSION = textwrap.dedent("""
-    import sys
-    from allreduce_param.spark.session import local_spark
-    settings = {"spark.driver.extraJavaOptions": sys.argv[3]} if len(sys.argv) > 3 else {}
-    spark = local_spark("local[1]", conf_dir=sys.argv[1] + "/conf", class_archive=sys.argv[1] + "/cache", **settings)
-    system = spark.sparkContext._jvm.java.lang.System
-    print("partitions", spark.conf.get("spark.sql.shuffle.partitions"))
-    print("log4j", system.getProperty("log4j2.configurationFile"))
-    if sys.argv[2] == "query":
-        print("rows", spark.range(5).count())
-    spark.stop()
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.spark
-def test_a_session_saves_the_archive_and_the_next_one_maps_it(tmp_path):
-    (tmp_path / "conf").mkdir()
-    for name in ("spark-defaults.conf", "log4j2.properties"):
-        (tmp_path / "conf" / name).write_text((REPO / "conf" / "local" / name).read_text())
-    environment = {key: value for key, value in os.environ.items() if key not in CLASS_PATH_FOLDERS}
-
-    def session(query: str, *java_options: str) -> subprocess.CompletedProcess:
-        done = subprocess.run(
-            [sys.executable, "-c", SESSION, str(tmp_path), query, *java_options],
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr
-        return done
-
-    # the saving session runs no query: the JVM writes every class it loaded at its exit, and
-    # a query's (the SQL engine's, its code generator's) are a quarter of that session's CPU
-    # time; the next session's query runs on the classes mapped and the rest loaded
-    first = session("no query")
-    # conf/local/spark-defaults.conf read
-    assert "partitions 4" in first.stdout
-    assert f"log4j {tmp_path / 'conf' / 'log4j2.properties'}" in first.stdout
-    assert "saving the Spark driver's classes" in first.stderr
-    saved = sorted((tmp_path / "cache").iterdir())
-    assert len(saved) == 1 and saved[0].name.endswith(SUFFIX) and saved[0].stat().st_size > 0
-
-    loaded = tmp_path / "loaded.log"
-    second = session("query", f"-Xlog:class+load=info:file={loaded}")
-    assert "rows 5" in second.stdout and "saving" not in second.stderr
-    spark_classes = [
-        line
-        for line in loaded.read_text().splitlines()
-        if " org.apache.spark.SparkContext " in line
-    ]
-    assert spark_classes and "shared objects file (top)" in spark_classes[0]

@@ -8,8 +8,9 @@
   in one group of its own (``spark/jobs.py``); ``interrupted_driver.py`` is the driver.
 - A ``checkpoint_dir`` on a real 2 MiB tmpfs (a mount namespace of the test's own) that
   fills up with the fit's second checkpoint: one ``ConfigurationError`` naming the folder
-  and the setting, after one run of the stage, and only complete checkpoints left
-  (``full_disk_driver.py``).
+  and the setting, after one run of the stage, and only complete checkpoints left. The same
+  driver process runs it after the two fits above (one Spark start for the three), in that
+  mount namespace where one can be made.
 - The row files of a fit no task holds any more are removed by the next task; a running
   fit's stay (``train/task/row_claims.py``), with the locks held by real processes.
 """
@@ -64,7 +65,9 @@ def _lines(command: list[str], on_line=None) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-    """The interrupted driver's lines: SIGINT sent once its first fit reports a step."""
+    """The driver's lines: SIGINT sent once its first fit reports a step. Where a tmpfs can
+    be mounted, the driver runs in a mount namespace with a 2 MiB one at ``small`` and
+    fills it with its third fit's checkpoints; elsewhere ``refusal`` says why not."""
     folder = tmp_path_factory.mktemp("interrupted")
     sent = {}
 
@@ -73,10 +76,19 @@ def interrupted(tmp_path_factory):
             sent["at"] = time.monotonic()
             process.send_signal(signal.SIGINT)
 
-    found = _lines([sys.executable, str(HERE / "interrupted_driver.py"), str(folder)], on_line)
+    command = [sys.executable, str(HERE / "interrupted_driver.py"), str(folder)]
+    refusal = _tmpfs_refusal()
+    if refusal is None:
+        small = folder / "small"
+        small.mkdir()
+        # sh execs Python: the pid the test signals is the driver's
+        mounted = f'mount -t tmpfs -o size=2m tmpfs {small} && exec "$0" "$@"'
+        command = ["unshare", "-m", "sh", "-c", mounted, *command, str(small)]
+    found = _lines(command, on_line)
     assert found["returncode"] == "0", found["stderr"][-3000:]
     found["sent"] = sent["at"]
     found["folder"] = folder
+    found["refusal"] = refusal
     return found
 
 
@@ -125,22 +137,16 @@ def _tmpfs_refusal() -> str | None:
 @pytest.mark.slow
 @pytest.mark.spark
 @pytest.mark.mounts
-def test_a_full_checkpoint_dir_is_one_clear_error_after_one_run(tmp_path):
-    refusal = _tmpfs_refusal()
-    if refusal:
-        pytest.skip(refusal)
-    folder = tmp_path / "small"
-    folder.mkdir()
-    mounted = f'mount -t tmpfs -o size=2m tmpfs {folder} && exec "$0" "$@"'
-    command = ["unshare", "-m", "sh", "-c", mounted, sys.executable]
-    found = _lines(command + [str(HERE / "full_disk_driver.py"), str(folder)])
-    assert found["returncode"] == "0", found["stderr"][-3000:]
-    kind, _, message = found["error"].partition(" ")
+def test_a_full_checkpoint_dir_is_one_clear_error_after_one_run(interrupted):
+    if interrupted["refusal"]:
+        pytest.skip(interrupted["refusal"])
+    small = interrupted["folder"] / "small"
+    kind, _, message = interrupted["error"].partition(" ")
     assert kind == "ConfigurationError"
-    assert f"checkpoint_dir='{folder}' is full" in message
+    assert f"checkpoint_dir='{small}' is full" in message
     assert "No space left on device" in message and "Checkpoints(dir=...)" in message
-    assert found["runs"] == "0"  # no run again of the stage: it would fail the same way
-    left = json.loads(found["left"])
+    assert interrupted["runs"] == "0"  # no run again of the stage: it would fail the same way
+    left = json.loads(interrupted["left"])
     assert left and all(left.values()), left  # complete checkpoints only
 
 

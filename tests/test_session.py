@@ -1,6 +1,7 @@
 """The Java check that both README commands run before Spark starts, what a local session
 leaves out where it must not apply (a cluster's master, runs under spark-submit), and what it
-leaves behind for the next session of the process (none of its own settings)."""
+leaves behind: for the next session of the process none of its own settings, for the next
+process the driver JVM's class archive (one pair of processes serves both)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from allreduce_param import ConfigurationError
+from allreduce_param.spark.class_archive import CLASS_PATH_FOLDERS, SUFFIX
 from allreduce_param.spark.session import java_problem, local_spark
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,33 +160,91 @@ def test_under_spark_submit_nothing_of_this_machine_is_applied(monkeypatch, tmp_
     assert "SPARK_LOCAL_IP" not in os.environ and "PYSPARK_PYTHON" not in os.environ
 
 
-TWO_SESSIONS = textwrap.dedent("""
+#: Sessions in a process of their own: argv[1] their folder (its conf/ and cache/), argv[2]
+#: "first" or "next". A "first" process starts the JVM with a session of its own settings,
+#: whose JVM saves the class archive when the process ends, then runs a second session
+#: without them (no query in either: the saving JVM writes every class it loaded, and a
+#: query's are a quarter of its CPU time); a "next" process maps the archive, with the JVM's
+#: class loading logged to argv[3], and runs a query.
+SESSIONS = textwrap.dedent("""
     import sys
     from allreduce_param.spark.session import local_spark
-    own = {"spark.authenticate": "true", "spark.sql.shuffle.partitions": "3"}
-    first = local_spark("local[1]", "first", sys.argv[1], **own)
-    conf = first.sparkContext.getConf()
-    print("first", conf.get("spark.authenticate"), first.conf.get("spark.sql.shuffle.partitions"))
-    first.stop()
-    second = local_spark("local[1]", "second", sys.argv[1])
-    conf = second.sparkContext.getConf()
-    print("second", conf.get("spark.authenticate"), second.conf.get("spark.sql.shuffle.partitions"))
-    second.stop()
+    folder, which = sys.argv[1], sys.argv[2]
+    place = {"conf_dir": folder + "/conf", "class_archive": folder + "/cache"}
+    if which == "first":
+        own = {"spark.authenticate": "true", "spark.sql.shuffle.partitions": "3"}
+        first = local_spark("local[1]", "first", **place, **own)
+        conf = first.sparkContext.getConf()
+        print("first", conf.get("spark.authenticate"), first.conf.get("spark.sql.shuffle.partitions"))
+        first.stop()
+        second = local_spark("local[1]", "second", **place)
+        conf = second.sparkContext.getConf()
+        print("second", conf.get("spark.authenticate"), second.conf.get("spark.sql.shuffle.partitions"))
+        system = second.sparkContext._jvm.java.lang.System
+        print("log4j", system.getProperty("log4j2.configurationFile"))
+        second.stop()
+    else:
+        logged = {"spark.driver.extraJavaOptions": f"-Xlog:class+load=info:file={sys.argv[3]}"}
+        spark = local_spark("local[1]", "next", **place, **logged)
+        print("rows", spark.range(5).count())
+        spark.stop()
 """)
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory):
+    """The outputs of a "first" process of sessions, then a "next" one (``SESSIONS``), their
+    folder holding a copy of conf/local, and the next one's class loading log."""
+    folder = tmp_path_factory.mktemp("sessions")
+    (folder / "conf").mkdir()
+    for name in ("spark-defaults.conf", "log4j2.properties"):
+        (folder / "conf" / name).write_text((REPO / "conf" / "local" / name).read_text())
+    environment = {key: value for key, value in os.environ.items() if key not in CLASS_PATH_FOLDERS}
+
+    def process(*arguments: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            [sys.executable, "-c", SESSIONS, str(folder), *arguments],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
+    first = process("first")
+    saved = sorted((folder / "cache").iterdir())
+    loaded = folder / "loaded.log"
+    return {"folder": folder, "first": first, "saved": saved, "next": process("next", str(loaded))}
 
 
 @pytest.mark.slow
 @pytest.mark.spark
-def test_the_next_session_of_a_process_has_the_conf_folder_but_not_the_first_ones_settings():
+def test_the_next_session_of_a_process_has_the_conf_folder_but_not_the_first_ones_settings(
+    sessions,
+):
     """The first session starts the JVM, whose system properties every later session's conf
     loads: its own settings must not stay there (a ``local-cluster`` session after one with
     ``spark.authenticate`` failed to start), the conf folder's must."""
-    done = subprocess.run(
-        [sys.executable, "-c", TWO_SESSIONS, str(REPO / "conf" / "local")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "first true 3" in done.stdout
-    assert "second None 4" in done.stdout  # 4: conf/local/spark-defaults.conf
+    first = sessions["first"]
+    assert "first true 3" in first.stdout
+    assert "second None 4" in first.stdout  # 4: conf/local/spark-defaults.conf
+    assert f"log4j {sessions['folder'] / 'conf' / 'log4j2.properties'}" in first.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_a_session_saves_the_archive_and_the_next_process_maps_it(sessions):
+    """The driver JVM's class archive (``spark.class_archive``), saved as the first process
+    ends, whole; the next process's driver maps it, and its query runs."""
+    assert "saving the Spark driver's classes" in sessions["first"].stderr
+    saved = sessions["saved"]
+    assert len(saved) == 1 and saved[0].name.endswith(SUFFIX) and saved[0].stat().st_size > 0
+    after = sessions["next"]
+    assert "rows 5" in after.stdout and "saving" not in after.stderr
+    spark_classes = [
+        line
+        for line in (sessions["folder"] / "loaded.log").read_text().splitlines()
+        if " org.apache.spark.SparkContext " in line
+    ]
+    assert spark_classes and "shared objects file (top)" in spark_classes[0]

@@ -14,6 +14,7 @@ from pyspark import cloudpickle
 from test_spark import digest, expected_after, run_stage, start_weights, step_task
 
 from allreduce_param.engine import AllReduceParameter
+from allreduce_param.engine.movement.peers import PART_LENGTH
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,10 @@ if archive := class_archive_options():  # the executors' JVMs map the class arch
 
 
 def test_two_executors_sync_exactly_and_bit_identically(spark):
-    sizes = [1, 7919, 2_000_003]
+    # 1_100_009: each partition's slice (550,005 values) is two parts of a block (PART_LENGTH
+    # 2^19), as many as a slice of 2_000_003 makes, in a little over half the data
+    sizes = [1, 7919, 1_100_009]
+    assert PART_LENGTH < sizes[-1] // 2 < 2 * PART_LENGTH
     seed = 42
     # raw through the host arena the executors' workers share, lz4 over TCP
     params = [
