@@ -7,6 +7,7 @@ installed (the ``lightning`` and ``huggingface`` extras; .ci/run installs both).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import numpy as np
@@ -21,12 +22,15 @@ from allreduce_param.torch import Distributor  # noqa: E402
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+def _missing(*packages: str) -> bool:
+    """Whether any of ``packages`` is not installed (checked before the Spark session starts)."""
+    return any(importlib.util.find_spec(package) is None for package in packages)
+
+
 def _examples(name: str):
-    """An example module of jobs/examples/, its package's import skipped with the reason
-    where it is not installed; pickled by value, as Spark's tasks cannot import jobs/."""
-    example = pytest.importorskip(
-        f"examples.{name}", reason=f"jobs/examples/{name}.py needs its extra installed"
-    )
+    """An example module of jobs/examples/, pickled by value, as Spark's tasks cannot import
+    jobs/."""
+    example = importlib.import_module(f"examples.{name}")
     cloudpickle.register_pickle_by_value(example)
     return example
 
@@ -75,8 +79,8 @@ def _both_ranks_batches(rows, epochs: int, batch_size: int, world: int = 2) -> l
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(_missing("lightning"), reason="the lightning extra is not installed")
 def test_a_lightning_trainer_with_ddp_trains_as_one_process_on_the_whole_batch(spark, tmp_path):
-    pytest.importorskip("lightning", reason="the lightning extra is not installed")
     example = _examples("lightning_trainer")
     import lightning as L
     import torch
@@ -120,12 +124,13 @@ def test_a_lightning_trainer_with_ddp_trains_as_one_process_on_the_whole_batch(s
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    _missing("transformers", "accelerate"), reason="the huggingface extra is not installed"
+)
 def test_a_transformers_trainer_trains_as_one_process_on_the_whole_batch(
     spark, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the model is made from a config: nothing to fetch
-    pytest.importorskip("transformers", reason="the huggingface extra is not installed")
-    pytest.importorskip("accelerate", reason="the huggingface extra is not installed")
     example = _examples("huggingface_trainer")
 
     steps, batch_size = 6, 4
