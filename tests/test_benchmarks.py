@@ -1,8 +1,17 @@
 """The benchmark jobs run end to end on tiny sizes and print their tables (no figures are
-checked here: speed belongs in the benchmarks' own runs, never in a test)."""
+checked here: speed belongs in the benchmarks' own runs, never in a test).
+
+The jobs on Spark run their ``main`` in this process (``run_here``): each starts and stops
+its own session as it does when run as a script, but in the driver JVM that this process's
+sessions share (``local_spark`` starts a JVM only where none runs), instead of a Python and
+a JVM of its own: seconds of a 2-core machine each. The jobs of plain processes, which
+spawn Pythons that import their ``__main__``, run as scripts (``run_job``).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -10,6 +19,8 @@ import sys
 from pathlib import Path
 
 import bench_allreduce
+import bench_growth
+import bench_overlap
 import numpy as np
 import pytest
 from benchkit import hosts as hosts_run
@@ -31,6 +42,15 @@ def run_job(*args: str) -> str:
     return done.stdout
 
 
+def run_here(main, *args: str) -> str:
+    """A job's ``main`` with the command line ``args``, in this process: its output."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(list(args))
+    assert status == 0, out.getvalue()[-3000:]
+    return out.getvalue()
+
+
 def rows(table: str, name: str) -> list[list[str]]:
     return [
         [cell.strip() for cell in line.strip("|").split("|")]
@@ -44,8 +64,8 @@ def allreduce_on_spark() -> str:
     """One bench_allreduce.py run on Spark that the tests of its tables share: every codec,
     loop and transport they name in one session (a job's JVM and Python workers start in
     seconds of a 2-core machine; the 12 configurations' steps at 10K take a fraction of one)."""
-    return run_job(
-        "bench_allreduce.py", "--master", "local[2]", "--sizes", "10000",
+    return run_here(
+        bench_allreduce.main, "--master", "local[2]", "--sizes", "10000",
         "--codecs", "raw,int8", "--loops", "readme,tuned",
         "--transports", "shared,tcp,tcp-encrypted",
         "--rounds", "2", "--steps", "2", "--warmup", "1", "--no-baselines",
@@ -141,8 +161,8 @@ def test_bench_host_arenas_prints_a_row_per_size():
 
 
 def test_bench_growth_prints_a_row_per_size():
-    out = run_job(
-        "bench_growth.py",
+    out = run_here(
+        bench_growth.main,
         "--tables",
         "sizes",
         "--master",
@@ -170,8 +190,8 @@ def test_bench_allreduce_refuses_an_unknown_codec(capsys):
 
 
 def test_bench_overlap_prints_a_row_per_model_and_codec():
-    out = run_job(
-        "bench_overlap.py",
+    out = run_here(
+        bench_overlap.main,
         "--master",
         "local[2]",
         "--models",
