@@ -1,7 +1,7 @@
 """The benchmark jobs run end to end on tiny sizes and print their tables (no figures are
 checked here: speed belongs in the benchmarks' own runs, never in a test).
 
-The jobs on Spark run their ``main`` in this process (``run_here``): each starts and stops
+The jobs run their ``main`` in this process (``run_here``): one on Spark starts and stops
 its own session as it does when run as a script, but in the driver JVM that this process's
 sessions share (``local_spark`` starts a JVM only where none runs), instead of a Python and
 a JVM of its own: seconds of a 2-core machine each. The jobs of plain processes, which
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import bench_allreduce
 import bench_growth
+import bench_host_arenas
+import bench_memory
 import bench_overlap
 import numpy as np
 import pytest
@@ -62,7 +64,7 @@ def rows(table: str, name: str) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def allreduce_on_spark() -> str:
     """One bench_allreduce.py run on Spark that the tests of its tables share: every codec,
-    loop and transport they name in one session (a job's JVM and Python workers start in
+    loop and transport they name in one session (a session and its Python workers start in
     seconds of a 2-core machine; the 12 configurations' steps at 10K take a fraction of one)."""
     return run_here(
         bench_allreduce.main, "--master", "local[2]", "--sizes", "10000",
@@ -152,8 +154,8 @@ def test_bench_allreduce_compares_tcp_with_and_without_encryption(allreduce_on_s
 
 
 def test_bench_host_arenas_prints_a_row_per_size():
-    out = run_job(
-        "bench_host_arenas.py", "--sizes", "10K,20K", "--rounds", "1", "--steps", "2",
+    out = run_here(
+        bench_host_arenas.main, "--sizes", "10K,20K", "--rounds", "1", "--steps", "2",
         "--warmup", "1",
     )  # fmt: skip
     assert "machine:" in out and "load average" in out
@@ -322,7 +324,7 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
 
 def test_bench_memory_reads_only_times_an_epoch_from_memory_and_from_a_row_file():
     """``--reads-only``: no Spark; both ways' epoch times and disk over memory with its range."""
-    out = run_job("bench_memory.py", "--reads-only", "--rows", "4096", "--features", "8",
+    out = run_here(bench_memory.main, "--reads-only", "--rows", "4096", "--features", "8",
                   "--rounds", "2")  # fmt: skip
     assert out.startswith("machine: ") and "no Spark: one partition of 4,096 rows" in out
     table = [line for line in out.splitlines() if line.startswith("|")]
