@@ -1,11 +1,11 @@
 """The benchmark jobs run end to end on tiny sizes and print their tables (no figures are
 checked here: speed belongs in the benchmarks' own runs, never in a test).
 
-The jobs run their ``main`` in this process (``run_here``): one on Spark starts and stops
-its own session as it does when run as a script, but in the driver JVM that this process's
-sessions share (``local_spark`` starts a JVM only where none runs), instead of a Python and
-a JVM of its own: seconds of a 2-core machine each. The jobs of plain processes, which
-spawn Pythons that import their ``__main__``, run as scripts (``run_job``).
+The jobs run their ``main`` in this process (``run_here``), instead of a Python started
+and importing numpy, the engine and the job for each: one on Spark starts and stops its own
+session as it does when run as a script, but in the driver JVM that this process's sessions
+share (``local_spark`` starts a JVM only where none runs); one of plain processes spawns
+them from here. Only bench_hosts.py, which submits itself to a cluster, runs as a script.
 """
 
 from __future__ import annotations
@@ -30,18 +30,6 @@ from benchkit import hosts as hosts_run
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_job(*args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / args[0]), *args[1:]],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
 
 
 def run_here(main, *args: str) -> str:
@@ -88,8 +76,8 @@ def test_bench_allreduce_prints_a_row_per_codec_and_loop(allreduce_on_spark):
 def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size():
     """``--processes``: plain processes, no JVM; the engine against gloo in alternating
     rounds (gloo's column says "not installed" without torch), a floor and phases per row."""
-    out = run_job(
-        "bench_allreduce.py", "--processes", "2,3", "--sizes", "1K,10K",
+    out = run_here(
+        bench_allreduce.main, "--processes", "2,3", "--sizes", "1K,10K",
         "--rounds", "2", "--steps", "2", "--warmup", "1",
     )  # fmt: skip
     assert out.startswith("machine: ") and "single-core copy bandwidth: " in out
@@ -110,8 +98,8 @@ def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size()
             assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line[5]), line
 
     # --own-gradient: gradient_buffer() against a vector of the loop's own, beside one copy
-    out = run_job(
-        "bench_allreduce.py", "--processes", "2", "--sizes", "10K", "--own-gradient",
+    out = run_here(
+        bench_allreduce.main, "--processes", "2", "--sizes", "10K", "--own-gradient",
         "--rounds", "2", "--steps", "2", "--warmup", "1",
     )  # fmt: skip
     assert "load average at the start: " in out and "load average at the end: " in out
@@ -126,8 +114,8 @@ def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size()
     assert float(line[4]) == pytest.approx(float(line[3]) - float(line[2]), abs=0.01)
 
     # --memory: each process's memory in vectors, and the host's against 1 + N
-    out = run_job(
-        "bench_allreduce.py", "--processes", "2", "--sizes", "10K", "--memory", "--steps", "1",
+    out = run_here(
+        bench_allreduce.main, "--processes", "2", "--sizes", "10K", "--memory", "--steps", "1",
     )  # fmt: skip
     memory = rows(out, "10K")
     assert [(line[2], line[3]) for line in memory] == [
