@@ -1,15 +1,16 @@
 """jobs/bench_train.py end to end on tiny data: one table, a row per contender, figures that hang together.
 
-No speed is checked (that belongs in the benchmark's own runs); the job runs in a subprocess,
-as tests/test_benchmarks.py runs the other jobs, and stops its Spark session itself.
+No speed is checked (that belongs in the benchmark's own runs). The job's ``main`` runs in
+this process, as tests/test_benchmarks.py runs the other jobs: it starts and stops its own
+session, in the driver JVM that this process's sessions share (``local_spark`` starts a JVM
+only where none runs), instead of a Python and a JVM of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import subprocess
-import sys
-from pathlib import Path
+import io
 
 import bench_train
 import numpy as np
@@ -18,7 +19,6 @@ from benchkit import training
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
-REPO = Path(__file__).resolve().parents[1]
 #: Low enough that one round of MLlib's L-BFGS (``--mllib-iters-per-round`` below: 0.28 after
 #: 4 iterations) and an epoch or two of the others reach it: the test checks the table, not
 #: how far each contender gets, and every round or epoch more is seconds of the suite.
@@ -34,14 +34,13 @@ BUDGET = 120
 EPOCHS = 3
 
 
-def run_job(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "bench_train.py"), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def run_here(*args: str) -> tuple[int, str, str]:
+    """The job's ``main`` with the command line ``args``, in this process: its exit status,
+    and what it printed to stdout and to stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = bench_train.main(list(args))
+    return status, out.getvalue(), err.getvalue()
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -54,7 +53,7 @@ def test_every_contender_reaches_a_low_target_and_the_table_says_when():
     contenders = ["mlp", "mllib"]
     if importlib.util.find_spec("torch") is not None:
         contenders += ["torchmodel", "torchdistributor"]
-    done = run_job(
+    status, out, err = run_here(
         "--master",
         "local[2]",
         "--rows",
@@ -72,20 +71,18 @@ def test_every_contender_reaches_a_low_target_and_the_table_says_when():
         "--contenders",
         ",".join(contenders),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Bayes accuracy" in done.stdout and "machine:" in done.stdout
-    rows = table_rows(done.stdout)
+    assert status == 0, err[-3000:]
+    assert "Bayes accuracy" in out and "machine:" in out
+    rows = table_rows(out)
     labels = {
         "mlp": "allreduce-param MLP (numpy)",
         "mllib": "MLlib MultilayerPerceptron (L-BFGS)",
         "torchmodel": "allreduce-param TorchModel",
         "torchdistributor": "TorchDistributor DDP (gloo)",
     }
-    assert [row[0] for row in rows] == [labels[name] for name in contenders], done.stdout
+    assert [row[0] for row in rows] == [labels[name] for name in contenders], out
     for label, seconds, to_target, best, total, ended in rows:
-        assert not seconds.startswith("not reached"), (
-            f"{label} did not reach {TARGET}:\n{done.stdout}"
-        )
+        assert not seconds.startswith("not reached"), f"{label} did not reach {TARGET}:\n{out}"
         count, unit = to_target.split()
         assert int(count) >= 1 and unit in ("epoch", "epochs", "iterations"), to_target
         # plus a cancel's lag

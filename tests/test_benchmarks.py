@@ -1,8 +1,17 @@
 """The benchmark jobs run end to end on tiny sizes and print their tables (no figures are
-checked here: speed belongs in the benchmarks' own runs, never in a test)."""
+checked here: speed belongs in the benchmarks' own runs, never in a test).
+
+The jobs run their ``main`` in this process (``run_here``), instead of a Python started
+and importing numpy, the engine and the job for each: one on Spark starts and stops its own
+session as it does when run as a script, but in the driver JVM that this process's sessions
+share (``local_spark`` starts a JVM only where none runs); one of plain processes spawns
+them from here. Only bench_hosts.py, which submits itself to a cluster, runs as a script.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -10,6 +19,10 @@ import sys
 from pathlib import Path
 
 import bench_allreduce
+import bench_growth
+import bench_host_arenas
+import bench_memory
+import bench_overlap
 import numpy as np
 import pytest
 from benchkit import hosts as hosts_run
@@ -19,16 +32,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.spark]
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_job(*args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / args[0]), *args[1:]],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+def run_here(main, *args: str) -> str:
+    """A job's ``main`` with the command line ``args``, in this process: its output."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(list(args))
+    assert status == 0, out.getvalue()[-3000:]
+    return out.getvalue()
 
 
 def rows(table: str, name: str) -> list[list[str]]:
@@ -42,10 +52,10 @@ def rows(table: str, name: str) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def allreduce_on_spark() -> str:
     """One bench_allreduce.py run on Spark that the tests of its tables share: every codec,
-    loop and transport they name in one session (a job's JVM and Python workers start in
+    loop and transport they name in one session (a session and its Python workers start in
     seconds of a 2-core machine; the 12 configurations' steps at 10K take a fraction of one)."""
-    return run_job(
-        "bench_allreduce.py", "--master", "local[2]", "--sizes", "10000",
+    return run_here(
+        bench_allreduce.main, "--master", "local[2]", "--sizes", "10000",
         "--codecs", "raw,int8", "--loops", "readme,tuned",
         "--transports", "shared,tcp,tcp-encrypted",
         "--rounds", "2", "--steps", "2", "--warmup", "1", "--no-baselines",
@@ -66,8 +76,8 @@ def test_bench_allreduce_prints_a_row_per_codec_and_loop(allreduce_on_spark):
 def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size():
     """``--processes``: plain processes, no JVM; the engine against gloo in alternating
     rounds (gloo's column says "not installed" without torch), a floor and phases per row."""
-    out = run_job(
-        "bench_allreduce.py", "--processes", "2,3", "--sizes", "1K,10K",
+    out = run_here(
+        bench_allreduce.main, "--processes", "2,3", "--sizes", "1K,10K",
         "--rounds", "2", "--steps", "2", "--warmup", "1",
     )  # fmt: skip
     assert out.startswith("machine: ") and "single-core copy bandwidth: " in out
@@ -88,8 +98,8 @@ def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size()
             assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", line[5]), line
 
     # --own-gradient: gradient_buffer() against a vector of the loop's own, beside one copy
-    out = run_job(
-        "bench_allreduce.py", "--processes", "2", "--sizes", "10K", "--own-gradient",
+    out = run_here(
+        bench_allreduce.main, "--processes", "2", "--sizes", "10K", "--own-gradient",
         "--rounds", "2", "--steps", "2", "--warmup", "1",
     )  # fmt: skip
     assert "load average at the start: " in out and "load average at the end: " in out
@@ -104,8 +114,8 @@ def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size()
     assert float(line[4]) == pytest.approx(float(line[3]) - float(line[2]), abs=0.01)
 
     # --memory: each process's memory in vectors, and the host's against 1 + N
-    out = run_job(
-        "bench_allreduce.py", "--processes", "2", "--sizes", "10K", "--memory", "--steps", "1",
+    out = run_here(
+        bench_allreduce.main, "--processes", "2", "--sizes", "10K", "--memory", "--steps", "1",
     )  # fmt: skip
     memory = rows(out, "10K")
     assert [(line[2], line[3]) for line in memory] == [
@@ -132,8 +142,8 @@ def test_bench_allreduce_compares_tcp_with_and_without_encryption(allreduce_on_s
 
 
 def test_bench_host_arenas_prints_a_row_per_size():
-    out = run_job(
-        "bench_host_arenas.py", "--sizes", "10K,20K", "--rounds", "1", "--steps", "2",
+    out = run_here(
+        bench_host_arenas.main, "--sizes", "10K,20K", "--rounds", "1", "--steps", "2",
         "--warmup", "1",
     )  # fmt: skip
     assert "machine:" in out and "load average" in out
@@ -141,8 +151,8 @@ def test_bench_host_arenas_prints_a_row_per_size():
 
 
 def test_bench_growth_prints_a_row_per_size():
-    out = run_job(
-        "bench_growth.py",
+    out = run_here(
+        bench_growth.main,
         "--tables",
         "sizes",
         "--master",
@@ -170,8 +180,8 @@ def test_bench_allreduce_refuses_an_unknown_codec(capsys):
 
 
 def test_bench_overlap_prints_a_row_per_model_and_codec():
-    out = run_job(
-        "bench_overlap.py",
+    out = run_here(
+        bench_overlap.main,
         "--master",
         "local[2]",
         "--models",
@@ -302,7 +312,7 @@ def test_bench_hosts_refuses_weights_that_are_not_numpys_sums():
 
 def test_bench_memory_reads_only_times_an_epoch_from_memory_and_from_a_row_file():
     """``--reads-only``: no Spark; both ways' epoch times and disk over memory with its range."""
-    out = run_job("bench_memory.py", "--reads-only", "--rows", "4096", "--features", "8",
+    out = run_here(bench_memory.main, "--reads-only", "--rows", "4096", "--features", "8",
                   "--rounds", "2")  # fmt: skip
     assert out.startswith("machine: ") and "no Spark: one partition of 4,096 rows" in out
     table = [line for line in out.splitlines() if line.startswith("|")]
