@@ -3,9 +3,10 @@
 The same objective on the same cached rows, alternating rounds (ours, MLlib, ours, ...):
 hashed text at 2^18 features, a hashed click log at 2^20 and 2^24, and a dense linear
 regression (1M x 512 at full size). Per fit: seconds, iterations, the final objective, the
-estimated seconds ours took to reach MLlib's final objective, the largest relative
-difference of the coefficients, and the peak RSS of the driver and of the Python workers;
-where a fit fails (MLlib's driver out of memory at 2^24, say), its reason.
+seconds to MLlib's final objective (ours from its tasks' iteration stamps), the largest
+relative difference of the coefficients, and the peaks of the driver JVM's RSS and heap and
+of the Python workers' RSS; where a fit fails (MLlib's driver out of memory at 2^24, say),
+its reason. A plot per problem of the objective against time goes to ``--out`` (out/).
 ``benchkit/linear.py`` says how each figure is taken.
 
     python jobs/bench_linear.py                                  # the full run: long
