@@ -6,7 +6,10 @@ A ``GrowingArray`` is one allocation grown in place instead: numpy's ``resize`` 
 library's ``realloc``, and glibc grows an allocation that has a mapping of its own with
 ``mremap``, which moves page tables, not bytes. Its first capacity is ``INITIAL_BYTES`` of
 address space, above glibc's largest threshold for such mappings (32 MiB), so that it has one
-from the start; pages never written cost no memory. It grows by an eighth at a time (numpy
+from the start (under an address-space limit less: ``initial_bytes``); pages never written
+cost no memory. A partition's labels, splits, weights and order keys are kept so too: kept as
+small arrays, one per Arrow batch, they would sit between the batches' freed buffers in
+glibc's heap, and each new batch would take fresh pages. It grows by an eighth at a time (numpy
 zeroes what a resize adds), and ``finish`` gives back what was never filled. Holding n rows
 costs about n rows.
 """
@@ -14,11 +17,24 @@ costs about n rows.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 #: The first capacity's bytes: address space only, until rows are written to it.
 INITIAL_BYTES = 64 << 20
+#: The same under an address-space limit (``spark.executor.pyspark.memory``), where every
+#: byte of address space counts and a task has glibc map blocks from 1 MiB up on their own
+#: (``spark.arrow.fit_the_address_space_limit``).
+LIMITED_INITIAL_BYTES = 2 << 20
+
+
+def initial_bytes() -> int:
+    """A new array's first capacity in bytes: ``LIMITED_INITIAL_BYTES`` under an
+    address-space limit, else ``INITIAL_BYTES``."""
+    return LIMITED_INITIAL_BYTES if os.environ.get("PYSPARK_EXECUTOR_MEMORY_MB") else INITIAL_BYTES
+
+
 #: Each growth adds at least 1/GROWTH of the capacity.
 GROWTH = 8
 
@@ -30,7 +46,8 @@ class GrowingArray:
     def __init__(self, row_shape: tuple[int, ...], dtype) -> None:
         self._row_shape = tuple(row_shape)
         self._row_bytes = max(1, math.prod(self._row_shape) * np.dtype(dtype).itemsize)
-        self._array = np.empty((max(1, INITIAL_BYTES // self._row_bytes), *self._row_shape), dtype)
+        first = max(1, initial_bytes() // self._row_bytes)
+        self._array = _unadvised_empty((first, *self._row_shape), dtype)
         self._rows = 0
 
     def __len__(self) -> int:
@@ -65,3 +82,21 @@ class GrowingArray:
         array, self._array = self._array, np.empty((0, *self._row_shape), self._array.dtype)
         array.resize((self._rows, *self._row_shape), refcheck=False)
         return array
+
+
+def _unadvised_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """``np.empty`` without numpy's advice to back it with huge pages (it gives it from 4 MB
+    up, where transparent huge pages are on "madvise"): a 2 MiB page at the first row
+    written, in each of a partition's arrays, would cost more than a small partition holds."""
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage
+    except ImportError:  # numpy 1
+        try:
+            from numpy.core.multiarray import _set_madvise_hugepage
+        except ImportError:
+            return np.empty(shape, dtype)
+    advised = _set_madvise_hugepage(False)
+    try:
+        return np.empty(shape, dtype)
+    finally:
+        _set_madvise_hugepage(advised)

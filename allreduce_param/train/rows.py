@@ -135,10 +135,10 @@ class RowGatherer:
             self._lengths: list[np.ndarray] = []
         else:
             self._X = GrowingArray((n_features,), np.float32)
-        self._labels: list[np.ndarray] = []
-        self._splits: list[np.ndarray] = []
-        self._weights: list[np.ndarray] = []
-        self._keys: list[tuple[np.ndarray, np.ndarray]] = []
+        self._labels = GrowingArray((), np.float64)
+        self._splits = GrowingArray((), np.int32)
+        self._weights: GrowingArray | None = None  # made by the first weighted chunk
+        self._keys: tuple[GrowingArray, GrowingArray] | None = None  # (_order, _i), likewise
         self._last: tuple | None = None  # the latest row's (split, _order, _i)
         self._in_order = True
         self._row_count = 0
@@ -174,17 +174,23 @@ class RowGatherer:
         self._lengths.append(np.diff(X.indptr))
 
     def _add_columns(self, y, split, weight, keys) -> None:
-        self._labels.append(np.array(y, np.float64))
-        self._splits.append(np.array(split))
+        self._labels.append(y)
+        self._splits.append(split)
         if weight is not None:
-            self._weights.append(np.array(weight, np.float64))
+            if self._weights is None:
+                self._weights = GrowingArray((), np.float64)
+            self._weights.append(weight)
         if keys is not None:
-            order, index = (np.array(key, np.int64) for key in keys)
-            self._keys.append((order, index))
+            if self._keys is None:
+                self._keys = (GrowingArray((), np.int64), GrowingArray((), np.int64))
+            order, index = (np.asarray(key, np.int64) for key in keys)
+            for kept, key in zip(self._keys, (order, index)):
+                kept.append(key)
             if self._in_order and len(index):
-                self._in_order = in_key_order(self._last, self._splits[-1], order, index)
-                self._last = (int(self._splits[-1][-1]), int(order[-1]), int(index[-1]))
-        self._row_count += len(self._labels[-1])
+                split = np.asarray(split)
+                self._in_order = in_key_order(self._last, split, order, index)
+                self._last = (int(split[-1]), int(order[-1]), int(index[-1]))
+        self._row_count += len(y)
         row_bytes = 8 * (1 + (weight is not None))
         features = self._values.nbytes + self._columns.nbytes if self.sparse else self._X.nbytes
         self.nbytes = features + row_bytes * self._row_count
@@ -193,19 +199,18 @@ class RowGatherer:
         """The rows gathered so far as one chunk, the gatherer emptied (what it held is the
         chunk's now): to write them to a row file once "auto" finds they will not fit."""
         y, split, weight = self._columns_joined()
-        keys = None
-        if self._keys:
-            keys = [np.concatenate([k[i] for k in self._keys]) for i in range(2)]
+        keys = None if self._keys is None else [key.finish() for key in self._keys]
+        self._keys = None
         return BatchRows(self._features(), y, split, weight, keys)
 
     def finish(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray | None]:
         """The partition's ``(X, y, split, weight)`` (``arrays_from_arrow``'s)."""
         y, split, weight = self._columns_joined()
         X = self._features()
-        if not self._keys or self._in_order:
+        keys, self._keys = self._keys, None
+        if keys is None or self._in_order:
             return X, y, split, weight
-        order_key, index_key = (np.concatenate([k[i] for k in self._keys]) for i in range(2))
-        self._keys = []
+        order_key, index_key = (key.finish() for key in keys)
         order = np.lexsort((index_key, order_key, split))
         if self.sparse:
             X = X[order]
@@ -214,12 +219,8 @@ class RowGatherer:
         return X, y[order], split[order], None if weight is None else weight[order]
 
     def _columns_joined(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        if not self._labels:
-            return np.zeros(0, np.float64), np.zeros(0, np.int32), None
-        y, split = np.concatenate(self._labels), np.concatenate(self._splits)
-        weight = np.concatenate(self._weights) if self._weights else None
-        self._labels, self._splits, self._weights = [], [], []
-        return y, split, weight
+        weight = None if self._weights is None else self._weights.finish()
+        return self._labels.finish(), self._splits.finish(), weight
 
     def _features(self):
         if not self.sparse:

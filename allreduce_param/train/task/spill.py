@@ -16,17 +16,21 @@ running task holds (``row_claims``: a cancelled fit's, whose Python workers were
 What Spark's local directories hold goes with the executor's directory when the
 application ends.
 
-Writing reads each Arrow batch as it arrives, so a partition is never whole in memory; an
-RDD of ``(features, label)`` pairs is read alike, in chunks of about a block
-(``rows.pair_chunks``), and written in arrival order (an RDD has no order keys). Both go
-through the same choice, writing and clean-up (``_choose``, ``_hold``, ``write_partition``).
-With ``data_in="disk"`` after a shuffle, the stage has Spark sort each partition by its
-order keys (``presorted``), and each batch goes straight to its split's file. Otherwise,
-where the batches carry order keys (a placement that shuffled them, ``columns.ORDER_COLUMNS``)
-the rows arrive in no fixed order: they go to one arrival file as they come, their keys (9
-bytes a row, 17 under ``overlap_reshuffle``) stay in memory, and once all are in, each
-split's file is written in key order from it, the arrival file then removed. The rows of
-each split are then in the very order the in-memory path gives them.
+In memory, each Arrow batch is converted into place as it arrives (``rows.RowGatherer``):
+the partition is held once, and its Python worker peaks at most ``PEAK_FACTOR`` times its
+rows (``partition_bytes``). "auto" gathers in memory until the rows pass ``memory_budget``
+(what the worker may use over ``PEAK_FACTOR``), then writes what it gathered and the rest
+to disk, and logs which way it went. Writing reads each Arrow batch as it arrives, so a
+partition is never whole in memory; an RDD of ``(features, label)`` pairs is read alike, in
+chunks of about a block (``rows.pair_chunks``), and written in arrival order (an RDD has no
+order keys). Both go through the same choice, writing and clean-up (``_hold``,
+``write_partition``). After a shuffle, the stage has Spark sort each partition by its order
+keys (``presorted``), and each batch goes straight to its place, in memory or in its
+split's file. Where batches with order keys come unsorted (a caller other than the stage)
+they go to one arrival file as they come, their keys (9 bytes a row, 17 under
+``overlap_reshuffle``) stay in memory, and once all are in, each split's file is written
+in key order from it, the arrival file then removed. The rows of each split are then in
+the very order the in-memory path gives them.
 """
 
 from __future__ import annotations
