@@ -413,18 +413,18 @@ class HasDataIn(Params):
         "dataIn",
         "where a task keeps its partition's rows while it trains: 'memory', 'disk' "
         "(row files in spark.local.dir, read a block at a time: partitions larger "
-        "than memory) or 'auto' (memory while a partition takes at most a quarter of "
-        "spark.executor.pyspark.memory, or without it its share of half the machine's"
-        " available memory)",
+        "than memory) or 'auto' (memory where 1.5x the partition's rows fit what the "
+        "worker may use: spark.executor.pyspark.memory, or without it its share of "
+        "the machine's available memory)",
         typeConverter=TypeConverters.toString,
     )
 
     def getDataIn(self) -> str:
         """The value of dataIn: where a task keeps its partition's rows while it trains:
         'memory', 'disk' (row files in spark.local.dir, read a block at a time: partitions
-        larger than memory) or 'auto' (memory while a partition takes at most a quarter of
-        spark.executor.pyspark.memory, or without it its share of half the machine's
-        available memory).
+        larger than memory) or 'auto' (memory where 1.5x the partition's rows fit what the
+        worker may use: spark.executor.pyspark.memory, or without it its share of the
+        machine's available memory).
         """
         return self.getOrDefault(self.dataIn)
 
@@ -969,8 +969,8 @@ class FitSettingSetters(Params):
     def setDataIn(self, value: str) -> Any:
         """Set dataIn: where a task keeps its partition's rows while it trains: 'memory',
         'disk' (row files in spark.local.dir, read a block at a time: partitions larger than
-        memory) or 'auto' (memory while a partition takes at most a quarter of
-        spark.executor.pyspark.memory, or without it its share of half the machine's
+        memory) or 'auto' (memory where 1.5x the partition's rows fit what the worker may
+        use: spark.executor.pyspark.memory, or without it its share of the machine's
         available memory).
         """
         return self._set(dataIn=value)

@@ -13,7 +13,7 @@ from conftest import run_partitions
 from pyspark.ml.linalg import Vectors
 from test_watchers import events
 
-from allreduce_param import DistriOptimizer, TrainedModel, models, optim
+from allreduce_param import Checkpoints, DistriOptimizer, TrainedModel, models, optim
 from allreduce_param.engine import AllReduceParameter
 from allreduce_param.errors import ConfigurationError
 from allreduce_param.models.glm import glm_parameter_size
@@ -117,6 +117,8 @@ def test_lbfgs_fits_a_builtin_logistic_model_to_scipys_minimiser(spark, tmp_path
         max_iter=300,
         tol=1e-14,
         tensorboard_dir=str(tmp_path / "tb"),
+        checkpoints=Checkpoints(dir=str(tmp_path / "ckpt"), every=5),
+        data_in="disk",  # the rows read from row files at every pass: the same minimiser
     ).fit(frame, weight_col="weight")
     expected, minimum = _minimum(X, y, w, rule, "logistic")
     tensors = model.tensors(trained.weights)
@@ -133,6 +135,9 @@ def test_lbfgs_fits_a_builtin_logistic_model_to_scipys_minimiser(spark, tmp_path
     np.testing.assert_array_equal(predicted, (X @ expected[:3] + expected[3] > 0).astype(int))
     trained.save(tmp_path / "model")
     np.testing.assert_array_equal(TrainedModel.load(tmp_path / "model").weights, trained.weights)
+    # the linear Estimators' checkpoints: complete steps (a manifest each) every 5 iterations
+    steps = sorted((tmp_path / "ckpt").glob("*/step-*/manifest.json"))
+    assert steps and all(int(s.parent.name.split("-")[1]) % 5 == 0 for s in steps)
 
 
 @pytest.mark.parametrize(

@@ -207,12 +207,20 @@ class VectorParts(NamedTuple):
             shape=(self.rows, n_features),
         )
 
-    def to_dense(self, n_features: int, dtype: Any = np.float32) -> np.ndarray:
-        """The rows as a dense float32 (or ``dtype``) matrix (rows, n_features)."""
-        X = np.zeros((self.rows, n_features), dtype)
+    def to_dense(
+        self, n_features: int, dtype: Any = np.float32, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The rows as a dense float32 (or ``dtype``) matrix (rows, n_features); written into
+        ``out`` where given (a C-contiguous matrix of that shape: a partition's rows in place)."""
+        if out is None:
+            X = np.zeros((self.rows, n_features), dtype)
+        else:
+            X = out
         if self.dense.all() and (self.size == n_features).all():  # one copy, no scatter
             X.reshape(-1)[:] = self.values
             return X
+        if out is not None:
+            X[...] = 0
         rows = self.value_rows()
         X[rows, self.value_columns(rows)] = self.values
         return X

@@ -19,7 +19,8 @@ import numpy as np
 from allreduce_param.errors import InputError
 from allreduce_param.spark import arrow
 from allreduce_param.train.columns import ORDER_COLUMNS, WEIGHT_COLUMN
-from allreduce_param.train.features import VectorParts, empty_rows
+from allreduce_param.train.features import VectorParts
+from allreduce_param.train.growing import GrowingArray
 from allreduce_param.train.row_file import block_rows_for
 
 
@@ -94,10 +95,13 @@ def arrays_from_arrow(
     data sparse: ``features.is_sparse``), else a dense matrix. ``weight`` is the rows'
     float64 weights, in the same order, where the batches carry the ``weight`` column (data
     prepared with ``weight_col``), else None; None too for a partition without batches (no
-    rows: nothing to weigh)."""
-    return join_rows(
-        (batch_arrays(batch, n_features, sparse) for batch in batches), n_features, sparse
-    )
+    rows: nothing to weigh). Each batch is converted into place as it comes
+    (``RowGatherer``)."""
+    gatherer = RowGatherer(n_features, sparse)
+    for batch in batches:
+        gatherer.add_batch(batch)
+        del batch  # let it go before the next one is read
+    return gatherer.finish()
 
 
 def join_rows(
@@ -106,48 +110,146 @@ def join_rows(
     """A partition's rows, read in chunks (``BatchRows``: an Arrow batch's, or a run of an
     RDD's pairs), as one ``(X, y, split, weight)``: ``arrays_from_arrow``'s, in (split,
     _order, _i) order where the chunks carry order keys, else as they came."""
-    features, labels, splits, weights, keys = [], [], [], [], []
+    gatherer = RowGatherer(n_features, sparse)
     for rows in chunks:
-        features.append(rows.X)
-        labels.append(rows.y)
-        splits.append(rows.split)
-        if rows.weight is not None:
-            weights.append(rows.weight)
-        if rows.keys is not None:
-            keys.append(rows.keys)
-    if not features:
-        return (
-            empty_rows(n_features, sparse),
-            np.zeros(0, np.float64),
-            np.zeros(0, np.int32),
-            None,
-        )
-    y, split = np.concatenate(labels), np.concatenate(splits)
-    weight = np.concatenate(weights).astype(np.float64, copy=False) if weights else None
-    order = None
-    if keys:
-        order_key, index_key = (
-            np.concatenate([batch_keys[k] for batch_keys in keys]) for k in range(2)
-        )
-        order = np.lexsort((index_key, order_key, split))
-    if sparse:
-        from scipy.sparse import vstack
+        gatherer.add(rows)
+        del rows
+    return gatherer.finish()
 
-        X = vstack(features, format="csr") if len(features) > 1 else features[0]
-        if order is not None:
+
+class RowGatherer:
+    """A partition's rows gathered in place as they arrive, chunk by chunk: the features in
+    one growing matrix (``growing.GrowingArray``; a CSR matrix's values and column indices in
+    two), an Arrow batch converted straight into it (``add_batch``), so the partition is
+    never held twice; the labels, splits, weights and order keys copied (a view would keep
+    its batch alive). Rows that come in (split, _order, _i) order (the stage has Spark sort
+    them) stay where they were put; rows that do not are put in that order at the end, which
+    takes a second copy of the features (``finish``)."""
+
+    def __init__(self, n_features: int, sparse: bool = False) -> None:
+        self.n_features, self.sparse = n_features, sparse
+        if sparse:
+            index_type = np.int32 if n_features < 2**31 else np.int64
+            self._values = GrowingArray((), np.float32)
+            self._columns = GrowingArray((), index_type)
+            self._lengths: list[np.ndarray] = []
+        else:
+            self._X = GrowingArray((n_features,), np.float32)
+        self._labels = GrowingArray((), np.float64)
+        self._splits = GrowingArray((), np.int32)
+        self._weights: GrowingArray | None = None  # made by the first weighted chunk
+        self._keys: tuple[GrowingArray, GrowingArray] | None = None  # (_order, _i), likewise
+        self._last: tuple | None = None  # the latest row's (split, _order, _i)
+        self._in_order = True
+        self._row_count = 0
+        self.nbytes = 0  # the features', labels' and weights' bytes gathered (``partition_bytes``)
+
+    def add_batch(self, batch) -> None:
+        """One prepared Arrow batch's rows, its features converted straight into place."""
+        names = batch.schema.names
+
+        def column(name: str) -> np.ndarray:
+            return arrow.values(batch.column(batch.schema.get_field_index(name)))
+
+        parts = VectorParts.from_arrow(batch.column(batch.schema.get_field_index("features")))
+        if self.sparse:
+            self._add_csr(parts.to_csr(self.n_features))
+        else:
+            parts.to_dense(self.n_features, out=self._X.next_rows(parts.rows))
+        keys = [column(name) for name in ORDER_COLUMNS] if ORDER_COLUMNS[0] in names else None
+        weight = column(WEIGHT_COLUMN) if WEIGHT_COLUMN in names else None
+        self._add_columns(column("label"), column("split"), weight, keys)
+
+    def add(self, rows: BatchRows) -> None:
+        """One chunk of rows already in numpy (``BatchRows``), copied into place."""
+        if self.sparse:
+            self._add_csr(rows.X)
+        else:
+            self._X.append(rows.X)
+        self._add_columns(rows.y, rows.split, rows.weight, rows.keys)
+
+    def _add_csr(self, X) -> None:
+        self._values.append(X.data)
+        self._columns.append(X.indices)
+        self._lengths.append(np.diff(X.indptr))
+
+    def _add_columns(self, y, split, weight, keys) -> None:
+        self._labels.append(y)
+        self._splits.append(split)
+        if weight is not None:
+            if self._weights is None:
+                self._weights = GrowingArray((), np.float64)
+            self._weights.append(weight)
+        if keys is not None:
+            if self._keys is None:
+                self._keys = (GrowingArray((), np.int64), GrowingArray((), np.int64))
+            order, index = (np.asarray(key, np.int64) for key in keys)
+            for kept, key in zip(self._keys, (order, index)):
+                kept.append(key)
+            if self._in_order and len(index):
+                split = np.asarray(split)
+                self._in_order = in_key_order(self._last, split, order, index)
+                self._last = (int(split[-1]), int(order[-1]), int(index[-1]))
+        self._row_count += len(y)
+        row_bytes = 8 * (1 + (weight is not None))
+        features = self._values.nbytes + self._columns.nbytes if self.sparse else self._X.nbytes
+        self.nbytes = features + row_bytes * self._row_count
+
+    def taken(self) -> BatchRows:
+        """The rows gathered so far as one chunk, the gatherer emptied (what it held is the
+        chunk's now): to write them to a row file once "auto" finds they will not fit."""
+        y, split, weight = self._columns_joined()
+        keys = None if self._keys is None else [key.finish() for key in self._keys]
+        self._keys = None
+        return BatchRows(self._features(), y, split, weight, keys)
+
+    def finish(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The partition's ``(X, y, split, weight)`` (``arrays_from_arrow``'s)."""
+        y, split, weight = self._columns_joined()
+        X = self._features()
+        keys, self._keys = self._keys, None
+        if keys is None or self._in_order:
+            return X, y, split, weight
+        order_key, index_key = (key.finish() for key in keys)
+        order = np.lexsort((index_key, order_key, split))
+        if self.sparse:
             X = X[order]
-    elif order is None:
-        X = features[0] if len(features) == 1 else np.concatenate(features)
-    else:  # each batch's rows straight to their places: one copy of the features
-        destination = np.empty_like(order)
-        destination[order] = np.arange(len(order))
-        X, start = np.empty((len(order), n_features), np.float32), 0
-        for block in features:
-            X[destination[start : start + len(block)]] = block
-            start += len(block)
-    if order is None:
-        return X, y, split, weight
-    return X, y[order], split[order], None if weight is None else weight[order]
+        else:  # a second copy of the features: rows that did not come sorted
+            X = np.take(X, order, axis=0)
+        return X, y[order], split[order], None if weight is None else weight[order]
+
+    def _columns_joined(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        weight = None if self._weights is None else self._weights.finish()
+        return self._labels.finish(), self._splits.finish(), weight
+
+    def _features(self):
+        if not self.sparse:
+            return self._X.finish()
+        from scipy.sparse import csr_matrix
+
+        values, columns = self._values.finish(), self._columns.finish()
+        indptr = np.zeros(sum(map(len, self._lengths)) + 1, np.int64)
+        if self._lengths:
+            np.cumsum(np.concatenate(self._lengths), out=indptr[1:])
+        self._lengths = []
+        if len(values) < 2**31 and columns.dtype == np.int32:
+            indptr = indptr.astype(np.int32)
+        else:
+            columns = columns.astype(np.int64)
+        return csr_matrix((values, columns, indptr), shape=(len(indptr) - 1, self.n_features))
+
+
+def in_key_order(
+    last: tuple | None, split: np.ndarray, order: np.ndarray, index: np.ndarray
+) -> bool:
+    """Whether a chunk's rows come in (split, _order, _i) order, after ``last`` (the row
+    before them, or None)."""
+    split = split.astype(np.int64)
+    if last is not None:
+        split, order, index = (np.r_[was, now] for was, now in zip(last, (split, order, index)))
+    d_split, d_order, d_index = np.diff(split), np.diff(order), np.diff(index)
+    ahead = (d_split > 0) | ((d_split == 0) & ((d_order > 0) | ((d_order == 0) & (d_index > 0))))
+    return bool(ahead.all())
 
 
 def pair_chunks(

@@ -212,8 +212,8 @@ class FitSettings:
         "auto",
         "where a task keeps its partition's rows while it trains: 'memory', 'disk' (row files "
         "in spark.local.dir, read a block at a time: partitions larger than memory) or 'auto' "
-        "(memory while a partition takes at most a quarter of spark.executor.pyspark.memory, "
-        "or without it its share of half the machine's available memory)",
+        "(memory where 1.5x the partition's rows fit what the worker may use: "
+        "spark.executor.pyspark.memory, or without it its share of the machine's available memory)",
         param="dataIn",
         kind="String",
     )

@@ -49,6 +49,8 @@ LBFGS_SETTINGS = frozenset(
         "tracking",
         "regularization",
         "fit_intercept",
+        "checkpoints",
+        "data_in",
     }
 )
 #: The built-in models solver="lbfgs" fits, by their family of MLlib's objectives.
@@ -255,6 +257,10 @@ def fit_lbfgs(
         watched_for,
         num_classes=None if family == "gaussian" else problem_classes(model),
         trained=True,
+        # the linear Estimators' checkpoints (every ``every`` iterations; a lost task's stage
+        # runs again from the newest) and row files (data_in="disk")
+        checkpoints=settings.checkpoints,
+        data_in=settings.data_in,
     )
     assert trained is not None  # (asked for)
     return trained

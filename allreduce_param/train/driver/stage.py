@@ -23,6 +23,7 @@ from allreduce_param.train.driver.failures import (
     stage_error,
     task_failed,
 )
+from allreduce_param.train.driver.memory import worker_bytes
 from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
 from allreduce_param.train.settings import FitSettings
@@ -152,10 +153,14 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
     given; their records, encoded."""
 
     data_in = job.settings.data_in
-    # rows on disk, after a shuffle: Spark sorts each partition by its order keys (spilling
-    # as it needs), so a task writes its files as the rows come and holds nothing per row
-    presorted = (
-        data_in == "disk" and hasattr(rows, "mapInArrow") and ORDER_COLUMNS[0] in rows.columns
+    # after a shuffle, Spark sorts each partition by its order keys (spilling as it needs):
+    # a task puts each row where it belongs as it comes, in memory (held once, not twice) or
+    # in its row file (nothing held per row)
+    presorted = hasattr(rows, "mapInArrow") and ORDER_COLUMNS[0] in rows.columns
+    # the model's vectors in a worker: what the rows "auto" keeps in memory leave room for
+    size = getattr(job.model, "size", None)
+    reserved = worker_bytes(
+        size if isinstance(size, int) else 0, job.optimizer, job.param.partition_num
     )
     if presorted:
         rows = rows.sortWithinPartitions("split", *ORDER_COLUMNS)
@@ -172,7 +177,8 @@ def _stage(job: TrainingJob, rows, profile: Any) -> list[tuple[str, bytes]]:
 
     def held(place: Place):  # where this task's rows go, and the budget "auto" keeps to
         fit_the_address_space_limit()  # before the first row is read
-        return (place if data_in != "memory" else None), memory_budget(job.param.partition_num)
+        budget = memory_budget(job.param.partition_num, reserved)
+        return (place if data_in != "memory" else None), budget
 
     def arrow_task(batches):
         started, place = time.time(), Place.of_task(job.param.secret)

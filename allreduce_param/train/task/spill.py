@@ -16,25 +16,30 @@ running task holds (``row_claims``: a cancelled fit's, whose Python workers were
 What Spark's local directories hold goes with the executor's directory when the
 application ends.
 
-Writing reads each Arrow batch as it arrives, so a partition is never whole in memory; an
-RDD of ``(features, label)`` pairs is read alike, in chunks of about a block
-(``rows.pair_chunks``), and written in arrival order (an RDD has no order keys). Both go
-through the same choice, writing and clean-up (``choose_place``, ``_hold``, ``write_partition``).
-With ``data_in="disk"`` after a shuffle, the stage has Spark sort each partition by its
-order keys (``presorted``), and each batch goes straight to its split's file. Otherwise,
-where the batches carry order keys (a placement that shuffled them, ``columns.ORDER_COLUMNS``)
-the rows arrive in no fixed order: they go to one arrival file as they come, their keys (9
-bytes a row, 17 under ``overlap_reshuffle``) stay in memory, and once all are in, each
-split's file is written in key order from it, the arrival file then removed. The rows of
-each split are then in the very order the in-memory path gives them.
+In memory, each Arrow batch is converted into place as it arrives (``rows.RowGatherer``):
+the partition is held once, and its Python worker peaks at most ``PEAK_FACTOR`` times its
+rows (``partition_bytes``). "auto" gathers in memory until the rows pass ``memory_budget``
+(what the worker may use over ``PEAK_FACTOR``), then writes what it gathered and the rest
+to disk, and logs which way it went. Writing reads each Arrow batch as it arrives, so a
+partition is never whole in memory; an RDD of ``(features, label)`` pairs is read alike, in
+chunks of about a block (``rows.pair_chunks``), and written in arrival order (an RDD has no
+order keys). Both go through the same choice, writing and clean-up (``_hold``,
+``write_partition``). After a shuffle, the stage has Spark sort each partition by its order
+keys (``presorted``), and each batch goes straight to its place, in memory or in its
+split's file. Where batches with order keys come unsorted (a caller other than the stage)
+they go to one arrival file as they come, their keys (9 bytes a row, 17 under
+``overlap_reshuffle``) stay in memory, and once all are in, each split's file is written
+in key order from it, the arrival file then removed. The rows of each split are then in
+the very order the in-memory path gives them.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 
@@ -44,16 +49,25 @@ import xxhash
 from allreduce_param.errors import TrainingError
 from allreduce_param.train.columns import TRAIN, VALIDATION
 from allreduce_param.train.row_file import RowFile, RowFileWriter, block_rows_for
-from allreduce_param.train.rows import BatchRows, batch_arrays, join_rows, pair_chunks
+from allreduce_param.train.rows import (
+    BatchRows,
+    RowGatherer,
+    batch_arrays,
+    in_key_order,
+    join_rows,
+    pair_chunks,
+)
 from allreduce_param.train.task.disk_rows import DiskRows
 from allreduce_param.train.task.memory_rows import Rows
 
 DATA_IN = ("memory", "disk", "auto")
 FILE_PREFIX = "allreduce-rows-"
-#: The share of the Python worker's memory limit a partition may take in memory under
-#: "auto": the in-memory path holds a partition about twice while it loads (the Arrow
-#: batches and the matrix made of them), and the model, its gradient and the blocks need room.
-LIMIT_SHARE = 0.25
+#: The in-memory path's peak, at most, in units of its partition (``partition_bytes``): the
+#: rows gathered in place (``rows.RowGatherer``), one Arrow batch, the steps' rooms and the
+#: order keys. "auto" keeps a partition in memory only where this many times it fits.
+PEAK_FACTOR = 1.5
+
+log = logging.getLogger(__name__)
 
 
 def pyspark_memory_limit() -> int | None:
@@ -84,14 +98,31 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory_budget(partitions: int) -> int:
-    """How many bytes of Arrow batches a partition keeps in memory under "auto": a quarter of
-    the Python worker's limit (``pyspark_memory_limit``), or without one the machine's
-    available memory shared by ``partitions`` tasks, halved for the copy loading makes."""
+def memory_budget(partitions: int, reserved: int = 0) -> int:
+    """How many bytes of rows (``partition_bytes``) a partition keeps in memory under "auto":
+    what this worker may use, less ``reserved`` (the model's vectors), over ``PEAK_FACTOR``.
+    What it may use is what ``driver.memory.worker_allowance`` reads on the driver: the
+    Python worker's limit (``spark.executor.pyspark.memory`` over the executor's cores, an
+    address-space limit, so less the address space this worker already maps), else the
+    machine's available memory shared by ``partitions`` tasks."""
     limit = pyspark_memory_limit()
     if limit is not None:
-        return int(limit * LIMIT_SHARE)
-    return available_memory() // (2 * max(1, partitions))
+        allowance = limit - _address_space()
+    else:
+        allowance = available_memory() // max(1, partitions)
+    return max(0, int((allowance - reserved) / PEAK_FACTOR))
+
+
+def _address_space() -> int:
+    """This process's address space now (``VmSize``), in bytes; 0 where not known."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return 0
 
 
 def local_directory(partition: int) -> str:
@@ -160,15 +191,17 @@ def partition_rows(
 ) -> tuple[Rows | DiskRows, Rows | DiskRows]:
     """A partition's prepared Arrow batches as its (training, validation) rows: in memory
     (``memory_rows.Rows``) or in row files at ``place`` (``DiskRows``), as ``data_in`` says
-    ("auto": in memory while the batches take at most ``budget`` bytes). ``presorted``: the
-    batches come sorted by their order keys (Spark sorted them), so no arrival file. The
-    caller ``release``s both on every way out."""
+    ("auto": in memory while the rows take at most ``budget`` bytes, ``partition_bytes``).
+    ``presorted``: the batches come sorted by their order keys (Spark sorted them), so no
+    arrival file. The caller ``release``s both on every way out."""
 
     def arrays(batch) -> BatchRows:
         return batch_arrays(batch, n_features, sparse)
 
-    chosen, held, rest = choose_place(iter(batches), data_in, budget, lambda batch: batch.nbytes)
-    return _hold(map(arrays, chain(held, rest)), n_features, sparse, chosen, place, presorted)
+    gatherer = RowGatherer(n_features, sparse)
+    return _hold(
+        iter(batches), gatherer, gatherer.add_batch, arrays, data_in, place, budget, presorted
+    )
 
 
 def pair_rows(
@@ -181,11 +214,12 @@ def pair_rows(
     """A partition of an RDD of ``(features, label)`` pairs as its (training, validation)
     rows, as ``partition_rows`` holds Arrow batches: read in chunks as the pairs arrive
     (``rows.pair_chunks``, never the whole partition as a list), in memory or written to row
-    files at ``place`` in arrival order ("auto": in memory while the chunks' arrays take at
-    most ``budget`` bytes). All rows train; the validation rows are empty. The caller
+    files at ``place`` in arrival order ("auto": in memory while the rows take at most
+    ``budget`` bytes). All rows train; the validation rows are empty. The caller
     ``release``s both on every way out."""
-    chosen, held, rest = choose_place(pair_chunks(pairs, n_features), data_in, budget, _chunk_bytes)
-    return _hold(chain(held, rest), n_features, False, chosen, place)
+    gatherer = RowGatherer(n_features, False)
+    chunks = pair_chunks(pairs, n_features)
+    return _hold(chunks, gatherer, gatherer.add, lambda rows: rows, data_in, place, budget)
 
 
 def choose_place(
@@ -193,7 +227,8 @@ def choose_place(
 ) -> tuple[str, list, Iterator]:
     """Where a partition's rows go ("memory" or "disk"), the items read to decide, and the
     rest: under "auto", items are read until their ``size`` passes ``budget`` (disk) or
-    none are left (memory)."""
+    none are left (memory). The linear fits' rule (``glm_rows``: float64 rows, read at every
+    pass); ``_hold`` decides for DistriOptimizer's rows while it gathers them."""
     held: list = []
     if data_in != "auto":
         return data_in, held, items
@@ -207,33 +242,97 @@ def choose_place(
 
 
 def _hold(
-    rows: Iterator[BatchRows],
-    n_features: int,
-    sparse: bool,
+    items: Iterator,
+    gatherer: RowGatherer,
+    add: Callable,
+    arrays: Callable,
     data_in: str,
     place: Place | None,
+    budget: int | None,
     presorted: bool = False,
 ) -> tuple[Rows | DiskRows, Rows | DiskRows]:
-    """A partition's rows, chunk by chunk, in memory or written to row files at ``place``."""
-    if data_in == "memory":
-        return split_rows(*join_rows(rows, n_features, sparse))
+    """A partition's rows, item by item (an Arrow batch, or a chunk of RDD pairs): gathered
+    in memory (``add`` to ``gatherer``), or written to row files at ``place`` (each item's
+    ``arrays``). Under "auto" they are gathered until they pass ``budget``; then what was
+    gathered and the rest go to disk."""
+    if data_in == "disk":
+        return write_partition(map(arrays, items), *_files(gatherer, place), presorted)
+    for item in items:
+        add(item)
+        del item  # an Arrow batch let go of before the next is read
+        if data_in == "auto" and budget is not None and gatherer.nbytes > budget:
+            log.info(
+                "data_in='auto': this partition's rows pass %.1f MB, more than 1/%s of what "
+                "this worker may use: they go to disk (row files in %s)",
+                budget / 1e6,
+                PEAK_FACTOR,
+                None if place is None else place.directory,
+            )
+            rows = chain(_taken(gatherer), map(arrays, items))
+            return write_partition(rows, *_files(gatherer, place), presorted)
+    if data_in == "auto":
+        log.info(
+            "data_in='auto': this partition's %.1f MB of rows stay in memory", gatherer.nbytes / 1e6
+        )
+    return split_rows(*gatherer.finish())
+
+
+def _files(gatherer: RowGatherer, place: Place | None) -> tuple:
+    """``write_partition``'s width, sparseness and place for ``gatherer``'s rows."""
     if place is None:
         raise ValueError("rows on disk need a place for their files")
-    return write_partition(rows, n_features, sparse, place, presorted)
+    return gatherer.n_features, gatherer.sparse, place
 
 
-def _chunk_bytes(rows: BatchRows) -> int:
-    """The bytes a chunk of dense rows holds."""
-    return rows.X.nbytes + rows.y.nbytes + rows.split.nbytes
+def _taken(gatherer: RowGatherer) -> Iterator[BatchRows]:
+    """What ``gatherer`` holds, as one chunk that is let go of once written."""
+    yield gatherer.taken()
+
+
+def partition_bytes(
+    rows: int, n_features: int, sparse_values: int | None = None, weighted: bool = False
+) -> int:
+    """A partition's size as this page counts it: its rows' bytes in the fit's dtypes, the
+    features as float32 (dense: ``n_features`` a row; CSR: ``sparse_values`` values and
+    their int32 column indices), a float64 label and, ``weighted``, a float64 weight a row.
+    The in-memory path peaks at most ``PEAK_FACTOR`` times this."""
+    features = 4 * n_features * rows if sparse_values is None else 8 * sparse_values
+    return features + 8 * rows * (1 + weighted)
 
 
 def split_rows(X, y: np.ndarray, split: np.ndarray, weight: np.ndarray | None) -> tuple[Rows, Rows]:
-    """A partition's rows in memory as its (training, validation) ``Rows``."""
+    """A partition's rows in memory as its (training, validation) ``Rows``: views of
+    ``X`` where the training rows come first, then the validation rows (as ``RowGatherer``
+    gathers them), else copies."""
+    is_train = split == TRAIN
+    n_train = int(is_train.sum())
+    if is_train[:n_train].all() and (split[n_train:] == VALIDATION).all():
+        weights = (None, None) if weight is None else (weight[:n_train], weight[n_train:])
+        return (
+            Rows(_row_range(X, 0, n_train), y[:n_train], weights[0]),
+            Rows(_row_range(X, n_train, len(y)), y[n_train:], weights[1]),
+        )
     # row numbers, not masks: a CSR matrix takes them alike
-    train, valid = np.flatnonzero(split == TRAIN), np.flatnonzero(split == VALIDATION)
+    train, valid = np.flatnonzero(is_train), np.flatnonzero(split == VALIDATION)
     return (
         Rows(X[train], y[train], None if weight is None else weight[train]),
         Rows(X[valid], y[valid], None if weight is None else weight[valid]),
+    )
+
+
+def _row_range(X, start: int, stop: int):
+    """Rows ``start:stop`` of a dense or CSR matrix, sharing its memory (scipy's own row
+    slice of a CSR matrix copies its values)."""
+    if not hasattr(X, "indptr"):
+        return X[start:stop]
+    if start == 0 and stop == X.shape[0]:
+        return X
+    from scipy.sparse import csr_matrix
+
+    first, last = X.indptr[start], X.indptr[stop]
+    indptr = (X.indptr[start : stop + 1] - first).astype(X.indptr.dtype)
+    return csr_matrix(
+        (X.data[first:last], X.indices[first:last], indptr), shape=(stop - start, X.shape[1])
     )
 
 
@@ -309,18 +408,13 @@ def _write(
 def _check_sorted(rows, last: tuple | None) -> tuple:
     """That a batch's rows come in (split, _order, _i) order after ``last``; its last row's
     keys. Rows out of order are an error (Spark sorted them: a change in that contract)."""
-    split = rows.split.astype(np.int64)
     order, index = (np.asarray(k, np.int64) for k in rows.keys)
-    if last is not None:
-        split, order, index = (np.r_[was, now] for was, now in zip(last, (split, order, index)))
-    d_split, d_order, d_index = np.diff(split), np.diff(order), np.diff(index)
-    ahead = (d_split > 0) | ((d_split == 0) & ((d_order > 0) | ((d_order == 0) & (d_index > 0))))
-    if not ahead.all():
+    if not in_key_order(last, rows.split, order, index):
         raise TrainingError(
             "the partition's rows did not arrive sorted by (split, _order, _i) as the stage "
-            "asked Spark to sort them (sortWithinPartitions); train with data_in='auto'"
+            "asked Spark to sort them (sortWithinPartitions); train with data_in='memory'"
         )
-    return int(split[-1]), int(order[-1]), int(index[-1])
+    return int(rows.split[-1]), int(order[-1]), int(index[-1])
 
 
 def _keys(rows) -> tuple:
