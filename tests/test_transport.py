@@ -135,6 +135,7 @@ def test_a_server_that_cannot_prove_the_secret_is_not_trusted():
         b"\x00" * 88,  # zeros
         b"GET / HTTP/1.1\r\n\r\n" * 5,  # someone else's protocol
     ],
+    ids=["random bytes", "zeros", "another protocol"],  # the same ids in every pytest-xdist worker
 )
 def test_garbage_hello_closes_that_connection_only(server, caplog, garbage):
     honest = client(server)
