@@ -11,6 +11,8 @@ out of order) comes back as its own type, and the fit does not run its stage aga
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from allreduce_param.errors import (
     AllReduceError,
@@ -69,6 +71,43 @@ def stage_attempts(spark: SparkInfo) -> int:
     retrying a stage, ``spark.stage.maxConsecutiveAttempts``."""
     # Spark's scheduler reads it at start-up: a session that runs has a valid one
     return max(1, int(spark.setting("spark.stage.maxConsecutiveAttempts", "4")))
+
+
+Start = TypeVar("Start")
+Result = TypeVar("Result")
+
+
+def run_until_done(
+    run: Callable[[Start], Result],
+    first: Start,
+    attempts: int,
+    again: Callable[[Exception, int], Start],
+    failed: Callable[[], None] | None = None,
+) -> Result:
+    """What ``run(start)`` returns the first time it succeeds, of at most ``attempts`` runs:
+    a fit's barrier stage, which Spark does not run again when a task of it fails (it
+    returns its results itself). The first run starts at ``first``; after a failed one,
+    ``again(error, failures)`` (``error``: ``stage_error``'s, ``failures``: the runs failed
+    so far) says where the next starts (a fit's newest checkpoint) and warns that it runs
+    again. ``failed()``, where given, is called after each failed run first.
+
+    The last run's error (``stage_error``'s, Spark's report as its cause) ends it: after
+    ``attempts`` runs, at once where the stage did not fail in a task (``task_failed``: it
+    was refused), or where every run would meet that error again (``recurs``). The one
+    loop DistriOptimizer's stage (``stage.run_stage``) and the linear models'
+    (``glm_attempts``) run under."""
+    start, failures = first, 0
+    while True:
+        try:
+            return run(start)
+        except Exception as error:
+            if failed is not None:
+                failed()
+            failures += 1
+            found = stage_error(error, runs=failures)
+            if failures >= attempts or not task_failed(error) or recurs(found):
+                raise found from error  # Spark's own report stays on it, as the cause
+            start = again(stage_error(error), failures)
 
 
 def recurs(error: Exception) -> bool:
@@ -194,16 +233,20 @@ def _recurring(where: str, name: str, message: str) -> AllReduceError | None:
 
 
 def with_checkpoint_advice(
-    error: TrainingError, checkpoints: CheckpointSettings, spark: SparkInfo
+    error: TrainingError,
+    checkpoints: CheckpointSettings,
+    spark: SparkInfo,
+    resume: str = "fit(..., resume_from={folder!r})",
 ) -> TrainingError:
-    """The failure, with what the fit's checkpoints make possible now."""
+    """The failure, with what the fit's checkpoints make possible now: ``resume`` (with the
+    checkpoint's ``folder``) says how to continue from the newest."""
     found = newest(checkpoints.directory)
     if found is None:
         advice = f"The fit wrote no complete checkpoint to {checkpoints.directory} before it failed"
     else:
         advice = (
             f"Its newest checkpoint, of step {found.step}, is {found.folder}: "
-            f"fit(..., resume_from={found.folder!r}) continues from it"
+            f"{resume.format(folder=found.folder)} continues from it"
         )
         if stage_attempts(spark) == 1:
             advice += (

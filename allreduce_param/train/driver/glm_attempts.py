@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from allreduce_param.train.checkpoint import CheckpointSettings, Manifest, find
 from allreduce_param.train.checkpoint_space import SETTING_NAMES
-from allreduce_param.train.driver.failures import recurs, stage_error, task_failed
+from allreduce_param.train.driver.failures import run_until_done
 from allreduce_param.train.task.glm_checkpoint import check_same_problem
 
 #: One run of the stage: the checkpoint to resume from (None: the start) to the records.
@@ -28,22 +28,21 @@ def run_attempts(
     attempts: int,
     checkpoints: CheckpointSettings | None,
     description: dict,
+    first: Manifest | None = None,
 ) -> dict[str, bytes]:
-    """The records of the first run of ``run`` that succeeds, of at most ``attempts``; each
-    run after a failed one resumes from the newest checkpoint of ``checkpoints`` that is of
-    the problem ``description`` describes. The last failure's error (``stage_error``) where
-    none succeeds, or at once where it would recur."""
-    resume, failures = None, 0
-    while True:
-        try:
-            return run(resume)
-        except Exception as error:
-            failures += 1
-            found = stage_error(error, runs=failures)
-            if failures >= attempts or not task_failed(error) or recurs(found):
-                raise found from error
-            resume = restart_from(checkpoints, description)
-            _warn_again(stage_error(error), failures, attempts, checkpoints, resume)
+    """The records of the first run of ``run`` that succeeds, of at most ``attempts``
+    (``failures.run_until_done``): the first from ``first`` (``resume_from``'s checkpoint;
+    None: the start), each after a failed one from the newest checkpoint of ``checkpoints``
+    that is of the problem ``description`` describes (``first`` where none was written yet).
+    The last failure's error (``stage_error``) where none succeeds, or at once where it
+    would recur."""
+
+    def again(error: Exception, failures: int) -> Manifest | None:
+        resume = restart_from(checkpoints, description) or first
+        _warn_again(error, failures, attempts, checkpoints, resume)
+        return resume
+
+    return run_until_done(run, first, attempts, again)
 
 
 def restart_from(checkpoints: CheckpointSettings | None, description: dict) -> Manifest | None:
@@ -59,7 +58,7 @@ def restart_from(checkpoints: CheckpointSettings | None, description: dict) -> M
             f"{'; '.join(str(damage) for damage in found.damaged)}; the stage runs again "
             f"from {used} instead",
             UserWarning,
-            stacklevel=4,
+            stacklevel=6,
         )
     if found.manifest is not None:
         check_same_problem(found.manifest, description)
@@ -87,5 +86,5 @@ def _warn_again(
         f"the linear model's stage failed, run {failures} of at most {attempts} "
         f"(spark.stage.maxConsecutiveAttempts): {error}. It runs again, {start}",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=6,
     )

@@ -17,12 +17,7 @@ from allreduce_param.errors import AllReduceError
 from allreduce_param.spark.arrow import fit_the_address_space_limit, record_batch
 from allreduce_param.train.checkpoint_space import SETTING_NAMES
 from allreduce_param.train.columns import ORDER_COLUMNS
-from allreduce_param.train.driver.failures import (
-    UNSUPPORTED_CHAIN,
-    recurs,
-    stage_error,
-    task_failed,
-)
+from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, run_until_done
 from allreduce_param.train.driver.memory import worker_bytes
 from allreduce_param.train.driver.resume import restart_point
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
@@ -88,24 +83,24 @@ def run_stage(
         return placed()
 
     submitted = time.time()
-    rows, failures, first = (kept if kept is not None else place()), 0, job
-    while True:
+    rows = [kept if kept is not None else place()]
+
+    def run(attempt: TrainingJob) -> list[tuple[str, bytes]]:
+        phase("training")
         try:
-            phase("training")
-            pairs = _stage(job, rows, profile)
-            break
+            return _stage(attempt, rows[0], profile)
         except Exception as error:
-            if rows is kept and UNSUPPORTED_CHAIN in str(error):
-                rows = place()  # refused before any task ran
-                continue
-            if failed is not None:
-                failed()
-            failures += 1
-            found = stage_error(error, runs=failures)
-            if failures >= attempts or not task_failed(error) or recurs(found):
-                raise found from error  # Spark's own report stays on it, as the cause
-            _warn_again(job, stage_error(error), failures, attempts)
-            job = restart_point(first)  # the newest intact checkpoint, verified here
+            if rows[0] is not kept or UNSUPPORTED_CHAIN not in str(error):
+                raise
+        rows[0] = place()  # refused before any task ran: not a run that failed
+        phase("training")
+        return _stage(attempt, rows[0], profile)
+
+    def again(error: Exception, failures: int) -> TrainingJob:
+        _warn_again(job, error, failures, attempts)
+        return restart_point(job)  # the newest intact checkpoint, verified here
+
+    pairs = run_until_done(run, job, attempts, again, failed)
     output = StageOutput.of(pairs, job.param.partition_num)
     output.submitted = submitted
     return output
@@ -113,7 +108,8 @@ def run_stage(
 
 def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int) -> None:
     """Say that the stage failed and runs again, and from where: a run can take long (the
-    rows are loaded anew), and a fit that goes quiet meanwhile looks hung."""
+    rows are loaded anew), and a fit that goes quiet meanwhile looks hung. (At the caller
+    of ``DistriOptimizer.fit``'s stage: past ``run_until_done`` and ``run_stage``'s own.)"""
     origin = "the start" if job.start.fresh else job.start.describe()
     start = (
         f"from the newest checkpoint of this fit (from {origin} if none was written yet)"
@@ -125,7 +121,7 @@ def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int
         f"the fit's stage failed, run {failures} of at most {attempts} "
         f"(spark.stage.maxConsecutiveAttempts): {error}. It runs again, {start}",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=6,
     )
 
 
