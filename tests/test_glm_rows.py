@@ -1,5 +1,6 @@
-"""The linear models' rows on disk (``train/task/glm_rows.py``): a partition's rows in a row file
-of float64 values, read a block at a time at every pass, give the in-memory solution up to
+"""The linear models' rows (``train/task/glm_rows.py``): held in memory, the Arrow batches'
+rows gathered in place as float64, exactly; on disk, a partition's rows in a row file of
+float64 values, read a block at a time at every pass, give the in-memory solution up to
 rounding (the chunks' sums added in block order), dense and CSR.
 
 Partitions run as threads of this process with real handles and real files, no Spark
@@ -8,14 +9,16 @@ Partitions run as threads of this process with real handles and real files, no S
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import scipy.sparse
 from conftest import run_partitions
+from test_sparse import vector_struct
 
 from allreduce_param.engine import AllReduceParameter
 from allreduce_param.models.glm import GlmProblem, glm_parameter_size
 from allreduce_param.train.row_file import RowFileWriter, read_header
-from allreduce_param.train.task.glm_rows import RowChunks
+from allreduce_param.train.task.glm_rows import RowChunks, held_rows
 from allreduce_param.train.task.glm_solve import solve_glm
 
 
@@ -72,3 +75,60 @@ def test_rows_read_block_by_block_from_disk_give_the_in_memory_solution(tmp_path
         np.testing.assert_allclose(
             solution.objective_history, memory[0].objective_history, rtol=1e-13
         )
+
+
+def _batches(X, y, w, size: int = 7) -> list:
+    """Prepared Arrow batches of ``size`` rows: the features as Spark's vectors (sparse ones
+    for a CSR ``X``), the label and the weight."""
+    dense = X.toarray() if scipy.sparse.issparse(X) else X
+    out = []
+    for start in range(0, len(y), size):
+        rows = []
+        for row in dense[start : start + size]:
+            if scipy.sparse.issparse(X):
+                (index,) = np.nonzero(row)
+                rows.append(("sparse", len(row), index.tolist(), row[index].tolist()))
+            else:
+                rows.append(("dense", row.tolist()))
+        out.append(
+            pa.RecordBatch.from_pydict(
+                {
+                    "features": vector_struct(rows),
+                    "label": pa.array(y[start : start + size]),
+                    "weight": pa.array(w[start : start + size]),
+                }
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "csr"])
+def test_rows_held_are_the_batches_rows_in_memory_and_past_the_budget_on_disk(
+    tmp_path, monkeypatch, sparse
+):
+    """In memory the batches' rows are gathered into one float64 matrix, exactly; "auto"
+    past its budget (an address-space limit the worker already passes: a budget of 0)
+    writes them to a row file instead, read back alike, removed at the end."""
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", str(tmp_path))
+    X, y, w = _rows(sparse, rows=23)
+    expected = X.toarray() if sparse else X
+
+    def held(data_in: str) -> tuple:
+        with held_rows(iter(_batches(X, y, w)), 6, sparse, True, data_in, b"k" * 32, 2) as rows:
+            chunks = [tuple(part.copy() for part in chunk) for chunk in rows.chunks()]
+            return rows.where, chunks, sorted(p.name for p in tmp_path.iterdir())
+
+    where, ((features, labels, weights),), _ = held("memory")
+    assert where == "memory" and features.dtype == np.float64
+    assert scipy.sparse.issparse(features) == sparse
+    assert np.array_equal(features.toarray() if sparse else features, expected)
+    assert np.array_equal(labels, y) and np.array_equal(weights, w)
+    monkeypatch.setenv("PYSPARK_EXECUTOR_MEMORY_MB", "1")
+    where, blocks, files = held("auto")
+    row_files = [name for name in files if name.endswith(".rows")]
+    assert where == "disk" and len(row_files) == 1 and row_files[0].endswith("-glm.rows"), files
+    stacked = np.concatenate([b[0].toarray() if sparse else b[0] for b in blocks])
+    assert np.array_equal(stacked, expected)
+    assert np.array_equal(np.concatenate([b[1] for b in blocks]), y)
+    assert np.array_equal(np.concatenate([b[2] for b in blocks]), w)
+    assert list(tmp_path.iterdir()) == []  # the row file (and the fit's lock) removed after

@@ -18,7 +18,7 @@ import numpy as np
 
 from allreduce_param.errors import InputError
 from allreduce_param.spark import arrow
-from allreduce_param.train.columns import ORDER_COLUMNS, WEIGHT_COLUMN
+from allreduce_param.train.columns import ORDER_COLUMNS, TRAIN, WEIGHT_COLUMN
 from allreduce_param.train.features import VectorParts
 from allreduce_param.train.growing import GrowingArray
 from allreduce_param.train.row_file import block_rows_for
@@ -69,8 +69,12 @@ class BatchRows(NamedTuple):
     keys: list[np.ndarray] | None
 
 
-def batch_arrays(batch, n_features: int, sparse: bool = False) -> BatchRows:
-    """One prepared Arrow batch as numpy (``BatchRows``); ``arrays_from_arrow`` joins them."""
+def batch_arrays(
+    batch, n_features: int, sparse: bool = False, dtype: Any = np.float32
+) -> BatchRows:
+    """One prepared Arrow batch as numpy (``BatchRows``), its features as ``dtype`` (float64:
+    the linear models'); ``arrays_from_arrow`` joins them. A batch without a ``split``
+    column (the linear models' rows: all train) gets its rows' training code."""
     names = batch.schema.names
 
     def column(name: str) -> np.ndarray:
@@ -78,12 +82,18 @@ def batch_arrays(batch, n_features: int, sparse: bool = False) -> BatchRows:
 
     parts = VectorParts.from_arrow(batch.column(batch.schema.get_field_index("features")))
     return BatchRows(
-        parts.to_csr(n_features) if sparse else parts.to_dense(n_features),
+        parts.to_csr(n_features, dtype) if sparse else parts.to_dense(n_features, dtype),
         column("label"),
-        column("split"),
+        _splits(names, column, parts.rows),
         column(WEIGHT_COLUMN) if WEIGHT_COLUMN in names else None,
         [column(name) for name in ORDER_COLUMNS] if ORDER_COLUMNS[0] in names else None,
     )
+
+
+def _splits(names: list[str], column, rows: int) -> np.ndarray:
+    """A batch's split codes: its ``split`` column, or ``TRAIN`` for each of its ``rows``
+    where it has none (the linear models' rows, which all train)."""
+    return column("split") if "split" in names else np.full(rows, TRAIN, np.int32)
 
 
 def arrays_from_arrow(
@@ -118,23 +128,24 @@ def join_rows(
 
 
 class RowGatherer:
-    """A partition's rows gathered in place as they arrive, chunk by chunk: the features in
-    one growing matrix (``growing.GrowingArray``; a CSR matrix's values and column indices in
-    two), an Arrow batch converted straight into it (``add_batch``), so the partition is
-    never held twice; the labels, splits, weights and order keys copied (a view would keep
-    its batch alive). Rows that come in (split, _order, _i) order (the stage has Spark sort
-    them) stay where they were put; rows that do not are put in that order at the end, which
-    takes a second copy of the features (``finish``)."""
+    """A partition's rows gathered in place as they arrive, chunk by chunk: the features
+    (float32, or ``dtype``: float64 for the linear models) in one growing matrix
+    (``growing.GrowingArray``; a CSR matrix's values and column indices in two), an Arrow
+    batch converted straight into it (``add_batch``), so the partition is never held twice;
+    the labels, splits, weights and order keys copied (a view would keep its batch alive).
+    Rows that come in (split, _order, _i) order (the stage has Spark sort them) stay where
+    they were put; rows that do not are put in that order at the end, which takes a second
+    copy of the features (``finish``)."""
 
-    def __init__(self, n_features: int, sparse: bool = False) -> None:
-        self.n_features, self.sparse = n_features, sparse
+    def __init__(self, n_features: int, sparse: bool = False, dtype: Any = np.float32) -> None:
+        self.n_features, self.sparse, self.dtype = n_features, sparse, np.dtype(dtype)
         if sparse:
             index_type = np.int32 if n_features < 2**31 else np.int64
-            self._values = GrowingArray((), np.float32)
+            self._values = GrowingArray((), self.dtype)
             self._columns = GrowingArray((), index_type)
             self._lengths: list[np.ndarray] = []
         else:
-            self._X = GrowingArray((n_features,), np.float32)
+            self._X = GrowingArray((n_features,), self.dtype)
         self._labels = GrowingArray((), np.float64)
         self._splits = GrowingArray((), np.int32)
         self._weights: GrowingArray | None = None  # made by the first weighted chunk
@@ -153,12 +164,12 @@ class RowGatherer:
 
         parts = VectorParts.from_arrow(batch.column(batch.schema.get_field_index("features")))
         if self.sparse:
-            self._add_csr(parts.to_csr(self.n_features))
+            self._add_csr(parts.to_csr(self.n_features, self.dtype))
         else:
             parts.to_dense(self.n_features, out=self._X.next_rows(parts.rows))
         keys = [column(name) for name in ORDER_COLUMNS] if ORDER_COLUMNS[0] in names else None
         weight = column(WEIGHT_COLUMN) if WEIGHT_COLUMN in names else None
-        self._add_columns(column("label"), column("split"), weight, keys)
+        self._add_columns(column("label"), _splits(names, column, parts.rows), weight, keys)
 
     def add(self, rows: BatchRows) -> None:
         """One chunk of rows already in numpy (``BatchRows``), copied into place."""

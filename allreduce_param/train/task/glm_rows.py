@@ -3,15 +3,17 @@ every pass (the statistics once, the loss and gradient at each evaluation) goes 
 them, chunk by chunk, and sums what each chunk gives (``RowChunks.total``).
 
 - In memory (``data_in="memory"``): one chunk, the partition's rows as one float64 matrix
-  (dense or CSR), so the sums are the ones a single matrix gives.
+  (dense or CSR), so the sums are the ones a single matrix gives; each Arrow batch converted
+  into place as it arrives (``rows.RowGatherer``), so the rows are held once.
 - On disk (``data_in="disk"``): the partition's Arrow batches written once, as they arrive,
   to a row file in the executor's local directory (``train.row_file``, with float64 values:
   the solver's own precision), then read a block (about 1 MB) at a time at every pass: a
   partition larger than the Python worker's memory is solved holding a block or two of it.
   The chunks' sums are added in block order, so the result differs from the in-memory one
   by rounding only (about 1e-15 relative).
-- ``"auto"`` chooses as DistriOptimizer's fits do (``spill.choose_place``): memory while
-  the batches take at most ``spill.memory_budget``, else disk.
+- ``"auto"`` chooses by DistriOptimizer's fits' rule (``spill.gather``): the rows are
+  gathered in memory while they take at most ``spill.memory_budget``; past it, what was
+  gathered and the rest go to the row file.
 
 The row file is named and claimed as DistriOptimizer's (``spill.Place``, ``row_claims``):
 removed when the task ends, whichever way, and by the next task of the session in that
@@ -22,51 +24,34 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from itertools import chain
 from typing import Any
 
 import numpy as np
 
-from allreduce_param.spark.arrow import values
-from allreduce_param.train.columns import WEIGHT_COLUMN
-from allreduce_param.train.features import VectorParts
 from allreduce_param.train.row_file import RowFile, RowFileWriter, block_rows_for
+from allreduce_param.train.rows import BatchRows, RowGatherer, batch_arrays
 from allreduce_param.train.task.row_claims import claimed
-from allreduce_param.train.task.spill import Place, choose_place, memory_budget
+from allreduce_param.train.task.spill import Place, gather, memory_budget
 
 #: One chunk of rows: features (float64, dense or CSR), labels, weights (None: 1 each).
 Chunk = tuple[Any, np.ndarray, "np.ndarray | None"]
 
 
-def batch_rows(batch, n_features: int, sparse: bool) -> Chunk:
-    """One prepared Arrow batch (``features``, ``label``, maybe ``weight``) as float64 rows:
-    CSR where ``sparse`` (the driver found the data sparse), else dense."""
-    names = batch.schema.names
-    parts = VectorParts.from_arrow(batch.column(names.index("features")))
-    X = parts.to_csr(n_features, np.float64) if sparse else parts.to_dense(n_features, np.float64)
-    y = np.asarray(values(batch.column(names.index("label"))), np.float64)
-    w = None
-    if WEIGHT_COLUMN in names:
-        w = np.asarray(values(batch.column(names.index(WEIGHT_COLUMN))), np.float64)
-    return X, y, w
+def batch_rows(batch, n_features: int, sparse: bool) -> BatchRows:
+    """One prepared Arrow batch (``features``, ``label``, maybe ``weight``) as float64 rows
+    (``BatchRows``): CSR where ``sparse`` (the driver found the data sparse), else dense."""
+    return batch_arrays(batch, n_features, sparse, np.float64)
 
 
-def joined(chunks: Iterable[Chunk], n_features: int, sparse: bool) -> Chunk:
-    """Chunks of rows as one (features, labels, weights or None); zero rows where none."""
-    features, labels, weights = [], [], []
-    for X, y, w in chunks:
-        features.append(X)
-        labels.append(y)
-        if w is not None:
-            weights.append(w)
-    if sparse:
-        from scipy.sparse import csr_matrix, vstack
-
-        X = vstack(features, format="csr") if features else csr_matrix((0, n_features))
-    else:
-        X = np.concatenate(features) if features else np.zeros((0, n_features))
-    y = np.concatenate(labels) if labels else np.zeros(0)
-    w = np.concatenate(weights) if weights else None
+def joined(chunks: Iterable[BatchRows], n_features: int, sparse: bool) -> Chunk:
+    """Chunks of float64 rows (``batch_rows``') as one (features, labels, weights or None),
+    each copied into place as it comes (``rows.RowGatherer``: the rows held once, not listed
+    then concatenated); zero rows where there are none."""
+    gatherer = RowGatherer(n_features, sparse, np.float64)
+    for rows in chunks:
+        gatherer.add(rows)
+        del rows  # let go of before the next one is made
+    X, y, _, w = gatherer.finish()
     return X, y, w
 
 
@@ -145,18 +130,21 @@ def held_rows(
     removed on every way out. ``partitions``: the fit's tasks, for "auto"'s budget."""
     place = Place.of_task(secret)
     with claimed(place, data_in != "memory"):
-        chosen, held, rest = choose_place(
-            iter(batches), data_in, memory_budget(partitions), lambda batch: batch.nbytes
-        )
-        chunks = (batch_rows(batch, n_features, sparse) for batch in chain(held, rest))
-        if chosen == "memory":
-            X, y, w = joined(chunks, n_features, sparse)
+        gatherer = RowGatherer(n_features, sparse, np.float64)
+
+        def arrays(batch) -> BatchRows:
+            return batch_rows(batch, n_features, sparse)
+
+        budget = memory_budget(partitions)
+        rest = gather(iter(batches), gatherer, gatherer.add_batch, arrays, data_in, budget, place)
+        if rest is None:
+            X, y, _, w = gatherer.finish()
             yield RowChunks.in_memory(X, y, np.zeros(0) if weighted and w is None else w)
             return
         place.remove_leftovers()  # an earlier attempt's, killed before its clean-up
         file = None
         try:
-            file = _written(chunks, n_features, sparse, weighted, place)
+            file = _written(rest, n_features, sparse, weighted, place)
             if file is None:  # no rows: nothing to write
                 X, y, w = joined([], n_features, sparse)
                 yield RowChunks.in_memory(X, y, np.zeros(0) if weighted else None)
@@ -169,12 +157,12 @@ def held_rows(
 
 
 def _written(
-    chunks: Iterator[Chunk], n_features: int, sparse: bool, weighted: bool, place: Place
+    chunks: Iterator[BatchRows], n_features: int, sparse: bool, weighted: bool, place: Place
 ) -> RowFile | None:
     """The chunks written to a new row file at ``place``, complete; None where none has a row."""
     writer = None
     try:
-        for X, y, w in chunks:
+        for X, y, _, w, _ in chunks:
             if y.shape[0] == 0:
                 continue
             if writer is None:

@@ -23,8 +23,9 @@ rows (``partition_bytes``). "auto" gathers in memory until the rows pass ``memor
 to disk, and logs which way it went. Writing reads each Arrow batch as it arrives, so a
 partition is never whole in memory; an RDD of ``(features, label)`` pairs is read alike, in
 chunks of about a block (``rows.pair_chunks``), and written in arrival order (an RDD has no
-order keys). Both go through the same choice, writing and clean-up (``_hold``,
-``write_partition``). After a shuffle, the stage has Spark sort each partition by its order
+order keys). Both go through the same choice, writing and clean-up (``gather``, ``_hold``,
+``write_partition``); the linear models' float64 rows go through the same choice
+(``gather``, ``glm_rows``). After a shuffle, the stage has Spark sort each partition by its order
 keys (``presorted``), and each batch goes straight to its place, in memory or in its
 split's file. Where batches with order keys come unsorted (a caller other than the stage)
 they go to one arrival file as they come, their keys (9 bytes a row, 17 under
@@ -222,25 +223,6 @@ def pair_rows(
     return _hold(chunks, gatherer, gatherer.add, lambda rows: rows, data_in, place, budget)
 
 
-def choose_place(
-    items: Iterator, data_in: str, budget: int | None, size
-) -> tuple[str, list, Iterator]:
-    """Where a partition's rows go ("memory" or "disk"), the items read to decide, and the
-    rest: under "auto", items are read until their ``size`` passes ``budget`` (disk) or
-    none are left (memory). The linear fits' rule (``glm_rows``: float64 rows, read at every
-    pass); ``_hold`` decides for DistriOptimizer's rows while it gathers them."""
-    held: list = []
-    if data_in != "auto":
-        return data_in, held, items
-    total = 0
-    for item in items:
-        held.append(item)
-        total += size(item)
-        if budget is not None and total > budget:
-            return "disk", held, items
-    return "memory", held, items
-
-
 def _hold(
     items: Iterator,
     gatherer: RowGatherer,
@@ -253,10 +235,30 @@ def _hold(
 ) -> tuple[Rows | DiskRows, Rows | DiskRows]:
     """A partition's rows, item by item (an Arrow batch, or a chunk of RDD pairs): gathered
     in memory (``add`` to ``gatherer``), or written to row files at ``place`` (each item's
-    ``arrays``). Under "auto" they are gathered until they pass ``budget``; then what was
-    gathered and the rest go to disk."""
+    ``arrays``), as ``gather`` decides."""
+    rest = gather(items, gatherer, add, arrays, data_in, budget, place)
+    if rest is None:
+        return split_rows(*gatherer.finish())
+    return write_partition(rest, *_files(gatherer, place), presorted)
+
+
+def gather(
+    items: Iterator,
+    gatherer: RowGatherer,
+    add: Callable,
+    arrays: Callable,
+    data_in: str,
+    budget: int | None,
+    place: Place | None = None,
+) -> Iterator[BatchRows] | None:
+    """The one rule for where a partition's rows go, every fit's: None where they are all
+    in ``gatherer`` (``add(item)`` for each item: "memory", or "auto" while the rows take
+    at most ``budget`` bytes, ``RowGatherer.nbytes``); else the rows to write to disk, as
+    ``BatchRows`` (each item's ``arrays``): all of them under "disk", and under "auto" what
+    was gathered (taken out of ``gatherer``) then the rest, once they pass ``budget``.
+    ``place``: where the files go, for the log."""
     if data_in == "disk":
-        return write_partition(map(arrays, items), *_files(gatherer, place), presorted)
+        return map(arrays, items)
     for item in items:
         add(item)
         del item  # an Arrow batch let go of before the next is read
@@ -268,13 +270,12 @@ def _hold(
                 PEAK_FACTOR,
                 None if place is None else place.directory,
             )
-            rows = chain(_taken(gatherer), map(arrays, items))
-            return write_partition(rows, *_files(gatherer, place), presorted)
+            return chain(_taken(gatherer), map(arrays, items))
     if data_in == "auto":
         log.info(
             "data_in='auto': this partition's %.1f MB of rows stay in memory", gatherer.nbytes / 1e6
         )
-    return split_rows(*gatherer.finish())
+    return None
 
 
 def _files(gatherer: RowGatherer, place: Place | None) -> tuple:
