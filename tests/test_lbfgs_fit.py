@@ -5,6 +5,8 @@ here; and the combinations it refuses, by name."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import scipy.optimize
@@ -163,3 +165,26 @@ def test_what_lbfgs_cannot_do_is_refused_by_name(model, settings, named):
         DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), solver="lbfgs").fit(None)
     with pytest.raises(ConfigurationError, match="solver must be one of"):
         DistriOptimizer(models.LinearRegression(3), optim.SGD(lr=0.1), solver="newton")
+
+
+def test_the_allreduce_estimators_refuse_minibatch_params_under_lbfgs():
+    """AllReduceClassifier/Regressor(solver="lbfgs") refuse, before any Spark job, each Param
+    set that only the mini-batch solver reads, by DistriOptimizer(solver="lbfgs")'s rule,
+    named as the Params; with none set they take every default."""
+    from allreduce_param.ml import AllReduceClassifier, AllReduceRegressor
+    from allreduce_param.train.driver.lbfgs_fit import unused_settings
+
+    assert unused_settings(AllReduceClassifier(solver="lbfgs")._settings()) == []
+    with pytest.raises(ConfigurationError) as refused:
+        AllReduceClassifier(solver="lbfgs", optimizer="sgd", stepSize=0.5).fit(None)
+    assert str(refused.value).startswith(
+        "AllReduceClassifier: solver='lbfgs' is one full-batch solve and does not use "
+        "optimizer='sgd', stepSize=0.5: leave each at its default (maxIter and tol stop it)"
+    )
+    for params, named in [
+        ({"hiddenLayers": [4]}, "hiddenLayers=[4]"),
+        ({"validationIndicatorCol": "held"}, "validationIndicatorCol='held'"),
+        ({"batchSize": 64, "stepSize": 0.1}, "stepSize=0.1, batchSize=64"),
+    ]:
+        with pytest.raises(ConfigurationError, match=re.escape(named)):
+            AllReduceRegressor(solver="lbfgs", **params).fit(None)

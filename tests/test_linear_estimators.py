@@ -235,11 +235,15 @@ def test_params_are_mllib_s(spark):
 
 def test_the_projects_fit_params_are_the_other_estimators(spark, tmp_path):
     """checkpointDir, checkpointEvery, checkpointKeep and dataIn, with the other Estimators'
-    defaults and meanings, checked before any job with errors naming the Param."""
+    defaults and meanings, and resumeFrom (fit(resume_from=)'s), checked before any job
+    with errors naming the Param."""
     for stage in (LogisticRegression(), LinearRegression()):
         assert stage.getCheckpointDir() is None and stage.getCheckpointKeep() == 2
-        assert stage.getDataIn() == "auto"
-        assert stage.fit_options() == {"checkpoints": None, "data_in": "auto"}
+        assert stage.getDataIn() == "auto" and stage.getResumeFrom() is None
+        assert stage.fit_options() == {"checkpoints": None, "data_in": "auto", "resume_from": None}
+    nothing = str(tmp_path / "nothing")
+    with pytest.raises(InputError, match=f"LinearRegression: resumeFrom='{nothing}' holds no"):
+        LinearRegression().setResumeFrom(nothing).fit(_frame(spark, np.eye(3), [0.0, 1.0, 1.0]))
     options = LinearRegression(checkpointDir=str(tmp_path), checkpointEvery=5).fit_options()
     assert (options["checkpoints"].dir, options["checkpoints"].every) == (str(tmp_path), 5)
     with pytest.raises(ConfigurationError, match="LinearRegression: checkpointEvery must be"):

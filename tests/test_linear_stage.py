@@ -1,6 +1,7 @@
 """The linear models' Spark stage (``train/driver/glm_stage.py``): it survives a lost task (the
 stage runs again and resumes from the slice owners' newest checkpoint, ending with the
-uninterrupted fit's coefficients and objective history, bit for bit), and solves from rows on
+uninterrupted fit's coefficients and objective history, bit for bit; ``resume_from`` a kept
+checkpoint does the same), and solves from rows on
 disk (``data_in="disk"``: row files read a block at a time) to the in-memory answer, leaving
 no row file behind."""
 
@@ -15,6 +16,7 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.ml.linalg import Vectors
 
+from allreduce_param.errors import InputError
 from allreduce_param.models.glm import GlmProblem
 from allreduce_param.train.checkpoint import Checkpoints, find
 from allreduce_param.train.driver.glm_stage import fit_glm
@@ -91,6 +93,19 @@ def test_a_lost_task_resumes_from_the_newest_checkpoint_with_the_same_result(
         f"step-{last - 2:010d}",
         f"step-{last:010d}",
     ]
+    # resume_from, as a fit that failed in every run would: the older kept checkpoint
+    # continued to the uninterrupted answer, bit for bit; another problem's refused by name
+    older = str(fit_folder / f"step-{last - 2:010d}")
+    continued = _fit(frame, resume_from=older)
+    assert continued.iterations == uninterrupted.iterations
+    assert np.array_equal(continued.coefficients, uninterrupted.coefficients)
+    assert continued.objective_history == uninterrupted.objective_history
+    with pytest.raises(InputError, match=r"regParam: 0\.02 there, 0\.5 here.*resume_from="):
+        fit_glm(frame, "features", "label", None, True, _other_problem, resume_from=older)
+
+
+def _other_problem(summary) -> GlmProblem:
+    return GlmProblem("binomial", summary.n_features, num_classes=2, reg_param=0.5, max_iter=12)
 
 
 class RowFilesSeen:

@@ -116,6 +116,8 @@ class _AllReduceEstimator(_AllReduceParams, FitSettingSetters):
 
     def _fit(self, dataset):
         settings = self._settings()  # a bad setting fails here, before the data's first Spark job
+        if settings.solver == "lbfgs":
+            self._refuse_minibatch_params(settings)
         features_col, label_col = self.getFeaturesCol(), self.getLabelCol()
         weight_col = (
             self.getWeightCol() if self.isDefined(self.weightCol) and self.getWeightCol() else None
@@ -148,6 +150,33 @@ class _AllReduceEstimator(_AllReduceParams, FitSettingSetters):
                 # at the caller of Estimator.fit (through pyspark's fit, which calls _fit)
                 warnings.warn(text, warning.category, stacklevel=3)
         return self._copyValues(self._model_class(trained))
+
+    def _refuse_minibatch_params(self, settings: FitSettings) -> None:
+        """Under ``solver="lbfgs"`` (its own optimizer, one full-batch solve), each Param only
+        the mini-batch solver reads that the user set, refused by name, before any Spark job,
+        by ``DistriOptimizer(solver="lbfgs")``'s rule (``lbfgs_fit.refuse_unused``): this
+        Estimator's own (``optimizer``, ``stepSize``, ``hiddenLayers``,
+        ``validationIndicatorCol``, ``initialModel``) and the fit settings' Params
+        (``lbfgs_fit.unused_settings``, named as the Params)."""
+        from allreduce_param.train.driver.lbfgs_fit import refuse_unused, unused_settings
+
+        changed = [
+            f"{param.name}={self.getOrDefault(param)!r}"
+            for param in (self.optimizer, self.stepSize)
+            if self.isSet(param)
+        ]
+        if self.getHiddenLayers():
+            changed.append(f"hiddenLayers={self.getHiddenLayers()!r}")
+        if self.isDefined(self.validationIndicatorCol) and self.getValidationIndicatorCol():
+            changed.append(f"validationIndicatorCol={self.getValidationIndicatorCol()!r}")
+        if self.getInitialModel() is not None:
+            changed.append("initialModel")
+        try:
+            refuse_unused(changed + unused_settings(settings))
+        except ConfigurationError as error:
+            renamed = self._naming_params(error)
+            told = str(renamed).replace("max_iter and tol", "maxIter and tol")
+            raise ConfigurationError(told) from None
 
     def _split(self, dataset):
         """(training rows, validation rows or None), by ``validationIndicatorCol``."""

@@ -10,6 +10,8 @@ themselves (the engine's allreduce) and the driver takes no part.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from pyspark.ml.classification import _LogisticRegressionParams
@@ -59,7 +61,17 @@ class LinearFitSettingParams(HasCheckpointDir, HasCheckpointEvery, HasCheckpoint
     """The project's own Params the linear models share with its other Estimators, with the
     same meanings and defaults: ``checkpointDir`` (None: no checkpoints), ``checkpointEvery``
     (iterations here; None or "epoch": each iteration, as each passes over every row),
-    ``checkpointKeep`` and ``dataIn`` ("memory", "disk", "auto")."""
+    ``checkpointKeep`` and ``dataIn`` ("memory", "disk", "auto"); and ``resumeFrom``,
+    ``DistriOptimizer.fit``'s ``resume_from`` as a Param."""
+
+    resumeFrom = Param(
+        Params._dummy(),
+        "resumeFrom",
+        "a checkpoint of a fit of the same problem (its step-... folder, or a fit-... folder: "
+        "its newest intact one) to continue from, e.g. after a fit that failed in every run "
+        "(unset: from the start). Not one of MLlib's Params",
+        typeConverter=TypeConverters.toString,
+    )
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -265,27 +277,39 @@ class LinearSetters(Params):
         """Set ``checkpointKeep``: how many of the newest checkpoints stay."""
         return self._set(checkpointKeep=value)
 
+    def setResumeFrom(self, value: str | None):
+        """Set ``resumeFrom``: a checkpoint of this problem's fit to continue from (its
+        folder, or its fit's folder: the newest intact one); None: from the start."""
+        return self._set(resumeFrom=value)
+
+    def getResumeFrom(self) -> str | None:
+        """The checkpoint the fit continues from (None: from the start)."""
+        resume = self.getParam("resumeFrom")
+        return self.getOrDefault(resume) if self.isDefined(resume) else None
+
     def setDataIn(self, value: str):
         """Set ``dataIn``: where a task keeps its partition's rows while it solves: "memory",
         "disk" (row files in spark.local.dir, read in blocks each iteration) or "auto"."""
         return self._set(dataIn=value)
 
     def fit_options(self) -> dict[str, Any]:
-        """``fit_glm``'s ``checkpoints`` (a ``Checkpoints``, None without ``checkpointDir``)
-        and ``data_in``, from these Params, checked; their errors name the Params."""
+        """``fit_glm``'s ``checkpoints`` (a ``Checkpoints``, None without ``checkpointDir``),
+        ``data_in`` and ``resume_from``, from these Params, checked; their errors name the
+        Params."""
         data_in = self.getOrDefault(self.getParam("dataIn"))
         if data_in not in ("memory", "disk", "auto"):
             raise ConfigurationError(
                 f"{type(self).__name__}: dataIn must be 'memory', 'disk' or 'auto', got {data_in!r}"
             )
+        options = {"data_in": data_in, "resume_from": self.getResumeFrom() or None}
         directory = self.getOrDefault(self.getParam("checkpointDir"))
         if not directory:
-            return {"checkpoints": None, "data_in": data_in}
+            return {"checkpoints": None, **options}
         from allreduce_param.train.checkpoint import Checkpoints
 
         try:
             return {
-                "data_in": data_in,
+                **options,
                 "checkpoints": Checkpoints(
                     directory,
                     self.getOrDefault(self.getParam("checkpointEvery")),
@@ -323,6 +347,20 @@ class LinearSetters(Params):
             if self.isDefined(weight) and self.getOrDefault(weight)
             else None
         )
+
+
+@contextlib.contextmanager
+def resume_named(stage: Params) -> Iterator[None]:
+    """Errors raised in the ``with`` block naming ``resume_from=`` (``fit_glm``'s words)
+    name ``stage``'s Param ``resumeFrom=`` instead, as the user set it."""
+    try:
+        yield
+    except InputError as error:
+        if "resume_from=" in str(error):
+            error.args = (
+                f"{type(stage).__name__}: " + str(error).replace("resume_from=", "resumeFrom="),
+            )
+        raise
 
 
 def set_by_name(stage: Params, params: dict[str, Any]):

@@ -27,6 +27,7 @@ from allreduce_param.ml.linear_params import (
     common_problem,
     linear_solver,
     refuse_unsupported,
+    resume_named,
 )
 
 
@@ -77,14 +78,15 @@ class LinearRegression(
 
         columns = (self.getFeaturesCol(), self.getLabelCol(), self.weight_column())
         # watched as every fit: MLflow's autolog, one child run per fit under CrossValidator
-        solution, _ = watched_fit_glm(
-            dataset,
-            *columns,
-            False,
-            problem_for,
-            estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
-            **self.fit_options(),
-        )
+        with resume_named(self):
+            solution, _ = watched_fit_glm(
+                dataset,
+                *columns,
+                False,
+                problem_for,
+                estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
+                **self.fit_options(),
+            )
         return self._copyValues(LinearRegressionModel(LinearFit.of_solution(solution)))
 
 

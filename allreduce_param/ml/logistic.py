@@ -34,6 +34,7 @@ from allreduce_param.ml.linear_params import (
     common_problem,
     logistic_family,
     refuse_unsupported,
+    resume_named,
     told_classes,
 )
 
@@ -124,15 +125,16 @@ class LogisticRegression(
 
         columns = (self.getFeaturesCol(), label_col, self.weight_column())
         # watched as every fit: MLflow's autolog, one child run per fit under CrossValidator
-        solution, _ = watched_fit_glm(
-            dataset,
-            *columns,
-            True,
-            problem_for,
-            estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
-            num_classes=told_classes(metadata),
-            **self.fit_options(),
-        )
+        with resume_named(self):
+            solution, _ = watched_fit_glm(
+                dataset,
+                *columns,
+                True,
+                problem_for,
+                estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
+                num_classes=told_classes(metadata),
+                **self.fit_options(),
+            )
         return self._copyValues(LogisticRegressionModel(LinearFit.of_solution(solution)))
 
 

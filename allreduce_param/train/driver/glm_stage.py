@@ -24,11 +24,20 @@ from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train.checkpoint import Checkpoints, Manifest, remove_incomplete
 from allreduce_param.train.driver.checks import worker_count
 from allreduce_param.train.driver.data import DataSummary, prepare_once
-from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, stage_attempts
+from allreduce_param.train.driver.failures import (
+    UNSUPPORTED_CHAIN,
+    stage_attempts,
+    with_checkpoint_advice,
+)
 from allreduce_param.train.driver.glm_attempts import run_attempts
+from allreduce_param.train.driver.resume import resume_point
 from allreduce_param.train.records import STAGE_SCHEMA
 from allreduce_param.train.settings import FitSettings
-from allreduce_param.train.task.glm_checkpoint import describe
+from allreduce_param.train.task.glm_checkpoint import (
+    OTHER_CHECKPOINT,
+    check_same_problem,
+    describe,
+)
 from allreduce_param.train.task.glm_partition import (
     ARRAYS,
     FIGURES,
@@ -41,6 +50,11 @@ from allreduce_param.train.task.glm_solve import glm_parameter_size
 #: The engine's codec for the solver's vector: lossless, so every partition holds the same
 #: iterate bit for bit (the solver's sums are exact allreduces of their own).
 CODEC = "raw"
+#: How a failed fit's error says to continue from its newest checkpoint.
+RESUME = (
+    "the linear Estimators' resumeFrom={folder!r} (fit_glm's and DistriOptimizer(solver=\"lbfgs\")"
+    ".fit's resume_from)"
+)
 
 
 def fit_glm(
@@ -54,6 +68,7 @@ def fit_glm(
     checkpoints: Checkpoints | None = None,
     data_in: str = "memory",
     after_iteration: Callable[[int, int], None] | None = None,
+    resume_from: str | None = None,
 ) -> GlmSolution:
     """Solve the linear model ``problem_for(summary)`` describes over ``data``.
 
@@ -70,7 +85,11 @@ def fit_glm(
     rows while it solves ("memory"; "disk": a row file read a block at a time at every
     pass, for partitions larger than memory; "auto": as DistriOptimizer's fits choose,
     ``task.glm_rows``). ``after_iteration(partition, iteration)``: called in every task
-    after each iteration (a progress hook; the tests fail a task with it)."""
+    after each iteration (a progress hook; the tests fail a task with it). ``resume_from``:
+    a checkpoint of a fit of this very problem (its step folder, or a fit's folder: its
+    newest intact one) to continue from, as ``DistriOptimizer.fit(resume_from=...)``: a
+    fit that failed in every run goes on from where it was, to the uninterrupted fit's
+    answer; one of another problem is an ``InputError`` naming what differs."""
     spark = SparkInfo.of(data)
     kind = "logistic" if classification else "linear"
     # its jobs in one group, named in the Spark UI; cancelled, their tasks gone, if interrupted
@@ -82,6 +101,7 @@ def fit_glm(
             settings.probe()  # before any job: a folder the tasks cannot write fails here
             # a failed or interrupted fit leaves no step folder without its manifest
             jobs.on_failure(lambda: remove_incomplete(settings.directory))
+        first = None if resume_from is None else resume_point(resume_from)
         prepared, summary = prepare_once(
             data,
             features_col,
@@ -109,6 +129,8 @@ def fit_glm(
         )
         sparse, weighted = summary.sparse, summary.weighted
         description = describe(problem, workers)
+        if first is not None:
+            check_same_problem(first, description, OTHER_CHECKPOINT)
         placed = [rows]
 
         def attempt(resume: Manifest | None) -> dict[str, bytes]:
@@ -126,7 +148,12 @@ def fit_glm(
             placed[0] = prepared.repartition(workers)
             return _run(placed[0], task)
 
-        records = run_attempts(attempt, stage_attempts(spark), settings, description)
+        try:
+            records = run_attempts(attempt, stage_attempts(spark), settings, description, first)
+        except TrainingError as error:
+            if settings is None:
+                raise
+            raise with_checkpoint_advice(error, settings, spark, RESUME) from error.__cause__
         if ARRAYS not in records or FIGURES not in records:
             raise TrainingError(
                 "the linear model's stage ended without partition 0's solution; its tasks "

@@ -82,21 +82,9 @@ def check_lbfgs(
             f"solver='lbfgs' is the optimizer itself and would not use {optimizer!r}: pass "
             "None, DistriOptimizer(model, None, solver='lbfgs'), or solver='minibatch'"
         )
-    defaults = FitSettings()
-    changed = [
-        f"{name}={getattr(settings, name)!r}"
-        for name in sorted(FitSettings.__dataclass_fields__)
-        if name not in LBFGS_SETTINGS and getattr(settings, name) != getattr(defaults, name)
-    ]
-    if changed:
-        raise ConfigurationError(
-            f"solver='lbfgs' is one full-batch solve and does not use {', '.join(changed)}: "
-            "leave each at its default (max_iter and tol stop it), or use "
-            "solver='minibatch'"
-        )
+    refuse_unused(unused_settings(settings))
     for name, value in (
         ("validation", validation),
-        ("resume_from", resume_from),
         ("initial", initial),
     ):
         if value is not None:
@@ -108,6 +96,29 @@ def check_lbfgs(
         raise InputError(
             "solver='lbfgs' reads a DataFrame of features and label columns, not "
             f"{type(data).__name__}: spark.createDataFrame(...) it first"
+        )
+
+
+def unused_settings(settings: FitSettings) -> list[str]:
+    """The settings ``solver="lbfgs"`` does not read that ``settings`` changes from their
+    defaults, each as ``"name=value"``."""
+    defaults = FitSettings()
+    return [
+        f"{name}={getattr(settings, name)!r}"
+        for name in sorted(FitSettings.__dataclass_fields__)
+        if name not in LBFGS_SETTINGS and getattr(settings, name) != getattr(defaults, name)
+    ]
+
+
+def refuse_unused(changed: list[str]) -> None:
+    """The one rule for mini-batch settings under ``solver="lbfgs"`` (DistriOptimizer's and
+    the AllReduce Estimators' Params alike): each changed one (``"name=value"``) refused by
+    name, never ignored."""
+    if changed:
+        raise ConfigurationError(
+            f"solver='lbfgs' is one full-batch solve and does not use {', '.join(changed)}: "
+            "leave each at its default (max_iter and tol stop it), or use "
+            "solver='minibatch'"
         )
 
 
@@ -261,6 +272,7 @@ def fit_lbfgs(
         # runs again from the newest) and row files (data_in="disk")
         checkpoints=settings.checkpoints,
         data_in=settings.data_in,
+        resume_from=resume_from,  # a checkpoint of this problem's fit (fit_glm checks it)
     )
     assert trained is not None  # (asked for)
     return trained

@@ -76,16 +76,27 @@ def differences(expected: dict, found: dict) -> list[str]:
     ]
 
 
-def check_same_problem(manifest: Manifest, expected: dict) -> None:
+#: What to do where the fit's own checkpoint folder holds another problem's checkpoint.
+OWN_FOLDER = (
+    "Give this fit a checkpointDir of its own (each fit writes into a new fit-... folder "
+    "under it), or fit with the Params and data that wrote it"
+)
+#: What to do where ``resume_from`` names another problem's checkpoint.
+OTHER_CHECKPOINT = (
+    "Name a checkpoint of a fit with these Params and data in resume_from=, fit with the "
+    "Params and data that wrote it, or leave resume_from unset to fit from the start"
+)
+
+
+def check_same_problem(manifest: Manifest, expected: dict, way_on: str = OWN_FOLDER) -> None:
     """An ``InputError`` naming what differs where ``manifest``'s checkpoint is not of the
-    problem ``expected`` describes (another fit's, other Params, other data)."""
+    problem ``expected`` describes (another fit's, other Params, other data), and
+    ``way_on``: what to do."""
     found = differences(expected, manifest.settings)
     if found:
         raise InputError(
             f"the checkpoint {manifest.folder} is of another problem than this fit's, so it "
-            f"cannot be resumed: {'; '.join(found)}. Give this fit a checkpointDir of its own "
-            "(each fit writes into a new fit-... folder under it), or fit with the Params and "
-            "data that wrote it"
+            f"cannot be resumed: {'; '.join(found)}. {way_on}"
         )
 
 
