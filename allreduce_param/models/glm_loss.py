@@ -114,13 +114,22 @@ class GlmObjective:
             probabilities = exp / total
             probabilities[np.arange(len(y)), y.astype(np.int64)] -= 1.0
             multipliers = probabilities * w[:, None]
+        del scaled, margins  # model-sized and row-sized: not kept through the gradient
         spread = np.asarray(features.T @ multipliers).T  # rows x d
         sums = multipliers.sum(axis=0)
-        coefficient_grad = (spread * self._inverse_std) - np.outer(sums, self._scaled_mean)
-        grad = [coefficient_grad.ravel()]
+        # the gradient written in place into one vector: (spread / std) - sums_k (mean / std)
+        # per row, the same bits as the expression, without its model-sized temporaries
+        grad = np.empty(x.size)
+        coefficient_grad = grad[: p.rows * p.num_features].reshape(p.rows, p.num_features)
+        np.multiply(spread, self._inverse_std, out=coefficient_grad)
+        del spread
+        centring = np.empty(p.num_features)
+        for row in range(p.rows):
+            np.multiply(sums[row], self._scaled_mean, out=centring)
+            coefficient_grad[row] -= centring
         if intercepts.size:
-            grad.append(sums)
-        return loss, np.concatenate(grad)
+            grad[p.rows * p.num_features :] = sums
+        return loss, grad
 
     # -- back to the original space -----------------------------------------------------
 

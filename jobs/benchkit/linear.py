@@ -94,7 +94,11 @@ def frame_of(spark, kind: str, features: int, args: argparse.Namespace):
         columns = [F.randn(args.seed + i) for i in range(width)]
         truth = np.random.default_rng(args.seed).normal(size=width)
         raw = spark.range(args.dense_rows).select(F.array(*columns).alias("x"))
-        label = sum(F.col("x")[i] * float(truth[i]) for i in range(width))
+        # x . truth as one fold over the array (a sum of 512 terms as nested expressions
+        # overflows the JVM's stack while Spark analyses it)
+        weights = F.array(*(F.lit(float(t)) for t in truth))
+        products = F.zip_with(F.col("x"), weights, lambda a, b: a * b)
+        label = F.aggregate(products, F.lit(0.0), lambda total, term: total + term)
         frame = raw.select(
             array_to_vector("x").alias("features"),
             (label + F.randn(args.seed + width)).alias("label"),

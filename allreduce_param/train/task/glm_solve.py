@@ -6,7 +6,8 @@ of a vector of ``glm_parameter_size(problem)`` elements) and its slices of L-BFG
 pairs. What is summed, all in float64 and the same bits everywhere:
 
 - once: the row checks' verdicts with the first statistics (weight sum, counts, the
-  features' weighted sums, the class histogram), then the deviations from the means; for
+  features' weighted sums, the class histogram), then the deviations from the means (both
+  reduce-scattered and gathered, ``HandleSums.sum_vector``); for
   solver="normal" instead the weighted Gram matrix of the features and its moments;
 - each evaluation of the objective: the whole vector gathered from its slices (every row
   needs every coefficient), the local gradient reduce-scattered to the slices' owners, and
@@ -181,8 +182,10 @@ def solve_glm(
         )
     means = first[4 : 4 + problem.num_features] / first[0]
     label_mean = first[3] / first[0]
-    # partial, not a closure: ``means`` is deleted below, once the iterations start
-    second = sums.sum_scalars(
+    # partial, not a closure: ``means`` is deleted below, once the iterations start. Summed
+    # as the first sum is (reduce-scattered, then gathered: about two vectors' worth of
+    # traffic per partition), not as scalars (N whole copies each): the same bits
+    second = sums.sum_vector(
         rows.total(partial(second_moments, means=means, label_mean=label_mean))
     )
     stats = row_stats(first, second, problem.num_features)
