@@ -7,13 +7,21 @@ back through compressed blocks that the partitions serve to each other, without 
 The names here are the trainer's: ``DistriOptimizer`` fits a model (``models``) with an
 optimizer (``optim``) under ``FitSettings`` (its grouped settings ``Checkpoints``,
 ``EarlyStopping``, ``Regularization``, ``NetworkSettings``) into a ``TrainedModel`` and its ``History``;
-``ml`` holds the pyspark.ml Estimators (loaded when first named, so ``import
-allreduce_param`` loads no pyspark); the errors are those a fit's caller catches (every
-other one is in ``allreduce_param.errors``). The engine a loop of one's own drives
-(``AllReduceParameter`` and its handle) is ``allreduce_param.engine``.
+``ml`` holds the pyspark.ml Estimators (so ``import allreduce_param`` loads no pyspark); the
+errors are those a fit's caller catches (every other one is in ``allreduce_param.errors``).
+The engine a loop of one's own drives (``AllReduceParameter`` and its handle) is
+``allreduce_param.engine``.
+
+Every name but the errors is loaded when first named (PEP 562's module ``__getattr__``):
+a Spark task's Python worker imports this package before anything of its own, and a task
+needs neither the driver's trainer nor the models it does not train. ``from allreduce_param
+import DistriOptimizer`` and ``allreduce_param.models`` work as if imported here.
 """
 
-from allreduce_param import models, optim
+from __future__ import annotations
+
+import importlib
+
 from allreduce_param.errors import (
     AllReduceError,
     ConfigurationError,
@@ -26,16 +34,6 @@ from allreduce_param.errors import (
     UsageError,
 )
 from allreduce_param.spark import surroundings as _spark_surroundings
-from allreduce_param.train import (
-    Checkpoints,
-    DistriOptimizer,
-    EarlyStopping,
-    FitSettings,
-    History,
-    NetworkSettings,
-    Regularization,
-    TrainedModel,
-)
 
 _spark_surroundings.install()
 
@@ -64,12 +62,34 @@ __all__ = [
     "NetworkError",
 ]
 
+#: the names loaded when first named: name -> the module that holds it (a subpackage
+#: stands for itself)
+_LAZY = {
+    "DistriOptimizer": "allreduce_param.train",
+    "FitSettings": "allreduce_param.train",
+    "Checkpoints": "allreduce_param.train",
+    "EarlyStopping": "allreduce_param.train",
+    "Regularization": "allreduce_param.train",
+    "NetworkSettings": "allreduce_param.train",
+    "TrainedModel": "allreduce_param.train",
+    "History": "allreduce_param.train",
+    "models": "allreduce_param.models",
+    "optim": "allreduce_param.optim",
+    "ml": "allreduce_param.ml",
+}
+
 
 def __getattr__(name: str):
-    """``allreduce_param.ml``, imported when first named: it imports pyspark, which a task or
-    a loop of the engine's alone need not load."""
-    if name == "ml":
-        import importlib
+    """A name of ``_LAZY``, imported when first named and kept as the module's attribute
+    (so this runs once per name)."""
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'allreduce_param' has no attribute {name!r}")
+    module = importlib.import_module(where)
+    value = module if where.rsplit(".", 1)[-1] == name else getattr(module, name)
+    globals()[name] = value
+    return value
 
-        return importlib.import_module("allreduce_param.ml")
-    raise AttributeError(f"module 'allreduce_param' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

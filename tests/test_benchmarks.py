@@ -11,6 +11,7 @@ them from here. Only bench_hosts.py, which submits itself to a cluster, runs as 
 from __future__ import annotations
 
 import contextlib
+import decimal
 import io
 import os
 import re
@@ -26,6 +27,7 @@ import bench_overlap
 import numpy as np
 import pytest
 from benchkit import hosts as hosts_run
+from conftest import TEST_JVM_OPTIONS
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
@@ -39,6 +41,12 @@ def run_here(main, *args: str) -> str:
         status = main(list(args))
     assert status == 0, out.getvalue()[-3000:]
     return out.getvalue()
+
+
+def printed_rounding(cell: str) -> float:
+    """The most a number printed as ``cell`` (e.g. ``12.3``, ``+0.0412``, ``1.2e+03``) is
+    off its value: half a unit of its last digit."""
+    return 0.5 * 10.0 ** decimal.Decimal(cell).as_tuple().exponent
 
 
 def rows(table: str, name: str) -> list[list[str]]:
@@ -111,7 +119,10 @@ def test_bench_allreduce_without_spark_prints_a_row_per_process_count_and_size()
     ]  # fmt: skip
     (line,) = [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
     assert line[:2] == ["2", "10K"] and float(line[2]) > 0 and float(line[5]) > 0
-    assert float(line[4]) == pytest.approx(float(line[3]) - float(line[2]), abs=0.01)
+    # each figure as printed, to its last digit (two decimals below 10 ms, one from there: a
+    # loaded machine's steps pass 10 ms): the difference within their rounding errors together
+    rounding = sum(printed_rounding(cell) for cell in line[2:5])
+    assert float(line[4]) == pytest.approx(float(line[3]) - float(line[2]), abs=rounding + 1e-9)
 
     # --memory: each process's memory in vectors, and the host's against 1 + N
     out = run_here(
@@ -216,7 +227,11 @@ def test_bench_hosts_times_every_configuration_across_simulated_hosts():
     positive figures, the ratios as the figures give them, more bytes across the links flat
     than hierarchical (L = 2 times), and the job's own check of every result against numpy.
     Root only; skipped, with the job's reason, where network namespaces cannot be made.
-    About a minute: most of it the cluster's start and spark-submit's."""
+    About a minute: most of it the cluster's start and spark-submit's. Every JVM of the job
+    (the cluster's three daemons, the driver, two executors) compiles with the tests' C1
+    alone, through JAVA_TOOL_OPTIONS, which the job's cluster passes on (SPARK_SUBMIT_OPTS
+    it does not): the job times the tasks' Python processes, not the JVMs, and their C2
+    compiler threads took half the test's time on a loaded 2-core VM (118 s -> 66 s)."""
     if os.geteuid() != 0:
         pytest.skip("bench_hosts.py needs root (network namespaces, veth links, tc)")
     done = subprocess.run(
@@ -237,6 +252,10 @@ def test_bench_hosts_times_every_configuration_across_simulated_hosts():
             "1",
         ],
         cwd=REPO,
+        env={
+            **os.environ,
+            "JAVA_TOOL_OPTIONS": f"{os.environ.get('JAVA_TOOL_OPTIONS', '')} {TEST_JVM_OPTIONS}",
+        },
         capture_output=True,
         text=True,
         timeout=600,

@@ -12,10 +12,26 @@ from nbclient import NotebookClient
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "jobs" / "pipeline.ipynb"
+#: What the test puts after the notebook's "parameters" cell (as papermill would): the
+#: pipeline's fit trains EPOCHS epochs instead of a user's 10, each fit of the
+#: cross-validation TUNING_EPOCHS; every cell still runs, and what is checked is the same.
+EPOCHS, TUNING_EPOCHS = 4, 1
+
+
+def with_parameters(notebook, **values) -> None:
+    """Put a cell setting ``values`` right after ``notebook``'s cell tagged "parameters"."""
+    (where,) = [
+        i
+        for i, cell in enumerate(notebook.cells)
+        if "parameters" in cell.get("metadata", {}).get("tags", [])
+    ]
+    source = "\n".join(f"{name} = {value!r}" for name, value in values.items())
+    notebook.cells.insert(where + 1, nbformat.v4.new_code_cell(source))
 
 
 def test_the_pipeline_notebook_runs_top_to_bottom(tmp_path):
     notebook = nbformat.read(NOTEBOOK, as_version=4)
+    with_parameters(notebook, epochs=EPOCHS, tuning_epochs=TUNING_EPOCHS)
     # a cell that raises makes execute() raise CellExecutionError, naming the cell
     NotebookClient(
         notebook,

@@ -108,12 +108,29 @@ def test_the_engines_names_are_its_api_page():
 
 @pytest.mark.slow
 def test_importing_the_package_loads_no_pyspark_until_ml_is_named():
+    """Nor the trainer: a barrier task's worker imports the package and ``train.task``, and
+    the driver's side (``train.driver``) only when a name of it is asked for; then the
+    top level's names are the modules' own objects."""
     code = (
         "import sys, allreduce_param\n"
         "assert 'pyspark' not in sys.modules, 'import allreduce_param loaded pyspark'\n"
         "assert 'torch' not in sys.modules, 'import allreduce_param loaded torch'\n"
+        "import allreduce_param.train.task.worker\n"
+        "driver = sorted(m for m in sys.modules if m.startswith('allreduce_param.train.driver'))\n"
+        "assert not driver, f'a task imported the driver side: {driver}'\n"
+        "from allreduce_param import DistriOptimizer, FitSettings, models, optim\n"
+        "from allreduce_param.train.driver.distri import DistriOptimizer as defined\n"
+        "assert DistriOptimizer is defined and allreduce_param.train.DistriOptimizer is defined\n"
+        "assert models.MLP and optim.Adam and FitSettings is allreduce_param.FitSettings\n"
+        "assert {'DistriOptimizer', 'ml'} <= set(dir(allreduce_param))\n"
         "from allreduce_param import ml\n"
         "assert 'pyspark' in sys.modules and ml.AllReduceRegressor\n"
+        "try:\n"
+        "    allreduce_param.DistriOptimiser\n"
+        "except AttributeError as error:\n"
+        "    assert 'DistriOptimiser' in str(error)\n"
+        "else:\n"
+        "    raise AssertionError('a misspelt name was found')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -2,16 +2,15 @@
 
 The fit's settings are ``FitSettings``; those that belong together are one object each:
 ``NetworkSettings``, ``Checkpoints``, ``EarlyStopping``, ``Regularization``.
+
+The names are loaded when first named (PEP 562's module ``__getattr__``): a barrier task
+imports ``train.task``, and with it this package, but never the driver's side
+(``train.driver``, which ``DistriOptimizer`` brings).
 """
 
-from allreduce_param.engine.wire.settings import NetworkSettings
-from allreduce_param.errors import TrainingError
-from allreduce_param.train.checkpoint import Checkpoints
-from allreduce_param.train.driver.distri import DistriOptimizer
-from allreduce_param.train.early_stopping import EarlyStopping
-from allreduce_param.train.regularisation import Regularization
-from allreduce_param.train.result import History, TrainedModel
-from allreduce_param.train.settings import FitSettings
+from __future__ import annotations
+
+import importlib
 
 __all__ = [
     "Checkpoints",
@@ -24,3 +23,30 @@ __all__ = [
     "TrainedModel",
     "TrainingError",
 ]
+
+#: each name's module, imported when the name is first asked for
+_LAZY = {
+    "Checkpoints": "allreduce_param.train.checkpoint",
+    "DistriOptimizer": "allreduce_param.train.driver.distri",
+    "EarlyStopping": "allreduce_param.train.early_stopping",
+    "FitSettings": "allreduce_param.train.settings",
+    "History": "allreduce_param.train.result",
+    "NetworkSettings": "allreduce_param.engine.wire.settings",
+    "Regularization": "allreduce_param.train.regularisation",
+    "TrainedModel": "allreduce_param.train.result",
+    "TrainingError": "allreduce_param.errors",
+}
+
+
+def __getattr__(name: str):
+    """A name of ``__all__``, imported from its module when first named and kept here."""
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'allreduce_param.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
