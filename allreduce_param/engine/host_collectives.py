@@ -8,14 +8,15 @@ one segment: the host arena (``blocks/arena.py``, made by partition 0 at ``conne
 used not for a step but as N input vectors and one result vector, each of the arena's
 capacity in bytes. The call, version ``t``:
 
-1. every partition copies its values into its own input vector and publishes its
-   ``GRADIENT`` word of ``t`` with the call's signature (dtype, op, length) as the count;
+1. every partition copies its values into its own input vector (all but its own slice,
+   which only it reads, from the values themselves) and publishes its ``GRADIENT`` word of
+   ``t`` with the call's signature (dtype, op, length) as the count;
 2. once every word is there, every signature is compared (a partition whose call differs is
    a ``CollectiveMismatchError`` naming it, on every partition); each partition combines its
    slice of the result from every input vector, in partition order (the bits the typed
    collectives' ``reduce_scatter`` gives), writes it into the result vector and publishes
    its ``WEIGHT`` word of ``t``;
-3. once every slice is there, each copies the result out.
+3. each copies the result out, a slice at a time as its owner publishes it (its own first).
 
 numpy combines and copies whole slices, so the GIL is released while the bytes move. A
 call whose values do not fit the arena publishes only its signature in step 1 and returns
@@ -75,19 +76,24 @@ class HostAllreduce:
         arena = self._arena
         try:
             fits = values.nbytes <= self.capacity
-            if fits:
-                np.copyto(self._vector(arena.gradient(self.partition_id), values), values)
+            layout = SliceLayout(values.size, self.partition_num)
+            mine = layout.bounds(self.partition_id)
+            if fits:  # the peers' slices only: this partition sums its own from ``values``
+                own = self._vector(arena.gradient(self.partition_id), values)
+                np.copyto(own[: mine.start], values[: mine.start])
+                np.copyto(own[mine.stop :], values[mine.stop :])
             arena.publish(GRADIENT, version, count=float(signature))
             arena.wait(GRADIENT, version)
             self._check(signature)
             if not fits:
                 return False
-            layout = SliceLayout(values.size, self.partition_num)
-            mine = layout.bounds(self.partition_id)
             result = self._vector(arena.weights, values)
             target = result[mine]
             for source in range(self.partition_num):  # the one order: partition order
-                piece = self._vector(arena.gradient(source), values)[mine]
+                if source == self.partition_id:
+                    piece = values[mine]
+                else:
+                    piece = self._vector(arena.gradient(source), values)[mine]
                 if source == 0:
                     np.copyto(target, piece)
                 else:
@@ -96,8 +102,11 @@ class HostAllreduce:
             if finish is not None:
                 np.copyto(target, finish(target))
             arena.publish(WEIGHT, version)
-            arena.wait(WEIGHT, version)
-            np.copyto(out, result)
+            for step in range(self.partition_num):  # own slice first, each as it is there
+                owner = (self.partition_id + step) % self.partition_num
+                if step:
+                    arena.wait(WEIGHT, version, partitions=(owner,))
+                np.copyto(out[layout.bounds(owner)], result[layout.bounds(owner)])
             return True
         except BaseException as error:
             arena.end(f"{type(error).__name__}: {error}")  # its peers hear why at once
