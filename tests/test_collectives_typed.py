@@ -5,6 +5,7 @@ against numpy's in partition order, uneven slices, every root, mismatched calls.
 from __future__ import annotations
 
 import functools
+import gc
 import re
 
 import ml_dtypes
@@ -208,6 +209,14 @@ def test_hierarchical_handles_refuse_them():
 # ---- allreduce_typed: through the host arena on one host, blocks past it -----------------
 
 
+def arena_mappings() -> int:
+    """How many host arena mappings this process holds (its own: /proc/self/maps), once
+    the views of closed handles are collected (a closed arena unmaps with its last view)."""
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        return sum("allreduce-param-arena" in line for line in maps)
+
+
 def test_allreduce_typed_through_the_host_arena_and_past_its_capacity():
     """Calls that fit the arena (64 bytes here) and calls larger than it (blocks), mixed,
     each dtype and op: numpy's bits in partition order on every partition, in place and into
@@ -240,7 +249,9 @@ def test_allreduce_typed_through_the_host_arena_and_past_its_capacity():
             return got, half, str(error)
         return got, half, None
 
+    before = arena_mappings()
     one_host = raise_first(run_partitions(AllReduceParameter(3, 16, "raw", timeout=30), body))
+    assert arena_mappings() <= before  # every partition unmapped the arena at its close
     two_hosts = raise_first(
         run_partitions(
             AllReduceParameter(3, 16, "raw", timeout=30, topology="flat"), body, hosts=[[0, 1], [2]]
@@ -269,10 +280,14 @@ def test_allreduce_typed_mismatches_in_the_arena_are_named_on_every_partition():
             values = np.zeros(6, np.float32) if p.info.partition_id == 0 else mine
             return p.collectives.allreduce_typed(values)
 
+        before = arena_mappings()
         results = run_partitions(AllReduceParameter(2, 16, "raw", timeout=20), body)
         assert all(isinstance(r, CollectiveMismatchError) for r in results), results
-        assert fragment in str(results[0]), results[0]
-        assert "this partition with 6 elements of float32" in str(results[0])
+        first = str(results[0])
+        del results  # their tracebacks hold the closed handles, so their views of the arena
+        assert arena_mappings() <= before  # unmapped after the failure too
+        assert fragment in first, first
+        assert "this partition with 6 elements of float32" in first
 
 
 def vanish_in_allreduce(param, addresses, partition_id, results) -> None:

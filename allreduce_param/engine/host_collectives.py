@@ -74,14 +74,13 @@ class HostAllreduce:
         self._calls += 1
         version = self._calls
         arena = self._arena
+        result = target = piece = None  # views of the arena: none kept in a failure's traceback
         try:
             fits = values.nbytes <= self.capacity
             layout = SliceLayout(values.size, self.partition_num)
             mine = layout.bounds(self.partition_id)
             if fits:  # the peers' slices only: this partition sums its own from ``values``
-                own = self._vector(arena.gradient(self.partition_id), values)
-                np.copyto(own[: mine.start], values[: mine.start])
-                np.copyto(own[mine.stop :], values[mine.stop :])
+                self._copy_in(values, mine)
             arena.publish(GRADIENT, version, count=float(signature))
             arena.wait(GRADIENT, version)
             self._check(signature)
@@ -109,8 +108,15 @@ class HostAllreduce:
                 np.copyto(out[layout.bounds(owner)], result[layout.bounds(owner)])
             return True
         except BaseException as error:
+            result = target = piece = None  # noqa: F841 - the arena unmaps with its last view
             arena.end(f"{type(error).__name__}: {error}")  # its peers hear why at once
             raise
+
+    def _copy_in(self, values: np.ndarray, mine: slice) -> None:
+        """``values`` but this partition's slice ``mine`` into its input vector."""
+        own = self._vector(self._arena.gradient(self.partition_id), values)
+        np.copyto(own[: mine.start], values[: mine.start])
+        np.copyto(own[mine.stop :], values[mine.stop :])
 
     def _vector(self, words: np.ndarray, like: np.ndarray) -> np.ndarray:
         """The first ``like.nbytes`` of the arena's float32 ``words``, as ``like``'s dtype."""
