@@ -5,6 +5,7 @@ against numpy's in partition order, uneven slices, every root, mismatched calls.
 from __future__ import annotations
 
 import functools
+import gc
 import re
 
 import ml_dtypes
@@ -203,3 +204,134 @@ def test_hierarchical_handles_refuse_them():
         )
     )
     assert results == [True] * 4
+
+
+# ---- allreduce_typed: through the host arena on one host, blocks past it -----------------
+
+
+def arena_mappings() -> int:
+    """How many host arena mappings this process holds (its own: /proc/self/maps), once
+    the views of closed handles are collected (a closed arena unmaps with its last view)."""
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        return sum("allreduce-param-arena" in line for line in maps)
+
+
+def test_allreduce_typed_through_the_host_arena_and_past_its_capacity():
+    """Calls that fit the arena (64 bytes here) and calls larger than it (blocks), mixed,
+    each dtype and op: numpy's bits in partition order on every partition, in place and into
+    a new array; a mean's ``finish`` on each owner's slice. A handle whose calls went
+    through its arena refuses init (its steps would go there too); across hosts (flat, no
+    arena) the blocks' path gives the same."""
+    calls = [
+        (np.float64, "sum", 7),  # 56 bytes: the arena
+        (np.int32, "product", 50),  # 200 bytes: blocks
+        (ml_dtypes.bfloat16, "max", 31),
+        (np.uint8, "sum", 64),
+        (np.float32, "min", 1000),
+    ]
+    data = {call: vectors(call[0], 3, call[2], seed=i) for i, call in enumerate(calls)}
+
+    def body(p):
+        me, got = p.info.partition_id, []
+        for call in calls * 2:  # twice: the arena's buffers are reused
+            values = data[call][me].copy()
+            if len(got) % 2:
+                got.append(p.collectives.allreduce_typed(values, call[1], out=values))
+            else:
+                got.append(p.collectives.allreduce_typed(values, call[1]))
+        half = p.collectives.allreduce_typed(
+            np.full(5, me + 1.0), finish=lambda mine: mine / 2
+        )  # 1 + 2 + 3, halved
+        try:
+            p.init(np.zeros(16, np.float32))
+        except UsageError as error:
+            return got, half, str(error)
+        return got, half, None
+
+    before = arena_mappings()
+    one_host = raise_first(run_partitions(AllReduceParameter(3, 16, "raw", timeout=30), body))
+    assert arena_mappings() <= before  # every partition unmapped the arena at its close
+    two_hosts = raise_first(
+        run_partitions(
+            AllReduceParameter(3, 16, "raw", timeout=30, topology="flat"), body, hosts=[[0, 1], [2]]
+        )
+    )
+    for results, refused in ((one_host, True), (two_hosts, False)):
+        for got, half, init_error in results:
+            for call, result in zip(calls * 2, got):
+                assert result.dtype == np.dtype(call[0])
+                assert result.tobytes() == in_order(data[call], call[1]).tobytes(), call
+            assert half.tolist() == [3.0] * 5
+            assert (init_error is not None) == refused, init_error
+            if refused:
+                assert "allreduce_typed calls went through its host arena" in init_error
+
+
+def test_allreduce_typed_mismatches_in_the_arena_are_named_on_every_partition():
+    """Another dtype, and a call past the arena's capacity against one within it: every
+    partition's error names the other partition's call and its own, none waits."""
+    for mine, fragment in [
+        (np.zeros(6, np.int32), "partition 1 called it with 6 elements of int32, op 'sum'"),
+        (np.zeros(40, np.float32), "partition 1 called it with 40 elements of float32"),
+    ]:
+
+        def body(p, mine=mine):
+            values = np.zeros(6, np.float32) if p.info.partition_id == 0 else mine
+            return p.collectives.allreduce_typed(values)
+
+        before = arena_mappings()
+        results = run_partitions(AllReduceParameter(2, 16, "raw", timeout=20), body)
+        assert all(isinstance(r, CollectiveMismatchError) for r in results), results
+        first = str(results[0])
+        del results  # their tracebacks hold the closed handles, so their views of the arena
+        assert arena_mappings() <= before  # unmapped after the failure too
+        assert fragment in first, first
+        assert "this partition with 6 elements of float32" in first
+
+
+def vanish_in_allreduce(param, addresses, partition_id, results) -> None:
+    """Both partitions allreduce once; then partition 1's process ends at once, as a killed
+    worker's does, while partition 0 allreduces again."""
+    import os
+
+    from allreduce_param.engine import StaticRendezvous
+
+    try:
+        with param.connect(StaticRendezvous(partition_id, addresses)) as p:
+            p.collectives.allreduce_typed(np.ones(8, np.float32))
+            if partition_id == 1:
+                os._exit(1)
+            p.collectives.allreduce_typed(np.ones(8, np.float32))
+        results.put((partition_id, "finished"))
+    except BaseException as error:
+        results.put((partition_id, f"{type(error).__name__}: {error}"))
+
+
+@pytest.mark.slow
+def test_allreduce_typed_names_a_peer_process_that_dies_in_the_arena():
+    """Partition 0 waits in the arena for partition 1's values; partition 1's process is
+    gone: its pidfd ends the wait at once (the timeout is 60 s), naming it."""
+    import multiprocessing
+
+    from test_processes import free_loopback_ports
+
+    addresses = [("127.0.0.1", port) for port in free_loopback_ports(2)]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    param = AllReduceParameter(2, 16, "raw", timeout=60)
+    processes = [
+        context.Process(target=vanish_in_allreduce, args=(param, addresses, i, results))
+        for i in range(2)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        partition_id, outcome = results.get(timeout=50)
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+    assert partition_id == 0 and outcome.startswith("PeerLostError: partition 1 at 127.0.0.1")
+    assert "exited while partition 0 waited" in outcome and "shared memory" in outcome

@@ -17,7 +17,12 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from allreduce_param.engine import LocalRendezvous, StaticRendezvous  # noqa: E402
-from allreduce_param.errors import ConfigurationError, InputError, UsageError  # noqa: E402
+from allreduce_param.errors import (  # noqa: E402
+    CollectiveMismatchError,
+    ConfigurationError,
+    InputError,
+    UsageError,
+)
 from allreduce_param.torch_backend import (  # noqa: E402
     BACKEND,
     AllReduceProcessGroup,
@@ -49,6 +54,8 @@ def run_groups(world: int, body, timeout: float = 60.0) -> list:
     def rank(r: int) -> None:
         try:
             with param.connect(rendezvous.member(r)) as handle:
+                # one host: the allreduces go through the host arena's shared memory
+                assert handle.info.host_arena == (world > 1)
                 group = AllReduceProcessGroup(handle)
                 try:
                     results[r] = body(group, r)
@@ -220,6 +227,20 @@ def test_what_is_not_supported_is_named():
     assert "allreduce: tensors of dtype torch.complex64 are not supported" in errors[0]
     assert "pass tensor.to_dense()" in errors[1]
     assert "ReduceOp BAND is not supported" in errors[2]
+
+
+def test_a_rank_whose_tensor_differs_is_named_on_every_rank():
+    """Another dtype on one rank: every rank's Work fails naming both calls, none waits."""
+
+    def body(group, rank):
+        tensor = torch.zeros(5, dtype=torch.float32 if rank == 0 else torch.float64)
+        with pytest.raises(CollectiveMismatchError) as caught:
+            group.allreduce([tensor], reduce_opts(dist.ReduceOp.SUM)).wait()
+        return str(caught.value)
+
+    first, second = run_groups(2, body, timeout=20)
+    assert "partition 1 called it with 5 elements of float64, op 'sum'" in first
+    assert "partition 0 called it with 5 elements of float32, op 'sum'" in second
 
 
 def test_init_process_group_outside_bind_and_with_the_wrong_rank_is_refused():

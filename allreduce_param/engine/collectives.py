@@ -14,17 +14,23 @@ and one that fails partway fails the handle.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import numpy as np
 
 from allreduce_param.engine.blocks.store import EVERY_PARTITION, BlockKind
+from allreduce_param.engine.host_collectives import HostAllreduce
 from allreduce_param.engine.layout import SliceLayout
 from allreduce_param.engine.movement.movements import Movements
 from allreduce_param.engine.step import StepState, handle_call
 from allreduce_param.engine.strategy import WeightRead
-from allreduce_param.engine.typed_collectives import TypedCollectives
+from allreduce_param.engine.typed_collectives import (
+    OPS,
+    TypedCollectives,
+    call_signature,
+    describe_signature,
+)
 from allreduce_param.engine.vectors import float32_vector
 from allreduce_param.errors import InputError
 
@@ -43,6 +49,7 @@ class Collectives:
         self._raw_allreduces = -1
         self._exact_allreduces = -1
         self._typed = TypedCollectives(moves)
+        self._host: HostAllreduce | None = None  # made at the first allreduce_typed through it
 
     @handle_call
     def allreduce(
@@ -132,6 +139,45 @@ class Collectives:
         partition whose length, dtype or op differs from its peers' gets a
         ``CollectiveMismatchError``."""
         return self._typed.reduce_scatter(values, op, layout)
+
+    @handle_call
+    def allreduce_typed(
+        self,
+        values: np.ndarray,
+        op: Literal["sum", "product", "min", "max"] = "sum",
+        out: np.ndarray | None = None,
+        finish: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """The elementwise ``op`` of every partition's ``values`` (any numeric dtype, as
+        ``reduce_scatter``'s), on every partition, the same bits everywhere: into ``out``
+        (``values`` itself for an allreduce in place) or a new array. ``finish`` maps each
+        owner's combined slice before it is shared (a mean's division).
+
+        A ``reduce_scatter`` then an ``all_gather``; but where every partition is on one
+        host and the handle has a host arena it has never stepped through
+        (``torch_backend.process_group_parameter``'s), through that arena's shared memory
+        instead (``host_collectives.py``: two signals per call, no blocks), for calls up to
+        its capacity. A handle that did so takes no steps (``init`` is refused)."""
+        vector = self._typed.checked(values, op, "allreduce_typed")
+        if out is None:
+            out = np.empty_like(vector)
+        host = self._host_path()
+        if host is not None and host.allreduce(
+            vector, OPS[op], call_signature(vector.dtype, op, vector.size), out, finish
+        ):
+            return out
+        layout = SliceLayout(vector.size, self.partition_num)
+        mine = self._typed.reduce_scatter(vector, op, layout)
+        if finish is not None:
+            mine = finish(mine)
+        return self._typed.all_gather(mine, layout, out)
+
+    def _host_path(self) -> HostAllreduce | None:
+        """The allreduce through the host arena, where this handle may use it (above)."""
+        if self._host is None and self._peers.arena is not None and not self._state.initialised:
+            self._state.collectives_in_arena = True
+            self._host = HostAllreduce(self._peers.arena, describe_signature)
+        return self._host
 
     @handle_call
     def all_gather(

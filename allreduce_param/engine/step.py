@@ -59,6 +59,7 @@ class StepState:
         self.partition_id = partition_id
         self.strategy = strategy
         self.initialised = False
+        self.collectives_in_arena = False  # allreduce_typed went through the host arena
         self.start = 0
         self.weight_version = -1
         self.gradient_version = -1
@@ -113,6 +114,12 @@ class StepState:
         """Before ``init(weights, step)``: once, with a whole ``step`` >= 0."""
         if self.initialised:
             raise UsageError(f"init() was called twice on partition {self.partition_id}")
+        if self.collectives_in_arena:
+            raise UsageError(
+                f"init() on partition {self.partition_id}: this handle's allreduce_typed calls "
+                "went through its host arena, where the steps would go too; take steps on a "
+                "parameter of their own"
+            )
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise InputError(f"{self._on(f'init(step={step!r})')}: a whole number >= 0")
 

@@ -86,15 +86,19 @@ class TypedCollectives:
         """This partition's slice of ``layout`` (default: ``SliceLayout(values.size, N)``)
         of the elementwise ``op`` ("sum", "product", "min" or "max") of every partition's
         ``values``, combined in partition order in ``values``' dtype."""
-        what = f"reduce_scatter(values) on partition {self.partition_id}"
-        vector = self._vector(values, what)
-        if op not in OPS:
-            raise InputError(
-                f"reduce_scatter(op={op!r}): op must be one of {', '.join(map(repr, OPS))}"
-            )
+        vector = self.checked(values, op, "reduce_scatter")
         layout = self._layout(layout, vector.size, "reduce_scatter")
-        self._refuse_hierarchical("reduce_scatter")
         return self._reduce_scatter(vector, op, layout)
+
+    def checked(self, values: np.ndarray, op: str, call: str) -> np.ndarray:
+        """``values`` as a combining ``call`` takes them (a contiguous 1-D array of a carried
+        dtype, ``op`` one of ``OPS``, a flat handle), or the ``InputError`` or
+        ``UsageError`` saying what is wrong."""
+        vector = self._vector(values, f"{call}(values) on partition {self.partition_id}")
+        if op not in OPS:
+            raise InputError(f"{call}(op={op!r}): op must be one of {', '.join(map(repr, OPS))}")
+        self._refuse_hierarchical(call)
+        return vector
 
     def all_gather(
         self, own: np.ndarray, layout: SliceLayout, out: np.ndarray | None = None
@@ -139,7 +143,7 @@ class TypedCollectives:
         root = int(root)
         self._refuse_hierarchical("broadcast")
         layout = SliceLayout(vector.size, self.partition_num)
-        signature = _signature(vector.dtype, None, vector.size)
+        signature = call_signature(vector.dtype, None, vector.size)
         words = _words(layout, vector.dtype)
         version = self._next_chunk()
         me, moves = self.partition_id, self._moves
@@ -167,7 +171,7 @@ class TypedCollectives:
     def _reduce_scatter(self, vector: np.ndarray, op: str, layout: SliceLayout) -> np.ndarray:
         """``reduce_scatter`` once its arguments are checked."""
         me, moves = self.partition_id, self._moves
-        signature = _signature(vector.dtype, op, vector.size)
+        signature = call_signature(vector.dtype, op, vector.size)
         words = _words(layout, vector.dtype)
         padded = _padded(vector, layout, words)
         version = self._next_chunk()
@@ -198,7 +202,7 @@ class TypedCollectives:
         """Publish ``own`` (this partition's slice of ``layout``) and fetch everyone's (into
         ``out`` where given)."""
         dtype = own.dtype
-        signature = _signature(dtype, None, layout.size) if signature is None else signature
+        signature = call_signature(dtype, None, layout.size) if signature is None else signature
         words = _words(layout, dtype)
         if own.nbytes == 4 * words.length(0):  # whole words already: published as they lie
             mine = own.view(np.float32)
@@ -272,7 +276,7 @@ class TypedCollectives:
         if int(count) != signature:
             raise CollectiveMismatchError(
                 f"{call} on partition {self.partition_id}: partition {source} called it with "
-                f"{_describe(int(count))}, this partition with {_describe(signature)}; every "
+                f"{describe_signature(int(count))}, this partition with {describe_signature(signature)}; every "
                 "partition must pass the same length, dtype and op"
             )
 
@@ -325,13 +329,13 @@ class TypedCollectives:
         return self._slice_versions
 
 
-def _signature(dtype: np.dtype, op: str | None, size: int) -> int:
+def call_signature(dtype: np.dtype, op: str | None, size: int) -> int:
     """What a block says of its call: dtype, op (None: a gather, a broadcast) and length."""
     op_code = 0 if op is None else 1 + list(OPS).index(op)
     return DTYPES.index(dtype.name) << (_LENGTH_BITS + 4) | op_code << _LENGTH_BITS | size
 
 
-def _describe(signature: int) -> str:
+def describe_signature(signature: int) -> str:
     """A signature in words, for a mismatch's message."""
     size = signature & ((1 << _LENGTH_BITS) - 1)
     op_code = (signature >> _LENGTH_BITS) & 0xF

@@ -39,6 +39,10 @@ __all__ = ["BACKEND", "bind", "process_group_parameter", "register"]
 #: training step, a checkpoint or an evaluation of its own.
 DEFAULT_TIMEOUT = 1800.0
 
+#: The largest allreduce (bytes) that goes through one host's shared memory: above DDP's
+#: default bucket cap (25 MiB). The host arena maps this once per rank and once more.
+HOST_BUCKET_BYTES = 32 << 20
+
 _lock = threading.Lock()
 _bound: ConnectedParameter | None = None
 _groups: list[AllReduceProcessGroup] = []  # made while bound: closed when the binding ends
@@ -93,16 +97,19 @@ def process_group_parameter(
     the surroundings' settings, Spark's on a driver). ``timeout``: how long a collective waits
     for a peer before it fails, naming it (default 30 minutes, as torch's). The parameter's
     own vector is one element (only its collectives are used), raw, flat (the typed
-    collectives' topology), without a host arena (its steps are never taken)."""
+    collectives' topology). Its one host arena, where every rank is on one host, is what
+    the ranks' allreduces go through (its steps are never taken): room for calls of
+    ``HOST_BUCKET_BYTES`` (DDP's default buckets of 25 MiB fit; a larger call moves as
+    blocks). Its pages are taken only as they are written."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"world_size must be a positive whole number, got {world_size!r}")
     return AllReduceParameter(
         world_size,
-        1,
+        HOST_BUCKET_BYTES // 4,
         "raw",
         timeout=timeout,
         topology="flat",
-        host_arena=False,
+        host_arena=True,
         network=network,
     )
 

@@ -94,6 +94,8 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         call = "allreduce"
         op, average = self._op(opts, call)
         flat = self._flat(tensors, call)
+        if average:
+            _divide(flat.values[:0], self._world, call)  # refuses a mean of bools up front
 
         def run() -> None:  # gathered straight into the tensors' values where it can be
             flat.write(self._allreduce(flat.values, op, average, call, into=flat.values))
@@ -272,17 +274,13 @@ class AllReduceProcessGroup(dist.ProcessGroup):
     def _allreduce(
         self, values: np.ndarray, op: str, average: bool, call: str, into: np.ndarray | None = None
     ) -> np.ndarray:
-        """The engine's allreduce of any dtype: a reduce_scatter, then an all_gather (into
-        ``into``, ``values`` themselves for an allreduce in place: no copy of the result).
-        Writing into ``values`` is safe: a peer's slice arrives only once that peer has read
-        its chunk of them."""
+        """The engine's allreduce of any dtype (``allreduce_typed``: through the host's
+        shared memory where every rank is on one host, else a reduce_scatter then an
+        all_gather), into ``into`` (``values`` themselves for an allreduce in place)."""
         if values.size == 0:
             return values
-        layout = SliceLayout(values.size, self._world)
-        mine = self._collectives.reduce_scatter(values, op, layout)
-        if average:
-            mine = _divide(mine, self._world, call)
-        return self._collectives.all_gather(mine, layout, out=into)
+        finish = (lambda mine: _divide(mine, self._world, call)) if average else None
+        return self._collectives.allreduce_typed(values, op, out=into, finish=finish)
 
     def _all_gather(self, values: np.ndarray) -> np.ndarray:
         """Every rank's ``values`` (as long on every rank), in rank order, concatenated."""
