@@ -95,12 +95,13 @@ def process_group_parameter(
 
     ``network``: where the ranks listen and whether their connections are encrypted (default:
     the surroundings' settings, Spark's on a driver). ``timeout``: how long a collective waits
-    for a peer before it fails, naming it (default 30 minutes, as torch's). The parameter's
-    own vector is one element (only its collectives are used), raw, flat (the typed
-    collectives' topology). Its one host arena, where every rank is on one host, is what
-    the ranks' allreduces go through (its steps are never taken): room for calls of
-    ``HOST_BUCKET_BYTES`` (DDP's default buckets of 25 MiB fit; a larger call moves as
-    blocks). Its pages are taken only as they are written."""
+    for a peer before it fails, naming it (default 30 minutes, as torch's). Only the
+    parameter's collectives are used (its steps are never taken): raw, flat (the typed
+    collectives' topology), its vector ``HOST_BUCKET_BYTES`` of float32 because the host
+    arena is sized by the vector: where every rank is on one host, the ranks' allreduces go
+    through that arena (DDP's default buckets of 25 MiB fit; a larger call moves as blocks).
+    Its pages (and the vector's own buffers') are taken only as they are written, but the
+    mappings count against an address-space limit (``spark.executor.pyspark.memory``)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"world_size must be a positive whole number, got {world_size!r}")
     return AllReduceParameter(
