@@ -3,19 +3,17 @@
 Engine tests run N partitions as N threads of this process (real sockets on 127.0.0.1,
 ``LocalRendezvous``); Spark tests take the ``spark`` fixture: a session on ``local[4]``, or
 the module's ``SPARK_MASTER`` and ``SPARK_SETTINGS``. Modules that ask for the same master
-and settings share one session: they run one after another (``pytest_collection_modifyitems``
-moves each such module up to the first of its kind; modules that stop the session on their
-own, ``SPARK_STOPS_SESSION = True``, last among them), and the session stops when the last of
-them is done. Starting a session and its Python workers takes seconds of a 2-core machine's
-time, and most modules need nothing of a session but its master and settings. Modules that
-take the ``two_workers`` standalone cluster share it the same way.
+and settings share one session: they run one after another (``pytest_collection_finish``
+puts each such group of modules together, ``module_groups``; modules that stop the session
+on their own, ``SPARK_STOPS_SESSION = True``, last among them), and the session stops when the
+last of them is done. Starting a session and its Python workers takes seconds of a 2-core
+machine's time, and most modules need nothing of a session but its master and settings.
+Modules that take the ``two_workers`` standalone cluster share it the same way. Whether a
+session or cluster outlives a module is decided on the test this process runs next (pytest's
+``nextitem``), never on the collection's order.
 
-The README's ``pytest`` runs on two pytest-xdist workers (``pytest_cmdline_main``): each
-group of modules that share a session or a cluster is one ``xdist_group``, so that one worker
-runs the whole group, one module after another (``--dist loadgroup``), and the groups are
-handed out the costliest first. Whether a session or cluster outlives a module is decided on
-the test this process runs next (pytest's ``nextitem``, which a worker knows before it starts a
-test), not on the collection's order, which a worker follows only in part.
+The README's ``pytest`` runs on two pytest-xdist workers (``pytest_cmdline_main``), each
+group whole on one worker, the longest groups first (``xdist_scheduling``).
 """
 
 from __future__ import annotations
