@@ -3,12 +3,17 @@
 Engine tests run N partitions as N threads of this process (real sockets on 127.0.0.1,
 ``LocalRendezvous``); Spark tests take the ``spark`` fixture: a session on ``local[4]``, or
 the module's ``SPARK_MASTER`` and ``SPARK_SETTINGS``. Modules that ask for the same master
-and settings share one session: they run one after another (``pytest_collection_modifyitems``
-moves each such module up to the first of its kind; modules that stop the session on their
-own, ``SPARK_STOPS_SESSION = True``, last among them), and the session stops when the last of
-them is done. Starting a session and its Python workers takes seconds of a 2-core machine's
-time, and most modules need nothing of a session but its master and settings. Modules that
-take the ``two_workers`` standalone cluster share it the same way.
+and settings share one session: they run one after another (``pytest_collection_finish``
+puts each such group of modules together, ``module_groups``; modules that stop the session
+on their own, ``SPARK_STOPS_SESSION = True``, last among them), and the session stops when the
+last of them is done. Starting a session and its Python workers takes seconds of a 2-core
+machine's time, and most modules need nothing of a session but its master and settings.
+Modules that take the ``two_workers`` standalone cluster share it the same way. Whether a
+session or cluster outlives a module is decided on the test this process runs next (pytest's
+``nextitem``), never on the collection's order.
+
+The README's ``pytest`` runs on two pytest-xdist workers (``pytest_cmdline_main``), each
+group whole on one worker, the longest groups first (``xdist_scheduling``).
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import module_groups
 import pytest
+from module_groups import spark_kind, uses_spark
 
 from allreduce_param.engine import AllReduceParameter, LocalRendezvous
 from allreduce_param.spark.session import java_problem, prepare_local_environment
@@ -57,12 +66,6 @@ def _session_settings(kind: tuple) -> dict:
     return settings
 
 
-def _spark_kind(module) -> tuple:
-    """What a module's session is started with: its master and its settings."""
-    settings = getattr(module, "SPARK_SETTINGS", {})
-    return getattr(module, "SPARK_MASTER", "local[4]"), tuple(sorted(settings.items()))
-
-
 #: the session modules of one kind share: {"kind": ..., "session": ...} while one runs
 _shared_spark: dict = {}
 
@@ -91,7 +94,9 @@ def _remove_worker_folder(application: str) -> None:
     if (work / application).exists():
         shutil.rmtree(work / application)
     if work.exists() and not any(work.iterdir()):
-        work.rmdir()
+        # another test process's local-cluster may put its application there meanwhile
+        with contextlib.suppress(OSError):
+            work.rmdir()
 
 
 def _running(session) -> bool:
@@ -108,7 +113,7 @@ def spark(request):
     stopped when the last of them is done."""
     from allreduce_param.spark.session import local_spark
 
-    kind = _spark_kind(request.module)
+    kind = spark_kind(request.module)
     session = _shared_spark.get("session")
     if session is None or _shared_spark.get("kind") != kind or not _running(session):
         _stop_shared_spark()
@@ -126,8 +131,6 @@ def spark(request):
 
 #: module-spanning fixtures while the modules that take them run: name -> (value, ExitStack)
 _shared_fixtures: dict = {}
-#: the fixtures shared so between the modules that take them (run one after another)
-SHARED_FIXTURES = ("two_workers",)
 
 
 def _shared_fixture(request, name: str, start: Callable):
@@ -147,16 +150,32 @@ def _shared_fixture(request, name: str, start: Callable):
 
 
 def _next_module_takes(items, module, name: str) -> bool:
-    """Whether the module that runs after ``module`` takes fixture ``name``."""
-    after = [i for i, item in enumerate(items) if getattr(item, "module", None) is module]
-    if not after or after[-1] + 1 >= len(items):
-        return False
-    following = getattr(items[after[-1] + 1], "module", None)
+    """Whether the module this process runs after ``module`` takes fixture ``name``."""
+    following = _following_module(module)
     return following is not None and any(
         name in getattr(item, "fixturenames", ())
-        for item in items[after[-1] + 1 :]
+        for item in items
         if getattr(item, "module", None) is following
     )
+
+
+#: the test this process runs after the one running now: pytest's ``nextitem`` (None after
+#: the last). Under pytest-xdist a worker runs only the groups sent to it, in the order they
+#: come, and it knows its next test before it starts one.
+_following: list = [None]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Note the test that runs after ``item``; returns None, so pytest runs ``item`` as ever."""
+    _following[0] = nextitem
+
+
+def _following_module(module):
+    """The module of the test this process runs next, if that is another module than
+    ``module`` (asked while ``module``'s last test is torn down)."""
+    following = getattr(_following[0], "module", None)
+    return None if following is module else following
 
 
 @pytest.fixture(scope="module")
@@ -191,45 +210,30 @@ def two_workers(request, tmp_path_factory):
     yield from _shared_fixture(request, "two_workers", start)
 
 
-def _uses_spark(items) -> bool:
-    return any("spark" in getattr(item, "fixturenames", ()) for item in items)
-
-
 def _next_module_shares(items, module, kind) -> bool:
-    """Whether the module that runs after ``module`` takes a session of the same kind."""
-    after = [i for i, item in enumerate(items) if getattr(item, "module", None) is module]
-    if not after or after[-1] + 1 >= len(items):
-        return False
-    following = getattr(items[after[-1] + 1], "module", None)
-    rest = [item for item in items[after[-1] + 1 :] if getattr(item, "module", None) is following]
-    return following is not None and _spark_kind(following) == kind and _uses_spark(rest)
+    """Whether the module this process runs after ``module`` takes a session of the same kind."""
+    following = _following_module(module)
+    rest = [item for item in items if getattr(item, "module", None) is following]
+    return following is not None and spark_kind(following) == kind and uses_spark(rest)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Mark the tiers (see ``_mark_tiers``), then run the modules that take a session of the
-    same kind one after another (see the module's docstring); the order within each module,
-    and of the others, stays as it was."""
+    """Mark the tiers (see ``_mark_tiers``)."""
     _mark_tiers(items)
-    modules: dict = {}  # module: its items, in collection order
-    for item in items:
-        modules.setdefault(getattr(item, "module", None), []).append(item)
-    groups: dict = {}  # kind (or the module itself, for one without Spark): its modules
-    for module, members in modules.items():
-        key = _spark_kind(module) if module is not None and _uses_spark(members) else module
-        shared = [
-            name
-            for name in SHARED_FIXTURES
-            if any(name in getattr(item, "fixturenames", ()) for item in members)
-        ]
-        if module is not None and shared:
-            key = ("shared fixture", shared[0])
-        groups.setdefault(key, []).append(module)
-    items[:] = [
-        item
-        for group in groups.values()
-        for module in sorted(group, key=lambda m: bool(getattr(m, "SPARK_STOPS_SESSION", False)))
-        for item in modules[module]
-    ]
+
+
+@pytest.hookimpl(tryfirst=True)  # the tests -k and -m left, before a worker reports them
+def pytest_collection_finish(session):
+    """Run the modules that take a session of the same kind one after another (see the
+    module's docstring), the groups so made the costliest first (``module_groups``); the
+    order within each module stays as it was. A pytest-xdist worker cuts the costliest
+    groups into parts and writes every test's part where the controller's scheduler reads
+    it (``xdist_scheduling``)."""
+    worker = getattr(session.config, "workerinput", {})
+    made = module_groups.parts(session.items, split=bool(worker))
+    session.items[:] = [item for _, part in made for item in part]
+    if SCOPES in worker:
+        module_groups.write_scopes(worker[SCOPES], made)
 
 
 def _mark_tiers(items) -> None:
@@ -242,8 +246,70 @@ def _mark_tiers(items) -> None:
         if "spark" not in getattr(item, "fixturenames", ()):
             continue
         item.add_marker(pytest.mark.spark)
-        if _spark_kind(item.module)[0].startswith("local-cluster"):
+        if spark_kind(item.module)[0].startswith("local-cluster"):
             item.add_marker(pytest.mark.cluster)
+
+
+#: The README's ``pytest`` runs on this many pytest-xdist workers: two, not ``auto``. The
+#: README's machine has 2 cores, and every worker starts JVMs and Python workers of its own
+#: (a 16-core machine under ``auto`` would start 16 Spark drivers and their executors at once).
+WORKERS = 2
+#: the key of a worker's ``workerinput`` naming the file where it writes its tests' groups
+SCOPES = "allreduce_param_scopes"
+#: the controller's file of the tests' groups, while a distributed run lasts
+_scopes_file: list = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Run the whole suite (no test files named: ``testpaths``) on ``WORKERS`` pytest-xdist
+    workers, each group of modules whole on one worker (``--dist loadgroup``, scheduled by
+    ``xdist_scheduling``). A run that names its tests, ``-n`` (``-n 0``: serial), ``--dist``,
+    ``-p no:xdist`` (or no pytest-xdist installed), ``--pdb`` and ``--collect-only`` run as
+    asked; a worker itself never starts workers."""
+    if (
+        config.pluginmanager.hasplugin("xdist")
+        and not hasattr(config, "workerinput")
+        and config.option.numprocesses is None
+        and config.option.dist == "no"
+        and not config.option.usepdb
+        and not config.option.collectonly
+        and config.args_source is pytest.Config.ArgsSource.TESTPATHS
+    ):
+        config.option.numprocesses = WORKERS
+        config.option.dist = "loadgroup"
+
+
+def _scopes() -> str:
+    """The controller's file of the tests' groups (made on first use)."""
+    if not _scopes_file:
+        handle, path = tempfile.mkstemp(prefix="allreduce-param-groups-", suffix=".json")
+        os.close(handle)
+        _scopes_file.append(path)
+    return _scopes_file[0]
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: none without it
+def pytest_configure_node(node):
+    """Tell each worker where to write its tests' groups."""
+    node.workerinput[SCOPES] = _scopes()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadgroup``, send each group of modules (``module_groups``) whole to
+    one worker, the costliest first (``xdist_scheduling``)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist_scheduling import GroupScheduling
+
+    return GroupScheduling(config, log, _scopes())
+
+
+def pytest_unconfigure(config):
+    while _scopes_file:
+        with contextlib.suppress(OSError):
+            os.remove(_scopes_file.pop())
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -256,6 +322,44 @@ def pytest_sessionstart(session):
     problem = java_problem()
     if problem:
         pytest.exit(problem, returncode=3)
+
+
+#: Each test process's ports for ``free_ports``: a block of its own below the kernel's
+#: ephemeral ports (``/proc/sys/net/ipv4/ip_local_port_range``, 32768 up by default), which
+#: the kernel hands out for port 0 and for every outgoing connection, Spark's and the other
+#: pytest-xdist worker's included; the blocks of up to 16 workers end below it.
+PORT_BLOCK_START, PORT_BLOCK_SIZE = 20000, 750
+
+
+#: where ``free_ports`` looks next in this process's block: after the last run it gave, so
+#: that no test is given a port an earlier one's connections may still hold (TIME_WAIT)
+_port_cursor: list = [0]
+
+
+def free_ports(count: int) -> tuple[int, int]:
+    """A run of ``count`` ports that are free on 127.0.0.1 now (first, last), for a server
+    the test starts on a port it names. From this test process's own block
+    (``PORT_BLOCK_START``), so that no other process is given one of them between this probe
+    and the test's own bind: not the other pytest-xdist worker (``PYTEST_XDIST_WORKER``,
+    ``gw<n>``), which probes a block of its own, and not a connection made meanwhile."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    start = PORT_BLOCK_START + PORT_BLOCK_SIZE * int(worker.removeprefix("gw") or 0)
+    for step in range(PORT_BLOCK_SIZE // count):
+        first = start + (_port_cursor[0] + step * count) % (PORT_BLOCK_SIZE - count + 1)
+        held = []
+        try:
+            for port in range(first, first + count):
+                held.append(socket.create_server(("127.0.0.1", port)))
+            _port_cursor[0] = first + count - start
+            return first, first + count - 1
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise AssertionError(
+        f"no run of {count} free ports on 127.0.0.1 in {start}-{start + PORT_BLOCK_SIZE - 1}"
+    )
 
 
 def run_partitions(

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyspark
 import pytest
+from conftest import free_ports
 from harness.spark_standalone import class_archive_options
 
 from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
@@ -39,17 +40,11 @@ CONNECT_VARIABLES = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def connect_server(log: Path, master: str = "local[2]"):
     """A Spark Connect server in its own process group; its ``sc://`` address."""
     spark_home = os.path.dirname(pyspark.__file__)
-    port = free_port()
+    port = free_ports(1)[0]
     env = {key: value for key, value in os.environ.items() if key not in CONNECT_VARIABLES}
     env.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, SPARK_HOME=spark_home)
     command = [
@@ -293,7 +288,7 @@ def test_the_probe_tells_whether_a_task_reaches_this_process(remote):
     info = SparkInfo(remote)
     with socket.create_server(("127.0.0.1", 0)) as listening:
         assert info.unreachable(listening.getsockname()[:2]) is None
-    closed = free_port()
+    (closed, _) = free_ports(1)  # free: nothing listens there
     assert "ConnectionRefusedError" in info.unreachable(("127.0.0.1", closed), timeout=2.0)
 
 

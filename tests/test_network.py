@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import raise_first, run_partitions
+from conftest import free_ports, raise_first, run_partitions
 
 from allreduce_param import ConfigurationError, NetworkError
 from allreduce_param.engine import AllReduceParameter, NetworkSettings
@@ -20,22 +20,6 @@ from allreduce_param.engine.wire.blocks import BlockServer
 from allreduce_param.engine.wire.messages import MessageServer
 from allreduce_param.engine.wire.server import listen
 from allreduce_param.engine.wire.settings import ENVIRONMENT
-
-
-def free_ports(count: int) -> tuple[int, int]:
-    """A run of ``count`` ports that are free on 127.0.0.1 now (first, last)."""
-    for first in range(41000, 60000, 97):
-        held = []
-        try:
-            for port in range(first, first + count):
-                held.append(socket.create_server(("127.0.0.1", port)))
-            return first, first + count - 1
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise AssertionError("no run of free ports on this machine")
 
 
 @pytest.mark.parametrize(

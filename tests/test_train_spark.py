@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import JOB_FILES
+from conftest import JOB_FILES, free_ports
 from pyspark import cloudpickle
 
 from allreduce_param import (
@@ -571,8 +571,6 @@ def test_a_listener_and_the_log_see_every_step_as_it_happens(spark, tmp_path):
 
 
 def test_the_fits_servers_take_ports_of_the_sessions_range_and_the_listener_hears_where(spark):
-    from test_network import free_ports
-
     first, last = free_ports(5)
     X, y = regression_data(rows=64)
     events = []
