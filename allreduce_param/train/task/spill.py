@@ -89,13 +89,9 @@ def pyspark_memory_limit() -> int | None:
 
 def available_memory() -> int:
     """The machine's available memory in bytes (``MemAvailable``), or its free pages."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) << 10
-    except OSError:
-        pass
+    found = _proc_bytes("/proc/meminfo", "MemAvailable:")
+    if found is not None:
+        return found
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -116,14 +112,20 @@ def memory_budget(partitions: int, reserved: int = 0) -> int:
 
 def _address_space() -> int:
     """This process's address space now (``VmSize``), in bytes; 0 where not known."""
+    return _proc_bytes("/proc/self/status", "VmSize:") or 0
+
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The figure of the line starting with ``key`` in a /proc file of ``kB`` lines, in
+    bytes; None where the file or the line is missing."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmSize:"):
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(key):
                     return int(line.split()[1]) << 10
     except OSError:
         pass
-    return 0
+    return None
 
 
 def local_directory(partition: int) -> str:
