@@ -339,6 +339,26 @@ class LinearSetters(Params):
             else None
         )
 
+    def _solve(self, dataset, classify: bool, problem_for, **options):
+        """``fit_glm``'s solution on ``dataset`` by these Params (``problem_for(summary)``: the
+        problem once the data's summary is known; ``options``: more of ``fit_glm``'s), watched
+        as every fit (MLflow's autolog, one child run per fit under CrossValidator;
+        ``tensorboardDir``), its errors naming ``resumeFrom`` as the user set it."""
+        from allreduce_param.train.driver.lbfgs_fit import estimator_watch, watched_fit_glm
+
+        columns = (self.getFeaturesCol(), self.getLabelCol(), self.weight_column())
+        with resume_named(self):
+            solution, _ = watched_fit_glm(
+                dataset,
+                *columns,
+                classify,
+                problem_for,
+                estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
+                **options,
+                **self.fit_options(),
+            )
+        return solution
+
     def weight_column(self) -> str | None:
         """The ``weightCol`` to fit with, or None where it is unset or empty (as MLlib)."""
         weight = self.getParam("weightCol")

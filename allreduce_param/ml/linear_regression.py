@@ -27,7 +27,6 @@ from allreduce_param.ml.linear_params import (
     common_problem,
     linear_solver,
     refuse_unsupported,
-    resume_named,
 )
 
 
@@ -65,7 +64,6 @@ class LinearRegression(
         linear_solver(solver, 1)  # a solver MLlib has not fails here, before any job
 
         from allreduce_param.models.glm import GlmProblem
-        from allreduce_param.train.driver.lbfgs_fit import estimator_watch, watched_fit_glm
 
         def problem_for(summary) -> GlmProblem:
             return GlmProblem(
@@ -76,17 +74,7 @@ class LinearRegression(
                 **common_problem(self),
             )
 
-        columns = (self.getFeaturesCol(), self.getLabelCol(), self.weight_column())
-        # watched as every fit: MLflow's autolog, one child run per fit under CrossValidator
-        with resume_named(self):
-            solution, _ = watched_fit_glm(
-                dataset,
-                *columns,
-                False,
-                problem_for,
-                estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
-                **self.fit_options(),
-            )
+        solution = self._solve(dataset, False, problem_for)
         return self._copyValues(LinearRegressionModel(LinearFit.of_solution(solution)))
 
 

@@ -34,7 +34,6 @@ from allreduce_param.ml.linear_params import (
     common_problem,
     logistic_family,
     refuse_unsupported,
-    resume_named,
     told_classes,
 )
 
@@ -106,7 +105,6 @@ class LogisticRegression(
         family = self.getFamily()
 
         from allreduce_param.models.glm import GlmProblem
-        from allreduce_param.train.driver.lbfgs_fit import estimator_watch, watched_fit_glm
 
         def problem_for(summary) -> GlmProblem:
             largest = None
@@ -123,18 +121,7 @@ class LogisticRegression(
                 **common_problem(self),
             )
 
-        columns = (self.getFeaturesCol(), label_col, self.weight_column())
-        # watched as every fit: MLflow's autolog, one child run per fit under CrossValidator
-        with resume_named(self):
-            solution, _ = watched_fit_glm(
-                dataset,
-                *columns,
-                True,
-                problem_for,
-                estimator_watch(self, dataset, *columns, self.tensorboard_directory()),
-                num_classes=told_classes(metadata),
-                **self.fit_options(),
-            )
+        solution = self._solve(dataset, True, problem_for, num_classes=told_classes(metadata))
         return self._copyValues(LogisticRegressionModel(LinearFit.of_solution(solution)))
 
 
