@@ -202,6 +202,39 @@ def test_several_tensors_in_one_call_and_non_contiguous_ones():
         assert torch.equal(c, torch.full((3, 4), 30.0))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason=f"needs a GPU that this PyTorch ({torch.__version__}) can use; "
+    f"CUDA built: {torch.backends.cuda.is_built()}",
+)
+def test_cuda_tensors_go_through_host_copies_and_come_back_on_their_device():
+    """CUDA tensors (one GPU shared by both ranks is enough): each collective's result is on
+    the tensor's own device and equals the CPU's, for a tensor the caller's stream has just
+    written (the host copy is taken on the caller's thread, after that write)."""
+    device = torch.device("cuda", 0)
+
+    def body(group, rank):
+        grad = torch.arange(1 << 16, dtype=torch.float32, device=device)
+        grad.mul_(rank + 1)  # queued on the caller's stream just before the call
+        group.allreduce([grad], reduce_opts(dist.ReduceOp.SUM)).wait()
+        half = torch.full((7,), rank + 1.0, dtype=torch.bfloat16, device=device)
+        group.allreduce([half, half.new_ones(3)], reduce_opts(dist.ReduceOp.AVG)).wait()
+        sent = torch.arange(4, dtype=torch.int64, device=device) * (rank + 1)
+        group.broadcast([sent], rooted(dist.BroadcastOptions, 1)).wait()
+        gathered = [torch.zeros(2, device=device) for _ in range(2)]
+        group.allgather([gathered], [torch.full((2,), float(rank), device=device)]).wait()
+        torch.cuda.synchronize(device)
+        return grad, half, sent, gathered
+
+    for grad, half, sent, gathered in run_groups(2, body):
+        assert {grad.device, half.device, sent.device} == {device}
+        assert torch.equal(grad.cpu(), torch.arange(1 << 16, dtype=torch.float32) * 3)
+        assert half.cpu().tolist() == [1.5] * 7
+        assert sent.cpu().tolist() == [0, 2, 4, 6]
+        assert [g.cpu().tolist() for g in gathered] == [[0.0, 0.0], [1.0, 1.0]]
+
+
 def test_what_is_not_supported_is_named():
     def body(group, rank):
         errors = []

@@ -315,7 +315,7 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         gives ``result`` once it is done, or its error."""
         if self._closed:
             raise UsageError(f"{call}: this {BACKEND} process group is closed")
-        future = torch.futures.Future()
+        work = EngineWork(torch.futures.Future())
 
         def job() -> None:
             try:
@@ -323,15 +323,16 @@ class AllReduceProcessGroup(dist.ProcessGroup):
             except BaseException as error:
                 if hasattr(error, "add_note"):  # Python 3.11 on
                     error.add_note(f"in the {BACKEND} process group's {call} on rank {self._rank}")
-                future.set_exception(error)
+                # without this frame, which holds the Work
+                work.fail(error.with_traceback(error.__traceback__.tb_next))
             else:
-                future.set_result(result)
+                work.finish(result)
             finally:
                 if flat is not None:
                     flat.release()
 
         self._thread.submit(job)
-        return EngineWork(future)
+        return work
 
     def _flat(self, tensors: list[torch.Tensor], call: str) -> FlatValues:
         """``tensors``' values as one numpy vector (checked: one supported dtype)."""
