@@ -1,22 +1,25 @@
 """The linear models' Spark stage (``train/driver/glm_stage.py``): it survives a lost task (the
 stage runs again and resumes from the slice owners' newest checkpoint, ending with the
-uninterrupted fit's coefficients and objective history, bit for bit; ``resume_from`` a kept
-checkpoint does the same), and solves from rows on
+uninterrupted fit's coefficients and objective history, bit for bit); a fit that fails in
+every run says why, how many runs, and which checkpoint to resume from (``resume_from`` it
+continues to the same answer); and it solves from rows on
 disk (``data_in="disk"``: row files read a block at a time) to the in-memory answer, leaving
 no row file behind."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from pyspark import cloudpickle
 from pyspark.ml.linalg import Vectors
 
-from allreduce_param.errors import InputError
+from allreduce_param.errors import InputError, TrainingError
 from allreduce_param.models.glm import GlmProblem
 from allreduce_param.train.checkpoint import Checkpoints, find
 from allreduce_param.train.driver.glm_stage import fit_glm
@@ -93,15 +96,68 @@ def test_a_lost_task_resumes_from_the_newest_checkpoint_with_the_same_result(
         f"step-{last - 2:010d}",
         f"step-{last:010d}",
     ]
-    # resume_from, as a fit that failed in every run would: the older kept checkpoint
-    # continued to the uninterrupted answer, bit for bit; another problem's refused by name
+    # resume_from a checkpoint of another problem: refused by name (a fit that failed in
+    # every run resumed from its own, below)
     older = str(fit_folder / f"step-{last - 2:010d}")
-    continued = _fit(frame, resume_from=older)
+    with pytest.raises(InputError, match=r"regParam: 0\.02 there, 0\.5 here.*resume_from="):
+        fit_glm(frame, "features", "label", None, True, _other_problem, resume_from=older)
+
+
+class FailsAlways:
+    """Partition 1 fails after iteration ``at`` in every run of the stage."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, partition: int, iteration: int) -> None:
+        if partition == 1 and iteration == self.at:
+            raise ValueError(f"a fault injected after iteration {iteration}")
+
+
+@contextlib.contextmanager
+def runs_at_most(spark, runs: int) -> Iterator[None]:
+    """The running application's ``spark.stage.maxConsecutiveAttempts`` (which a linear fit
+    reads when it starts) set to ``runs``, and put back after."""
+    conf, key = spark.sparkContext._conf, "spark.stage.maxConsecutiveAttempts"
+    before = conf.get(key, None)
+    conf.set(key, str(runs))
+    try:
+        yield
+    finally:
+        if before is None:
+            conf._jconf.remove(key)
+        else:
+            conf.set(key, before)
+
+
+@pytest.mark.slow
+def test_a_fit_that_fails_in_every_run_names_the_failure_the_runs_and_the_checkpoint(
+    spark, frame, uninterrupted, tmp_path
+):
+    runs = 2  # the application's setting, read at each fit: 2 runs, not the default 4
+    folder = tmp_path / "checkpoints"
+    with (
+        runs_at_most(spark, runs),
+        pytest.warns(RuntimeWarning, match=f"stage failed, run 1 of at most {runs} ") as warned,
+        pytest.raises(TrainingError) as failed,
+    ):
+        _fit(frame, checkpoints=Checkpoints(str(folder), every=1), after_iteration=FailsAlways(2))
+    (fit_folder,) = folder.iterdir()
+    message = str(failed.value)
+    assert "partition 1" in message and "a fault injected after iteration 2" in message
+    assert f"the fit ran its stage {runs} times, as spark.stage.maxConsecutiveAttempts" in message
+    newest = fit_folder / f"step-{1:010d}"  # every run resumed from it and failed after it
+    assert f"Its newest checkpoint, of step 1, is {newest}: " in message
+    assert f"resumeFrom={str(newest)!r}" in message
+    assert len(warned) == runs - 1  # each run again announced, at the caller's line
+    assert {w.filename for w in warned} == {__file__}
+    assert "from its checkpoint after iteration 1" in str(warned[-1].message)
+    # what the message says to do: resume_from that checkpoint continues, without the
+    # fault, to the uninterrupted answer, bit for bit
+    continued = _fit(frame, resume_from=str(newest))
     assert continued.iterations == uninterrupted.iterations
     assert np.array_equal(continued.coefficients, uninterrupted.coefficients)
     assert continued.objective_history == uninterrupted.objective_history
-    with pytest.raises(InputError, match=r"regParam: 0\.02 there, 0\.5 here.*resume_from="):
-        fit_glm(frame, "features", "label", None, True, _other_problem, resume_from=older)
 
 
 def _other_problem(summary) -> GlmProblem:

@@ -1,6 +1,7 @@
-"""bench_linear's run: MLlib's ``LogisticRegression`` / ``LinearRegression`` against
-``allreduce_param.ml``'s drop-ins on the same cached rows, partitions and Params,
-alternating rounds (ours, MLlib, ours, MLlib, ...).
+"""bench_linear's fits: MLlib's ``LogisticRegression`` / ``LinearRegression`` and
+``allreduce_param.ml``'s drop-ins, one fit at a time, on the same rows, partitions and
+Params. ``linear_rounds`` alternates them (ours, MLlib, ours, MLlib, ...), in its own
+session or each fit in a session of its own (``linear_child``).
 
 Problems: ``text`` (hashed documents, ``sparse_data.TextData``, 2^18 features), ``clicks``
 (a hashed click log, ``sparse_data.ClickData``: 26 categorical fields with Zipf-distributed
@@ -19,10 +20,12 @@ How each figure is taken:
 - MLlib's objective against time (the plot): MLlib's summary has no times, so the first
   round also fits MLlib with ``maxIter = k`` for ``--mllib-curve`` values of k (the same
   path: L-BFGS is deterministic on the same rows) and plots (fit time, final objective);
-- memory (``memory.MemoryWatcher``): peaks sampled every 0.1 s from /proc (VmRSS) of the
-  driver JVM, which in local mode is also the executor, and of the Python workers under
+- memory (``linear_watch.MemoryWatcher``): peaks sampled every 0.1 s from /proc (VmRSS) of
+  the driver JVM, which in local mode is also the executor, and of the Python workers under
   it (summed), plus the JVM heap in use (``Runtime``, after a ``System.gc()`` before each
-  fit), all as the peak during that fit.
+  fit), all as the peak during that fit (up to its failure, where it fails);
+- a failed fit: a short phrase from its error (``linear_report.failure_phrase``), the first
+  cause that names a reason (``java.lang.OutOfMemoryError: Java heap space``, say).
 """
 
 from __future__ import annotations
@@ -32,22 +35,21 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from benchkit.linear_report import plot, table
+from benchkit.linear_report import failure_phrase
 from benchkit.linear_watch import MemoryWatcher
-from benchkit.machine import CONF_DIR, copy_bandwidth, machine
 from benchkit.sparse_data import ClickData, TextData, hashed_frame
-from benchkit.sparse_runs import failure_text
 
 
 @dataclass
 class LinearRun:
-    """One fit's figures, or why there are none (``problem``). ``times``: seconds from the
-    fit's start at which each ``history`` value was reached (ours; MLlib's: the curve
-    points ``(seconds, objective)`` in ``curve``)."""
+    """One fit's figures, or why there are none (``problem``: a short phrase for the table,
+    ``linear_report.failure_phrase``'s; ``error``: the whole error text it came from).
+    ``times``: seconds from the fit's start at which each ``history`` value was reached
+    (ours; MLlib's: the curve points ``(seconds, objective)`` in ``curve``). ``rows``: the
+    rows fitted, where the fit ran in a session of its own (``linear_child``)."""
 
     contender: str
     seconds: float | None = None
@@ -61,6 +63,12 @@ class LinearRun:
     heap_peak: int = 0
     workers_peak: int = 0
     problem: str = ""
+    error: str = ""
+    rows: int | None = None
+
+
+#: The problems' kinds, as ``--problems`` names them.
+KINDS = ("text", "clicks", "dense")
 
 
 def problems(args: argparse.Namespace) -> list[tuple[str, str, int]]:
@@ -75,7 +83,7 @@ def problems(args: argparse.Namespace) -> list[tuple[str, str, int]]:
         elif name == "dense":
             found.append((f"dense {args.dense_rows:,} x {args.dense_features}", "dense", 0))
         else:
-            raise SystemExit(f"--problems: {name!r} is not one of text, clicks, dense")
+            raise SystemExit(f"--problems: {name!r} is not one of {', '.join(KINDS)}")
     return found
 
 
@@ -138,8 +146,9 @@ def fit_once(spark, contender: str, kind: str, frame, args, jvm_pid: int) -> Lin
         run.iterations, run.objective = summary.totalIterations, run.history[-1]
         matrix = model.coefficients if kind == "dense" else model.coefficientMatrix
         run.coefficients = np.asarray(matrix.toArray(), np.float64).ravel()
-    except Exception as error:
-        run.problem = failure_text(error, False)
+    except Exception as error:  # the fit failed, or took the JVM down with it
+        run.error = f"{type(error).__name__}: {error}"
+        run.problem = failure_phrase(run.error)
         traceback.print_exc(file=sys.stderr)
     run.jvm_peak, run.heap_peak = watcher.jvm_peak, watcher.heap_peak
     run.workers_peak = watcher.workers_peak
@@ -157,50 +166,3 @@ def mllib_curve(kind: str, frame, args, iterations: int) -> list[tuple[float, fl
         points.append((time.time() - started, model.summary.objectiveHistory[-1]))
         print(f"  MLlib maxIter={k}: {points[-1][0]:.1f} s", file=sys.stderr, flush=True)
     return points
-
-
-def run(args: argparse.Namespace) -> str:
-    """Every problem's alternating rounds; the table with the machine's line, the plots."""
-    from allreduce_param.spark.session import local_spark
-
-    bandwidth = copy_bandwidth()
-    spark = local_spark(
-        args.master,
-        "allreduce-param linear benchmark",
-        CONF_DIR,
-        **{"spark.driver.memory": args.driver_memory},
-    )
-    results: list[tuple[str, str, list[tuple[LinearRun, LinearRun]]]] = []
-    try:
-        jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
-        for name, kind, features in problems(args):
-            frame = frame_of(spark, kind, features, args)
-            print(f"{name}: {frame.count():,} rows cached", file=sys.stderr, flush=True)
-            rounds = []
-            for number in range(args.rounds):
-                ours = fit_once(spark, "ours", kind, frame, args, jvm_pid)
-                theirs = fit_once(spark, "mllib", kind, frame, args, jvm_pid)
-                if number == 0 and not theirs.problem and args.mllib_curve:
-                    theirs.curve = mllib_curve(kind, frame, args, theirs.iterations)
-                rounds.append((ours, theirs))
-                print(f"{name}: round {number + 1} done", file=sys.stderr, flush=True)
-                if theirs.problem and ours.problem:
-                    break
-            results.append((name, f"{frame.count():,} rows", rounds))
-            frame.unpersist()
-    finally:
-        spark.stop()
-    out = Path(args.out)
-    plotted = plot(results, out) if args.plot else []
-    return "\n".join(
-        [
-            f"machine: {machine()}",
-            f"memory copy: {bandwidth / 1e9:.2f} GB/s (np.copyto of 40 MB, median of 5)",
-            f"master {args.master}, spark.driver.memory={args.driver_memory}; regParam="
-            f"{args.reg_param}, maxIter={args.max_iter}, tol={args.tol} for both",
-            "",
-            table(results),
-            "",
-            *(f"plot: {path}" for path in plotted),
-        ]
-    )

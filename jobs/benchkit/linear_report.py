@@ -1,8 +1,10 @@
-"""bench_linear's output: the table of every round (``table``) and a plot per problem of
-the objective against time for both contenders (``plot``, matplotlib)."""
+"""bench_linear's output: the table of every round (``table``), a line per fit as it ends
+(``fit_line``), why a fit failed in a few words (``failure_phrase``), and a plot per problem
+of the objective against time for both contenders (``plot``, matplotlib)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,75 @@ HEADER = (
     "objective diff",
     "peak MiB JVM RSS / heap / workers",
 )
+
+
+#: The causes a failed fit's error text (and its JVM's output) may name, most telling first:
+#: quoted as found, to the end of their line
+_CAUSES = (
+    re.compile(r"java\.lang\.OutOfMemoryError[^\n]*"),
+    re.compile(r"TaskResultLost[^\n]*"),
+    re.compile(r"(?:Insufficient driver memory: )?System memory \d+ must be at least \d+"),
+    re.compile(r"ExecutorLostFailure[^\n]*"),
+)
+#: What a failure said without a cause of ``_CAUSES``: a needle, and the phrase for it
+_SIGNS = (
+    ("Python worker exited unexpectedly", "a Python worker died"),
+    ("MemoryError", "MemoryError (Python worker)"),
+    ("maxResultSize", "spark.driver.maxResultSize exceeded"),
+    ("SparkContext was shut down", "the SparkContext was shut down"),
+    ("stopped SparkContext", "the SparkContext was shut down"),
+    ("Answer from Java side is empty", "the driver JVM died"),
+    ("Py4JNetworkError", "the driver JVM died"),
+    ("Connection refused", "the driver JVM died"),
+)
+#: Spark's reason for a failed stage: the last task failure's own words
+_LOST_TASK = re.compile(r"most recent failure: Lost task [^:]*\): ([^\n]*)")
+
+
+def failure_phrase(text: str, limit: int = 100) -> str:
+    """Why a fit failed, in a few words taken from ``text`` (its error, and where the fit
+    ran in a process of its own, what that process and its JVM printed): ``named_cause``'s,
+    else the error's first line; at most ``limit`` characters."""
+    found = named_cause(text, limit)
+    if found is not None:
+        return found
+    lines = [line for line in text.splitlines() if line.strip()]
+    java = [line[2:] for line in lines if line.startswith(": ")]  # a Py4JJavaError's cause
+    return (java or lines or ["no error text"])[0].strip()[:limit]
+
+
+def named_cause(text: str, limit: int = 100) -> str | None:
+    """The first cause in ``text`` that names a reason (``java.lang.OutOfMemoryError: Java
+    heap space``), else what the failure shows (the JVM died, the SparkContext was shut
+    down), else Spark's reason for the failed task; None where it shows none of these."""
+    for cause in _CAUSES:
+        found = cause.search(text)
+        if found:
+            return found.group(0).strip()[:limit]
+    for needle, said in _SIGNS:
+        if needle in text:
+            return said
+    lost = _LOST_TASK.search(text)
+    return lost.group(1).strip()[:limit] if lost else None
+
+
+def fit_line(name: str, run) -> str:
+    """One fit's own figures in a line, printed as soon as it ends (the table, which needs
+    both fits of a round, comes at the end)."""
+    memory = f"peak MiB JVM RSS / heap / workers {_memory(run)}"
+    if run.problem:
+        return f"{name}: {run.contender} failed: {run.problem} ({memory})"
+    return (
+        f"{name}: {run.contender} {run.seconds:.1f} s, {run.iterations} iterations, "
+        f"objective {run.objective:.9g} ({memory})"
+    )
+
+
+def _memory(run) -> str:
+    return (
+        f"{run.jvm_peak / 2**20:,.0f} / {run.heap_peak / 2**20:,.0f} / "
+        f"{run.workers_peak / 2**20:,.0f}"
+    )
 
 
 def reached(ours, theirs) -> float | None:
@@ -50,10 +121,7 @@ def _round_rows(name: str, ours, theirs) -> list[tuple]:
     }
     lines = []
     for run in (ours, theirs):
-        memory = (
-            f"{run.jvm_peak / 2**20:,.0f} / {run.heap_peak / 2**20:,.0f} / "
-            f"{run.workers_peak / 2**20:,.0f}"
-        )
+        memory = _memory(run)
         if run.problem:
             lines.append(
                 (name, run.contender, "failed: " + run.problem, "", "", "", "", "", memory)

@@ -6,17 +6,19 @@ runs in all, each announced with a ``RuntimeWarning``. A new run resumes from th
 intact checkpoint of the fit's folder (``checkpoint.find``, a damaged newer one passed over
 with a warning), once it is checked to be of this very problem (``glm_checkpoint``); without
 checkpoints, or before the first, it starts over. A task's error that every run would meet
-again (``failures.recurs``: a setting, an input) ends the fit after the first run.
+again (``failures.recurs``: a setting, an input) ends the fit after the first run. The
+warnings name the user's call, however deep the fit's own calls run (``user_warning``).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 from allreduce_param.train.checkpoint import CheckpointSettings, Manifest, find
 from allreduce_param.train.checkpoint_space import SETTING_NAMES
 from allreduce_param.train.driver.failures import run_until_done
+from allreduce_param.train.driver.resume import warn_damaged
+from allreduce_param.train.driver.user_warning import warn_user
 from allreduce_param.train.task.glm_checkpoint import check_same_problem
 
 #: One run of the stage: the checkpoint to resume from (None: the start) to the records.
@@ -38,30 +40,29 @@ def run_attempts(
     would recur."""
 
     def again(error: Exception, failures: int) -> Manifest | None:
-        resume = restart_from(checkpoints, description) or first
+        resume = restart_from(checkpoints, description, first)
         _warn_again(error, failures, attempts, checkpoints, resume)
         return resume
 
     return run_until_done(run, first, attempts, again)
 
 
-def restart_from(checkpoints: CheckpointSettings | None, description: dict) -> Manifest | None:
-    """The newest intact checkpoint of the fit's folder (None: no checkpoints, or none
-    written yet); an ``InputError`` naming what differs where it is of another problem."""
+def restart_from(
+    checkpoints: CheckpointSettings | None, description: dict, first: Manifest | None = None
+) -> Manifest | None:
+    """The newest intact checkpoint of the fit's folder, else ``first`` (where the fit
+    started: ``resume_from``'s checkpoint; None: the start) where there are no checkpoints
+    or none was written yet; an ``InputError`` naming what differs where it is of another
+    problem. Damaged checkpoints passed over are named in ``resume.warn_damaged``'s warning."""
     if checkpoints is None:
-        return None
+        return first
     found = find(checkpoints.directory)
     if found.damaged:
-        used = "the start" if found.manifest is None else found.manifest.folder
-        warnings.warn(
-            f"damaged checkpoint{'s' if len(found.damaged) > 1 else ''} passed over: "
-            f"{'; '.join(str(damage) for damage in found.damaged)}; the stage runs again "
-            f"from {used} instead",
-            UserWarning,
-            stacklevel=6,
-        )
-    if found.manifest is not None:
-        check_same_problem(found.manifest, description)
+        start = "the start" if first is None else f"{first.folder} (step {first.step})"
+        warn_damaged(found, "the stage runs again and", start)
+    if found.manifest is None:
+        return first
+    check_same_problem(found.manifest, description)
     return found.manifest
 
 
@@ -82,9 +83,8 @@ def _warn_again(
             f"from the start; a fit with checkpoints ({SETTING_NAMES}) would resume from "
             "its newest checkpoint"
         )
-    warnings.warn(
+    warn_user(
         f"the linear model's stage failed, run {failures} of at most {attempts} "
         f"(spark.stage.maxConsecutiveAttempts): {error}. It runs again, {start}",
         RuntimeWarning,
-        stacklevel=6,
     )

@@ -67,7 +67,6 @@ def check_lbfgs(
     settings: FitSettings,
     data: Any,
     validation: Any = None,
-    resume_from: str | None = None,
     initial: Any = None,
 ) -> None:
     """Refuse, before any Spark job, what ``solver="lbfgs"`` cannot do, by name."""
@@ -250,7 +249,7 @@ def fit_lbfgs(
     (``check_lbfgs``), then the model's objective minimised in one barrier stage, watched as
     every fit."""
     model, settings = trainer.model, trainer.settings
-    check_lbfgs(model, trainer.optimizer, settings, data, validation, resume_from, initial)
+    check_lbfgs(model, trainer.optimizer, settings, data, validation, initial)
     family = FAMILIES[type(model)]
 
     def watched_for(problem: GlmProblem) -> WatchedFit:

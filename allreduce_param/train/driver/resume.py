@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-import warnings
 from typing import Any
 
 from allreduce_param.errors import DamagedCheckpointError, InputError
 from allreduce_param.train.checkpoint import Found, Manifest, find
 from allreduce_param.train.driver.checks import check_initial
+from allreduce_param.train.driver.user_warning import warn_user
 from allreduce_param.train.integrity import Damage
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.start import StartPoint
@@ -83,7 +83,7 @@ def resume_point(location: str) -> Manifest:
             "there, nor in a step-... folder of it)"
         )
     if found.damaged:
-        _warn(found, f"resume_from={location!r}")
+        warn_damaged(found, f"resume_from={location!r}")
     return found.manifest
 
 
@@ -96,10 +96,8 @@ def restart_point(job: TrainingJob) -> TrainingJob:
         return job
     found = find(job.checkpoints.directory)
     if found.damaged:
-        _warn(
-            found,
-            "the stage runs again and",
-            otherwise="the job's own start: " + job.start.describe(),
+        warn_damaged(
+            found, "the stage runs again and", "the job's own start: " + job.start.describe()
         )
     if found.manifest is None:
         return job
@@ -107,18 +105,19 @@ def restart_point(job: TrainingJob) -> TrainingJob:
     return dataclasses.replace(job, start=StartPoint.of_checkpoint(found.manifest))
 
 
-def _warn(found: Found, who: str, otherwise: str = "") -> None:
-    """A ``UserWarning`` naming the damaged checkpoints passed over and the one used."""
+def warn_damaged(found: Found, who: str, otherwise: str = "the start") -> None:
+    """The one warning for damaged checkpoints passed over (``found.damaged``), at the
+    user's call: a ``UserWarning`` naming each damaged file, what is wrong with it, and where
+    ``who`` resumes instead: ``found``'s intact checkpoint, else ``otherwise``."""
     used = (
         f"{found.manifest.folder} (step {found.manifest.step})"
         if found.manifest is not None
         else otherwise
     )
-    warnings.warn(
+    warn_user(
         f"damaged checkpoint{'s' if len(found.damaged) > 1 else ''} passed over: "
         f"{_listed(found.damaged)}; {who} resumes from {used} instead",
         UserWarning,
-        stacklevel=3,
     )
 
 

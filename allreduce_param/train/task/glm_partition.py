@@ -30,7 +30,7 @@ from allreduce_param.train.task.glm_checkpoint import (
     iteration_hooks,
     resume_arrays,
 )
-from allreduce_param.train.task.glm_rows import batch_rows, held_rows, joined
+from allreduce_param.train.task.glm_rows import held_rows
 from allreduce_param.train.task.glm_solve import solve_glm
 
 #: The record kinds a partition returns: the solution's arrays, and its figures.
@@ -51,13 +51,6 @@ class GlmRun:
     resume: Manifest | None = None
     after_iteration: Callable[[int, int], None] | None = None
     data_in: str = "memory"
-
-
-def partition_arrays(batches, n_features: int, sparse: bool) -> tuple[Any, np.ndarray, Any]:
-    """A partition's prepared Arrow batches (``features``, ``label`` and maybe ``weight``) as
-    ``(features, labels, weights or None)``: float64, CSR where ``sparse`` (the driver found
-    the data sparse), else dense; zero rows where the partition has none."""
-    return joined((batch_rows(batch, n_features, sparse) for batch in batches), n_features, sparse)
 
 
 def solve_partition(
