@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from allreduce_param.train.columns import ORDER_COLUMNS
 from allreduce_param.train.driver.failures import UNSUPPORTED_CHAIN, run_until_done
 from allreduce_param.train.driver.memory import worker_bytes
 from allreduce_param.train.driver.resume import restart_point
+from allreduce_param.train.driver.user_warning import warn_user
 from allreduce_param.train.records import STAGE_SCHEMA, StageOutput
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.job import TrainingJob
@@ -108,8 +108,7 @@ def run_stage(
 
 def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int) -> None:
     """Say that the stage failed and runs again, and from where: a run can take long (the
-    rows are loaded anew), and a fit that goes quiet meanwhile looks hung. (At the caller
-    of ``DistriOptimizer.fit``'s stage: past ``run_until_done`` and ``run_stage``'s own.)"""
+    rows are loaded anew), and a fit that goes quiet meanwhile looks hung. (At the user's call.)"""
     origin = "the start" if job.start.fresh else job.start.describe()
     start = (
         f"from the newest checkpoint of this fit (from {origin} if none was written yet)"
@@ -117,11 +116,10 @@ def _warn_again(job: TrainingJob, error: Exception, failures: int, attempts: int
         else f"from {origin}; a fit with checkpoints ({SETTING_NAMES}) would resume from its "
         "newest checkpoint"
     )
-    warnings.warn(
+    warn_user(
         f"the fit's stage failed, run {failures} of at most {attempts} "
         f"(spark.stage.maxConsecutiveAttempts): {error}. It runs again, {start}",
         RuntimeWarning,
-        stacklevel=6,
     )
 
 
