@@ -128,18 +128,16 @@ def test_the_pipeline_model_saves_and_loads_with_sparks_persistence(fitted_pipel
 
 
 @pytest.mark.slow
-def test_a_model_whose_weights_do_not_fit_its_metadata_is_refused(spark, tmp_path):
-    fitted = AllReduceRegressor(maxEpochs=1, batchSize=50, showProgress=False).fit(
-        linear(spark, rows=100)
-    )
+def test_a_model_whose_weights_do_not_fit_its_metadata_is_refused(spark, fitted_pipeline, tmp_path):
+    fitted = fitted_pipeline[2].stages[-1]  # 4 features, 16 hidden units, 3 classes
     fitted.save(str(tmp_path / "m"))
     spark.createDataFrame([([1.0, 2.0],)], "weights array<float>").write.mode("overwrite").parquet(
         str(tmp_path / "m" / "data")
     )
     with pytest.raises(
-        InputError, match="holds 2 weights; the network its metadata describes has 4"
+        InputError, match="holds 2 weights; the network its metadata describes has 131"
     ):
-        AllReduceRegressionModel.load(str(tmp_path / "m"))
+        AllReduceClassificationModel.load(str(tmp_path / "m"))
 
 
 @pytest.mark.slow
@@ -294,17 +292,22 @@ def test_weight_col_trains_as_repeating_each_row_its_weight_times(spark):
 
 
 @pytest.mark.slow
-def test_thresholds_choose_the_class_as_mllib_does(spark):
-    df = VectorAssembler(inputCols=COLUMNS, outputCol="features").transform(blobs(spark, rows=200))
-    fitted = AllReduceClassifier(maxEpochs=1, batchSize=64, showProgress=False).fit(df)
-    # a threshold of 0: its class wins wherever it is possible
-    fitted.setThresholds([1.0, 1.0, 0.0])
-    assert {row.prediction for row in fitted.transform(df).select("prediction").collect()} == {2.0}
-    fitted.setThresholds([1.0, 1.0])
-    with pytest.raises(
-        ConfigurationError, match="thresholds has 2 values; the model has 3 classes"
-    ):
-        fitted.transform(df).collect()
+def test_thresholds_choose_the_class_as_mllib_does(fitted_pipeline):
+    df, _, model = fitted_pipeline
+    fitted = model.stages[-1]
+    features = model.stages[1].transform(model.stages[0].transform(df))
+    try:  # (cleared after: the model is shared)
+        # a threshold of 0: its class wins wherever it is possible
+        fitted.setThresholds([1.0, 1.0, 0.0])
+        predictions = fitted.transform(features).select("prediction").collect()
+        assert {row.prediction for row in predictions} == {2.0}
+        fitted.setThresholds([1.0, 1.0])
+        with pytest.raises(
+            ConfigurationError, match="thresholds has 2 values; the model has 3 classes"
+        ):
+            fitted.transform(features).collect()
+    finally:
+        fitted.clear(fitted.thresholds)
 
 
 def test_bad_settings_and_labels_name_the_param(spark):
