@@ -470,11 +470,13 @@ def test_the_regressor_regularises_as_mllib_sharded_as_one_process(spark):
     df = spark.createDataFrame(
         [(Vectors.dense(row), float(t)) for row, t in zip(X, y)], ["features", "label"]
     ).repartition(2)
+    # 100 steps: the strong penalty's intercept is within 3e-5 of the label's mean (measured)
+    steps = 100
     common = dict(
         optimizer="sgd",
         stepSize=0.1,
         batchSize=len(X),  # one full-batch step an epoch
-        maxEpochs=150,
+        maxEpochs=steps,
         numWorkers=2,
         codec="raw",
         standardization=False,
@@ -486,7 +488,7 @@ def test_the_regressor_regularises_as_mllib_sharded_as_one_process(spark):
     reference = model.init(np.random.default_rng(0))
     penalty, factors = optim.ElasticNet(0.2, 1.0), model.penalized().astype(np.float32)
     X32, y32 = X.astype(np.float32), y.astype(np.float32)
-    for step in range(150):
+    for step in range(steps):
         _, grad, count = model.loss_and_grad(reference, X32, y32)
         optim.SGD(0.1).step(
             reference, grad, {}, step, grad_scale=1.0 / count, penalty=penalty, penalized=factors
@@ -517,7 +519,7 @@ def test_the_classifier_finds_mllibs_regularised_logistic_regression(spark, stan
         optimizer="sgd",
         stepSize=0.2,
         batchSize=400,
-        maxEpochs=1000,
+        maxEpochs=500,  # measured: within 1e-5 of MLlib's, with and without standardization
         regParam=0.1,
         standardization=standardization,
         showProgress=False,
