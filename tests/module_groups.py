@@ -32,9 +32,13 @@ from pathlib import Path
 FILE = Path(__file__).with_name("module_seconds.json")
 #: a guess for a test of a module not in the file, by its markers: slow, Spark, neither
 GUESS = {"slow": 10.0, "spark": 2.0, "other": 0.2}
-#: A group estimated at more than this many seconds is cut into parts (each starting its
-#: session anew, about 10 s), so that no part holds a worker long after the other ran out.
-PART_SECONDS = 150.0
+#: A group estimated at more than this many seconds is cut into parts, so that no part
+#: holds a worker long after the other ran out. Each part starts its session anew: a driver
+#: JVM, its Python workers and the first fit's warm-up, about 12 s of CPU more than a fit
+#: in a running session (measured on the 2-core VM), so a part is made no smaller than
+#: needed. With two workers and the groups the costliest first, parts of up to 300 s still
+#: leave enough small groups to even the workers out (a whole run is ~1,450 s of work).
+PART_SECONDS = 300.0
 #: the module-spanning fixtures (other than the session) whose modules make a group
 SHARED_FIXTURES = ("two_workers",)
 

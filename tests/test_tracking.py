@@ -25,23 +25,35 @@ from allreduce_param.ml import AllReduceRegressor, LinearRegression  # noqa: E40
 SPARK_MASTER = "local[2]"
 
 
-@pytest.fixture
-def store(tmp_path):
-    """A fresh SQLite tracking store and model registry, and autologging off after."""
+@pytest.fixture(scope="module")
+def database(tmp_path_factory):
+    """One SQLite tracking store and model registry for the module's tests: a new store
+    runs MLflow's schema migrations, seconds of CPU each time; the tests keep apart by
+    experiment (``store``), and their registered models have names of their own."""
     before = mlflow.get_tracking_uri()
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
-    # the runs' artifacts in the test's folder too (the default is ./mlruns, in the checkout)
-    mlflow.create_experiment("tests", artifact_location=(tmp_path / "artifacts").as_uri())
-    mlflow.set_experiment("tests")
     try:
         yield uri
+    finally:
+        mlflow.set_tracking_uri(before)
+
+
+@pytest.fixture
+def store(database, tmp_path, request):
+    """The module's tracking store with an experiment of this test's own, active (the runs
+    and logged models ``runs()`` and ``search_logged_models`` find are this test's alone),
+    and autologging off after."""
+    # the runs' artifacts in the test's folder too (the default is ./mlruns, in the checkout)
+    mlflow.create_experiment(request.node.name, artifact_location=(tmp_path / "artifacts").as_uri())
+    mlflow.set_experiment(request.node.name)
+    try:
+        yield database
     finally:
         tracking.autolog(disable=True)
         while mlflow.active_run() is not None:
             mlflow.end_run()
-        mlflow.set_tracking_uri(before)
 
 
 def regression(spark, rows=48, seed=0):

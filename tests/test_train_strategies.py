@@ -10,7 +10,11 @@ import pytest
 from allreduce_param import ConfigurationError, DistriOptimizer, models, optim
 from allreduce_param.cli import load_data
 
-EPOCHS = 20
+#: Epochs of the fits that must reach 0.95 on the held-out digits: measured, every strategy,
+#: frequency and scheme below holds 0.956 or more on every epoch from the 8th to the 20th,
+#: 0.960-0.978 at the 12th (overlap_reshuffle, with half the epochs, 0.971 at the 6th); and
+#: int8 and bf16 end within a tenth of a point of raw.
+EPOCHS = 12
 
 
 SPARK_MASTER = "local[2]"
