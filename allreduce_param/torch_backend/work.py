@@ -1,10 +1,19 @@
-"""EngineWork: the ``torch.distributed`` Work an ``AllReduceProcessGroup`` call returns, over
-the future the group's thread resolves when the call has run."""
+"""EngineWork, the ``torch.distributed`` Work an ``AllReduceProcessGroup`` call returns, and
+CallThread, the group's one thread, which runs the calls in order and resolves each Work's
+future."""
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 class EngineWork(dist.Work):
@@ -38,3 +47,71 @@ class EngineWork(dist.Work):
         except Exception:
             return False
         return True
+
+
+class CallThread:
+    """One thread running the calls ``put`` queues, one at a time, in the order queued: the
+    caller (DDP's backward, a training loop) goes on while a call moves. Each call's
+    ``future`` gets ``result`` once ``run()`` returns, or its error (with a note naming the
+    call, from ``note``: a format string of one ``{}``); ``done()`` runs after either.
+    ``close()`` stops the thread, as does dropping the object unclosed.
+
+    A bare queue and thread, not a ``ThreadPoolExecutor``: queuing costs the caller one put,
+    no executor future, work item or lock per call (DDP queues a call per gradient bucket
+    per step, from inside backward). The thread waits on the queue, with no periodic
+    wake-up, so an idle group takes no CPU from the training it runs beside."""
+
+    def __init__(self, name: str, note: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=_serve, args=(self._calls, note), name=name, daemon=True
+        )
+        self._thread.start()
+        # a group dropped without close(): its thread ends too (it holds nothing of the group)
+        weakref.finalize(self, self._calls.put, None)
+
+    def put(
+        self,
+        call: str,
+        run: Callable[[], None],
+        future: torch.futures.Future,
+        result,
+        done: Callable[[], None] | None,
+    ) -> None:
+        """Queue ``run`` after every call queued before it."""
+        self._calls.put((call, run, future, result, done))
+
+    def close(self) -> None:
+        """Run the calls queued so far, then stop the thread (waiting for it)."""
+        self._calls.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _serve(calls: queue.SimpleQueue, note: str) -> None:
+    """A ``CallThread``'s loop, until it takes ``None``. Nothing of a call is kept once it
+    has run (its closure holds the group and so the engine's handle and its mappings)."""
+    while (item := calls.get()) is not None:
+        call, run, future, result, done = item
+        item = None
+        try:
+            run()
+        except BaseException as error:
+            if hasattr(error, "add_note"):  # Python 3.11 on
+                error.add_note(note.format(call))
+            _resolve(future.set_exception, error)
+        else:
+            _resolve(future.set_result, result)
+        finally:
+            if done is not None:
+                done()
+            run = future = result = done = None
+
+
+def _resolve(setter: Callable, value) -> None:
+    """Set a call's future; an error of a callback chained on it (which torch may raise
+    here) is logged, never the end of the thread every later call waits on."""
+    try:
+        setter(value)
+    except Exception:
+        log.exception("a callback of a process group call's future failed")
