@@ -99,19 +99,20 @@ def _serve(calls: queue.SimpleQueue, note: str) -> None:
         except BaseException as error:
             if hasattr(error, "add_note"):  # Python 3.11 on
                 error.add_note(note.format(call))
-            _resolve(future.set_exception, error)
+            _safely(future.set_exception, error)
         else:
-            _resolve(future.set_result, result)
+            _safely(future.set_result, result)
         finally:
             if done is not None:
-                done()
+                _safely(done)
             run = future = result = done = None
 
 
-def _resolve(setter: Callable, value) -> None:
-    """Set a call's future; an error of a callback chained on it (which torch may raise
-    here) is logged, never the end of the thread every later call waits on."""
+def _safely(finish: Callable, *args) -> None:
+    """Set a call's future, or give its host memory back: an error there (of a callback
+    chained on the future, which torch may raise here) is logged, never the end of the
+    thread every later call waits on."""
     try:
-        setter(value)
+        finish(*args)
     except Exception:
-        log.exception("a callback of a process group call's future failed")
+        log.exception("finishing a process group call failed")
