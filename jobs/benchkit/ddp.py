@@ -106,7 +106,7 @@ def timed_steps(
 ) -> tuple[list[float], float]:
     """``warmup`` + ``steps`` training steps of ``ddp``; the timed ones' milliseconds, and
     the CPU milliseconds the whole process (every thread) took per timed step."""
-    times = []
+    times, cpu = [], process_cpu()
     for step in range(warmup + steps):
         if step == warmup:
             cpu = process_cpu()
