@@ -408,3 +408,44 @@ def test_reduce_gather_and_scatter_reach_the_root_only_or_each_rank():
         assert reduced == ([3, 20] if rank == root else [rank + 1, 10 * rank])
         assert gathered == ([0.0, 2.0, 4.0] if rank == root else [])
         assert piece == [rank + 0.5] * 2
+
+
+def test_the_group_thread_runs_calls_in_order_and_outlives_a_failing_one():
+    """CallThread, the group's thread: calls run in the order queued, a failing one fails
+    its own future (with a note naming the call) and the next still runs, each call's
+    ``done`` runs, and the thread ends at close() or when the object is dropped unclosed."""
+    import gc
+
+    from allreduce_param.torch_backend.work import CallThread, EngineWork
+
+    calls = CallThread("test-calls", "in the call {}")
+    ran, done = [], []
+
+    def fail() -> None:
+        raise ValueError("boom")
+
+    works = [EngineWork(torch.futures.Future()) for _ in range(3)]
+    for name, run, work in zip(
+        ("first", "second", "third"), (lambda: ran.append(1), fail, lambda: ran.append(3)),
+        works,
+    ):  # fmt: skip
+        calls.put(name, run, work, name, lambda: done.append(1))
+    assert works[2].get_future().wait() == "third" and works[0].get_future().wait() == "first"
+    assert works[2].wait() and works[2].is_success()
+    with pytest.raises(ValueError, match="boom") as failed:
+        works[1].wait()
+    assert "in the call second" in failed.value.__notes__
+    assert works[1].is_completed() and not works[1].is_success()
+    # the future (DDP's hooks chain on it) fails too, with a copy of the error and its note
+    with pytest.raises(ValueError, match="boom") as copied:
+        works[1].get_future().wait()
+    assert copied.value is not failed.value and "in the call second" in copied.value.__notes__
+    assert ran == [1, 3]
+    calls.close()
+    assert not calls._thread.is_alive() and len(done) == 3
+    dropped = CallThread("test-dropped", "{}")
+    thread = dropped._thread
+    del dropped
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()

@@ -74,7 +74,7 @@ class HostAllreduce:
         self._calls += 1
         version = self._calls
         arena = self._arena
-        result = target = piece = None  # views of the arena: none kept in a failure's traceback
+        result = target = pieces = None  # views of the arena: none kept in a failure's traceback
         try:
             fits = values.nbytes <= self.capacity
             layout = SliceLayout(values.size, self.partition_num)
@@ -88,16 +88,18 @@ class HostAllreduce:
                 return False
             result = self._vector(arena.weights, values)
             target = result[mine]
-            for source in range(self.partition_num):  # the one order: partition order
-                if source == self.partition_id:
-                    piece = values[mine]
-                else:
-                    piece = self._vector(arena.gradient(source), values)[mine]
-                if source == 0:
-                    np.copyto(target, piece)
-                else:
-                    with np.errstate(over="ignore", invalid="ignore"):  # inf, NaN as numpy's
-                        combine(target, piece, out=target)
+            pieces = [
+                values[mine] if source == self.partition_id else
+                self._vector(arena.gradient(source), values)[mine]
+                for source in range(self.partition_num)
+            ]  # fmt: skip
+            if len(pieces) == 1:
+                np.copyto(target, pieces[0])
+            else:  # the one order, partition order; the first two at once, not copied first
+                with np.errstate(over="ignore", invalid="ignore"):  # inf, NaN as numpy's
+                    combine(pieces[0], pieces[1], out=target)
+                    for index in range(2, len(pieces)):
+                        combine(target, pieces[index], out=target)
             if finish is not None:
                 np.copyto(target, finish(target))
             arena.publish(WEIGHT, version)
@@ -108,7 +110,7 @@ class HostAllreduce:
                 np.copyto(out[layout.bounds(owner)], result[layout.bounds(owner)])
             return True
         except BaseException as error:
-            result = target = piece = None  # noqa: F841 - the arena unmaps with its last view
+            result = target = pieces = None  # noqa: F841 - the arena unmaps with its last view
             arena.end(f"{type(error).__name__}: {error}")  # its peers hear why at once
             raise
 

@@ -23,7 +23,6 @@ as one vector. Point-to-point calls and all-to-all are refused with an error say
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ from allreduce_param.torch_backend.tensors import (
     as_tensor_values,
     common_dtype,
 )
-from allreduce_param.torch_backend.work import EngineWork
+from allreduce_param.torch_backend.work import CallThread, EngineWork
 
 #: The backend's name, for ``init_process_group(backend=...)`` and ``getBackendName()``.
 BACKEND = "allreduce_param"
@@ -62,7 +61,10 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         self._collectives = handle.collectives
         self._rank, self._world = info.partition_id, info.partition_num
         self._buffers = HostBuffers()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{BACKEND}-rank{self._rank}")
+        self._thread = CallThread(
+            f"{BACKEND}-rank{self._rank}",
+            f"in the {BACKEND} process group's {{}} on rank {self._rank}",
+        )
         self._closed = False
         self._name = ""
 
@@ -84,8 +86,9 @@ class AllReduceProcessGroup(dist.ProcessGroup):
 
     def close(self) -> None:
         """Finish the queued calls and stop the group's thread; later calls are refused."""
-        self._closed = True
-        self._thread.shutdown(wait=True)
+        if not self._closed:
+            self._closed = True
+            self._thread.close()
 
     # -- the collectives -------------------------------------------------------------
 
@@ -316,22 +319,7 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         if self._closed:
             raise UsageError(f"{call}: this {BACKEND} process group is closed")
         work = EngineWork(torch.futures.Future())
-
-        def job() -> None:
-            try:
-                run()
-            except BaseException as error:
-                if hasattr(error, "add_note"):  # Python 3.11 on
-                    error.add_note(f"in the {BACKEND} process group's {call} on rank {self._rank}")
-                # without this frame, which holds the Work
-                work.fail(error.with_traceback(error.__traceback__.tb_next))
-            else:
-                work.finish(result)
-            finally:
-                if flat is not None:
-                    flat.release()
-
-        self._thread.submit(job)
+        self._thread.put(call, run, work, result, None if flat is None else flat.release)
         return work
 
     def _flat(self, tensors: list[torch.Tensor], call: str) -> FlatValues:

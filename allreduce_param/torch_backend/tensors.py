@@ -71,11 +71,17 @@ def common_dtype(tensors: list[torch.Tensor], call: str) -> np.dtype:
 
 
 def cpu_view(tensor: torch.Tensor) -> np.ndarray | None:
-    """A flat numpy view of a contiguous CPU tensor's values (None for any other tensor)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    """A flat numpy view of a contiguous CPU tensor's values (None for any other tensor).
+    Made with as few torch calls as will do (DDP asks for one per gradient bucket per
+    step, on its backward's thread): ``numpy()`` itself, but for bfloat16, which numpy
+    has not, viewed from its bytes."""
+    if not tensor.is_cpu or not tensor.is_contiguous():
         return None
-    flat = tensor.detach().reshape(-1)
-    return flat.view(torch.uint8).numpy().view(NUMPY_DTYPES[tensor.dtype])
+    if tensor.dtype == torch.bfloat16:
+        return (
+            tensor.detach().reshape(-1).view(torch.uint8).numpy().view(NUMPY_DTYPES[tensor.dtype])
+        )
+    return tensor.detach().numpy().reshape(-1)
 
 
 class HostBuffers:

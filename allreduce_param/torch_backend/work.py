@@ -1,12 +1,19 @@
-"""EngineWork: the ``torch.distributed`` Work an ``AllReduceProcessGroup`` call returns, over
-the future the group's thread resolves when the call has run."""
+"""EngineWork, the ``torch.distributed`` Work an ``AllReduceProcessGroup`` call returns, and
+CallThread, the group's one thread, which runs the calls in order and resolves each Work's
+future."""
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 class EngineWork(dist.Work):
@@ -22,8 +29,10 @@ class EngineWork(dist.Work):
 
     def finish(self, result) -> None:
         """End the call with ``result`` (what the future gives)."""
-        self._future.set_result(result)
-        self._ended.set()
+        try:
+            self._future.set_result(result)
+        finally:
+            self._ended.set()
 
     def fail(self, error: BaseException) -> None:
         """End the call with ``error``: ``wait()`` raises it; the future gets a copy.
@@ -40,8 +49,10 @@ class EngineWork(dist.Work):
             copy.__dict__.update(error.__dict__)  # notes, and what an error class keeps
         except Exception:  # an error class whose arguments are not its args
             copy = RuntimeError(f"{type(error).__name__}: {error}")
-        self._future.set_exception(copy)
-        self._ended.set()
+        try:
+            self._future.set_exception(copy)
+        finally:
+            self._ended.set()
 
     def wait(self, timeout=None) -> bool:
         """Wait for the call (the engine's own timeout bounds it); raise its error."""
@@ -61,3 +72,73 @@ class EngineWork(dist.Work):
     def is_success(self) -> bool:
         """Whether the call has run and did not fail."""
         return self._ended.is_set() and self._error is None
+
+
+class CallThread:
+    """One thread running the calls ``put`` queues, one at a time, in the order queued: the
+    caller (DDP's backward, a training loop) goes on while a call moves. Each call's
+    ``work`` ends with ``result`` once ``run()`` returns, or with its error (with a note naming the
+    call, from ``note``: a format string of one ``{}``); ``done()`` runs after either.
+    ``close()`` stops the thread, as does dropping the object unclosed.
+
+    A bare queue and thread, not a ``ThreadPoolExecutor``: queuing costs the caller one put,
+    no executor future, work item or lock per call (DDP queues a call per gradient bucket
+    per step, from inside backward). The thread waits on the queue, with no periodic
+    wake-up, so an idle group takes no CPU from the training it runs beside."""
+
+    def __init__(self, name: str, note: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=_serve, args=(self._calls, note), name=name, daemon=True
+        )
+        self._thread.start()
+        # a group dropped without close(): its thread ends too (it holds nothing of the group)
+        weakref.finalize(self, self._calls.put, None)
+
+    def put(
+        self,
+        call: str,
+        run: Callable[[], None],
+        work: EngineWork,
+        result,
+        done: Callable[[], None] | None,
+    ) -> None:
+        """Queue ``run`` after every call queued before it."""
+        self._calls.put((call, run, work, result, done))
+
+    def close(self) -> None:
+        """Run the calls queued so far, then stop the thread (waiting for it)."""
+        self._calls.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _serve(calls: queue.SimpleQueue, note: str) -> None:
+    """A ``CallThread``'s loop, until it takes ``None``. Nothing of a call is kept once it
+    has run (its closure holds the group and so the engine's handle and its mappings)."""
+    while (item := calls.get()) is not None:
+        call, run, work, result, done = item
+        item = None
+        try:
+            run()
+        except BaseException as error:
+            if hasattr(error, "add_note"):  # Python 3.11 on
+                error.add_note(note.format(call))
+            # without this loop's frame, which holds the Work while it runs
+            _safely(work.fail, error.with_traceback(error.__traceback__.tb_next))
+        else:
+            _safely(work.finish, result)
+        finally:
+            if done is not None:
+                _safely(done)
+            run = work = result = done = None
+
+
+def _safely(finish: Callable, *args) -> None:
+    """End a call's Work, or give its host memory back: an error there (of a callback
+    chained on the future, which torch may raise here) is logged, never the end of the
+    thread every later call waits on."""
+    try:
+        finish(*args)
+    except Exception:
+        log.exception("finishing a process group call failed")

@@ -23,6 +23,12 @@ the machine and its single-core copy bandwidth, and the physical floor of the st
 allreduce: on one host, each rank reading every rank's share of its slice of the gradient
 and writing its own (``processes.floor_ms``); across hosts, also the gradient's bytes through
 one link at ``rate`` (a two-host allreduce sends at least the whole gradient each way).
+``ours CPU ms`` and ``gloo CPU ms``: the CPU time a rank's process took per timed step, all
+its threads (the training, our group's thread or gloo's), the mean over the ranks, the
+median over the rounds: where the machine is shared and the step times scatter, these
+scatter much less. Each process holds both groups, so each figure also holds the other
+group's idle threads: gloo's, whose loop wakes about 90 times a second (~3 ms of CPU a
+second); ours wait without waking. torch's thread counts are printed, the same for both.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import resource
 import shlex
 import statistics
 import sys
@@ -94,10 +101,15 @@ def describe(spec: tuple) -> str:
     return f"MLP {LAYERS} x {size}"
 
 
-def timed_steps(ddp, optimizer, x, y, loss_of, steps: int, warmup: int) -> list[float]:
-    """``warmup`` + ``steps`` training steps of ``ddp``; the timed ones' milliseconds."""
-    times = []
+def timed_steps(
+    ddp, optimizer, x, y, loss_of, steps: int, warmup: int
+) -> tuple[list[float], float]:
+    """``warmup`` + ``steps`` training steps of ``ddp``; the timed ones' milliseconds, and
+    the CPU milliseconds the whole process (every thread) took per timed step."""
+    times, cpu = [], process_cpu()
     for step in range(warmup + steps):
+        if step == warmup:
+            cpu = process_cpu()
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = loss_of(ddp(x), y)
@@ -105,14 +117,21 @@ def timed_steps(ddp, optimizer, x, y, loss_of, steps: int, warmup: int) -> list[
         optimizer.step()
         if step >= warmup:
             times.append((time.perf_counter() - start) * 1000.0)
-    return times
+    return times, (process_cpu() - cpu) * 1000.0 / max(steps, 1)
+
+
+def process_cpu() -> float:
+    """The CPU seconds this process has taken, all its threads, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def rank_main(rank, ranks, param, addresses, store, interface, specs, rounds, steps, warmup,
               results) -> None:  # fmt: skip
     """One rank: for each model, ``rounds`` alternating rounds of DDP on our backend and on
-    gloo; puts ``(rank, [per model: (ours per round, gloo's per round)])``, or ``(rank,
-    error text)``, on ``results``."""
+    gloo; puts ``(rank, {"threads": torch's intra-op and inter-op threads, "models": [per
+    model: {"ours"/"gloo": step times per round, "ours cpu"/"gloo cpu": CPU ms per step per
+    round}]})``, or ``(rank, error text)``, on ``results``."""
     try:
         import torch
         import torch.distributed as dist
@@ -125,7 +144,8 @@ def rank_main(rank, ranks, param, addresses, store, interface, specs, rounds, st
         timeout = datetime.timedelta(seconds=TIMEOUT)
         store = dist.TCPStore(*store, ranks, is_master=rank == 0, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks, timeout=timeout)
-        report = []
+        report = {"threads": (torch.get_num_threads(), torch.get_num_interop_threads())}
+        models = report["models"] = []
         try:
             rendezvous = StaticRendezvous(rank, addresses, timeout=TIMEOUT)
             with param.connect(rendezvous) as handle, bind(handle):
@@ -138,16 +158,16 @@ def rank_main(rank, ranks, param, addresses, store, interface, specs, rounds, st
                             make_model(torch, spec), process_group=group
                         )
                         runs[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
-                    timings = {"ours": [], "gloo": []}
+                    timings = {"ours": [], "gloo": [], "ours cpu": [], "gloo cpu": []}
                     for number in range(rounds):
                         order = ("ours", "gloo") if number % 2 == 0 else ("gloo", "ours")
                         for name in order:
                             dist.barrier()
                             ddp, optimizer = runs[name]
-                            timings[name].append(
-                                timed_steps(ddp, optimizer, x, y, loss_of, steps, warmup)
-                            )
-                    report.append((timings["ours"], timings["gloo"]))
+                            times, cpu = timed_steps(ddp, optimizer, x, y, loss_of, steps, warmup)
+                            timings[name].append(times)
+                            timings[f"{name} cpu"].append(cpu)
+                    models.append(timings)
                 dist.barrier()
         finally:
             dist.destroy_process_group()
@@ -181,9 +201,13 @@ def measure(ranks: int, specs: list[tuple], rounds: int, steps: int, warmup: int
     rows = []
     for index, spec in enumerate(specs):
         row = dict(processes=ranks, hosts=len(hosts or [None]), spec=spec, params=count(spec))
-        for which, name in enumerate(("ours", "gloo")):
-            times = np.stack([np.array(got[rank][index][which]) for rank in range(ranks)])
+        row["threads"] = got[0]["threads"]
+        for name in ("ours", "gloo"):
+            reports = [got[rank]["models"][index] for rank in range(ranks)]
+            times = np.stack([np.array(report[name]) for report in reports])
             row[name] = [float(x) for x in np.median(times.max(axis=0), axis=1)]
+            cpu = np.array([report[f"{name} cpu"] for report in reports])  # ranks x rounds
+            row[f"{name} cpu"] = [float(x) for x in cpu.mean(axis=0)]
         rows.append(row)
     return rows
 
@@ -219,7 +243,7 @@ def sync_floor_ms(row: dict, bandwidth: float, rate_bits: float | None) -> float
 def table(rows: list[dict], bandwidth: float, rate_bits: float | None = None) -> str:
     """The rows as a markdown table."""
     header = ("N", "hosts", "model", "parameters", "sync floor ms", "ours ms", "gloo ms",
-              "x gloo (range)")  # fmt: skip
+              "x gloo (range)", "ours CPU ms", "gloo CPU ms")  # fmt: skip
     lines = [
         (
             row["processes"],
@@ -230,6 +254,8 @@ def table(rows: list[dict], bandwidth: float, rate_bits: float | None = None) ->
             ms_text(statistics.median(row["ours"])),
             ms_text(statistics.median(row["gloo"])),
             ratio_text(row["ours"], row["gloo"]),
+            ms_text(statistics.median(row["ours cpu"])),
+            ms_text(statistics.median(row["gloo cpu"])),
         )
         for row in rows
     ]
@@ -262,6 +288,11 @@ def run(counts: list[int], specs: list[tuple], rounds: int, steps: int, warmup: 
         rows = [
             row for ranks in counts for row in measure(ranks, specs, rounds, steps, warmup, made)
         ]
+    intra, inter = rows[0]["threads"]
+    print(
+        f"torch threads in each rank: {intra} intra-op, {inter} inter-op (one process holds "
+        "both groups, so both run with these)"
+    )
     print(table(rows, bandwidth, _rate_bits(rate)))
     print(f"load average at the end: {load_text()}", flush=True)
     return rows
