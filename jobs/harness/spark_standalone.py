@@ -209,7 +209,12 @@ def standalone_cluster(
         _wait_for(cluster, "master", r"Registering worker (\S+) with", len(places), deadline)
         yield cluster
     finally:
-        for process in reversed(cluster.processes.values()):  # workers (and their executors) first
+        # all asked to stop at once, workers (and their executors) first, then each waited
+        # for: their shutdowns overlap instead of taking a second or so each in turn
+        stopping = list(reversed(cluster.processes.values()))
+        for process in stopping:
+            _terminate(process)
+        for process in stopping:
             _stop(process)
 
 
@@ -311,11 +316,16 @@ def _wait_for(
         time.sleep(0.2)
 
 
+def _terminate(process: subprocess.Popen) -> None:
+    """SIGTERM to ``process``'s group (a worker then stops its executors); nothing waited for."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+
+
 def _stop(process: subprocess.Popen) -> None:
     """End ``process`` and its process group: SIGTERM (a worker then stops its executors),
     SIGKILL after 30 s, and SIGKILL to whatever of the group is left once it exited."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
+    _terminate(process)
     try:
         process.wait(30)
     except subprocess.TimeoutExpired:
