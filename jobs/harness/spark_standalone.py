@@ -262,9 +262,10 @@ def class_archive_options() -> str:
     """Java options that make a JVM of this Spark map the class archive a local session of
     this Java and Spark saved (``allreduce_param.spark.class_archive``), when there is one;
     "" when there is none. A JVM whose class path is the driver's (the standalone daemons, a
-    Spark Connect server) then starts and answers its first queries seconds sooner. For the
-    tests' own daemons and servers only: a driver or an executor under test runs as its
-    recipe says."""
+    Spark Connect server, a driver or an executor of this Spark) then starts and answers its
+    first queries seconds sooner; what it runs is the same. For the tests' JVMs (their
+    daemons and servers, and through ``java_options`` the drivers and executors of what
+    they submit), never a user's."""
     from allreduce_param.spark.class_archive import QUIET, archive_name, default_folder
     from allreduce_param.spark.session import _java
 
