@@ -185,11 +185,18 @@ def two_workers(request, tmp_path_factory):
     (``harness.sim_hosts``: a network namespace of its own, whose only addresses are that
     and 127.0.0.1) where one can be made, else on 127.0.0.1 with ``host`` None and
     ``refusal`` saying why. ``(cluster, host, refusal)``. Shared by the modules that take it
-    (test_network_namespace, test_standalone_cluster: a cluster's three JVMs start once)."""
+    (test_network_namespace, test_standalone_cluster: a cluster's three JVMs start once).
+    Every JVM of it (the daemons, and the drivers and executors of what ``cluster.run``
+    submits) compiles with C1 alone and maps the class archive, when there is one
+    (``class_archive_options``): both only shorten a JVM's start; what runs is the same."""
 
     def start(stack: contextlib.ExitStack):
         from harness.sim_hosts import simulated_hosts
-        from harness.spark_standalone import python_environment, standalone_cluster
+        from harness.spark_standalone import (
+            class_archive_options,
+            python_environment,
+            standalone_cluster,
+        )
 
         host, refusal, where = None, None, {}
         try:
@@ -201,7 +208,8 @@ def two_workers(request, tmp_path_factory):
             standalone_cluster(
                 tmp_path_factory.mktemp("two-workers"),
                 environment=python_environment(),
-                java_options=TEST_JVM_OPTIONS,
+                # every JVM of the cluster, the applications' drivers and executors too
+                java_options=f"{TEST_JVM_OPTIONS} {class_archive_options()}".strip(),
                 **where,
             )
         )

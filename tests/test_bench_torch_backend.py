@@ -1,28 +1,32 @@
 """bench_torch_backend.py runs end to end on a tiny MLP and a tiny CNN and prints its table
-(no figures are checked: speed belongs in the benchmark's own runs)."""
+(no figures are checked: speed belongs in the benchmark's own runs).
+
+The job's ``main`` runs in this process, as test_benchmarks runs the other jobs: it spawns
+its ranks from here, instead of first starting a Python that imports torch (seconds of a
+2-core machine's CPU) only to spawn them; the ranks are the same spawned processes.
+"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+import contextlib
+import io
 
+import bench_torch_backend
 import pytest
 
 pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.slow
 def test_bench_torch_backend_prints_ours_against_gloo():
-    done = subprocess.run(
-        [sys.executable, str(REPO / "jobs" / "bench_torch_backend.py"), "--processes", "2",
-         "--hidden", "8", "--cnn", "2,4", "--rounds", "2", "--steps", "1", "--warmup", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = bench_torch_backend.main(
+            ["--processes", "2", "--hidden", "8", "--cnn", "2,4", "--rounds", "2", "--steps", "1",
+             "--warmup", "1"]
+        )  # fmt: skip
+    out = printed.getvalue()
+    assert status == 0, out[-3000:]
     assert out.startswith("machine: ") and "single-core copy bandwidth: " in out
     table = [line for line in out.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in table[0].strip("|").split("|")]

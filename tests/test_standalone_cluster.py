@@ -5,7 +5,9 @@ through ``spark-submit --properties-file conf/cluster/standalone.conf``.
 
 The job runs from the checkout with only what this machine needs besides the recipe:
 SPARK_LOCAL_IP (the cluster's address), the Python (PYSPARK_PYTHON), PYTHONPATH when the
-package is not installed in that Python, and the tests' JIT setting for every JVM.
+package is not installed in that Python, and the tests' JVM options for every JVM (C1 alone,
+and the class archive of the tests' local sessions, through JAVA_TOOL_OPTIONS: a JVM starts
+with seconds less CPU; what Spark runs is the same).
 """
 
 from __future__ import annotations

@@ -209,7 +209,12 @@ def standalone_cluster(
         _wait_for(cluster, "master", r"Registering worker (\S+) with", len(places), deadline)
         yield cluster
     finally:
-        for process in reversed(cluster.processes.values()):  # workers (and their executors) first
+        # all asked to stop at once, workers (and their executors) first, then each waited
+        # for: their shutdowns overlap instead of taking a second or so each in turn
+        stopping = list(reversed(cluster.processes.values()))
+        for process in stopping:
+            _terminate(process)
+        for process in stopping:
             _stop(process)
 
 
@@ -257,9 +262,10 @@ def class_archive_options() -> str:
     """Java options that make a JVM of this Spark map the class archive a local session of
     this Java and Spark saved (``allreduce_param.spark.class_archive``), when there is one;
     "" when there is none. A JVM whose class path is the driver's (the standalone daemons, a
-    Spark Connect server) then starts and answers its first queries seconds sooner. For the
-    tests' own daemons and servers only: a driver or an executor under test runs as its
-    recipe says."""
+    Spark Connect server, a driver or an executor of this Spark) then starts and answers its
+    first queries seconds sooner; what it runs is the same. For the tests' JVMs (their
+    daemons and servers, and through ``java_options`` the drivers and executors of what
+    they submit), never a user's."""
     from allreduce_param.spark.class_archive import QUIET, archive_name, default_folder
     from allreduce_param.spark.session import _java
 
@@ -311,11 +317,16 @@ def _wait_for(
         time.sleep(0.2)
 
 
+def _terminate(process: subprocess.Popen) -> None:
+    """SIGTERM to ``process``'s group (a worker then stops its executors); nothing waited for."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+
+
 def _stop(process: subprocess.Popen) -> None:
     """End ``process`` and its process group: SIGTERM (a worker then stops its executors),
     SIGKILL after 30 s, and SIGKILL to whatever of the group is left once it exited."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
+    _terminate(process)
     try:
         process.wait(30)
     except subprocess.TimeoutExpired:
