@@ -147,31 +147,40 @@ def test_rows_on_disk_give_the_in_memory_coefficients_and_leave_no_file(
 
 @pytest.mark.slow
 def test_the_stage_refuses_bad_rows_with_the_check_jobs_error(spark):
-    """The stage checks the rows as it reads them (no check job before it): bad rows in
-    two partitions are one InputError with the check job's words, count and first row
-    over both, from a stage that ran once (it failed no task); a width the column's ML
+    """The stage checks the rows as it reads them (no check job before it; the width and
+    the classes from the columns' metadata: no job at all before the stage): bad rows in
+    two partitions are one InputError with the check job's words, count and first row over
+    both, from a stage that ran once (it failed no task); a width the column's ML
     metadata says but its vectors lack is refused by name."""
     import warnings
 
+    from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
 
-    rows = [(Vectors.dense([float(i), 1.0, 2.0]), float(i % 2)) for i in range(8)]
-    rows[2] = (Vectors.dense([1.0, float("nan"), 2.0]), 0.0)
-    rows[6] = (Vectors.dense([1.0, 2.0, float("inf")]), 1.0)
-    bad = spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), ["features", "label"])
+    def rows(count: int, partitions: int, width: int):
+        """Rows of 3 features (a NaN in row 2, an Inf in row 6), in order, their width
+        ``width`` by the column's metadata."""
+        i = F.col("id")
+        features = F.array(
+            i.cast("double"),
+            F.when(i == 2, float("nan")).otherwise(1.0),
+            F.when(i == 6, float("inf")).otherwise(2.0),
+        )
+        said = {"ml_attr": {"num_attrs": width}}
+        return spark.range(0, count, 1, partitions).select(
+            array_to_vector(features).alias("features", metadata=said),
+            (i % 2).cast("double").alias("label"),
+        )
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a run again would warn
         with pytest.raises(InputError) as refused:
-            fit_glm(bad, "features", "label", None, True, _problem)
+            fit_glm(rows(8, 2, 3), "features", "label", None, True, _problem, num_classes=2)
     assert str(refused.value).startswith(
         "the training column 'features' holds NaN, Inf or null in 2 rows (e.g. row 2: NaN at "
         "element 1); drop or fill them before training"
     ), refused.value
-    good = spark.createDataFrame(rows[:2], ["features", "label"])
-    told = good.select(
-        F.col("features").alias("features", metadata={"ml_attr": {"num_attrs": 5}}), "label"
-    )
     with pytest.raises(
         InputError, match=r"vectors of 3 elements, but its ML metadata \(ml_attr num_attrs\) says 5"
     ):
-        fit_glm(told, "features", "label", None, True, _problem)
+        fit_glm(rows(2, 1, 5), "features", "label", None, True, _problem, num_classes=2)
