@@ -273,8 +273,14 @@ def test_unsupported_params_are_refused_by_name(spark):
         LinearRegression(learningRate=0.1)
     with pytest.raises(InputError, match="binomial.*3"):
         LogisticRegression(family="binomial").fit(_frame(spark, np.eye(3), [0.0, 1.0, 2.0]))
-    with pytest.raises(InputError, match="label"):
-        LogisticRegression().fit(_frame(spark, np.eye(3), [0.0, 1.5, 1.0]))
+    # refused by the stage's checks, in the check job's words (the row: the frame's order)
+    fractional = _frame(spark, np.eye(3), [0.0, 1.5, 1.0])
+    row = [r["label"] for r in fractional.collect()].index(1.5)
+    with pytest.raises(
+        InputError,
+        match=rf"1 rows whose label 'label' is not a whole number \(e\.g\. 1\.5 at row {row}\)",
+    ):
+        LogisticRegression().fit(fractional)
     # a stray label is refused before a model of a billion classes is made, as MLlib does
     with pytest.raises(InputError, match=r"1,000,000,001 classes.*at most 1,000"):
         LogisticRegression().fit(_frame(spark, np.eye(3), [0.0, 1e9, 1.0]))

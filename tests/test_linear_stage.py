@@ -199,3 +199,44 @@ def test_rows_on_disk_give_the_in_memory_coefficients_and_leave_no_file(
     np.testing.assert_allclose(
         solution.objective_history, uninterrupted.objective_history, rtol=1e-13
     )
+
+
+@pytest.mark.slow
+def test_the_stage_refuses_bad_rows_with_the_check_jobs_error(spark):
+    """The stage checks the rows as it reads them (no check job before it; the width and
+    the classes from the columns' metadata: no job at all before the stage): bad rows in
+    two partitions are one InputError with the check job's words, count and first row over
+    both, from a stage that ran once (it failed no task); a width the column's ML
+    metadata says but its vectors lack is refused by name."""
+    import warnings
+
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    def rows(count: int, partitions: int, width: int):
+        """Rows of 3 features (a NaN in row 2, an Inf in row 6), in order, their width
+        ``width`` by the column's metadata."""
+        i = F.col("id")
+        features = F.array(
+            i.cast("double"),
+            F.when(i == 2, float("nan")).otherwise(1.0),
+            F.when(i == 6, float("inf")).otherwise(2.0),
+        )
+        said = {"ml_attr": {"num_attrs": width}}
+        return spark.range(0, count, 1, partitions).select(
+            array_to_vector(features).alias("features", metadata=said),
+            (i % 2).cast("double").alias("label"),
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a run again would warn
+        with pytest.raises(InputError) as refused:
+            fit_glm(rows(8, 2, 3), "features", "label", None, True, _problem, num_classes=2)
+    assert str(refused.value).startswith(
+        "the training column 'features' holds NaN, Inf or null in 2 rows (e.g. row 2: NaN at "
+        "element 1); drop or fill them before training"
+    ), refused.value
+    with pytest.raises(
+        InputError, match=r"vectors of 3 elements, but its ML metadata \(ml_attr num_attrs\) says 5"
+    ):
+        fit_glm(rows(2, 1, 5), "features", "label", None, True, _problem, num_classes=2)

@@ -340,8 +340,8 @@ class LinearSetters(Params):
         )
 
     def _solve(self, dataset, classify: bool, problem_for, **options):
-        """``fit_glm``'s solution on ``dataset`` by these Params (``problem_for(summary)``: the
-        problem once the data's summary is known; ``options``: more of ``fit_glm``'s), watched
+        """``fit_glm``'s solution on ``dataset`` by these Params (``problem_for(facts)``: the
+        problem from the data's ``glm_start.GlmFacts``; ``options``: more of ``fit_glm``'s), watched
         as every fit (MLflow's autolog, one child run per fit under CrossValidator;
         ``tensorboardDir``), its errors naming ``resumeFrom`` as the user set it."""
         from allreduce_param.train.driver.lbfgs_fit import estimator_watch, watched_fit_glm

@@ -65,12 +65,12 @@ class LinearRegression(
 
         from allreduce_param.models.glm import GlmProblem
 
-        def problem_for(summary) -> GlmProblem:
+        def problem_for(facts) -> GlmProblem:
             return GlmProblem(
                 family="gaussian",
-                num_features=summary.n_features,
+                num_features=facts.n_features,
                 num_classes=1,
-                solver=linear_solver(solver, summary.n_features),
+                solver=linear_solver(solver, facts.n_features),
                 **common_problem(self),
             )
 

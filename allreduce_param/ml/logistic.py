@@ -106,17 +106,13 @@ class LogisticRegression(
 
         from allreduce_param.models.glm import GlmProblem
 
-        def problem_for(summary) -> GlmProblem:
-            largest = None
-            if summary.train_labels is None and not metadata:
-                from pyspark.sql import functions as F
-
-                largest = dataset.agg(F.max(label_col)).first()[0]
-            classes = class_count(metadata, summary.train_labels, largest, label_col)
+        def problem_for(facts) -> GlmProblem:
+            # the label's metadata, else the largest label the driver found (MLlib's rule)
+            classes = class_count(metadata, None, facts.largest_label, label_col)
             chosen = logistic_family(family, classes)
             return GlmProblem(
                 family=chosen,
-                num_features=summary.n_features,
+                num_features=facts.n_features,
                 num_classes=2 if chosen == "binomial" else classes,
                 **common_problem(self),
             )

@@ -35,12 +35,8 @@ from allreduce_param.train.columns import (
     VALIDATION,
     WEIGHT_COLUMN,
 )
-from allreduce_param.train.driver.data_pass import POSITION_BITS, check_pass, first_bad_row
-from allreduce_param.train.driver.row_checks import (
-    bad_indices_message,
-    check_weight_sum,
-    row_checks,
-)
+from allreduce_param.train.driver.data_pass import POSITION_BITS, check_pass
+from allreduce_param.train.driver.row_checks import refuse_bad_rows, row_checks
 from allreduce_param.train.features import is_sparse
 from allreduce_param.train.rows import features_column, is_vector_type
 
@@ -120,7 +116,7 @@ def prepare(
     data, the column, how many rows are bad and the first of them (its index from 0 in the
     DataFrame's order).
     """
-    classes = _class_count(num_classes) if task == "classification" else None
+    classes = checked_class_count(num_classes) if task == "classification" else None
     frames = [("training", df, TRAIN)] + (
         [("validation", validation, VALIDATION)] if validation is not None else []
     )
@@ -139,34 +135,7 @@ def prepare(
     lengths, counts, nonzeros, rows = [], [], 0, 0
     for name, _, split in frames:
         stats = stats_by_split.get(split)
-        if stats is None or stats["rows"] == 0:
-            raise InputError(f"the {name} data has no rows")
-        if stats["bad_labels"]:
-            raise InputError(
-                f"the {name} data has {stats['bad_labels']} rows whose label {label_col!r} is null or NaN; "
-                f"drop or fill them first, e.g. df.dropna(subset=[{label_col!r}])"
-            )
-        if stats["missing_features"]:
-            raise InputError(
-                f"the {name} data has {stats['missing_features']} rows whose {features_col!r} is "
-                f"null (e.g. row {first_bad_row(stats, 'missing_features')}); drop them first, "
-                f"e.g. df.dropna(subset=[{features_col!r}]), or fill them where they come from "
-                "(VectorAssembler(handleInvalid='keep') keeps NaN in a vector instead)"
-            )
-        if stats["bad_indices"]:
-            raise InputError(bad_indices_message(name, features_col, stats))
-        if stats["shortest"] != stats["longest"]:
-            raise InputError(
-                f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
-                f"{stats['longest']} elements (e.g. row {first_bad_row(stats, 'shortest')}: "
-                f"{stats['shortest']}, row {first_bad_row(stats, 'longest')}: "
-                f"{stats['longest']}); every row needs the same length"
-            )
-        for check in checks:
-            if stats[check.name]:
-                raise InputError(check.message(name, features_col, label_col, classes, stats))
-        if weighted:
-            check_weight_sum(name, weight_col, stats)
+        refuse_bad_rows(name, stats, features_col, label_col, checks, classes, weight_col)
         lengths.append(stats["longest"])
         counts.extend(
             PartitionCount(
@@ -186,7 +155,7 @@ def prepare(
         raise InputError(
             f"training vectors have {lengths[0]} elements but validation vectors {lengths[1]}"
         )
-    cached = all(_cached(frame) for _, frame, _ in frames)
+    cached = all(is_cached(frame) for _, frame, _ in frames)
     n_features = int(lengths[0])
     sparse = is_sparse(nonzeros, rows, n_features)
     sample = (sample_row(first_row, n_features, sparse), np.asarray([first_label]))
@@ -245,7 +214,7 @@ def prepare_once(
     """
     frames = [df] if validation is None else [df, validation]
     settings = None
-    if all(_cached(frame) for frame in frames):
+    if all(is_cached(frame) for frame in frames):
         settings = (
             SparkInfo(df.sparkSession).application_id,
             features_col,
@@ -282,19 +251,19 @@ def _checked_before(settings: tuple, frames: list):
         if (
             earlier_settings == settings
             and len(earlier_frames) == len(frames)
-            and all(_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames))
+            and all(is_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames))
         ):
             return result
     return None
 
 
-def _cached(frame) -> bool:
+def is_cached(frame) -> bool:
     """Whether ``frame`` itself is cached (persisted at some storage level)."""
     level = frame.storageLevel
     return level.useMemory or level.useDisk or level.useOffHeap
 
 
-def _class_count(num_classes) -> int | None:
+def checked_class_count(num_classes) -> int | None:
     """The model's ``num_classes`` as an int >= 1, or None when it does not say."""
     if num_classes is None:
         return None
@@ -375,3 +344,10 @@ def _shape(
             )
         columns.append(F.col(weight_col).cast("double").alias(WEIGHT_COLUMN))
     return frame.select(*columns)
+
+
+def shape_training(frame, features_col: str, label_col: str, weight_col: str | None = None):
+    """``frame`` as training rows' prepared columns (``prepare``'s shaping, without its
+    check job): the columns checked on the driver (missing, of the wrong type), the rows
+    left to whoever reads them next (the linear models' stage checks them as it reads)."""
+    return _shape(frame, features_col, label_col, "training", TRAIN, weight_col)

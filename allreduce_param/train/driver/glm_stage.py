@@ -1,6 +1,8 @@
-"""A linear model's fit on the driver (``LogisticRegression``, ``LinearRegression``): the data
-checked, then ONE barrier stage whose tasks solve MLlib's objective together
-(``task.glm_partition``), and the solution partition 0 returned; a stage whose task was
+"""A linear model's fit on the driver (``LogisticRegression``, ``LinearRegression``): the
+problem made from what the driver learns without reading the rows (``glm_start``), then ONE
+barrier stage whose tasks check the rows as they read them and solve MLlib's objective
+together (``task.glm_partition``), and the solution partition 0 returned (or, where the
+stage refused the data, the data checks' error, made from its tasks' figures); a stage whose task was
 lost runs again, from the fit's newest checkpoint where it writes them (``glm_attempts``).
 
 The driver holds no model-sized vector while the tasks solve: the coefficients, the
@@ -23,14 +25,21 @@ from allreduce_param.spark.jobs import fit_jobs
 from allreduce_param.spark.slots import check_no_dynamic_allocation
 from allreduce_param.train.checkpoint import Checkpoints, Manifest, remove_incomplete
 from allreduce_param.train.driver.checks import worker_count
-from allreduce_param.train.driver.data import DataSummary, prepare_once
+from allreduce_param.train.driver.data import checked_class_count, shape_training
 from allreduce_param.train.driver.failures import (
     UNSUPPORTED_CHAIN,
     stage_attempts,
     with_checkpoint_advice,
 )
 from allreduce_param.train.driver.glm_attempts import run_attempts
+from allreduce_param.train.driver.glm_start import (
+    GlmFacts,
+    refuse_checked,
+    stage_rows,
+    start_facts,
+)
 from allreduce_param.train.driver.resume import resume_point
+from allreduce_param.train.driver.row_checks import row_checks
 from allreduce_param.train.records import STAGE_SCHEMA
 from allreduce_param.train.settings import FitSettings
 from allreduce_param.train.task.glm_checkpoint import (
@@ -38,6 +47,7 @@ from allreduce_param.train.task.glm_checkpoint import (
     check_same_problem,
     describe,
 )
+from allreduce_param.train.task.glm_checks import RowRules
 from allreduce_param.train.task.glm_partition import (
     ARRAYS,
     FIGURES,
@@ -63,21 +73,25 @@ def fit_glm(
     label_col: str,
     weight_col: str | None,
     classification: bool,
-    problem_for: Callable[[DataSummary], GlmProblem],
+    problem_for: Callable[[GlmFacts], GlmProblem],
     num_classes: int | None = None,
     checkpoints: Checkpoints | None = None,
     data_in: str = "memory",
     after_iteration: Callable[[int, int], None] | None = None,
     resume_from: str | None = None,
 ) -> GlmSolution:
-    """Solve the linear model ``problem_for(summary)`` describes over ``data``.
+    """Solve the linear model ``problem_for(facts)`` describes over ``data``.
 
-    The data checks first (``data.prepare``: nulls, NaN and Inf, vectors' widths, weights
-    finite and >= 0; with ``classification`` the labels class ids 0, 1, 2, ... and below
-    ``num_classes`` where the label's metadata says it); then ``problem_for`` makes the
-    problem from what they found (the features' width, the distinct labels); then the one
-    barrier stage, a task per partition of the data (within Spark's task slots: more
-    partitions are shuffled into as many as there are slots).
+    The columns checked and shaped on the driver, ``problem_for`` makes the problem from
+    the ``GlmFacts`` the driver finds without a pass over the rows (``glm_start``: the
+    features' width, a classifier's largest label); then the one barrier stage, a task per
+    partition of the data (within Spark's task slots: more partitions are shuffled into as
+    many as there are slots), which checks the rows as it reads them (``glm_checks``: nulls,
+    NaN and Inf, vectors' widths, weights finite and >= 0 summing to more than 0; with
+    ``classification`` the labels class ids 0, 1, 2, ... and below ``num_classes`` where
+    the model or the label's metadata says it). Data the checks refuse is an
+    ``InputError`` naming the column, the count of bad rows and the first, as
+    DistriOptimizer's check job says it, and is not run again.
 
     ``checkpoints``: where and every how many iterations the slice owners write the
     solver's state (``Checkpoints``; each fit in a new folder under its ``dir``), which a
@@ -102,16 +116,22 @@ def fit_glm(
             # a failed or interrupted fit leaves no step folder without its manifest
             jobs.on_failure(lambda: remove_incomplete(settings.directory))
         first = None if resume_from is None else resume_point(resume_from)
-        prepared, summary = prepare_once(
+        told = checked_class_count(num_classes) if classification else None
+        prepared = shape_training(data, features_col, label_col, weight_col)
+        indexed = stage_rows(prepared, weight_col is not None)
+        facts, partitions = start_facts(
+            spark,
             data,
+            prepared,
+            indexed,
             features_col,
             label_col,
-            task="classification" if classification else None,
-            num_classes=num_classes,
-            weight_col=weight_col,
+            classification,
+            told,
+            weight_col,
         )
-        problem = problem_for(summary)
-        partitions = summary.partition_num or 1
+        problem = problem_for(facts)
+        partitions = partitions or 1
         workers = worker_count(spark, None, partitions)
         network = FitSettings().network.resolved(spark.session_setting)  # read once, here
         param = AllReduceParameter(
@@ -121,13 +141,19 @@ def fit_glm(
             timeout=FitSettings().timeout,
             network=network,
         )
-        rows = prepared if partitions == workers else prepared.repartition(workers)
+        rows = indexed if partitions == workers else indexed.repartition(workers)
         jobs.phase(
             "training",
             f"allreduce-param {kind} regression on {workers} partitions, "
             f"at most {problem.max_iter} iterations",
         )
-        sparse, weighted = summary.sparse, summary.weighted
+        checks = row_checks(classification, told, weight_col)
+        rules = RowRules(
+            tuple(check.name for check in checks),
+            told,
+            weight_col is not None,
+            problem.num_features,
+        )
         description = describe(problem, workers)
         if first is not None:
             check_same_problem(first, description, OTHER_CHECKPOINT)
@@ -137,15 +163,15 @@ def fit_glm(
             run = GlmRun(settings, description, resume, after_iteration, data_in)
 
             def task(batches):
-                yield from solve_partition(batches, param, problem, sparse, weighted, run)
+                yield from solve_partition(batches, param, problem, rules, run)
 
             try:
                 return _run(placed[0], task)
             except Exception as error:
-                if placed[0] is not prepared or UNSUPPORTED_CHAIN not in str(error):
+                if placed[0] is not indexed or UNSUPPORTED_CHAIN not in str(error):
                     raise
             # Spark refuses a barrier stage over a union or a coalesce (SPARK-24820): shuffle
-            placed[0] = prepared.repartition(workers)
+            placed[0] = indexed.repartition(workers)
             return _run(placed[0], task)
 
         try:
@@ -154,6 +180,10 @@ def fit_glm(
             if settings is None:
                 raise
             raise with_checkpoint_advice(error, settings, spark, RESUME) from error.__cause__
+        # a refused stage's tasks returned their checks' figures: the error they call for
+        refuse_checked(
+            records, features_col, label_col, checks, told, weight_col, problem.num_features
+        )
         if ARRAYS not in records or FIGURES not in records:
             raise TrainingError(
                 "the linear model's stage ended without partition 0's solution; its tasks "

@@ -30,8 +30,8 @@ import numpy as np
 from allreduce_param.errors import ConfigurationError, InputError
 from allreduce_param.models.glm import GlmProblem, GlmSolution
 from allreduce_param.models.linear import LinearRegression, LogisticRegression, SoftmaxRegression
-from allreduce_param.train.driver.data import DataSummary
 from allreduce_param.train.driver.glm_stage import fit_glm
+from allreduce_param.train.driver.glm_start import GlmFacts
 from allreduce_param.train.driver.watchers import WatchedFit, Watchers, watchers_of
 from allreduce_param.train.regularisation import Regularization
 from allreduce_param.train.result import History, TrainedModel
@@ -188,15 +188,17 @@ def watched_fit_glm(
     label_col: str,
     weight_col: str | None,
     classification: bool,
-    problem_for: Callable[[DataSummary], GlmProblem],
+    problem_for: Callable[[GlmFacts], GlmProblem],
     watched_for: Callable[[GlmProblem], WatchedFit],
     num_classes: int | None = None,
     trained: bool = False,
     **fit_options: Any,
 ) -> tuple[GlmSolution, TrainedModel | None]:
     """``fit_glm`` with the fit's watchers (``watched_for(problem)`` says what they watch,
-    its ``model`` the built-in one the solution becomes): opened once the data checks have
-    passed, so a refused fit leaves no run; told each iteration's objective as an
+    its ``model`` the built-in one the solution becomes): opened once the problem is made
+    (the columns and settings checked on the driver, before the stage, which checks the
+    rows: data it refuses ends the run as failed, naming why, as MLflow's autolog of
+    MLlib's fits does); told each iteration's objective as an
     ``"epoch"`` event and the result, or the error that ended the fit. The solution, and
     its ``TrainedModel`` where anyone watches or ``trained`` asks for it (else None: a wide
     model's float32 copy is not made for nobody). ``fit_options``: ``fit_glm``'s
@@ -204,8 +206,8 @@ def watched_fit_glm(
     started = time.perf_counter()
     opened: list[tuple[GlmProblem, WatchedFit, Watchers]] = []
 
-    def problem_then_watchers(summary: DataSummary) -> GlmProblem:
-        problem = problem_for(summary)
+    def problem_then_watchers(facts: GlmFacts) -> GlmProblem:
+        problem = problem_for(facts)
         fit = watched_for(problem)
         opened.append((problem, fit, watchers_of(fit)))
         return problem
@@ -263,7 +265,7 @@ def fit_lbfgs(
         label_col,
         weight_col,
         family != "gaussian",
-        lambda summary: glm_problem(model, settings, summary.n_features),
+        lambda facts: glm_problem(model, settings, facts.n_features),
         watched_for,
         num_classes=None if family == "gaussian" else problem_classes(model),
         trained=True,

@@ -1,10 +1,11 @@
 """The row checks ``prepare`` refuses: which conditions, and what their errors say.
 
 A ``RowCheck`` is a condition no row may meet (its name is its count's key in the check
-pass's figures, ``data_pass.py``, and its condition's in ``_bad_rows`` there) and the
+figures, ``row_figures.py``, and its condition's in ``_bad_rows`` there) and the
 message's wording: each error names the data, the column, how many rows are bad and the
 first of them, and what to do about it (drop, fill, re-index, cast). ``row_checks`` says
-which apply to a fit (a classifier's labels, a model's class count, sample weights).
+which apply to a fit (a classifier's labels, a model's class count, sample weights);
+``refuse_bad_rows`` raises the first error a split's figures call for.
 Kept apart from the pass that counts them, so the wording can be read (and changed) in one
 place.
 """
@@ -51,6 +52,49 @@ def row_checks(
     if weight_col is not None:
         checks.append(RowCheck("bad_weights", functools.partial(_bad_weights, weight_col)))
     return checks
+
+
+def refuse_bad_rows(
+    name: str,
+    stats: dict | None,
+    features_col: str,
+    label_col: str,
+    checks: list[RowCheck],
+    classes: int | None,
+    weight_col: str | None,
+) -> None:
+    """The first ``InputError`` the ``name`` data's merged figures (``stats``, None: no
+    rows) call for, in the order every fit reports them: no rows, null or NaN labels, null
+    features, bad sparse indices, vectors of different lengths, each of ``checks``, weights
+    that sum to 0; nothing where the rows pass."""
+    if stats is None or stats["rows"] == 0:
+        raise InputError(f"the {name} data has no rows")
+    if stats["bad_labels"]:
+        raise InputError(
+            f"the {name} data has {stats['bad_labels']} rows whose label {label_col!r} is null or NaN; "
+            f"drop or fill them first, e.g. df.dropna(subset=[{label_col!r}])"
+        )
+    if stats["missing_features"]:
+        raise InputError(
+            f"the {name} data has {stats['missing_features']} rows whose {features_col!r} is "
+            f"null (e.g. row {first_bad_row(stats, 'missing_features')}); drop them first, "
+            f"e.g. df.dropna(subset=[{features_col!r}]), or fill them where they come from "
+            "(VectorAssembler(handleInvalid='keep') keeps NaN in a vector instead)"
+        )
+    if stats["bad_indices"]:
+        raise InputError(bad_indices_message(name, features_col, stats))
+    if stats["shortest"] != stats["longest"]:
+        raise InputError(
+            f"the {name} column {features_col!r} holds vectors of {stats['shortest']} to "
+            f"{stats['longest']} elements (e.g. row {first_bad_row(stats, 'shortest')}: "
+            f"{stats['shortest']}, row {first_bad_row(stats, 'longest')}: "
+            f"{stats['longest']}); every row needs the same length"
+        )
+    for check in checks:
+        if stats[check.name]:
+            raise InputError(check.message(name, features_col, label_col, classes, stats))
+    if weight_col is not None:
+        check_weight_sum(name, weight_col, stats)
 
 
 def _nonfinite_features(name, features_col, label_col, classes, stats) -> str:

@@ -1,8 +1,9 @@
 """One barrier task of a linear model's fit (``LogisticRegression``, ``LinearRegression``):
-its partition's rows read as float64 numpy (or CSR), held in memory or in a row file
-(``glm_rows``), the engine's vector of the model's coefficients joined, ``solve_glm`` run
-over them (from a checkpoint, writing checkpoints: ``glm_checkpoint``); partition 0 returns
-the solution.
+its partition's rows checked as they are read (``glm_checks``: the fit's only data checks)
+and held as float64 numpy (or CSR), in memory or in a row file (``glm_rows``), the
+engine's vector of the model's coefficients joined, ``solve_glm`` run over them (from a
+checkpoint, writing checkpoints: ``glm_checkpoint``); partition 0 returns the solution
+(where the data is refused, every partition returns its checks' figures instead).
 
 Every partition calls ``solve_glm`` with its own rows, none with zero rows left out: the
 solver's allreduces need every partition. The solution travels back as two records of the
@@ -30,6 +31,7 @@ from allreduce_param.train.task.glm_checkpoint import (
     iteration_hooks,
     resume_arrays,
 )
+from allreduce_param.train.task.glm_checks import CHECKS, RowRules, RowsChecked, in_form
 from allreduce_param.train.task.glm_rows import held_rows
 from allreduce_param.train.task.glm_solve import solve_glm
 
@@ -57,24 +59,27 @@ def solve_partition(
     batches,
     param: AllReduceParameter,
     problem: GlmProblem,
-    sparse: bool,
-    weighted: bool,
+    rules: RowRules,
     run: GlmRun | None = None,
 ) -> Iterator[Any]:
-    """A barrier task's whole work (``mapInArrow``'s function): read the rows, join the
-    engine's vector, solve (from ``run.resume``'s checkpoint where given, writing
-    checkpoints where ``run.checkpoints`` asks); partition 0 yields the solution's two
-    records. Any failure comes back as ``records.task_failure``'s error, naming the
-    partition and where."""
+    """A barrier task's whole work (``mapInArrow``'s function): read the rows, checking each
+    batch by ``rules`` (``glm_checks``), join the engine's vector, agree with the peers on
+    the checks' verdict and the rows' form, solve (from ``run.resume``'s checkpoint where
+    given, writing checkpoints where ``run.checkpoints`` asks); partition 0 yields the
+    solution's two records. Where the data is refused, every partition yields its checks'
+    figures instead (``glm_checks.CHECKS``), for the driver's error. Any failure comes back
+    as ``records.task_failure``'s error, naming the partition and where."""
     run = run if run is not None else GlmRun()
     fit_the_address_space_limit()  # before the first row is read
+    checked = RowsChecked(rules)
     try:
+        guess, passed = checked.read(batches)  # the rows' form guessed from the first
         with (
             held_rows(
-                batches,
+                passed,
                 problem.num_features,
-                sparse,
-                weighted,
+                guess,
+                rules.weighted,
                 run.data_in,
                 param.secret,
                 param.partition_num,
@@ -83,15 +88,17 @@ def solve_partition(
         ):
             partition = p.info.partition_id
             try:
-                solution = solve_glm(
-                    p,
-                    rows,
-                    None,
-                    None,
-                    problem,
-                    resume=None if run.resume is None else resume_arrays(run.resume, partition),
-                    on_iteration=_iteration_hook(p, run),
-                )
+                agreed = checked.agree(p)
+                if not agreed.refused:
+                    solution = solve_glm(
+                        p,
+                        in_form(rows, agreed.sparse),
+                        None,
+                        None,
+                        problem,
+                        resume=None if run.resume is None else resume_arrays(run.resume, partition),
+                        on_iteration=_iteration_hook(p, run),
+                    )
             except Exception as error:
                 raise task_failure(partition, ", solving the linear model", error) from error
     except TrainingError:
@@ -100,7 +107,9 @@ def solve_partition(
         raise task_failure(
             _partition(), ", holding its rows or meeting its peers", error
         ) from error
-    if partition == 0:
+    if agreed.refused:
+        yield record_batch(kind=[f"{CHECKS}/{partition}"], payload=[checked.figures_record()])
+    elif partition == 0:
         arrays, figures = encode_solution(solution)
         yield record_batch(kind=[ARRAYS], payload=[arrays])
         yield record_batch(kind=[FIGURES], payload=[figures])
