@@ -186,10 +186,42 @@ def sample_row(entries: dict, n_features: int, sparse: bool):
     return X
 
 
-#: How many checked cached DataFrames ``prepare_once`` remembers (the newest).
-CHECKED_KEEP = 8
-_checked: list[tuple[tuple, list, tuple]] = []  # (settings, frames, prepare's result), newest last
-_checked_lock = threading.Lock()  # fits may run on several threads of one driver
+class CachedFrameResults:
+    """What a driver found about cached DataFrames, remembered for later fits on the same
+    data: the newest ``keep`` results, each under its settings and frames. Only cached
+    frames are remembered (their rows stay what they were when read, where a DataFrame read
+    anew from its source might not); the same data means the same query
+    (``sameSemantics``) over a cache that is still there. Fits may run on several threads
+    of one driver."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._entries: list[tuple[tuple, list, object]] = []  # newest last
+        self._lock = threading.Lock()
+
+    def find(self, settings: tuple, frames: list):
+        """The newest result remembered for ``frames`` with ``settings``; None where there is
+        none (or a frame is no longer cached)."""
+        with self._lock:
+            earlier = list(reversed(self._entries))
+        for earlier_settings, earlier_frames, result in earlier:
+            if (
+                earlier_settings == settings
+                and len(earlier_frames) == len(frames)
+                and all(is_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames))
+            ):
+                return result
+        return None
+
+    def remember(self, settings: tuple, frames: list, result) -> None:
+        """Keep ``result`` for ``frames`` (all cached) with ``settings``."""
+        with self._lock:
+            self._entries.append((settings, list(frames), result))
+            del self._entries[: -self._keep]
+
+
+#: ``prepare_once``'s checked cached DataFrames.
+_checked = CachedFrameResults()
 
 
 def prepare_once(
@@ -223,7 +255,7 @@ def prepare_once(
             num_classes,
             weight_col,
         )
-        earlier = _checked_before(settings, frames)
+        earlier = _checked.find(settings, frames)
         if earlier is not None:
             return earlier
     result = prepare(
@@ -236,25 +268,8 @@ def prepare_once(
         weight_col=weight_col,
     )
     if settings is not None:
-        with _checked_lock:
-            _checked.append((settings, frames, result))
-            del _checked[:-CHECKED_KEEP]
+        _checked.remember(settings, frames, result)
     return result
-
-
-def _checked_before(settings: tuple, frames: list):
-    """``prepare``'s result for cached ``frames`` checked before with ``settings``, the
-    newest such; None where there is none (or a frame is no longer cached)."""
-    with _checked_lock:
-        earlier = list(reversed(_checked))
-    for earlier_settings, earlier_frames, result in earlier:
-        if (
-            earlier_settings == settings
-            and len(earlier_frames) == len(frames)
-            and all(is_cached(a) and a.sameSemantics(b) for a, b in zip(earlier_frames, frames))
-        ):
-            return result
-    return None
 
 
 def is_cached(frame) -> bool:

@@ -24,13 +24,12 @@ every fit's stage all the same.
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 
 from allreduce_param.errors import InputError, TrainingError
 from allreduce_param.spark.info import SparkInfo
 from allreduce_param.train.columns import TRAIN, prepared_columns
-from allreduce_param.train.driver.data import is_cached, prepare
+from allreduce_param.train.driver.data import CachedFrameResults, is_cached, prepare
 from allreduce_param.train.driver.data_pass import merge_parts
 from allreduce_param.train.driver.row_checks import RowCheck, refuse_bad_rows
 from allreduce_param.train.task.glm_checks import CHECKS
@@ -72,10 +71,8 @@ def glm_facts(
     return None if width is None else GlmFacts(int(width), largest)
 
 
-#: How many cached DataFrames' facts ``checked_facts`` remembers (the newest).
-FACTS_KEPT = 8
-_seen: list[tuple[tuple, object, tuple[GlmFacts, int]]] = []  # (settings, data, facts), newest last
-_seen_lock = threading.Lock()  # fits may run on several threads of one driver
+#: The facts and partitions ``start_facts`` found for cached DataFrames.
+_seen = CachedFrameResults()
 
 
 def start_facts(
@@ -95,20 +92,15 @@ def start_facts(
     over the same cache), without a job, as ``data.prepare_once`` remembers its checks; a
     tuning loop's fits then start with no job before their stage."""
     settings = (spark.application_id, features_col, label_col, classification, told_classes)
-    if is_cached(data):
-        with _seen_lock:
-            earlier = list(reversed(_seen))
-        for seen_settings, seen_data, found in earlier:
-            if seen_settings == settings and is_cached(seen_data) and seen_data.sameSemantics(data):
-                return found
+    cached = is_cached(data)
+    if cached and (found := _seen.find(settings, [data])) is not None:
+        return found
     facts = checked_facts(
         data, prepared, features_col, label_col, classification, told_classes, weight_col
     )
     found = (facts, partition_count(spark, indexed))
-    if is_cached(data):
-        with _seen_lock:
-            _seen.append((settings, data, found))
-            del _seen[:-FACTS_KEPT]
+    if cached:
+        _seen.remember(settings, [data], found)
     return found
 
 
