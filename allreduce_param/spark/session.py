@@ -22,6 +22,9 @@ from allreduce_param.errors import ConfigurationError
 from allreduce_param.spark.class_archive import ClassArchive
 
 MIN_JAVA = 17
+#: the Python worker daemon ``local_spark`` starts its workers with (``worker_daemon``)
+WORKER_DAEMON = "allreduce_param.spark.worker_daemon"
+DAEMON_SETTING = "spark.python.daemon.module"
 
 _JAVA_HELP = (
     "Install a Java runtime 17 or newer, then run the command again: "
@@ -146,7 +149,9 @@ def local_spark(
     (about 160 MB); a folder keeps them there; False turns this off.
 
     ``settings``: extra Spark settings by their full names, e.g.
-    ``**{"spark.task.maxFailures": "1"}``.
+    ``**{"spark.task.maxFailures": "1"}``. Unless they name one, the Python workers start
+    from ``worker_daemon`` (``spark.python.daemon.module``): PySpark's daemon, importing the
+    installed pyspark's compiled files instead of compiling its source archive in each worker.
     """
     if not isinstance(class_archive, (bool, str, os.PathLike)):
         raise ConfigurationError(
@@ -182,6 +187,9 @@ def local_spark(
             driver_options.append(f"-Dlog4j2.configurationFile={conf_dir / 'log4j2.properties'}")
         # executors of local-cluster masters are JVMs of their own: they read the folder itself
         settings.setdefault("spark.executorEnv.SPARK_CONF_DIR", str(conf_dir))
+    if conf_dir is None or not _file_sets(conf_dir / "spark-defaults.conf", DAEMON_SETTING):
+        # the Python workers import the installed, compiled pyspark, not its source archive
+        settings.setdefault(DAEMON_SETTING, WORKER_DAEMON)
     for key, value in settings.items():
         builder = builder.config(key, value)
     archive = None
@@ -214,6 +222,12 @@ def local_spark(
     if archive is not None:
         archive.save_when_jvm_exits(SparkContext._gateway.proc)
     return session
+
+
+def _file_sets(properties: Path, key: str) -> bool:
+    """Whether the Spark properties file ``properties`` sets ``key``."""
+    with open(properties, encoding="utf-8") as file:
+        return any(re.match(rf"\s*{re.escape(key)}\s*[=:\s]", line) for line in file)
 
 
 def _forget_session_settings(jvm, keys, conf_dir: Path | None) -> None:
