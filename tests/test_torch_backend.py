@@ -466,6 +466,8 @@ def test_an_allreduce_its_peers_wait_in_runs_on_the_callers_thread():
 
     def body(group, rank):
         done_at_return = []
+        if rank == 0:  # rank 1 calls only after rank 0's first call: not there yet
+            assert not group._collectives.allreduce_peers_arrived()
         for size in (3, large):
             if rank == 1:  # after rank 0's call is in the arena: it waits there for this one
                 assert queued.wait(30)
