@@ -81,9 +81,9 @@ class CallThread:
     call, from ``note``: a format string of one ``{}``); ``done()`` runs after either.
     ``close()`` stops the thread, as does dropping the object unclosed.
 
-    A bare queue and thread, not a ``ThreadPoolExecutor``: queuing costs the caller one put,
-    no executor future, work item or lock per call (DDP queues a call per gradient bucket
-    per step, from inside backward). The thread waits on the queue, with no periodic
+    A bare queue and thread, not a ``ThreadPoolExecutor``: queuing costs the caller one put
+    under one uncontended lock, no executor future or work item per call (DDP queues a call
+    per gradient bucket per step, from inside backward). The thread waits on the queue, with no periodic
     wake-up, so an idle group takes no CPU from the training it runs beside.
 
     A call ``put`` with ``here`` runs on the caller's thread instead when nothing is queued
