@@ -31,7 +31,8 @@ def test_bench_torch_backend_prints_ours_against_gloo():
     table = [line for line in out.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
     assert header == ["N", "hosts", "model", "parameters", "sync floor ms", "ours ms",
-                      "gloo ms", "x gloo (range)", "ours CPU ms", "gloo CPU ms"]  # fmt: skip
+                      "gloo ms", "x gloo (range)", "ours CPU ms", "gloo CPU ms", "ours asleep ms",
+                      "gloo asleep ms"]  # fmt: skip
     assert "torch threads in each rank: 1 intra-op, " in out
     mlp, cnn = ([cell.strip() for cell in line.strip("|").split("|")] for line in table[2:])
     assert mlp[:4] == ["2", "1", "MLP 3 x 8", "2,209"]  # 256*8+8, twice 8*8+8, then 8+1
@@ -39,3 +40,4 @@ def test_bench_torch_backend_prints_ours_against_gloo():
     assert cnn[:4] == ["2", "1", "CNN 2,4 ch", "75,242"]
     for row in (mlp, cnn):
         assert all(float(row[i]) > 0 for i in (4, 5, 6, 8, 9)) and "(" in row[7]
+        assert float(row[10]) >= 0 and float(row[11]) >= 0  # asleep: none at all is possible

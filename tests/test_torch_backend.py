@@ -449,3 +449,44 @@ def test_the_group_thread_runs_calls_in_order_and_outlives_a_failing_one():
     gc.collect()
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_an_allreduce_its_peers_wait_in_runs_on_the_callers_thread():
+    """The group hands an allreduce to its thread unless the thread is idle, the call is small
+    (``CALLER_BYTES``) and every peer already waits in it (DDP's last bucket on the rank that
+    finished backward last): that one runs in the call itself, done when allreduce() returns,
+    with the same sum; the next call, too large for that, goes to the thread after it and
+    sums right (the arena's versions run on across the two threads)."""
+    import time
+
+    from allreduce_param.torch_backend.process_group import CALLER_BYTES
+
+    queued = threading.Event()
+    large = CALLER_BYTES // 4 + 1
+
+    def body(group, rank):
+        done_at_return = []
+        if rank == 0:  # rank 1 calls only after rank 0's first call: not there yet
+            assert not group._collectives.allreduce_peers_arrived()
+        for size in (3, large):
+            if rank == 1:  # after rank 0's call is in the arena: it waits there for this one
+                assert queued.wait(30)
+                queued.clear()
+                deadline = time.monotonic() + 30
+                while not group._collectives.allreduce_peers_arrived():
+                    assert time.monotonic() < deadline, "rank 0 never entered its allreduce"
+                    time.sleep(0.001)
+            tensor = torch.full((size,), rank + 1.0)
+            work = group.allreduce([tensor], reduce_opts(dist.ReduceOp.SUM))
+            done_at_return.append(work.is_completed())
+            if rank == 0:
+                queued.set()
+            work.wait()
+            assert torch.equal(tensor, torch.full((size,), 3.0))
+        return done_at_return
+
+    first, second = run_groups(2, body)
+    # rank 0's calls wait for rank 1, which calls only after they returned: both queued
+    assert first == [False, False]
+    # rank 1's small call ran in allreduce() itself
+    assert second[0] is True

@@ -172,6 +172,17 @@ class Collectives:
             mine = finish(mine)
         return self._typed.all_gather(mine, layout, out)
 
+    def allreduce_peers_arrived(self) -> bool:
+        """Whether every other partition is already in this partition's next
+        ``allreduce_typed`` through the host arena, waiting for it: a call made now finds
+        them there. False where calls do not go through the arena, or the handle failed or
+        closed. A caller that would only hand such a call to another thread and wait for it
+        can run it itself (``torch_backend``'s process group)."""
+        if self._state.failure is not None or self._peers.closed:
+            return False
+        host = self._host_path()
+        return host is not None and host.peers_arrived()
+
     def _host_path(self) -> HostAllreduce | None:
         """The allreduce through the host arena, where this handle may use it (above)."""
         if self._host is None and self._peers.arena is not None and not self._state.initialised:

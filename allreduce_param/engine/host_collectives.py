@@ -114,6 +114,17 @@ class HostAllreduce:
             arena.end(f"{type(error).__name__}: {error}")  # its peers hear why at once
             raise
 
+    def peers_arrived(self) -> bool:
+        """Whether every other partition has already published its values of the next call:
+        a call made now waits for none of them to come, only for the owners' sums. (Read
+        between calls, on the thread that makes them.)"""
+        version = self._calls + 1
+        return all(
+            self._arena.version(GRADIENT, partition) == version
+            for partition in range(self.partition_num)
+            if partition != self.partition_id
+        )
+
     def _copy_in(self, values: np.ndarray, mine: slice) -> None:
         """``values`` but this partition's slice ``mine`` into its input vector."""
         own = self._vector(self._arena.gradient(self.partition_id), values)

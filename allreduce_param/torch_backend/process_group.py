@@ -41,6 +41,13 @@ from allreduce_param.torch_backend.work import CallThread, EngineWork
 #: The backend's name, for ``init_process_group(backend=...)`` and ``getBackendName()``.
 BACKEND = "allreduce_param"
 
+#: The largest allreduce, in bytes, that runs on the caller's thread when every peer already
+#: waits in it (and the group's thread is idle): DDP's last bucket, issued as backward ends
+#: and waited for at once, then moves without the two thread hand-offs on the step's
+#: critical path. Larger calls stay on the group's thread, where they overlap what the
+#: caller does next (DDP's first bucket is 1 MiB).
+CALLER_BYTES = 1 << 20
+
 _OPS = {
     dist.ReduceOp.RedOpType.SUM: "sum",
     dist.ReduceOp.RedOpType.PRODUCT: "product",
@@ -103,7 +110,12 @@ class AllReduceProcessGroup(dist.ProcessGroup):
         def run() -> None:  # gathered straight into the tensors' values where it can be
             flat.write(self._allreduce(flat.values, op, average, call, into=flat.values))
 
-        return self._queue(call, run, tensors, flat)
+        def here() -> bool:  # its peers wait in it already: run it here, not hand it over
+            return (
+                flat.values.nbytes <= CALLER_BYTES and self._collectives.allreduce_peers_arrived()
+            )
+
+        return self._queue(call, run, tensors, flat, here)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """``allreduce`` of several tensors at once."""
@@ -312,14 +324,21 @@ class AllReduceProcessGroup(dist.ProcessGroup):
             offset += output.numel()
 
     def _queue(
-        self, call: str, run: Callable[[], None], result, flat: FlatValues | None
+        self,
+        call: str,
+        run: Callable[[], None],
+        result,
+        flat: FlatValues | None,
+        here: Callable[[], bool] | None = None,
     ) -> dist.Work:
-        """Run ``run`` on the group's thread after the calls before it; a Work whose future
-        gives ``result`` once it is done, or its error."""
+        """Run ``run`` on the group's thread after the calls before it (or on this thread,
+        where the group's is idle and ``here()`` says so: ``CallThread``); a Work whose
+        future gives ``result`` once it is done, or its error."""
         if self._closed:
             raise UsageError(f"{call}: this {BACKEND} process group is closed")
         work = EngineWork(torch.futures.Future())
-        self._thread.put(call, run, work, result, None if flat is None else flat.release)
+        release = None if flat is None else flat.release
+        self._thread.put(call, run, work, result, release, here)
         return work
 
     def _flat(self, tensors: list[torch.Tensor], call: str) -> FlatValues:

@@ -81,15 +81,24 @@ class CallThread:
     call, from ``note``: a format string of one ``{}``); ``done()`` runs after either.
     ``close()`` stops the thread, as does dropping the object unclosed.
 
-    A bare queue and thread, not a ``ThreadPoolExecutor``: queuing costs the caller one put,
-    no executor future, work item or lock per call (DDP queues a call per gradient bucket
-    per step, from inside backward). The thread waits on the queue, with no periodic
-    wake-up, so an idle group takes no CPU from the training it runs beside."""
+    A bare queue and thread, not a ``ThreadPoolExecutor``: queuing costs the caller one put
+    under one uncontended lock, no executor future or work item per call (DDP queues a call
+    per gradient bucket per step, from inside backward). The thread waits on the queue, with no periodic
+    wake-up, so an idle group takes no CPU from the training it runs beside.
+
+    A call ``put`` with ``here`` runs on the caller's thread instead when nothing is queued
+    or running and ``here()`` says so: a call the caller would only hand over and wait for
+    (its peers already wait in it) then costs no wake-up of this thread and none of the
+    caller's back. Calls stay in one order: queuing and running here take one lock."""
 
     def __init__(self, name: str, note: str) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._note = note
+        self._order = threading.Lock()
+        self._queued = 0  # calls put on the queue, counted by the callers (under the lock)
+        self._ended = [0]  # of those, the calls the thread has finished, counted by it
         self._thread = threading.Thread(
-            target=_serve, args=(self._calls, note), name=name, daemon=True
+            target=_serve, args=(self._calls, note, self._ended), name=name, daemon=True
         )
         self._thread.start()
         # a group dropped without close(): its thread ends too (it holds nothing of the group)
@@ -102,9 +111,16 @@ class CallThread:
         work: EngineWork,
         result,
         done: Callable[[], None] | None,
+        here: Callable[[], bool] | None = None,
     ) -> None:
-        """Queue ``run`` after every call queued before it."""
-        self._calls.put((call, run, work, result, done))
+        """Queue ``run`` after every call queued before it; or, given ``here``, run it now
+        on this thread where nothing is queued or running and ``here()`` is true."""
+        with self._order:
+            if here is not None and self._queued == self._ended[0] and here():
+                _run_call(call, run, work, result, done, self._note)
+                return
+            self._queued += 1
+            self._calls.put((call, run, work, result, done))
 
     def close(self) -> None:
         """Run the calls queued so far, then stop the thread (waiting for it)."""
@@ -113,25 +129,31 @@ class CallThread:
             self._thread.join()
 
 
-def _serve(calls: queue.SimpleQueue, note: str) -> None:
-    """A ``CallThread``'s loop, until it takes ``None``. Nothing of a call is kept once it
-    has run (its closure holds the group and so the engine's handle and its mappings)."""
+def _serve(calls: queue.SimpleQueue, note: str, ended: list[int]) -> None:
+    """A ``CallThread``'s loop, until it takes ``None``; ``ended[0]`` counts the calls it
+    has finished. Nothing of a call is kept once it has run (its closure holds the group and
+    so the engine's handle and its mappings)."""
     while (item := calls.get()) is not None:
-        call, run, work, result, done = item
+        _run_call(*item, note)
         item = None
-        try:
-            run()
-        except BaseException as error:
-            if hasattr(error, "add_note"):  # Python 3.11 on
-                error.add_note(note.format(call))
-            # without this loop's frame, which holds the Work while it runs
-            _safely(work.fail, error.with_traceback(error.__traceback__.tb_next))
-        else:
-            _safely(work.finish, result)
-        finally:
-            if done is not None:
-                _safely(done)
-            run = work = result = done = None
+        ended[0] += 1
+
+
+def _run_call(call: str, run, work: EngineWork, result, done, note: str) -> None:
+    """Run one call and end its Work: with ``result``, or with its error (noted, via
+    ``note``); then ``done()``."""
+    try:
+        run()
+    except BaseException as error:
+        if hasattr(error, "add_note"):  # Python 3.11 on
+            error.add_note(note.format(call))
+        # without this frame, which holds the Work while it runs
+        _safely(work.fail, error.with_traceback(error.__traceback__.tb_next))
+    else:
+        _safely(work.finish, result)
+    finally:
+        if done is not None:
+            _safely(done)
 
 
 def _safely(finish: Callable, *args) -> None:

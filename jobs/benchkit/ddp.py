@@ -29,6 +29,10 @@ median over the rounds: where the machine is shared and the step times scatter, 
 scatter much less. Each process holds both groups, so each figure also holds the other
 group's idle threads: gloo's, whose loop wakes about 90 times a second (~3 ms of CPU a
 second); ours wait without waking. torch's thread counts are printed, the same for both.
+``ours asleep ms`` and ``gloo asleep ms``: the time per timed step the training thread was
+neither running nor waiting for a core (its schedstat), the mean over the ranks, the median
+over the rounds: the step's waits for the collectives (DDP's last bucket, a peer that is
+behind, the GIL); on a loaded machine the rest of a step's wall time is waiting for a core.
 """
 
 from __future__ import annotations
@@ -103,13 +107,16 @@ def describe(spec: tuple) -> str:
 
 def timed_steps(
     ddp, optimizer, x, y, loss_of, steps: int, warmup: int
-) -> tuple[list[float], float]:
-    """``warmup`` + ``steps`` training steps of ``ddp``; the timed ones' milliseconds, and
-    the CPU milliseconds the whole process (every thread) took per timed step."""
+) -> tuple[list[float], float, float]:
+    """``warmup`` + ``steps`` training steps of ``ddp``; the timed ones' milliseconds, the
+    CPU milliseconds the whole process (every thread) took per timed step, and the
+    milliseconds per timed step the training thread was asleep (``thread_asleep_ms``)."""
     times, cpu = [], process_cpu()
+    asleep = 0.0
     for step in range(warmup + steps):
         if step == warmup:
             cpu = process_cpu()
+        scheduled = thread_scheduled()
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = loss_of(ddp(x), y)
@@ -117,7 +124,21 @@ def timed_steps(
         optimizer.step()
         if step >= warmup:
             times.append((time.perf_counter() - start) * 1000.0)
-    return times, (process_cpu() - cpu) * 1000.0 / max(steps, 1)
+            asleep += max(0.0, times[-1] - (thread_scheduled() - scheduled))
+    return times, (process_cpu() - cpu) * 1000.0 / max(steps, 1), asleep / max(steps, 1)
+
+
+def thread_scheduled() -> float:
+    """The milliseconds this thread has run or waited runnable for a core
+    (``/proc/thread-self/schedstat``'s first two fields; 0 where there is none): a step's
+    time less this is the time its thread was asleep, waiting for a collective (or the GIL,
+    or a lock) rather than computing or waiting for the machine's cores."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            run, runnable, _ = stat.read().split()
+    except OSError:
+        return 0.0
+    return (int(run) + int(runnable)) / 1e6
 
 
 def process_cpu() -> float:
@@ -158,15 +179,19 @@ def rank_main(rank, ranks, param, addresses, store, interface, specs, rounds, st
                             make_model(torch, spec), process_group=group
                         )
                         runs[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
-                    timings = {"ours": [], "gloo": [], "ours cpu": [], "gloo cpu": []}
+                    timings = {f"{name}{what}": [] for name in ("ours", "gloo")
+                               for what in ("", " cpu", " asleep")}  # fmt: skip
                     for number in range(rounds):
                         order = ("ours", "gloo") if number % 2 == 0 else ("gloo", "ours")
                         for name in order:
                             dist.barrier()
                             ddp, optimizer = runs[name]
-                            times, cpu = timed_steps(ddp, optimizer, x, y, loss_of, steps, warmup)
+                            times, cpu, asleep = timed_steps(
+                                ddp, optimizer, x, y, loss_of, steps, warmup
+                            )
                             timings[name].append(times)
                             timings[f"{name} cpu"].append(cpu)
+                            timings[f"{name} asleep"].append(asleep)
                     models.append(timings)
                 dist.barrier()
         finally:
@@ -206,8 +231,9 @@ def measure(ranks: int, specs: list[tuple], rounds: int, steps: int, warmup: int
             reports = [got[rank]["models"][index] for rank in range(ranks)]
             times = np.stack([np.array(report[name]) for report in reports])
             row[name] = [float(x) for x in np.median(times.max(axis=0), axis=1)]
-            cpu = np.array([report[f"{name} cpu"] for report in reports])  # ranks x rounds
-            row[f"{name} cpu"] = [float(x) for x in cpu.mean(axis=0)]
+            for what in ("cpu", "asleep"):
+                per = np.array([report[f"{name} {what}"] for report in reports])  # ranks x rounds
+                row[f"{name} {what}"] = [float(x) for x in per.mean(axis=0)]
         rows.append(row)
     return rows
 
@@ -243,7 +269,8 @@ def sync_floor_ms(row: dict, bandwidth: float, rate_bits: float | None) -> float
 def table(rows: list[dict], bandwidth: float, rate_bits: float | None = None) -> str:
     """The rows as a markdown table."""
     header = ("N", "hosts", "model", "parameters", "sync floor ms", "ours ms", "gloo ms",
-              "x gloo (range)", "ours CPU ms", "gloo CPU ms")  # fmt: skip
+              "x gloo (range)", "ours CPU ms", "gloo CPU ms", "ours asleep ms",
+              "gloo asleep ms")  # fmt: skip
     lines = [
         (
             row["processes"],
@@ -256,6 +283,8 @@ def table(rows: list[dict], bandwidth: float, rate_bits: float | None = None) ->
             ratio_text(row["ours"], row["gloo"]),
             ms_text(statistics.median(row["ours cpu"])),
             ms_text(statistics.median(row["gloo cpu"])),
+            ms_text(statistics.median(row["ours asleep"])),
+            ms_text(statistics.median(row["gloo asleep"])),
         )
         for row in rows
     ]
