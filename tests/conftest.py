@@ -371,7 +371,7 @@ def start_class_archive_driver(config) -> None:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its JVM and Python workers go with it in stop_...
+            start_new_session=True,  # stop_class_archive_driver ends its JVM and workers too
         )
     )
 
