@@ -21,7 +21,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -318,6 +321,7 @@ def pytest_unconfigure(config):
     while _scopes_file:
         with contextlib.suppress(OSError):
             os.remove(_scopes_file.pop())
+    stop_class_archive_driver()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -330,6 +334,82 @@ def pytest_sessionstart(session):
     problem = java_problem()
     if problem:
         pytest.exit(problem, returncode=3)
+    start_class_archive_driver(session.config)
+
+
+#: the process saving the class archive for this run (``class_archive_driver.py``), if any
+_archive_driver: list = []
+#: how long the run's end waits for that process to finish its save, in seconds
+ARCHIVE_DRIVER_PATIENCE = 120
+
+
+def start_class_archive_driver(config) -> None:
+    """In the controller of a whole distributed run (the README's ``pytest``: no test files
+    named) where this Java and Spark have no class archive yet (a fresh clone's new
+    environment), start ``class_archive_driver.py``, which saves it within a minute or two,
+    before the workers start their sessions (pytest-xdist starts them after this hook): the
+    run's later JVMs map it (see that script). Nothing where the archive is there, in a
+    worker, in a serial run or one that names its tests (its first session saves the archive
+    as it ends, as before), or where ``-m`` leaves out every Spark test."""
+    distributed = getattr(config.option, "numprocesses", None) and config.option.dist != "no"
+    if (
+        hasattr(config, "workerinput")
+        or not distributed
+        or config.args_source is not pytest.Config.ArgsSource.TESTPATHS
+        or config.option.collectonly
+        or "not spark" in (config.option.markexpr or "")
+        or not _class_archive_missing()
+    ):
+        return
+    _archive_driver.append(
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("class_archive_driver.py")),
+                str(CONF_DIR),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # stop_class_archive_driver ends its JVM and workers too
+        )
+    )
+
+
+def _class_archive_missing() -> bool:
+    """Whether this Java and Spark can have a class archive in the default folder and have
+    none, nor a live process saving one (its claim: ``ClassArchive``)."""
+    from pyspark.find_spark_home import _find_spark_home
+
+    from allreduce_param.spark.class_archive import archive_name, default_folder
+    from allreduce_param.spark.session import _java
+
+    java, report, problem = _java()
+    name = archive_name(java, report, _find_spark_home()) if java and not problem else None
+    if name is None or (default_folder() / name).exists():
+        return False
+    try:
+        owner = int((default_folder() / f"{name}.saving").read_text() or 0)
+        if owner > 0:
+            os.kill(owner, 0)
+            return False  # that process saves it now
+    except (OSError, ValueError):
+        pass  # no claim, or its process is gone
+    return True
+
+
+def stop_class_archive_driver() -> None:
+    """Let the archive's process finish its save (``ARCHIVE_DRIVER_PATIENCE``), then end it
+    and what it started (a run shorter than its save loses the save, nothing else)."""
+    while _archive_driver:
+        process = _archive_driver.pop()
+        try:
+            process.wait(ARCHIVE_DRIVER_PATIENCE)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 #: Each test process's ports for ``free_ports``: a block of its own below the kernel's

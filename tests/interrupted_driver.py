@@ -12,7 +12,9 @@ test sends SIGINT then), ``interrupted <type>`` when the first fit has raised, `
 API lists, each with its group and description (the first two fits' only: the third runs
 after). With ``SMALL``: ``error <type> <message>``, then ``runs <n>``: the stage's runs
 again that the third fit announced, and ``left <json>``: each step folder left under its
-fit's folder, with whether it holds a manifest.
+fit's folder, with whether it holds a manifest. Last, once the session has stopped, ``shm
+<json>``: ``/dev/shm``'s device and its names with "allreduce" in them (the test gives the
+driver a ``/dev/shm`` of its own where it can).
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def main(folder: str, small: str | None = None) -> None:
     if small is not None:
         checkpoints_fill(frame, small)
     spark.stop()
+    shared = [name for name in os.listdir("/dev/shm") if "allreduce" in name]
+    print("shm " + json.dumps({"device": os.stat("/dev/shm").st_dev, "names": shared}), flush=True)
 
 
 if __name__ == "__main__":
