@@ -23,16 +23,24 @@ import os, resource, select, selectors, socket, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
 host, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 held = []
-for i in range(count):  # connect without waiting: the server's queue takes what it can
-    sock = socket.socket()
-    sock.setblocking(False)
-    sock.connect_ex((host, port))
-    held.append(sock)
+def connect(count):
+    for i in range(count):  # connect without waiting: the server's queue takes what it can
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex((host, port))
+        held.append(sock)
+connect(count)
 print(len(held), flush=True)
 writers = selectors.DefaultSelector()
 for sock in held[::3]:  # a third send garbage once connected, never a whole hello
     writers.register(sock, selectors.EVENT_WRITE)
-while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our stdin
+while True:  # a line "more N": N connections more; the end of our stdin: the end
+    if select.select([sys.stdin], [], [], 0)[0]:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        connect(int(line.split()[1]))
+        print("more", flush=True)
     for key, _ in writers.select(0.5):
         try:
             key.fileobj.send(os.urandom(40))
@@ -106,6 +114,10 @@ def test_a_flood_past_the_file_limit_leaves_the_server_admitting_and_syncs_exact
                     filler.append(os.open(os.devnull, os.O_RDONLY))
                 except OSError:
                     break
+            # connections that come now: the server may have taken every earlier one already
+            flooder.stdin.write("more 20\n")
+            flooder.stdin.flush()
+            assert flooder.stdout.readline() == "more\n", flooder.stderr.read()
             seen["accept failed"] = failures.seen.wait(60)
             for fd in filler:
                 os.close(fd)
