@@ -378,24 +378,16 @@ def start_class_archive_driver(config) -> None:
 
 def _class_archive_missing() -> bool:
     """Whether this Java and Spark can have a class archive in the default folder and have
-    none, nor a live process saving one (its claim: ``ClassArchive``)."""
+    none, nor a live process saving one (``ClassArchive.unsaved``)."""
     from pyspark.find_spark_home import _find_spark_home
 
-    from allreduce_param.spark.class_archive import archive_name, default_folder
+    from allreduce_param.spark.class_archive import ClassArchive, default_folder
     from allreduce_param.spark.session import _java
 
     java, report, problem = _java()
-    name = archive_name(java, report, _find_spark_home()) if java and not problem else None
-    if name is None or (default_folder() / name).exists():
+    if not java or problem:
         return False
-    try:
-        owner = int((default_folder() / f"{name}.saving").read_text() or 0)
-        if owner > 0:
-            os.kill(owner, 0)
-            return False  # that process saves it now
-    except (OSError, ValueError):
-        pass  # no claim, or its process is gone
-    return True
+    return ClassArchive.unsaved(java, report, _find_spark_home(), default_folder())
 
 
 def stop_class_archive_driver() -> None:

@@ -85,13 +85,19 @@ def test_a_setting_that_is_not_a_folder_is_named():
 
 
 def test_one_session_at_a_time_saves_it(home, tmp_path):
-    first = ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    assert ClassArchive.unsaved("/usr/bin/java", HOTSPOT, home, cache)
+    first = ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, cache)
     assert first.saving and first.java_options()[0] == f"-XX:ArchiveClassesAtExit={first.partial}"
-    assert ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, tmp_path / "cache") is None
+    assert ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, cache) is None
+    assert not ClassArchive.unsaved("/usr/bin/java", HOTSPOT, home, cache)  # being saved
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     first.claim.write_text(str(ended.pid))  # its session ended without saving: taken over
-    assert ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, tmp_path / "cache").saving
+    assert ClassArchive.unsaved("/usr/bin/java", HOTSPOT, home, cache)
+    assert ClassArchive.for_driver("/usr/bin/java", HOTSPOT, home, cache).saving
+    first.path.write_bytes(b"classes")  # saved
+    assert not ClassArchive.unsaved("/usr/bin/java", HOTSPOT, home, cache)
 
 
 def test_only_a_whole_archive_is_put_in_place(home, tmp_path):

@@ -156,6 +156,19 @@ class ClassArchive:
             ) from None
         return archive
 
+    @classmethod
+    def unsaved(
+        cls, java: str, version_report: str, spark_home: str | os.PathLike, folder: Path
+    ) -> bool:
+        """Whether this Java and Spark can have an archive in ``folder`` and it has none, nor
+        a live session saving one (a claim that is not stale): a driver started now would
+        save it."""
+        name = archive_name(java, version_report, spark_home)
+        if name is None:
+            return False
+        archive = cls(folder, name)
+        return archive.saving and (not archive.claim.exists() or archive._claim_is_stale())
+
     def java_options(self) -> list[str]:
         """The options that make the JVM map this archive, or save one as it exits."""
         if self.saving:
